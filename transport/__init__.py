@@ -1,0 +1,1 @@
+"""Sluice transport: wire format, prioritized chunk queues and channels over ZeroMQ."""

@@ -1,0 +1,48 @@
+"""The transport interface callers use; backends (ZeroMQ today, RDMA later) implement it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from transport.config import TransportConfig
+from transport.wire import Message
+
+#: called on the transport's I/O thread for every valid message: (peer name, channel, message).
+#: It must not block; the payload is a zero-copy view that stays valid while referenced.
+Handler = Callable[[str, int, Message], None]
+
+
+class Transport(Protocol):
+    name: str
+    config: TransportConfig
+
+    def listen(self) -> list[str]:
+        """Bind one endpoint per channel on the configured host; return their addresses."""
+        ...
+
+    def connect(self, peer: str, endpoints: Sequence[str]) -> None:
+        """Open one channel per endpoint to `peer` (fewer endpoints than channels: reuse the last)."""
+        ...
+
+    def send(self, peer: str, channel: int, msg: Message) -> None:
+        """Queue `msg` for `peer` on `channel`, ordered by msg.priority; thread-safe, never blocks.
+
+        The payload buffer is sent zero-copy: the caller must not change it until the peer replies.
+        """
+        ...
+
+    def stats(self) -> dict[str, list[int]]:
+        """Payload bytes sent and received per channel."""
+        ...
+
+    def close(self, flush_seconds: float = 1.0) -> None:
+        """Send what is queued (up to `flush_seconds`), stop the I/O thread, close the sockets."""
+        ...
+
+
+def open_transport(name: str, config: TransportConfig, handler: Handler) -> Transport:
+    """The transport implementation named by config.backend."""
+    from transport.zmq_transport import ZmqTransport
+
+    return ZmqTransport(name, config, handler)

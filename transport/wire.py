@@ -1,0 +1,201 @@
+"""Wire format: one msgpack header frame plus at most one raw payload frame, validated on decode.
+
+Layout of a message (a ZeroMQ multipart message):
+
+    frame 0   msgpack array, positional, exactly HEADER_FIELDS long:
+              [version, kind, sender, key, chunk, round, priority, dtype, shape, nbytes, flags, meta]
+                version   int, must equal VERSION
+                kind      int, a Kind value
+                sender    int, node id of the sender (-1 before the scheduler assigned one)
+                key       int >= 0, tensor key (or channel index for ACK)
+                chunk     int >= 0, chunk index inside the tensor
+                round     int >= 0, synchronous round (or broadcast version)
+                priority  int >= 0, smaller is more urgent
+                dtype     str, "" when there is no payload, else one of DTYPES
+                shape     list of int >= 0 (at most MAX_DIMS), the payload's shape
+                nbytes    int >= 0, length of the payload frame
+                flags     int >= 0, a bit set of Flag values
+                meta      nil or a map with str keys of plain msgpack values (control messages)
+    frame 1   raw tensor bytes (only when dtype != ""), sent and received zero-copy
+
+msgpack is decoded with no extension or object hooks, so decoding never runs code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+HEADER_FIELDS = 12
+MAX_DIMS = 8
+MAX_HEADER_BYTES = 32 * 1024 * 1024
+MAX_PAYLOAD_BYTES = 1 << 31
+MAX_INT = 1 << 62
+
+#: dtype name -> item size in bytes. bfloat16 has no numpy twin and travels as raw bytes.
+DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class Kind(IntEnum):
+    """Message kinds. Control kinds go to and from the scheduler; data kinds carry tensors."""
+
+    REGISTER = 1
+    WELCOME = 2
+    DECLARE = 3
+    PLAN = 4
+    BARRIER = 5
+    RELEASE = 6
+    HEARTBEAT = 7
+    HEARTBEAT_ACK = 8
+    NODE_LOST = 9
+    BYE = 10
+    SHUTDOWN = 11
+    PLAN_ACK = 12
+    PUSH = 20
+    PULL = 21
+    REPLY = 22
+    BCAST_PUSH = 23
+    BCAST_PULL = 24
+    ACK = 30
+    ERROR = 31
+
+
+class Flag(IntFlag):
+    NONE = 0
+    #: a PUSH that also asks for the round's result, saving a PULL message
+    WANT_REPLY = 1
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format; the receiver logs and drops it."""
+
+
+@dataclass(slots=True)
+class Message:
+    kind: Kind
+    sender: int = -1
+    key: int = 0
+    chunk: int = 0
+    round: int = 0
+    priority: int = 0
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    flags: int = 0
+    meta: dict[str, Any] | None = None
+    payload: Any = None  # any object with the buffer protocol; a memoryview after decode
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.payload is None else memoryview(self.payload).nbytes
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for `msg`; the payload frame is the caller's buffer itself (no copy)."""
+    nbytes = msg.nbytes
+    header = msgpack.packb(
+        [
+            VERSION,
+            int(msg.kind),
+            msg.sender,
+            msg.key,
+            msg.chunk,
+            msg.round,
+            msg.priority,
+            msg.dtype,
+            list(msg.shape),
+            nbytes,
+            int(msg.flags),
+            msg.meta,
+        ]
+    )
+    if msg.payload is None:
+        return [header]
+    return [header, msg.payload]
+
+
+def _int_field(value: object, name: str, low: int, high: int = MAX_INT) -> int:
+    if type(value) is not int or not low <= value < high:
+        raise WireError(f"field {name!r} must be an int in [{low}, {high}), got {value!r:.40}")
+    return value
+
+
+def _payload_view(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame when received with copy=False
+    return memoryview(buffer if buffer is not None else frame)
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Parse and validate one message; raise WireError on anything out of format."""
+    if not 1 <= len(frames) <= 2:
+        raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
+    header_bytes = _payload_view(frames[0])
+    if header_bytes.nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header of {header_bytes.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        fields = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise WireError(f"header is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(fields, list) or len(fields) != HEADER_FIELDS:
+        raise WireError("header must be a msgpack array of 12 fields")
+    version, kind, sender, key, chunk, rnd, priority, dtype, shape, nbytes, flags, meta = fields
+    if version != VERSION:
+        raise WireError(f"protocol version {version!r:.20} is not {VERSION}")
+    if type(kind) is not int or kind not in Kind._value2member_map_:
+        raise WireError(f"unknown message kind {kind!r:.20}")
+    msg = Message(
+        kind=Kind(kind),
+        sender=_int_field(sender, "sender", -1, 1 << 20),
+        key=_int_field(key, "key", 0, 1 << 31),
+        chunk=_int_field(chunk, "chunk", 0, 1 << 31),
+        round=_int_field(rnd, "round", 0),
+        priority=_int_field(priority, "priority", 0, 1 << 31),
+        flags=_int_field(flags, "flags", 0, 1 << 16),
+    )
+    if meta is not None and not isinstance(meta, dict):
+        raise WireError("meta must be nil or a map")
+    msg.meta = meta
+    declared = _int_field(nbytes, "nbytes", 0, MAX_PAYLOAD_BYTES)
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise WireError(f"shape must be a list of at most {MAX_DIMS} ints")
+    msg.shape = tuple(_int_field(d, "shape", 0, MAX_PAYLOAD_BYTES) for d in shape)
+    if dtype == "":
+        if len(frames) != 1 or declared != 0 or msg.shape:
+            raise WireError("a message without dtype must have no payload, nbytes 0 and no shape")
+        return msg
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise WireError(f"dtype {dtype!r:.20} is not one of {sorted(DTYPES)}")
+    if len(frames) != 2:
+        raise WireError(f"a {dtype} message needs exactly one payload frame")
+    payload = _payload_view(frames[1])
+    if payload.nbytes != declared:
+        raise WireError(f"header declares {declared} payload bytes, frame has {payload.nbytes}")
+    if math.prod(msg.shape) * DTYPES[dtype] != declared:
+        raise WireError(f"shape {msg.shape} of {dtype} does not match {declared} bytes")
+    msg.dtype = dtype
+    msg.payload = payload
+    return msg
+
+
+def meta_field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
+    """A required field of a control message's meta map, type-checked."""
+    if msg.meta is None or name not in msg.meta:
+        raise WireError(f"{msg.kind.name} message lacks meta field {name!r}")
+    value = msg.meta[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float):
+        raise WireError(f"{msg.kind.name} meta field {name!r} has type {type(value).__name__}")
+    return value

@@ -1,0 +1,263 @@
+"""ZeroMQ transport: one socket per channel and peer, one I/O thread, credit-bounded priority queues.
+
+Listening nodes bind one ROUTER per channel; connecting nodes open one DEALER per channel to each
+peer, with their node name as identity. All sockets live on a single I/O thread that polls them
+with a zmq Poller (blocking sockets, no asyncio: see ARCHITECTURE.md section 5). Callers hand it
+messages through a lock-free deque and an eventfd. Every received payload is acknowledged back to
+its sender in batches; the sender keeps at most `inflight_bytes` unacknowledged per channel, so the
+backlog stays in our priority heap instead of ZeroMQ's FIFO pipes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from transport.base import Handler
+from transport.config import TransportConfig
+from transport.sendqueue import ChannelQueue
+from transport.wire import Kind, Message, WireError, decode, encode
+
+log = logging.getLogger("sluice.transport")
+
+_RECV_BATCH = 64
+_HWM = 100_000
+_LINGER_MS = 2000
+
+Route = tuple[str, int]  # (peer name, channel)
+Frames = list[Any]
+
+
+class ZmqTransport:
+    def __init__(self, name: str, config: TransportConfig, handler: Handler) -> None:
+        self.name = name
+        self.config = config
+        self._handler = handler
+        self._ctx = zmq.Context(io_threads=1)
+        self._poller = zmq.Poller()
+        self._routers: list[zmq.Socket[bytes]] = []
+        self._dealers: dict[str, list[zmq.Socket[bytes]]] = {}
+        self._router_idents: dict[str, bytes] = {}
+        self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
+        self._queues: dict[Route, ChannelQueue[Frames]] = {}
+        self._active: set[Route] = set()
+        self._outbox: deque[tuple[Route, int, int, Frames]] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._unacked: dict[Route, int] = defaultdict(int)
+        self._sent = [0] * config.channels
+        self._received = [0] * config.channels
+        self._ipc_dir: str | None = None
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller.register(self._wake, zmq.POLLIN)
+        self._stop_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"sluice-io-{name}", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- caller side (any thread)
+    def listen(self) -> list[str]:
+        return list(self._call(self._listen))
+
+    def connect(self, peer: str, endpoints: Sequence[str]) -> None:
+        self._call(lambda: self._connect(peer, list(endpoints)))
+
+    def send(self, peer: str, channel: int, msg: Message) -> None:
+        if not 0 <= channel < self.config.channels:
+            raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
+        self._outbox.append(((peer, channel), msg.priority, msg.nbytes, encode(msg)))
+        os.eventfd_write(self._wake, 1)
+
+    def stats(self) -> dict[str, list[int]]:
+        return {"sent_bytes": list(self._sent), "received_bytes": list(self._received)}
+
+    def close(self, flush_seconds: float = 1.0) -> None:
+        if self._stop_at is None:
+            self._stop_at = time.monotonic() + flush_seconds
+            os.eventfd_write(self._wake, 1)
+        self._thread.join(flush_seconds + 5.0)
+        if self._thread.is_alive():
+            log.error("transport %s: I/O thread did not stop", self.name)
+
+    def _call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        future: Future[Any] = Future()
+        self._commands.append((fn, future))
+        os.eventfd_write(self._wake, 1)
+        return future.result(timeout)
+
+    # ----------------------------------------------------------------- I/O thread
+    def _socket(self, kind: int, channel: int) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        if self.config.tos:
+            sock.setsockopt(zmq.TOS, self.config.tos[channel])
+        return sock
+
+    def _listen(self) -> list[str]:
+        if self._routers:
+            raise RuntimeError(f"transport {self.name} is already listening")
+        endpoints = []
+        for channel in range(self.config.channels):
+            sock = self._socket(zmq.ROUTER, channel)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self.config.protocol == "ipc":
+                self._ipc_dir = self._ipc_dir or tempfile.mkdtemp(prefix="sluice-")
+                sock.bind(f"ipc://{self._ipc_dir}/ch{channel}")
+            else:
+                sock.bind(f"tcp://{self.config.host}:0")
+            endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            self._routers.append(sock)
+            self._socket_channel[sock] = (None, channel)
+            self._poller.register(sock, zmq.POLLIN)
+        return endpoints
+
+    def _connect(self, peer: str, endpoints: list[str]) -> None:
+        if peer in self._dealers:
+            return
+        if not endpoints:
+            raise ValueError(f"no endpoints given for peer {peer}")
+        socks = []
+        for channel in range(self.config.channels):
+            sock = self._socket(zmq.DEALER, channel)
+            sock.setsockopt(zmq.IDENTITY, self.name.encode())
+            sock.connect(endpoints[min(channel, len(endpoints) - 1)])
+            socks.append(sock)
+            self._socket_channel[sock] = (peer, channel)
+            self._poller.register(sock, zmq.POLLIN)
+        self._dealers[peer] = socks
+
+    def _run(self) -> None:
+        try:
+            while not self._finished():
+                events = self._poller.poll(5 if self._active else 100)
+                for sock, _ in events:
+                    if sock == self._wake:
+                        os.eventfd_read(self._wake)
+                    else:
+                        self._receive(sock)
+                self._run_commands()
+                self._flush_acks()
+                self._drain_outbox()
+                self._pump()
+        except Exception:
+            log.exception("transport %s: I/O thread failed", self.name)
+        finally:
+            self._shutdown()
+
+    def _finished(self) -> bool:
+        if self._stop_at is None:
+            return False
+        idle = not self._outbox and not any(len(self._queues[r]) for r in self._active)
+        return idle or time.monotonic() > self._stop_at
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _receive(self, sock: zmq.Socket[bytes]) -> None:
+        peer, channel = self._socket_channel[sock]
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            source = peer
+            if source is None:  # a ROUTER: the first frame names the sender
+                ident = frames.pop(0).bytes
+                source = ident.decode("utf-8", "replace")
+                self._router_idents[source] = ident
+            try:
+                msg = decode(frames)
+            except WireError as exc:
+                log.warning("dropped a message from %r on channel %d: %s", source, channel, exc)
+                continue
+            if msg.kind == Kind.ACK:
+                queue = self._queues.get((source, channel))
+                if queue is not None:
+                    queue.ack(msg.round)
+                    self._active.add((source, channel))
+                continue
+            if msg.payload is not None:
+                self._unacked[(source, channel)] += msg.payload.nbytes
+                self._received[channel] += msg.payload.nbytes
+            try:
+                self._handler(source, channel, msg)
+            except Exception:
+                log.exception("handling %s from %s failed; message dropped", msg.kind.name, source)
+
+    def _flush_acks(self) -> None:
+        if not self._unacked:
+            return
+        pending, self._unacked = self._unacked, defaultdict(int)
+        for route, nbytes in pending.items():
+            frames = encode(Message(Kind.ACK, key=route[1], round=nbytes))
+            if not self._send_now(route, frames):
+                self._unacked[route] += nbytes
+
+    def _drain_outbox(self) -> None:
+        while self._outbox:
+            route, priority, nbytes, frames = self._outbox.popleft()
+            queue = self._queues.get(route)
+            if queue is None:
+                queue = self._queues[route] = ChannelQueue(self.config.inflight_bytes)
+            queue.push(priority, nbytes, frames)
+            self._active.add(route)
+
+    def _pump(self) -> None:
+        for route in list(self._active):
+            queue = self._queues[route]
+            ready = queue.pop_ready()
+            for index, (_, nbytes, frames) in enumerate(ready):
+                if not self._send_now(route, frames):
+                    for priority, later_bytes, later in reversed(ready[index:]):
+                        queue.push_front(priority, later_bytes, later)
+                    break
+                self._sent[route[1]] += nbytes
+            if not len(queue):
+                self._active.discard(route)
+
+    def _send_now(self, route: Route, frames: Frames) -> bool:
+        """Hand frames to ZeroMQ without blocking; False when the socket is full (retry later)."""
+        peer, channel = route
+        dealers = self._dealers.get(peer)
+        try:
+            if dealers is not None:
+                dealers[channel].send_multipart(frames, zmq.NOBLOCK, copy=False)
+            elif peer in self._router_idents and self._routers:
+                self._routers[channel].send_multipart(
+                    [self._router_idents[peer], *frames], zmq.NOBLOCK, copy=False
+                )
+            else:
+                log.error("no route to peer %r; message dropped", peer)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                log.error("peer %r is not connected; message dropped", peer)
+                return True
+            raise
+
+    def _shutdown(self) -> None:
+        for sock in list(self._socket_channel):
+            sock.close(linger=_LINGER_MS if self._stop_at is not None else 0)
+        self._ctx.term()
+        os.close(self._wake)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        while self._commands:
+            self._commands.popleft()[1].set_exception(RuntimeError(f"transport {self.name} closed"))
