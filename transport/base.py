@@ -22,7 +22,7 @@ class Transport(Protocol):
         ...
 
     def connect(self, peer: str, endpoints: Sequence[str]) -> None:
-        """Open one channel per endpoint to `peer` (fewer endpoints than channels: reuse the last)."""
+        """Open one channel per endpoint to `peer`; with fewer endpoints, higher channels use the last."""
         ...
 
     def send(self, peer: str, channel: int, msg: Message) -> None:

@@ -127,10 +127,10 @@ class ZmqTransport:
         if not endpoints:
             raise ValueError(f"no endpoints given for peer {peer}")
         socks = []
-        for channel in range(self.config.channels):
+        for channel, endpoint in enumerate(endpoints[: self.config.channels]):
             sock = self._socket(zmq.DEALER, channel)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
-            sock.connect(endpoints[min(channel, len(endpoints) - 1)])
+            sock.connect(endpoint)
             socks.append(sock)
             self._socket_channel[sock] = (peer, channel)
             self._poller.register(sock, zmq.POLLIN)
@@ -210,7 +210,9 @@ class ZmqTransport:
 
     def _drain_outbox(self) -> None:
         while self._outbox:
-            route, priority, nbytes, frames = self._outbox.popleft()
+            (peer, channel), priority, nbytes, frames = self._outbox.popleft()
+            dealers = self._dealers.get(peer)
+            route = (peer, min(channel, len(dealers) - 1)) if dealers else (peer, channel)
             queue = self._queues.get(route)
             if queue is None:
                 queue = self._queues[route] = ChannelQueue(self.config.inflight_bytes)

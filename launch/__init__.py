@@ -1,0 +1,1 @@
+"""Sluice launcher: configuration, the `sluice` command and process supervision."""

@@ -1,0 +1,1 @@
+"""Sluice parameter servers: sharded storage, synchronous aggregation, server-side optimizers."""

@@ -1,0 +1,1 @@
+"""Sluice scheduler: rendezvous, planners and the control plane."""

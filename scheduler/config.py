@@ -1,0 +1,24 @@
+"""Settings of the scheduler role and the control plane every node shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    #: seconds between heartbeats a node sends to the scheduler
+    heartbeat_interval: float = 1.0
+    #: a node (or the scheduler) silent this long is declared lost; the job ends naming it
+    heartbeat_timeout: float = 8.0
+    #: all servers and workers must have registered within this many seconds
+    rendezvous_timeout: float = 120.0
+    #: a declaration, barrier or pull waits at most this long before failing with a named error
+    op_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise ValueError("scheduler.heartbeat_interval must be positive and below heartbeat_timeout")
+        for name in ("rendezvous_timeout", "op_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"scheduler.{name} must be positive")

@@ -1,0 +1,266 @@
+"""The scheduler's protocol as a state machine: messages and clock ticks in, messages out.
+
+No sockets and no clocks of its own: the executor in scheduler/service.py feeds it (peer, message,
+now) and sends what it returns, so every rule here is testable with plain data. Node ids: the
+scheduler is 0, servers 1..S, workers S+1..S+W, ranks counted per role from 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+from scheduler.partition import TensorPlan, TensorSpec, plan_tensors
+from transport.wire import DTYPES, Kind, Message, WireError, meta_field
+
+Out = tuple[str, Message]
+ROLES = ("server", "worker")
+
+
+@dataclass
+class Node:
+    name: str
+    role: str
+    rank_hint: int
+    endpoints: list[str]
+    pid: int
+    arrival: int
+    node_id: int = -1
+    rank: int = -1
+
+    def describe(self) -> str:
+        return f"{self.role} {self.rank} (node {self.node_id}, pid {self.pid})"
+
+
+@dataclass
+class _Declaration:
+    by_rank: dict[int, list[Any]] = field(default_factory=dict)
+    plans: list[TensorPlan] = field(default_factory=list)
+    acks: set[int] = field(default_factory=set)
+
+
+def parse_tensor_table(raw: object) -> list[tuple[TensorSpec, Any]]:
+    """[[name, shape, dtype, optimizer-or-nil], ...] from a DECLARE message, validated."""
+    if not isinstance(raw, list):
+        raise WireError("tensors must be a list")
+    table = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)):
+            raise WireError("each tensor entry must be [name, shape, dtype, optimizer]")
+        name, shape, dtype, opt = entry
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise WireError(f"tensor {name!r}: shape must be a list of non-negative ints")
+        if dtype not in DTYPES:
+            raise WireError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if opt is not None and not isinstance(opt, dict):
+            raise WireError(f"tensor {name!r}: optimizer settings must be a map or nil")
+        table.append((TensorSpec(name, tuple(shape), dtype), opt))
+    return table
+
+
+def table_mismatch(reference: Sequence[TensorSpec], other: Sequence[TensorSpec], rank: int) -> str | None:
+    """The first difference between worker 0's table and worker `rank`'s, in words; None if equal."""
+    mine = {s.name: s for s in reference}
+    theirs = {s.name: s for s in other}
+    if len(theirs) != len(other):
+        return f"worker {rank} declares a tensor name twice"
+    for spec in reference:
+        got = theirs.get(spec.name)
+        if got is None:
+            return f"worker {rank} does not declare tensor {spec.name!r} that worker 0 declares"
+        if (got.shape, got.dtype) != (spec.shape, spec.dtype):
+            return (
+                f"worker {rank} declares tensor {spec.name!r} as {got.dtype}{list(got.shape)} "
+                f"but worker 0 as {spec.dtype}{list(spec.shape)}"
+            )
+    extra = [name for name in theirs if name not in mine]
+    if extra:
+        return f"worker {rank} declares tensor {extra[0]!r} that worker 0 does not"
+    return None
+
+
+class Rendezvous:
+    def __init__(
+        self,
+        workers: int,
+        servers: int,
+        chunk_bytes: int,
+        config: SchedulerConfig,
+        fingerprint: str,
+        now: float,
+    ) -> None:
+        self.workers, self.servers, self.config = workers, servers, config
+        self.chunk_bytes = chunk_bytes
+        self.fingerprint = fingerprint
+        self.started = now
+        self.nodes: dict[str, Node] = {}
+        self.last_seen: dict[str, float] = {}
+        self.phase = "registering"
+        self.exit_code: int | None = None
+        self.error = ""
+        self.byes: set[str] = set()
+        self._declarations: dict[int, _Declaration] = {}
+        self._planned: dict[str, TensorPlan] = {}
+        self._loads = [0] * servers
+        self._barriers: dict[str, set[int]] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _msg(self, kind: Kind, **meta: Any) -> Message:
+        return Message(kind, sender=0, meta=meta)
+
+    def _of_role(self, role: str) -> list[Node]:
+        return sorted((n for n in self.nodes.values() if n.role == role), key=lambda n: n.rank)
+
+    def _fail(self, error: str, lost: Node | None = None) -> list[Out]:
+        self.phase, self.exit_code, self.error = "failed", 1, error
+        kind = Kind.NODE_LOST if lost else Kind.ERROR
+        extra = {"node_id": lost.node_id, "role": lost.role, "rank": lost.rank} if lost else {}
+        return [(n.name, self._msg(kind, error=error, **extra)) for n in self.nodes.values() if n is not lost]
+
+    # ------------------------------------------------------------------ inputs
+    def on_message(self, peer: str, msg: Message, now: float) -> list[Out]:
+        if self.phase in ("done", "failed"):
+            return []
+        if msg.kind == Kind.REGISTER:
+            return self._on_register(peer, msg, now)
+        node = self.nodes.get(peer)
+        if node is None or self.phase != "running":
+            raise WireError(f"{msg.kind.name} from unregistered peer {peer!r}")
+        self.last_seen[peer] = now
+        if msg.kind == Kind.HEARTBEAT:
+            return [(peer, self._msg(Kind.HEARTBEAT_ACK))]
+        if msg.kind == Kind.DECLARE and node.role == "worker":
+            return self._on_declare(node, msg)
+        if msg.kind == Kind.PLAN_ACK and node.role == "server":
+            return self._on_plan_ack(node, msg)
+        if msg.kind == Kind.BARRIER and node.role == "worker":
+            return self._on_barrier(node, msg)
+        if msg.kind == Kind.BYE:
+            return self._on_bye(node)
+        raise WireError(f"unexpected {msg.kind.name} from {node.describe()}")
+
+    def on_tick(self, now: float) -> list[Out]:
+        if self.phase == "registering" and now - self.started > self.config.rendezvous_timeout:
+            counts = {r: len([n for n in self.nodes.values() if n.role == r]) for r in ROLES}
+            return self._fail(
+                f"rendezvous timed out after {self.config.rendezvous_timeout:.0f} s: "
+                f"{counts['worker']} of {self.workers} workers and {counts['server']} of "
+                f"{self.servers} servers registered"
+            )
+        if self.phase == "running":
+            for name, seen in self.last_seen.items():
+                if name not in self.byes and now - seen > self.config.heartbeat_timeout:
+                    node = self.nodes[name]
+                    return self._fail(
+                        f"{node.describe()} sent no heartbeat for {now - seen:.1f} s: it is lost", node
+                    )
+        return []
+
+    def _on_register(self, peer: str, msg: Message, now: float) -> list[Out]:
+        role = meta_field(msg, "role", str)
+        if role not in ROLES:
+            raise WireError(f"REGISTER with unknown role {role!r}")
+        if self.phase != "registering" or peer in self.nodes:
+            return [(peer, self._msg(Kind.ERROR, error="the job has already formed; registration refused"))]
+        if meta_field(msg, "fingerprint", str) != self.fingerprint:
+            error = f"{role} at {peer} was started with a different configuration than the scheduler"
+            return [(peer, self._msg(Kind.ERROR, error=error))]
+        endpoints = meta_field(msg, "endpoints", list)
+        if not all(isinstance(e, str) for e in endpoints) or (role == "server" and not endpoints):
+            raise WireError("REGISTER endpoints must be a list of strings (non-empty for a server)")
+        wanted = self.workers if role == "worker" else self.servers
+        if len(self._of_role(role)) >= wanted:
+            return [(peer, self._msg(Kind.ERROR, error=f"the job already has {wanted} {role}s"))]
+        self.nodes[peer] = Node(
+            peer, role, meta_field(msg, "rank", int), endpoints, meta_field(msg, "pid", int), len(self.nodes)
+        )
+        if len(self.nodes) < self.workers + self.servers:
+            return []
+        return self._assign(now)
+
+    def _assign(self, now: float) -> list[Out]:
+        next_id = 1
+        for role in ("server", "worker"):
+            members = [n for n in self.nodes.values() if n.role == role]
+            hinted = sorted(n.rank_hint for n in members if n.rank_hint >= 0)
+            if len(set(hinted)) != len(hinted) or any(r >= len(members) for r in hinted):
+                return self._fail(f"{role} ranks {hinted} are duplicated or out of range 0..{len(members) - 1}")
+            free = iter(r for r in range(len(members)) if r not in hinted)
+            for node in sorted(members, key=lambda n: n.arrival):
+                node.rank = node.rank_hint if node.rank_hint >= 0 else next(free)
+            for node in sorted(members, key=lambda n: n.rank):
+                node.node_id, next_id = next_id, next_id + 1
+        self.phase = "running"
+        self.last_seen = dict.fromkeys(self.nodes, now)
+        book = [[n.node_id, n.role, n.rank, n.name, n.endpoints] for n in self.nodes.values()]
+        return [
+            (n.name, self._msg(Kind.WELCOME, node_id=n.node_id, rank=n.rank, role=n.role, nodes=book))
+            for n in self.nodes.values()
+        ]
+
+    def _on_declare(self, node: Node, msg: Message) -> list[Out]:
+        seq = meta_field(msg, "seq", int)
+        table = parse_tensor_table(meta_field(msg, "tensors", list))
+        decl = self._declarations.setdefault(seq, _Declaration())
+        decl.by_rank[node.rank] = table
+        if len(decl.by_rank) < self.workers:
+            return []
+        reference = [spec for spec, _ in decl.by_rank[0]]
+        for rank in range(1, self.workers):
+            problem = table_mismatch(reference, [spec for spec, _ in decl.by_rank[rank]], rank)
+            if problem:
+                return self._fail(f"tensor declaration {seq} rejected: {problem}")
+        for spec in reference:
+            old = self._planned.get(spec.name)
+            if old is not None and old.spec != spec:
+                return self._fail(f"tensor {spec.name!r} was declared before as {old.spec}, now as {spec}")
+        new = [spec for spec in reference if spec.name not in self._planned]
+        plans, self._loads = plan_tensors(
+            new, len(self._planned), self.servers, self.chunk_bytes, self._loads
+        )
+        self._planned.update((p.spec.name, p) for p in plans)
+        decl.plans = [self._planned[spec.name] for spec in reference]
+        options = {spec.name: opt for spec, opt in decl.by_rank[0]}
+        outs = []
+        for server in self._of_role("server"):
+            shard = [
+                [p.key, p.spec.name, p.spec.dtype, options[p.spec.name],
+                 [[c.chunk, c.length] for c in p.chunks if c.server == server.rank]]
+                for p in plans
+            ]
+            outs.append((server.name, self._msg(Kind.PLAN, seq=seq, tensors=shard)))
+        return outs
+
+    def _on_plan_ack(self, node: Node, msg: Message) -> list[Out]:
+        seq = meta_field(msg, "seq", int)
+        decl = self._declarations.get(seq)
+        if decl is None:
+            raise WireError(f"PLAN_ACK for unknown declaration {seq}")
+        decl.acks.add(node.rank)
+        if len(decl.acks) < self.servers:
+            return []
+        table = [
+            [p.key, p.spec.name, list(p.spec.shape), p.spec.dtype, p.priority,
+             [[c.chunk, c.offset, c.length, c.server] for c in p.chunks]]
+            for p in decl.plans
+        ]
+        del self._declarations[seq]
+        return [(w.name, self._msg(Kind.PLAN, seq=seq, tensors=table)) for w in self._of_role("worker")]
+
+    def _on_barrier(self, node: Node, msg: Message) -> list[Out]:
+        name = meta_field(msg, "name", str)
+        arrived = self._barriers.setdefault(name, set())
+        arrived.add(node.rank)
+        if len(arrived) < self.workers:
+            return []
+        del self._barriers[name]
+        return [(w.name, self._msg(Kind.RELEASE, name=name)) for w in self._of_role("worker")]
+
+    def _on_bye(self, node: Node) -> list[Out]:
+        self.byes.add(node.name)
+        if not all(w.name in self.byes for w in self._of_role("worker")):
+            return []
+        self.phase, self.exit_code = "done", 0
+        return [(s.name, self._msg(Kind.SHUTDOWN)) for s in self._of_role("server")]

@@ -1,0 +1,1 @@
+"""Sluice workers: the push/pull client and the framework shims."""
