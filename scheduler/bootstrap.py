@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.errors import SluiceError
+from transport.config import TransportConfig
 
 ENV_SCHEDULER = "SLUICE_SCHEDULER"
 ENV_ROLE = "SLUICE_ROLE"
@@ -41,6 +42,12 @@ class NodeEnv:
     def section(self, name: str) -> dict[str, Any]:
         value = self.config.get(name, {})
         return dict(value) if isinstance(value, dict) else {}
+
+    def transport_config(self) -> TransportConfig:
+        section = self.section("transport")
+        if "tos" in section:
+            section["tos"] = tuple(section["tos"])
+        return TransportConfig(**section)
 
     def fingerprint(self) -> str:
         """Identifies the job-wide settings, so the scheduler can refuse a node configured differently."""

@@ -9,7 +9,7 @@ Layout of a message (a ZeroMQ multipart message):
                 sender    int, node id of the sender (-1 before the scheduler assigned one)
                 key       int >= 0, tensor key (or channel index for ACK)
                 chunk     int >= 0, chunk index inside the tensor
-                round     int >= 0, synchronous round (or broadcast version)
+                round     int >= 0, synchronous round, broadcast version, or acked bytes (ACK)
                 priority  int >= 0, smaller is more urgent
                 dtype     str, "" when there is no payload, else one of DTYPES
                 shape     list of int >= 0 (at most MAX_DIMS), the payload's shape
@@ -71,6 +71,7 @@ class Kind(IntEnum):
     REPLY = 22
     BCAST_PUSH = 23
     BCAST_PULL = 24
+    BCAST_REPLY = 25
     ACK = 30
     ERROR = 31
 
@@ -196,6 +197,6 @@ def meta_field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
     if msg.meta is None or name not in msg.meta:
         raise WireError(f"{msg.kind.name} message lacks meta field {name!r}")
     value = msg.meta[name]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
         raise WireError(f"{msg.kind.name} meta field {name!r} has type {type(value).__name__}")
     return value

@@ -1,0 +1,165 @@
+"""The `sluice` command: launch a local job, run one role of a job, or show the resolved config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import textwrap
+from types import FrameType
+
+from launch.config import ConfigError, help_epilog, load_config
+from scheduler.bootstrap import ENV_ROLE, from_environ
+from scheduler.errors import SluiceError
+
+_FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 100)
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH",
+                        help="TOML file with [transport], [scheduler], [ps] and [worker] tables")
+    parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[], dest="sets",
+                        help="override one configuration key (repeatable); beats the file and SLUICE_* "
+                             "environment variables; the keys are listed below")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="Sluice: parameter-server training over ZeroMQ.", formatter_class=_FORMATTER,
+        epilog="run `sluice COMMAND --help` for the options of each command")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    launch = commands.add_parser(
+        "launch", formatter_class=_FORMATTER, epilog=help_epilog(),
+        usage="sluice launch -w N -s M [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]",
+        help="run a job on this machine: a scheduler, M servers and N workers running COMMAND",
+        description=_wrap("Runs a job on this machine: one scheduler, M servers and N workers, each worker running "
+                    "COMMAND with SLUICE_* variables telling it its rank and the scheduler's address. Output of "
+                    "every process is printed with a [role rank] prefix. If any process fails, all are stopped "
+                    "and the launcher exits non-zero naming it."))
+    launch.add_argument("-w", "--workers", type=int, required=True, metavar="N",
+                        help="number of worker processes, each running COMMAND")
+    launch.add_argument("-s", "--servers", type=int, required=True, metavar="M",
+                        help="number of parameter-server processes")
+    _add_config_options(launch)
+    launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                        help="after every worker exited 0, wait this long for the scheduler and servers to "
+                             "exit by themselves before stopping them (default: %(default)s)")
+    launch.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long the scheduler may take to announce its address (default: %(default)s)")
+    launch.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS ...]",
+                        help="the worker program, e.g. -- python train.py --epochs 3")
+
+    config = commands.add_parser(
+        "config", formatter_class=_FORMATTER, epilog=help_epilog(),
+        help="print the resolved configuration (defaults, file, environment, --set)",
+        description=_wrap("Prints the configuration a job would run with, one `section.field = value` line per key "
+                    "(valid TOML), noting where each non-default value came from."))
+    _add_config_options(config)
+    config.add_argument("--json", action="store_true", help="print the sections as JSON instead")
+
+    for role, what in (("scheduler", "the rendezvous and control plane"), ("server", "one parameter server")):
+        commands.add_parser(
+            role, formatter_class=_FORMATTER, epilog=help_epilog(),
+            help=f"run {what} (started by `sluice launch`, or by hand on a cluster)",
+            description=_wrap(f"Runs {what} of a job. It reads its place in the job from SLUICE_SCHEDULER, "
+                        "SLUICE_RANK, SLUICE_NUM_WORKERS, SLUICE_NUM_SERVERS and the resolved configuration "
+                        "from SLUICE_CONFIG_JSON, as `sluice launch` sets them."
+                        + (" It prints `SLUICE_SCHEDULER_READY <endpoint>` once it listens."
+                           if role == "scheduler" else "")))
+    return parser
+
+
+def _error(text: str) -> int:
+    print(f"sluice: error: {text}", file=sys.stderr)
+    return 2
+
+
+def _launch(args: argparse.Namespace) -> int:
+    command = list(args.worker_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if args.workers < 1 or args.servers < 1:
+        return _error(f"a job needs at least one worker and one server, got -w {args.workers} -s {args.servers}")
+    if not command:
+        return _error("no worker command: put it after --, e.g. sluice launch -w 2 -s 1 -- python train.py")
+    if args.grace < 0 or args.ready_timeout <= 0:
+        return _error("--grace must be at least 0 and --ready-timeout positive")
+    try:
+        config = load_config(args.config, os.environ, args.sets)
+    except ConfigError as exc:
+        return _error(str(exc))
+    from launch.supervisor import run_local_job
+
+    try:
+        return run_local_job(config, args.workers, args.servers, command,
+                             grace=args.grace, ready_timeout=args.ready_timeout)
+    except KeyboardInterrupt:  # before the supervisor's own handlers were installed
+        return 130
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, os.environ, args.sets)
+    except ConfigError as exc:
+        return _error(str(exc))
+    print(json.dumps(config.to_sections(), indent=2) if args.json else config.describe())
+    return 0
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _announce(endpoint: str) -> None:
+    print(f"SLUICE_SCHEDULER_READY {endpoint}", flush=True)
+
+
+def _run_role(role: str) -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        env = from_environ()
+        if os.environ.get(ENV_ROLE, role) != role:
+            raise SluiceError(f"{ENV_ROLE} is {os.environ[ENV_ROLE]!r} but this is `sluice {role}`")
+        env = dataclasses.replace(env, role=role)
+        if role == "scheduler":
+            from scheduler.service import run_scheduler
+
+            return run_scheduler(env, announce=_announce)
+        from ps.server import run_server
+
+        return run_server(env)
+    except SluiceError as exc:
+        print(f"sluice {role}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help and usage errors: hand the code back instead of exiting
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "launch":
+        return _launch(args)
+    if args.command == "config":
+        return _show_config(args)
+    if args.command in ("scheduler", "server"):
+        return _run_role(args.command)
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

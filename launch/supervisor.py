@@ -1,0 +1,288 @@
+"""Starts the scheduler, servers and workers of a local job, relays their output and ends them together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+from launch.config import SluiceConfig
+from scheduler.bootstrap import NodeEnv
+
+READY_PREFIX = "SLUICE_SCHEDULER_READY "
+TAIL_LINES = 20
+#: seconds between SIGTERM and SIGKILL when stopping a process group
+STOP_TIMEOUT = 3.0
+_PR_SET_PDEATHSIG = 1
+_MAX_LINE = 1 << 20
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def exit_description(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGKILL the child when the launcher dies, so no role outlives it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child should not dlopen
+    except OSError:
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+class _Sink:
+    """The launcher's stdout; if it goes away (a closed pipe) the job keeps running without it."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream: BinaryIO | None = stream
+
+    def write(self, data: bytes) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(data)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.stream = None
+
+
+class _Child:
+    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: _Sink) -> None:
+        self.role, self.rank, self.proc, self.sink = role, rank, proc, sink
+        self.label = role if role == "scheduler" else f"{role} {rank}"
+        self.prefix = f"[{self.label}] ".encode()
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.pump = asyncio.create_task(self._pump())
+        self.done = asyncio.create_task(self._wait())
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} (pid {self.proc.pid})"
+
+    async def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        partial = b""
+        while data := await self.proc.stdout.read(65536):
+            *lines, partial = (partial + data).split(b"\n")
+            if len(partial) > _MAX_LINE:
+                lines.append(partial)
+                partial = b""
+            self._emit(lines)
+        if partial:
+            self._emit([partial])
+
+    def _emit(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        for raw in lines:
+            text = raw.decode(errors="replace").rstrip("\r")
+            self.tail.append(text)
+            if text.startswith(READY_PREFIX) and not self.ready.done():
+                self.ready.set_result(text[len(READY_PREFIX) :].strip())
+        self.sink.write(b"".join(self.prefix + raw + b"\n" for raw in lines))
+
+    async def _wait(self) -> int:
+        code = await self.proc.wait()
+        # a grandchild may hold the pipe open after the child exits: do not wait for it forever
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.pump), 1.0)
+        return code
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        # the group outlives its leader when the child left processes behind: signal it regardless
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, sig)
+
+
+class _Job:
+    def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
+                 grace: float, ready_timeout: float, out: BinaryIO, err: TextIO) -> None:
+        self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
+        self.grace, self.ready_timeout = grace, ready_timeout
+        self.sink, self.err = _Sink(out), err
+        self.children: list[_Child] = []
+        loop = asyncio.get_running_loop()
+        self.interrupted: asyncio.Future[int] = loop.create_future()
+        self.kill_now = asyncio.Event()
+        self.base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.preexec = _death_signal_hook()
+
+    def say(self, text: str) -> None:
+        self.sink.write("".join(f"[launch] {line}\n" for line in text.splitlines()).encode())
+
+    def complain(self, text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"sluice launch: {text}", file=self.err, flush=True)
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        if self.interrupted.done():
+            self.kill_now.set()  # a second Ctrl-C: skip the SIGTERM grace
+        else:
+            self.interrupted.set_result(128 + sig)
+            self.complain(f"received {sig.name}; stopping the job")
+
+    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> _Child:
+        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, self.config.to_sections())
+        env = {**self.base_env, **node.to_environ()}
+        if role != "worker":  # role processes run our own module, wherever the launcher was started
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
+        )
+        child = _Child(role, rank, proc, self.sink)
+        self.children.append(child)
+        return child
+
+    def report(self, child: _Child, why: str) -> None:
+        self.complain(f"{child.name} {exit_description(child.proc.returncode or 0)}{why}")
+        lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
+        self.complain(f"last lines of {child.label}:\n{lines}")
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        try:
+            return await self._run()
+        finally:
+            await self.stop_all()
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def _run(self) -> int:
+        self.say(self.config.describe())
+        role_argv = [sys.executable, "-m", "launch.cli"]
+        try:
+            sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
+        except OSError as exc:
+            self.complain(f"cannot start the scheduler: {exc}")
+            return 1
+        first: list[asyncio.Future[Any]] = [sched.ready, sched.done, self.interrupted]
+        await asyncio.wait(first, timeout=self.ready_timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self.interrupted.done():
+            return self.interrupted.result()
+        if not sched.ready.done():
+            if sched.done.done():
+                self.report(sched, " before announcing its endpoint")
+            else:
+                self.complain(f"{sched.name} did not announce its endpoint within {self.ready_timeout:g} s")
+            return 1
+        endpoint = sched.ready.result()
+        self.say(f"scheduler ready at {endpoint}; starting {self.servers} servers, {self.workers} workers")
+        plan = [("server", rank, [*role_argv, "server"]) for rank in range(self.servers)]
+        plan += [("worker", rank, self.command) for rank in range(self.workers)]
+        started: list[_Child] = []
+        for role, rank, argv in plan:
+            try:
+                started.append(await self.spawn(role, rank, argv, endpoint))
+            except OSError as exc:
+                self.complain(f"cannot start {role} {rank} ({shlex.join(argv)}): {exc}")
+                return 1
+        roles = [sched, *(c for c in started if c.role == "server")]
+        workers = [c for c in started if c.role == "worker"]
+        return await self._watch(roles, workers)
+
+    async def _watch(self, roles: list[_Child], workers: list[_Child]) -> int:
+        running: dict[asyncio.Future[Any], _Child] = {child.done: child for child in workers}
+        role_tasks: dict[asyncio.Future[Any], _Child] = {child.done: child for child in roles}
+        while running:
+            watched: list[asyncio.Future[Any]] = [*running, *role_tasks, self.interrupted]
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if self.interrupted.done():
+                return self.interrupted.result()
+            for task in sorted(done, key=lambda t: t in role_tasks):  # a failed worker is the likelier cause
+                if task in role_tasks:
+                    self.report(role_tasks[task], " while workers were still running; stopping the job")
+                    return 1
+                child = running.pop(task)
+                code: int = task.result()
+                if code != 0:
+                    self.report(child, "; stopping the job")
+                    return code if code > 0 else 1
+        self.say("all workers finished")
+        return await self._wind_down(roles)
+
+    async def _wind_down(self, roles: list[_Child]) -> int:
+        """The workers are done: give the scheduler and servers `grace` seconds to leave by themselves."""
+        pending: set[asyncio.Future[Any]] = {child.done for child in roles}
+        deadline = asyncio.get_running_loop().time() + self.grace
+        while pending and not self.interrupted.done():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            watched: list[asyncio.Future[Any]] = [*pending, self.interrupted]
+            _, pending = await asyncio.wait(watched, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(self.interrupted)
+        if self.interrupted.done():
+            return self.interrupted.result()
+        for child in roles:
+            code = child.proc.returncode
+            if code is None:
+                self.say(f"stopping {child.name}, still running {self.grace:g} s after the workers finished")
+            elif code != 0:
+                self.complain(f"warning: {child.name} {exit_description(code)} after the workers finished")
+        return 0
+
+    async def stop_all(self) -> None:
+        """SIGTERM every child's group, SIGKILL after STOP_TIMEOUT, and reap them all."""
+        if not self.children:
+            return
+        for child in self.children:
+            child.signal_group(signal.SIGTERM)
+        waiting = [child.done for child in self.children if not child.done.done()]
+        if waiting:
+            kill_now: asyncio.Future[Any] = asyncio.create_task(self.kill_now.wait())
+            exited: asyncio.Future[Any] = asyncio.gather(*waiting)
+            await asyncio.wait([exited, kill_now], timeout=STOP_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+            kill_now.cancel()
+        for child in self.children:
+            child.signal_group(signal.SIGKILL)
+        await asyncio.gather(*(child.done for child in self.children), return_exceptions=True)
+        for child in self.children:
+            child.pump.cancel()
+
+
+async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
+                    grace: float = 10.0, ready_timeout: float = 60.0,
+                    out: BinaryIO | None = None, err: TextIO | None = None) -> int:
+    """Runs one local job to its end; returns the launcher's exit code."""
+    job = _Job(config, workers, servers, command, grace, ready_timeout,
+               out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr)
+    return await job.run()
+
+
+def run_local_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
+                  grace: float = 10.0, ready_timeout: float = 60.0) -> int:
+    """supervise() on uvloop (its subprocesses honour preexec_fn), or on asyncio's loop without it."""
+    job = supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(job)
+    return int(uvloop.run(job))

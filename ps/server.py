@@ -1,0 +1,87 @@
+"""The server role: one shard store behind a transport, registered with the scheduler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+from ps.config import ServerConfig
+from ps.store import ShardStore
+from scheduler.bootstrap import NodeEnv
+from scheduler.config import SchedulerConfig
+from scheduler.node import SCHEDULER_PEER, ControlClient
+from transport.base import open_transport
+from transport.wire import Kind, Message, WireError, meta_field
+
+log = logging.getLogger("sluice.server")
+
+
+class Server:
+    def __init__(self, env: NodeEnv) -> None:
+        self.settings = ServerConfig(**env.section("ps"))
+        self.control_settings = SchedulerConfig(**env.section("scheduler"))
+        self.store = ShardStore(node_id=-1, workers=env.workers, sync=self.settings.sync)
+        self.done = threading.Event()
+        self.exit_code = 0
+        self.rejected = 0
+        name = f"server-{socket.gethostname()}-{os.getpid()}"
+        self.transport = open_transport(name, env.transport_config(), self._on_message)
+        self.control = ControlClient(
+            self.transport, env, self.control_settings, on_fatal=self._on_fatal, on_message=self._on_control
+        )
+
+    def run(self) -> int:
+        try:
+            endpoints = self.transport.listen()
+            self.control.register("server", endpoints)
+            self.store.node_id = self.control.node_id
+            self.store.worker_ids = {p.node_id: (p.name, p.rank) for p in self.control.peers if p.role == "worker"}
+            log.info("server %d serving on %s", self.control.rank, " ".join(endpoints))
+            limit = self.control_settings.op_timeout
+            while not self.done.wait(min(limit, 10.0)):
+                for stall in self.store.stalled(time.monotonic(), limit):
+                    log.warning("%s", stall)
+        finally:
+            self.control.bye()
+            self.transport.close(flush_seconds=2.0)
+        log.info("server %d stopped (%d messages rejected)", self.control.rank, self.rejected)
+        return self.exit_code
+
+    def _on_message(self, peer: str, channel: int, msg: Message) -> None:
+        if peer == SCHEDULER_PEER:
+            self.control.on_message(msg)
+            return
+        try:
+            replies = self.store.handle(peer, channel, msg)
+        except WireError as exc:
+            self.rejected += 1
+            log.warning("rejected %s from %r: %s", msg.kind.name, peer, exc)
+            return
+        for to, reply_channel, reply in replies:
+            self.transport.send(to, reply_channel, reply)
+
+    def _on_control(self, msg: Message) -> None:
+        if msg.kind == Kind.PLAN:
+            seq = meta_field(msg, "seq", int)
+            try:
+                self.store.add_plan(meta_field(msg, "tensors", list))
+            except (ValueError, TypeError, KeyError) as exc:
+                self.control.fail(f"server {self.control.rank} cannot take the plan of declaration {seq}: {exc}")
+                return
+            self.control.send(Kind.PLAN_ACK, seq=seq)
+        elif msg.kind == Kind.SHUTDOWN:
+            log.info("the scheduler ended the job")
+            self.done.set()
+        else:
+            raise WireError(f"unexpected {msg.kind.name} from the scheduler")
+
+    def _on_fatal(self, error: str) -> None:
+        self.exit_code = 1
+        self.done.set()
+
+
+def run_server(env: NodeEnv) -> int:
+    return Server(env).run()

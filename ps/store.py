@@ -1,0 +1,227 @@
+"""A server's shard: per-chunk values, synchronous rounds, broadcasts and pending pulls; no sockets.
+
+`ShardStore.handle` takes one validated wire message and returns the replies to send, so the whole
+server protocol is testable with plain arrays. Arithmetic is numpy, in place; bfloat16 is summed
+and updated in float32 and rounded back to nearest-even.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ps.optim import Optimizer, make_optimizer
+from transport.dtypes import STORAGE
+from transport.wire import Flag, Kind, Message, WireError
+
+Reply = tuple[str, int, Message]  # (peer, channel, message)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+    bits = values.view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    np.right_shift(rounded, 16, out=rounded)
+    out[...] = rounded
+
+
+@dataclass
+class Waiter:
+    peer: str
+    channel: int
+    round: int
+    priority: int
+
+
+@dataclass
+class Chunk:
+    key: int
+    chunk: int
+    name: str
+    dtype: str
+    value: np.ndarray
+    accum: np.ndarray
+    optimizer: Optimizer | None = None
+    opt_state: dict[str, Any] = field(default_factory=dict)
+    round: int = 0
+    pushed: set[int] = field(default_factory=set)
+    round_started: float = 0.0
+    waiting: list[Waiter] = field(default_factory=list)
+    bcast: np.ndarray | None = None
+    bcast_version: int = 0
+    bcast_waiting: list[Waiter] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.name!r} (key {self.key}) chunk {self.chunk}"
+
+
+class ShardStore:
+    def __init__(self, node_id: int, workers: int, sync: bool) -> None:
+        self.node_id, self.workers, self.sync = node_id, workers, sync
+        self.chunks: dict[tuple[int, int], Chunk] = {}
+        #: worker node id -> (transport peer name, worker rank)
+        self.worker_ids: dict[int, tuple[str, int]] = {}
+
+    def add_plan(self, tensors: list[Any]) -> None:
+        """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]."""
+        for key, name, dtype, opt, chunks in tensors:
+            optimizer = make_optimizer(opt) if opt else None
+            for chunk, length in chunks:
+                if (key, chunk) in self.chunks:
+                    continue
+                compute = np.float32 if dtype == "bfloat16" else STORAGE[dtype]
+                self.chunks[(key, chunk)] = Chunk(
+                    key, chunk, name, dtype,
+                    value=np.zeros(length, STORAGE[dtype]),
+                    accum=np.zeros(length, compute),
+                    optimizer=optimizer,
+                )
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+        rank = self._worker_rank(peer, msg.sender)
+        chunk = self.chunks.get((msg.key, msg.chunk))
+        if chunk is None:
+            raise WireError(f"unknown key {msg.key} chunk {msg.chunk}")
+        if msg.kind == Kind.PUSH:
+            return self._push(chunk, rank, peer, channel, msg)
+        if msg.kind == Kind.PULL:
+            return self._pull(chunk, Waiter(peer, channel, msg.round, msg.priority))
+        if msg.kind == Kind.BCAST_PUSH:
+            return self._bcast_push(chunk, peer, channel, msg)
+        if msg.kind == Kind.BCAST_PULL:
+            chunk.bcast_waiting.append(Waiter(peer, channel, msg.round, msg.priority))
+            return self._serve_bcast(chunk)
+        raise WireError(f"a server does not take {msg.kind.name} messages")
+
+    def _worker_rank(self, peer: str, sender: int) -> int:
+        known = self.worker_ids.get(sender)
+        if known is None or known[0] != peer:
+            raise WireError(f"sender {sender} on connection {peer!r} is not a worker of this job")
+        return known[1]
+
+    def _payload(self, chunk: Chunk, msg: Message) -> np.ndarray:
+        if msg.dtype != chunk.dtype or msg.shape != chunk.value.shape:
+            raise WireError(
+                f"{chunk.describe()} holds {chunk.dtype}{list(chunk.value.shape)}, "
+                f"message carries {msg.dtype or 'nothing'}{list(msg.shape)}"
+            )
+        return np.frombuffer(msg.payload, STORAGE[chunk.dtype])
+
+    def _push(self, chunk: Chunk, rank: int, peer: str, channel: int, msg: Message) -> list[Reply]:
+        data = self._payload(chunk, msg)
+        if msg.meta and "opt" in msg.meta:
+            try:
+                chunk.optimizer = make_optimizer(msg.meta["opt"]) if msg.meta["opt"] else None
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise WireError(f"bad optimizer settings for {chunk.describe()}: {exc}") from None
+        if not self.sync and chunk.optimizer is not None:
+            return self._apply_async(chunk, data, Waiter(peer, channel, msg.round, msg.priority), msg.flags)
+        if msg.round != chunk.round + 1:
+            raise WireError(f"push for round {msg.round} of {chunk.describe()}, which is at round {chunk.round}")
+        if rank in chunk.pushed:
+            raise WireError(f"worker {rank} pushed {chunk.describe()} twice in round {msg.round}")
+        wide = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data
+        if not chunk.pushed:
+            np.copyto(chunk.accum, wide)
+            chunk.round_started = time.monotonic()
+        else:
+            chunk.accum += wide
+        chunk.pushed.add(rank)
+        replies: list[Reply] = []
+        if msg.flags & Flag.WANT_REPLY:
+            chunk.waiting.append(Waiter(peer, channel, msg.round, msg.priority))
+        else:
+            replies.append((peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority)))
+        if len(chunk.pushed) == self.workers:
+            self._complete(chunk)
+            replies += self._serve(chunk)
+        return replies
+
+    def _complete(self, chunk: Chunk) -> None:
+        if chunk.optimizer is None:
+            if chunk.dtype == "bfloat16":
+                f32_to_bf16(chunk.accum, chunk.value)
+            else:  # swap: the old value's replies have all been received by now (see docs/architecture.md)
+                chunk.value, chunk.accum = chunk.accum, chunk.value
+        else:
+            chunk.accum *= np.asarray(1.0 / self.workers, chunk.accum.dtype)
+            self._step(chunk, chunk.accum)
+        chunk.round += 1
+        chunk.pushed.clear()
+
+    def _step(self, chunk: Chunk, grad: np.ndarray) -> None:
+        assert chunk.optimizer is not None
+        if chunk.dtype == "bfloat16":
+            param = bf16_to_f32(chunk.value)
+            chunk.optimizer.step(param, grad, chunk.opt_state)
+            f32_to_bf16(param, chunk.value)
+        else:
+            chunk.optimizer.step(chunk.value, grad, chunk.opt_state)
+
+    def _apply_async(self, chunk: Chunk, data: np.ndarray, waiter: Waiter, flags: int) -> list[Reply]:
+        grad = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data.copy()
+        self._step(chunk, grad)
+        chunk.round += 1
+        if flags & Flag.WANT_REPLY:  # a snapshot: the next push changes `value` while this is in flight
+            return [(waiter.peer, waiter.channel, self._reply(Kind.REPLY, chunk, chunk.value.copy(), waiter))]
+        return [(waiter.peer, waiter.channel, self._ack(Kind.REPLY, chunk, waiter.round, waiter.priority))]
+
+    def _pull(self, chunk: Chunk, waiter: Waiter) -> list[Reply]:
+        if not self.sync and chunk.optimizer is not None:
+            return [(waiter.peer, waiter.channel, self._reply(Kind.REPLY, chunk, chunk.value.copy(), waiter))]
+        chunk.waiting.append(waiter)
+        return self._serve(chunk)
+
+    def _serve(self, chunk: Chunk) -> list[Reply]:
+        ready = [w for w in chunk.waiting if w.round <= chunk.round]
+        if not ready:
+            return []
+        chunk.waiting = [w for w in chunk.waiting if w.round > chunk.round]
+        return [(w.peer, w.channel, self._reply(Kind.REPLY, chunk, chunk.value, w)) for w in ready]
+
+    def _bcast_push(self, chunk: Chunk, peer: str, channel: int, msg: Message) -> list[Reply]:
+        data = self._payload(chunk, msg)
+        if msg.round <= chunk.bcast_version:
+            raise WireError(f"broadcast {msg.round} of {chunk.describe()} is older than {chunk.bcast_version}")
+        chunk.bcast = data.copy()  # a fresh array: replies of the previous version may still be in flight
+        chunk.bcast_version = msg.round
+        if chunk.round == 0 or chunk.optimizer is not None:
+            np.copyto(chunk.value, chunk.bcast)
+        replies = self._serve_bcast(chunk)
+        if msg.flags & Flag.WANT_REPLY:
+            replies.append((peer, channel, self._ack(Kind.BCAST_REPLY, chunk, msg.round, msg.priority)))
+        return replies
+
+    def _serve_bcast(self, chunk: Chunk) -> list[Reply]:
+        ready = [w for w in chunk.bcast_waiting if w.round <= chunk.bcast_version]
+        if not ready or chunk.bcast is None:
+            return []
+        chunk.bcast_waiting = [w for w in chunk.bcast_waiting if w.round > chunk.bcast_version]
+        return [(w.peer, w.channel, self._reply(Kind.BCAST_REPLY, chunk, chunk.bcast, w)) for w in ready]
+
+    def _reply(self, kind: Kind, chunk: Chunk, data: np.ndarray, waiter: Waiter) -> Message:
+        return Message(
+            kind, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=waiter.round,
+            priority=waiter.priority, dtype=chunk.dtype, shape=data.shape, payload=data,
+        )
+
+    def _ack(self, kind: Kind, chunk: Chunk, round_: int, priority: int) -> Message:
+        return Message(kind, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_, priority=priority)
+
+    # ------------------------------------------------------------------ diagnostics
+    def stalled(self, now: float, limit: float) -> list[str]:
+        """Rounds in progress for longer than `limit` seconds, naming the workers not yet heard from."""
+        ranks = {rank for _, rank in self.worker_ids.values()}
+        return [
+            f"round {c.round + 1} of {c.describe()} has waited {now - c.round_started:.0f} s for workers "
+            f"{sorted(ranks - c.pushed)}"
+            for c in self.chunks.values()
+            if c.pushed and now - c.round_started > limit
+        ]

@@ -1,0 +1,155 @@
+"""A node's side of the control plane: register, declare tensors, barriers, heartbeats, failures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.bootstrap import NodeEnv
+from scheduler.config import SchedulerConfig
+from scheduler.errors import SluiceError
+from transport.base import Transport
+from transport.wire import Kind, Message, meta_field
+
+log = logging.getLogger("sluice.node")
+
+SCHEDULER_PEER = "scheduler"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    node_id: int
+    role: str
+    rank: int
+    name: str
+    endpoints: tuple[str, ...]
+
+
+class ControlClient:
+    """Talks to the scheduler for one node; every wait has a deadline and ends on a job failure."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        env: NodeEnv,
+        config: SchedulerConfig,
+        on_fatal: Callable[[str], None] = lambda _: None,
+        on_message: Callable[[Message], None] = lambda _: None,
+    ) -> None:
+        self._transport, self._env, self._config = transport, env, config
+        self._on_fatal, self._on_other = on_fatal, on_message
+        self._cond = threading.Condition()
+        self._replies: dict[Hashable, Message] = {}
+        self._declare_seq = 0
+        self._last_ack = time.monotonic()
+        self._stop = threading.Event()
+        self.failure: str | None = None
+        self.node_id = -1
+        self.rank = -1
+        self.role = ""
+        self.peers: list[PeerInfo] = []
+
+    # ------------------------------------------------------------------ requests
+    def register(self, role: str, endpoints: Sequence[str]) -> None:
+        self.role = role
+        self._transport.connect(SCHEDULER_PEER, [self._env.scheduler])
+        self._send(
+            Kind.REGISTER,
+            role=role,
+            rank=self._env.rank,
+            endpoints=list(endpoints),
+            pid=os.getpid(),
+            fingerprint=self._env.fingerprint(),
+        )
+        welcome = self._wait(
+            (Kind.WELCOME, None),
+            self._config.rendezvous_timeout + 5,
+            f"the scheduler at {self._env.scheduler} to admit this {role}",
+        )
+        try:
+            self.node_id = meta_field(welcome, "node_id", int)
+            self.rank = meta_field(welcome, "rank", int)
+            book = meta_field(welcome, "nodes", list)
+            self.peers = [PeerInfo(int(i), str(r), int(k), str(n), tuple(e)) for i, r, k, n, e in book]
+        except (TypeError, ValueError) as exc:
+            raise SluiceError(f"malformed WELCOME from the scheduler: {exc}") from None
+        self._last_ack = time.monotonic()
+        threading.Thread(target=self._heartbeats, name="sluice-heartbeat", daemon=True).start()
+
+    def declare(self, tensors: list[list[Any]]) -> list[Any]:
+        """Declare [[name, shape, dtype, optimizer], ...] collectively; the plan table for them."""
+        seq, self._declare_seq = self._declare_seq, self._declare_seq + 1
+        self._send(Kind.DECLARE, seq=seq, tensors=tensors)
+        plan = self._wait((Kind.PLAN, seq), self._config.op_timeout, f"the plan of tensor declaration {seq}")
+        table = meta_field(plan, "tensors", list)
+        return table
+
+    def barrier(self, name: str) -> None:
+        self._send(Kind.BARRIER, name=name)
+        self._wait((Kind.RELEASE, name), self._config.op_timeout, f"every worker to reach barrier {name!r}")
+
+    def send(self, kind: Kind, **meta: Any) -> None:
+        self._send(kind, **meta)
+
+    def bye(self) -> None:
+        if not self._stop.is_set() and self.failure is None and self.node_id >= 0:
+            self._send(Kind.BYE)
+        self._stop.set()
+
+    # ------------------------------------------------------------------ incoming (I/O thread)
+    def on_message(self, msg: Message) -> None:
+        if msg.kind == Kind.HEARTBEAT_ACK:
+            self._last_ack = time.monotonic()
+        elif msg.kind in (Kind.ERROR, Kind.NODE_LOST):
+            error = msg.meta.get("error") if msg.meta else None
+            self.fail(str(error) if error else f"the scheduler sent {msg.kind.name}")
+        elif msg.kind == Kind.WELCOME:
+            self._put((Kind.WELCOME, None), msg)
+        elif msg.kind == Kind.PLAN and self.role == "worker":
+            self._put((Kind.PLAN, meta_field(msg, "seq", int)), msg)
+        elif msg.kind == Kind.RELEASE:
+            self._put((Kind.RELEASE, meta_field(msg, "name", str)), msg)
+        else:
+            self._on_other(msg)
+
+    def fail(self, error: str) -> None:
+        with self._cond:
+            if self.failure is not None:
+                return
+            self.failure = error
+            self._cond.notify_all()
+        self._stop.set()
+        log.error("%s", error)
+        self._on_fatal(error)
+
+    # ------------------------------------------------------------------ internals
+    def _send(self, kind: Kind, **meta: Any) -> None:
+        self._transport.send(SCHEDULER_PEER, 0, Message(kind, sender=self.node_id, meta=meta))
+
+    def _put(self, key: Hashable, msg: Message) -> None:
+        with self._cond:
+            self._replies[key] = msg
+            self._cond.notify_all()
+
+    def _wait(self, key: Hashable, timeout: float, what: str) -> Message:
+        with self._cond:
+            self._cond.wait_for(lambda: key in self._replies or self.failure is not None, timeout)
+            if self.failure is not None:
+                raise SluiceError(self.failure)
+            if key not in self._replies:
+                raise SluiceError(f"timed out after {timeout:.0f} s waiting for {what}")
+            return self._replies.pop(key)
+
+    def _heartbeats(self) -> None:
+        interval, limit = self._config.heartbeat_interval, self._config.heartbeat_timeout
+        while not self._stop.wait(interval):
+            self._send(Kind.HEARTBEAT)
+            silent = time.monotonic() - self._last_ack
+            if silent > limit:
+                self.fail(f"the scheduler at {self._env.scheduler} has not answered heartbeats for {silent:.1f} s")
+                return

@@ -1,0 +1,98 @@
+"""Test harness: a real local cluster of forked scheduler, server and worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from scheduler.bootstrap import NodeEnv
+
+_ctx = mp.get_context("fork")
+
+
+def _scheduler_main(env: NodeEnv, announce: Any) -> None:
+    from scheduler.service import run_scheduler
+
+    os._exit(run_scheduler(env, announce.put))
+
+
+def _server_main(env: NodeEnv) -> None:
+    from ps.server import run_server
+
+    os._exit(run_server(env))
+
+
+def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(env.to_environ())
+    code = 0
+    try:
+        results.put((env.rank, "ok", fn(*args)))
+    except BaseException as exc:  # report every failure to the test, then exit non-zero
+        results.put((env.rank, "error", f"{type(exc).__name__}: {exc}"))
+        code = 1
+    results.close()
+    results.join_thread()
+    os._exit(code)
+
+
+class LocalCluster:
+    """Scheduler and servers start in the constructor; `run` forks workers running `fn(*args)`."""
+
+    def __init__(self, workers: int, servers: int, config: dict[str, Any] | None = None) -> None:
+        self.workers, self.servers = workers, servers
+        self.config = config or {}
+        self.processes: list[Any] = []
+        announce = _ctx.Queue()
+        base = NodeEnv("", "scheduler", 0, workers, servers, self.config)
+        self._start(_scheduler_main, base, announce)
+        try:
+            self.endpoint = str(announce.get(timeout=30))
+        except queue.Empty:
+            self.close()
+            raise RuntimeError("the scheduler did not report its endpoint within 30 s") from None
+        for rank in range(servers):
+            self._start(_server_main, self.env("server", rank))
+
+    def env(self, role: str, rank: int) -> NodeEnv:
+        return NodeEnv(self.endpoint, role, rank, self.workers, self.servers, self.config)
+
+    def _start(self, target: Callable[..., None], *args: Any) -> Any:
+        process = _ctx.Process(target=target, args=args, daemon=True)
+        process.start()
+        self.processes.append(process)
+        return process
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
+        """Run fn(*args) in every worker; its return values by rank. Raises if any worker fails."""
+        results = _ctx.Queue()
+        for rank in range(self.workers):
+            self._start(_worker_main, self.env("worker", rank), fn, args, results)
+        out: dict[int, Any] = {}
+        for _ in range(self.workers):
+            rank, status, value = results.get(timeout=timeout)
+            if status != "ok":
+                raise RuntimeError(f"worker {rank} failed: {value}")
+            out[rank] = value
+        return [out[r] for r in range(self.workers)]
+
+    def wait(self, timeout: float = 20.0) -> list[int | None]:
+        """Exit codes of every process once the job has ended by itself."""
+        for process in self.processes:
+            process.join(timeout)
+        return [p.exitcode for p in self.processes]
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+            process.join(5)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

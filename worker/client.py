@@ -1,0 +1,267 @@
+"""The worker's client: declare tensors, then push, pull, push_pull and broadcast them by name.
+
+Framework-free: tensors are numpy arrays (a torch CPU tensor's `.numpy()` shares its memory).
+Every operation cuts the tensor into the planned chunks, queues one message per chunk with the
+tensor's priority, and returns a Handle that completes when every chunk has been answered. Replies
+are written straight into the caller's output array on the transport's I/O thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scheduler.bootstrap import NodeEnv, from_environ
+from scheduler.config import SchedulerConfig
+from scheduler.errors import SluiceError
+from scheduler.node import SCHEDULER_PEER, ControlClient
+from transport.base import open_transport
+from transport.dtypes import STORAGE
+from transport.wire import Flag, Kind, Message
+
+log = logging.getLogger("sluice.worker")
+
+TensorDecl = tuple[str, tuple[int, ...], str, dict[str, Any] | None]
+
+
+class Handle:
+    """Completion of one operation on every chunk of one tensor; `wait` has a deadline."""
+
+    def __init__(self, what: str, servers: dict[int, str], timeout: float) -> None:
+        self.what = what
+        self._servers = servers  # chunk -> the server that owns it, for error messages
+        self._remaining = set(servers)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: str | None = None
+        if not self._remaining:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        if not self._event.wait(limit):
+            with self._lock:
+                missing = sorted(self._remaining)
+            owners = sorted({self._servers[c] for c in missing})
+            raise SluiceError(
+                f"{self.what}: no reply after {limit:.0f} s for chunks {missing[:8]} from {', '.join(owners)}"
+            )
+        if self._error is not None:
+            raise SluiceError(f"{self.what} failed: {self._error}")
+
+    def _part_done(self, chunk: int) -> None:
+        with self._lock:
+            self._remaining.discard(chunk)
+            if not self._remaining:
+                self._event.set()
+
+    def _fail(self, error: str) -> None:
+        self._error = error
+        self._event.set()
+
+
+@dataclass
+class _Tensor:
+    key: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    priority: int
+    channel: int
+    chunks: list[tuple[int, int, int, int]]  # (chunk, offset, length, server rank)
+    round: int = 0
+    bcast_version: int = 0
+    opt_sent: dict[str, Any] | None = None
+
+
+@dataclass
+class _Op:
+    handle: Handle
+    out: np.ndarray | None
+    dtype: str
+
+
+class Client:
+    def __init__(self, env: NodeEnv | None = None) -> None:
+        self.env = env or from_environ()
+        self.settings = self.env.transport_config()
+        self.control_settings = SchedulerConfig(**self.env.section("scheduler"))
+        self._tensors: dict[str, _Tensor] = {}
+        self._pending: dict[tuple[Kind, int, int, int], deque[_Op]] = {}
+        self._lock = threading.Lock()
+        self._failure: str | None = None
+        name = f"worker-{socket.gethostname()}-{os.getpid()}"
+        self.transport = open_transport(name, self.settings, self._on_message)
+        self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal)
+        self.control.register("worker", [])
+        self.rank = self.control.rank
+        self.size = self.env.workers
+        servers = sorted((p for p in self.control.peers if p.role == "server"), key=lambda p: p.rank)
+        self._server_names = [p.name for p in servers]
+        self._server_ids = {p.node_id for p in servers}
+        for peer in servers:
+            self.transport.connect(peer.name, peer.endpoints)
+
+    # ------------------------------------------------------------------ collective set-up
+    def declare(self, tensors: Sequence[TensorDecl]) -> None:
+        """Declare tensors on every worker at once (same names, shapes, dtypes; any order)."""
+        table = [[name, list(shape), dtype, opt] for name, shape, dtype, opt in tensors]
+        plan = self.control.declare(table)
+        levels = max(len(plan), 1)
+        for key, name, shape, dtype, priority, chunks in plan:
+            if name in self._tensors:
+                continue
+            self._tensors[name] = _Tensor(
+                key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
+                [(c, o, n, s) for c, o, n, s in chunks],
+            )
+
+    def barrier(self, name: str) -> None:
+        self.control.barrier(name)
+
+    def declared(self, name: str) -> bool:
+        return name in self._tensors
+
+    # ------------------------------------------------------------------ data operations
+    def push_pull(self, name: str, data: np.ndarray, out: np.ndarray, opt: dict[str, Any] | None = None) -> Handle:
+        """Push `data` for the next round and write the round's result (sum, or updated value) into `out`."""
+        return self._push(name, data, out, opt, want_reply=True)
+
+    def push(self, name: str, data: np.ndarray, opt: dict[str, Any] | None = None) -> Handle:
+        """Push `data` for the next round; completes when every owning server has taken it."""
+        return self._push(name, data, None, opt, want_reply=False)
+
+    def pull(self, name: str, out: np.ndarray) -> Handle:
+        """Write the result of this worker's latest round into `out` (waits for the round to complete)."""
+        tensor = self._tensor(name)
+        flat = self._flat(tensor, out, writable=True)
+        handle = self._start(tensor, Kind.REPLY, tensor.round, f"pull of {name!r} round {tensor.round}", flat)
+        for chunk, offset, length, server in tensor.chunks:
+            self._send(tensor, server, Message(Kind.PULL, key=tensor.key, chunk=chunk, round=tensor.round))
+        return handle
+
+    def broadcast(self, name: str, array: np.ndarray, root: int) -> Handle:
+        """Root sends `array` to every worker; the others receive it into `array`."""
+        tensor = self._tensor(name)
+        tensor.bcast_version += 1
+        version = tensor.bcast_version
+        what = f"broadcast of {name!r} from worker {root}"
+        if self.rank != root:
+            flat = self._flat(tensor, array, writable=True)
+            handle = self._start(tensor, Kind.BCAST_REPLY, version, what, flat)
+            for chunk, _, _, server in tensor.chunks:
+                self._send(tensor, server, Message(Kind.BCAST_PULL, key=tensor.key, chunk=chunk, round=version))
+            return handle
+        flat = self._flat(tensor, array, writable=False)
+        handle = self._start(tensor, Kind.BCAST_REPLY, version, what, None)
+        for chunk, offset, length, server in tensor.chunks:
+            msg = self._data_message(Kind.BCAST_PUSH, tensor, chunk, version, flat[offset : offset + length])
+            msg.flags = Flag.WANT_REPLY
+            self._send(tensor, server, msg)
+        return handle
+
+    def close(self) -> None:
+        self.control.bye()
+        self.transport.close(flush_seconds=2.0)
+
+    # ------------------------------------------------------------------ internals
+    def _push(
+        self, name: str, data: np.ndarray, out: np.ndarray | None, opt: dict[str, Any] | None, want_reply: bool
+    ) -> Handle:
+        tensor = self._tensor(name)
+        flat = self._flat(tensor, data, writable=False)
+        target = self._flat(tensor, out, writable=True) if out is not None else None
+        tensor.round += 1
+        meta = None
+        if opt is not None and opt != tensor.opt_sent:
+            meta, tensor.opt_sent = {"opt": opt}, dict(opt)
+        verb = "push_pull" if want_reply else "push"
+        handle = self._start(tensor, Kind.REPLY, tensor.round, f"{verb} of {name!r} round {tensor.round}", target)
+        for chunk, offset, length, server in tensor.chunks:
+            msg = self._data_message(Kind.PUSH, tensor, chunk, tensor.round, flat[offset : offset + length])
+            msg.flags, msg.meta = (Flag.WANT_REPLY if want_reply else Flag.NONE), meta
+            self._send(tensor, server, msg)
+        return handle
+
+    def _tensor(self, name: str) -> _Tensor:
+        if self._failure is not None:
+            raise SluiceError(self._failure)
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise SluiceError(f"tensor {name!r} was not declared; declare it on every worker first")
+        return tensor
+
+    def _flat(self, tensor: _Tensor, array: np.ndarray, writable: bool) -> np.ndarray:
+        if array.dtype != STORAGE[tensor.dtype] or array.size != int(np.prod(tensor.shape)):
+            raise SluiceError(
+                f"tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}; got {array.dtype}{list(array.shape)}"
+            )
+        if not array.flags.c_contiguous:
+            if writable:
+                raise SluiceError(f"output for {tensor.name!r} must be contiguous")
+            array = np.ascontiguousarray(array)
+        return array.reshape(-1)
+
+    def _start(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None) -> Handle:
+        owners = {c: f"server {s}" for c, _, _, s in tensor.chunks}
+        handle = Handle(what, owners, self.control_settings.op_timeout)
+        with self._lock:
+            for chunk, offset, length, _ in tensor.chunks:
+                view = out[offset : offset + length] if out is not None else None
+                self._pending.setdefault((kind, tensor.key, chunk, round_), deque()).append(
+                    _Op(handle, view, tensor.dtype)
+                )
+        return handle
+
+    def _data_message(self, kind: Kind, tensor: _Tensor, chunk: int, round_: int, view: np.ndarray) -> Message:
+        return Message(
+            kind, sender=self.control.node_id, key=tensor.key, chunk=chunk, round=round_,
+            priority=tensor.priority, dtype=tensor.dtype, shape=(view.size,), payload=view,
+        )
+
+    def _send(self, tensor: _Tensor, server: int, msg: Message) -> None:
+        msg.sender, msg.priority = self.control.node_id, tensor.priority
+        self.transport.send(self._server_names[server], tensor.channel, msg)
+
+    def _on_message(self, peer: str, channel: int, msg: Message) -> None:
+        if peer == SCHEDULER_PEER:
+            self.control.on_message(msg)
+            return
+        if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY) or msg.sender not in self._server_ids:
+            log.warning("dropped unexpected %s from %r", msg.kind.name, peer)
+            return
+        with self._lock:
+            ops = self._pending.get((msg.kind, msg.key, msg.chunk, msg.round))
+            op = next((o for o in ops if (o.out is None) == (msg.payload is None)), None) if ops else None
+            if op is None or ops is None:
+                log.warning("dropped a reply nobody waits for: key %d chunk %d round %d", msg.key, msg.chunk, msg.round)
+                return
+            ops.remove(op)
+            if not ops:
+                del self._pending[(msg.kind, msg.key, msg.chunk, msg.round)]
+        if op.out is not None:
+            if msg.dtype != op.dtype or msg.shape != op.out.shape:
+                op.handle._fail(f"server sent {msg.dtype}{list(msg.shape)} for a {op.dtype}{list(op.out.shape)} chunk")
+                return
+            np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
+        op.handle._part_done(msg.chunk)
+
+    def _on_fatal(self, error: str) -> None:
+        self._failure = error
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for ops in pending.values():
+            for op in ops:
+                op.handle._fail(error)
