@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import math
 import os
 import shlex
 import signal
@@ -34,6 +35,10 @@ def exit_description(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with code {returncode}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _death_signal_hook() -> Callable[[], None] | None:
@@ -129,6 +134,7 @@ class _Job:
         loop = asyncio.get_running_loop()
         self.interrupted: asyncio.Future[int] = loop.create_future()
         self.kill_now = asyncio.Event()
+        self.stopping = False
         self.base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.preexec = _death_signal_hook()
 
@@ -140,8 +146,8 @@ class _Job:
             print(f"sluice launch: {text}", file=self.err, flush=True)
 
     def on_signal(self, sig: signal.Signals) -> None:
-        if self.interrupted.done():
-            self.kill_now.set()  # a second Ctrl-C: skip the SIGTERM grace
+        if self.interrupted.done() or self.stopping:
+            self.kill_now.set()  # Ctrl-C while stopping: skip the rest of the SIGTERM grace
         else:
             self.interrupted.set_result(128 + sig)
             self.complain(f"received {sig.name}; stopping the job")
@@ -194,7 +200,8 @@ class _Job:
                 self.complain(f"{sched.name} did not announce its endpoint within {self.ready_timeout:g} s")
             return 1
         endpoint = sched.ready.result()
-        self.say(f"scheduler ready at {endpoint}; starting {self.servers} servers, {self.workers} workers")
+        self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
+                 f"{_count(self.workers, 'worker')}")
         plan = [("server", rank, [*role_argv, "server"]) for rank in range(self.servers)]
         plan += [("worker", rank, self.command) for rank in range(self.workers)]
         started: list[_Child] = []
@@ -211,17 +218,33 @@ class _Job:
     async def _watch(self, roles: list[_Child], workers: list[_Child]) -> int:
         running: dict[asyncio.Future[Any], _Child] = {child.done: child for child in workers}
         role_tasks: dict[asyncio.Future[Any], _Child] = {child.done: child for child in roles}
+        ended: _Child | None = None  # the first role that exited 0 while workers were still running
+        deadline = math.inf
+        loop = asyncio.get_running_loop()
         while running:
             watched: list[asyncio.Future[Any]] = [*running, *role_tasks, self.interrupted]
-            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if ended is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if self.interrupted.done():
                 return self.interrupted.result()
+            if not done:
+                assert ended is not None
+                names = ", ".join(child.label for child in running.values())
+                self.report(ended, f", but {names} still ran {self.grace:g} s later; stopping the job")
+                return 1
             for task in sorted(done, key=lambda t: t in role_tasks):  # a failed worker is the likelier cause
-                if task in role_tasks:
-                    self.report(role_tasks[task], " while workers were still running; stopping the job")
-                    return 1
-                child = running.pop(task)
                 code: int = task.result()
+                if task in role_tasks:
+                    child = role_tasks.pop(task)
+                    if code != 0:
+                        self.report(child, " while workers were still running; stopping the job")
+                        return 1
+                    # the scheduler ends the job once every worker said goodbye, which is usually
+                    # a moment before those workers exit: give them `grace` to do so
+                    if ended is None:
+                        ended, deadline = child, loop.time() + self.grace
+                    continue
+                child = running.pop(task)
                 if code != 0:
                     self.report(child, "; stopping the job")
                     return code if code > 0 else 1
@@ -251,8 +274,7 @@ class _Job:
 
     async def stop_all(self) -> None:
         """SIGTERM every child's group, SIGKILL after STOP_TIMEOUT, and reap them all."""
-        if not self.children:
-            return
+        self.stopping = True
         for child in self.children:
             child.signal_group(signal.SIGTERM)
         waiting = [child.done for child in self.children if not child.done.done()]

@@ -10,6 +10,7 @@ backlog stays in our priority heap instead of ZeroMQ's FIFO pipes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -35,6 +36,23 @@ _HWM = 100_000
 _LINGER_MS = 2000
 
 Route = tuple[str, int]  # (peer name, channel)
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_large_buffers_mapped() -> None:
+    """Stop glibc from mmap-ing (and unmapping) every received 1 MiB frame.
+
+    libzmq mallocs each large incoming message; above the mmap threshold every one costs fresh page
+    faults. Measured with 2 workers x 2 servers, 64 MiB push_pull: 816k -> 56k minor faults and a
+    third less system time with the threshold at 64 MiB.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):  # not glibc: keep the allocator's defaults
+        pass
 Frames = list[Any]
 
 
@@ -43,6 +61,7 @@ class ZmqTransport:
         self.name = name
         self.config = config
         self._handler = handler
+        _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=1)
         self._poller = zmq.Poller()
         self._routers: list[zmq.Socket[bytes]] = []
@@ -58,6 +77,8 @@ class ZmqTransport:
         self._received = [0] * config.channels
         self._ipc_dir: str | None = None
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
+        self._closed = False
         self._poller.register(self._wake, zmq.POLLIN)
         self._stop_at: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"sluice-io-{name}", daemon=True)
@@ -74,7 +95,7 @@ class ZmqTransport:
         if not 0 <= channel < self.config.channels:
             raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
         self._outbox.append(((peer, channel), msg.priority, msg.nbytes, encode(msg)))
-        os.eventfd_write(self._wake, 1)
+        self._notify()
 
     def stats(self) -> dict[str, list[int]]:
         return {"sent_bytes": list(self._sent), "received_bytes": list(self._received)}
@@ -82,15 +103,26 @@ class ZmqTransport:
     def close(self, flush_seconds: float = 1.0) -> None:
         if self._stop_at is None:
             self._stop_at = time.monotonic() + flush_seconds
-            os.eventfd_write(self._wake, 1)
+            self._notify()
         self._thread.join(flush_seconds + 5.0)
         if self._thread.is_alive():
             log.error("transport %s: I/O thread did not stop", self.name)
+            return
+        with self._wake_lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._wake)
+
+    def _notify(self) -> None:
+        """Wake the I/O thread; a no-op once closed, so late senders (heartbeats) cannot fail."""
+        with self._wake_lock:
+            if not self._closed:
+                os.eventfd_write(self._wake, 1)
 
     def _call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
         future: Future[Any] = Future()
         self._commands.append((fn, future))
-        os.eventfd_write(self._wake, 1)
+        self._notify()
         return future.result(timeout)
 
     # ----------------------------------------------------------------- I/O thread
@@ -258,7 +290,6 @@ class ZmqTransport:
         for sock in list(self._socket_channel):
             sock.close(linger=_LINGER_MS if self._stop_at is not None else 0)
         self._ctx.term()
-        os.close(self._wake)
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         while self._commands:

@@ -1,0 +1,299 @@
+"""`sluice launch` end to end: exit codes, prefixed output, failure reports, and no process left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A worker that does not use Sluice: it starts a grandchild (which shares its stdout), prints both
+# pids, then behaves as its first argument says.
+WORKER = """
+import os, subprocess, sys, time
+mode, rank = sys.argv[1], int(os.environ["SLUICE_RANK"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("pids", os.getpid(), child.pid, flush=True)
+if mode == "exit0":
+    print("bye from", rank, flush=True)
+    sys.exit(0)
+if mode == "exit3" and rank == 0:
+    time.sleep(0.5)
+    sys.exit(3)
+time.sleep(60)
+"""
+
+# A worker of a real Sluice job: every worker adds rank + 1 into one tensor.
+SLUICE_WORKER = """
+import numpy as np
+from worker.client import Client
+client = Client()
+client.declare([("w", (1000,), "float32", None)])
+out = np.zeros(1000, np.float32)
+client.push_pull("w", np.full(1000, client.rank + 1, np.float32), out).wait()
+print("sum", out[0], flush=True)
+client.close()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found |= {int(p) for p in path.read_text().split()}
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    seen: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in _children(todo.pop()) - seen:
+            seen.add(child)
+            todo.append(child)
+    return seen
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Launch:
+    """One `sluice launch` process; its output is collected by threads so reads have deadlines."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launch.cli", "launch", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.seen: set[int] = set()  # every descendant observed, checked dead at the end
+        self._cond = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, stream: object, lines: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            with self._cond:
+                lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_line(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.out:
+                    if match := regex.search(line):
+                        return match
+                left = deadline - time.monotonic()
+                ended = not any(thread.is_alive() for thread in self._threads)
+                if left <= 0 or ended:
+                    raise AssertionError(f"no line matching {pattern!r}; stdout: {self.out}; stderr: {self.err}")
+                self._cond.wait(min(left, 0.5))
+
+    def worker_pids(self, workers: int) -> dict[int, tuple[int, int]]:
+        """rank -> (worker pid, grandchild pid), once every worker has printed them."""
+        pids = {}
+        for rank in range(workers):
+            match = self.wait_line(rf"^\[worker {rank}\] pids (\d+) (\d+)$")
+            pids[rank] = (int(match.group(1)), int(match.group(2)))
+        self.seen |= {pid for pair in pids.values() for pid in pair}
+        return pids
+
+    def snapshot(self) -> set[int]:
+        self.seen |= _descendants(self.proc.pid)
+        return self.seen
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the launcher still runs after {timeout} s; stdout:\n{self.stdout()}\nstderr:\n{self.stderr()}"
+            ) from None
+        for thread in self._threads:
+            thread.join(5)
+        return code
+
+    def stdout(self) -> str:
+        return "\n".join(self.out)
+
+    def stderr(self) -> str:
+        return "\n".join(self.err)
+
+    def assert_none_left(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (alive := sorted(p for p in self.seen if _alive(p))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, f"still running: {[(p, _cmdline(p)) for p in alive]}"
+
+    def close(self) -> None:
+        with_descendants = self.seen | _descendants(self.proc.pid)
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in with_descendants:
+            if _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.wait(5)
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[type[Launch]]:
+    started: list[Launch] = []
+
+    class Tracked(Launch):
+        def __init__(self, args: list[str]) -> None:
+            super().__init__(args)
+            started.append(self)
+
+    try:
+        yield Tracked
+    finally:
+        for job in started:
+            job.close()
+
+
+@pytest.fixture
+def worker_script(tmp_path: Path) -> str:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return str(path)
+
+
+def _job(workers: int, servers: int, *extra: str) -> list[str]:
+    return ["-w", str(workers), "-s", str(servers), *extra]
+
+
+@pytest.mark.timeout(60)
+def test_workers_exit_zero(launch: type[Launch], worker_script: str) -> None:
+    job = launch([*_job(2, 1, "--grace", "1"), "--", sys.executable, worker_script, "exit0"])
+    job.worker_pids(2)
+    job.snapshot()
+    assert job.finish(30) == 0, job.stderr()
+    out = job.stdout()
+    assert "[worker 0] bye from 0" in out and "[worker 1] bye from 1" in out
+    assert "[launch] transport.chunk_bytes = 1048576" in out  # the resolved config, printed at start
+    assert re.search(r"^\[scheduler\] SLUICE_SCHEDULER_READY tcp://127\.0\.0\.1:\d+$", out, re.M)
+    # these workers never register, so the scheduler waits for them until stopped after the grace
+    assert "[launch] stopping scheduler" in out
+    job.assert_none_left()
+
+
+@pytest.mark.timeout(60)
+def test_real_job_ends_by_itself(launch: type[Launch], tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SLUICE_WORKER)
+    job = launch([*_job(2, 2), "--", sys.executable, str(script)])
+    assert job.finish(45) == 0, job.stderr()
+    out = job.stdout()
+    assert "[worker 0] sum 3.0" in out and "[worker 1] sum 3.0" in out
+    assert "stopping" not in out, out  # scheduler and servers left by themselves
+
+
+@pytest.mark.timeout(60)
+def test_killed_worker_ends_the_job(launch: type[Launch], worker_script: str) -> None:
+    job = launch([*_job(3, 2), "--", sys.executable, worker_script, "sleep"])
+    pids = job.worker_pids(3)
+    assert len(job.snapshot()) >= 1 + 2 + 3 * 2
+    victim = pids[1][0]
+    os.kill(victim, signal.SIGKILL)
+    code = job.finish(15)
+    assert code != 0
+    assert f"worker 1 (pid {victim}) was killed by SIGKILL" in job.stderr()
+    assert "pids" in job.stderr()  # its last lines
+    job.assert_none_left()
+
+
+@pytest.mark.timeout(60)
+def test_worker_exit_code_is_returned(launch: type[Launch], worker_script: str) -> None:
+    job = launch([*_job(2, 1), "--", sys.executable, worker_script, "exit3"])
+    pids = job.worker_pids(2)
+    job.snapshot()
+    assert job.finish(15) == 3
+    assert f"worker 0 (pid {pids[0][0]}) exited with code 3" in job.stderr()
+    job.assert_none_left()
+
+
+@pytest.mark.timeout(60)
+def test_dead_server_ends_the_job(launch: type[Launch], worker_script: str) -> None:
+    job = launch([*_job(2, 2), "--", sys.executable, worker_script, "sleep"])
+    job.worker_pids(2)
+    servers = [p for p in job.snapshot() if "launch.cli server" in _cmdline(p)]
+    assert len(servers) == 2
+    os.kill(servers[0], signal.SIGKILL)
+    assert job.finish(15) == 1
+    assert re.search(r"server [01] \(pid \d+\) was killed by SIGKILL while workers were still running",
+                     job.stderr())
+    job.assert_none_left()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_stops_everything(launch: type[Launch], worker_script: str, sig: int, expected: int) -> None:
+    job = launch([*_job(2, 1), "--", sys.executable, worker_script, "sleep"])
+    job.worker_pids(2)
+    job.snapshot()
+    os.kill(job.proc.pid, sig)
+    assert job.finish(10) == expected
+    assert f"received {signal.Signals(sig).name}" in job.stderr()
+    job.assert_none_left()
+
+
+@pytest.mark.timeout(60)
+def test_killed_launcher_takes_its_children(launch: type[Launch], worker_script: str) -> None:
+    job = launch([*_job(2, 1), "--", sys.executable, worker_script, "sleep"])
+    job.worker_pids(2)
+    direct = _children(job.proc.pid)
+    assert len(direct) == 1 + 1 + 2
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.finish(10)
+    # the kernel's parent-death signal reaches the direct children; their own children are on
+    # their own (the fixture kills them)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in direct) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in direct if _alive(p)]
+
+
+@pytest.mark.timeout(60)
+def test_config_error_exits_2(launch: type[Launch]) -> None:
+    job = launch([*_job(1, 1, "--set", "transport.channels=99"), "--", sys.executable, "-c", "pass"])
+    assert job.finish(30) == 2
+    assert "sluice: error: invalid [transport] settings: transport.channels must be 1..8" in job.stderr()
+
+
+@pytest.mark.timeout(30)
+def test_role_without_environment_fails_clearly() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "server"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 1
+    assert "sluice server: error: SLUICE_SCHEDULER is not set" in result.stderr
