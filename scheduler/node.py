@@ -86,7 +86,7 @@ class ControlClient:
         seq, self._declare_seq = self._declare_seq, self._declare_seq + 1
         self._send(Kind.DECLARE, seq=seq, tensors=tensors)
         plan = self._wait((Kind.PLAN, seq), self._config.op_timeout, f"the plan of tensor declaration {seq}")
-        table = meta_field(plan, "tensors", list)
+        table: list[Any] = meta_field(plan, "tensors", list)
         return table
 
     def barrier(self, name: str) -> None:

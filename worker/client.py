@@ -148,7 +148,7 @@ class Client:
         tensor = self._tensor(name)
         flat = self._flat(tensor, out, writable=True)
         handle = self._start(tensor, Kind.REPLY, tensor.round, f"pull of {name!r} round {tensor.round}", flat)
-        for chunk, offset, length, server in tensor.chunks:
+        for chunk, _offset, _length, server in tensor.chunks:
             self._send(tensor, server, Message(Kind.PULL, key=tensor.key, chunk=chunk, round=tensor.round))
         return handle
 

@@ -46,7 +46,7 @@ def test_servers_balanced_within_ten_percent(seed: int) -> None:
 
 
 def test_incremental_plan_continues_from_loads() -> None:
-    first, loads = plan_tensors([TensorSpec("a", (1000,), "float32")], 0, 2, 1 << 20)
+    _first, loads = plan_tensors([TensorSpec("a", (1000,), "float32")], 0, 2, 1 << 20)
     second, loads2 = plan_tensors([TensorSpec("b", (10,), "float64")], 1, 2, 1 << 20, loads)
     assert second[0].key == 1
     assert sum(loads2) == 4000 + 80

@@ -1,0 +1,325 @@
+"""Horovod-shaped PyTorch API over Sluice: `import worker.torch_shim as hvd` and `hvd.init()`.
+
+Gradients are pushed from autograd hooks as soon as each one is ready. With the optimizer on the
+workers (default) `step()` waits for the summed gradients and runs the wrapped optimizer; with the
+optimizer on the servers `step()` returns at once and the next forward pass waits, module by module,
+only for the parameters that module uses (a global forward pre-hook). CUDA tensors travel through a
+pinned host staging buffer; CPU tensors are sent and received in place.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from scheduler.errors import SluiceError
+from worker.client import Client, Handle
+from worker.config import WorkerConfig
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
+
+_client: Client | None = None
+_settings = WorkerConfig()
+_names = itertools.count()
+#: id(parameter) -> (handle, finish): pulls the next forward pass must wait for (optimizer on servers)
+_pending_params: dict[int, tuple[Handle, Callable[[], None]]] = {}
+
+
+# ---------------------------------------------------------------------------- process set-up
+def init() -> None:
+    """Join the job this process was launched into (by `sluice launch`)."""
+    global _client, _settings
+    if _client is not None:
+        return
+    client = Client()
+    _settings = WorkerConfig(**client.env.section("worker"))
+    _client = client
+    torch.nn.modules.module.register_module_forward_pre_hook(_wait_for_parameters)
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    global _client
+    if _client is not None:
+        _client.close()
+        _client = None
+
+
+def _require() -> Client:
+    if _client is None:
+        raise SluiceError("call init() first")
+    return _client
+
+
+def rank() -> int:
+    return _require().rank
+
+
+def size() -> int:
+    return _require().size
+
+
+def local_rank() -> int:
+    return rank()
+
+
+def local_size() -> int:
+    return size()
+
+
+def barrier(name: str = "barrier") -> None:
+    _require().barrier(f"{name}.{next(_names)}")
+
+
+# ---------------------------------------------------------------------------- tensors <-> numpy
+def _wire_dtype(tensor: torch.Tensor) -> str:
+    if tensor.dtype not in _DTYPES:
+        raise SluiceError(f"dtype {tensor.dtype} is not supported; use one of {sorted(_DTYPES.values())}")
+    return _DTYPES[tensor.dtype]
+
+
+class _Staging:
+    """Host memory that Sluice reads and writes for `tensor`: the tensor itself on the CPU, else pinned."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.direct = tensor.device.type == "cpu" and tensor.is_contiguous()
+        if self.direct:
+            self.host = tensor.detach()
+        else:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+
+    def array(self) -> np.ndarray:
+        host = self.host
+        if host.dtype == torch.bfloat16:
+            return host.view(torch.int16).numpy().view(np.uint16)
+        return host.numpy()
+
+    def load(self, tensor: torch.Tensor) -> np.ndarray:
+        if not self.direct:
+            self.host.copy_(tensor.detach())
+        return self.array()
+
+    def store(self, tensor: torch.Tensor) -> None:
+        if not self.direct:
+            with torch.no_grad():
+                tensor.copy_(self.host, non_blocking=False)
+
+
+def _declare_missing(named: Iterable[tuple[str, torch.Tensor]], options: Mapping[str, Any] | None = None) -> None:
+    client = _require()
+    table = [
+        (name, tuple(t.shape), _wire_dtype(t), (options or {}).get(name))
+        for name, t in named
+        if not client.declared(name)
+    ]
+    client.declare(table)
+
+
+# ---------------------------------------------------------------------------- collectives
+def allreduce_(tensor: torch.Tensor, name: str | None = None, average: bool = True) -> torch.Tensor:
+    """Sum (or average) `tensor` over all workers, in place."""
+    name = name or f"allreduce.{next(_names)}"
+    _declare_missing([(name, tensor)])
+    staging = _Staging(tensor)
+    data = staging.load(tensor)
+    _require().push_pull(name, data, data).wait()
+    staging.store(tensor)
+    if average:
+        tensor.div_(size())
+    return tensor
+
+
+def allreduce(tensor: torch.Tensor, name: str | None = None, average: bool = True) -> torch.Tensor:
+    return allreduce_(tensor.detach().clone(), name, average)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    broadcast_parameters([(name or f"broadcast.{next(_names)}", tensor)], root_rank)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    return broadcast_(tensor.detach().clone(), root_rank, name)
+
+
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int
+) -> None:
+    """Overwrite every worker's tensors with `root_rank`'s (a state_dict or named_parameters)."""
+    named = list(params.items()) if isinstance(params, Mapping) else list(params)
+    _declare_missing(named)
+    client = _require()
+    started = []
+    for name, tensor in named:
+        staging = _Staging(tensor)
+        started.append((client.broadcast(name, staging.load(tensor), root_rank), staging, tensor))
+    for handle, staging, tensor in started:
+        handle.wait()
+        staging.store(tensor)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every worker `root_rank`'s optimizer state and numeric hyper-parameters."""
+    named: list[tuple[str, torch.Tensor]] = []
+    scalars: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        for key, value in sorted(group.items()):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                holder = torch.tensor([float(value)], dtype=torch.float64)
+                scalars.append((group, key, holder))
+                named.append((f"optimizer.group{index}.{key}", holder))
+    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    for param, state in optimizer.state.items():
+        for key, value in sorted(state.items()):
+            if torch.is_tensor(value):
+                named.append((f"optimizer.state{order[id(param)]}.{key}", value))
+    broadcast_parameters(named, root_rank)
+    for group, key, holder in scalars:
+        group[key] = type(group[key])(holder.item())
+
+
+# ---------------------------------------------------------------------------- the optimizer
+def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a server needs to apply optimizer class `kind` exactly as torch would for `group`."""
+    if group.get("maximize") or group.get("amsgrad"):
+        raise SluiceError("server-side optimizers support neither maximize nor amsgrad")
+    if kind is torch.optim.SGD:
+        options = {"name": "sgd", **{k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay")}}
+        return {**_as_float(options), "nesterov": bool(group["nesterov"])}
+    if kind is torch.optim.Adam:
+        beta1, beta2 = group["betas"]
+        options = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
+                   "weight_decay": group["weight_decay"]}
+        return {"name": "adam", **_as_float(options)}
+    raise SluiceError(
+        f"with worker.optimizer_on = 'server' the servers run SGD or Adam, not {kind.__name__}; "
+        "use optimizer_on = 'worker' for any other optimizer"
+    )
+
+
+def _as_float(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, str) else float(v)) for k, v in options.items()}
+
+
+class _DistributedMixin:
+    """Mixed in front of the user's optimizer class, so isinstance and LR schedulers keep working."""
+
+    param_groups: list[dict[str, Any]]
+
+    def _sluice_setup(self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        self._sluice_kind = kind
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(params)]
+        else:
+            named = list(named_parameters)
+        self._sluice_names = {id(p): name for name, p in named}
+        if len(self._sluice_names) != len(named):
+            raise SluiceError("named_parameters lists a parameter twice")
+        unnamed = [i for i, p in enumerate(params) if id(p) not in self._sluice_names]
+        if unnamed:
+            raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
+        self._sluice_on_server = _settings.optimizer_on == "server"
+        self._sluice_handles: dict[int, tuple[Handle, Callable[[], None]]] = {}
+        options = {}
+        if self._sluice_on_server:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    options[self._sluice_names[id(p)]] = _server_options(kind, group)
+        in_order = [(self._sluice_names[id(p)], p) for p in params]
+        _declare_missing(in_order, options)
+        if self._sluice_on_server:
+            broadcast_parameters(in_order, root_rank=0)
+        self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._sluice_hook)
+
+    def _sluice_hook(self, param: torch.Tensor) -> None:
+        key = id(param)
+        earlier = self._sluice_handles.pop(key, None) or _pending_params.pop(key, None)
+        if earlier is not None:
+            earlier[0].wait()
+            earlier[1]()
+        grad = param.grad
+        assert grad is not None
+        client, name = _require(), self._sluice_names[key]
+        grad_stage = _Staging(grad)
+        data = grad_stage.load(grad)
+        if self._sluice_on_server:
+            options = _server_options(self._sluice_kind, self._sluice_group[key])
+            param_stage = _Staging(param) if grad_stage.direct else grad_stage
+            handle = client.push_pull(name, data, param_stage.array(), opt=options)
+            self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
+        else:
+            handle = client.push_pull(name, data, data)
+            self._sluice_handles[key] = (handle, lambda: _average_into(grad_stage, grad))
+
+    def synchronize(self) -> None:
+        """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
+        handles, self._sluice_handles = self._sluice_handles, {}
+        for handle, finish in handles.values():
+            handle.wait()
+            finish()
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        if self._sluice_on_server:
+            loss = closure() if closure is not None else None
+            _pending_params.update(self._sluice_handles)
+            self._sluice_handles = {}
+            return loss
+        self.synchronize()
+        return super().step(closure)  # type: ignore[misc, no-any-return]
+
+
+def _average_into(stage: _Staging, grad: torch.Tensor) -> None:
+    stage.store(grad)
+    grad.mul_(1.0 / size())
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers."""
+    _require()
+    base: Any = optimizer.__class__
+    cls: Any = type(base.__name__, (_DistributedMixin, base), {})
+    wrapped: Any = cls.__new__(cls)
+    base.__init__(wrapped, optimizer.param_groups)
+    wrapped._sluice_setup(optimizer.__class__, named_parameters)
+    return wrapped  # type: ignore[no-any-return]
+
+
+def synchronize_parameters() -> None:
+    """Wait for every parameter update still in flight (optimizer on servers), e.g. before saving."""
+    pending = list(_pending_params.items())
+    _pending_params.clear()
+    for _, (handle, finish) in pending:
+        handle.wait()
+        finish()
+
+
+def _wait_for_parameters(module: torch.nn.Module, args: Any) -> None:
+    if not _pending_params:
+        return
+    for param in module._parameters.values():
+        if param is not None:
+            entry = _pending_params.pop(id(param), None)
+            if entry is not None:
+                entry[0].wait()
+                entry[1]()
