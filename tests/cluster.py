@@ -66,18 +66,28 @@ class LocalCluster:
         self.processes.append(process)
         return process
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
-        """Run fn(*args) in every worker; its return values by rank. Raises if any worker fails."""
+    def start_workers(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Fork every worker running fn(*args); the queue their (rank, status, value) reports arrive on."""
         results = _ctx.Queue()
         for rank in range(self.workers):
             self._start(_worker_main, self.env("worker", rank), fn, args, results)
-        out: dict[int, Any] = {}
-        for _ in range(self.workers):
+        return results
+
+    def collect(self, results: Any, count: int, timeout: float) -> dict[int, tuple[str, Any]]:
+        """The first `count` worker reports, by rank; raises queue.Empty if they are late."""
+        out: dict[int, tuple[str, Any]] = {}
+        for _ in range(count):
             rank, status, value = results.get(timeout=timeout)
+            out[rank] = (status, value)
+        return out
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
+        """Run fn(*args) in every worker; its return values by rank. Raises if any worker fails."""
+        reports = self.collect(self.start_workers(fn, *args), self.workers, timeout)
+        for rank, (status, value) in sorted(reports.items()):
             if status != "ok":
                 raise RuntimeError(f"worker {rank} failed: {value}")
-            out[rank] = value
-        return [out[r] for r in range(self.workers)]
+        return [reports[r][1] for r in range(self.workers)]
 
     def wait(self, timeout: float = 20.0) -> list[int | None]:
         """Exit codes of every process once the job has ended by itself."""

@@ -1,0 +1,69 @@
+"""A job with a lost or misconfigured worker ends with an error that names it, never a silent hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.cluster import LocalCluster
+
+HEARTBEAT_TIMEOUT = 3.0
+
+
+def _train_until_stopped(stop_rank: int, stop_after: int) -> dict[str, Any]:
+    from scheduler.errors import SluiceError
+    from worker.client import Client
+
+    client = Client()
+    client.declare([("w", (1000,), "float32", None)])
+    data, out = np.ones(1000, np.float32), np.zeros(1000, np.float32)
+    started = time.monotonic()
+    try:
+        for step in range(10_000):
+            if client.rank == stop_rank and step == stop_after:
+                os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent: only heartbeats can tell
+            client.push_pull("w", data, out).wait()
+            started = time.monotonic()
+    except SluiceError as exc:
+        return {"error": str(exc), "waited": time.monotonic() - started}
+    return {"error": None}
+
+
+@pytest.mark.timeout(60)
+def test_silent_worker_is_detected_and_named() -> None:
+    config = {"scheduler": {"heartbeat_interval": 0.5, "heartbeat_timeout": HEARTBEAT_TIMEOUT}}
+    with LocalCluster(3, 1, config) as cluster:
+        results = cluster.start_workers(_train_until_stopped, 1, 5)
+        reports = cluster.collect(results, 2, timeout=30)
+        for rank in (0, 2):
+            status, value = reports[rank]
+            assert status == "ok" and value["error"], value
+            assert "worker 1" in value["error"] and "heartbeat" in value["error"]
+            assert value["waited"] < HEARTBEAT_TIMEOUT + 3.0
+        exits = [p.exitcode for p in cluster.processes[:2] if (p.join(10) or True)]
+        assert exits == [1, 1], "scheduler and server must exit with an error"
+
+
+def _declare(shape: tuple[int, ...]) -> str:
+    from scheduler.errors import SluiceError
+    from worker.client import Client
+
+    client = Client()
+    try:
+        client.declare([("a", (4,), "float32", None), ("b", shape if client.rank == 2 else (3, 3), "float32", None)])
+    except SluiceError as exc:
+        return str(exc)
+    return "declared"
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_declaration_names_worker_and_tensor() -> None:
+    with LocalCluster(3, 1) as cluster:
+        errors = cluster.run(_declare, (3, 4))
+    for error in errors:
+        assert "worker 2" in error and "'b'" in error and "[3, 4]" in error, error

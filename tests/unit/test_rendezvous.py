@@ -1,0 +1,129 @@
+"""The scheduler's state machine, driven with plain messages and a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.partition import TensorSpec
+from scheduler.rendezvous import Rendezvous, table_mismatch
+from transport.wire import Kind, Message, WireError
+
+CONFIG = SchedulerConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, rendezvous_timeout=30.0)
+
+
+def msg(kind: Kind, **meta: Any) -> Message:
+    return Message(kind, meta=meta)
+
+
+def register(machine: Rendezvous, name: str, role: str, rank: int = -1, now: float = 0.0) -> list[Any]:
+    endpoints = [f"tcp://127.0.0.1:{1000 + len(machine.nodes)}"] if role == "server" else []
+    return machine.on_message(
+        name, msg(Kind.REGISTER, role=role, rank=rank, endpoints=endpoints, pid=1, fingerprint="cfg"), now
+    )
+
+
+def formed(workers: int = 2, servers: int = 1) -> Rendezvous:
+    machine = Rendezvous(workers, servers, 1 << 20, CONFIG, "cfg", now=0.0)
+    for s in range(servers):
+        register(machine, f"s{s}", "server")
+    for w in range(workers):
+        register(machine, f"w{w}", "worker", rank=workers - 1 - w)
+    assert machine.phase == "running"
+    return machine
+
+
+def test_ids_and_ranks_are_assigned_when_all_arrive() -> None:
+    machine = Rendezvous(2, 2, 1 << 20, CONFIG, "cfg", now=0.0)
+    assert register(machine, "a", "worker", rank=1) == []
+    assert register(machine, "b", "server") == []
+    assert register(machine, "c", "server") == []
+    outs = register(machine, "d", "worker")
+    welcome = {peer: m.meta for peer, m in outs}
+    assert {p: (m["role"], m["rank"], m["node_id"]) for p, m in welcome.items()} == {
+        "b": ("server", 0, 1), "c": ("server", 1, 2), "d": ("worker", 0, 3), "a": ("worker", 1, 4),
+    }
+    assert all(m.kind == Kind.WELCOME for _, m in outs)
+
+
+@pytest.mark.parametrize(
+    ("meta", "problem"),
+    [
+        ({"role": "chef"}, "unknown role"),
+        ({"role": "server", "rank": 0, "endpoints": [], "pid": 1, "fingerprint": "cfg"}, "non-empty"),
+        ({"role": "worker", "rank": "x", "endpoints": [], "pid": 1, "fingerprint": "cfg"}, "rank"),
+    ],
+)
+def test_malformed_registration_is_rejected(meta: dict[str, Any], problem: str) -> None:
+    machine = Rendezvous(1, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    with pytest.raises(WireError, match=problem):
+        machine.on_message("x", Message(Kind.REGISTER, meta=meta), 0.0)
+
+
+def test_other_configuration_is_refused() -> None:
+    machine = Rendezvous(1, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    outs = machine.on_message(
+        "x", msg(Kind.REGISTER, role="worker", rank=0, endpoints=[], pid=1, fingerprint="other"), 0.0
+    )
+    assert outs[0][1].kind == Kind.ERROR and "different configuration" in outs[0][1].meta["error"]
+
+
+def test_rendezvous_timeout_counts_who_came() -> None:
+    machine = Rendezvous(2, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    register(machine, "w", "worker")
+    assert machine.on_tick(29.0) == []
+    outs = machine.on_tick(31.0)
+    assert machine.exit_code == 1
+    assert "1 of 2 workers and 0 of 1 servers" in outs[0][1].meta["error"]
+
+
+def test_silent_node_is_declared_lost_to_everyone_else() -> None:
+    machine = formed()
+    machine.on_message("w0", msg(Kind.HEARTBEAT), 4.0)
+    machine.on_message("s0", msg(Kind.HEARTBEAT), 4.0)
+    outs = machine.on_tick(5.5)  # w1 last seen at 0.0
+    assert sorted(peer for peer, _ in outs) == ["s0", "w0"]
+    assert all(m.kind == Kind.NODE_LOST and "worker 0" in m.meta["error"] for _, m in outs)
+    assert machine.phase == "failed"
+
+
+def test_declare_plans_on_servers_before_workers() -> None:
+    machine = formed(workers=2, servers=1)
+    table = [["b", [2], "float32", None], ["a", [3], "float32", {"name": "sgd", "lr": 0.1}]]
+    assert machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=table), 1.0) == []
+    outs = machine.on_message("w1", msg(Kind.DECLARE, seq=0, tensors=list(reversed(table))), 1.0)
+    assert [(p, m.kind) for p, m in outs] == [("s0", Kind.PLAN)]
+    shard = outs[0][1].meta["tensors"]
+    assert sorted(t[1] for t in shard) == ["a", "b"]
+    outs = machine.on_message("s0", msg(Kind.PLAN_ACK, seq=0), 1.0)
+    assert sorted(p for p, _ in outs) == ["w0", "w1"]
+    plan = outs[0][1].meta["tensors"]
+    # w1 holds rank 0 (formed() hands ranks out in reverse), so its order sets keys and priorities
+    assert [(k, name, priority) for k, name, _, _, priority, _ in plan] == [(0, "a", 0), (1, "b", 1)]
+
+
+def test_table_mismatch_in_words() -> None:
+    ref = [TensorSpec("a", (2,), "float32"), TensorSpec("b", (3,), "float32")]
+    assert table_mismatch(ref, list(reversed(ref)), 1) is None
+    assert "does not declare tensor 'b'" in str(table_mismatch(ref, ref[:1], 1))
+    assert "as float16[2]" in str(table_mismatch(ref, [TensorSpec("a", (2,), "float16"), ref[1]], 3))
+    assert "'c' that worker 0 does not" in str(table_mismatch(ref, [*ref, TensorSpec("c", (1,), "int8")], 1))
+
+
+def test_barrier_releases_when_all_arrive_and_bye_ends_the_job() -> None:
+    machine = formed()
+    assert machine.on_message("w0", msg(Kind.BARRIER, name="x"), 1.0) == []
+    outs = machine.on_message("w1", msg(Kind.BARRIER, name="x"), 1.0)
+    assert sorted((p, m.kind) for p, m in outs) == [("w0", Kind.RELEASE), ("w1", Kind.RELEASE)]
+    assert machine.on_message("w0", msg(Kind.BYE), 2.0) == []
+    outs = machine.on_message("w1", msg(Kind.BYE), 2.0)
+    assert [(p, m.kind) for p, m in outs] == [("s0", Kind.SHUTDOWN)]
+    assert machine.exit_code == 0
+
+
+def test_unregistered_peer_is_rejected() -> None:
+    machine = formed()
+    with pytest.raises(WireError, match="unregistered"):
+        machine.on_message("stranger", msg(Kind.HEARTBEAT), 1.0)
