@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/sluice launch -w 4 -s 2 -- $(PY) examples/train_digits.py --epochs 12
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check ps worker transport scheduler launch tests bench examples
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
 

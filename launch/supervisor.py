@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, TextIO
 
 from launch.config import SluiceConfig
 from scheduler.bootstrap import NodeEnv
+from transport.shm import remove_segments_of
 
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 20
@@ -113,6 +114,7 @@ class _Child:
 
     async def _wait(self) -> int:
         code = await self.proc.wait()
+        remove_segments_of(self.proc.pid)  # shared memory a killed process could not unlink itself
         # a grandchild may hold the pipe open after the child exits: do not wait for it forever
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.pump), 1.0)

@@ -23,12 +23,12 @@ class Server:
     def __init__(self, env: NodeEnv) -> None:
         self.settings = ServerConfig(**env.section("ps"))
         self.control_settings = SchedulerConfig(**env.section("scheduler"))
-        self.store = ShardStore(node_id=-1, workers=env.workers, sync=self.settings.sync)
         self.done = threading.Event()
         self.exit_code = 0
         self.rejected = 0
         name = f"server-{socket.gethostname()}-{os.getpid()}"
         self.transport = open_transport(name, env.transport_config(), self._on_message)
+        self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
         self.control = ControlClient(
             self.transport, env, self.control_settings, on_fatal=self._on_fatal, on_message=self._on_control
         )

@@ -8,6 +8,7 @@ and updated in float32 and rounded back to nearest-even.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +63,12 @@ class Chunk:
 
 
 class ShardStore:
-    def __init__(self, node_id: int, workers: int, sync: bool) -> None:
+    def __init__(
+        self, node_id: int, workers: int, sync: bool, alloc: Callable[[int], np.ndarray] | None = None
+    ) -> None:
         self.node_id, self.workers, self.sync = node_id, workers, sync
+        #: zeroed uint8 buffers; the server passes the transport's, so replies need no copy
+        self._alloc = alloc or (lambda nbytes: np.zeros(nbytes, np.uint8))
         self.chunks: dict[tuple[int, int], Chunk] = {}
         #: worker node id -> (transport peer name, worker rank)
         self.worker_ids: dict[int, tuple[str, int]] = {}
@@ -75,11 +80,12 @@ class ShardStore:
             for chunk, length in chunks:
                 if (key, chunk) in self.chunks:
                     continue
-                compute = np.float32 if dtype == "bfloat16" else STORAGE[dtype]
+                storage = np.dtype(STORAGE[dtype])
+                compute = np.dtype(np.float32) if dtype == "bfloat16" else storage
                 self.chunks[(key, chunk)] = Chunk(
                     key, chunk, name, dtype,
-                    value=np.zeros(length, STORAGE[dtype]),
-                    accum=np.zeros(length, compute),
+                    value=self._alloc(length * storage.itemsize).view(storage),
+                    accum=self._alloc(length * compute.itemsize).view(compute),
                     optimizer=optimizer,
                 )
 

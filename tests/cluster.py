@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler.bootstrap import NodeEnv
+from transport.shm import remove_segments_of
 
 _ctx = mp.get_context("fork")
 
@@ -100,6 +101,7 @@ class LocalCluster:
             if process.is_alive():
                 os.kill(process.pid, signal.SIGKILL)
             process.join(5)
+            remove_segments_of(process.pid)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from transport.config import TransportConfig
 from transport.wire import Message
 
 #: called on the transport's I/O thread for every valid message: (peer name, channel, message).
-#: It must not block; the payload is a zero-copy view that stays valid while referenced.
+#: It must not block, and must be done with the payload when it returns: the payload is a zero-copy
+#: view (of a received frame, or of the sender's shared memory, which the sender reuses once acked).
 Handler = Callable[[str, int, Message], None]
 
 
@@ -29,6 +32,13 @@ class Transport(Protocol):
         """Queue `msg` for `peer` on `channel`, ordered by msg.priority; thread-safe, never blocks.
 
         The payload buffer is sent zero-copy: the caller must not change it until the peer replies.
+        """
+        ...
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A zeroed uint8 buffer that payloads can be sent from without a copy (shared memory).
+
+        Such a buffer must not change while a message sent from it is unacknowledged.
         """
         ...
 

@@ -21,6 +21,8 @@ class TransportConfig:
     host: str = "127.0.0.1"
     #: "zmq" is the only backend today; the name picks the Transport implementation
     backend: str = "zmq"
+    #: payloads to peers on this host travel through shared memory (/dev/shm) instead of sockets
+    shm: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.channels <= 8:

@@ -16,7 +16,8 @@ Layout of a message (a ZeroMQ multipart message):
                 nbytes    int >= 0, length of the payload frame
                 flags     int >= 0, a bit set of Flag values
                 meta      nil or a map with str keys of plain msgpack values (control messages)
-    frame 1   raw tensor bytes (only when dtype != ""), sent and received zero-copy
+    frame 1   raw tensor bytes (only when dtype != ""), sent and received zero-copy; or, when flags
+              has SHM, a msgpack [segment name, offset] naming where the nbytes lie in shared memory
 
 msgpack is decoded with no extension or object hooks, so decoding never runs code.
 """
@@ -80,6 +81,10 @@ class Flag(IntFlag):
     NONE = 0
     #: a PUSH that also asks for the round's result, saving a PULL message
     WANT_REPLY = 1
+    #: frame 1 is a shared-memory descriptor, not the payload itself (transport/shm.py)
+    SHM = 2
+    #: the sender is on this host and reads shared memory: replies may use SHM
+    LOCAL = 4
 
 
 class WireError(ValueError):
@@ -99,15 +104,20 @@ class Message:
     flags: int = 0
     meta: dict[str, Any] | None = None
     payload: Any = None  # any object with the buffer protocol; a memoryview after decode
+    #: (segment name, offset, nbytes) of a payload in shared memory; set by the transport only
+    shm: tuple[str, int, int] | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.shm is not None:
+            return self.shm[2]
         return 0 if self.payload is None else memoryview(self.payload).nbytes
 
 
 def encode(msg: Message) -> list[Any]:
     """Frames for `msg`; the payload frame is the caller's buffer itself (no copy)."""
     nbytes = msg.nbytes
+    flags = int(msg.flags) | Flag.SHM if msg.shm is not None else int(msg.flags) & ~Flag.SHM
     header = msgpack.packb(
         [
             VERSION,
@@ -120,10 +130,12 @@ def encode(msg: Message) -> list[Any]:
             msg.dtype,
             list(msg.shape),
             nbytes,
-            int(msg.flags),
+            flags,
             msg.meta,
         ]
     )
+    if msg.shm is not None:
+        return [header, msgpack.packb([msg.shm[0], msg.shm[1]])]
     if msg.payload is None:
         return [header]
     return [header, msg.payload]
@@ -182,14 +194,29 @@ def decode(frames: Sequence[Any]) -> Message:
         raise WireError(f"dtype {dtype!r:.20} is not one of {sorted(DTYPES)}")
     if len(frames) != 2:
         raise WireError(f"a {dtype} message needs exactly one payload frame")
-    payload = _payload_view(frames[1])
-    if payload.nbytes != declared:
-        raise WireError(f"header declares {declared} payload bytes, frame has {payload.nbytes}")
     if math.prod(msg.shape) * DTYPES[dtype] != declared:
         raise WireError(f"shape {msg.shape} of {dtype} does not match {declared} bytes")
     msg.dtype = dtype
+    if msg.flags & Flag.SHM:
+        msg.shm = _descriptor(_payload_view(frames[1]), declared)
+        return msg
+    payload = _payload_view(frames[1])
+    if payload.nbytes != declared:
+        raise WireError(f"header declares {declared} payload bytes, frame has {payload.nbytes}")
     msg.payload = payload
     return msg
+
+
+def _descriptor(frame: memoryview, nbytes: int) -> tuple[str, int, int]:
+    if frame.nbytes > 256:
+        raise WireError("shared-memory descriptor too long")
+    try:
+        fields = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:
+        raise WireError(f"shared-memory descriptor is not valid msgpack: {type(exc).__name__}") from None
+    if not (isinstance(fields, list) and len(fields) == 2 and isinstance(fields[0], str)):
+        raise WireError("shared-memory descriptor must be [segment name, offset]")
+    return fields[0], _int_field(fields[1], "offset", 0, MAX_INT), nbytes
 
 
 def meta_field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:

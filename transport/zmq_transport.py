@@ -22,12 +22,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import zmq
 
 from transport.base import Handler
 from transport.config import TransportConfig
 from transport.sendqueue import ChannelQueue
-from transport.wire import Kind, Message, WireError, decode, encode
+from transport.shm import SharedPayloads
+from transport.wire import Flag, Kind, Message, WireError, decode, encode
 
 log = logging.getLogger("sluice.transport")
 
@@ -36,6 +38,7 @@ _HWM = 100_000
 _LINGER_MS = 2000
 
 Route = tuple[str, int]  # (peer name, channel)
+_LOCAL_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://")
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -68,9 +71,12 @@ class ZmqTransport:
         self._dealers: dict[str, list[zmq.Socket[bytes]]] = {}
         self._router_idents: dict[str, bytes] = {}
         self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
-        self._queues: dict[Route, ChannelQueue[Frames]] = {}
+        self._queues: dict[Route, ChannelQueue[Message]] = {}
         self._active: set[Route] = set()
-        self._outbox: deque[tuple[Route, int, int, Frames]] = deque()
+        self._outbox: deque[tuple[Route, Message]] = deque()
+        #: peers on this host that read our shared memory (None: shared memory is off)
+        self._local: set[str] | None = set() if config.shm else None
+        self._shared = SharedPayloads(2 * config.inflight_bytes + config.chunk_bytes)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._unacked: dict[Route, int] = defaultdict(int)
         self._sent = [0] * config.channels
@@ -94,8 +100,13 @@ class ZmqTransport:
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
             raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
-        self._outbox.append(((peer, channel), msg.priority, msg.nbytes, encode(msg)))
+        self._outbox.append(((peer, channel), msg))
         self._notify()
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        if self._local is None:
+            return np.zeros(nbytes, np.uint8)
+        return self._shared.registry.alloc(nbytes)
 
     def stats(self) -> dict[str, list[int]]:
         return {"sent_bytes": list(self._sent), "received_bytes": list(self._received)}
@@ -159,6 +170,8 @@ class ZmqTransport:
         if not endpoints:
             raise ValueError(f"no endpoints given for peer {peer}")
         socks = []
+        if self._local is not None and all(e.startswith(_LOCAL_HOSTS) for e in endpoints):
+            self._local.add(peer)
         for channel, endpoint in enumerate(endpoints[: self.config.channels]):
             sock = self._socket(zmq.DEALER, channel)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -214,17 +227,25 @@ class ZmqTransport:
                 self._router_idents[source] = ident
             try:
                 msg = decode(frames)
+                if msg.shm is not None:
+                    self._unacked[(source, channel)] += msg.shm[2]
+                    msg.payload = self._map_shared(msg.shm)
+                    msg.shm = None
             except WireError as exc:
                 log.warning("dropped a message from %r on channel %d: %s", source, channel, exc)
                 continue
+            if msg.flags & Flag.LOCAL and self._local is not None and peer is None:
+                self._local.add(source)
             if msg.kind == Kind.ACK:
                 queue = self._queues.get((source, channel))
                 if queue is not None:
                     queue.ack(msg.round)
+                    self._shared.acked((source, channel), msg.round)
                     self._active.add((source, channel))
                 continue
             if msg.payload is not None:
-                self._unacked[(source, channel)] += msg.payload.nbytes
+                if not msg.flags & Flag.SHM:
+                    self._unacked[(source, channel)] += msg.payload.nbytes
                 self._received[channel] += msg.payload.nbytes
             try:
                 self._handler(source, channel, msg)
@@ -236,27 +257,26 @@ class ZmqTransport:
             return
         pending, self._unacked = self._unacked, defaultdict(int)
         for route, nbytes in pending.items():
-            frames = encode(Message(Kind.ACK, key=route[1], round=nbytes))
-            if not self._send_now(route, frames):
+            if not self._send_frames(route, encode(Message(Kind.ACK, key=route[1], round=nbytes))):
                 self._unacked[route] += nbytes
 
     def _drain_outbox(self) -> None:
         while self._outbox:
-            (peer, channel), priority, nbytes, frames = self._outbox.popleft()
+            (peer, channel), msg = self._outbox.popleft()
             dealers = self._dealers.get(peer)
             route = (peer, min(channel, len(dealers) - 1)) if dealers else (peer, channel)
             queue = self._queues.get(route)
             if queue is None:
                 queue = self._queues[route] = ChannelQueue(self.config.inflight_bytes)
-            queue.push(priority, nbytes, frames)
+            queue.push(msg.priority, msg.nbytes, msg)
             self._active.add(route)
 
     def _pump(self) -> None:
         for route in list(self._active):
             queue = self._queues[route]
             ready = queue.pop_ready()
-            for index, (_, nbytes, frames) in enumerate(ready):
-                if not self._send_now(route, frames):
+            for index, (_, nbytes, msg) in enumerate(ready):
+                if not self._send_message(route, msg):
                     for priority, later_bytes, later in reversed(ready[index:]):
                         queue.push_front(priority, later_bytes, later)
                     break
@@ -264,7 +284,36 @@ class ZmqTransport:
             if not len(queue):
                 self._active.discard(route)
 
-    def _send_now(self, route: Route, frames: Frames) -> bool:
+    def _map_shared(self, descriptor: tuple[str, int, int]) -> memoryview:
+        try:
+            return self._shared.mapper.view(*descriptor)
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
+
+    def _send_message(self, route: Route, msg: Message) -> bool:
+        """Encode and send one queued message, its payload through shared memory for local peers."""
+        local = self._local is not None and route[0] in self._local
+        if local and route[0] in self._dealers:
+            msg.flags |= Flag.LOCAL
+        descriptor: tuple[str, int, int] | None = None
+        if local and msg.payload is not None:
+            placed = self._shared.prepare(route, memoryview(msg.payload))
+            if placed is False:
+                return False  # the ring is full until the peer acknowledges older payloads
+            descriptor = placed
+        nbytes = msg.nbytes
+        msg.shm = descriptor
+        try:
+            sent = self._send_frames(route, encode(msg))
+        finally:
+            msg.shm = None
+        if not sent:
+            self._shared.unsent(route, descriptor)
+        elif nbytes:
+            self._shared.sent(route, nbytes, descriptor)
+        return sent
+
+    def _send_frames(self, route: Route, frames: Frames) -> bool:
         """Hand frames to ZeroMQ without blocking; False when the socket is full (retry later)."""
         peer, channel = route
         dealers = self._dealers.get(peer)
@@ -287,6 +336,7 @@ class ZmqTransport:
             raise
 
     def _shutdown(self) -> None:
+        self._shared.close()
         for sock in list(self._socket_channel):
             sock.close(linger=_LINGER_MS if self._stop_at is not None else 0)
         self._ctx.term()

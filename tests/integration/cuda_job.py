@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 
 import worker.torch_shim as hvd

@@ -1,0 +1,237 @@
+"""Shared-memory payloads between peers on one host: registered buffers, send rings, read-only maps.
+
+On one machine a parameter server moves twice the bytes of a ring all-reduce (worker -> server ->
+worker), and over loopback TCP every byte is copied by the kernel twice. Here a payload instead lies
+in a /dev/shm segment and the ZeroMQ message carries only (segment, offset): a registered buffer (the
+server's published values) is sent with no copy at all, any other payload is copied once into a
+per-route ring whose space the receiver's credit acknowledgements free again, in FIFO order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import re
+import secrets
+import threading
+from collections import deque
+from typing import Literal
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^sluice-(\d+)-\d+-[0-9a-f]{8}$")
+_ALIGN = 64
+_ARENA_BYTES = 64 << 20
+_MAX_MAPPED = 4096
+_counter = itertools.count()
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def valid_segment_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
+def remove_segments_of(pid: int) -> int:
+    """Delete the segments a (dead) process left behind; the launcher calls this for every child."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        match = _NAME.match(name)
+        if match and int(match.group(1)) == pid:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+class Segment:
+    """A /dev/shm file of ours, mapped read-write; unlinked on close."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"sluice-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.bytes = np.frombuffer(self._map, np.uint8)
+        self.address = self.bytes.__array_interface__["data"][0]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class Ring:
+    """FIFO space allocator over one segment: allocations are freed in the order they were made."""
+
+    def __init__(self, size: int) -> None:
+        self.segment = Segment(size)
+        self._live: deque[tuple[int, int]] = deque()  # (start, end) of each allocation, oldest first
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of `nbytes` of contiguous free space, or None until older allocations are freed."""
+        size, cap = _round_up(max(nbytes, 1)), self.segment.size
+        if not self._live:
+            start = 0 if size <= cap else None
+        else:
+            head, tail = self._live[-1][1], self._live[0][0]
+            if head > tail:  # live data is one block [tail, head)
+                start = head if cap - head >= size else (0 if tail >= size else None)
+            else:  # live data wraps around the end
+                start = head if tail - head >= size else None
+        if start is not None:
+            self._live.append((start, start + size))
+        return start
+
+    def free_oldest(self) -> None:
+        self._live.popleft()
+
+    def free_newest(self) -> None:
+        self._live.pop()
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class Registry:
+    """Buffers callers allocate in shared memory, so sending them needs no copy (bump arenas)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._segments: list[Segment] = []
+        self._used = 0
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        size = _round_up(max(nbytes, 1))
+        with self._lock:
+            if size > _ARENA_BYTES:
+                segment = Segment(size)
+                self._segments.append(segment)
+                return segment.bytes[:nbytes]
+            if not self._segments or self._segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
+                self._segments.append(Segment(_ARENA_BYTES))
+                self._used = 0
+            start, self._used = self._used, self._used + size
+            return self._segments[-1].bytes[start : start + nbytes]
+
+    def locate(self, buffer: memoryview) -> tuple[str, int] | None:
+        """(segment name, offset) if `buffer` lies inside a registered segment."""
+        if not self._segments:
+            return None
+        address = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+        for segment in self._segments:
+            offset = address - segment.address
+            if offset >= 0 and offset + buffer.nbytes <= segment.size:
+                return segment.name, offset
+        return None
+
+    def close(self) -> None:
+        for segment in self._segments:
+            segment.close()
+
+
+class Mapper:
+    """Peers' segments mapped read-only on first use; every descriptor is bounds-checked."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, memoryview] = {}
+
+    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
+        """The payload a descriptor names; ValueError if the name or bounds are not acceptable."""
+        mapped = self._maps.get(name)
+        if mapped is None:
+            if not valid_segment_name(name):
+                raise ValueError(f"segment name {name!r:.60} is not a Sluice segment")
+            if len(self._maps) >= _MAX_MAPPED:
+                raise ValueError("too many shared-memory segments mapped")
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+            except OSError as exc:
+                raise ValueError(f"segment {name} cannot be opened: {exc.strerror}") from None
+            try:
+                size = os.fstat(fd).st_size
+                mapped = memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ)) if size else memoryview(b"")
+            finally:
+                os.close(fd)
+            self._maps[name] = mapped
+        if offset + nbytes > mapped.nbytes:
+            raise ValueError(f"descriptor [{offset}, {offset + nbytes}) lies outside segment {name} of {mapped.nbytes}")
+        return mapped[offset : offset + nbytes]
+
+
+Route = tuple[str, int]
+
+#: below this a payload travels inline: a small ZeroMQ frame costs less than the bookkeeping
+SHM_MIN_BYTES = 16 << 10
+
+
+class SharedPayloads:
+    """One transport's shared-memory state: its registered buffers, a ring per route, peers' maps."""
+
+    def __init__(self, ring_bytes: int) -> None:
+        self.ring_bytes = ring_bytes
+        self.registry = Registry()
+        self.mapper = Mapper()
+        self._rings: dict[Route, Ring] = {}
+        #: per route, the payload messages sent and not yet acknowledged: (nbytes, used the ring)
+        self._unacked: dict[Route, deque[tuple[int, bool]]] = {}
+
+    def prepare(self, route: Route, payload: memoryview) -> tuple[str, int, int] | Literal[False] | None:
+        """Where `payload` goes for `route`: a descriptor, None to send it inline, False if no room yet."""
+        nbytes = payload.nbytes
+        if nbytes < SHM_MIN_BYTES:
+            return None
+        found = self.registry.locate(payload)
+        if found is not None:
+            return found[0], found[1], nbytes
+        ring = self._rings.get(route)
+        if ring is None:
+            if nbytes > self.ring_bytes:
+                return None
+            ring = self._rings[route] = Ring(self.ring_bytes)
+        if nbytes > ring.segment.size:
+            return None
+        offset = ring.alloc(nbytes)
+        if offset is None:
+            return False
+        ring.segment.bytes[offset : offset + nbytes] = np.frombuffer(payload, np.uint8)
+        return ring.segment.name, offset, nbytes
+
+    def sent(self, route: Route, nbytes: int, descriptor: tuple[str, int, int] | None) -> None:
+        ring = self._rings.get(route)
+        used_ring = descriptor is not None and ring is not None and descriptor[0] == ring.segment.name
+        self._unacked.setdefault(route, deque()).append((nbytes, used_ring))
+
+    def unsent(self, route: Route, descriptor: tuple[str, int, int] | None) -> None:
+        """ZeroMQ refused a prepared message: give its ring space back."""
+        ring = self._rings.get(route)
+        if descriptor is not None and ring is not None and descriptor[0] == ring.segment.name:
+            ring.free_newest()
+
+    def acked(self, route: Route, nbytes: int) -> None:
+        pending = self._unacked.get(route)
+        while pending and pending[0][0] <= nbytes:
+            size, used_ring = pending.popleft()
+            nbytes -= size
+            if used_ring:
+                self._rings[route].free_oldest()
+
+    def close(self) -> None:
+        for ring in self._rings.values():
+            ring.close()
+        self.registry.close()
