@@ -141,6 +141,25 @@ def encode(msg: Message) -> list[Any]:
     return [header, msg.payload]
 
 
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _check_plain(value: object, depth: int) -> None:
+    """Only nil, bool, numbers, strings, bytes, lists and str-keyed maps: no extension types."""
+    if depth > 16:
+        raise WireError("meta is nested too deeply")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) is not str:
+                raise WireError(f"meta keys must be strings, got {type(key).__name__}")
+            _check_plain(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_plain(item, depth + 1)
+    elif type(value) not in _PLAIN:
+        raise WireError(f"meta holds a {type(value).__name__}, which the wire format does not allow")
+
+
 def _int_field(value: object, name: str, low: int, high: int = MAX_INT) -> int:
     if type(value) is not int or not low <= value < high:
         raise WireError(f"field {name!r} must be an int in [{low}, {high}), got {value!r:.40}")
@@ -166,7 +185,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if not isinstance(fields, list) or len(fields) != HEADER_FIELDS:
         raise WireError("header must be a msgpack array of 12 fields")
     version, kind, sender, key, chunk, rnd, priority, dtype, shape, nbytes, flags, meta = fields
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:
         raise WireError(f"protocol version {version!r:.20} is not {VERSION}")
     if type(kind) is not int or kind not in Kind._value2member_map_:
         raise WireError(f"unknown message kind {kind!r:.20}")
@@ -179,8 +198,10 @@ def decode(frames: Sequence[Any]) -> Message:
         priority=_int_field(priority, "priority", 0, 1 << 31),
         flags=_int_field(flags, "flags", 0, 1 << 16),
     )
-    if meta is not None and not isinstance(meta, dict):
-        raise WireError("meta must be nil or a map")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise WireError("meta must be nil or a map")
+        _check_plain(meta, 0)
     msg.meta = meta
     declared = _int_field(nbytes, "nbytes", 0, MAX_PAYLOAD_BYTES)
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
