@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,9 @@ def _server_main(env: NodeEnv) -> None:
 
 def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     os.environ.update(env.to_environ())
+    torch = sys.modules.get("torch")
+    if torch is not None:  # an OpenMP pool the parent started does not survive fork: stay single-threaded
+        torch.set_num_threads(1)
     code = 0
     try:
         results.put((env.rank, "ok", fn(*args)))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.cluster import LocalCluster
-from tests.integration.training import train_distributed, train_single
+from tests.integration.training import record_pushes, train_distributed, train_single
 
 STEPS, BATCH = 20, 32
 
@@ -26,3 +26,33 @@ def test_distributed_matches_single_process(optimizer_on: str, optimizer: str, w
     assert len(results[0]["digests"]) == STEPS
     for got, want in zip(results[0]["params"], reference, strict=True):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+    if optimizer_on == "server":  # step() returned before the updates: each forward waited for them
+        assert results[0]["waits_in_forward"] == 4 * (STEPS - 1)
+
+
+@pytest.mark.timeout(120)
+def test_asynchronous_mode_with_one_worker_matches_single_process() -> None:
+    reference = train_single(STEPS, BATCH, "sgd")
+    config = {"worker": {"optimizer_on": "server"}, "ps": {"sync": False}}
+    with LocalCluster(1, 2, config) as cluster:
+        (result,) = cluster.run(train_distributed, STEPS, BATCH, "sgd")
+    for got, want in zip(result["params"], reference, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_asynchronous_mode_trains_with_several_workers() -> None:
+    config = {"worker": {"optimizer_on": "server"}, "ps": {"sync": False}}
+    with LocalCluster(3, 1, config) as cluster:
+        results = cluster.run(train_distributed, STEPS, BATCH // 2, "sgd")
+    for result in results:
+        assert all(np.isfinite(p).all() for p in result["params"])
+
+
+@pytest.mark.timeout(60)
+def test_gradients_are_pushed_from_autograd_hooks_during_backward() -> None:
+    with LocalCluster(2, 1) as cluster:
+        pushes = cluster.run(record_pushes, 3)[0]
+    assert all(during for _, during in pushes), "a gradient was pushed after backward() returned"
+    # the last layer's gradients are ready (and pushed) before the first layer's
+    assert [name for name, _ in pushes[:4]] == ["2.bias", "2.weight", "0.bias", "0.weight"]

@@ -297,3 +297,28 @@ def test_role_without_environment_fails_clearly() -> None:
                             capture_output=True, text=True, timeout=20)
     assert result.returncode == 1
     assert "sluice server: error: SLUICE_SCHEDULER is not set" in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_mid_training_ends_the_job_within_15_s(launch: type[Launch]) -> None:
+    demo = str(ROOT / "examples" / "train_digits.py")
+    job = launch([*_job(4, 2), "--", sys.executable, demo, "--epochs", "200"])
+    job.wait_line(r"^\[worker 0\] epoch  1 ", timeout=60)
+    pids = job.snapshot()
+    victim = next(p for p in pids if "train_digits.py" in _cmdline(p) and _worker_rank(p) == 2)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = job.finish(15)
+    assert code != 0 and time.monotonic() - killed_at < 15
+    assert f"worker 2 (pid {victim}) was killed by SIGKILL" in job.stderr()
+    job.assert_none_left()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"sluice-{victim}-")], "shared memory left behind"
+
+
+def _worker_rank(pid: int) -> int:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return -1
+    ranks = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"SLUICE_RANK=")]
+    return int(ranks[0]) if ranks else -1

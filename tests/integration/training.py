@@ -64,14 +64,49 @@ def train_distributed(steps: int, batch: int, optimizer: str) -> dict[str, Any]:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = global_batches(steps, batch)
     per = batch // hvd.size()
-    digests = []
+    digests, waits_in_forward = [], 0
     for step in range(steps):
         start = step * batch + hvd.rank() * per
         opt.zero_grad()
-        F.mse_loss(model(x[start : start + per]), y[start : start + per]).backward()
+        waits_in_forward += len(hvd._pending_params)
+        # with the optimizer on the servers, the forward pre-hooks wait for each layer's parameters
+        loss = F.mse_loss(model(x[start : start + per]), y[start : start + per])
+        assert not hvd._pending_params
+        if step:
+            digests.append(digest(model))  # the parameters after step - 1
+        loss.backward()
         opt.step()
-        hvd.synchronize_parameters()
-        digests.append(digest(model))
+    hvd.synchronize_parameters()
+    digests.append(digest(model))
     params = [p.detach().clone().numpy() for p in model.parameters()]
     hvd.shutdown()
-    return {"params": params, "digests": digests}
+    return {"params": params, "digests": digests, "waits_in_forward": waits_in_forward}
+
+
+def record_pushes(steps: int) -> list[tuple[str, bool]]:
+    """(tensor name, pushed while backward() was still running) for every push of every step."""
+    import worker.torch_shim as hvd
+
+    hvd.init()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_optimizer(model, "sgd"), named_parameters=model.named_parameters())
+    client = hvd._require()
+    pushes: list[tuple[str, bool]] = []
+    in_backward = False
+    original = client.push_pull
+
+    def recording(name: str, *args: Any, **kwargs: Any) -> Any:
+        pushes.append((name, in_backward))
+        return original(name, *args, **kwargs)
+
+    client.push_pull = recording  # type: ignore[method-assign]
+    x, y = global_batches(steps, 8)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x[step * 8 : step * 8 + 8]), y[step * 8 : step * 8 + 8])
+        in_backward = True
+        loss.backward()
+        in_backward = False
+        opt.step()
+    hvd.shutdown()
+    return pushes
