@@ -122,17 +122,20 @@ class ShardStore:
 
     def _push(self, chunk: Chunk, rank: int, peer: str, channel: int, msg: Message) -> list[Reply]:
         data = self._payload(chunk, msg)
+        optimizer = chunk.optimizer
         if msg.meta and "opt" in msg.meta:
             try:
-                chunk.optimizer = make_optimizer(msg.meta["opt"]) if msg.meta["opt"] else None
+                optimizer = make_optimizer(msg.meta["opt"]) if msg.meta["opt"] else None
             except (ValueError, TypeError, AttributeError) as exc:
                 raise WireError(f"bad optimizer settings for {chunk.describe()}: {exc}") from None
-        if not self.sync and chunk.optimizer is not None:
+        if not self.sync and optimizer is not None:
+            chunk.optimizer = optimizer
             return self._apply_async(chunk, data, Waiter(peer, channel, msg.round, msg.priority), msg.flags)
         if msg.round != chunk.round + 1:
             raise WireError(f"push for round {msg.round} of {chunk.describe()}, which is at round {chunk.round}")
         if rank in chunk.pushed:
             raise WireError(f"worker {rank} pushed {chunk.describe()} twice in round {msg.round}")
+        chunk.optimizer = optimizer  # only a push that is taken may change the settings
         wide = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data
         if not chunk.pushed:
             np.copyto(chunk.accum, wide)

@@ -34,6 +34,7 @@ from transport.wire import Flag, Kind, Message, WireError, decode, encode
 log = logging.getLogger("sluice.transport")
 
 _RECV_BATCH = 64
+_MAX_ROUTER_PEERS = 4096
 _HWM = 100_000
 _LINGER_MS = 2000
 
@@ -221,10 +222,13 @@ class ZmqTransport:
             except zmq.Again:
                 return
             source = peer
-            if source is None:  # a ROUTER: the first frame names the sender
+            if source is None:  # a ROUTER: the first frame names the sender, as the sender chose it
                 ident = frames.pop(0).bytes
                 source = ident.decode("utf-8", "replace")
-                self._router_idents[source] = ident
+                if source in self._dealers:
+                    log.warning("dropped a message whose sender calls itself %r, a peer we connected to", source)
+                    continue
+                self._remember(source, ident)
             try:
                 msg = decode(frames)
                 if msg.shm is not None:
@@ -251,6 +255,12 @@ class ZmqTransport:
                 self._handler(source, channel, msg)
             except Exception:
                 log.exception("handling %s from %s failed; message dropped", msg.kind.name, source)
+
+    def _remember(self, source: str, ident: bytes) -> None:
+        """Keep the identity a ROUTER needs to reply; bounded, so a flood of strangers cannot grow it."""
+        if source not in self._router_idents and len(self._router_idents) >= _MAX_ROUTER_PEERS:
+            del self._router_idents[next(iter(self._router_idents))]
+        self._router_idents[source] = ident
 
     def _flush_acks(self) -> None:
         if not self._unacked:
@@ -330,8 +340,8 @@ class ZmqTransport:
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                log.error("peer %r is not connected; message dropped", peer)
+            if exc.errno == zmq.EHOSTUNREACH:  # it left (or never was): acks to it are expected to fail
+                log.debug("peer %r is not connected; message dropped", peer)
                 return True
             raise
 

@@ -1,0 +1,154 @@
+"""A running job under attack: malformed and forged messages are rejected and logged, training is unharmed.
+
+The requirement: a raw ZeroMQ client sends a running server malformed messages (wrong version,
+truncated header, random bytes, sizes that do not match the frames, an unknown dtype, an unknown key,
+a huge declared length). Each is rejected and logged; the server keeps serving and a training run
+alongside ends with the same parameters as without the attack.
+
+The forked servers log through `logging` to the stderr they inherit from this process, so the test
+configures a stderr handler before the cluster starts and reads the process-level stderr (capfd).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.cluster import LocalCluster
+from tests.integration.attack import train_under_attack
+from tests.integration.training import train_single
+
+STEPS, BATCH = 20, 32
+WORKERS, SERVERS = 2, 2
+
+#: what the servers' log must say for each kind of attack (wording of transport/wire.py and ps/store.py)
+LOGGED = {
+    "wrong version": "protocol version 2 is not 1",
+    "truncated header, random bytes": "header is not valid msgpack",
+    "sizes that do not match the frames": "payload bytes, frame has",
+    "shape against bytes": "does not match",
+    "unknown dtype": "dtype 'complex64' is not one of",
+    "huge declared length": "field 'nbytes' must be an int",
+    "three frames": "expected 1 or 2 frames",
+    "unknown kind": "unknown message kind 77",
+    "negative key": "field 'key' must be an int",
+    "shared-memory descriptor not msgpack": "shared-memory descriptor is not valid msgpack",
+    "shared-memory path traversal": "'../../../etc/passwd' is not a Sluice segment",
+    "unknown shared-memory segment": "segment sluice-1-0-00000000 cannot be opened",
+    "outside a shared-memory segment": "lies outside segment",
+    "not a worker of the job": "is not a worker of this job",
+    "unknown key": "unknown key 1048576",
+    "round that is not the next": "push for round 1099511627776",
+    "wrong dtype or shape": "message carries float64",
+    "kind a server does not take": "a server does not take REPLY messages",
+}
+
+
+@contextlib.contextmanager
+def warnings_to_stderr() -> Iterator[None]:
+    """Warnings (and the servers' exit summary) to this process's stderr, for forked children to inherit.
+
+    A handler of our own rather than logging.basicConfig(force=True): that would close pytest's own
+    logging handlers for the rest of the session. Entered inside the test, where sys.stderr is capfd's.
+    """
+    root, server_log = logging.getLogger(), logging.getLogger("sluice.server")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+    saved = root.level, server_log.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    server_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        server_log.setLevel(saved[1])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("optimizer_on", "forge_opt"),
+    [
+        ("worker", False),
+        ("server", False),
+        ("server", True),
+    ],
+)
+def test_server_rejects_malformed_messages_and_training_is_unharmed(
+    capfd: pytest.CaptureFixture[str], optimizer_on: str, forge_opt: bool
+) -> None:
+    reference = train_single(STEPS, BATCH, "sgd")
+    config = {"worker": {"optimizer_on": optimizer_on}}
+    with warnings_to_stderr(), LocalCluster(WORKERS, SERVERS, config) as cluster:
+        results = cluster.run(train_under_attack, STEPS, BATCH, "sgd", forge_opt, timeout=60)
+        codes = cluster.wait(timeout=20)
+    err = capfd.readouterr().err
+
+    assert codes == [0] * (1 + SERVERS + WORKERS), f"exit codes {codes}\n{err[-3000:]}"
+    # training: every worker saw the same parameters after every step, equal to the unattacked reference
+    assert len(results[0]["digests"]) == STEPS
+    for other in results[1:]:
+        assert other["digests"] == results[0]["digests"], "workers diverged after some step"
+    for got, want in zip(results[0]["params"], reference, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+    # the attack ran alongside the training, every kind of it several times to every server
+    report = results[0]["attack"]
+    assert results[1]["attack"] is None
+    assert report["rounds"] == STEPS + 1
+    assert min(report["sent"].values()) >= (STEPS + 1) * SERVERS
+
+    # every kind of attack was rejected and logged, by name, and nothing crashed
+    missing = {what: text for what, text in LOGGED.items() if text not in err}
+    assert not missing, f"not in the servers' log: {missing}\n{err[-3000:]}"
+    assert re.search(r"dropped a message from 'stranger-[0-9a-f]{12}' on channel \d", err)
+    assert re.search(r"rejected PUSH from 'stranger-[0-9a-f]{12}'", err)
+    assert re.search(r"rejected PUSH from 'worker-", err)
+    for forbidden in ("Traceback", "Logging error", "I/O thread failed", "failed; message dropped", "ERROR:"):
+        lines = [line for line in err.splitlines() if forbidden in line]
+        assert not lines, f"{forbidden!r} in the log: {lines[:10]}"
+    stopped = re.findall(r"server (\d+) stopped \((\d+) messages rejected\)", err)
+    assert sorted(int(rank) for rank, _ in stopped) == list(range(SERVERS)), err[-3000:]
+    assert all(int(count) >= report["rounds"] for _, count in stopped)
+
+
+def _impersonate_the_scheduler() -> list[str]:
+    """A stranger calling itself 'scheduler' tells server 0 to shut down; the job must not notice."""
+    import zmq
+
+    from transport.wire import Kind, Message, encode
+    from worker.client import Client
+
+    client = Client()
+    client.declare([("w", (8,), "float32", None)])
+    out = np.zeros(8, np.float32)
+    client.push_pull("w", np.ones(8, np.float32), out).wait()
+    server = next(p for p in client.control.peers if p.role == "server" and p.rank == 0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"scheduler")
+    sock.connect(server.endpoints[0])
+    for kind in (Kind.SHUTDOWN, Kind.ERROR, Kind.NODE_LOST):
+        sock.send_multipart(encode(Message(kind, sender=0, meta={"error": "forged"})))
+    time.sleep(1.0)
+    sock.close(linger=1000)
+    ctx.term()
+    client.push_pull("w", np.ones(8, np.float32), out).wait(10)
+    client.close()
+    return [str(v) for v in out[:2]]
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_cannot_speak_for_the_scheduler(capfd: pytest.CaptureFixture[str]) -> None:
+    with warnings_to_stderr(), LocalCluster(1, 1) as cluster:
+        assert cluster.run(_impersonate_the_scheduler) == [["1.0", "1.0"]]
+        assert cluster.wait(timeout=20) == [0, 0, 0]
+    assert "calls itself 'scheduler'" in capfd.readouterr().err

@@ -1,0 +1,391 @@
+"""Two real ZmqTransports in one process: ordering, priority under a credit bound, garbage, close."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from transport.config import TransportConfig
+from transport.shm import SHM_MIN_BYTES, Segment
+from transport.wire import Flag, Kind, Message, encode
+from transport.zmq_transport import ZmqTransport
+
+SERVER, CLIENT = "server-t", "client-t"
+
+
+@dataclass
+class Received:
+    peer: str
+    channel: int
+    kind: Kind
+    key: int
+    priority: int
+    data: bytes | None
+    flags: int = 0
+
+
+class Inbox:
+    """Collects what a transport's handler is given; the payload is copied out of the zero-copy view."""
+
+    def __init__(self, delay: Callable[[str, int, Message], None] | None = None) -> None:
+        self.items: list[Received] = []
+        self._cond = threading.Condition()
+        self._delay = delay
+
+    def __call__(self, peer: str, channel: int, msg: Message) -> None:
+        if self._delay is not None:
+            self._delay(peer, channel, msg)
+        data = None if msg.payload is None else bytes(msg.payload)
+        with self._cond:
+            self.items.append(Received(peer, channel, msg.kind, msg.key, msg.priority, data, msg.flags))
+            self._cond.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 15.0) -> list[Received]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.items) >= count, timeout):
+                raise AssertionError(f"received {len(self.items)} of {count} messages within {timeout} s")
+            return list(self.items)
+
+    def snapshot(self) -> list[Received]:
+        with self._cond:
+            return list(self.items)
+
+
+@pytest.fixture
+def transports() -> Iterator[Callable[..., ZmqTransport]]:
+    """Makes ZmqTransports and closes every one of them, whatever the test's outcome."""
+    made: list[ZmqTransport] = []
+
+    def make(name: str, config: TransportConfig, handler: Callable[[str, int, Message], None]) -> ZmqTransport:
+        transport = ZmqTransport(name, config, handler)
+        made.append(transport)
+        return transport
+
+    yield make
+    for transport in made:
+        transport.close(flush_seconds=0.2)
+
+
+@pytest.fixture
+def raw_sockets() -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
+    """Raw ZeroMQ sockets for misbehaving peers; all closed at the end."""
+    ctx = zmq.Context()
+    made: list[zmq.Socket[bytes]] = []
+
+    def make(kind: int) -> zmq.Socket[bytes]:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        made.append(sock)
+        return sock
+
+    yield make
+    for sock in made:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def message(key: int, channel_priority: int = 1, payload: np.ndarray | None = None) -> Message:
+    if payload is None:
+        return Message(Kind.PUSH, sender=1, key=key, priority=channel_priority)
+    return Message(
+        Kind.PUSH, sender=1, key=key, priority=channel_priority, dtype="uint8", shape=payload.shape, payload=payload
+    )
+
+
+def warm_up(sender: ZmqTransport, to: str, inbox: Inbox, channels: int, key: int = 1 << 30) -> None:
+    """One message per channel, waited for: the connections are up and the receiver knows the sender."""
+    before = len(inbox.snapshot())
+    for channel in range(channels):
+        sender.send(to, channel, message(key + channel))
+    inbox.wait_for(before + channels)
+
+
+# ------------------------------------------------------------------------------------------ (a) ordering
+SIZES = [0, 1, 4096, 65536 + 3, 1 << 20, 17]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", [False, True], ids=["sockets", "shm"])
+@pytest.mark.parametrize("protocol", ["tcp", "ipc"])
+@pytest.mark.parametrize("direction", ["dealer-to-router", "router-to-dealer"])
+def test_messages_arrive_intact_and_fifo_per_channel(
+    transports: Callable[..., ZmqTransport], protocol: str, direction: str, shm: bool
+) -> None:
+    config = TransportConfig(channels=3, inflight_bytes=1 << 20, chunk_bytes=1 << 16, protocol=protocol, shm=shm)
+    server_inbox, client_inbox = Inbox(), Inbox()
+    server = transports(SERVER, config, server_inbox)
+    client = transports(CLIENT, config, client_inbox)
+    endpoints = server.listen()
+    assert len(endpoints) == 3 and len(set(endpoints)) == 3
+    if protocol == "tcp":
+        assert all(e.startswith("tcp://127.0.0.1:") and not e.endswith(":0") for e in endpoints)
+    client.connect(SERVER, endpoints)
+    warm_up(client, SERVER, server_inbox, 3)
+    sender, receiver, to, inbox = client, server, SERVER, server_inbox
+    if direction == "router-to-dealer":
+        sender, receiver, to, inbox = server, client, CLIENT, client_inbox
+
+    already = len(inbox.snapshot())
+    rng = np.random.default_rng(7)
+    sent: dict[int, list[tuple[int, bytes | None]]] = {0: [], 1: [], 2: []}
+    keep: list[np.ndarray] = []  # payloads travel zero-copy: keep them alive and unchanged
+    count = 240
+    for key in range(count):
+        channel = key % 3
+        size = SIZES[(key // 3) % len(SIZES)]
+        if size == 0:
+            sender.send(to, channel, message(key))
+            sent[channel].append((key, None))
+        else:
+            data = rng.integers(0, 256, size, dtype=np.uint8)
+            keep.append(data)
+            sender.send(to, channel, message(key, payload=data))
+            sent[channel].append((key, data.tobytes()))
+    got = inbox.wait_for(already + count, timeout=40)[already:]
+    assert len(got) == count
+    for channel in range(3):
+        arrived = [(r.key, r.data) for r in got if r.channel == channel]
+        assert [k for k, _ in arrived] == [k for k, _ in sent[channel]], f"channel {channel} out of order"
+        assert arrived == sent[channel], f"channel {channel}: a payload changed on the way"
+    peer = CLIENT if direction == "dealer-to-router" else SERVER
+    assert {r.peer for r in got} == {peer}
+    assert all(r.kind == Kind.PUSH for r in got)
+    for r in got:  # large payloads go through shared memory exactly when it is enabled
+        large = r.data is not None and len(r.data) >= SHM_MIN_BYTES
+        assert bool(r.flags & Flag.SHM) == (shm and large), (r.key, r.flags)
+    payload_bytes = sum(len(d) for ch in sent.values() for _, d in ch if d is not None)
+    deadline = time.monotonic() + 10
+    while sum(sender.stats()["sent_bytes"]) < payload_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(sender.stats()["sent_bytes"]) == payload_bytes
+    assert sum(receiver.stats()["received_bytes"]) == payload_bytes
+
+
+# ------------------------------------------------------------------------------------------ (b) priority
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", [False, True], ids=["sockets", "shm"])
+@pytest.mark.parametrize(("bound", "chunk"), [(256 * 1024, 64 * 1024), (200 * 1024, 64 * 1024), (64 * 1024, 64 * 1024)])
+def test_urgent_chunk_overtakes_the_backlog_on_the_same_channel(
+    transports: Callable[..., ZmqTransport], bound: int, chunk: int, shm: bool
+) -> None:
+    """The requirement: a high-priority chunk queued behind many low-priority chunks on one channel
+    is sent after at most the in-flight bound. The receiver is slow, so the backlog builds up at the
+    sender. The urgent chunk is sent once the first low chunk has arrived, and that first one is held
+    by the receiver until then, so no credit comes back in between (no dependence on scheduling)."""
+    channel, lows = 1, 50
+    gate = threading.Event()
+    first_low_seen = threading.Event()
+
+    def slow(peer: str, ch: int, msg: Message) -> None:
+        if ch != channel or msg.key >= 1 << 30:
+            return
+        if msg.priority == 9 and not first_low_seen.is_set():
+            first_low_seen.set()
+            assert gate.wait(10), "the test did not release the receiver"
+        time.sleep(0.003)
+
+    inbox = Inbox(delay=slow)
+    config = TransportConfig(channels=2, inflight_bytes=bound, chunk_bytes=chunk, shm=shm)
+    server = transports(SERVER, config, inbox)
+    client = transports(CLIENT, config, Inbox())
+    client.connect(SERVER, server.listen())
+    warm_up(client, SERVER, inbox, 2)
+    start = len(inbox.snapshot())
+
+    payloads = [np.full(chunk, i % 251, np.uint8) for i in range(lows + 1)]
+    for i in range(lows):
+        client.send(SERVER, channel, message(i, 9, payloads[i]))
+    assert first_low_seen.wait(10), "no low-priority chunk arrived"
+    # now the sender has a backlog: some lows in flight (unacknowledged), the rest in its queue
+    client.send(SERVER, channel, message(1000, 0, payloads[lows]))
+    gate.set()
+
+    got = inbox.wait_for(start + lows + 1, timeout=40)[start:]
+    keys = [r.key for r in got]
+    assert sorted(keys) == [*range(lows), 1000]
+    ahead = keys.index(1000)
+    limit = math.ceil(bound / chunk) + 1
+    assert ahead <= limit, f"the urgent chunk arrived after {ahead} low-priority chunks (limit {limit})"
+    assert ahead >= 1, "the first low chunk had arrived before the urgent one was sent"
+    assert [k for k in keys if k != 1000] == list(range(lows)), "low-priority chunks must stay FIFO"
+    assert got[ahead].data == payloads[lows].tobytes()
+
+
+# ------------------------------------------------------------------------------------------ (c) garbage
+def _header(**fields: object) -> bytes:
+    values: dict[str, object] = {
+        "version": 1, "kind": int(Kind.PUSH), "sender": 1, "key": 5, "chunk": 0, "round": 1,
+        "priority": 0, "dtype": "float32", "shape": [4], "nbytes": 16, "flags": 0, "meta": None,
+    }
+    values.update(fields)
+    return bytes(msgpack.packb(list(values.values())))
+
+
+def garbage(rng: random.Random, segment: str) -> list[list[bytes]]:
+    """Malformed messages; `segment` names a real shared-memory segment of 4096 bytes."""
+    valid = _header()
+    shm = int(Flag.SHM)
+    return [
+        [_header(flags=shm), b"\xc1"],
+        [_header(flags=shm), bytes(msgpack.packb(["../../../etc/passwd", 0]))],
+        [_header(flags=shm), bytes(msgpack.packb(["sluice-1-0-00000000", 0]))],
+        [_header(flags=shm), bytes(msgpack.packb([segment, 4090]))],
+        [_header(flags=shm), bytes(msgpack.packb([segment, 1 << 61]))],
+        [_header(flags=shm), bytes(msgpack.packb([segment, -16]))],
+        [_header(version=2), bytes(16)],
+        [valid[: len(valid) // 2], bytes(16)],
+        [valid[:1]],
+        [rng.randbytes(40)],
+        [rng.randbytes(7), rng.randbytes(300)],
+        [rng.randbytes(1 << 20)],
+        [b""],
+        [b"", b""],
+        [_header(nbytes=20), bytes(16)],
+        [_header(), bytes(17)],
+        [_header(dtype="complex64"), bytes(16)],
+        [_header(nbytes=1 << 40, shape=[1 << 38]), bytes(16)],
+        [_header(), bytes(16), bytes(16)],
+        [_header(dtype="", shape=[], nbytes=0), bytes(16)],
+        [_header()],
+        [_header(kind=99), bytes(16)],
+        [_header(key=-1), bytes(16)],
+        [_header(meta=[1]), bytes(16)],
+        [_header(meta={"x": 1})[:-3]],
+        [b"\xdd\xff\xff\xff\xff"],
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_garbage_from_a_raw_dealer_does_not_break_a_listener(
+    transports: Callable[..., ZmqTransport],
+    raw_sockets: Callable[[int], zmq.Socket[bytes]],
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sluice.transport")
+    config = TransportConfig(channels=2, inflight_bytes=1 << 20, chunk_bytes=1 << 16)
+    server_inbox, client_inbox = Inbox(), Inbox()
+    server = transports(SERVER, config, server_inbox)
+    client = transports(CLIENT, config, client_inbox)
+    endpoints = server.listen()
+    client.connect(SERVER, endpoints)
+    warm_up(client, SERVER, server_inbox, 2)
+
+    attackers = []
+    for index, endpoint in enumerate(endpoints):
+        sock = raw_sockets(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"attacker-{index}".encode())
+        sock.connect(endpoint)
+        attackers.append(sock)
+    rng = random.Random(3)
+    rounds = 5
+    segment = Segment(4096)
+    request.addfinalizer(segment.close)
+    bad = garbage(rng, segment.name)
+    keep = [np.arange(4, dtype=np.uint8) + i for i in range(rounds * 2)]
+    for r in range(rounds):
+        for sock in attackers:
+            for frames in bad:
+                sock.send_multipart(frames)
+        # a proper peer keeps talking in between
+        client.send(SERVER, 0, message(100 + r, payload=keep[2 * r]))
+        client.send(SERVER, 1, message(200 + r, payload=keep[2 * r + 1]))
+    # a well-formed message from each raw socket, after all its garbage on the same connection
+    for index, sock in enumerate(attackers):
+        sock.send_multipart(encode(message(900 + index)))
+    expected = 2 + 2 * rounds + len(attackers)
+    got = server_inbox.wait_for(expected, timeout=30)
+    assert len(got) == expected
+    from_client = [(r.channel, r.key) for r in got if r.peer == CLIENT]
+    assert [k for c, k in from_client if c == 0] == [1 << 30, *range(100, 100 + rounds)]
+    assert [k for c, k in from_client if c == 1] == [(1 << 30) + 1, *range(200, 200 + rounds)]
+    assert sorted((r.peer, r.key) for r in got if r.peer != CLIENT) == [("attacker-0", 900), ("attacker-1", 901)]
+
+    dropped = [rec for rec in caplog.records if "dropped a message" in rec.getMessage()]
+    assert len(dropped) == rounds * len(attackers) * len(bad)
+    assert {rec.levelno for rec in dropped} == {logging.WARNING}
+    text = "\n".join(rec.getMessage() for rec in dropped)
+    for reason in [
+        "version", "not valid msgpack", "declares", "dtype", "'nbytes'", "frames", "message kind",
+        "descriptor is not valid msgpack", "is not a Sluice segment", "cannot be opened", "lies outside", "'offset'",
+    ]:
+        assert reason in text, reason
+
+    # the listener still answers its proper peer (ROUTER -> DEALER), on both channels
+    client_start = len(client_inbox.snapshot())
+    for channel in range(2):
+        server.send(CLIENT, channel, message(300 + channel, payload=np.ones(8, np.uint8)))
+    back = client_inbox.wait_for(client_start + 2)[client_start:]
+    assert sorted((r.channel, r.key, r.data) for r in back) == [(0, 300, bytes([1] * 8)), (1, 301, bytes([1] * 8))]
+
+
+# ------------------------------------------------------------------------------------------ (d) close
+@pytest.mark.timeout(30)
+def test_close_is_prompt_and_late_sends_do_not_raise(transports: Callable[..., ZmqTransport]) -> None:
+    config = TransportConfig(channels=2, inflight_bytes=1 << 20, chunk_bytes=1 << 16)
+    inbox = Inbox()
+    server = transports(SERVER, config, inbox)
+    client = transports(CLIENT, config, Inbox())
+    client.connect(SERVER, server.listen())
+    warm_up(client, SERVER, inbox, 2)
+    for transport in (client, server):
+        start = time.monotonic()
+        transport.close()
+        assert time.monotonic() - start < 5.0
+        transport.send(SERVER, 0, message(1, payload=np.zeros(4, np.uint8)))
+        transport.send(CLIENT, 1, message(2))
+        transport.send("nobody", 0, message(3))
+        start = time.monotonic()
+        transport.close()  # a second close is harmless
+        assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.timeout(30)
+def test_close_with_a_backlog_that_cannot_drain_is_prompt(
+    transports: Callable[..., ZmqTransport], raw_sockets: Callable[[int], zmq.Socket[bytes]]
+) -> None:
+    """A peer that takes messages but never acknowledges them: the credit runs out, the backlog stays
+    in the queue, and close gives up after its flush time."""
+    silent = raw_sockets(zmq.ROUTER)
+    silent.bind("tcp://127.0.0.1:0")
+    endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    client = transports(CLIENT, TransportConfig(channels=1, inflight_bytes=64 * 1024, chunk_bytes=1 << 16), Inbox())
+    client.connect("silent", [endpoint])
+    data = np.zeros(64 * 1024, np.uint8)
+    for key in range(20):
+        client.send("silent", 0, message(key, payload=data))
+    frames = silent.recv_multipart()  # the first chunk arrives; no ack goes back
+    assert frames[0] == CLIENT.encode()
+    start = time.monotonic()
+    client.close(flush_seconds=0.5)
+    elapsed = time.monotonic() - start
+    assert 0.3 < elapsed < 5.0
+    client.send("silent", 0, message(99, payload=data))
+
+
+@pytest.mark.timeout(30)
+def test_close_with_an_unreachable_peer_is_prompt(
+    transports: Callable[..., ZmqTransport], raw_sockets: Callable[[int], zmq.Socket[bytes]]
+) -> None:
+    gone = raw_sockets(zmq.ROUTER)
+    gone.bind("tcp://127.0.0.1:0")
+    endpoint = gone.getsockopt_string(zmq.LAST_ENDPOINT)
+    gone.close(linger=0)  # nobody listens there any more
+    client = transports(CLIENT, TransportConfig(channels=2), Inbox())
+    client.connect("gone", [endpoint, endpoint])
+    for key in range(10):
+        client.send("gone", key % 2, message(key, payload=np.zeros(1024, np.uint8)))
+    start = time.monotonic()
+    client.close()
+    assert time.monotonic() - start < 5.0
+    client.send("gone", 0, message(99))
