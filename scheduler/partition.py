@@ -1,11 +1,12 @@
 """Partition planner: cuts declared tensors into chunks and spreads them evenly over servers.
 
-Pure: plain data in, plain data out. Chunks are at most `chunk_bytes`, and also at most 1/12 of a
-server's fair share of the bytes declared in this call. Longest-processing-time placement (largest
-chunk first, onto the least loaded server) leaves max - min load below one chunk, so with chunks of
-at most mean/12 every server holds within 10% of every other: max/min <= 1 + (1/12)/(11/12) < 1.1.
-Chunks never go below MIN_CHUNK_BYTES (per-message cost dominates there), and tensors smaller than a
-chunk stay whole, so tables under about 12 KiB per server balance only as well as their tensors allow.
+Pure: plain data in, plain data out. Every message costs Python tens of microseconds at each hop, so
+chunks should be as large as balance allows. The planner starts with chunks of `chunk_bytes` (each
+tensor cut into equal pieces), places them longest-processing-time first (largest chunk onto the
+least loaded server), and halves the chunk size until every server holds within 10% of every other.
+It always gets there once chunks are at most 1/12 of a server's fair share: LPT leaves max - min
+load below one chunk, so max/min <= 1 + (1/12)/(11/12) < 1.1. Chunks never go below
+MIN_CHUNK_BYTES, so tables under about 12 KiB per server balance only as well as their tensors allow.
 """
 
 from __future__ import annotations
@@ -52,10 +53,30 @@ class TensorPlan:
     chunks: tuple[ChunkPlan, ...]
 
 
-def chunk_elements(spec: TensorSpec, chunk_bytes: int, fair_share_bytes: int) -> int:
-    """Elements per chunk for `spec`: the chunk cap, shrunk to 1/12 of a fair share, at least one."""
-    limit = min(chunk_bytes, max(fair_share_bytes // 12, MIN_CHUNK_BYTES))
-    return max(1, limit // DTYPES[spec.dtype])
+BALANCE = 1.10
+
+
+def split(spec: TensorSpec, cap_bytes: int) -> list[tuple[int, int]]:
+    """(offset, length) in elements of the equal pieces of at most `cap_bytes` that make up `spec`."""
+    numel = max(spec.numel, 1)
+    pieces = max(1, -(-spec.nbytes // max(cap_bytes, 1)))
+    step = -(-numel // pieces)
+    return [(offset, min(step, numel - offset)) for offset in range(0, numel, step)]
+
+
+def place(sizes: Sequence[int], loads: Sequence[int]) -> tuple[list[int], list[int]]:
+    """LPT: each size (largest first, ties by index) onto the least loaded server (ties by rank)."""
+    new_loads = list(loads)
+    servers = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        server = min(range(len(new_loads)), key=lambda s: (new_loads[s], s))
+        new_loads[server] += sizes[index]
+        servers[index] = server
+    return servers, new_loads
+
+
+def balanced(loads: Sequence[int]) -> bool:
+    return max(loads) <= BALANCE * min(loads)
 
 
 def plan_tensors(
@@ -69,26 +90,16 @@ def plan_tensors(
     if servers < 1:
         raise ValueError("need at least one server")
     loads = list(load) if load is not None else [0] * servers
-    fair_share = sum(s.nbytes for s in specs) // servers
-    pieces: list[tuple[int, int, int, int]] = []  # (nbytes, index, chunk, offset)
-    lengths: dict[tuple[int, int], int] = {}
-    for index, spec in enumerate(specs):
-        step = chunk_elements(spec, chunk_bytes, fair_share)
-        for chunk, offset in enumerate(range(0, max(spec.numel, 1), step)):
-            length = min(step, spec.numel - offset)
-            lengths[(index, chunk)] = length
-            pieces.append((length * DTYPES[spec.dtype], index, chunk, offset))
-    placement: dict[tuple[int, int], int] = {}
-    for nbytes, index, chunk, _ in sorted(pieces, key=lambda p: (-p[0], p[1], p[2])):
-        server = min(range(servers), key=lambda s: (loads[s], s))
-        loads[server] += nbytes
-        placement[(index, chunk)] = server
-    plans = []
-    for index, spec in enumerate(specs):
-        chunks = tuple(
-            ChunkPlan(chunk, offset, lengths[(i, chunk)], placement[(i, chunk)])
-            for _, i, chunk, offset in pieces
-            if i == index
-        )
-        plans.append(TensorPlan(first_key + index, spec, index, chunks))
-    return plans, loads
+    cap = max(chunk_bytes, 1)
+    while True:
+        pieces = [(index, piece) for index, spec in enumerate(specs) for piece in split(spec, cap)]
+        sizes = [length * DTYPES[specs[index].dtype] for index, (_, length) in pieces]
+        owners, new_loads = place(sizes, loads)
+        if balanced(new_loads) or cap <= MIN_CHUNK_BYTES:
+            break
+        cap = max(cap // 2, MIN_CHUNK_BYTES)
+    chunks: list[list[ChunkPlan]] = [[] for _ in specs]
+    for (index, (offset, length)), server in zip(pieces, owners, strict=True):
+        chunks[index].append(ChunkPlan(len(chunks[index]), offset, length, server))
+    plans = [TensorPlan(first_key + i, spec, i, tuple(chunks[i])) for i, spec in enumerate(specs)]
+    return plans, new_loads

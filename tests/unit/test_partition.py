@@ -10,22 +10,32 @@ from scheduler.partition import TensorSpec, plan_tensors
 def test_small_table_literal() -> None:
     specs = [TensorSpec("w", (64, 64), "float32"), TensorSpec("b", (64,), "float32")]
     plans, loads = plan_tensors(specs, first_key=0, servers=2, chunk_bytes=1 << 20)
-    # fair share 8320 bytes -> 8320 // 12 is below the 1 KiB floor -> chunks of 256 float32
+    # 16 KiB + 256 B: whole tensors give 16640 against 0; halves of w give 8192 + 256 against 8192
     assert [p.key for p in plans] == [0, 1]
     assert [p.priority for p in plans] == [0, 1]
-    assert [(c.offset, c.length, c.server) for c in plans[0].chunks][:3] == [(0, 256, 0), (256, 256, 1), (512, 256, 0)]
-    assert len(plans[0].chunks) == 16 and [(c.length, c.server) for c in plans[1].chunks] == [(64, 0)]
+    assert [(c.offset, c.length, c.server) for c in plans[0].chunks] == [(0, 2048, 0), (2048, 2048, 1)]
+    assert [(c.length, c.server) for c in plans[1].chunks] == [(64, 0)]
     assert loads == [8192 + 256, 8192]
 
 
-def test_chunk_cap_and_coverage() -> None:
+def test_chunks_are_equal_pieces_under_the_cap() -> None:
     spec = TensorSpec("big", (3 * 1024 * 1024 + 5,), "float32")
     plans, _ = plan_tensors([spec], first_key=7, servers=1, chunk_bytes=1 << 20)
     chunks = plans[0].chunks
     assert plans[0].key == 7
+    assert len(chunks) == 13  # 12 MiB + 20 bytes: 13 pieces of at most 1 MiB
     assert all(c.length * 4 <= 1 << 20 for c in chunks)
-    assert [c.offset for c in chunks] == [i * (1 << 18) for i in range(len(chunks))]
+    assert [c.offset for c in chunks] == [i * 241980 for i in range(13)]
     assert sum(c.length for c in chunks) == spec.numel
+
+
+@pytest.mark.parametrize(
+    ("numel", "servers", "chunks"),
+    [(65536, 2, 2), (4 << 20, 2, 16), (16 << 20, 4, 64), (1000, 3, 4)],  # 4 KiB: stops at the 1 KiB floor
+)
+def test_as_few_chunks_as_balance_allows(numel: int, servers: int, chunks: int) -> None:
+    plans, _ = plan_tensors([TensorSpec("t", (numel,), "float32")], 0, servers, 1 << 20)
+    assert len(plans[0].chunks) == chunks
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -1,0 +1,276 @@
+"""Sluice push_pull algorithm bandwidth against raw pyzmq echo and torch.distributed gloo all_reduce."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/push_pull.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import zmq
+
+from bench.common import (
+    Children,
+    Stats,
+    add_common_options,
+    free_port,
+    keep_alive,
+    print_table,
+    progress,
+    record,
+    stats,
+    write_json,
+)
+from tests.cluster import LocalCluster
+from transport.config import TransportConfig
+
+MIB = 1 << 20
+CHUNK = MIB  # the raw pyzmq peer sends 1 MiB messages, like Sluice's default chunk size
+GLOO = "torch.distributed gloo all_reduce"
+
+DESCRIPTION = """\
+Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one float32 tensor:
+
+  sluice  W workers push_pull the tensor through S servers (LocalCluster, worker.client.Client)
+  zmq     W processes each send the tensor as 1 MiB zero-copy PUSH messages over tcp 127.0.0.1 to
+          S sink processes (chunk i to sink i mod S, as Sluice spreads chunks over its servers),
+          which echo every message back on a PUSH socket per worker (the traffic of a push and a
+          pull, without the summing)
+  gloo    W processes run torch.distributed all_reduce (gloo backend) on the same tensor
+
+Every process does one untimed warm-up round, then each repetition times ROUNDS rounds between
+two barriers (rank 0's clock). The JSON record's peer is gloo; the zmq figure is an extra field.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], metavar="MIB",
+                        help="tensor sizes in MiB of float32 (default: %(default)s)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], metavar="W",
+                        help="worker counts; every size runs with every count (default: %(default)s)")
+    parser.add_argument("--servers", type=int, default=0, metavar="S",
+                        help="Sluice server processes and zmq sink processes; 0 means as many as workers "
+                             "(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=0, metavar="R",
+                        help="rounds timed per repetition; 0 picks max(2, 256 MiB / size) (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="give up on one measurement after this long (default: %(default)s)")
+    add_common_options(parser, quick="16 MiB, 2 workers, 2 repeats (overrides those options)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.workers, args.repeats = [16], [2], 2
+    if min(args.sizes) < 1 or min(args.workers) < 1 or args.repeats < 1 or args.servers < 0 or args.rounds < 0:
+        parser.error("sizes, workers and repeats must be positive; servers and rounds not negative")
+    return args
+
+
+def rounds_for(size_mib: int, rounds: int) -> int:
+    return rounds if rounds > 0 else max(2, 256 // size_mib)
+
+
+# ---------------------------------------------------------------------------- sluice
+def _sluice_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
+    """Runs in each forked worker: per-round seconds of each repetition (rank 0's clock)."""
+    from worker.client import Client
+
+    client = Client()
+    n = nbytes // 4
+    data, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    client.declare([("bench", (n,), "float32", None)])
+    client.push_pull("bench", data, out).wait()
+    if not np.all(out == client.size):
+        raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
+    times = []
+    for rep in range(repeats):
+        client.barrier(f"start.{rep}")
+        started = time.perf_counter()
+        for _ in range(rounds):
+            client.push_pull("bench", data, out).wait()
+        client.barrier(f"end.{rep}")
+        times.append((time.perf_counter() - started) / rounds)
+    client.close()
+    return times
+
+
+def measure_sluice(nbytes: int, workers: int, servers: int, rounds: int, repeats: int, timeout: float) -> list[float]:
+    with LocalCluster(workers, servers) as cluster:
+        results = cluster.run(_sluice_worker, nbytes, rounds, repeats, timeout=timeout)
+        cluster.wait()
+    times: list[float] = results[0]
+    return times
+
+
+# ---------------------------------------------------------------------------- raw pyzmq
+def _zmq_sink(sink: int, workers: int, messages: int, ports: Any) -> int:
+    """Echo every message from worker w's PULL socket back on worker w's PUSH socket, `messages` in all."""
+    context = zmq.Context()
+    try:
+        pulls, pushes, bound = [], [], []
+        for _ in range(workers):
+            pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+            bound.append((pull.bind_to_random_port("tcp://127.0.0.1"), push.bind_to_random_port("tcp://127.0.0.1")))
+            pulls.append(pull)
+            pushes.append(push)
+        ports.put((sink, bound))
+        poller = zmq.Poller()
+        for pull in pulls:
+            poller.register(pull, zmq.POLLIN)
+        index = {pull: w for w, pull in enumerate(pulls)}
+        left = messages
+        while left:
+            for sock, _ in poller.poll():
+                frame = sock.recv(copy=False)
+                pushes[index[sock]].send(frame, copy=False)
+                left -= 1
+        return messages
+    finally:
+        context.destroy(linger=10_000)
+
+
+def _zmq_worker(
+    rank: int, ports: list[tuple[int, int]], nbytes: int, rounds: int, repeats: int, barrier: Any
+) -> list[float]:
+    """Send chunk i to sink i % S (as Sluice spreads chunks over servers) and take every echo back."""
+    context = zmq.Context()
+    try:
+        pushes, pulls = [], []
+        for port_in, port_out in ports:
+            push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+            push.connect(f"tcp://127.0.0.1:{port_in}")
+            pull.connect(f"tcp://127.0.0.1:{port_out}")
+            pushes.append(push)
+            pulls.append(pull)
+        data, out = np.full(nbytes // 4, rank + 1, np.float32), np.zeros(nbytes // 4, np.float32)
+        source, target = data.data.cast("B"), out.view(np.uint8)
+        chunks = [(offset, pushes[i % len(ports)], pulls[i % len(ports)]) for i, offset in
+                  enumerate(range(0, nbytes, CHUNK))]
+
+        def one_round() -> None:
+            for offset, push, _ in chunks:
+                push.send(source[offset : offset + CHUNK], copy=False)
+            for offset, _, pull in chunks:  # each sink answers in the order it was sent to
+                frame = pull.recv(copy=False)
+                np.copyto(target[offset : offset + len(frame)], np.frombuffer(frame.buffer, np.uint8))
+
+        one_round()
+        if not np.array_equal(out, data):
+            raise AssertionError("the sinks echoed different bytes")
+        times = []
+        for _ in range(repeats):
+            barrier.wait(60)
+            started = time.perf_counter()
+            for _ in range(rounds):
+                one_round()
+            barrier.wait(60)
+            times.append((time.perf_counter() - started) / rounds)
+        return times
+    finally:
+        context.destroy(linger=0)
+
+
+def measure_zmq(nbytes: int, workers: int, sinks: int, rounds: int, repeats: int, timeout: float) -> list[float]:
+    chunks = -(-nbytes // CHUNK)
+    with Children() as children:
+        ports = children.queue()
+        for s in range(sinks):
+            per_worker = len(range(s, chunks, sinks)) * (1 + repeats * rounds)
+            children.start(f"sink {s}", _zmq_sink, s, workers, workers * per_worker, ports)
+        bound = dict(ports.get(timeout=30) for _ in range(sinks))
+        barrier = children.barrier(workers)
+        for w in range(workers):
+            children.start(f"worker {w}", _zmq_worker, w, [bound[s][w] for s in range(sinks)], nbytes, rounds,
+                           repeats, barrier)
+        keys = [*(f"sink {s}" for s in range(sinks)), *(f"worker {w}" for w in range(workers))]
+        results = children.collect(keys, timeout)
+    times: list[float] = results["worker 0"]
+    return times
+
+
+# ---------------------------------------------------------------------------- gloo
+def _gloo_worker(rank: int, world: int, port: int, nbytes: int, rounds: int, repeats: int) -> list[float]:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    tensor = torch.ones(nbytes // 4)
+    keep_alive(tensor)  # no destroy_process_group either: see keep_alive
+    dist.all_reduce(tensor)
+    if not bool((tensor == world).all()):
+        raise AssertionError("all_reduce returned a wrong sum")
+    tensor.zero_()  # sums of zeros stay finite however many rounds run
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            dist.all_reduce(tensor)
+        dist.barrier()
+        times.append((time.perf_counter() - started) / rounds)
+    return times
+
+
+def measure_gloo(nbytes: int, workers: int, rounds: int, repeats: int, timeout: float) -> list[float]:
+    port = free_port()
+    with Children() as children:
+        for w in range(workers):
+            children.start(f"rank {w}", _gloo_worker, w, workers, port, nbytes, rounds, repeats)
+        results = children.collect([f"rank {w}" for w in range(workers)], timeout)
+    times: list[float] = results["rank 0"]
+    return times
+
+
+# ---------------------------------------------------------------------------- driver
+def bandwidth(nbytes: int, seconds: list[float]) -> Stats:
+    return stats([nbytes / t / 1e9 for t in seconds])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    cases = [(size, w) for w in args.workers for size in args.sizes]
+    progress(f"push_pull bandwidth: {len(cases)} cases, {args.repeats} repeats each, GB/s = 1e9 bytes/s")
+    progress(f"sluice runs with the default {TransportConfig()}")
+    rows, records = [], []
+    started = time.perf_counter()
+    for size, workers in cases:
+        nbytes, servers = size * MIB, args.servers or workers
+        rounds = rounds_for(size, args.rounds)
+        case = f"{size}MiB-w{workers}-s{servers}"
+        measured: dict[str, Stats] = {}
+        for name in ("sluice", "zmq", "gloo"):
+            t0 = time.perf_counter()
+            if name == "sluice":
+                seconds = measure_sluice(nbytes, workers, servers, rounds, args.repeats, args.timeout)
+            elif name == "zmq":
+                seconds = measure_zmq(nbytes, workers, servers, rounds, args.repeats, args.timeout)
+            else:
+                seconds = measure_gloo(nbytes, workers, rounds, args.repeats, args.timeout)
+            measured[name] = bandwidth(nbytes, seconds)
+            progress(f"  {case:<16} {name:<6} {measured[name].brief()} GB/s  ({time.perf_counter() - t0:.1f} s)")
+        ours, zmq_, gloo = measured["sluice"], measured["zmq"], measured["gloo"]
+        rows.append([
+            case, str(rounds), ours.brief(), zmq_.brief(), gloo.brief(),
+            f"{ours.median / gloo.median:.2f}x", f"{ours.median / zmq_.median:.2f}x",
+        ])
+        records.append(record(
+            case, ours, gloo, GLOO, "GB/s", zmq=zmq_.median, zmq_min=zmq_.low, zmq_max=zmq_.high,
+            ratio_zmq=ours.median / zmq_.median, size_mib=size, workers=workers, servers=servers,
+            rounds=rounds, repeats=args.repeats,
+        ))
+    progress(f"\nalgorithm bandwidth in GB/s, median [min..max] of {args.repeats} repeats "
+             f"({time.perf_counter() - started:.0f} s in all)")
+    print_table(["case", "rounds", "sluice", "zmq echo", "gloo", "sluice/gloo", "sluice/zmq"], rows)
+    write_json(args.json, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
