@@ -64,11 +64,11 @@ class Chunk:
 
 class ShardStore:
     def __init__(
-        self, node_id: int, workers: int, sync: bool, alloc: Callable[[int], np.ndarray] | None = None
+        self, node_id: int, workers: int, sync: bool, alloc: Callable[[int, np.dtype], np.ndarray] | None = None
     ) -> None:
         self.node_id, self.workers, self.sync = node_id, workers, sync
-        #: zeroed uint8 buffers; the server passes the transport's, so replies need no copy
-        self._alloc = alloc or (lambda nbytes: np.zeros(nbytes, np.uint8))
+        #: zeroed arrays; the server passes the transport's, so replies from them need no copy
+        self._alloc = alloc or (lambda count, dtype: np.zeros(count, dtype))
         self.chunks: dict[tuple[int, int], Chunk] = {}
         #: worker node id -> (transport peer name, worker rank)
         self.worker_ids: dict[int, tuple[str, int]] = {}
@@ -84,8 +84,8 @@ class ShardStore:
                 compute = np.dtype(np.float32) if dtype == "bfloat16" else storage
                 self.chunks[(key, chunk)] = Chunk(
                     key, chunk, name, dtype,
-                    value=self._alloc(length * storage.itemsize).view(storage),
-                    accum=self._alloc(length * compute.itemsize).view(compute),
+                    value=self._alloc(length, storage),
+                    accum=self._alloc(length, compute),
                     optimizer=optimizer,
                 )
 

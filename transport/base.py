@@ -35,10 +35,11 @@ class Transport(Protocol):
         """
         ...
 
-    def alloc(self, nbytes: int) -> np.ndarray:
-        """A zeroed uint8 buffer that payloads can be sent from without a copy (shared memory).
+    def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A zeroed 1-D array that is sent without a copy when it is itself a message's payload.
 
-        Such a buffer must not change while a message sent from it is unacknowledged.
+        (Shared memory for peers on this host.) It must not change while a message sent from it
+        is unacknowledged.
         """
         ...
 

@@ -12,7 +12,8 @@ class TransportConfig:
     #: tensors are cut into chunks of at most this many bytes
     chunk_bytes: int = 1 << 20
     #: per channel and peer, at most this many payload bytes are sent but not yet acknowledged
-    inflight_bytes: int = 4 << 20
+    #: (ByteScheduler's default credit: 4 M float32 parameters)
+    inflight_bytes: int = 16 << 20
     #: IP ToS byte per channel (empty: no marking); e.g. (0xb8, 0x28, 0x00)
     tos: tuple[int, ...] = field(default_factory=tuple)
     #: "tcp" or "ipc"

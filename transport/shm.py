@@ -17,7 +17,7 @@ import re
 import secrets
 import threading
 from collections import deque
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -69,7 +69,6 @@ class Segment:
             os.close(fd)
         self.size = size
         self.bytes = np.frombuffer(self._map, np.uint8)
-        self.address = self.bytes.__array_interface__["data"][0]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -109,36 +108,39 @@ class Ring:
 
 
 class Registry:
-    """Buffers callers allocate in shared memory, so sending them needs no copy (bump arenas)."""
+    """Arrays callers allocate in shared memory, so sending them needs no copy (bump arenas).
+
+    A registered array is recognised by identity (the registry keeps it alive, so its id is never
+    reused): a dict lookup per message instead of address arithmetic.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._segments: list[Segment] = []
         self._used = 0
+        self._arrays: dict[int, tuple[np.ndarray, str, int]] = {}
 
-    def alloc(self, nbytes: int) -> np.ndarray:
+    def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
+        nbytes = count * dtype.itemsize
         size = _round_up(max(nbytes, 1))
         with self._lock:
             if size > _ARENA_BYTES:
-                segment = Segment(size)
+                segment, start = Segment(size), 0
                 self._segments.append(segment)
-                return segment.bytes[:nbytes]
-            if not self._segments or self._segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
-                self._segments.append(Segment(_ARENA_BYTES))
-                self._used = 0
-            start, self._used = self._used, self._used + size
-            return self._segments[-1].bytes[start : start + nbytes]
+            else:
+                if not self._segments or self._segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
+                    self._segments.append(Segment(_ARENA_BYTES))
+                    self._used = 0
+                segment, start = self._segments[-1], self._used
+                self._used += size
+            array = segment.bytes[start : start + nbytes].view(dtype)
+            self._arrays[id(array)] = (array, segment.name, start)
+        return array
 
-    def locate(self, buffer: memoryview) -> tuple[str, int] | None:
-        """(segment name, offset) if `buffer` lies inside a registered segment."""
-        if not self._segments:
-            return None
-        address = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
-        for segment in self._segments:
-            offset = address - segment.address
-            if offset >= 0 and offset + buffer.nbytes <= segment.size:
-                return segment.name, offset
-        return None
+    def locate(self, payload: object) -> tuple[str, int] | None:
+        """(segment name, offset) if `payload` is an array this registry allocated."""
+        found = self._arrays.get(id(payload))
+        return None if found is None else (found[1], found[2])
 
     def close(self) -> None:
         for segment in self._segments:
@@ -191,9 +193,8 @@ class SharedPayloads:
         #: per route, the payload messages sent and not yet acknowledged: (nbytes, used the ring)
         self._unacked: dict[Route, deque[tuple[int, bool]]] = {}
 
-    def prepare(self, route: Route, payload: memoryview) -> tuple[str, int, int] | Literal[False] | None:
+    def prepare(self, route: Route, payload: Any, nbytes: int) -> tuple[str, int, int] | Literal[False] | None:
         """Where `payload` goes for `route`: a descriptor, None to send it inline, False if no room yet."""
-        nbytes = payload.nbytes
         if nbytes < SHM_MIN_BYTES:
             return None
         found = self.registry.locate(payload)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum, IntFlag
+from enum import IntEnum
 from typing import Any
 
 import msgpack
@@ -77,7 +77,9 @@ class Kind(IntEnum):
     ERROR = 31
 
 
-class Flag(IntFlag):
+class Flag:
+    """Bits of the flags field; plain ints, because enum arithmetic is slow on the per-chunk path."""
+
     NONE = 0
     #: a PUSH that also asks for the round's result, saving a PULL message
     WANT_REPLY = 1
@@ -85,6 +87,9 @@ class Flag(IntFlag):
     SHM = 2
     #: the sender is on this host and reads shared memory: replies may use SHM
     LOCAL = 4
+
+
+_KINDS = {int(k): k for k in Kind}
 
 
 class WireError(ValueError):
@@ -187,10 +192,11 @@ def decode(frames: Sequence[Any]) -> Message:
     version, kind, sender, key, chunk, rnd, priority, dtype, shape, nbytes, flags, meta = fields
     if type(version) is not int or version != VERSION:
         raise WireError(f"protocol version {version!r:.20} is not {VERSION}")
-    if type(kind) is not int or kind not in Kind._value2member_map_:
+    member = _KINDS.get(kind) if type(kind) is int else None
+    if member is None:
         raise WireError(f"unknown message kind {kind!r:.20}")
     msg = Message(
-        kind=Kind(kind),
+        kind=member,
         sender=_int_field(sender, "sender", -1, 1 << 20),
         key=_int_field(key, "key", 0, 1 << 31),
         chunk=_int_field(chunk, "chunk", 0, 1 << 31),

@@ -77,7 +77,8 @@ class ZmqTransport:
         self._outbox: deque[tuple[Route, Message]] = deque()
         #: peers on this host that read our shared memory (None: shared memory is off)
         self._local: set[str] | None = set() if config.shm else None
-        self._shared = SharedPayloads(2 * config.inflight_bytes + config.chunk_bytes)
+        # the live part of a ring is at most the in-flight bound, plus what a wrap-around leaves unused
+        self._shared = SharedPayloads(config.inflight_bytes + 2 * config.chunk_bytes)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._unacked: dict[Route, int] = defaultdict(int)
         self._sent = [0] * config.channels
@@ -104,10 +105,10 @@ class ZmqTransport:
         self._outbox.append(((peer, channel), msg))
         self._notify()
 
-    def alloc(self, nbytes: int) -> np.ndarray:
+    def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         if self._local is None:
-            return np.zeros(nbytes, np.uint8)
-        return self._shared.registry.alloc(nbytes)
+            return np.zeros(count, dtype)
+        return self._shared.registry.alloc(count, dtype)
 
     def stats(self) -> dict[str, list[int]]:
         return {"sent_bytes": list(self._sent), "received_bytes": list(self._received)}
@@ -306,12 +307,12 @@ class ZmqTransport:
         if local and route[0] in self._dealers:
             msg.flags |= Flag.LOCAL
         descriptor: tuple[str, int, int] | None = None
+        nbytes = msg.nbytes
         if local and msg.payload is not None:
-            placed = self._shared.prepare(route, memoryview(msg.payload))
+            placed = self._shared.prepare(route, msg.payload, nbytes)
             if placed is False:
                 return False  # the ring is full until the peer acknowledges older payloads
             descriptor = placed
-        nbytes = msg.nbytes
         msg.shm = descriptor
         try:
             sent = self._send_frames(route, encode(msg))
