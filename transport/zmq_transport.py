@@ -103,7 +103,8 @@ class ZmqTransport:
         if not 0 <= channel < self.config.channels:
             raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
         self._outbox.append(((peer, channel), msg))
-        self._notify()
+        if threading.get_ident() != self._thread.ident:  # the I/O thread drains its outbox anyway
+            self._notify()
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         if self._local is None:

@@ -35,7 +35,7 @@ def _run(script: str, out: Path, timeout: float) -> subprocess.CompletedProcess[
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", ["bench/push_pull.py", "bench/train_throughput.py"])
+@pytest.mark.parametrize("script", ["bench/push_pull.py", "bench/train_throughput.py", "bench/transport_rate.py"])
 def test_quick_run_writes_records(script: str, tmp_path: Path) -> None:
     out = tmp_path / "records.json"
     result = _run(script, out, timeout=110)
