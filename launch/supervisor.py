@@ -138,6 +138,12 @@ class _Job:
         self.kill_now = asyncio.Event()
         self.stopping = False
         self.base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.threads_note = ""
+        if "OMP_NUM_THREADS" not in os.environ:
+            # like torchrun: N workers each spinning up one thread per core would overload the machine
+            threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+            self.base_env["OMP_NUM_THREADS"] = str(threads)
+            self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
         self.preexec = _death_signal_hook()
 
     def say(self, text: str) -> None:
@@ -185,6 +191,8 @@ class _Job:
 
     async def _run(self) -> int:
         self.say(self.config.describe())
+        if self.threads_note:
+            self.say(self.threads_note)
         role_argv = [sys.executable, "-m", "launch.cli"]
         try:
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")

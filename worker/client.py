@@ -81,6 +81,7 @@ class _Tensor:
     priority: int
     channel: int
     chunks: list[tuple[int, int, int, int]]  # (chunk, offset, length, server rank)
+    numel: int = 0
     round: int = 0
     bcast_version: int = 0
     opt_sent: dict[str, Any] | None = None
@@ -125,7 +126,7 @@ class Client:
                 continue
             self._tensors[name] = _Tensor(
                 key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
-                [(c, o, n, s) for c, o, n, s in chunks],
+                [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
             )
 
     def barrier(self, name: str) -> None:
@@ -204,7 +205,7 @@ class Client:
         return tensor
 
     def _flat(self, tensor: _Tensor, array: np.ndarray, writable: bool) -> np.ndarray:
-        if array.dtype != STORAGE[tensor.dtype] or array.size != int(np.prod(tensor.shape)):
+        if array.dtype != STORAGE[tensor.dtype] or array.size != tensor.numel:
             raise SluiceError(
                 f"tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}; got {array.dtype}{list(array.shape)}"
             )

@@ -95,6 +95,8 @@ def _wire_dtype(tensor: torch.Tensor) -> str:
 class _Staging:
     """Host memory that Sluice reads and writes for `tensor`: the tensor itself on the CPU, else pinned."""
 
+    __slots__ = ("direct", "host")
+
     def __init__(self, tensor: torch.Tensor) -> None:
         self.direct = tensor.device.type == "cpu" and tensor.is_contiguous()
         if self.direct:
@@ -235,6 +237,7 @@ class _DistributedMixin:
             raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
         self._sluice_on_server = _settings.optimizer_on == "server"
         self._sluice_handles: dict[int, tuple[Handle, Callable[[], None]]] = {}
+        self._sluice_stages: dict[int, _Staging] = {}
         options = {}
         if self._sluice_on_server:
             for group in self.param_groups:
@@ -258,7 +261,7 @@ class _DistributedMixin:
         grad = param.grad
         assert grad is not None
         client, name = _require(), self._sluice_names[key]
-        grad_stage = _Staging(grad)
+        grad_stage = self._sluice_staging(key, grad)
         data = grad_stage.load(grad)
         if self._sluice_on_server:
             options = _server_options(self._sluice_kind, self._sluice_group[key])
@@ -268,6 +271,15 @@ class _DistributedMixin:
         else:
             handle = client.push_pull(name, data, data)
             self._sluice_handles[key] = (handle, lambda: _average_into(grad_stage, grad))
+
+    def _sluice_staging(self, key: int, grad: torch.Tensor) -> _Staging:
+        """The gradient itself on the CPU; else one pinned buffer per parameter, kept across steps."""
+        if grad.device.type == "cpu" and grad.is_contiguous():
+            return _Staging(grad)
+        stage = self._sluice_stages.get(key)
+        if stage is None or stage.host.shape != grad.shape or stage.host.dtype != grad.dtype:
+            stage = self._sluice_stages[key] = _Staging(grad)
+        return stage
 
     def synchronize(self) -> None:
         """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
