@@ -18,11 +18,9 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import torch
-import torch.nn.functional as F
 import zmq
 
-from tests.integration.training import digest, global_batches, make_model, make_optimizer
+from tests.integration.training import train_distributed
 from transport.shm import Segment
 from transport.wire import VERSION, Flag, Kind, Message, encode
 
@@ -174,39 +172,32 @@ class Attacker(threading.Thread):
             segment.close()
 
 
+class _AttackEveryStep:
+    """StepHooks for train_distributed: attack before the broadcast and before every step."""
+
+    def __init__(self, attacker: Attacker) -> None:
+        self.attacker = attacker
+        attacker.start()
+
+    def before_broadcast(self) -> None:
+        self.attacker.attack()
+
+    def before_step(self) -> None:
+        self.attacker.attack()
+
+    def finish(self) -> Any:
+        self.attacker.finish()
+        return {"rounds": self.attacker.rounds, "sent": dict(self.attacker.sent)}
+
+
 def train_under_attack(steps: int, batch: int, optimizer: str, forge_opt: bool = False) -> dict[str, Any]:
-    """train_distributed's training, with worker 0 attacking the servers before the broadcast and at
-    every step (the other worker trains as usual)."""
+    """train_distributed, with worker 0 attacking the servers before the broadcast and at every step
+    (the other worker trains as usual); the attack's report is under "attack"."""
     import worker.torch_shim as hvd
 
-    hvd.init()
-    model = make_model()
-    if hvd.rank() != 0:  # different start: broadcast_parameters must fix it
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-    opt = hvd.DistributedOptimizer(make_optimizer(model, optimizer), named_parameters=model.named_parameters())
-    attacker = Attacker(hvd._require(), forge_opt) if hvd.rank() == 0 else None
-    if attacker is not None:
-        attacker.start()
-        attacker.attack()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x, y = global_batches(steps, batch)
-    per = batch // hvd.size()
-    digests = []
-    for step in range(steps):
-        start = step * batch + hvd.rank() * per
-        if attacker is not None:
-            attacker.attack()
-        opt.zero_grad()
-        F.mse_loss(model(x[start : start + per]), y[start : start + per]).backward()
-        opt.step()
-        hvd.synchronize_parameters()
-        digests.append(digest(model))
-    report: dict[str, Any] | None = None
-    if attacker is not None:
-        attacker.finish()
-        report = {"rounds": attacker.rounds, "sent": dict(attacker.sent)}
-    params = [p.detach().clone().numpy() for p in model.parameters()]
-    hvd.shutdown()
-    return {"params": params, "digests": digests, "attack": report}
+    def hooks() -> _AttackEveryStep | None:
+        return _AttackEveryStep(Attacker(hvd._require(), forge_opt)) if hvd.rank() == 0 else None
+
+    result = train_distributed(steps, batch, optimizer, hooks)
+    result["attack"] = result.pop("extra")
+    return result

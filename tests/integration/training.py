@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,24 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def train_distributed(steps: int, batch: int, optimizer: str) -> dict[str, Any]:
-    """Each worker trains on its slice of every global batch through Sluice."""
+class StepHooks(Protocol):
+    """What a test may do around the training of train_distributed (e.g. attack the servers)."""
+
+    def before_broadcast(self) -> None: ...
+
+    def before_step(self) -> None: ...
+
+    def finish(self) -> Any: ...
+
+
+def train_distributed(
+    steps: int, batch: int, optimizer: str, hooks: Callable[[], StepHooks | None] | None = None
+) -> dict[str, Any]:
+    """Each worker trains on its slice of every global batch through Sluice.
+
+    `hooks`, if given, is called once the optimizer is wrapped; what it returns is run around the
+    broadcast and every step, and its `finish()` is returned as "extra".
+    """
     import worker.torch_shim as hvd
 
     hvd.init()
@@ -61,12 +78,17 @@ def train_distributed(steps: int, batch: int, optimizer: str) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     opt = hvd.DistributedOptimizer(make_optimizer(model, optimizer), named_parameters=model.named_parameters())
+    around = hooks() if hooks is not None else None
+    if around is not None:
+        around.before_broadcast()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = global_batches(steps, batch)
     per = batch // hvd.size()
     digests, waits_in_forward = [], 0
     for step in range(steps):
         start = step * batch + hvd.rank() * per
+        if around is not None:
+            around.before_step()
         opt.zero_grad()
         waits_in_forward += len(hvd._pending_params)
         # with the optimizer on the servers, the forward pre-hooks wait for each layer's parameters
@@ -78,9 +100,10 @@ def train_distributed(steps: int, batch: int, optimizer: str) -> dict[str, Any]:
         opt.step()
     hvd.synchronize_parameters()
     digests.append(digest(model))
+    extra = around.finish() if around is not None else None
     params = [p.detach().clone().numpy() for p in model.parameters()]
     hvd.shutdown()
-    return {"params": params, "digests": digests, "waits_in_forward": waits_in_forward}
+    return {"params": params, "digests": digests, "waits_in_forward": waits_in_forward, "extra": extra}
 
 
 def record_pushes(steps: int) -> list[tuple[str, bool]]:
