@@ -39,7 +39,9 @@ GLOO = "torch.distributed gloo all_reduce"
 DESCRIPTION = """\
 Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one float32 tensor:
 
-  sluice  W workers push_pull the tensor through S servers (LocalCluster, worker.client.Client)
+  sluice  W workers push_pull the tensor through S servers (LocalCluster, worker.client.Client),
+          pushing from an array in registered memory (Client.alloc: no copy into the send ring)
+  plain   the same from an ordinary numpy array (one copy into the send ring per chunk)
   zmq     W processes each send the tensor as 1 MiB zero-copy PUSH messages over tcp 127.0.0.1 to
           S sink processes (chunk i to sink i mod S, as Sluice spreads chunks over its servers),
           which echo every message back on a PUSH socket per worker (the traffic of a push and a
@@ -47,7 +49,7 @@ Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one 
   gloo    W processes run torch.distributed all_reduce (gloo backend) on the same tensor
 
 Every process does one untimed warm-up round, then each repetition times ROUNDS rounds between
-two barriers (rank 0's clock). The JSON record's peer is gloo; the zmq figure is an extra field.
+two barriers (rank 0's clock). The JSON record's peer is gloo; plain and zmq are extra fields.
 """
 
 
@@ -78,13 +80,15 @@ def rounds_for(size_mib: int, rounds: int) -> int:
 
 
 # ---------------------------------------------------------------------------- sluice
-def _sluice_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
+def _sluice_worker(nbytes: int, rounds: int, repeats: int, registered: bool) -> list[float]:
     """Runs in each forked worker: per-round seconds of each repetition (rank 0's clock)."""
     from worker.client import Client
 
     client = Client()
     n = nbytes // 4
-    data, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    data = client.alloc((n,), "float32") if registered else np.empty(n, np.float32)
+    data[:] = 1.0
+    out = np.empty(n, np.float32)
     client.declare([("bench", (n,), "float32", None)])
     client.push_pull("bench", data, out).wait()
     if not np.all(out == client.size):
@@ -101,9 +105,11 @@ def _sluice_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
     return times
 
 
-def measure_sluice(nbytes: int, workers: int, servers: int, rounds: int, repeats: int, timeout: float) -> list[float]:
+def measure_sluice(
+    nbytes: int, workers: int, servers: int, rounds: int, repeats: int, timeout: float, registered: bool
+) -> list[float]:
     with LocalCluster(workers, servers) as cluster:
-        results = cluster.run(_sluice_worker, nbytes, rounds, repeats, timeout=timeout)
+        results = cluster.run(_sluice_worker, nbytes, rounds, repeats, registered, timeout=timeout)
         cluster.wait()
     times: list[float] = results[0]
     return times
@@ -245,29 +251,34 @@ def main(argv: list[str] | None = None) -> int:
         rounds = rounds_for(size, args.rounds)
         case = f"{size}MiB-w{workers}-s{servers}"
         measured: dict[str, Stats] = {}
-        for name in ("sluice", "zmq", "gloo"):
+        for name in ("sluice", "plain", "zmq", "gloo"):
             t0 = time.perf_counter()
-            if name == "sluice":
-                seconds = measure_sluice(nbytes, workers, servers, rounds, args.repeats, args.timeout)
+            if name in ("sluice", "plain"):
+                registered = name == "sluice"
+                seconds = measure_sluice(nbytes, workers, servers, rounds, args.repeats, args.timeout, registered)
             elif name == "zmq":
                 seconds = measure_zmq(nbytes, workers, servers, rounds, args.repeats, args.timeout)
             else:
                 seconds = measure_gloo(nbytes, workers, rounds, args.repeats, args.timeout)
             measured[name] = bandwidth(nbytes, seconds)
             progress(f"  {case:<16} {name:<6} {measured[name].brief()} GB/s  ({time.perf_counter() - t0:.1f} s)")
-        ours, zmq_, gloo = measured["sluice"], measured["zmq"], measured["gloo"]
+        ours, plain, zmq_, gloo = measured["sluice"], measured["plain"], measured["zmq"], measured["gloo"]
         rows.append([
-            case, str(rounds), ours.brief(), zmq_.brief(), gloo.brief(),
-            f"{ours.median / gloo.median:.2f}x", f"{ours.median / zmq_.median:.2f}x",
+            case, str(rounds), ours.brief(), plain.brief(), zmq_.brief(), gloo.brief(),
+            f"{ours.median / gloo.median:.2f}x", f"{plain.median / gloo.median:.2f}x",
+            f"{ours.median / zmq_.median:.2f}x",
         ])
         records.append(record(
-            case, ours, gloo, GLOO, "GB/s", zmq=zmq_.median, zmq_min=zmq_.low, zmq_max=zmq_.high,
+            case, ours, gloo, GLOO, "GB/s", plain=plain.median, plain_min=plain.low, plain_max=plain.high,
+            ratio_plain=plain.median / gloo.median, zmq=zmq_.median, zmq_min=zmq_.low, zmq_max=zmq_.high,
             ratio_zmq=ours.median / zmq_.median, size_mib=size, workers=workers, servers=servers,
             rounds=rounds, repeats=args.repeats,
         ))
     progress(f"\nalgorithm bandwidth in GB/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")
-    print_table(["case", "rounds", "sluice", "zmq echo", "gloo", "sluice/gloo", "sluice/zmq"], rows)
+    print_table(
+        ["case", "rounds", "sluice", "plain", "zmq echo", "gloo", "sluice/gloo", "plain/gloo", "sluice/zmq"], rows
+    )
     write_json(args.json, records)
     return 0
 

@@ -111,7 +111,8 @@ class Registry:
     """Arrays callers allocate in shared memory, so sending them needs no copy (bump arenas).
 
     A registered array is recognised by identity (the registry keeps it alive, so its id is never
-    reused): a dict lookup per message instead of address arithmetic.
+    reused): a dict lookup per message. A slice of one (a chunk of a registered tensor) is recognised
+    by its base, the segment's array, and located by its address.
     """
 
     def __init__(self) -> None:
@@ -119,17 +120,17 @@ class Registry:
         self._segments: list[Segment] = []
         self._used = 0
         self._arrays: dict[int, tuple[np.ndarray, str, int]] = {}
+        self._bases: dict[int, tuple[str, int]] = {}  # id(segment.bytes) -> (name, address)
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         nbytes = count * dtype.itemsize
         size = _round_up(max(nbytes, 1))
         with self._lock:
             if size > _ARENA_BYTES:
-                segment, start = Segment(size), 0
-                self._segments.append(segment)
+                segment, start = self._new_segment(size), 0
             else:
                 if not self._segments or self._segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
-                    self._segments.append(Segment(_ARENA_BYTES))
+                    self._new_segment(_ARENA_BYTES)
                     self._used = 0
                 segment, start = self._segments[-1], self._used
                 self._used += size
@@ -137,10 +138,21 @@ class Registry:
             self._arrays[id(array)] = (array, segment.name, start)
         return array
 
+    def _new_segment(self, size: int) -> Segment:
+        segment = Segment(size)
+        self._segments.append(segment)
+        self._bases[id(segment.bytes)] = (segment.name, segment.bytes.ctypes.data)
+        return segment
+
     def locate(self, payload: object) -> tuple[str, int] | None:
-        """(segment name, offset) if `payload` is an array this registry allocated."""
+        """(segment name, offset) if `payload` is an array this registry allocated, or a view of one."""
         found = self._arrays.get(id(payload))
-        return None if found is None else (found[1], found[2])
+        if found is not None:
+            return found[1], found[2]
+        base = self._bases.get(id(getattr(payload, "base", None)))
+        if base is None or not isinstance(payload, np.ndarray) or not payload.flags.c_contiguous:
+            return None
+        return base[0], payload.ctypes.data - base[1]
 
     def close(self) -> None:
         for segment in self._segments:
