@@ -31,6 +31,18 @@ def test_distributed_matches_single_process(optimizer_on: str, optimizer: str, w
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer_on", ["worker", "server"])
+def test_non_contiguous_parameters_go_through_staging_buffers(optimizer_on: str) -> None:
+    """The host staging path (what CUDA tensors take) exercised on the CPU with a strided weight."""
+    with LocalCluster(2, 1, {"worker": {"optimizer_on": optimizer_on}}) as cluster:
+        results = cluster.run(train_distributed, STEPS, BATCH, "sgd", None, True)
+    reference = train_single(STEPS, BATCH, "sgd", strided=True)
+    assert results[0]["digests"] == results[1]["digests"]
+    for got, want in zip(results[0]["params"], reference, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
 def test_asynchronous_mode_with_one_worker_matches_single_process() -> None:
     reference = train_single(STEPS, BATCH, "sgd")
     config = {"worker": {"optimizer_on": "server"}, "ps": {"sync": False}}

@@ -12,11 +12,19 @@ import torch.nn.functional as F
 FEATURES, HIDDEN, OUTPUTS = 12, 16, 3
 
 
-def make_model() -> torch.nn.Module:
+def make_model(strided: bool = False) -> torch.nn.Module:
+    """`strided`: the first weight is a non-contiguous (transposed) tensor, so Sluice must stage it
+    through a host buffer: on the CPU, the same path a CUDA tensor takes."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUTPUTS)
     )
+    if strided:
+        first = model[0]
+        assert isinstance(first, torch.nn.Linear)
+        first.weight = torch.nn.Parameter(first.weight.detach().t().contiguous().t())
+        assert not first.weight.is_contiguous()
+    return model
 
 
 def make_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
@@ -32,9 +40,9 @@ def global_batches(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train_single(steps: int, batch: int, optimizer: str) -> list[torch.Tensor]:
+def train_single(steps: int, batch: int, optimizer: str, strided: bool = False) -> list[torch.Tensor]:
     """The reference: one process training on the whole global batch of every step."""
-    model = make_model()
+    model = make_model(strided)
     opt = make_optimizer(model, optimizer)
     x, y = global_batches(steps, batch)
     for step in range(steps):
@@ -62,7 +70,11 @@ class StepHooks(Protocol):
 
 
 def train_distributed(
-    steps: int, batch: int, optimizer: str, hooks: Callable[[], StepHooks | None] | None = None
+    steps: int,
+    batch: int,
+    optimizer: str,
+    hooks: Callable[[], StepHooks | None] | None = None,
+    strided: bool = False,
 ) -> dict[str, Any]:
     """Each worker trains on its slice of every global batch through Sluice.
 
@@ -72,7 +84,7 @@ def train_distributed(
     import worker.torch_shim as hvd
 
     hvd.init()
-    model = make_model()
+    model = make_model(strided)
     if hvd.rank() != 0:  # different start: broadcast_parameters must fix it
         with torch.no_grad():
             for p in model.parameters():
