@@ -1,4 +1,4 @@
-"""Pushing from registered memory (Client.alloc) gives the same sums as from ordinary arrays."""
+"""The numpy client end to end: registered and plain arrays, push and pull apart, broadcast."""
 
 from __future__ import annotations
 
@@ -36,3 +36,31 @@ def test_registered_and_plain_arrays_sum_alike() -> None:
         results = cluster.run(_sum_both_ways, n)
     expected = [float((n - 1) * 3 + 2 * step) for step in range(3)]
     assert results == [expected, expected]
+
+
+def _push_then_pull(n: int) -> list[float]:
+    from worker.client import Client
+
+    client = Client()
+    client.declare([("g", (n,), "float32", None), ("b", (n,), "float64", None)])
+    out = np.empty(n, np.float32)
+    seen = []
+    for step in range(3):
+        pushed = client.push("g", np.full(n, client.rank + step, np.float32))
+        pushed.wait()
+        assert pushed.done()
+        client.pull("g", out).wait()  # waits until every worker's push of this round is summed
+        seen.append(float(out[0]))
+    shared = np.full(n, 7.0 if client.rank == 1 else -1.0)
+    client.broadcast("b", shared, root=1).wait()
+    seen.append(float(shared[-1]))
+    client.close()
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_push_and_pull_separately_and_broadcast() -> None:
+    with LocalCluster(3, 2) as cluster:
+        results = cluster.run(_push_then_pull, 5000)
+    # round r sums ranks 0..2 plus 3 * r
+    assert results == [[3.0, 6.0, 9.0, 7.0]] * 3
