@@ -75,6 +75,11 @@ class Server:
         elif msg.kind == Kind.SHUTDOWN:
             log.info("the scheduler ended the job")
             self.done.set()
+        elif msg.kind == Kind.BYE:
+            rank = meta_field(msg, "rank", int)
+            log.info("worker %d has left the job", rank)
+            for to, channel, reply in self.store.worker_left(rank):
+                self.transport.send(to, channel, reply)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
 

@@ -72,6 +72,8 @@ class ShardStore:
         self.chunks: dict[tuple[int, int], Chunk] = {}
         #: worker node id -> (transport peer name, worker rank)
         self.worker_ids: dict[int, tuple[str, int]] = {}
+        #: ranks of workers that have left the job (rounds that need them can never complete)
+        self.departed: set[int] = set()
 
     def add_plan(self, tensors: list[Any]) -> None:
         """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]."""
@@ -135,6 +137,8 @@ class ShardStore:
             raise WireError(f"push for round {msg.round} of {chunk.describe()}, which is at round {chunk.round}")
         if rank in chunk.pushed:
             raise WireError(f"worker {rank} pushed {chunk.describe()} twice in round {msg.round}")
+        if not self.departed <= chunk.pushed:
+            return [(peer, channel, self._orphaned(chunk, msg.round, msg.priority))]
         chunk.optimizer = optimizer  # only a push that is taken may change the settings
         wide = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data
         if not chunk.pushed:
@@ -185,6 +189,10 @@ class ShardStore:
     def _pull(self, chunk: Chunk, waiter: Waiter) -> list[Reply]:
         if not self.sync and chunk.optimizer is not None:
             return [(waiter.peer, waiter.channel, self._reply(Kind.REPLY, chunk, chunk.value.copy(), waiter))]
+        if self.departed and waiter.round > chunk.round and not (
+            waiter.round == chunk.round + 1 and self.departed <= chunk.pushed
+        ):  # the round this pull waits for needs a worker that has left
+            return [(waiter.peer, waiter.channel, self._orphaned(chunk, waiter.round, waiter.priority))]
         chunk.waiting.append(waiter)
         return self._serve(chunk)
 
@@ -223,6 +231,27 @@ class ShardStore:
 
     def _ack(self, kind: Kind, chunk: Chunk, round_: int, priority: int) -> Message:
         return Message(kind, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_, priority=priority)
+
+    def worker_left(self, rank: int) -> list[Reply]:
+        """Worker `rank` said goodbye: every round still waiting for it fails now, naming it."""
+        self.departed.add(rank)
+        replies = []
+        for chunk in self.chunks.values():
+            if not chunk.pushed or chunk.pushed >= self.departed:
+                continue
+            for waiter in chunk.waiting:
+                replies.append((waiter.peer, waiter.channel, self._orphaned(chunk, waiter.round, waiter.priority)))
+            chunk.waiting = []
+        return replies
+
+    def _orphaned(self, chunk: Chunk, round_: int, priority: int) -> Message:
+        gone = ", ".join(str(r) for r in sorted(self.departed))
+        error = (
+            f"round {round_} of {chunk.describe()} can never complete: worker {gone} has left the job "
+            "(did the workers run different numbers of steps?)"
+        )
+        return Message(Kind.ERROR, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_,
+                       priority=priority, meta={"error": error})
 
     # ------------------------------------------------------------------ diagnostics
     def stalled(self, now: float, limit: float) -> list[str]:

@@ -261,6 +261,9 @@ class Rendezvous:
     def _on_bye(self, node: Node) -> list[Out]:
         self.byes.add(node.name)
         if not all(w.name in self.byes for w in self._of_role("worker")):
-            return []
+            if node.role != "worker":
+                return []
+            # servers fail at once any round that now waits for this worker, instead of stalling
+            return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in self._of_role("server")]
         self.phase, self.exit_code = "done", 0
         return [(s.name, self._msg(Kind.SHUTDOWN)) for s in self._of_role("server")]

@@ -251,8 +251,11 @@ class Client:
         if peer == SCHEDULER_PEER:
             self.control.on_message(msg)
             return
-        if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY) or msg.sender not in self._server_ids:
+        if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY, Kind.ERROR) or msg.sender not in self._server_ids:
             log.warning("dropped unexpected %s from %r", msg.kind.name, peer)
+            return
+        if msg.kind == Kind.ERROR:
+            self._fail_round(msg)
             return
         with self._lock:
             ops = self._pending.get((msg.kind, msg.key, msg.chunk, msg.round))
@@ -269,6 +272,14 @@ class Client:
                 return
             np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
         op.handle._part_done(msg.chunk)
+
+    def _fail_round(self, msg: Message) -> None:
+        """A server says a round can never complete: fail whatever waits for it, with its words."""
+        error = str(msg.meta.get("error", "the server refused the round")) if msg.meta else "refused"
+        with self._lock:
+            ops = self._pending.pop((Kind.REPLY, msg.key, msg.chunk, msg.round), None)
+        for op in ops or ():
+            op.handle._fail(error)
 
     def _on_fatal(self, error: str) -> None:
         self._failure = error

@@ -67,3 +67,35 @@ def test_mismatched_declaration_names_worker_and_tensor() -> None:
         errors = cluster.run(_declare, (3, 4))
     for error in errors:
         assert "worker 2" in error and "'b'" in error and "[3, 4]" in error, error
+
+
+def _uneven_steps(steps_by_rank: dict[int, int]) -> dict[str, Any]:
+    from scheduler.errors import SluiceError
+    from worker.client import Client
+
+    client = Client()
+    client.declare([("w", (5000,), "float32", None)])
+    data, out = np.ones(5000, np.float32), np.zeros(5000, np.float32)
+    done = 0
+    try:
+        for _ in range(steps_by_rank[client.rank]):
+            client.push_pull("w", data, out).wait()
+            done += 1
+    except SluiceError as exc:
+        return {"steps": done, "error": str(exc), "at": time.monotonic()}
+    finally:
+        client.close()
+    return {"steps": done, "error": None, "at": time.monotonic()}
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_left_early_fails_the_others_at_once() -> None:
+    with LocalCluster(3, 2) as cluster:
+        started = time.monotonic()
+        results = cluster.run(_uneven_steps, {0: 5, 1: 3, 2: 5})
+    assert [r["steps"] for r in results] == [3, 3, 3]
+    assert results[1]["error"] is None
+    for rank in (0, 2):
+        error = results[rank]["error"]
+        assert error and "worker 1 has left the job" in error and "round 4" in error, error
+        assert results[rank]["at"] - started < 20  # long before the 120 s operation timeout

@@ -90,3 +90,21 @@ def test_bfloat16_round_trip_rounds_to_nearest_even() -> None:
     bits = np.zeros(4, np.uint16)
     f32_to_bf16(x.copy(), bits)
     np.testing.assert_allclose(bf16_to_f32(bits), x, rtol=1 / 128)
+
+
+def test_a_departed_worker_fails_the_rounds_that_need_it() -> None:
+    shard = store()
+    assert shard.handle("w0", 1, push(10, 1, [1, 1, 1, 1])) == []  # waits for worker 1
+    failed = shard.worker_left(1)
+    assert [(peer, m.kind, m.round) for peer, _, m in failed] == [("w0", Kind.ERROR, 1)]
+    assert "worker 1 has left the job" in failed[0][2].meta["error"]
+
+
+def test_a_round_the_departed_worker_joined_still_completes() -> None:
+    shard = store()
+    shard.handle("w1", 1, push(11, 1, [1, 1, 1, 1], flags=Flag.NONE))
+    assert shard.worker_left(1) == []
+    replies = shard.handle("w0", 1, push(10, 1, [2, 2, 2, 2]))
+    assert [m.kind for _, _, m in replies] == [Kind.REPLY] and values(replies[0][2]) == [3] * 4
+    after = shard.handle("w0", 1, push(10, 2, [2, 2, 2, 2]))  # round 2 needs worker 1: refused at once
+    assert [m.kind for _, _, m in after] == [Kind.ERROR]
