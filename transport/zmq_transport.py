@@ -288,7 +288,7 @@ class ZmqTransport:
             queue = self._queues[route]
             ready = queue.pop_ready()
             for index, (_, nbytes, msg) in enumerate(ready):
-                if not self._send_message(route, msg):
+                if not self._send_message(route, msg, nbytes):
                     for priority, later_bytes, later in reversed(ready[index:]):
                         queue.push_front(priority, later_bytes, later)
                     break
@@ -302,13 +302,13 @@ class ZmqTransport:
         except ValueError as exc:
             raise WireError(str(exc)) from None
 
-    def _send_message(self, route: Route, msg: Message) -> bool:
-        """Encode and send one queued message, its payload through shared memory for local peers."""
+    def _send_message(self, route: Route, msg: Message, nbytes: int) -> bool:
+        """Encode and send one queued message (`nbytes` of payload, counted when it was queued),
+        its payload through shared memory for local peers."""
         local = self._local is not None and route[0] in self._local
         if local and route[0] in self._dealers:
             msg.flags |= Flag.LOCAL
         descriptor: tuple[str, int, int] | None = None
-        nbytes = msg.nbytes
         if local and msg.payload is not None:
             placed = self._shared.prepare(route, msg.payload, nbytes)
             if placed is False:
