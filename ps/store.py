@@ -74,6 +74,7 @@ class ShardStore:
         self.worker_ids: dict[int, tuple[str, int]] = {}
         #: ranks of workers that have left the job (rounds that need them can never complete)
         self.departed: set[int] = set()
+        self.departure_order: list[int] = []  # the first to leave is the likely cause; name it first
 
     def add_plan(self, tensors: list[Any]) -> None:
         """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]."""
@@ -234,7 +235,9 @@ class ShardStore:
 
     def worker_left(self, rank: int) -> list[Reply]:
         """Worker `rank` said goodbye: every round still waiting for it fails now, naming it."""
-        self.departed.add(rank)
+        if rank not in self.departed:
+            self.departed.add(rank)
+            self.departure_order.append(rank)
         replies = []
         for chunk in self.chunks.values():
             if not chunk.pushed or chunk.pushed >= self.departed:
@@ -245,9 +248,10 @@ class ShardStore:
         return replies
 
     def _orphaned(self, chunk: Chunk, round_: int, priority: int) -> Message:
-        gone = ", ".join(str(r) for r in sorted(self.departed))
+        gone = [r for r in self.departure_order if r not in chunk.pushed] or self.departure_order
+        who = f"worker {gone[0]} has" if len(gone) == 1 else f"workers {', '.join(map(str, gone))} have"
         error = (
-            f"round {round_} of {chunk.describe()} can never complete: worker {gone} has left the job "
+            f"round {round_} of {chunk.describe()} can never complete: {who} left the job, worker {gone[0]} first "
             "(did the workers run different numbers of steps?)"
         )
         return Message(Kind.ERROR, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_,
