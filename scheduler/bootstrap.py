@@ -45,13 +45,19 @@ class NodeEnv:
 
     def transport_config(self) -> TransportConfig:
         section = self.section("transport")
-        if "tos" in section:
-            section["tos"] = tuple(section["tos"])
+        for key in ("tos", "so_priority", "channel_levels"):
+            if key in section:
+                section[key] = tuple(section[key])
         return TransportConfig(**section)
 
     def fingerprint(self) -> str:
-        """Identifies the job-wide settings, so the scheduler can refuse a node configured differently."""
-        return json.dumps(self.config, sort_keys=True)
+        """Identifies the job-wide settings, so the scheduler can refuse a node configured differently.
+
+        `transport.host` is left out: it is where this node listens, which differs from host to host.
+        """
+        shared = {name: dict(self.section(name)) for name in self.config}
+        shared.get("transport", {}).pop("host", None)
+        return json.dumps(shared, sort_keys=True)
 
 
 def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:

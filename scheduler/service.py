@@ -28,7 +28,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         "scheduler", replace(data_settings, channels=1, tos=()), lambda peer, _, msg: inbox.put((peer, msg))
     )
     machine = Rendezvous(
-        env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic()
+        env.workers, env.servers, data_settings.chunk_limit, settings, env.fingerprint(), time.monotonic()
     )
     announce(transport.listen()[0])
     log.info("waiting for %d servers and %d workers", env.servers, env.workers)

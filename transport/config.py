@@ -9,13 +9,24 @@ from dataclasses import dataclass, field
 class TransportConfig:
     #: channels per peer pair; channel 0 carries the most urgent priorities
     channels: int = 3
-    #: tensors are cut into chunks of at most this many bytes
-    chunk_bytes: int = 1 << 20
-    #: per channel and peer, at most this many payload bytes are sent but not yet acknowledged
-    #: (ByteScheduler's default credit: 4 M float32 parameters)
-    inflight_bytes: int = 16 << 20
-    #: IP ToS byte per channel (empty: no marking); e.g. (0xb8, 0x28, 0x00)
+    #: the highest priority (0 = most urgent) each channel but the last carries, e.g. [3, 20]: channel 0
+    #: carries priorities 0-3, channel 1 4-20, channel 2 the rest; empty: even bands over the tensors
+    channel_levels: tuple[int, ...] = field(default_factory=tuple)
+    #: tensors are cut into chunks of at most this many bytes; 0: chosen by a calibration at start
+    chunk_bytes: int = 0
+    #: per channel and peer, at most this many payload bytes are sent but not yet acknowledged;
+    #: 0: chosen by a calibration at start
+    inflight_bytes: int = 0
+    #: a queued message that has waited this long is sent before any newer one, whatever its
+    #: priority (the aging bound that keeps bulk traffic from starving)
+    aging_ms: float = 1000.0
+    #: mark each channel's packets (IP ToS/DSCP) so Linux qdiscs and switches can prioritise them;
+    #: the default marks put channel 0, 1, 2 in pfifo_fast bands 0, 1, 2 (see docs/priority.md)
+    marks: bool = True
+    #: IP ToS byte per channel, overriding the default marks; e.g. [0x90, 0x00, 0x28]
     tos: tuple[int, ...] = field(default_factory=tuple)
+    #: Linux SO_PRIORITY per channel (where libzmq can set it; otherwise the kernel derives it from the ToS)
+    so_priority: tuple[int, ...] = field(default_factory=tuple)
     #: "tcp" or "ipc"
     protocol: str = "tcp"
     #: address that listening channels bind to
@@ -28,10 +39,24 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.channels <= 8:
             raise ValueError(f"transport.channels must be 1..8, got {self.channels}")
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"transport.chunk_bytes must be at least 4096, got {self.chunk_bytes}")
-        if self.inflight_bytes < 1:
-            raise ValueError(f"transport.inflight_bytes must be positive, got {self.inflight_bytes}")
+        if self.chunk_bytes and self.chunk_bytes < 4096:
+            raise ValueError(f"transport.chunk_bytes must be 0 (calibrate) or at least 4096, got {self.chunk_bytes}")
+        if self.inflight_bytes < 0:
+            raise ValueError(f"transport.inflight_bytes must be 0 (calibrate) or positive, got {self.inflight_bytes}")
+        if self.aging_ms <= 0:
+            raise ValueError(f"transport.aging_ms must be positive, got {self.aging_ms}")
+        if self.channel_levels and len(self.channel_levels) != self.channels - 1:
+            raise ValueError(
+                f"transport.channel_levels needs one value per channel but the last ({self.channels - 1}), "
+                f"got {list(self.channel_levels)}"
+            )
+        if any(b <= a for a, b in zip(self.channel_levels, self.channel_levels[1:], strict=False)) or any(
+            level < 0 for level in self.channel_levels
+        ):
+            raise ValueError(f"transport.channel_levels must rise and be non-negative, got {list(self.channel_levels)}")
+        if self.so_priority and len(self.so_priority) != self.channels:
+            raise ValueError(f"transport.so_priority needs one value per channel ({self.channels}), "
+                             f"got {list(self.so_priority)}")
         if self.tos and len(self.tos) != self.channels:
             raise ValueError(f"transport.tos needs one value per channel ({self.channels}), got {self.tos}")
         if any(not 0 <= t <= 255 for t in self.tos):
@@ -42,7 +67,46 @@ class TransportConfig:
             raise ValueError(f"transport.backend {self.backend!r} is unknown; the available one is 'zmq'")
 
     def channel_for(self, priority: int, levels: int) -> int:
-        """Channel carrying `priority` out of `levels` priorities (0 most urgent), in even bands."""
+        """Channel carrying `priority` (0 most urgent): by `channel_levels`, else in even bands of `levels`."""
+        if self.channel_levels:
+            return next((c for c, top in enumerate(self.channel_levels) if priority <= top), self.channels - 1)
         if levels <= 0:
             return 0
-        return min(self.channels - 1, priority * self.channels // levels)
+        return min(self.channels - 1, max(priority, 0) * self.channels // levels)
+
+    def channel_tos(self) -> tuple[int, ...]:
+        """The ToS byte of each channel (empty: packets are not marked)."""
+        if self.tos:
+            return self.tos
+        if not self.marks:
+            return ()
+        return tuple(default_tos(channel, self.channels) for channel in range(self.channels))
+
+    @property
+    def chunk_limit(self) -> int:
+        """The chunk size in force before a calibration (or when none runs)."""
+        return self.chunk_bytes or DEFAULT_CHUNK_BYTES
+
+    @property
+    def inflight_limit(self) -> int:
+        return self.inflight_bytes or DEFAULT_INFLIGHT_BYTES
+
+
+#: used until a calibration has chosen (1 MiB chunks; ByteScheduler's credit of 4 M float32 parameters)
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_INFLIGHT_BYTES = 16 << 20
+
+#: Linux maps a socket's ToS to a priority and pfifo_fast maps that to a band (0 first). These marks
+#: land in bands 0, 1 and 2 and are also DSCP classes: AF42 (0x90), best effort (0x00), AF11 (0x28).
+URGENT_TOS, NORMAL_TOS, BULK_TOS = 0x90, 0x00, 0x28
+
+
+def default_tos(channel: int, channels: int) -> int:
+    """Channel 0 urgent, the last channel bulk (when there are 3 or more), the others best effort."""
+    if channels == 1:
+        return NORMAL_TOS
+    if channel == 0:
+        return URGENT_TOS
+    if channel == channels - 1 and channels >= 3:
+        return BULK_TOS
+    return NORMAL_TOS if channels >= 3 else BULK_TOS

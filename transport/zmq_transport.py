@@ -65,6 +65,7 @@ class ZmqTransport:
         self.name = name
         self.config = config
         self._handler = handler
+        self._tos = config.channel_tos()
         _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=1)
         self._poller = zmq.Poller()
@@ -78,7 +79,7 @@ class ZmqTransport:
         #: peers on this host that read our shared memory (None: shared memory is off)
         self._local: set[str] | None = set() if config.shm else None
         # the live part of a ring is at most the in-flight bound, plus what a wrap-around leaves unused
-        self._shared = SharedPayloads(config.inflight_bytes + 2 * config.chunk_bytes)
+        self._shared = SharedPayloads(config.inflight_limit + 2 * config.chunk_limit)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._unacked: dict[Route, int] = defaultdict(int)
         self._sent = [0] * config.channels
@@ -145,8 +146,8 @@ class ZmqTransport:
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.setsockopt(zmq.SNDHWM, _HWM)
         sock.setsockopt(zmq.RCVHWM, _HWM)
-        if self.config.tos:
-            sock.setsockopt(zmq.TOS, self.config.tos[channel])
+        if self._tos:
+            sock.setsockopt(zmq.TOS, self._tos[channel])
         return sock
 
     def _listen(self) -> list[str]:
@@ -279,7 +280,7 @@ class ZmqTransport:
             route = (peer, min(channel, len(dealers) - 1)) if dealers else (peer, channel)
             queue = self._queues.get(route)
             if queue is None:
-                queue = self._queues[route] = ChannelQueue(self.config.inflight_bytes)
+                queue = self._queues[route] = ChannelQueue(self.config.inflight_limit)
             queue.push(msg.priority, msg.nbytes, msg)
             self._active.add(route)
 
