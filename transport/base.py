@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,8 +43,13 @@ class Transport(Protocol):
         """
         ...
 
-    def stats(self) -> dict[str, list[int]]:
-        """Payload bytes sent and received per channel."""
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """Metrics since the start (or the last reset): bytes per channel and queueing delay per
+        priority, as `TransportMetrics.snapshot()` gives them."""
+        ...
+
+    def set_inflight(self, nbytes: int) -> None:
+        """Change the in-flight bound of every channel (after a calibration)."""
         ...
 
     def close(self, flush_seconds: float = 1.0) -> None:

@@ -27,6 +27,7 @@ import zmq
 
 from transport.base import Handler
 from transport.config import TransportConfig
+from transport.metrics import TransportMetrics
 from transport.sendqueue import ChannelQueue
 from transport.shm import SharedPayloads
 from transport.wire import Flag, Kind, Message, WireError, decode, encode
@@ -60,12 +61,35 @@ def _keep_large_buffers_mapped() -> None:
 Frames = list[Any]
 
 
+def _urgency(arrival: tuple[int, int, str, int, Message]) -> tuple[int, int]:
+    return arrival[0], arrival[1]
+
+
+def _check_so_priority() -> None:
+    """Fail at start, with what to do, when this libzmq cannot set SO_PRIORITY (a draft option)."""
+    probe: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        probe.setsockopt(zmq.PRIORITY, 0)
+    except (zmq.ZMQError, AttributeError):
+        raise ValueError(
+            f"transport.so_priority is set, but this libzmq ({zmq.zmq_version()}) was built without its draft "
+            "option ZMQ_PRIORITY, so SO_PRIORITY cannot be set per channel. Remove transport.so_priority: "
+            "Linux derives each socket's priority from its ToS mark (transport.tos / transport.marks)."
+        ) from None
+    finally:
+        probe.close(linger=0)
+
+
 class ZmqTransport:
     def __init__(self, name: str, config: TransportConfig, handler: Handler) -> None:
         self.name = name
         self.config = config
         self._handler = handler
         self._tos = config.channel_tos()
+        if config.so_priority:
+            _check_so_priority()
+        self._inflight = config.inflight_limit
+        self._aging = config.aging_ms / 1e3
         _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=1)
         self._poller = zmq.Poller()
@@ -75,15 +99,14 @@ class ZmqTransport:
         self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
         self._queues: dict[Route, ChannelQueue[Message]] = {}
         self._active: set[Route] = set()
-        self._outbox: deque[tuple[Route, Message]] = deque()
+        self._outbox: deque[tuple[Route, Message, float]] = deque()
         #: peers on this host that read our shared memory (None: shared memory is off)
         self._local: set[str] | None = set() if config.shm else None
         # the live part of a ring is at most the in-flight bound, plus what a wrap-around leaves unused
         self._shared = SharedPayloads(config.inflight_limit + 2 * config.chunk_limit)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._unacked: dict[Route, int] = defaultdict(int)
-        self._sent = [0] * config.channels
-        self._received = [0] * config.channels
+        self.metrics = TransportMetrics(config.channels)
         self._ipc_dir: str | None = None
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()
@@ -103,7 +126,7 @@ class ZmqTransport:
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
             raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
-        self._outbox.append(((peer, channel), msg))
+        self._outbox.append(((peer, channel), msg, time.monotonic()))
         if threading.get_ident() != self._thread.ident:  # the I/O thread drains its outbox anyway
             self._notify()
 
@@ -112,8 +135,27 @@ class ZmqTransport:
             return np.zeros(count, dtype)
         return self._shared.registry.alloc(count, dtype)
 
-    def stats(self) -> dict[str, list[int]]:
-        return {"sent_bytes": list(self._sent), "received_bytes": list(self._received)}
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        def snapshot() -> dict[str, Any]:
+            taken = self.metrics.snapshot()
+            if reset:
+                self.metrics.reset()
+            return taken
+
+        if self._stop_at is not None:  # the I/O thread may be gone; its counters no longer change
+            return snapshot()
+        return dict(self._call(snapshot))
+
+    def set_inflight(self, nbytes: int) -> None:
+        if nbytes < 1:
+            raise ValueError(f"in-flight bound must be positive, got {nbytes}")
+
+        def apply() -> None:
+            self._inflight = nbytes
+            for queue in self._queues.values():
+                queue.bound = nbytes
+
+        self._call(apply)
 
     def close(self, flush_seconds: float = 1.0) -> None:
         if self._stop_at is None:
@@ -148,6 +190,8 @@ class ZmqTransport:
         sock.setsockopt(zmq.RCVHWM, _HWM)
         if self._tos:
             sock.setsockopt(zmq.TOS, self._tos[channel])
+        if self.config.so_priority:
+            sock.setsockopt(zmq.PRIORITY, self.config.so_priority[channel])
         return sock
 
     def _listen(self) -> list[str]:
@@ -189,11 +233,13 @@ class ZmqTransport:
         try:
             while not self._finished():
                 events = self._poller.poll(5 if self._active else 100)
+                arrived: list[tuple[int, int, str, int, Message]] = []
                 for sock, _ in events:
                     if sock == self._wake:
                         os.eventfd_read(self._wake)
                     else:
-                        self._receive(sock)
+                        self._receive(sock, arrived)
+                self._dispatch(arrived)
                 self._run_commands()
                 self._flush_acks()
                 self._drain_outbox()
@@ -217,7 +263,8 @@ class ZmqTransport:
             except Exception as exc:
                 future.set_exception(exc)
 
-    def _receive(self, sock: zmq.Socket[bytes]) -> None:
+    def _receive(self, sock: zmq.Socket[bytes], arrived: list[tuple[int, int, str, int, Message]]) -> None:
+        """Read up to a batch from `sock`: credit acks are applied now, the rest goes to `arrived`."""
         peer, channel = self._socket_channel[sock]
         for _ in range(_RECV_BATCH):
             try:
@@ -253,7 +300,15 @@ class ZmqTransport:
             if msg.payload is not None:
                 if not msg.flags & Flag.SHM:
                     self._unacked[(source, channel)] += msg.payload.nbytes
-                self._received[channel] += msg.payload.nbytes
+                self.metrics.received_bytes[channel] += msg.payload.nbytes
+            arrived.append((msg.priority, len(arrived), source, channel, msg))
+
+    def _dispatch(self, arrived: list[tuple[int, int, str, int, Message]]) -> None:
+        """Hand what one poll brought in to the handler, most urgent first, FIFO among equals: the
+        receiving hop keeps the senders' priorities (a server sums and answers urgent chunks first)."""
+        if len(arrived) > 1:
+            arrived.sort(key=_urgency)
+        for _, _, source, channel, msg in arrived:
             try:
                 self._handler(source, channel, msg)
             except Exception:
@@ -275,25 +330,26 @@ class ZmqTransport:
 
     def _drain_outbox(self) -> None:
         while self._outbox:
-            (peer, channel), msg = self._outbox.popleft()
+            (peer, channel), msg, enqueued = self._outbox.popleft()
             dealers = self._dealers.get(peer)
             route = (peer, min(channel, len(dealers) - 1)) if dealers else (peer, channel)
             queue = self._queues.get(route)
             if queue is None:
-                queue = self._queues[route] = ChannelQueue(self.config.inflight_limit)
-            queue.push(msg.priority, msg.nbytes, msg)
+                queue = self._queues[route] = ChannelQueue(self._inflight, self._aging)
+            queue.push(msg.priority, msg.nbytes, msg, enqueued)
             self._active.add(route)
 
     def _pump(self) -> None:
+        now = time.monotonic()
         for route in list(self._active):
             queue = self._queues[route]
-            ready = queue.pop_ready()
-            for index, (_, nbytes, msg) in enumerate(ready):
+            ready = queue.pop_ready(now)
+            for index, (priority, nbytes, msg, enqueued) in enumerate(ready):
                 if not self._send_message(route, msg, nbytes):
-                    for priority, later_bytes, later in reversed(ready[index:]):
-                        queue.push_front(priority, later_bytes, later)
+                    for later_priority, later_bytes, later, later_enqueued in reversed(ready[index:]):
+                        queue.push_front(later_priority, later_bytes, later, later_enqueued)
                     break
-                self._sent[route[1]] += nbytes
+                self.metrics.sent(route[1], priority, nbytes, now - enqueued)
             if not len(queue):
                 self._active.discard(route)
 

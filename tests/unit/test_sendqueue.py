@@ -11,8 +11,8 @@ pytestmark = pytest.mark.timeout(10)
 MiB = 1 << 20
 
 
-def names(ready: list[tuple[int, int, str]]) -> list[str]:
-    return [item for _, _, item in ready]
+def names(ready: list[tuple[int, int, str, float]]) -> list[str]:
+    return [item for _, _, item, _ in ready]
 
 
 def drain(queue: ChannelQueue[str]) -> list[str]:
@@ -22,7 +22,7 @@ def drain(queue: ChannelQueue[str]) -> list[str]:
         ready = queue.pop_ready()
         assert ready, "a non-empty queue with nothing in flight must release an item"
         out += names(ready)
-        queue.ack(sum(nbytes for _, nbytes, _ in ready))
+        queue.ack(sum(nbytes for _, nbytes, _, _ in ready))
     return out
 
 
@@ -44,7 +44,7 @@ def test_pop_order_is_priority_then_fifo(pushes: list[tuple[int, str]], order: l
         queue.push(priority, 10, item)
     ready = queue.pop_ready()
     assert names(ready) == order
-    assert [p for p, _, _ in ready] == sorted(p for p, _ in pushes)
+    assert [p for p, _, _, _ in ready] == sorted(p for p, _ in pushes)
     assert queue.inflight == 10 * len(pushes) and len(queue) == 0
 
 
@@ -142,8 +142,8 @@ def test_push_front_keeps_order() -> None:
     assert names(ready) == ["u", "a", "b", "c", "d", "e"]
     assert queue.inflight == 60
     # "u" and "a" were sent; the socket refused "b": the rest goes back, last first (as the transport does)
-    for priority, nbytes, item in reversed(ready[2:]):
-        queue.push_front(priority, nbytes, item)
+    for priority, nbytes, item, enqueued in reversed(ready[2:]):
+        queue.push_front(priority, nbytes, item, enqueued)
     assert queue.inflight == 20
     queue.push(1, 10, "f")
     queue.push(0, 10, "v")
@@ -155,12 +155,12 @@ def test_push_front_twice_keeps_order() -> None:
     for item in ["a", "b", "c"]:
         queue.push(2, 10, item)
     first = queue.pop_ready()
-    for priority, nbytes, item in reversed(first):
-        queue.push_front(priority, nbytes, item)
+    for priority, nbytes, item, enqueued in reversed(first):
+        queue.push_front(priority, nbytes, item, enqueued)
     second = queue.pop_ready()
     assert names(second) == ["a", "b", "c"]
-    for priority, nbytes, item in reversed(second[1:]):
-        queue.push_front(priority, nbytes, item)
+    for priority, nbytes, item, enqueued in reversed(second[1:]):
+        queue.push_front(priority, nbytes, item, enqueued)
     queue.push(2, 10, "d")
     assert drain(queue) == ["b", "c", "d"]
     assert queue.inflight == 10, "only the unacknowledged 'a' is still in flight"
@@ -204,3 +204,56 @@ def test_ack_on_an_idle_queue() -> None:
 def test_bound_must_be_positive(bound: int) -> None:
     with pytest.raises(ValueError):
         ChannelQueue(bound)
+
+
+def _drain_at(queue: ChannelQueue[str], now: float) -> list[str]:
+    out: list[str] = []
+    while len(queue):
+        ready = queue.pop_ready(now)
+        out += names(ready)
+        queue.ack(sum(nbytes for _, nbytes, _, _ in ready))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("pushes", "now", "order"),
+    [
+        # (priority, item, enqueued at); aging bound 1.0
+        ([(5, "old", 0.0), (0, "new", 0.5)], 0.9, ["new", "old"]),  # not aged yet: priority wins
+        ([(5, "old", 0.0), (0, "new", 0.5)], 1.0, ["old", "new"]),  # aged: it goes first
+        ([(5, "a", 0.0), (5, "b", 0.1), (0, "u", 0.2), (7, "c", 1.9)], 1.5, ["a", "b", "u", "c"]),
+        ([(3, "x", 0.0), (1, "y", 0.0), (2, "z", 2.0)], 1.0, ["x", "y", "z"]),  # aged ones leave in arrival order
+    ],
+)
+def test_an_aged_item_leaves_before_newer_urgent_ones(
+    pushes: list[tuple[int, str, float]], now: float, order: list[str]
+) -> None:
+    queue: ChannelQueue[str] = ChannelQueue(bound=10, aging=1.0)
+    for priority, item, at in pushes:
+        queue.push(priority, 10, item, at)
+    assert _drain_at(queue, now) == order
+
+
+def test_aging_bounds_the_wait_of_bulk_under_a_stream_of_urgent_items() -> None:
+    """Urgent items keep arriving; without aging the bulk item would wait forever."""
+    queue: ChannelQueue[str] = ChannelQueue(bound=10, aging=0.05)
+    queue.push(9, 10, "bulk", 0.0)
+    sent_at = None
+    for step in range(100):
+        now = step * 0.01
+        queue.push(0, 10, f"u{step}", now)
+        for _, nbytes, item, _ in queue.pop_ready(now):
+            if item == "bulk":
+                sent_at = now
+            queue.ack(nbytes)
+    assert sent_at is not None and 0.05 <= sent_at <= 0.06
+
+
+def test_a_returned_item_keeps_its_age() -> None:
+    queue: ChannelQueue[str] = ChannelQueue(bound=100, aging=1.0)
+    queue.push(5, 10, "old", 0.0)
+    ready = queue.pop_ready(0.0)
+    for priority, nbytes, item, enqueued in ready:
+        queue.push_front(priority, nbytes, item, enqueued)
+    queue.push(0, 10, "new", 1.5)
+    assert _drain_at(queue, 1.5) == ["old", "new"]
