@@ -13,7 +13,9 @@ from ps.store import ShardStore
 from scheduler.bootstrap import NodeEnv
 from scheduler.config import SchedulerConfig
 from scheduler.node import SCHEDULER_PEER, ControlClient
+from scheduler.rendezvous import parse_limits
 from transport.base import open_transport
+from transport.metrics import summary_lines
 from transport.wire import Kind, Message, WireError, meta_field
 
 log = logging.getLogger("sluice.server")
@@ -26,6 +28,7 @@ class Server:
         self.done = threading.Event()
         self.exit_code = 0
         self.rejected = 0
+        self.inflight = 0
         name = f"server-{socket.gethostname()}-{os.getpid()}"
         self.transport = open_transport(name, env.transport_config(), self._on_message)
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
@@ -47,6 +50,8 @@ class Server:
         finally:
             self.control.bye()
             self.transport.close(flush_seconds=2.0)
+            for line in summary_lines(self.transport.stats(), f"server {self.control.rank}"):
+                log.info("%s", line)
         log.info("server %d stopped (%d messages rejected)", self.control.rank, self.rejected)
         return self.exit_code
 
@@ -55,6 +60,11 @@ class Server:
             self.control.on_message(msg)
             return
         try:
+            if msg.kind == Kind.PROBE:  # a worker's calibration: answer at once, no payload
+                self.store.check_worker(peer, msg.sender)
+                self.transport.send(peer, channel, Message(Kind.PROBE_REPLY, sender=self.store.node_id,
+                                                           round=msg.round, priority=msg.priority))
+                return
             replies = self.store.handle(peer, channel, msg)
         except WireError as exc:
             self.rejected += 1
@@ -68,9 +78,15 @@ class Server:
             seq = meta_field(msg, "seq", int)
             try:
                 self.store.add_plan(meta_field(msg, "tensors", list))
+                limits = parse_limits(meta_field(msg, "limits", list))
             except (ValueError, TypeError, KeyError) as exc:
                 self.control.fail(f"server {self.control.rank} cannot take the plan of declaration {seq}: {exc}")
                 return
+            if limits.inflight_bytes != self.inflight:
+                self.inflight = limits.inflight_bytes
+                self.transport.set_inflight(self.inflight)  # replies keep to the job's bound too
+                self.transport.stats(reset=True)  # the calibration probes are over: metrics start here
+                log.info("server %d: %s", self.control.rank, limits.describe())
             self.control.send(Kind.PLAN_ACK, seq=seq)
         elif msg.kind == Kind.SHUTDOWN:
             log.info("the scheduler ended the job")

@@ -109,6 +109,10 @@ class ShardStore:
             return self._serve_bcast(chunk)
         raise WireError(f"a server does not take {msg.kind.name} messages")
 
+    def check_worker(self, peer: str, sender: int) -> None:
+        """Raise WireError unless `sender` on connection `peer` is a worker of this job."""
+        self._worker_rank(peer, sender)
+
     def _worker_rank(self, peer: str, sender: int) -> int:
         known = self.worker_ids.get(sender)
         if known is None or known[0] != peer:

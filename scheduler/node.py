@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.bootstrap import NodeEnv
+from scheduler.calibration import Limits
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
+from scheduler.rendezvous import parse_limits
 from transport.base import Transport
-from transport.wire import Kind, Message, meta_field
+from transport.wire import Kind, Message, WireError, meta_field
 
 log = logging.getLogger("sluice.node")
 
@@ -81,13 +83,19 @@ class ControlClient:
         self._last_ack = time.monotonic()
         threading.Thread(target=self._heartbeats, name="sluice-heartbeat", daemon=True).start()
 
-    def declare(self, tensors: list[list[Any]]) -> list[Any]:
-        """Declare [[name, shape, dtype, optimizer], ...] collectively; the plan table for them."""
+    def declare(self, tensors: list[list[Any]], limits: Limits | None = None) -> tuple[list[Any], Limits]:
+        """Declare [[name, shape, dtype, optimizer], ...] collectively, proposing this worker's calibrated
+        limits; the plan table for them and the job's chunk size and in-flight bound."""
         seq, self._declare_seq = self._declare_seq, self._declare_seq + 1
-        self._send(Kind.DECLARE, seq=seq, tensors=tensors)
+        extra = {"limits": limits.as_list()} if limits is not None else {}
+        self._send(Kind.DECLARE, seq=seq, tensors=tensors, **extra)
         plan = self._wait((Kind.PLAN, seq), self._config.op_timeout, f"the plan of tensor declaration {seq}")
         table: list[Any] = meta_field(plan, "tensors", list)
-        return table
+        try:
+            settled = parse_limits(meta_field(plan, "limits", list))
+        except WireError as exc:
+            raise SluiceError(f"malformed PLAN from the scheduler: {exc}") from None
+        return table, settled
 
     def barrier(self, name: str) -> None:
         self._send(Kind.BARRIER, name=name)

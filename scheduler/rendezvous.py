@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.calibration import Limits, agree
 from scheduler.config import SchedulerConfig
 from scheduler.partition import TensorPlan, TensorSpec, plan_tensors
+from transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from transport.wire import DTYPES, Kind, Message, WireError, meta_field
 
 Out = tuple[str, Message]
@@ -37,8 +39,19 @@ class Node:
 @dataclass
 class _Declaration:
     by_rank: dict[int, list[Any]] = field(default_factory=dict)
+    proposals: dict[int, Limits] = field(default_factory=dict)
     plans: list[TensorPlan] = field(default_factory=list)
     acks: set[int] = field(default_factory=set)
+
+
+def parse_limits(raw: object) -> Limits:
+    """[chunk_bytes, inflight_bytes] from a DECLARE or PLAN message, validated."""
+    if (
+        not isinstance(raw, list) or len(raw) != 2 or not all(type(v) is int for v in raw)
+        or not 4096 <= raw[0] <= 1 << 30 or not 1 <= raw[1] <= 1 << 34
+    ):
+        raise WireError(f"limits must be [chunk bytes 4096..2**30, in-flight bytes 1..2**34], got {raw!r:.80}")
+    return Limits(raw[0], raw[1])
 
 
 def parse_tensor_table(raw: object) -> list[tuple[TensorSpec, Any]]:
@@ -90,9 +103,14 @@ class Rendezvous:
         config: SchedulerConfig,
         fingerprint: str,
         now: float,
+        inflight_bytes: int = 0,
     ) -> None:
         self.workers, self.servers, self.config = workers, servers, config
-        self.chunk_bytes = chunk_bytes
+        #: as configured; 0: the workers' calibrations decide (at the first declaration)
+        self.chunk_bytes, self.inflight_bytes = chunk_bytes, inflight_bytes
+        self.limits: Limits | None = None
+        #: lines worth logging (the limits chosen); the service drains it
+        self.notes: list[str] = []
         self.fingerprint = fingerprint
         self.started = now
         self.nodes: dict[str, Node] = {}
@@ -205,8 +223,12 @@ class Rendezvous:
         table = parse_tensor_table(meta_field(msg, "tensors", list))
         decl = self._declarations.setdefault(seq, _Declaration())
         decl.by_rank[node.rank] = table
+        proposal = (msg.meta or {}).get("limits")
+        if proposal is not None:
+            decl.proposals[node.rank] = parse_limits(proposal)
         if len(decl.by_rank) < self.workers:
             return []
+        limits = self.limits or self._settle_limits(decl)
         reference = [spec for spec, _ in decl.by_rank[0]]
         for rank in range(1, self.workers):
             problem = table_mismatch(reference, [spec for spec, _ in decl.by_rank[rank]], rank)
@@ -218,7 +240,7 @@ class Rendezvous:
                 return self._fail(f"tensor {spec.name!r} was declared before as {old.spec}, now as {spec}")
         new = [spec for spec in reference if spec.name not in self._planned]
         plans, self._loads = plan_tensors(
-            new, len(self._planned), self.servers, self.chunk_bytes, self._loads
+            new, len(self._planned), self.servers, limits.chunk_bytes, self._loads
         )
         self._planned.update((p.spec.name, p) for p in plans)
         decl.plans = [self._planned[spec.name] for spec in reference]
@@ -230,8 +252,23 @@ class Rendezvous:
                  [[c.chunk, c.length] for c in p.chunks if c.server == server.rank]]
                 for p in plans
             ]
-            outs.append((server.name, self._msg(Kind.PLAN, seq=seq, tensors=shard)))
+            outs.append((server.name, self._msg(Kind.PLAN, seq=seq, tensors=shard, limits=limits.as_list())))
         return outs
+
+    def _settle_limits(self, decl: _Declaration) -> Limits:
+        """Fix the job's chunk size and in-flight bound: as configured, else from the calibrations."""
+        proposed = agree(list(decl.proposals.values())) if decl.proposals else None
+        chunk = self.chunk_bytes or (proposed.chunk_bytes if proposed else DEFAULT_CHUNK_BYTES)
+        inflight = self.inflight_bytes or (proposed.inflight_bytes if proposed else DEFAULT_INFLIGHT_BYTES)
+        self.limits = Limits(chunk, inflight)
+        how = {True: "configured", False: "calibrated" if proposed else "default"}
+        self.notes.append(
+            f"chunk size {chunk >> 10} KiB ({how[bool(self.chunk_bytes)]}), in-flight bound {inflight >> 10} KiB "
+            f"({how[bool(self.inflight_bytes)]})"
+            + (f"; workers proposed {', '.join(f'{r}: {p.describe()}' for r, p in sorted(decl.proposals.items()))}"
+               if decl.proposals else "")
+        )
+        return self.limits
 
     def _on_plan_ack(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)
@@ -247,7 +284,10 @@ class Rendezvous:
             for p in decl.plans
         ]
         del self._declarations[seq]
-        return [(w.name, self._msg(Kind.PLAN, seq=seq, tensors=table)) for w in self._of_role("worker")]
+        limits = (self.limits or Limits(DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES)).as_list()
+        return [
+            (w.name, self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits)) for w in self._of_role("worker")
+        ]
 
     def _on_barrier(self, node: Node, msg: Message) -> list[Out]:
         name = meta_field(msg, "name", str)

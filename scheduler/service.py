@@ -28,7 +28,8 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         "scheduler", replace(data_settings, channels=1, tos=()), lambda peer, _, msg: inbox.put((peer, msg))
     )
     machine = Rendezvous(
-        env.workers, env.servers, data_settings.chunk_limit, settings, env.fingerprint(), time.monotonic()
+        env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),
+        inflight_bytes=data_settings.inflight_bytes,
     )
     announce(transport.listen()[0])
     log.info("waiting for %d servers and %d workers", env.servers, env.workers)
@@ -50,6 +51,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                     send(machine.on_message(peer, msg, time.monotonic()))
                 except WireError as exc:
                     log.warning("rejected %s from %r: %s", msg.kind.name, peer, exc)
+                for note in machine.notes:
+                    log.info("%s", note)
+                machine.notes.clear()
                 if was == "registering" and machine.phase == "running":
                     log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             now = time.monotonic()

@@ -73,6 +73,8 @@ class Kind(IntEnum):
     BCAST_PUSH = 23
     BCAST_PULL = 24
     BCAST_REPLY = 25
+    PROBE = 26
+    PROBE_REPLY = 27
     ACK = 30
     ERROR = 31
 

@@ -177,6 +177,8 @@ class ZmqTransport:
                 os.eventfd_write(self._wake, 1)
 
     def _call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        if threading.get_ident() == self._thread.ident:  # a handler calling back: run it in place
+            return fn()
         future: Future[Any] = Future()
         self._commands.append((fn, future))
         self._notify()

@@ -20,12 +20,14 @@ from typing import Any
 import numpy as np
 
 from scheduler.bootstrap import NodeEnv, from_environ
+from scheduler.calibration import Limits
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
 from scheduler.node import SCHEDULER_PEER, ControlClient
 from transport.base import open_transport
 from transport.dtypes import STORAGE
 from transport.wire import Flag, Kind, Message
+from worker.calibrate import Calibrator
 
 log = logging.getLogger("sluice.worker")
 
@@ -114,12 +116,33 @@ class Client:
         self._server_ids = {p.node_id for p in servers}
         for peer in servers:
             self.transport.connect(peer.name, peer.endpoints)
+        #: this worker's calibrated limits, proposed to the scheduler with the first declaration
+        self.proposal: Limits | None = None
+        #: the job's chunk size and in-flight bound, known after the first declaration
+        self.limits: Limits | None = None
+        self._calibrator: Calibrator | None = None
+        if servers and not (self.settings.chunk_bytes and self.settings.inflight_bytes):
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        timeout = min(self.control_settings.op_timeout, 60.0)
+        self._calibrator = Calibrator(
+            self.transport, self.control.node_id, self._server_names, self.settings.channels - 1, timeout
+        )
+        try:
+            self.proposal, measured = self._calibrator.run(self.settings.chunk_bytes, self.settings.inflight_bytes)
+        finally:
+            self._calibrator = None
+        log.info("worker %d calibration: %s -> %s", self.rank, measured, self.proposal.describe())
 
     # ------------------------------------------------------------------ collective set-up
     def declare(self, tensors: Sequence[TensorDecl]) -> None:
         """Declare tensors on every worker at once (same names, shapes, dtypes; any order)."""
         table = [[name, list(shape), dtype, opt] for name, shape, dtype, opt in tensors]
-        plan = self.control.declare(table)
+        plan, limits = self.control.declare(table, self.proposal if self.limits is None else None)
+        if self.limits is None:
+            self.limits = limits
+            self.transport.set_inflight(limits.inflight_bytes)
         levels = max(len(plan), 1)
         for key, name, shape, dtype, priority, chunks in plan:
             if name in self._tensors:
@@ -128,6 +151,19 @@ class Client:
                 key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
                 [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
             )
+
+    def set_priorities(self, priorities: dict[str, int]) -> None:
+        """Give declared tensors new priorities (0 most urgent) and the channels that carry them.
+
+        Every worker should set the same map; chunks already queued keep the priority they had.
+        """
+        for name, priority in priorities.items():
+            if priority < 0:
+                raise SluiceError(f"priority of {name!r} must be >= 0, got {priority}")
+            self._tensor(name).priority = priority
+        levels = max(t.priority for t in self._tensors.values()) + 1
+        for tensor in self._tensors.values():
+            tensor.channel = self.settings.channel_for(tensor.priority, levels)
 
     def barrier(self, name: str) -> None:
         self.control.barrier(name)
@@ -250,6 +286,10 @@ class Client:
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:
         if peer == SCHEDULER_PEER:
             self.control.on_message(msg)
+            return
+        calibrator = self._calibrator
+        if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:
+            calibrator.on_reply(msg)
             return
         if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY, Kind.ERROR) or msg.sender not in self._server_ids:
             log.warning("dropped unexpected %s from %r", msg.kind.name, peer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,8 +19,12 @@ import numpy as np
 import torch
 
 from scheduler.errors import SluiceError
+from transport.metrics import summary_lines
 from worker.client import Client, Handle
 from worker.config import WorkerConfig
+from worker.torch_priority import ParameterPriorities
+
+log = logging.getLogger("sluice.worker")
 
 _DTYPES = {
     torch.float32: "float32",
@@ -45,18 +50,45 @@ def init() -> None:
     global _client, _settings
     if _client is not None:
         return
+    _show_our_logs()
     client = Client()
-    _settings = WorkerConfig(**client.env.section("worker"))
+    section = client.env.section("worker")
+    if "priority_overrides" in section:
+        section["priority_overrides"] = tuple(section["priority_overrides"])
+    _settings = WorkerConfig(**section)
     _client = client
     torch.nn.modules.module.register_module_forward_pre_hook(_wait_for_parameters)
     atexit.register(shutdown)
 
 
+def _show_our_logs() -> None:
+    """Our INFO lines (calibration, the priority map, metrics) reach stderr unless the script set up logging."""
+    ours = logging.getLogger("sluice")
+    if not logging.getLogger().handlers and not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
 def shutdown() -> None:
     global _client
     if _client is not None:
+        if _client.rank == 0:
+            _log_metrics(_client.transport.stats(), "at the end")
         _client.close()
         _client = None
+
+
+def metrics(reset: bool = False) -> dict[str, Any]:
+    """This worker's transport metrics since the start (or the last reset): bytes and messages per
+    channel, and the queueing delay per priority (see transport/metrics.py; `delay_table` summarises)."""
+    return _require().transport.stats(reset)
+
+
+def _log_metrics(snapshot: Mapping[str, Any], when: str) -> None:
+    for line in summary_lines(snapshot, f"worker {rank()} transport, {when}"):
+        log.info("%s", line)
 
 
 def _require() -> Client:
@@ -222,8 +254,11 @@ class _DistributedMixin:
 
     param_groups: list[dict[str, Any]]
 
-    def _sluice_setup(self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+    def _sluice_setup(
+        self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None
+    ) -> None:
         self._sluice_kind = kind
+        self._sluice_steps = 0
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(params)]
@@ -245,6 +280,7 @@ class _DistributedMixin:
                     options[self._sluice_names[id(p)]] = _server_options(kind, group)
         in_order = [(self._sluice_names[id(p)], p) for p in params]
         _declare_missing(in_order, options)
+        self._sluice_priorities = ParameterPriorities(_require(), _settings, in_order, model)
         if self._sluice_on_server:
             broadcast_parameters(in_order, root_rank=0)
         self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
@@ -253,6 +289,7 @@ class _DistributedMixin:
                 p.register_post_accumulate_grad_hook(self._sluice_hook)
 
     def _sluice_hook(self, param: torch.Tensor) -> None:
+        self._sluice_priorities.forward_seen()  # a gradient is ready, so the forward pass is over
         key = id(param)
         earlier = self._sluice_handles.pop(key, None) or _pending_params.pop(key, None)
         if earlier is not None:
@@ -289,6 +326,10 @@ class _DistributedMixin:
             finish()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        self._sluice_steps += 1
+        every = _settings.metrics_every
+        if every and self._sluice_steps % every == 0 and rank() == 0:
+            _log_metrics(metrics(reset=True), f"steps {self._sluice_steps - every + 1}-{self._sluice_steps}")
         if self._sluice_on_server:
             loss = closure() if closure is not None else None
             _pending_params.update(self._sluice_handles)
@@ -306,14 +347,19 @@ def _average_into(stage: _Staging, grad: torch.Tensor) -> None:
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    model: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers."""
+    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers.
+
+    Parameters get priorities by how soon the forward pass needs them (`worker.priority`): from the
+    torch.fx graph of `model` when it is given and traceable, else from the first forward pass.
+    """
     _require()
     base: Any = optimizer.__class__
     cls: Any = type(base.__name__, (_DistributedMixin, base), {})
     wrapped: Any = cls.__new__(cls)
     base.__init__(wrapped, optimizer.param_groups)
-    wrapped._sluice_setup(optimizer.__class__, named_parameters)
+    wrapped._sluice_setup(optimizer.__class__, named_parameters, model)
     return wrapped  # type: ignore[no-any-return]
 
 
