@@ -389,3 +389,36 @@ def test_close_with_an_unreachable_peer_is_prompt(
     client.close()
     assert time.monotonic() - start < 5.0
     client.send("gone", 0, message(99))
+
+
+# ------------------------------------------------------------------------------------------ (d) receiving hop
+@pytest.mark.timeout(60)
+def test_a_busy_receiver_handles_urgent_messages_before_its_backlog(
+    transports: Callable[..., ZmqTransport], raw_sockets: Callable[[int], zmq.Socket[bytes]]
+) -> None:
+    """The receiving hop keeps priorities: while the handler is busy a backlog builds up in the
+    socket; an urgent message that arrives behind it, on the same channel and from a plain FIFO
+    sender (a raw DEALER, so no sender-side queue reorders anything), is handled first."""
+    lows = 40
+    busy, release = threading.Event(), threading.Event()
+
+    def slow_blocker(peer: str, channel: int, msg: Message) -> None:
+        if msg.key == 999:
+            busy.set()
+            assert release.wait(10), "the test did not release the receiver"
+
+    inbox = Inbox(delay=slow_blocker)
+    server = transports(SERVER, TransportConfig(channels=1, inflight_bytes=1 << 20, chunk_bytes=1 << 16), inbox)
+    sender = raw_sockets(zmq.DEALER)
+    sender.setsockopt(zmq.IDENTITY, b"fifo-sender")
+    sender.connect(server.listen()[0])
+    sender.send_multipart(encode(message(999, 5)))
+    assert busy.wait(10), "the blocker did not arrive"
+    for i in range(lows):
+        sender.send_multipart(encode(message(i, 9)))
+    sender.send_multipart(encode(message(1000, 0)))
+    time.sleep(0.3)  # ZeroMQ's own thread takes the backlog and the urgent message in meanwhile
+    release.set()
+    keys = [r.key for r in inbox.wait_for(lows + 2)[1:]]
+    assert keys[0] == 1000, f"the urgent message was handled after {keys.index(1000)} bulk messages"
+    assert keys[1:] == list(range(lows)), "equal priorities stay FIFO"

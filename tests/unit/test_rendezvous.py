@@ -128,3 +128,56 @@ def test_unregistered_peer_is_rejected() -> None:
     machine = formed()
     with pytest.raises(WireError, match="unregistered"):
         machine.on_message("stranger", msg(Kind.HEARTBEAT), 1.0)
+
+
+def _declare_with(machine: Rendezvous, proposals: dict[str, Any]) -> list[Any]:
+    table = [["w", [1 << 20], "float32", None]]
+    outs: list[Any] = []
+    for peer, limits in proposals.items():
+        extra = {"limits": limits} if limits is not None else {}
+        outs = machine.on_message(peer, msg(Kind.DECLARE, seq=0, tensors=table, **extra), 1.0)
+    return outs
+
+
+@pytest.mark.parametrize(
+    ("configured", "proposals", "limits", "chunks"),
+    [
+        # (chunk, in-flight) configured (0: calibrate) -> what the workers propose -> settled limits, chunks of "w"
+        ((0, 0), {"w0": [1 << 17, 1 << 18], "w1": [1 << 20, 1 << 21]}, [1 << 17, 1 << 21], 32),
+        ((0, 0), {"w0": None, "w1": None}, [1 << 20, 16 << 20], 4),  # nobody calibrated: the defaults
+        ((1 << 16, 0), {"w0": [1 << 20, 1 << 21], "w1": [1 << 20, 1 << 21]}, [1 << 16, 1 << 21], 64),
+        ((0, 1 << 19), {"w0": [1 << 18, 1 << 21], "w1": [1 << 18, 1 << 21]}, [1 << 18, 1 << 19], 16),
+    ],
+)
+def test_the_first_declaration_settles_chunk_size_and_inflight_bound(
+    configured: tuple[int, int], proposals: dict[str, Any], limits: list[int], chunks: int
+) -> None:
+    machine = Rendezvous(2, 1, configured[0], CONFIG, "cfg", now=0.0, inflight_bytes=configured[1])
+    register(machine, "s0", "server")
+    register(machine, "w0", "worker")
+    register(machine, "w1", "worker")
+    outs = _declare_with(machine, proposals)
+    assert outs[0][1].meta["limits"] == limits
+    assert len(outs[0][1].meta["tensors"][0][4]) == chunks  # 4 MiB of float32 in chunks of the settled size
+    assert machine.notes and f"chunk size {limits[0] >> 10} KiB" in machine.notes[0]
+    workers = machine.on_message("s0", msg(Kind.PLAN_ACK, seq=0), 1.0)
+    assert all(m.meta["limits"] == limits for _, m in workers)
+
+
+def test_later_proposals_do_not_change_the_settled_limits() -> None:
+    machine = Rendezvous(1, 1, 0, CONFIG, "cfg", now=0.0)
+    register(machine, "s0", "server")
+    register(machine, "w0", "worker")
+    first = msg(Kind.DECLARE, seq=0, tensors=[["a", [4], "float32", None]], limits=[1 << 17, 1 << 18])
+    machine.on_message("w0", first, 1.0)
+    machine.on_message("s0", msg(Kind.PLAN_ACK, seq=0), 1.0)
+    later = msg(Kind.DECLARE, seq=1, tensors=[["b", [4], "float32", None]], limits=[1 << 20, 1 << 22])
+    outs = machine.on_message("w0", later, 1.0)
+    assert outs[0][1].meta["limits"] == [1 << 17, 1 << 18]
+
+
+@pytest.mark.parametrize("bad", [[1], [1 << 20], "x", [1 << 20, 0], [100, 1 << 20], [1.5, 2], [True, 1 << 20]])
+def test_malformed_limits_are_rejected(bad: Any) -> None:
+    machine = formed(workers=1, servers=1)
+    with pytest.raises(WireError, match="limits"):
+        machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=[["a", [4], "float32", None]], limits=bad), 1.0)

@@ -108,3 +108,16 @@ def test_a_round_the_departed_worker_joined_still_completes() -> None:
     assert [m.kind for _, _, m in replies] == [Kind.REPLY] and values(replies[0][2]) == [3] * 4
     after = shard.handle("w0", 1, push(10, 2, [2, 2, 2, 2]))  # round 2 needs worker 1: refused at once
     assert [m.kind for _, _, m in after] == [Kind.ERROR]
+
+
+def test_replies_keep_the_priority_and_channel_of_their_request() -> None:
+    """The reply path of a pull is prioritised like the request: same priority, same channel."""
+    shard = store()
+    first, second = push(10, 1, [1, 2, 3, 4]), push(11, 1, [1, 1, 1, 1])
+    first.priority, second.priority = 7, 2
+    shard.handle("w0", 2, first)
+    pull = Message(Kind.PULL, sender=11, key=3, chunk=0, round=1, priority=0)
+    replies = shard.handle("w1", 0, second) + shard.handle("w1", 0, pull)
+    assert [(peer, ch, m.kind, m.priority) for peer, ch, m in replies] == [
+        ("w0", 2, Kind.REPLY, 7), ("w1", 0, Kind.REPLY, 2), ("w1", 0, Kind.REPLY, 0),
+    ]

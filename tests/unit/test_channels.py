@@ -1,0 +1,87 @@
+"""Channel -> priority map and packet marks: which channel carries a priority, which ToS it gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from transport.config import BULK_TOS, NORMAL_TOS, URGENT_TOS, TransportConfig
+from worker.config import WorkerConfig
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.mark.parametrize(
+    ("channels", "levels", "table"),
+    [
+        # channel of priorities 0..9 when 10 tensors are declared
+        (3, (), [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]),
+        (1, (), [0] * 10),
+        (2, (), [0] * 5 + [1] * 5),
+        (3, (1, 5), [0, 0, 1, 1, 1, 1, 2, 2, 2, 2]),
+        (2, (0,), [0] + [1] * 9),
+        (4, (0, 1, 2), [0, 1, 2, 3, 3, 3, 3, 3, 3, 3]),
+    ],
+)
+def test_channel_for_priority(channels: int, levels: tuple[int, ...], table: list[int]) -> None:
+    config = TransportConfig(channels=channels, channel_levels=levels)
+    assert [config.channel_for(priority, 10) for priority in range(10)] == table
+
+
+def test_priorities_beyond_the_declared_count_ride_the_last_channel() -> None:
+    assert TransportConfig(channels=3).channel_for(50, 10) == 2
+    assert TransportConfig(channels=3).channel_for(0, 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "tos"),
+    [
+        ({}, (URGENT_TOS, NORMAL_TOS, BULK_TOS)),  # pfifo_fast bands 0, 1, 2
+        ({"channels": 1}, (NORMAL_TOS,)),
+        ({"channels": 2}, (URGENT_TOS, BULK_TOS)),
+        ({"channels": 4}, (URGENT_TOS, NORMAL_TOS, NORMAL_TOS, BULK_TOS)),
+        ({"marks": False}, ()),
+        ({"tos": (0xB8, 0x00, 0x20)}, (0xB8, 0x00, 0x20)),
+        ({"tos": (0xB8, 0x00, 0x20), "marks": False}, (0xB8, 0x00, 0x20)),  # explicit marks win
+    ],
+)
+def test_packet_marks_per_channel(settings: dict[str, object], tos: tuple[int, ...]) -> None:
+    assert TransportConfig(**settings).channel_tos() == tos  # type: ignore[arg-type]
+
+
+def test_default_marks_land_in_the_three_pfifo_fast_bands() -> None:
+    """Linux: priority = ip_tos2prio[(tos & 0x1e) >> 1]; pfifo_fast's priomap sends it to a band."""
+    tos2prio = [0, 1, 0, 0, 2, 2, 2, 2, 6, 6, 6, 6, 4, 4, 4, 4]
+    priomap = [1, 2, 2, 2, 1, 2, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    bands = [priomap[tos2prio[(tos & 0x1E) >> 1]] for tos in TransportConfig().channel_tos()]
+    assert bands == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"channel_levels": (3,)}, "one value per channel but the last"),
+        ({"channel_levels": (5, 5)}, "rise"),
+        ({"channel_levels": (-1, 5)}, "non-negative"),
+        ({"so_priority": (1, 2)}, "so_priority needs one value per channel"),
+        ({"aging_ms": 0.0}, "aging_ms"),
+        ({"chunk_bytes": 100}, "chunk_bytes"),
+        ({"inflight_bytes": -1}, "inflight_bytes"),
+    ],
+)
+def test_bad_channel_settings_are_refused(settings: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        TransportConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"priority": "random"}, "worker.priority"),
+        ({"priority_overrides": ("fc*",)}, "PATTERN=PRIORITY"),
+        ({"priority_overrides": ("fc*=high",)}, "PATTERN=PRIORITY"),
+        ({"metrics_every": -1}, "metrics_every"),
+    ],
+)
+def test_bad_priority_settings_are_refused(settings: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        WorkerConfig(**settings)  # type: ignore[arg-type]
