@@ -15,27 +15,17 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from scheduler.errors import SluiceError
 from transport.metrics import summary_lines
 from worker.client import Client, Handle
 from worker.config import WorkerConfig
+from worker.staging import Staging, wire_dtype
 from worker.torch_priority import ParameterPriorities
 
 log = logging.getLogger("sluice.worker")
 
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-}
 
 _client: Client | None = None
 _settings = WorkerConfig()
@@ -118,45 +108,10 @@ def barrier(name: str = "barrier") -> None:
 
 
 # ---------------------------------------------------------------------------- tensors <-> numpy
-def _wire_dtype(tensor: torch.Tensor) -> str:
-    if tensor.dtype not in _DTYPES:
-        raise SluiceError(f"dtype {tensor.dtype} is not supported; use one of {sorted(_DTYPES.values())}")
-    return _DTYPES[tensor.dtype]
-
-
-class _Staging:
-    """Host memory that Sluice reads and writes for `tensor`: the tensor itself on the CPU, else pinned."""
-
-    __slots__ = ("direct", "host")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.direct = tensor.device.type == "cpu" and tensor.is_contiguous()
-        if self.direct:
-            self.host = tensor.detach()
-        else:
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-
-    def array(self) -> np.ndarray:
-        host = self.host
-        if host.dtype == torch.bfloat16:
-            return host.view(torch.int16).numpy().view(np.uint16)
-        return host.numpy()
-
-    def load(self, tensor: torch.Tensor) -> np.ndarray:
-        if not self.direct:
-            self.host.copy_(tensor.detach())
-        return self.array()
-
-    def store(self, tensor: torch.Tensor) -> None:
-        if not self.direct:
-            with torch.no_grad():
-                tensor.copy_(self.host, non_blocking=False)
-
-
 def _declare_missing(named: Iterable[tuple[str, torch.Tensor]], options: Mapping[str, Any] | None = None) -> None:
     client = _require()
     table = [
-        (name, tuple(t.shape), _wire_dtype(t), (options or {}).get(name))
+        (name, tuple(t.shape), wire_dtype(t), (options or {}).get(name))
         for name, t in named
         if not client.declared(name)
     ]
@@ -168,7 +123,7 @@ def allreduce_(tensor: torch.Tensor, name: str | None = None, average: bool = Tr
     """Sum (or average) `tensor` over all workers, in place."""
     name = name or f"allreduce.{next(_names)}"
     _declare_missing([(name, tensor)])
-    staging = _Staging(tensor)
+    staging = Staging(tensor)
     data = staging.load(tensor)
     _require().push_pull(name, data, data).wait()
     staging.store(tensor)
@@ -199,7 +154,7 @@ def broadcast_parameters(
     client = _require()
     started = []
     for name, tensor in named:
-        staging = _Staging(tensor)
+        staging = Staging(tensor)
         started.append((client.broadcast(name, staging.load(tensor), root_rank), staging, tensor))
     for handle, staging, tensor in started:
         handle.wait()
@@ -272,7 +227,7 @@ class _DistributedMixin:
             raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
         self._sluice_on_server = _settings.optimizer_on == "server"
         self._sluice_handles: dict[int, tuple[Handle, Callable[[], None]]] = {}
-        self._sluice_stages: dict[int, _Staging] = {}
+        self._sluice_stages: dict[int, Staging] = {}
         options = {}
         if self._sluice_on_server:
             for group in self.param_groups:
@@ -302,20 +257,20 @@ class _DistributedMixin:
         data = grad_stage.load(grad)
         if self._sluice_on_server:
             options = _server_options(self._sluice_kind, self._sluice_group[key])
-            param_stage = _Staging(param) if grad_stage.direct else grad_stage
+            param_stage = Staging(param) if grad_stage.direct else grad_stage
             handle = client.push_pull(name, data, param_stage.array(), opt=options)
             self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
         else:
             handle = client.push_pull(name, data, data)
             self._sluice_handles[key] = (handle, lambda: _average_into(grad_stage, grad))
 
-    def _sluice_staging(self, key: int, grad: torch.Tensor) -> _Staging:
+    def _sluice_staging(self, key: int, grad: torch.Tensor) -> Staging:
         """The gradient itself on the CPU; else one pinned buffer per parameter, kept across steps."""
         if grad.device.type == "cpu" and grad.is_contiguous():
-            return _Staging(grad)
+            return Staging(grad)
         stage = self._sluice_stages.get(key)
         if stage is None or stage.host.shape != grad.shape or stage.host.dtype != grad.dtype:
-            stage = self._sluice_stages[key] = _Staging(grad)
+            stage = self._sluice_stages[key] = Staging(grad)
         return stage
 
     def synchronize(self) -> None:
@@ -339,7 +294,7 @@ class _DistributedMixin:
         return super().step(closure)  # type: ignore[misc, no-any-return]
 
 
-def _average_into(stage: _Staging, grad: torch.Tensor) -> None:
+def _average_into(stage: Staging, grad: torch.Tensor) -> None:
     stage.store(grad)
     grad.mul_(1.0 / size())
 
