@@ -10,6 +10,10 @@ class WorkerConfig:
     #: "worker": servers only sum gradients and each worker runs its own optimizer (BytePS style);
     #: "server": servers apply the optimizer (SGD with momentum or Adam) and workers pull parameters.
     optimizer_on: str = "worker"
+    #: with the optimizer on the workers: step() returns at once and each parameter is updated just
+    #: before the next forward pass uses it, as soon as its summed gradient is back (ByteScheduler's
+    #: overlap, which lets priorities shorten the step); false: step() waits for every gradient
+    overlap_step: bool = True
     #: where tensor priorities come from: "forward" (the order the first forward pass uses the
     #: parameters, or the torch.fx graph when the model is given), "declaration" (the order the
     #: parameters were declared), or "none" (all equal: chunks are sent first come, first served)

@@ -10,6 +10,7 @@ pinned host staging buffer; CPU tensors are sent and received in place.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -31,7 +32,7 @@ _client: Client | None = None
 _settings = WorkerConfig()
 _names = itertools.count()
 #: id(parameter) -> (handle, finish): pulls the next forward pass must wait for (optimizer on servers)
-_pending_params: dict[int, tuple[Handle, Callable[[], None]]] = {}
+_pending_params: dict[int, tuple[Handle, Callable[[], Any]]] = {}
 
 
 # ---------------------------------------------------------------------------- process set-up
@@ -226,7 +227,7 @@ class _DistributedMixin:
         if unnamed:
             raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
         self._sluice_on_server = _settings.optimizer_on == "server"
-        self._sluice_handles: dict[int, tuple[Handle, Callable[[], None]]] = {}
+        self._sluice_handles: dict[int, tuple[Handle, Callable[[], Any]]] = {}
         self._sluice_stages: dict[int, Staging] = {}
         options = {}
         if self._sluice_on_server:
@@ -239,6 +240,7 @@ class _DistributedMixin:
         if self._sluice_on_server:
             broadcast_parameters(in_order, root_rank=0)
         self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
+        self._sluice_params = {id(p): p for p in params}
         for p in params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._sluice_hook)
@@ -290,13 +292,40 @@ class _DistributedMixin:
             _pending_params.update(self._sluice_handles)
             self._sluice_handles = {}
             return loss
-        self.synchronize()
-        return super().step(closure)  # type: ignore[misc, no-any-return]
+        if closure is not None or not _settings.overlap_step or not self._sluice_handles:
+            self.synchronize()  # nothing to overlap (or the caller synchronized already): step all now
+            return super().step(closure)  # type: ignore[misc, no-any-return]
+        for key, (handle, average) in self._sluice_handles.items():
+            _pending_params[key] = (handle, functools.partial(self._sluice_step_one, key, average))
+        self._sluice_handles = {}
+        return None
+
+    def _sluice_step_one(self, key: int, average: Callable[[], Any]) -> None:
+        """Average one parameter's summed gradient and run the optimizer on that parameter alone
+        (called just before the forward pass uses it)."""
+        grad: torch.Tensor = average()
+        param, group = self._sluice_params[key], self._sluice_group[key]
+        # zero_grad() may have dropped param.grad meanwhile: step with the gradient we averaged
+        current, param.grad = param.grad, grad
+        lists = [g["params"] for g in self.param_groups]
+        try:
+            for g in self.param_groups:
+                g["params"] = [param] if g is group else []
+            super().step()  # type: ignore[misc]
+        finally:
+            for g, params in zip(self.param_groups, lists, strict=True):
+                g["params"] = params
+            param.grad = current
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place would race with updates still in flight: finish them
+            synchronize_parameters()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
-def _average_into(stage: Staging, grad: torch.Tensor) -> None:
+def _average_into(stage: Staging, grad: torch.Tensor) -> torch.Tensor:
     stage.store(grad)
-    grad.mul_(1.0 / size())
+    return grad.mul_(1.0 / size())
 
 
 def DistributedOptimizer(
@@ -319,7 +348,7 @@ def DistributedOptimizer(
 
 
 def synchronize_parameters() -> None:
-    """Wait for every parameter update still in flight (optimizer on servers), e.g. before saving."""
+    """Finish every parameter update still in flight (the next forward pass would), e.g. before saving."""
     pending = list(_pending_params.items())
     _pending_params.clear()
     for _, (handle, finish) in pending:

@@ -1,27 +1,39 @@
 """A shaped-network testbed: hosts in network namespaces on a bridge, links shaped with tbf.
 
-Every host is a namespace `<tag>-<name>` with one interface `eth0` (a veth pair whose other end sits
-on a bridge in the switch namespace `<tag>-sw`), an address in 198.18.0.0/15 (the range set aside
-for network benchmarks), and optionally a rate limit on both directions of its link (tbf) with the
-kernel's three strict ToS bands (pfifo_fast) under it. Nothing touches the root namespace. Deleting
-a namespace deletes its interfaces, so `close()` (also run on exceptions and, through `__exit__`,
-on Ctrl-C) removes everything; namespaces of a testbed whose process died are removed on the next
+Every host is a namespace `<tag>-<name>` with one interface `eth0` (a veth pair whose other end, the
+host's port, sits on a bridge in the switch namespace `<tag>-sw`), an address in 198.18.0.0/15 (the
+range set aside for network benchmarks), and optionally a rate limit on both directions of its link
+(tbf) with either the kernel's three strict ToS bands (pfifo_fast) or an htb class per ToS value
+under it (see qdisc.py). Nothing touches the root namespace. Deleting a namespace deletes its
+interfaces and their qdiscs, so `close()` (also run on exceptions and, through `__exit__`, on
+Ctrl-C) removes everything; namespaces of a testbed whose process died are removed on the next
 start. Needs root and iproute2; `NetbedUnavailable` says why when they are missing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from bench.netbed.qdisc import ClassCounters, check_tos_classes, leaf_ids, parse_class_stats, shape
+
+__all__ = ["PREFIX", "ClassCounters", "Direction", "Host", "Netbed", "NetbedUnavailable", "check_available",
+           "remove_stale", "shape"]
 
 PREFIX = "sluicenb"
 _SUBNET = "198.18"
+_CLONE_NEWNET, _PR_SET_PDEATHSIG = 0x40000000, 1
+
+#: "out": the host's eth0 egress (host -> switch); "in": its switch port's egress (switch -> host)
+Direction = Literal["out", "in"]
 
 
 class NetbedUnavailable(RuntimeError):
@@ -54,6 +66,10 @@ class Host:
     netns: str
     address: str
     rate_mbit: float | None
+    #: the switch's interface towards this host (in the switch namespace)
+    port: str = ""
+    #: the ToS values that have an htb class on this host's link, most urgent first
+    tos_classes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -80,10 +96,22 @@ class Netbed:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def host(self, name: str, rate_mbit: float | None = None, tos_bands: bool = False) -> Host:
-        """A new host on the switch, its link shaped to `rate_mbit` both ways (None: unshaped)."""
+    def host(
+        self, name: str, rate_mbit: float | None = None, tos_bands: bool = False, tos_classes: Sequence[int] = ()
+    ) -> Host:
+        """A new host on the switch, its link shaped to `rate_mbit` both ways (None: unshaped).
+
+        Under the shaper go pfifo_fast's three ToS bands (`tos_bands`) or an htb class per value of
+        `tos_classes`, the first value the most urgent (qdisc.py); either needs a rate.
+        """
         if not re.fullmatch(r"[a-z0-9]{1,8}", name) or name in self.hosts or name == "sw":
             raise ValueError(f"host name {name!r} must be 1-8 lowercase letters or digits, new, and not 'sw'")
+        if (tos_bands or tos_classes) and rate_mbit is None:
+            raise ValueError("ToS bands or classes sit under a link's shaper: give the link a rate_mbit")
+        if tos_bands and tos_classes:
+            raise ValueError("a link has either tos_bands or tos_classes, not both")
+        if tos_classes:
+            check_tos_classes(tos_classes)
         index = len(self.hosts) + 1
         netns, switch = f"{self.tag}-{name}", f"{self.tag}-sw"
         outer = f"h{index}-{name}"  # the switch's port towards this host (at most 15 characters)
@@ -96,8 +124,8 @@ class Netbed:
         self._in(netns, "ip", "link", "set", "lo", "up")
         if rate_mbit is not None:
             for ns, dev in ((netns, "eth0"), (switch, outer)):  # host -> switch and switch -> host
-                shape(ns, dev, rate_mbit, tos_bands)
-        self.hosts[name] = Host(name, netns, address, rate_mbit)
+                shape(ns, dev, rate_mbit, tos_bands, tos_classes)
+        self.hosts[name] = Host(name, netns, address, rate_mbit, outer, tuple(tos_classes))
         return self.hosts[name]
 
     def run(self, host: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
@@ -108,9 +136,62 @@ class Netbed:
         self._processes.append(process)
         return process
 
-    def tc_stats(self, host: str) -> str:
-        """`tc -s qdisc` of a host's eth0: bytes and packets per qdisc (per ToS band under pfifo_fast)."""
-        return self._in(self.hosts[host].netns, "tc", "-s", "qdisc", "show", "dev", "eth0").stdout
+    def enter(self, host: str) -> None:
+        """Move the calling process into `host`'s network namespace, tied to its parent's life.
+
+        For a child forked from the testbed's process: call it before the child starts any thread
+        (a namespace is a per-thread attribute; threads started later inherit it). The child is
+        killed when its parent dies, so a killed benchmark leaves nothing running in a namespace.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        fd = os.open(f"/run/netns/{self.hosts[host].netns}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"setns into {self.hosts[host].netns}: {os.strerror(errno)}")
+        finally:
+            os.close(fd)
+
+    def sysctl(self, host: str, name: str, value: str) -> None:
+        """Set a network sysctl of `host` (e.g. net.ipv4.tcp_congestion_control): each namespace has its own.
+
+        Outside the root namespace the kernel refuses a congestion control that is not in the root's
+        net.ipv4.tcp_allowed_congestion_control; the error says so.
+        """
+        argv = ["ip", "netns", "exec", self.hosts[host].netns, "sysctl", "-q", "-w", f"{name}={value}"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        if done.returncode != 0:
+            hint = ""
+            if name == "net.ipv4.tcp_congestion_control":
+                allowed = _sysctl_value("net.ipv4.tcp_allowed_congestion_control")
+                hint = f" (congestion controls a namespace may choose: {allowed})"
+            raise ValueError(f"cannot set {name}={value} in host {host!r}: {done.stderr.strip()}{hint}")
+
+    def tc_stats(self, host: str, direction: Direction = "out") -> str:
+        """`tc -s qdisc` of one direction of a host's link: bytes and packets per qdisc."""
+        return self._tc_show(host, direction, "qdisc")
+
+    def class_stats(self, host: str, direction: Direction = "out") -> dict[int | None, ClassCounters]:
+        """Counters of the htb ToS classes of one direction of a host's link, by ToS (None: the
+        default class, for packets whose ToS has no class)."""
+        found = parse_class_stats(self._tc_show(host, direction, "class"))
+        ids = leaf_ids(self.hosts[host].tos_classes)
+        missing = sorted(set(ids) - set(found))
+        if not self.hosts[host].tos_classes:
+            raise ValueError(f"host {host!r} has no htb ToS classes on its link")
+        if missing:
+            raise RuntimeError(f"tc shows no class {', '.join(missing)} on host {host!r}'s link ({direction})")
+        return {tos: found[classid] for classid, tos in ids.items()}
+
+    def class_bytes(self, host: str, direction: Direction = "out") -> dict[int | None, int]:
+        """Bytes sent so far by each htb ToS class of one direction of a host's link, by ToS."""
+        return {tos: counters.bytes for tos, counters in self.class_stats(host, direction).items()}
+
+    def _tc_show(self, host: str, direction: Direction, what: str) -> str:
+        record = self.hosts[host]
+        netns, dev = (record.netns, "eth0") if direction == "out" else (f"{self.tag}-sw", record.port)
+        return self._in(netns, "tc", "-s", what, "show", "dev", dev).stdout
 
     def close(self) -> None:
         for process in self._processes:
@@ -133,16 +214,10 @@ class Netbed:
                               timeout=20)
 
 
-def shape(netns: str, dev: str, rate_mbit: float, tos_bands: bool) -> None:
-    """tbf at `rate_mbit` on `dev`'s egress; with `tos_bands`, pfifo_fast's 3 strict ToS bands under it."""
-    rate = f"{rate_mbit}mbit"
-    burst = f"{max(int(rate_mbit * 1000 / 8 / 250), 16)}kb"  # about 4 ms of traffic, at least 16 KiB
-    base = ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev]
-    subprocess.run([*base, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst, "latency", "100ms"],
-                   check=True, capture_output=True, timeout=20)
-    if tos_bands:
-        subprocess.run([*base, "parent", "1:1", "handle", "10:", "pfifo_fast"], check=True, capture_output=True,
-                       timeout=20)
+def _sysctl_value(name: str) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/sys/{name.replace('.', '/')}") as file:
+        return file.read().strip()
+    return "unknown"
 
 
 def check_available() -> None:

@@ -13,12 +13,21 @@ STEPS, BATCH = 20, 32
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("optimizer_on", "optimizer", "workers", "servers"),
-    [("worker", "sgd", 4, 2), ("server", "sgd", 4, 2), ("server", "adam", 2, 3)],
+    ("optimizer_on", "overlap", "optimizer", "workers", "servers"),
+    [
+        ("worker", True, "sgd", 4, 2),
+        ("worker", False, "sgd", 2, 1),
+        ("worker", True, "adam", 2, 1),
+        ("server", True, "sgd", 4, 2),
+        ("server", True, "adam", 2, 3),
+    ],
 )
-def test_distributed_matches_single_process(optimizer_on: str, optimizer: str, workers: int, servers: int) -> None:
+def test_distributed_matches_single_process(
+    optimizer_on: str, overlap: bool, optimizer: str, workers: int, servers: int
+) -> None:
     reference = train_single(STEPS, BATCH, optimizer)
-    with LocalCluster(workers, servers, {"worker": {"optimizer_on": optimizer_on}}) as cluster:
+    config = {"worker": {"optimizer_on": optimizer_on, "overlap_step": overlap}}
+    with LocalCluster(workers, servers, config) as cluster:
         results = cluster.run(train_distributed, STEPS, BATCH, optimizer)
         assert cluster.wait() == [0] * (1 + servers + workers)
     for other in results[1:]:
@@ -26,8 +35,9 @@ def test_distributed_matches_single_process(optimizer_on: str, optimizer: str, w
     assert len(results[0]["digests"]) == STEPS
     for got, want in zip(results[0]["params"], reference, strict=True):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
-    if optimizer_on == "server":  # step() returned before the updates: each forward waited for them
-        assert results[0]["waits_in_forward"] == 4 * (STEPS - 1)
+    # step() returned before the updates (optimizer on the servers, or overlapped on the workers):
+    # each forward pass waited for them, layer by layer; else step() had waited for all of them
+    assert results[0]["waits_in_forward"] == (4 * (STEPS - 1) if overlap else 0)
 
 
 @pytest.mark.timeout(120)
