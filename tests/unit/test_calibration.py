@@ -54,12 +54,14 @@ def test_inflight_candidates_double_from_two_chunks() -> None:
 @pytest.mark.parametrize(
     ("trials", "reference", "chosen"),
     [
+        # twice the smallest bound that reached 90%: a margin for the servers' work in training
         ([(256, 50.0)], 100.0, None),  # half the link: try more credit
-        ([(256, 50.0), (512, 95.0)], 100.0, 512),
-        ([(256, 91.0)], 100.0, 256),  # 90% is good enough: the smallest queue wins
-        ([(256, 80.0), (512, 120.0)], 100.0, 512),  # a trial beat the reference: it becomes the bar
-        ([(256, 100.0), (512, 200.0)], 100.0, 512),
-        ([(1024, 99.0), (256, 98.0)], 100.0, 256),
+        ([(256, 50.0), (512, 95.0)], 100.0, 1024),
+        ([(256, 91.0)], 100.0, 512),  # 90% is good enough: the smallest queue wins
+        ([(256, 80.0), (512, 120.0)], 100.0, 1024),  # a trial beat the reference: it becomes the bar
+        ([(256, 100.0), (512, 200.0)], 100.0, 1024),
+        ([(1024, 99.0), (256, 98.0)], 100.0, 512),
+        ([(MAX_INFLIGHT, 99.0)], 100.0, MAX_INFLIGHT),  # never above the cap
         ([], 100.0, None),
     ],
 )
