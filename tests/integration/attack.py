@@ -83,6 +83,8 @@ def raw_attacks(
         "broadcast from a stranger": [data_header(kind=int(Kind.BCAST_PUSH), round=1 << 40, sender=worker_id), real],
         "shutdown from a stranger": [encode(Message(Kind.SHUTDOWN, sender=0))[0]],
         "error from a stranger": [encode(Message(Kind.ERROR, sender=0, meta={"error": "forged"}))[0]],
+        "calibration probe from a stranger": [_header(kind=int(Kind.PROBE), sender=worker_id, dtype="", shape=[],
+                                                      nbytes=0)],
     }
 
 

@@ -48,6 +48,7 @@ LOGGED = {
     "round that is not the next": "push for round 1099511627776",
     "wrong dtype or shape": "message carries float64",
     "kind a server does not take": "a server does not take REPLY messages",
+    "calibration probe from a stranger": "rejected PROBE from 'stranger-",
 }
 
 
