@@ -25,7 +25,8 @@ class TransportConfig:
     marks: bool = True
     #: IP ToS byte per channel, overriding the default marks; e.g. [0x90, 0x00, 0x28]
     tos: tuple[int, ...] = field(default_factory=tuple)
-    #: Linux SO_PRIORITY per channel (where libzmq can set it; otherwise the kernel derives it from the ToS)
+    #: Linux SO_PRIORITY per channel; needs a libzmq with its draft option ZMQ_PRIORITY (pyzmq's 4.3.5
+    #: lacks it: then this is refused at start, and Linux derives each socket's priority from its ToS)
     so_priority: tuple[int, ...] = field(default_factory=tuple)
     #: "tcp" or "ipc"
     protocol: str = "tcp"
