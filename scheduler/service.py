@@ -24,9 +24,8 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     settings = SchedulerConfig(**env.section("scheduler"))
     data_settings = env.transport_config()
     inbox: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
-    transport = open_transport(
-        "scheduler", replace(data_settings, channels=1, tos=()), lambda peer, _, msg: inbox.put((peer, msg))
-    )
+    control_settings = replace(data_settings, channels=1, tos=(), so_priority=(), channel_levels=())
+    transport = open_transport("scheduler", control_settings, lambda peer, _, msg: inbox.put((peer, msg)))
     machine = Rendezvous(
         env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),
         inflight_bytes=data_settings.inflight_bytes,

@@ -55,6 +55,8 @@ class TransportConfig:
             level < 0 for level in self.channel_levels
         ):
             raise ValueError(f"transport.channel_levels must rise and be non-negative, got {list(self.channel_levels)}")
+        if self.so_priority:
+            check_so_priority()
         if self.so_priority and len(self.so_priority) != self.channels:
             raise ValueError(f"transport.so_priority needs one value per channel ({self.channels}), "
                              f"got {list(self.so_priority)}")
@@ -111,3 +113,20 @@ def default_tos(channel: int, channels: int) -> int:
     if channel == channels - 1 and channels >= 3:
         return BULK_TOS
     return NORMAL_TOS if channels >= 3 else BULK_TOS
+
+
+def check_so_priority() -> None:
+    """Refuse, saying what to do, when this libzmq cannot set SO_PRIORITY (a draft option in 4.3)."""
+    import zmq  # here, not at the top: the config is read by processes that never open a socket
+
+    probe: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        probe.setsockopt(zmq.PRIORITY, 0)
+    except (zmq.ZMQError, AttributeError):
+        raise ValueError(
+            f"transport.so_priority is set, but this libzmq ({zmq.zmq_version()}) was built without its draft "
+            "option ZMQ_PRIORITY, so SO_PRIORITY cannot be set per channel. Remove transport.so_priority: "
+            "Linux derives each socket's priority from its ToS mark (transport.tos / transport.marks)."
+        ) from None
+    finally:
+        probe.close(linger=0)

@@ -65,29 +65,12 @@ def _urgency(arrival: tuple[int, int, str, int, Message]) -> tuple[int, int]:
     return arrival[0], arrival[1]
 
 
-def _check_so_priority() -> None:
-    """Fail at start, with what to do, when this libzmq cannot set SO_PRIORITY (a draft option)."""
-    probe: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        probe.setsockopt(zmq.PRIORITY, 0)
-    except (zmq.ZMQError, AttributeError):
-        raise ValueError(
-            f"transport.so_priority is set, but this libzmq ({zmq.zmq_version()}) was built without its draft "
-            "option ZMQ_PRIORITY, so SO_PRIORITY cannot be set per channel. Remove transport.so_priority: "
-            "Linux derives each socket's priority from its ToS mark (transport.tos / transport.marks)."
-        ) from None
-    finally:
-        probe.close(linger=0)
-
-
 class ZmqTransport:
     def __init__(self, name: str, config: TransportConfig, handler: Handler) -> None:
         self.name = name
         self.config = config
         self._handler = handler
         self._tos = config.channel_tos()
-        if config.so_priority:
-            _check_so_priority()
         self._inflight = config.inflight_limit
         self._aging = config.aging_ms / 1e3
         _keep_large_buffers_mapped()

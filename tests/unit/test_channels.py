@@ -85,3 +85,17 @@ def test_bad_channel_settings_are_refused(settings: dict[str, object], needle: s
 def test_bad_priority_settings_are_refused(settings: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         WorkerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_so_priority_is_refused_with_what_to_do_where_libzmq_cannot_set_it() -> None:
+    import zmq
+
+    try:
+        probe = zmq.Context.instance().socket(zmq.DEALER)
+        probe.setsockopt(zmq.PRIORITY, 0)
+        probe.close(linger=0)
+    except (zmq.ZMQError, AttributeError):
+        with pytest.raises(ValueError, match="derives each socket's priority from its ToS"):
+            TransportConfig(so_priority=(6, 0, 1))
+    else:  # a libzmq built with its draft API: the setting is taken
+        assert TransportConfig(so_priority=(6, 0, 1)).so_priority == (6, 0, 1)
