@@ -55,11 +55,11 @@ class TransportConfig:
             level < 0 for level in self.channel_levels
         ):
             raise ValueError(f"transport.channel_levels must rise and be non-negative, got {list(self.channel_levels)}")
-        if self.so_priority:
-            check_so_priority()
         if self.so_priority and len(self.so_priority) != self.channels:
             raise ValueError(f"transport.so_priority needs one value per channel ({self.channels}), "
                              f"got {list(self.so_priority)}")
+        if self.so_priority:
+            check_so_priority()
         if self.tos and len(self.tos) != self.channels:
             raise ValueError(f"transport.tos needs one value per channel ({self.channels}), got {self.tos}")
         if any(not 0 <= t <= 255 for t in self.tos):
