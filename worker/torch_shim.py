@@ -10,10 +10,11 @@ pinned host staging buffer; CPU tensors are sent and received in place.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -295,27 +296,39 @@ class _DistributedMixin:
         if closure is not None or not _settings.overlap_step or not self._sluice_handles:
             self.synchronize()  # nothing to overlap (or the caller synchronized already): step all now
             return super().step(closure)  # type: ignore[misc, no-any-return]
+        # the hyper-parameters as they are now: an LR scheduler may change them before the updates run
+        settings = {id(g): {k: v for k, v in g.items() if k != "params"} for g in self.param_groups}
         for key, (handle, average) in self._sluice_handles.items():
-            _pending_params[key] = (handle, functools.partial(self._sluice_step_one, key, average))
+            step_one = functools.partial(self._sluice_step_one, key, average, settings[id(self._sluice_group[key])])
+            _pending_params[key] = (handle, step_one)
         self._sluice_handles = {}
         return None
 
-    def _sluice_step_one(self, key: int, average: Callable[[], Any]) -> None:
-        """Average one parameter's summed gradient and run the optimizer on that parameter alone
-        (called just before the forward pass uses it)."""
+    def _sluice_step_one(self, key: int, average: Callable[[], Any], settings: dict[str, Any]) -> None:
+        """Average one parameter's summed gradient and run the optimizer on that parameter alone, with
+        its group's settings as they were at step() (called just before the forward pass uses it)."""
         grad: torch.Tensor = average()
         param, group = self._sluice_params[key], self._sluice_group[key]
         # zero_grad() may have dropped param.grad meanwhile: step with the gradient we averaged
         current, param.grad = param.grad, grad
         lists = [g["params"] for g in self.param_groups]
+        later = {k: group[k] for k in settings}
         try:
+            group.update(settings)
             for g in self.param_groups:
                 g["params"] = [param] if g is group else []
             super().step()  # type: ignore[misc]
         finally:
             for g, params in zip(self.param_groups, lists, strict=True):
                 g["params"] = params
+            group.update(later)
             param.grad = current
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's idiom `synchronize(); clip...; with skip_synchronize(): step()`: after
+        synchronize() nothing is left to wait for, so step() updates every parameter at once."""
+        yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none:  # zeroing in place would race with updates still in flight: finish them

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.cluster import LocalCluster
-from tests.integration.training import record_pushes, train_distributed, train_single
+from tests.integration.training import record_pushes, train_distributed, train_scheduled, train_single
 
 STEPS, BATCH = 20, 32
 
@@ -78,3 +78,12 @@ def test_gradients_are_pushed_from_autograd_hooks_during_backward() -> None:
     assert all(during for _, during in pushes), "a gradient was pushed after backward() returned"
     # the last layer's gradients are ready (and pushed) before the first layer's
     assert [name for name, _ in pushes[:4]] == ["2.bias", "2.weight", "0.bias", "0.weight"]
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_steps_keep_the_lr_schedule_and_horovods_clipping_idiom() -> None:
+    reference = train_scheduled(STEPS, BATCH, distributed=False)
+    with LocalCluster(2, 1) as cluster:
+        results = cluster.run(train_scheduled, STEPS, BATCH, True)
+    for got, want in zip(results[0], reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -145,3 +145,41 @@ def record_pushes(steps: int) -> list[tuple[str, bool]]:
         opt.step()
     hvd.shutdown()
     return pushes
+
+
+def train_scheduled(steps: int, batch: int, distributed: bool) -> list[Any]:
+    """SGD with an LR schedule, and on odd steps Horovod's clipping idiom (`synchronize()`, clip,
+    `skip_synchronize()`), in one process on global batches or as one worker of several."""
+    model = make_model()
+    opt: Any = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    rank, size = 0, 1
+    if distributed:
+        import worker.torch_shim as hvd
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    x, y = global_batches(steps, batch)
+    per = batch // size
+    for step in range(steps):
+        start = step * batch + rank * per
+        opt.zero_grad()
+        F.mse_loss(model(x[start : start + per]), y[start : start + per]).backward()
+        if step % 2:
+            if distributed:
+                opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if distributed:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        else:
+            opt.step()  # overlapped: the update runs in the next forward pass, with this step's LR
+        schedule.step()
+    if distributed:
+        hvd.synchronize_parameters()
+        hvd.shutdown()
+    return [p.detach().clone().numpy() for p in model.parameters()]
