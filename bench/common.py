@@ -120,6 +120,7 @@ class Children:
     def __init__(self) -> None:
         self._processes: dict[str, Any] = {}
         self._results: Any = _ctx.Queue()
+        self._early: dict[str, Any] = {}
 
     def queue(self) -> Any:
         """A fresh queue a child can use to talk to the parent before it returns."""
@@ -137,7 +138,7 @@ class Children:
     def collect(self, keys: Sequence[str], timeout: float) -> dict[str, Any]:
         """The return values of the children named by `keys`; raises on a failure or after `timeout` s."""
         deadline = time.monotonic() + timeout
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {k: self._early.pop(k) for k in keys if k in self._early}
         while len(out) < len(keys):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -153,7 +154,10 @@ class Children:
                 continue
             if status != "ok":
                 raise RuntimeError(f"{key} failed: {value}")
-            out[key] = value
+            if key in keys:
+                out[key] = value
+            else:  # another child finished first: keep its result for whoever asks for it
+                self._early[key] = value
         return out
 
     def close(self, grace: float = 2.0) -> None:

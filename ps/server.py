@@ -33,15 +33,14 @@ class Server:
         self.transport = open_transport(name, env.transport_config(), self._on_message)
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
         self.control = ControlClient(
-            self.transport, env, self.control_settings, on_fatal=self._on_fatal, on_message=self._on_control
+            self.transport, env, self.control_settings, on_fatal=self._on_fatal, on_message=self._on_control,
+            on_welcome=self._on_welcome,
         )
 
     def run(self) -> int:
         try:
             endpoints = self.transport.listen()
             self.control.register("server", endpoints)
-            self.store.node_id = self.control.node_id
-            self.store.worker_ids = {p.node_id: (p.name, p.rank) for p in self.control.peers if p.role == "worker"}
             log.info("server %d serving on %s", self.control.rank, " ".join(endpoints))
             limit = self.control_settings.op_timeout
             while not self.done.wait(min(limit, 10.0)):
@@ -72,6 +71,11 @@ class Server:
             return
         for to, reply_channel, reply in replies:
             self.transport.send(to, reply_channel, reply)
+
+    def _on_welcome(self) -> None:
+        """On the I/O thread, before anything else: workers may probe this server the moment they are admitted."""
+        self.store.node_id = self.control.node_id
+        self.store.worker_ids = {p.node_id: (p.name, p.rank) for p in self.control.peers if p.role == "worker"}
 
     def _on_control(self, msg: Message) -> None:
         if msg.kind == Kind.PLAN:

@@ -42,9 +42,10 @@ class ControlClient:
         config: SchedulerConfig,
         on_fatal: Callable[[str], None] = lambda _: None,
         on_message: Callable[[Message], None] = lambda _: None,
+        on_welcome: Callable[[], None] = lambda: None,
     ) -> None:
         self._transport, self._env, self._config = transport, env, config
-        self._on_fatal, self._on_other = on_fatal, on_message
+        self._on_fatal, self._on_other, self._on_welcome = on_fatal, on_message, on_welcome
         self._cond = threading.Condition()
         self._replies: dict[Hashable, Message] = {}
         self._declare_seq = 0
@@ -73,13 +74,8 @@ class ControlClient:
             self._config.rendezvous_timeout + 5,
             f"the scheduler at {self._env.scheduler} to admit this {role}",
         )
-        try:
-            self.node_id = meta_field(welcome, "node_id", int)
-            self.rank = meta_field(welcome, "rank", int)
-            book = meta_field(welcome, "nodes", list)
-            self.peers = [PeerInfo(int(i), str(r), int(k), str(n), tuple(e)) for i, r, k, n, e in book]
-        except (TypeError, ValueError) as exc:
-            raise SluiceError(f"malformed WELCOME from the scheduler: {exc}") from None
+        if welcome.meta and "malformed" in welcome.meta:
+            raise SluiceError(f"malformed WELCOME from the scheduler: {welcome.meta['malformed']}")
         self._last_ack = time.monotonic()
         threading.Thread(target=self._heartbeats, name="sluice-heartbeat", daemon=True).start()
 
@@ -117,13 +113,26 @@ class ControlClient:
             error = msg.meta.get("error") if msg.meta else None
             self.fail(str(error) if error else f"the scheduler sent {msg.kind.name}")
         elif msg.kind == Kind.WELCOME:
-            self._put((Kind.WELCOME, None), msg)
+            self._welcome(msg)
         elif msg.kind == Kind.PLAN and self.role == "worker":
             self._put((Kind.PLAN, meta_field(msg, "seq", int)), msg)
         elif msg.kind == Kind.RELEASE:
             self._put((Kind.RELEASE, meta_field(msg, "name", str)), msg)
         else:
             self._on_other(msg)
+
+    def _welcome(self, msg: Message) -> None:
+        """Take the ids and the address book here, on the I/O thread, before any later message is
+        handled: a peer told of this node at the same moment may send to it at once."""
+        try:
+            book = meta_field(msg, "nodes", list)
+            peers = [PeerInfo(int(i), str(r), int(k), str(n), tuple(e)) for i, r, k, n, e in book]
+            self.node_id, self.rank = meta_field(msg, "node_id", int), meta_field(msg, "rank", int)
+            self.peers = peers
+            self._on_welcome()
+        except (TypeError, ValueError) as exc:
+            msg = Message(Kind.WELCOME, meta={"malformed": str(exc)})
+        self._put((Kind.WELCOME, None), msg)
 
     def fail(self, error: str) -> None:
         with self._cond:

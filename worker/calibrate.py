@@ -34,12 +34,27 @@ class Calibrator:
         self._cond = threading.Condition()
         self._replies = 0
         self._seq = 0
+        self._burst_after = 0
         self._buffer = transport.alloc(MAX_CHUNK, np.dtype(np.uint8))  # registered: no copy to local peers
 
     def on_reply(self, msg: Message) -> None:
         with self._cond:
-            self._replies += 1
-            self._cond.notify_all()
+            if msg.round > self._burst_after:  # a late answer to an earlier probe does not count
+                self._replies += 1
+                self._cond.notify_all()
+
+    def _until_answered(self) -> None:
+        """Probe every server until it answers: a server admitted at the same moment as this worker
+        may not know of it yet, and refuses (and logs) probes from strangers until it does."""
+        deadline = time.monotonic() + self._timeout
+        for server in self._servers:
+            while True:
+                try:
+                    self._burst(1, 0, [server], wait=0.5)
+                    break
+                except SluiceError:
+                    if time.monotonic() > deadline:
+                        raise
 
     def run(self, chunk_bytes: int = 0, inflight_bytes: int = 0) -> tuple[Limits, str]:
         """Measure and choose; a fixed (non-zero) chunk size or bound is kept as given.
@@ -47,6 +62,7 @@ class Calibrator:
         Returns the limits and a line saying what was measured, for the log.
         """
         started = time.monotonic()
+        self._until_answered()
         rtt = statistics.median(self._burst(1, 0) for _ in range(5))
         per_message = self._burst(_SMALL_PROBES, 0) / _SMALL_PROBES
         self._transport.set_inflight(MAX_INFLIGHT)
@@ -73,10 +89,12 @@ class Calibrator:
         )
         return Limits(chunk, inflight), measured
 
-    def _burst(self, count: int, nbytes: int) -> float:
+    def _burst(self, count: int, nbytes: int, servers: list[str] | None = None, wait: float = 0.0) -> float:
         """Send `count` probes of `nbytes` round-robin over the servers; seconds until all are answered."""
+        servers = servers or self._servers
         with self._cond:
             self._replies = 0
+            self._burst_after = self._seq
         started = time.monotonic()
         payload = self._buffer[:nbytes] if nbytes else None
         for index in range(count):
@@ -84,15 +102,15 @@ class Calibrator:
             msg = Message(Kind.PROBE, sender=self._node_id, round=self._seq, priority=1 << 20)
             if payload is not None:
                 msg.dtype, msg.shape, msg.payload = "uint8", (nbytes,), payload
-            self._transport.send(self._servers[index % len(self._servers)], self._channel, msg)
-        deadline = started + self._timeout
+            self._transport.send(servers[index % len(servers)], self._channel, msg)
+        deadline = started + (wait or self._timeout)
         with self._cond:
             while self._replies < count:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SluiceError(
                         f"calibration: {count - self._replies} of {count} probes to the servers "
-                        f"({', '.join(self._servers)}) had no answer after {self._timeout:.0f} s"
+                        f"({', '.join(servers)}) had no answer after {wait or self._timeout:.1f} s"
                     )
                 self._cond.wait(left)
         return max(time.monotonic() - started, 1e-6)
