@@ -1,55 +1,57 @@
 """Horovod-shaped PyTorch API over Sluice: `import worker.torch_shim as hvd` and `hvd.init()`.
 
-Gradients are pushed from autograd hooks as soon as each one is ready. With the optimizer on the
-workers (default) `step()` waits for the summed gradients and runs the wrapped optimizer; with the
-optimizer on the servers `step()` returns at once and the next forward pass waits, module by module,
-only for the parameters that module uses (a global forward pre-hook). CUDA tensors travel through a
-pinned host staging buffer; CPU tensors are sent and received in place.
+Gradients are pushed from autograd hooks as soon as each one is ready (`torch_optimizer.py`); the
+next forward pass waits, module by module, only for the parameters that module uses (a global
+forward pre-hook). Collectives are in `torch_collectives.py`, the process-wide state in
+`torch_state.py`. CUDA tensors travel through a pinned host staging buffer; CPU tensors are sent
+and received in place.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import functools
-import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from scheduler.errors import SluiceError
-from transport.metrics import summary_lines
-from worker.client import Client, Handle
+from worker.client import Client
 from worker.config import WorkerConfig
-from worker.staging import Staging, wire_dtype
-from worker.torch_priority import ParameterPriorities
+from worker.torch_collectives import (
+    allreduce,
+    allreduce_,
+    broadcast,
+    broadcast_,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from worker.torch_optimizer import DistributedOptimizer, synchronize_parameters, wait_for_parameters
+from worker.torch_state import NAMES, PENDING, STATE, log_metrics, require
 
-log = logging.getLogger("sluice.worker")
+__all__ = [
+    "DistributedOptimizer", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_",
+    "broadcast_optimizer_state", "broadcast_parameters", "init", "local_rank", "local_size", "metrics",
+    "rank", "shutdown", "size", "synchronize_parameters",
+]
 
-
-_client: Client | None = None
-_settings = WorkerConfig()
-_names = itertools.count()
-#: id(parameter) -> (handle, finish): pulls the next forward pass must wait for (optimizer on servers)
-_pending_params: dict[int, tuple[Handle, Callable[[], Any]]] = {}
+#: for tests and tools that look inside: the client, and the updates still in flight
+_require = require
+_pending_params = PENDING
 
 
 # ---------------------------------------------------------------------------- process set-up
 def init() -> None:
     """Join the job this process was launched into (by `sluice launch`)."""
-    global _client, _settings
-    if _client is not None:
+    if STATE.client is not None:
         return
     _show_our_logs()
     client = Client()
     section = client.env.section("worker")
     if "priority_overrides" in section:
         section["priority_overrides"] = tuple(section["priority_overrides"])
-    _settings = WorkerConfig(**section)
-    _client = client
-    torch.nn.modules.module.register_module_forward_pre_hook(_wait_for_parameters)
+    STATE.settings = WorkerConfig(**section)
+    STATE.client = client
+    torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
     atexit.register(shutdown)
 
 
@@ -64,37 +66,26 @@ def _show_our_logs() -> None:
 
 
 def shutdown() -> None:
-    global _client
-    if _client is not None:
-        if _client.rank == 0:
-            _log_metrics(_client.transport.stats(), "at the end")
-        _client.close()
-        _client = None
+    client = STATE.client
+    if client is not None:
+        if client.rank == 0:
+            log_metrics(client.transport.stats(), "at the end")
+        client.close()
+        STATE.client = None
 
 
 def metrics(reset: bool = False) -> dict[str, Any]:
     """This worker's transport metrics since the start (or the last reset): bytes and messages per
     channel, and the queueing delay per priority (see transport/metrics.py; `delay_table` summarises)."""
-    return _require().transport.stats(reset)
-
-
-def _log_metrics(snapshot: Mapping[str, Any], when: str) -> None:
-    for line in summary_lines(snapshot, f"worker {rank()} transport, {when}"):
-        log.info("%s", line)
-
-
-def _require() -> Client:
-    if _client is None:
-        raise SluiceError("call init() first")
-    return _client
+    return require().transport.stats(reset)
 
 
 def rank() -> int:
-    return _require().rank
+    return require().rank
 
 
 def size() -> int:
-    return _require().size
+    return require().size
 
 
 def local_rank() -> int:
@@ -106,275 +97,4 @@ def local_size() -> int:
 
 
 def barrier(name: str = "barrier") -> None:
-    _require().barrier(f"{name}.{next(_names)}")
-
-
-# ---------------------------------------------------------------------------- tensors <-> numpy
-def _declare_missing(named: Iterable[tuple[str, torch.Tensor]], options: Mapping[str, Any] | None = None) -> None:
-    client = _require()
-    table = [
-        (name, tuple(t.shape), wire_dtype(t), (options or {}).get(name))
-        for name, t in named
-        if not client.declared(name)
-    ]
-    client.declare(table)
-
-
-# ---------------------------------------------------------------------------- collectives
-def allreduce_(tensor: torch.Tensor, name: str | None = None, average: bool = True) -> torch.Tensor:
-    """Sum (or average) `tensor` over all workers, in place."""
-    name = name or f"allreduce.{next(_names)}"
-    _declare_missing([(name, tensor)])
-    staging = Staging(tensor)
-    data = staging.load(tensor)
-    _require().push_pull(name, data, data).wait()
-    staging.store(tensor)
-    if average:
-        tensor.div_(size())
-    return tensor
-
-
-def allreduce(tensor: torch.Tensor, name: str | None = None, average: bool = True) -> torch.Tensor:
-    return allreduce_(tensor.detach().clone(), name, average)
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    broadcast_parameters([(name or f"broadcast.{next(_names)}", tensor)], root_rank)
-    return tensor
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    return broadcast_(tensor.detach().clone(), root_rank, name)
-
-
-def broadcast_parameters(
-    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int
-) -> None:
-    """Overwrite every worker's tensors with `root_rank`'s (a state_dict or named_parameters)."""
-    named = list(params.items()) if isinstance(params, Mapping) else list(params)
-    _declare_missing(named)
-    client = _require()
-    started = []
-    for name, tensor in named:
-        staging = Staging(tensor)
-        started.append((client.broadcast(name, staging.load(tensor), root_rank), staging, tensor))
-    for handle, staging, tensor in started:
-        handle.wait()
-        staging.store(tensor)
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every worker `root_rank`'s optimizer state and numeric hyper-parameters."""
-    named: list[tuple[str, torch.Tensor]] = []
-    scalars: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for index, group in enumerate(optimizer.param_groups):
-        for key, value in sorted(group.items()):
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                holder = torch.tensor([float(value)], dtype=torch.float64)
-                scalars.append((group, key, holder))
-                named.append((f"optimizer.group{index}.{key}", holder))
-    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    for param, state in optimizer.state.items():
-        for key, value in sorted(state.items()):
-            if torch.is_tensor(value):
-                named.append((f"optimizer.state{order[id(param)]}.{key}", value))
-    broadcast_parameters(named, root_rank)
-    for group, key, holder in scalars:
-        group[key] = type(group[key])(holder.item())
-
-
-# ---------------------------------------------------------------------------- the optimizer
-def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings a server needs to apply optimizer class `kind` exactly as torch would for `group`."""
-    if group.get("maximize") or group.get("amsgrad"):
-        raise SluiceError("server-side optimizers support neither maximize nor amsgrad")
-    if kind is torch.optim.SGD:
-        options = {"name": "sgd", **{k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay")}}
-        return {**_as_float(options), "nesterov": bool(group["nesterov"])}
-    if kind is torch.optim.Adam:
-        beta1, beta2 = group["betas"]
-        options = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
-                   "weight_decay": group["weight_decay"]}
-        return {"name": "adam", **_as_float(options)}
-    raise SluiceError(
-        f"with worker.optimizer_on = 'server' the servers run SGD or Adam, not {kind.__name__}; "
-        "use optimizer_on = 'worker' for any other optimizer"
-    )
-
-
-def _as_float(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (v if isinstance(v, str) else float(v)) for k, v in options.items()}
-
-
-class _DistributedMixin:
-    """Mixed in front of the user's optimizer class, so isinstance and LR schedulers keep working."""
-
-    param_groups: list[dict[str, Any]]
-
-    def _sluice_setup(
-        self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None
-    ) -> None:
-        self._sluice_kind = kind
-        self._sluice_steps = 0
-        params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(params)]
-        else:
-            named = list(named_parameters)
-        self._sluice_names = {id(p): name for name, p in named}
-        if len(self._sluice_names) != len(named):
-            raise SluiceError("named_parameters lists a parameter twice")
-        unnamed = [i for i, p in enumerate(params) if id(p) not in self._sluice_names]
-        if unnamed:
-            raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
-        self._sluice_on_server = _settings.optimizer_on == "server"
-        self._sluice_handles: dict[int, tuple[Handle, Callable[[], Any]]] = {}
-        self._sluice_stages: dict[int, Staging] = {}
-        options = {}
-        if self._sluice_on_server:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    options[self._sluice_names[id(p)]] = _server_options(kind, group)
-        in_order = [(self._sluice_names[id(p)], p) for p in params]
-        _declare_missing(in_order, options)
-        self._sluice_priorities = ParameterPriorities(_require(), _settings, in_order, model)
-        if self._sluice_on_server:
-            broadcast_parameters(in_order, root_rank=0)
-        self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
-        self._sluice_params = {id(p): p for p in params}
-        for p in params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._sluice_hook)
-
-    def _sluice_hook(self, param: torch.Tensor) -> None:
-        self._sluice_priorities.forward_seen()  # a gradient is ready, so the forward pass is over
-        key = id(param)
-        earlier = self._sluice_handles.pop(key, None) or _pending_params.pop(key, None)
-        if earlier is not None:
-            earlier[0].wait()
-            earlier[1]()
-        grad = param.grad
-        assert grad is not None
-        client, name = _require(), self._sluice_names[key]
-        grad_stage = self._sluice_staging(key, grad)
-        data = grad_stage.load(grad)
-        if self._sluice_on_server:
-            options = _server_options(self._sluice_kind, self._sluice_group[key])
-            param_stage = Staging(param) if grad_stage.direct else grad_stage
-            handle = client.push_pull(name, data, param_stage.array(), opt=options)
-            self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
-        else:
-            handle = client.push_pull(name, data, data)
-            self._sluice_handles[key] = (handle, lambda: _average_into(grad_stage, grad))
-
-    def _sluice_staging(self, key: int, grad: torch.Tensor) -> Staging:
-        """The gradient itself on the CPU; else one pinned buffer per parameter, kept across steps."""
-        if grad.device.type == "cpu" and grad.is_contiguous():
-            return Staging(grad)
-        stage = self._sluice_stages.get(key)
-        if stage is None or stage.host.shape != grad.shape or stage.host.dtype != grad.dtype:
-            stage = self._sluice_stages[key] = Staging(grad)
-        return stage
-
-    def synchronize(self) -> None:
-        """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
-        handles, self._sluice_handles = self._sluice_handles, {}
-        for handle, finish in handles.values():
-            handle.wait()
-            finish()
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        self._sluice_steps += 1
-        every = _settings.metrics_every
-        if every and self._sluice_steps % every == 0 and rank() == 0:
-            _log_metrics(metrics(reset=True), f"steps {self._sluice_steps - every + 1}-{self._sluice_steps}")
-        if self._sluice_on_server:
-            loss = closure() if closure is not None else None
-            _pending_params.update(self._sluice_handles)
-            self._sluice_handles = {}
-            return loss
-        if closure is not None or not _settings.overlap_step or not self._sluice_handles:
-            self.synchronize()  # nothing to overlap (or the caller synchronized already): step all now
-            return super().step(closure)  # type: ignore[misc, no-any-return]
-        # the hyper-parameters as they are now: an LR scheduler may change them before the updates run
-        settings = {id(g): {k: v for k, v in g.items() if k != "params"} for g in self.param_groups}
-        for key, (handle, average) in self._sluice_handles.items():
-            step_one = functools.partial(self._sluice_step_one, key, average, settings[id(self._sluice_group[key])])
-            _pending_params[key] = (handle, step_one)
-        self._sluice_handles = {}
-        return None
-
-    def _sluice_step_one(self, key: int, average: Callable[[], Any], settings: dict[str, Any]) -> None:
-        """Average one parameter's summed gradient and run the optimizer on that parameter alone, with
-        its group's settings as they were at step() (called just before the forward pass uses it)."""
-        grad: torch.Tensor = average()
-        param, group = self._sluice_params[key], self._sluice_group[key]
-        # zero_grad() may have dropped param.grad meanwhile: step with the gradient we averaged
-        current, param.grad = param.grad, grad
-        lists = [g["params"] for g in self.param_groups]
-        later = {k: group[k] for k in settings}
-        try:
-            group.update(settings)
-            for g in self.param_groups:
-                g["params"] = [param] if g is group else []
-            super().step()  # type: ignore[misc]
-        finally:
-            for g, params in zip(self.param_groups, lists, strict=True):
-                g["params"] = params
-            group.update(later)
-            param.grad = current
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Horovod's idiom `synchronize(); clip...; with skip_synchronize(): step()`: after
-        synchronize() nothing is left to wait for, so step() updates every parameter at once."""
-        yield
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:  # zeroing in place would race with updates still in flight: finish them
-            synchronize_parameters()
-        super().zero_grad(set_to_none)  # type: ignore[misc]
-
-
-def _average_into(stage: Staging, grad: torch.Tensor) -> torch.Tensor:
-    stage.store(grad)
-    return grad.mul_(1.0 / size())
-
-
-def DistributedOptimizer(
-    optimizer: torch.optim.Optimizer,
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    model: torch.nn.Module | None = None,
-) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers.
-
-    Parameters get priorities by how soon the forward pass needs them (`worker.priority`): from the
-    torch.fx graph of `model` when it is given and traceable, else from the first forward pass.
-    """
-    _require()
-    base: Any = optimizer.__class__
-    cls: Any = type(base.__name__, (_DistributedMixin, base), {})
-    wrapped: Any = cls.__new__(cls)
-    base.__init__(wrapped, optimizer.param_groups)
-    wrapped._sluice_setup(optimizer.__class__, named_parameters, model)
-    return wrapped  # type: ignore[no-any-return]
-
-
-def synchronize_parameters() -> None:
-    """Finish every parameter update still in flight (the next forward pass would), e.g. before saving."""
-    pending = list(_pending_params.items())
-    _pending_params.clear()
-    for _, (handle, finish) in pending:
-        handle.wait()
-        finish()
-
-
-def _wait_for_parameters(module: torch.nn.Module, args: Any) -> None:
-    if not _pending_params:
-        return
-    for param in module._parameters.values():
-        if param is not None:
-            entry = _pending_params.pop(id(param), None)
-            if entry is not None:
-                entry[0].wait()
-                entry[1]()
+    require().barrier(f"{name}.{next(NAMES)}")

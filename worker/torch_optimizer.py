@@ -1,0 +1,212 @@
+"""DistributedOptimizer: pushes each gradient from its autograd hook and overlaps updates with compute.
+
+With the optimizer on the workers, `step()` returns at once (`worker.overlap_step`) and each
+parameter is averaged and stepped just before the next forward pass uses it; with the optimizer on
+the servers, the servers step and the forward pass waits, module by module, for the updated
+parameters. Either way the first layers, whose parameters travel first, compute while the rest are
+still arriving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from scheduler.errors import SluiceError
+from worker.client import Handle
+from worker.staging import Staging
+from worker.torch_collectives import broadcast_parameters
+from worker.torch_priority import ParameterPriorities
+from worker.torch_state import PENDING, STATE, declare_missing, finish_pending, log_metrics, require
+
+
+def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a server needs to apply optimizer class `kind` exactly as torch would for `group`."""
+    if group.get("maximize") or group.get("amsgrad"):
+        raise SluiceError("server-side optimizers support neither maximize nor amsgrad")
+    if kind is torch.optim.SGD:
+        options = {"name": "sgd", **{k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay")}}
+        return {**_as_float(options), "nesterov": bool(group["nesterov"])}
+    if kind is torch.optim.Adam:
+        beta1, beta2 = group["betas"]
+        options = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
+                   "weight_decay": group["weight_decay"]}
+        return {"name": "adam", **_as_float(options)}
+    raise SluiceError(
+        f"with worker.optimizer_on = 'server' the servers run SGD or Adam, not {kind.__name__}; "
+        "use optimizer_on = 'worker' for any other optimizer"
+    )
+
+
+def _as_float(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, str) else float(v)) for k, v in options.items()}
+
+
+class _DistributedMixin:
+    """Mixed in front of the user's optimizer class, so isinstance and LR schedulers keep working."""
+
+    param_groups: list[dict[str, Any]]
+
+    def _sluice_setup(
+        self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None
+    ) -> None:
+        self._sluice_kind = kind
+        self._sluice_steps = 0
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(params)]
+        else:
+            named = list(named_parameters)
+        self._sluice_names = {id(p): name for name, p in named}
+        if len(self._sluice_names) != len(named):
+            raise SluiceError("named_parameters lists a parameter twice")
+        unnamed = [i for i, p in enumerate(params) if id(p) not in self._sluice_names]
+        if unnamed:
+            raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
+        self._sluice_on_server = STATE.settings.optimizer_on == "server"
+        self._sluice_handles: dict[int, tuple[Handle, Callable[[], Any]]] = {}
+        self._sluice_stages: dict[int, Staging] = {}
+        options = {}
+        if self._sluice_on_server:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    options[self._sluice_names[id(p)]] = _server_options(kind, group)
+        in_order = [(self._sluice_names[id(p)], p) for p in params]
+        declare_missing(in_order, options)
+        self._sluice_priorities = ParameterPriorities(require(), STATE.settings, in_order, model)
+        if self._sluice_on_server:
+            broadcast_parameters(in_order, root_rank=0)
+        self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
+        self._sluice_params = {id(p): p for p in params}
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._sluice_hook)
+
+    def _sluice_hook(self, param: torch.Tensor) -> None:
+        self._sluice_priorities.forward_seen()  # a gradient is ready, so the forward pass is over
+        key = id(param)
+        earlier = self._sluice_handles.pop(key, None) or PENDING.pop(key, None)
+        if earlier is not None:
+            earlier[0].wait()
+            earlier[1]()
+        grad = param.grad
+        assert grad is not None
+        client, name = require(), self._sluice_names[key]
+        grad_stage = self._sluice_staging(key, grad)
+        data = grad_stage.load(grad)
+        if self._sluice_on_server:
+            options = _server_options(self._sluice_kind, self._sluice_group[key])
+            param_stage = Staging(param) if grad_stage.direct else grad_stage
+            handle = client.push_pull(name, data, param_stage.array(), opt=options)
+            self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
+        else:
+            handle = client.push_pull(name, data, data)
+            self._sluice_handles[key] = (handle, lambda: _average_into(grad_stage, grad))
+
+    def _sluice_staging(self, key: int, grad: torch.Tensor) -> Staging:
+        """The gradient itself on the CPU; else one pinned buffer per parameter, kept across steps."""
+        if grad.device.type == "cpu" and grad.is_contiguous():
+            return Staging(grad)
+        stage = self._sluice_stages.get(key)
+        if stage is None or stage.host.shape != grad.shape or stage.host.dtype != grad.dtype:
+            stage = self._sluice_stages[key] = Staging(grad)
+        return stage
+
+    def synchronize(self) -> None:
+        """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
+        handles, self._sluice_handles = self._sluice_handles, {}
+        for handle, finish in handles.values():
+            handle.wait()
+            finish()
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        self._sluice_steps += 1
+        every = STATE.settings.metrics_every
+        if every and self._sluice_steps % every == 0 and require().rank == 0:
+            window = f"steps {self._sluice_steps - every + 1}-{self._sluice_steps}"
+            log_metrics(require().transport.stats(reset=True), window)
+        if self._sluice_on_server:
+            loss = closure() if closure is not None else None
+            PENDING.update(self._sluice_handles)
+            self._sluice_handles = {}
+            return loss
+        if closure is not None or not STATE.settings.overlap_step or not self._sluice_handles:
+            self.synchronize()  # nothing to overlap (or the caller synchronized already): step all now
+            return super().step(closure)  # type: ignore[misc, no-any-return]
+        # the hyper-parameters as they are now: an LR scheduler may change them before the updates run
+        settings = {id(g): {k: v for k, v in g.items() if k != "params"} for g in self.param_groups}
+        for key, (handle, average) in self._sluice_handles.items():
+            step_one = functools.partial(self._sluice_step_one, key, average, settings[id(self._sluice_group[key])])
+            PENDING[key] = (handle, step_one)
+        self._sluice_handles = {}
+        return None
+
+    def _sluice_step_one(self, key: int, average: Callable[[], Any], settings: dict[str, Any]) -> None:
+        """Average one parameter's summed gradient and run the optimizer on that parameter alone, with
+        its group's settings as they were at step() (called just before the forward pass uses it)."""
+        grad: torch.Tensor = average()
+        param, group = self._sluice_params[key], self._sluice_group[key]
+        # zero_grad() may have dropped param.grad meanwhile: step with the gradient we averaged
+        current, param.grad = param.grad, grad
+        lists = [g["params"] for g in self.param_groups]
+        later = {k: group[k] for k in settings}
+        try:
+            group.update(settings)
+            for g in self.param_groups:
+                g["params"] = [param] if g is group else []
+            super().step()  # type: ignore[misc]
+        finally:
+            for g, params in zip(self.param_groups, lists, strict=True):
+                g["params"] = params
+            group.update(later)
+            param.grad = current
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's idiom `synchronize(); clip...; with skip_synchronize(): step()`: after
+        synchronize() nothing is left to wait for, so step() updates every parameter at once."""
+        yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place would race with updates still in flight: finish them
+            synchronize_parameters()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+
+def _average_into(stage: Staging, grad: torch.Tensor) -> torch.Tensor:
+    stage.store(grad)
+    return grad.mul_(1.0 / require().size)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers.
+
+    Parameters get priorities by how soon the forward pass needs them (`worker.priority`): from the
+    torch.fx graph of `model` when it is given and traceable, else from the first forward pass.
+    """
+    require()
+    base: Any = optimizer.__class__
+    cls: Any = type(base.__name__, (_DistributedMixin, base), {})
+    wrapped: Any = cls.__new__(cls)
+    base.__init__(wrapped, optimizer.param_groups)
+    wrapped._sluice_setup(optimizer.__class__, named_parameters, model)
+    return wrapped  # type: ignore[no-any-return]
+
+
+def synchronize_parameters() -> None:
+    """Finish every parameter update still in flight (the next forward pass would), e.g. before saving."""
+    finish_pending()
+
+
+def wait_for_parameters(module: torch.nn.Module, args: Any) -> None:
+    """The global forward pre-hook: a module runs once its own parameters' updates are finished."""
+    if PENDING:
+        finish_pending(id(param) for param in module._parameters.values() if param is not None)

@@ -1,0 +1,62 @@
+"""The PyTorch shim's process-wide state: the client, the worker settings, updates still in flight."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from scheduler.errors import SluiceError
+from transport.metrics import summary_lines
+from worker.client import Client, Handle
+from worker.config import WorkerConfig
+from worker.staging import wire_dtype
+
+log = logging.getLogger("sluice.worker")
+
+
+@dataclass
+class State:
+    client: Client | None = None
+    settings: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+STATE = State()
+#: names for unnamed collectives, the same sequence on every worker
+NAMES = itertools.count()
+#: id(parameter) -> (handle, finish): updates the next forward pass must finish before a module runs
+PENDING: dict[int, tuple[Handle, Callable[[], Any]]] = {}
+
+
+def require() -> Client:
+    if STATE.client is None:
+        raise SluiceError("call init() first")
+    return STATE.client
+
+
+def declare_missing(named: Iterable[tuple[str, torch.Tensor]], options: Mapping[str, Any] | None = None) -> None:
+    client = require()
+    table = [
+        (name, tuple(t.shape), wire_dtype(t), (options or {}).get(name))
+        for name, t in named
+        if not client.declared(name)
+    ]
+    client.declare(table)
+
+
+def log_metrics(snapshot: Mapping[str, Any], when: str) -> None:
+    for line in summary_lines(snapshot, f"worker {require().rank} transport, {when}"):
+        log.info("%s", line)
+
+
+def finish_pending(keys: Iterable[int] | None = None) -> None:
+    """Wait for and apply the pending updates of `keys` (ids of parameters; None: all of them)."""
+    for key in list(PENDING) if keys is None else keys:
+        entry = PENDING.pop(key, None)
+        if entry is not None:
+            entry[0].wait()
+            entry[1]()
