@@ -1,0 +1,298 @@
+"""Training step time on shaped worker links: Sluice with priority, without it, one FIFO channel, and torch DDP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/priority_training.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.common import ROOT, Stats, add_common_options, print_table, progress, record, stats, write_json
+from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.netbed.job import emit_result, run_gloo_job, run_sluice_job
+from bench.plot import bar_chart, write_svg
+
+KIB = 1 << 10
+PRIORITY, CHUNKED, FIFO, DDP = "priority", "chunked", "fifo", "ddp"
+CONFIGS = (PRIORITY, CHUNKED, FIFO, DDP)
+LABELS = {
+    PRIORITY: "Sluice, priority (forward order, 3 channels, marks)",
+    CHUNKED: "Sluice, chunks without priority",
+    FIFO: "Sluice, one FIFO channel, tensors uncut",
+    DDP: "torch DDP (gloo)",
+}
+TARGETS = {FIFO: 1.25, CHUNKED: 1.1, DDP: 1.3}
+
+DESCRIPTION = """\
+Training step time of a VGG-like model (convolutions first, big fully connected layers last;
+synthetic 3x32x32 inputs, SGD with momentum) on a testbed where each worker host has its own link
+shaped to RATE Mbit/s both ways (tbf with pfifo_fast's three ToS bands under it). The global batch
+is fixed, split over the workers, so each step's compute on this machine's cores stays the same.
+Every worker runs one torch thread. Configurations, all in the same run:
+
+  priority  Sluice, worker.optimizer_on = "server" (the next forward pass waits per layer for its
+            parameters), worker.priority = "forward", 3 channels with ToS marks, chunked
+  chunked   the same with worker.priority = "none": every chunk first come, first served
+  fifo      one channel, worker.priority = "none", chunks as large as the largest tensor (not cut)
+  ddp       torch DistributedDataParallel over gloo on the same worker hosts, optimizer on each worker
+
+Sluice's S servers sit on hosts of their own (links unshaped unless --server-mbit), the scheduler on
+the first server's host. Each worker trains WARMUP untimed steps; each repetition then times STEPS
+steps between two barriers on worker 0 (Sluice waits for the last parameters inside the span).
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], metavar="W",
+                        help="worker counts (default: %(default)s)")
+    parser.add_argument("--servers", type=int, default=2, metavar="S", help="Sluice servers (default: %(default)s)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                        help="configurations to run (default: all)")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
+                        help="link rate of every worker host (default: %(default)s)")
+    parser.add_argument("--server-mbit", type=float, default=None, metavar="RATE",
+                        help="link rate of the server hosts (default: unshaped)")
+    parser.add_argument("--global-batch", type=int, default=128, metavar="B",
+                        help="samples per step over all workers (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=32, metavar="C",
+                        help="channels of the first convolutions (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=2048, metavar="H",
+                        help="width of the fully connected layers (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, metavar="N",
+                        help="timed steps per repetition (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=5, metavar="N", help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--chunk-bytes", type=int, default=512 * KIB, metavar="B",
+                        help="transport.chunk_bytes of the chunked configurations (default: %(default)s)")
+    # An urgent chunk waits behind at most this much on its own channel; the channels are separate
+    # sockets with their own ToS band. With 2 workers, 1 MiB gave 410-430 ms per step, 4 MiB 380-395.
+    parser.add_argument("--inflight-bytes", type=int, default=4096 * KIB, metavar="B",
+                        help="transport.inflight_bytes of the chunked configurations (default: %(default)s)")
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "priority_training.svg"), metavar="PATH",
+                        help="write a bar chart of the step times here (default: docs/priority_training.svg)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="give up on one job after this long (default: %(default)s)")
+    parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
+    parser.add_argument("--worker", choices=["sluice", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    add_common_options(parser, quick="2 workers, 2 warm-up + 4 timed steps, 1 repeat (overrides those options)",
+                       repeats=3)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.workers, args.warmup, args.steps, args.repeats = [2], 2, 4, 1
+    if min(args.workers) < 1 or min(args.servers, args.steps, args.repeats, args.width, args.hidden) < 1:
+        parser.error("workers, servers, steps, repeats, width and hidden must be positive")
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: the first step builds the priority map and is slow")
+    if any(args.global_batch % w for w in args.workers):
+        parser.error(f"--global-batch {args.global_batch} must divide evenly over {args.workers} workers")
+    return args
+
+
+# ---------------------------------------------------------------------------- the model
+def make_model(width: int, hidden: int) -> nn.Sequential:
+    """VGG-like for 3x32x32: five 3x3 convolutions in three stages, then three fully connected layers
+    holding almost all the parameters (the last layers the largest, as in VGG)."""
+    c = width
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * c, 4 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * c * 4 * 4, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10),
+    )
+
+
+def largest_tensor_bytes(width: int, hidden: int) -> int:
+    return max(p.numel() * p.element_size() for p in make_model(width, hidden).parameters())
+
+
+# ---------------------------------------------------------------------------- inside the worker hosts
+def train(args: argparse.Namespace, rank: int, optimizer: torch.optim.Optimizer, model: nn.Module,
+          barrier: Callable[[], None], settle: Callable[[], None]) -> dict[str, Any]:
+    """Seconds per step of each repetition (between barriers) and the last loss."""
+    generator = torch.Generator().manual_seed(rank)
+    images = torch.randn(args.batch, 3, 32, 32, generator=generator)
+    labels = torch.randint(0, 10, (args.batch,), generator=generator)
+
+    def steps(count: int) -> float:
+        loss = torch.zeros(())
+        for _ in range(count):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+        return float(loss.item())
+
+    loss = steps(args.warmup)
+    settle()
+    seconds = []
+    for _ in range(args.repeats):
+        barrier()
+        started = time.perf_counter()
+        loss = steps(args.steps)
+        settle()
+        barrier()
+        seconds.append((time.perf_counter() - started) / args.steps)
+    return {"rank": rank, "seconds": seconds, "loss": loss}
+
+
+def sluice_worker(args: argparse.Namespace) -> dict[str, Any]:
+    import worker.torch_shim as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = make_model(args.width, args.hidden)
+    # with the optimizer on the servers, wrapping broadcasts rank 0's parameters to every worker
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                         named_parameters=model.named_parameters(), model=model)
+    result = train(args, hvd.rank(), optimizer, model, hvd.barrier, hvd.synchronize_parameters)
+    hvd.shutdown()
+    return result
+
+
+def ddp_worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(make_model(args.width, args.hidden))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return train(args, dist.get_rank(), optimizer, model, dist.barrier, lambda: None)
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    if args.worker == "sluice":
+        emit_result(sluice_worker(args))
+        return 0
+    emit_result(ddp_worker(args))
+    # no destroy_process_group, no destructors: torch's gloo group can hang in them (bench.common.keep_alive)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------- driver
+def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, Any]]:
+    chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes}
+    if name == PRIORITY:
+        return {"worker": {"optimizer_on": "server", "priority": "forward"},
+                "transport": {"channels": 3, "marks": True, **chunked}}
+    if name == CHUNKED:
+        return {"worker": {"optimizer_on": "server", "priority": "none"}, "transport": {"channels": 3, **chunked}}
+    whole = max(largest_tensor_bytes(args.width, args.hidden), 4 * KIB)
+    return {"worker": {"optimizer_on": "server", "priority": "none"},
+            "transport": {"channels": 1, "chunk_bytes": whole, "inflight_bytes": max(whole, args.inflight_bytes)}}
+
+
+def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> Stats:
+    batch = args.global_batch // workers
+    argv = [sys.executable, "-m", "bench.priority_training", "--worker", "sluice" if name != DDP else "ddp",
+            "--batch", str(batch), "--width", str(args.width), "--hidden", str(args.hidden),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    hosts = [f"w{i}" for i in range(workers)]
+    env = {"OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    if name == DDP:
+        results = run_gloo_job(bed, hosts, argv, timeout=args.timeout, env=env, echo=args.verbose)
+    else:
+        servers = [f"s{i}" for i in range(args.servers)]
+        results = run_sluice_job(bed, servers[0], servers, hosts, sluice_config(args, name), argv,
+                                 timeout=args.timeout, env=env, echo=args.verbose)
+    first = next(r for r in results if r["rank"] == 0)
+    step = stats([s * 1000 for s in first["seconds"]])
+    progress(f"  w{workers} {name:<8} {step.brief(1)} ms/step, {args.global_batch / step.median * 1000:.0f} "
+             f"samples/s, last loss {first['loss']:.3g} ({time.perf_counter() - t0:.1f} s)")
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    try:
+        check_available()
+    except NetbedUnavailable as exc:
+        progress(f"skipped: the shaped-network testbed is unavailable here: {exc}")
+        return 0
+    model = make_model(args.width, args.hidden)
+    params = sum(p.numel() for p in model.parameters())
+    progress(f"priority_training: {params / 1e6:.2f} M parameters ({params * 4 / 1e6:.1f} MB, largest tensor "
+             f"{largest_tensor_bytes(args.width, args.hidden) / 1e6:.1f} MB), global batch {args.global_batch}, "
+             f"worker links {args.rate_mbit:g} Mbit/s, servers' links "
+             f"{'unshaped' if args.server_mbit is None else f'{args.server_mbit:g} Mbit/s'}; "
+             f"{args.warmup} warm-up + {args.steps} timed steps x {args.repeats} repeats")
+    measured: dict[tuple[int, str], Stats] = {}
+    started = time.perf_counter()
+    with Netbed() as bed:
+        for i in range(max(args.workers)):
+            bed.host(f"w{i}", args.rate_mbit, tos_bands=True)
+        for i in range(args.servers):
+            bed.host(f"s{i}", args.server_mbit, tos_bands=args.server_mbit is not None)
+        for workers in args.workers:
+            for name in args.configs:
+                measured[(workers, name)] = measure(bed, args, name, workers)
+    progress(f"\nstep time in ms, median [min..max] of {args.repeats} repeats; global samples/s "
+             f"({time.perf_counter() - started:.0f} s in all)")
+    rows, records = [], []
+    for workers in args.workers:
+        for name in args.configs:
+            step = measured[(workers, name)]
+            speedup = ""
+            if name != PRIORITY and (workers, PRIORITY) in measured:
+                speedup = f"{step.median / measured[(workers, PRIORITY)].median:.2f}x"
+            rows.append([f"w{workers}", name, step.brief(1), f"{args.global_batch / step.median * 1000:.0f}",
+                         speedup])
+    print_table(["workers", "config", "ms/step", "samples/s", "priority speed-up"], rows)
+    for workers in args.workers:
+        if (workers, PRIORITY) not in measured:
+            continue
+        ours = throughput(args, measured[(workers, PRIORITY)])
+        for name in args.configs:
+            if name == PRIORITY:
+                continue
+            peer = throughput(args, measured[(workers, name)])
+            case = f"vgg{args.width}-h{args.hidden}-w{workers}-s{args.servers}-b{args.global_batch}-vs-{name}"
+            ratio = ours.median / peer.median
+            met = "met" if ratio >= TARGETS[name] else "MISSED"
+            progress(f"{case}: priority {ratio:.2f}x {name} (target {TARGETS[name]}x: {met})")
+            records.append(record(
+                case, ours, peer, LABELS[name], "samples/s", workers=workers, servers=args.servers,
+                global_batch=args.global_batch, rate_mbit=args.rate_mbit, steps=args.steps, warmup=args.warmup,
+                repeats=args.repeats, ours_step_ms=measured[(workers, PRIORITY)].median,
+                peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name],
+            ))
+    write_json(args.json, records)
+    if args.plot:
+        groups = [f"{w} workers" for w in args.workers]
+        values = {(f"{w} workers", LABELS[n]): measured[(w, n)].median for w, n in measured}
+        ranges = {(f"{w} workers", LABELS[n]): (s.low, s.high) for (w, n), s in measured.items()}
+        svg = bar_chart(groups, [LABELS[n] for n in args.configs], values, ranges=ranges,
+                        ylabel="ms per step, median and min..max (lower is better)",
+                        title=f"Step time, VGG-like model ({params / 1e6:.1f} M parameters), "
+                              f"{args.rate_mbit:g} Mbit/s worker links")
+        progress(f"wrote the plot to {write_svg(args.plot, svg)}")
+    return 0
+
+
+def throughput(args: argparse.Namespace, step_ms: Stats) -> Stats:
+    """Global samples/s from step times (the fastest step time gives the highest throughput)."""
+    return Stats(args.global_batch / step_ms.median * 1000, args.global_batch / step_ms.high * 1000,
+                 args.global_batch / step_ms.low * 1000)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

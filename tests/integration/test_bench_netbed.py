@@ -1,0 +1,142 @@
+"""Jobs across testbed hosts (bench/netbed/job.py) and quick runs of the shaped-network benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.netbed.job import JobError, run_gloo_job, run_sluice_job
+
+try:
+    check_available()
+    UNAVAILABLE = ""
+except NetbedUnavailable as exc:
+    UNAVAILABLE = str(exc)
+
+pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"no network namespaces here: {UNAVAILABLE}")
+
+ROOT = Path(__file__).resolve().parents[2]
+#: worker 1 fails at once, worker 0 would sleep far past the test: the job must end both
+FAILING_WORKER = """
+import os, sys, time
+rank = os.environ["SLUICE_RANK"]
+print("worker says hello from", rank, flush=True)
+if rank == "1":
+    sys.exit(3)
+time.sleep(120)
+"""
+GLOO_LIKE = """
+import os
+from bench.netbed.job import emit_result
+emit_result({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
+             "master": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"])})
+"""
+
+
+def _alive_with(marker: str) -> list[int]:
+    """Pids of processes whose command line contains `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as file:
+            if marker.encode() in file.read() and int(pid) != os.getpid():
+                found.append(int(pid))
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_worker_is_named_with_its_last_lines_and_nothing_is_left() -> None:
+    marker = f"# job-test-{os.getpid()}"
+    with Netbed() as bed:
+        for name in ("s0", "w0", "w1"):
+            bed.host(name, 1000)
+        with pytest.raises(JobError) as failure:
+            run_sluice_job(bed, "s0", ["s0"], ["w0", "w1"], {}, [sys.executable, "-c", FAILING_WORKER + marker],
+                           timeout=40)
+        assert not _alive_with(marker)  # worker 0 was stopped and reaped before the error came back
+    message = str(failure.value)
+    assert "worker 1" in message and "exited with code 3" in message, message
+    assert "worker says hello from 1" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_a_job_past_its_deadline_names_the_workers_still_running() -> None:
+    marker = f"# job-deadline-{os.getpid()}"
+    with Netbed() as bed:
+        for name in ("s0", "w0"):
+            bed.host(name)
+        with pytest.raises(JobError, match=r"worker 0 .*still ran after the 3 s deadline"):
+            sleeper = [sys.executable, "-c", "import time; time.sleep(60)" + marker]
+            run_sluice_job(bed, "s0", ["s0"], ["w0"], {}, sleeper, timeout=3)
+        assert not _alive_with(marker)
+
+
+@pytest.mark.timeout(30)
+def test_gloo_job_gives_each_rank_the_first_hosts_address() -> None:
+    with Netbed() as bed:
+        for name in ("a", "b", "c"):
+            bed.host(name)
+        results = run_gloo_job(bed, ["a", "b", "c"], [sys.executable, "-c", GLOO_LIKE], timeout=20)
+        master = bed.hosts["a"].address
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["master"] == master and r["port"] > 0 for r in results), results
+
+
+def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """A benchmark in its own process group, so that a hang kills everything it started."""
+    process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        pytest.fail(f"{argv[0]} ran past {timeout:.0f} s:\n{stdout[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == 0, stdout[-3000:]
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, None)
+
+
+def _check_records(path: Path, count: int) -> list[dict[str, Any]]:
+    records = json.loads(path.read_text())
+    assert isinstance(records, list) and len(records) == count, records
+    for rec in records:
+        assert rec["case"] and rec["peer_name"] and rec["unit"], rec
+        assert rec["ours"] > 0 and rec["peer"] > 0, rec
+        assert rec["ratio"] == pytest.approx(rec["ours"] / rec["peer"], rel=1e-12), rec
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
+    out = tmp_path / "ps_vs_allreduce.json"
+    result = _run(["bench/ps_vs_allreduce.py", "--quick", "--json", str(out)], timeout=110)
+    (rec,) = _check_records(out, 1)
+    assert rec["link_bound"] == pytest.approx(125.0) and rec["fraction_of_bound"] > 0, rec
+    assert str(rec["case"]) in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_priority_training_quick_writes_records_and_a_plot(tmp_path: Path) -> None:
+    out, plot = tmp_path / "priority_training.json", tmp_path / "plot" / "priority_training.svg"
+    result = _run(["bench/priority_training.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=140)
+    records = _check_records(out, 3)  # priority against chunked, fifo and ddp
+    assert all(rec["ours_step_ms"] > 0 and rec["peer_step_ms"] > 0 for rec in records), records
+    assert "priority speed-up" in result.stdout
+    root = ET.parse(plot).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert len(root.findall("{http://www.w3.org/2000/svg}rect")) >= 4 + 1  # the background, then a bar per config
