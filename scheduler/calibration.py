@@ -3,16 +3,23 @@
 Two costs pull the chunk size apart. An urgent chunk waits behind at most one chunk already on the
 wire, so smaller chunks preempt sooner; but every message costs a fixed time in Python and ZeroMQ
 (`per_message`), so at link rate B a chunk of c bytes spends `per_message * B / c` of the link's
-time on overhead. The chunk is the smallest power of two that keeps that share under 5%, between
-64 KiB and 1 MiB: about 1 MiB on loopback (B = 1-2 GB/s), 128 KiB on a 1 Gbit/s link.
+time on overhead. The chunk is the smallest power of two that keeps that share under 2.5%, between
+64 KiB and 1 MiB: 1 MiB on loopback (B = 1-2 GB/s), 256-512 KiB on a 1 Gbit/s link. The share is
+set low because the probes measure an idle path: in training the same message also costs the
+server's summing and the kernel's work on a busy machine (4 workers x 4 servers at 1 Gbit/s on
+2 cores: 256 KiB chunks ran at 74% of the link, 512 KiB at 85-88%).
 
 The in-flight bound must cover the bandwidth-delay product, or the link idles while credit returns;
-anything beyond it only adds to the queue an urgent chunk waits behind in the network. It is the
-smallest of 2, 4, 8, ... chunks whose measured rate reaches 90% of the best rate seen, doubled: the
-probes' servers only answer, while in training they also sum and apply, which slows the credit's
-return (with 4 workers and 4 servers on loopback, 2 MiB ran 20% slower than 4 MiB) (ByteScheduler
-searches the same trade-off with Bayesian optimisation over 15 trials of 100 steps; a few bursts
-of a few MiB find it in well under a second).
+anything beyond it only adds to the queue an urgent chunk waits behind in the network, and on a
+rate-limited link it lets the TCP connections to different servers share the link unevenly, so
+one server's share arrives last and the round waits for it (4 workers x 4 servers at 1 Gbit/s:
+2 MiB per server ran at 74% of the link, 512 KiB at 88%). So the bound is the smallest of 1, 2,
+4, ... chunks whose measured rate reaches 90% of the best rate seen. Between peers on one host
+(shared memory, no network queue to fill) it is doubled: there the probes' servers only answer,
+while in training they also sum and apply, which slows the credit's return (4 workers x 4 servers
+on loopback: 2 MiB ran 20% slower than 4 MiB). ByteScheduler searches the same trade-off with
+Bayesian optimisation over 15 trials of 100 steps; a few bursts of a few MiB find it in well
+under a second.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from dataclasses import dataclass
 MIN_CHUNK = 64 << 10
 MAX_CHUNK = 1 << 20
 MAX_INFLIGHT = 16 << 20
-OVERHEAD_SHARE = 0.05
+OVERHEAD_SHARE = 0.025
 GOOD_ENOUGH = 0.9
-LOAD_MARGIN = 2
+LOCAL_MARGIN = 2
 
 
 @dataclass(frozen=True)
@@ -57,20 +64,22 @@ def choose_chunk(bandwidth: float, per_message: float) -> int:
 
 
 def inflight_candidates(chunk: int) -> list[int]:
-    """The bounds to try, smallest first: 2, 4, 8, ... chunks up to MAX_INFLIGHT."""
-    candidates, bound = [], 2 * chunk
+    """The bounds to try, smallest first: 1, 2, 4, ... chunks up to MAX_INFLIGHT."""
+    candidates, bound = [], chunk
     while bound <= MAX_INFLIGHT:
         candidates.append(bound)
         bound *= 2
     return candidates or [MAX_INFLIGHT]
 
 
-def choose_inflight(trials: Sequence[tuple[int, float]], reference: float) -> int | None:
-    """Twice the smallest tried bound whose rate reached 90% of the best rate seen (`reference`
-    included), at most MAX_INFLIGHT; None while no trial has (try the next candidate)."""
+def choose_inflight(trials: Sequence[tuple[int, float]], reference: float, local: bool = False) -> int | None:
+    """The smallest tried bound whose rate reached 90% of the best rate seen (`reference` included),
+    doubled between `local` peers, at most MAX_INFLIGHT; None while no trial has (try the next)."""
     best = max([reference, *(rate for _, rate in trials)])
     good = [bound for bound, rate in trials if rate >= GOOD_ENOUGH * best]
-    return min(LOAD_MARGIN * min(good), MAX_INFLIGHT) if good else None
+    if not good:
+        return None
+    return min((LOCAL_MARGIN if local else 1) * min(good), MAX_INFLIGHT)
 
 
 def agree(proposals: Sequence[Limits]) -> Limits:

@@ -95,6 +95,9 @@ class TransportConfig:
         return self.inflight_bytes or DEFAULT_INFLIGHT_BYTES
 
 
+#: endpoints of peers on this host (shared memory serves them)
+LOCAL_ENDPOINTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://")
+
 #: used until a calibration has chosen (1 MiB chunks; ByteScheduler's credit of 4 M float32 parameters)
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_INFLIGHT_BYTES = 16 << 20

@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from transport.base import Handler
-from transport.config import TransportConfig
+from transport.config import LOCAL_ENDPOINTS, TransportConfig
 from transport.metrics import TransportMetrics
 from transport.sendqueue import ChannelQueue
 from transport.shm import SharedPayloads
@@ -40,7 +40,6 @@ _HWM = 100_000
 _LINGER_MS = 2000
 
 Route = tuple[str, int]  # (peer name, channel)
-_LOCAL_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://")
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -203,7 +202,7 @@ class ZmqTransport:
         if not endpoints:
             raise ValueError(f"no endpoints given for peer {peer}")
         socks = []
-        if self._local is not None and all(e.startswith(_LOCAL_HOSTS) for e in endpoints):
+        if self._local is not None and all(e.startswith(LOCAL_ENDPOINTS) for e in endpoints):
             self._local.add(peer)
         for channel, endpoint in enumerate(endpoints[: self.config.channels]):
             sock = self._socket(zmq.DEALER, channel)

@@ -56,8 +56,9 @@ class Calibrator:
                     if time.monotonic() > deadline:
                         raise
 
-    def run(self, chunk_bytes: int = 0, inflight_bytes: int = 0) -> tuple[Limits, str]:
-        """Measure and choose; a fixed (non-zero) chunk size or bound is kept as given.
+    def run(self, chunk_bytes: int = 0, inflight_bytes: int = 0, local: bool = False) -> tuple[Limits, str]:
+        """Measure and choose; a fixed (non-zero) chunk size or bound is kept as given. `local`: every
+        server is on this host (shared memory, no network queue).
 
         Returns the limits and a line saying what was measured, for the log.
         """
@@ -75,7 +76,7 @@ class Calibrator:
             for bound in inflight_candidates(chunk):
                 self._transport.set_inflight(bound)
                 trials.append((bound, count * chunk / self._burst(count, chunk)))
-                chosen = choose_inflight(trials, bandwidth)
+                chosen = choose_inflight(trials, bandwidth, local)
                 if chosen is not None:
                     inflight = chosen
                     break

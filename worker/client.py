@@ -25,6 +25,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
 from scheduler.node import SCHEDULER_PEER, ControlClient
 from transport.base import open_transport
+from transport.config import LOCAL_ENDPOINTS
 from transport.dtypes import STORAGE
 from transport.wire import Flag, Kind, Message
 from worker.calibrate import Calibrator
@@ -116,6 +117,7 @@ class Client:
         self._server_ids = {p.node_id for p in servers}
         for peer in servers:
             self.transport.connect(peer.name, peer.endpoints)
+        self._servers_local = all(e.startswith(LOCAL_ENDPOINTS) for p in servers for e in p.endpoints)
         #: this worker's calibrated limits, proposed to the scheduler with the first declaration
         self.proposal: Limits | None = None
         #: the job's chunk size and in-flight bound, known after the first declaration
@@ -130,7 +132,9 @@ class Client:
             self.transport, self.control.node_id, self._server_names, self.settings.channels - 1, timeout
         )
         try:
-            self.proposal, measured = self._calibrator.run(self.settings.chunk_bytes, self.settings.inflight_bytes)
+            self.proposal, measured = self._calibrator.run(
+                self.settings.chunk_bytes, self.settings.inflight_bytes, local=self._servers_local
+            )
         finally:
             self._calibrator = None
         log.info("worker %d calibration: %s -> %s", self.rank, measured, self.proposal.describe())

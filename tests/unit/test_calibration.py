@@ -23,16 +23,17 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.mark.parametrize(
     ("bandwidth", "per_message", "chunk"),
     [
-        (125e6, 30e-6, 128 * KiB),  # 1 Gbit/s, Python's per-message cost: 75 KB needed
-        (125e6, 10e-6, MIN_CHUNK),  # 25 KB needed; never below the floor
-        (1.5e9, 30e-6, MAX_CHUNK),  # loopback: 900 KB needed
+        (125e6, 30e-6, 256 * KiB),  # 1 Gbit/s, Python's per-message cost: 150 KB needed
+        (125e6, 10e-6, MIN_CHUNK),  # 50 KB needed; never below the floor
+        (125e6, 60e-6, 512 * KiB),  # the same link from a busier process
+        (1.5e9, 30e-6, MAX_CHUNK),  # loopback: 1.8 MB needed
         (10e9, 30e-6, MAX_CHUNK),  # capped: preemption matters more than the last % of overhead
         (12.5e6, 50e-6, MIN_CHUNK),  # 100 Mbit/s
-        (1.25e9, 20e-6, 512 * KiB),  # 10 Gbit/s with a fast path: 500 KB
+        (1.25e9, 5e-6, 256 * KiB),  # 10 Gbit/s with a fast path: 250 KB
         (125e6, 0.0, MIN_CHUNK),
     ],
 )
-def test_chunk_keeps_the_per_message_overhead_under_five_percent(
+def test_chunk_keeps_the_per_message_overhead_under_two_and_a_half_percent(
     bandwidth: float, per_message: float, chunk: int
 ) -> None:
     assert choose_chunk(bandwidth, per_message) == chunk
@@ -44,31 +45,32 @@ def test_chunk_rejects_impossible_measurements(bandwidth: float, per_message: fl
         choose_chunk(bandwidth, per_message)
 
 
-def test_inflight_candidates_double_from_two_chunks() -> None:
-    assert inflight_candidates(MiB) == [2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
-    assert inflight_candidates(128 * KiB)[:3] == [256 * KiB, 512 * KiB, MiB]
+def test_inflight_candidates_double_from_one_chunk() -> None:
+    assert inflight_candidates(MiB) == [MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
+    assert inflight_candidates(128 * KiB)[:3] == [128 * KiB, 256 * KiB, 512 * KiB]
     assert inflight_candidates(128 * KiB)[-1] == MAX_INFLIGHT
     assert inflight_candidates(32 * MiB) == [MAX_INFLIGHT]
 
 
 @pytest.mark.parametrize(
-    ("trials", "reference", "chosen"),
+    ("trials", "reference", "local", "chosen"),
     [
-        # twice the smallest bound that reached 90%: a margin for the servers' work in training
-        ([(256, 50.0)], 100.0, None),  # half the link: try more credit
-        ([(256, 50.0), (512, 95.0)], 100.0, 1024),
-        ([(256, 91.0)], 100.0, 512),  # 90% is good enough: the smallest queue wins
-        ([(256, 80.0), (512, 120.0)], 100.0, 1024),  # a trial beat the reference: it becomes the bar
-        ([(256, 100.0), (512, 200.0)], 100.0, 1024),
-        ([(1024, 99.0), (256, 98.0)], 100.0, 512),
-        ([(MAX_INFLIGHT, 99.0)], 100.0, MAX_INFLIGHT),  # never above the cap
-        ([], 100.0, None),
+        ([(256, 50.0)], 100.0, False, None),  # half the link: try more credit
+        ([(256, 50.0), (512, 95.0)], 100.0, False, 512),
+        ([(256, 91.0)], 100.0, False, 256),  # 90% is good enough: the smallest queue wins
+        ([(256, 80.0), (512, 120.0)], 100.0, False, 512),  # a trial beat the reference: it becomes the bar
+        ([(256, 100.0), (512, 200.0)], 100.0, False, 512),
+        ([(1024, 99.0), (256, 98.0)], 100.0, False, 256),
+        # between peers on one host, twice that: a margin for the servers' work in training
+        ([(256, 50.0), (512, 95.0)], 100.0, True, 1024),
+        ([(MAX_INFLIGHT, 99.0)], 100.0, True, MAX_INFLIGHT),  # never above the cap
+        ([], 100.0, False, None),
     ],
 )
 def test_inflight_is_the_smallest_bound_reaching_ninety_percent(
-    trials: list[tuple[int, float]], reference: float, chosen: int | None
+    trials: list[tuple[int, float]], reference: float, local: bool, chosen: int | None
 ) -> None:
-    assert choose_inflight(trials, reference) == chosen
+    assert choose_inflight(trials, reference, local) == chosen
 
 
 @pytest.mark.parametrize(
