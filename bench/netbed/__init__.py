@@ -195,6 +195,8 @@ class Netbed:
 
     def close(self) -> None:
         for process in self._processes:
+            if process.poll() is not None:  # reaped: its pid (and group id) may belong to someone else now
+                continue
             with contextlib.suppress(OSError):
                 os.killpg(process.pid, 9)
             with contextlib.suppress(subprocess.TimeoutExpired):
