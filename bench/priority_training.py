@@ -41,8 +41,8 @@ shaped to RATE Mbit/s both ways (tbf with pfifo_fast's three ToS bands under it)
 is fixed, split over the workers, so each step's compute on this machine's cores stays the same.
 Every worker runs one torch thread. Configurations, all in the same run:
 
-  priority  Sluice, worker.optimizer_on = "server" (the next forward pass waits per layer for its
-            parameters), worker.priority = "forward", 3 channels with ToS marks, chunked
+  priority  Sluice, worker.optimizer_on = OPTIMIZER_ON (either way the next forward pass waits per
+            layer for its parameters), worker.priority = "forward", 3 channels with ToS marks, chunked
   chunked   the same with worker.priority = "none": every chunk first come, first served
   fifo      one channel, worker.priority = "none", chunks as large as the largest tensor (not cut)
   ddp       torch DistributedDataParallel over gloo on the same worker hosts, optimizer on each worker
@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="configurations to run (default: all)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
                         help="link rate of every worker host (default: %(default)s)")
+    parser.add_argument("--optimizer-on", choices=["server", "worker"], default="server",
+                        help="worker.optimizer_on of the Sluice configurations: the servers step, or each "
+                             "worker steps each parameter as its gradients come back (default: %(default)s)")
     parser.add_argument("--server-mbit", type=float, default=None, metavar="RATE",
                         help="link rate of the server hosts (default: unshaped)")
     parser.add_argument("--global-batch", type=int, default=128, metavar="B",
@@ -189,12 +192,13 @@ def worker_main(args: argparse.Namespace) -> int:
 def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, Any]]:
     chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes}
     if name == PRIORITY:
-        return {"worker": {"optimizer_on": "server", "priority": "forward"},
+        return {"worker": {"optimizer_on": args.optimizer_on, "priority": "forward"},
                 "transport": {"channels": 3, "marks": True, **chunked}}
     if name == CHUNKED:
-        return {"worker": {"optimizer_on": "server", "priority": "none"}, "transport": {"channels": 3, **chunked}}
+        return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
+                "transport": {"channels": 3, **chunked}}
     whole = max(largest_tensor_bytes(args.width, args.hidden), 4 * KIB)
-    return {"worker": {"optimizer_on": "server", "priority": "none"},
+    return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
             "transport": {"channels": 1, "chunk_bytes": whole, "inflight_bytes": max(whole, args.inflight_bytes)}}
 
 
@@ -265,14 +269,15 @@ def main(argv: list[str] | None = None) -> int:
             if name == PRIORITY:
                 continue
             peer = throughput(args, measured[(workers, name)])
-            case = f"vgg{args.width}-h{args.hidden}-w{workers}-s{args.servers}-b{args.global_batch}-vs-{name}"
+            on = "" if args.optimizer_on == "server" else "-opt_worker"
+            case = f"vgg{args.width}-h{args.hidden}-w{workers}-s{args.servers}-b{args.global_batch}{on}-vs-{name}"
             ratio = ours.median / peer.median
             met = "met" if ratio >= TARGETS[name] else "MISSED"
             progress(f"{case}: priority {ratio:.2f}x {name} (target {TARGETS[name]}x: {met})")
             records.append(record(
                 case, ours, peer, LABELS[name], "samples/s", workers=workers, servers=args.servers,
                 global_batch=args.global_batch, rate_mbit=args.rate_mbit, steps=args.steps, warmup=args.warmup,
-                repeats=args.repeats, ours_step_ms=measured[(workers, PRIORITY)].median,
+                repeats=args.repeats, optimizer_on=args.optimizer_on, ours_step_ms=measured[(workers, PRIORITY)].median,
                 peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name],
             ))
     write_json(args.json, records)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -14,16 +12,11 @@ from typing import Any
 
 import pytest
 
-from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.netbed import Netbed
 from bench.netbed.job import JobError, run_gloo_job, run_sluice_job
+from tests.bench_runs import requires_testbed, run_script
 
-try:
-    check_available()
-    UNAVAILABLE = ""
-except NetbedUnavailable as exc:
-    UNAVAILABLE = str(exc)
-
-pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"no network namespaces here: {UNAVAILABLE}")
+pytestmark = requires_testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 #: worker 1 fails at once, worker 0 would sleep far past the test: the job must end both
@@ -91,24 +84,6 @@ def test_gloo_job_gives_each_rank_the_first_hosts_address() -> None:
     assert all(r["world"] == 3 and r["master"] == master and r["port"] > 0 for r in results), results
 
 
-def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """A benchmark in its own process group, so that a hang kills everything it started."""
-    process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        stdout, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, _ = process.communicate()
-        pytest.fail(f"{argv[0]} ran past {timeout:.0f} s:\n{stdout[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert process.returncode == 0, stdout[-3000:]
-    return subprocess.CompletedProcess(argv, process.returncode, stdout, None)
-
-
 def _check_records(path: Path, count: int) -> list[dict[str, Any]]:
     records = json.loads(path.read_text())
     assert isinstance(records, list) and len(records) == count, records
@@ -123,7 +98,7 @@ def _check_records(path: Path, count: int) -> list[dict[str, Any]]:
 @pytest.mark.timeout(120)
 def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
     out = tmp_path / "ps_vs_allreduce.json"
-    result = _run(["bench/ps_vs_allreduce.py", "--quick", "--json", str(out)], timeout=110)
+    result = run_script(["bench/ps_vs_allreduce.py", "--quick", "--json", str(out)], timeout=110)
     (rec,) = _check_records(out, 1)
     assert rec["link_bound"] == pytest.approx(125.0) and rec["fraction_of_bound"] > 0, rec
     assert str(rec["case"]) in result.stdout
@@ -133,7 +108,7 @@ def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_priority_training_quick_writes_records_and_a_plot(tmp_path: Path) -> None:
     out, plot = tmp_path / "priority_training.json", tmp_path / "plot" / "priority_training.svg"
-    result = _run(["bench/priority_training.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=140)
+    result = run_script(["bench/priority_training.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=140)
     records = _check_records(out, 3)  # priority against chunked, fifo and ddp
     assert all(rec["ours_step_ms"] > 0 and rec["peer_step_ms"] > 0 for rec in records), records
     assert "priority speed-up" in result.stdout

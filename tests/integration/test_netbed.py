@@ -7,15 +7,10 @@ import sys
 
 import pytest
 
-from bench.netbed import PREFIX, Netbed, NetbedUnavailable, _namespaces, check_available
+from bench.netbed import PREFIX, Netbed, _namespaces
+from tests.bench_runs import requires_testbed
 
-try:
-    check_available()
-    UNAVAILABLE = ""
-except NetbedUnavailable as exc:
-    UNAVAILABLE = str(exc)
-
-pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"no network namespaces here: {UNAVAILABLE}")
+pytestmark = requires_testbed
 
 RECEIVER = """
 import socket, sys, time

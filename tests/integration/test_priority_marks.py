@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -17,22 +12,16 @@ import numpy as np
 import pytest
 
 from bench.common import Children
-from bench.netbed import Direction, Netbed, NetbedUnavailable, check_available
+from bench.netbed import Direction, Netbed
 from bench.netbed.forked import announced, percentile, start_in
 from bench.netbed.qdisc import ClassCounters, parse_class_stats
+from tests.bench_runs import requires_testbed, run_script
 from transport.base import Transport, open_transport
 from transport.config import TransportConfig
 from transport.wire import Kind, Message
 
 ROOT = Path(__file__).resolve().parents[2]
 
-try:
-    check_available()
-    UNAVAILABLE = ""
-except NetbedUnavailable as exc:
-    UNAVAILABLE = str(exc)
-
-needs_testbed = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"no network namespaces here: {UNAVAILABLE}")
 
 #: htb classes on both links: the default marks but 0x00 (unmarked traffic has no class of its own, so it
 #: lands in the default class), and the explicit marks of the `tos=` case
@@ -127,7 +116,7 @@ def _send_through(bed: Netbed, config: TransportConfig) -> list[int]:
     return got
 
 
-@needs_testbed
+@requires_testbed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("settings", "marks"), [
     ({}, (0x90, None, 0x28)),
@@ -157,22 +146,10 @@ def test_each_channel_lands_in_the_class_of_its_mark(settings: dict[str, Any], m
 
 # ---------------------------------------------------------------------------- the benchmarks' quick runs
 def _bench(script: str, out: Path, *extra: str, timeout: float = 50) -> str:
-    """Run a benchmark's --quick setting in its own process group, killed whole if it overruns."""
-    command = [sys.executable, script, "--quick", "--json", str(out), *extra]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        stdout, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, _ = process.communicate()
-        pytest.fail(f"{script} --quick ran past {timeout:.0f} s:\n{stdout[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # nothing it forked may outlive it
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert process.returncode == 0, stdout[-3000:]
-    return stdout
+    """Run a benchmark's --quick setting, bounded in time; it must succeed."""
+    result = run_script([script, "--quick", "--json", str(out), *extra], timeout)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return str(result.stdout)
 
 
 def _records(path: Path) -> dict[str, dict[str, Any]]:
@@ -183,7 +160,7 @@ def _records(path: Path) -> dict[str, dict[str, Any]]:
     return {rec["case"]: rec for rec in records}
 
 
-@needs_testbed
+@requires_testbed
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hol_latency_quick_run_is_sane(tmp_path: Path) -> None:
@@ -199,7 +176,7 @@ def test_hol_latency_quick_run_is_sane(tmp_path: Path) -> None:
     assert "chunk-time" in stdout and "target" in stdout
 
 
-@needs_testbed
+@requires_testbed
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_network_marks_quick_run_is_sane(tmp_path: Path) -> None:

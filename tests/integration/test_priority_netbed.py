@@ -16,17 +16,12 @@ import numpy as np
 import pytest
 
 from bench.common import Children
-from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.netbed import Netbed
 from bench.netbed.forked import announced, start_in
 from scheduler.bootstrap import NodeEnv
+from tests.bench_runs import requires_testbed
 
-try:
-    check_available()
-    UNAVAILABLE = ""
-except NetbedUnavailable as exc:
-    UNAVAILABLE = str(exc)
-
-pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"no network namespaces here: {UNAVAILABLE}")
+pytestmark = requires_testbed
 
 BULK = 4 << 20  # float32 elements: 16 MiB
 SMALL = 16 << 10  # 64 KiB

@@ -1,0 +1,45 @@
+"""What tests of benchmarks and of the testbed share: running a script bounded in time, skipping without root."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.netbed import NetbedUnavailable, check_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    check_available()
+    TESTBED_UNAVAILABLE = ""
+except NetbedUnavailable as exc:
+    TESTBED_UNAVAILABLE = str(exc)
+
+#: for tests that build a shaped-network testbed: skipped, with the reason, where that needs what is missing
+requires_testbed = pytest.mark.skipif(
+    bool(TESTBED_UNAVAILABLE), reason=f"no network namespaces here: {TESTBED_UNAVAILABLE}"
+)
+
+
+def run_script(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python ARGV` from the repository root in its own process group: a hang fails the test and
+    kills everything the script started; nothing it forked may outlive it in any case."""
+    process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        pytest.fail(f"{argv[0]} ran past {timeout:.0f} s:\n{stdout[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, None)
