@@ -176,3 +176,31 @@ class Children:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = True) -> tuple[int, list[float]]:
+    """In a Sluice worker: check one push_pull of `nbytes` of float32 sums right, then time `rounds`
+    rounds per repetition between two barriers; (this worker's rank, seconds per round of each)."""
+    import numpy as np
+
+    from worker.client import Client
+
+    client = Client()
+    n = nbytes // 4
+    data = client.alloc((n,), "float32") if registered else np.empty(n, np.float32)
+    data[:] = 1.0
+    out = np.empty(n, np.float32)
+    client.declare([("bench", (n,), "float32", None)])
+    client.push_pull("bench", data, out).wait()
+    if not np.all(out == client.size):
+        raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
+    seconds = []
+    for rep in range(repeats):
+        client.barrier(f"start.{rep}")
+        started = time.perf_counter()
+        for _ in range(rounds):
+            client.push_pull("bench", data, out).wait()
+        client.barrier(f"end.{rep}")
+        seconds.append((time.perf_counter() - started) / rounds)
+    client.close()
+    return client.rank, seconds

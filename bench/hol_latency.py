@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import struct
 import sys
 import threading
@@ -20,8 +19,8 @@ import numpy as np
 import zmq
 
 from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed import Netbed, NetbedUnavailable, check_available
-from bench.netbed.forked import announced, percentile, start_in
+from bench.netbed import Netbed, ready_for
+from bench.netbed.forked import Delays, announced, start_in
 from transport.base import Transport, open_transport
 from transport.config import TransportConfig
 from transport.wire import Kind, Message
@@ -85,18 +84,11 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class Run:
-    delays: list[float]  # seconds, one per urgent message
+class Run(Delays):
+    """`delays`: one per urgent message."""
+
     during: int  # urgent messages sent while the transfer was still under way
     goodput_mbit: float  # of the bulk transfer at the receiver
-
-    @property
-    def p50_ms(self) -> float:
-        return percentile(self.delays, 50) * 1e3
-
-    @property
-    def p99_ms(self) -> float:
-        return percentile(self.delays, 99) * 1e3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -185,19 +177,32 @@ def _sluice_receiver(setup: Setup, address: str, announce: Any) -> dict[str, Any
         transport.close(1.0)
 
 
-def _sluice_sender(setup: Setup, endpoints: list[str]) -> None:
+def connected_sender(
+    name: str, config: TransportConfig, peer: str, endpoints: list[str]
+) -> tuple[Transport, threading.Event]:
+    """A transport connected to `peer` and warmed up on its 3 channels, and the event the peer sets by
+    replying DONE_KEY (everything arrived). The caller closes the transport."""
     warmed, finished = threading.Semaphore(0), threading.Event()
 
-    def handler(peer: str, channel: int, msg: Message) -> None:
+    def handler(source: str, channel: int, msg: Message) -> None:
         if msg.key == DONE_KEY:
             finished.set()
         else:
             warmed.release()
 
-    transport = open_transport("sender", _config(setup, "127.0.0.1"), handler)
+    transport = open_transport(name, config, handler)
     try:
-        transport.connect("receiver", endpoints)
-        warm_up(transport, "receiver", 3, warmed)
+        transport.connect(peer, endpoints)
+        warm_up(transport, peer, 3, warmed)
+    except BaseException:
+        transport.close(0.5)
+        raise
+    return transport, finished
+
+
+def _sluice_sender(setup: Setup, endpoints: list[str]) -> None:
+    transport, finished = connected_sender("sender", _config(setup, "127.0.0.1"), "receiver", endpoints)
+    try:
         data, urgent = np.ones(setup.total, np.uint8), np.ones(URGENT_BYTES, np.uint8)
         for key, at in enumerate(range(0, setup.total, setup.chunk)):
             part = data[at : at + setup.chunk]
@@ -337,12 +342,8 @@ def report(setup: Setup, runs: dict[str, list[Run]], repeats: int) -> list[dict[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        check_available()
-    except NetbedUnavailable as exc:
-        print(f"hol_latency: skipped, the shaped-network testbed is unavailable: {exc}", flush=True)
+    if not ready_for("hol_latency"):
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the testbed is removed
     setup = Setup(args.chunk_kib * KIB, args.inflight_kib * KIB, args.rate_mbit, args.total_mib * MIB, args.samples,
                   args.qdisc)
     progress(f"hol_latency: {setup.total // MIB} MiB bulk in {setup.chunk // KIB} KiB chunks on a "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import signal
 import sys
 import threading
 import time
@@ -19,9 +18,9 @@ if __package__ in (None, ""):  # run as `python bench/network_marks.py`: make th
 import numpy as np
 
 from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
-from bench.hol_latency import DONE_KEY, WARMUP_KEY, wait_event, warm_up
-from bench.netbed import Netbed, NetbedUnavailable, check_available
-from bench.netbed.forked import announced, percentile, start_in
+from bench.hol_latency import DONE_KEY, WARMUP_KEY, connected_sender, wait_event, warm_up
+from bench.netbed import Netbed, ready_for
+from bench.netbed.forked import Delays, announced, start_in
 from transport.base import Handler, Transport, open_transport
 from transport.config import TransportConfig
 from transport.wire import Kind, Message
@@ -82,18 +81,11 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class Run:
-    delays: list[float]  # seconds
+class Run(Delays):
+    """`delays`: A's messages."""
+
     b_mbit: float  # B's goodput while A was sending (0 without B)
     classes: dict[int | None, int]  # bytes per class on the bottleneck during the run
-
-    @property
-    def p50_ms(self) -> float:
-        return percentile(self.delays, 50) * 1e3
-
-    @property
-    def p99_ms(self) -> float:
-        return percentile(self.delays, 99) * 1e3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,18 +152,9 @@ def _a_receiver(setup: Setup, address: str, announce: Any) -> list[float]:
 
 def _a_sender(setup: Setup, endpoints: list[str], stop: Any) -> tuple[float, float]:
     """Send A's messages on schedule; the window they were sent in. Sets `stop` (B may end) when done."""
-    warmed, finished = threading.Semaphore(0), threading.Event()
-
-    def handler(peer: str, channel: int, msg: Message) -> None:
-        if msg.key == DONE_KEY:
-            finished.set()
-        else:
-            warmed.release()
-
-    transport = open_transport("a-sender", _config(setup, 64 * KIB, 512 * KIB, "127.0.0.1"), handler)
+    config = _config(setup, 64 * KIB, 512 * KIB, "127.0.0.1")
+    transport, finished = connected_sender("a-sender", config, "a-receiver", endpoints)
     try:
-        transport.connect("a-receiver", endpoints)
-        warm_up(transport, "a-receiver", 3, warmed)
         payload = np.ones(setup.a_bytes, np.uint8)
         start = time.monotonic()
         for k in range(setup.count):
@@ -299,12 +282,8 @@ def report(setup: Setup, runs: dict[str, list[Run]], repeats: int) -> list[dict[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        check_available()
-    except NetbedUnavailable as exc:
-        print(f"network_marks: skipped, the shaped-network testbed is unavailable: {exc}", flush=True)
+    if not ready_for("network_marks"):
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the testbed is removed
     # namespaces start with the root namespace's congestion control
     cc = args.cc or Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     setup = Setup(args.rate_mbit, args.a_kib * KIB, args.interval_ms / 1e3, args.count, args.b_chunk_kib * KIB,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.common import ROOT, Stats, add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.netbed import Netbed, ready_for
 from bench.netbed.job import emit_result, run_gloo_job, run_sluice_job
 from bench.plot import bar_chart, write_svg
 
@@ -227,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
-    try:
-        check_available()
-    except NetbedUnavailable as exc:
-        progress(f"skipped: the shaped-network testbed is unavailable here: {exc}")
+    if not ready_for("priority_training"):
         return 0
     model = make_model(args.width, args.hidden)
     params = sum(p.numel() for p in model.parameters())

@@ -13,10 +13,18 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/ps_vs_allreduce.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
 
-from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.common import (
+    Stats,
+    add_common_options,
+    print_table,
+    progress,
+    record,
+    stats,
+    timed_push_pull,
+    write_json,
+)
+from bench.netbed import Netbed, ready_for
 from bench.netbed.job import emit_result, run_gloo_job, run_sluice_job
 
 MIB = 1 << 20
@@ -82,27 +90,8 @@ def rounds_for(size_mib: int, rounds: int) -> int:
 # ---------------------------------------------------------------------------- inside the testbed hosts
 def sluice_worker(nbytes: int, rounds: int, repeats: int) -> dict[str, Any]:
     """Per-round seconds of each repetition, on this worker's clock."""
-    from worker.client import Client
-
-    client = Client()
-    n = nbytes // 4
-    data = client.alloc((n,), "float32")
-    data[:] = 1.0
-    out = np.empty(n, np.float32)
-    client.declare([("bench", (n,), "float32", None)])
-    client.push_pull("bench", data, out).wait()
-    if not np.all(out == client.size):
-        raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
-    seconds = []
-    for rep in range(repeats):
-        client.barrier(f"start.{rep}")
-        started = time.perf_counter()
-        for _ in range(rounds):
-            client.push_pull("bench", data, out).wait()
-        client.barrier(f"end.{rep}")
-        seconds.append((time.perf_counter() - started) / rounds)
-    client.close()
-    return {"rank": client.rank, "seconds": seconds}
+    rank, seconds = timed_push_pull(nbytes, rounds, repeats)
+    return {"rank": rank, "seconds": seconds}
 
 
 def gloo_worker(nbytes: int, rounds: int, repeats: int) -> dict[str, Any]:
@@ -172,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
-    try:
-        check_available()
-    except NetbedUnavailable as exc:
-        progress(f"skipped: the shaped-network testbed is unavailable here: {exc}")
+    if not ready_for("ps_vs_allreduce"):
         return 0
     servers, w = args.servers or args.workers, args.workers
     link = args.rate_mbit * 1e6 / 8 / 1e6  # MB/s each way

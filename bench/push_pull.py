@@ -27,6 +27,7 @@ from bench.common import (
     progress,
     record,
     stats,
+    timed_push_pull,
     write_json,
 )
 from tests.cluster import LocalCluster
@@ -82,27 +83,7 @@ def rounds_for(size_mib: int, rounds: int) -> int:
 # ---------------------------------------------------------------------------- sluice
 def _sluice_worker(nbytes: int, rounds: int, repeats: int, registered: bool) -> list[float]:
     """Runs in each forked worker: per-round seconds of each repetition (rank 0's clock)."""
-    from worker.client import Client
-
-    client = Client()
-    n = nbytes // 4
-    data = client.alloc((n,), "float32") if registered else np.empty(n, np.float32)
-    data[:] = 1.0
-    out = np.empty(n, np.float32)
-    client.declare([("bench", (n,), "float32", None)])
-    client.push_pull("bench", data, out).wait()
-    if not np.all(out == client.size):
-        raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
-    times = []
-    for rep in range(repeats):
-        client.barrier(f"start.{rep}")
-        started = time.perf_counter()
-        for _ in range(rounds):
-            client.push_pull("bench", data, out).wait()
-        client.barrier(f"end.{rep}")
-        times.append((time.perf_counter() - started) / rounds)
-    client.close()
-    return times
+    return timed_push_pull(nbytes, rounds, repeats, registered)[1]
 
 
 def measure_sluice(

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -234,3 +235,15 @@ def check_available() -> None:
     if made.returncode != 0:
         raise NetbedUnavailable(f"cannot create a network namespace: {made.stderr.strip()}")
     _ip("netns", "del", probe, check=False)
+
+
+def ready_for(benchmark: str) -> bool:
+    """Whether `benchmark` can build a testbed here; if not, print why (it is then skipped, exit 0).
+    When it can, SIGTERM unwinds the program like Ctrl-C, so the testbed is removed either way."""
+    try:
+        check_available()
+    except NetbedUnavailable as exc:
+        print(f"{benchmark}: skipped, the shaped-network testbed is unavailable here: {exc}", flush=True)
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return True

@@ -6,6 +6,7 @@ import math
 import queue
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bench.common import Children
@@ -49,3 +50,18 @@ def percentile(values: Sequence[float], q: float) -> float:
     rank = (len(ordered) - 1) * q / 100
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class Delays:
+    """One run's delays in seconds, with their percentiles in milliseconds."""
+
+    delays: list[float]
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.delays, 50) * 1e3
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.delays, 99) * 1e3
