@@ -93,6 +93,7 @@ class _DistributedMixin:
         if earlier is not None:
             earlier[0].wait()
             earlier[1]()
+            step_ready()
         grad = param.grad
         assert grad is not None
         client, name = require(), self._sluice_names[key]
@@ -146,24 +147,39 @@ class _DistributedMixin:
         return None
 
     def _sluice_step_one(self, key: int, average: Callable[[], Any], settings: dict[str, Any]) -> None:
-        """Average one parameter's summed gradient and run the optimizer on that parameter alone, with
-        its group's settings as they were at step() (called just before the forward pass uses it)."""
-        grad: torch.Tensor = average()
-        param, group = self._sluice_params[key], self._sluice_group[key]
-        # zero_grad() may have dropped param.grad meanwhile: step with the gradient we averaged
-        current, param.grad = param.grad, grad
+        """Average one parameter's summed gradient and queue it for `step_ready()`, which steps a
+        module's parameters together (called just before the forward pass uses it)."""
+        _READY.append((self, key, average(), settings))
+
+    def _sluice_step_params(self, ready: list[tuple[int, torch.Tensor, dict[str, Any]]]) -> None:
+        """Run the optimizer on these parameters alone, one step per group and step() call, with the
+        group's settings as they were at that step()."""
+        batches: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        settings_of: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Any]]] = {}
+        for key, grad, settings in ready:
+            group = self._sluice_group[key]
+            batch = (id(group), id(settings))
+            batches.setdefault(batch, []).append((self._sluice_params[key], grad))
+            settings_of[batch] = (group, settings)
         lists = [g["params"] for g in self.param_groups]
-        later = {k: group[k] for k in settings}
-        try:
-            group.update(settings)
-            for g in self.param_groups:
-                g["params"] = [param] if g is group else []
-            super().step()  # type: ignore[misc]
-        finally:
-            for g, params in zip(self.param_groups, lists, strict=True):
-                g["params"] = params
-            group.update(later)
-            param.grad = current
+        for batch, pairs in batches.items():
+            group, settings = settings_of[batch]
+            # zero_grad() may have dropped param.grad meanwhile: step with the gradients we averaged
+            current = [param.grad for param, _ in pairs]
+            later = {k: group[k] for k in settings}
+            try:
+                group.update(settings)
+                for param, grad in pairs:
+                    param.grad = grad
+                for g in self.param_groups:
+                    g["params"] = [param for param, _ in pairs] if g is group else []
+                super().step()  # type: ignore[misc]
+            finally:
+                for g, params in zip(self.param_groups, lists, strict=True):
+                    g["params"] = params
+                group.update(later)
+                for (param, _), previous in zip(pairs, current, strict=True):
+                    param.grad = previous
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -201,12 +217,31 @@ def DistributedOptimizer(
     return wrapped  # type: ignore[no-any-return]
 
 
+#: (optimizer, parameter id, averaged gradient, settings at step()): updates waiting for step_ready()
+_READY: list[tuple[_DistributedMixin, int, torch.Tensor, dict[str, Any]]] = []
+
+
+def step_ready() -> None:
+    """Step every parameter whose averaged gradient is queued: one optimizer step per optimizer and
+    group, not one per parameter (each step() costs Python tens of microseconds)."""
+    while _READY:
+        ready = list(_READY)
+        _READY.clear()
+        by_optimizer: dict[int, tuple[_DistributedMixin, list[tuple[int, torch.Tensor, dict[str, Any]]]]] = {}
+        for optimizer, key, grad, settings in ready:
+            by_optimizer.setdefault(id(optimizer), (optimizer, []))[1].append((key, grad, settings))
+        for optimizer, items in by_optimizer.values():
+            optimizer._sluice_step_params(items)
+
+
 def synchronize_parameters() -> None:
     """Finish every parameter update still in flight (the next forward pass would), e.g. before saving."""
     finish_pending()
+    step_ready()
 
 
 def wait_for_parameters(module: torch.nn.Module, args: Any) -> None:
     """The global forward pre-hook: a module runs once its own parameters' updates are finished."""
     if PENDING:
         finish_pending(id(param) for param in module._parameters.values() if param is not None)
+        step_ready()
