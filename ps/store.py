@@ -253,9 +253,10 @@ class ShardStore:
 
     def _orphaned(self, chunk: Chunk, round_: int, priority: int) -> Message:
         gone = [r for r in self.departure_order if r not in chunk.pushed] or self.departure_order
-        who = f"worker {gone[0]} has" if len(gone) == 1 else f"workers {', '.join(map(str, gone))} have"
+        who = (f"worker {gone[0]} has left the job" if len(gone) == 1
+               else f"workers {', '.join(map(str, gone))} have left the job (worker {gone[0]} first)")
         error = (
-            f"round {round_} of {chunk.describe()} can never complete: {who} left the job, worker {gone[0]} first "
+            f"round {round_} of {chunk.describe()} can never complete: {who} "
             "(did the workers run different numbers of steps?)"
         )
         return Message(Kind.ERROR, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_,

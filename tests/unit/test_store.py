@@ -121,3 +121,13 @@ def test_replies_keep_the_priority_and_channel_of_their_request() -> None:
     assert [(peer, ch, m.kind, m.priority) for peer, ch, m in replies] == [
         ("w0", 2, Kind.REPLY, 7), ("w1", 0, Kind.REPLY, 2), ("w1", 0, Kind.REPLY, 0),
     ]
+
+
+def test_an_orphaned_round_names_the_first_worker_to_leave_first() -> None:
+    shard = ShardStore(node_id=1, workers=3, sync=True)
+    shard.worker_ids = {10: ("w0", 0), 11: ("w1", 1), 12: ("w2", 2)}
+    shard.add_plan([[3, "fc.weight", "float32", None, [[0, 4]]]])
+    shard.worker_left(2)
+    shard.worker_left(0)
+    (reply,) = shard.handle("w1", 0, push(11, 1, [1, 2, 3, 4]))
+    assert "workers 2, 0 have left the job (worker 2 first)" in reply[2].meta["error"]
