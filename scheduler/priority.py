@@ -101,12 +101,16 @@ def priority_map(
     assigned: list[Assigned] = []
     for name in names:
         priority, source = ranks[name]
-        for pattern, value in overrides:
-            if fnmatch.fnmatchcase(name, pattern):
-                priority, source = value, "override"
-                break
+        override = override_for(name, overrides)
+        if override is not None:
+            priority, source = override, "override"
         assigned.append(Assigned(name, priority, source))
     return assigned
+
+
+def override_for(name: str, overrides: Sequence[tuple[str, int]]) -> int | None:
+    """The priority the first matching pattern gives `name`, or None when no pattern matches."""
+    return next((value for pattern, value in overrides if fnmatch.fnmatchcase(name, pattern)), None)
 
 
 def _ordered(assigned: Sequence[Assigned]) -> list[Assigned]:

@@ -60,10 +60,6 @@ def _keep_large_buffers_mapped() -> None:
 Frames = list[Any]
 
 
-def _urgency(arrival: tuple[int, int, str, int, Message]) -> tuple[int, int]:
-    return arrival[0], arrival[1]
-
-
 class ZmqTransport:
     def __init__(self, name: str, config: TransportConfig, handler: Handler) -> None:
         self.name = name
@@ -291,7 +287,7 @@ class ZmqTransport:
         """Hand what one poll brought in to the handler, most urgent first, FIFO among equals: the
         receiving hop keeps the senders' priorities (a server sums and answers urgent chunks first)."""
         if len(arrived) > 1:
-            arrived.sort(key=_urgency)
+            arrived.sort()  # (priority, arrival index, ...): the index is unique, so nothing after it is compared
         for _, _, source, channel, msg in arrived:
             try:
                 self._handler(source, channel, msg)

@@ -21,7 +21,7 @@ from worker.client import Handle
 from worker.staging import Staging
 from worker.torch_collectives import broadcast_parameters
 from worker.torch_priority import ParameterPriorities
-from worker.torch_state import PENDING, STATE, declare_missing, finish_pending, log_metrics, require
+from worker.torch_state import PENDING, STATE, declare_missing, log_metrics, require
 
 
 def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,14 +234,23 @@ def step_ready() -> None:
             optimizer._sluice_step_params(items)
 
 
+def finish_updates(keys: Iterable[int] | None = None) -> None:
+    """Wait for and apply the pending updates of `keys` (ids of parameters; None: all of them), then
+    step the parameters whose averaged gradients that queued."""
+    for key in list(PENDING) if keys is None else keys:
+        entry = PENDING.pop(key, None)
+        if entry is not None:
+            entry[0].wait()
+            entry[1]()
+    step_ready()
+
+
 def synchronize_parameters() -> None:
     """Finish every parameter update still in flight (the next forward pass would), e.g. before saving."""
-    finish_pending()
-    step_ready()
+    finish_updates()
 
 
 def wait_for_parameters(module: torch.nn.Module, args: Any) -> None:
     """The global forward pre-hook: a module runs once its own parameters' updates are finished."""
     if PENDING:
-        finish_pending(id(param) for param in module._parameters.values() if param is not None)
-        step_ready()
+        finish_updates(id(param) for param in module._parameters.values() if param is not None)

@@ -10,14 +10,13 @@ the map in force and writes it to `worker.priority_file` when that is set.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from pathlib import Path
 
 import torch
 
 from scheduler.errors import SluiceError
-from scheduler.priority import Assigned, describe, parse_overrides, priority_map, to_json
+from scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 from worker.client import Client
 from worker.config import WorkerConfig
 from worker.priority_probe import ForwardRecorder, first_use_from_model, names_by_id
@@ -73,7 +72,7 @@ class ParameterPriorities:
     def _all_equal(self) -> list[Assigned]:
         assigned = []
         for name in self._names:
-            override = next((value for pattern, value in self._overrides if _matches(name, pattern)), None)
+            override = override_for(name, self._overrides)
             assigned.append(Assigned(name, 0, "none") if override is None else Assigned(name, override, "override"))
         return assigned
 
@@ -96,7 +95,3 @@ class ParameterPriorities:
         if self._settings.priority_file:
             Path(self._settings.priority_file).write_text(to_json(assigned) + "\n")
             log.info("priority map written to %s", self._settings.priority_file)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern)

@@ -52,11 +52,3 @@ def log_metrics(snapshot: Mapping[str, Any], when: str) -> None:
     for line in summary_lines(snapshot, f"worker {require().rank} transport, {when}"):
         log.info("%s", line)
 
-
-def finish_pending(keys: Iterable[int] | None = None) -> None:
-    """Wait for and apply the pending updates of `keys` (ids of parameters; None: all of them)."""
-    for key in list(PENDING) if keys is None else keys:
-        entry = PENDING.pop(key, None)
-        if entry is not None:
-            entry[0].wait()
-            entry[1]()
