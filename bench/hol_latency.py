@@ -140,7 +140,9 @@ def warm_up(transport: Transport, peer: str, channels: int, replies: threading.S
 
 # ---------------------------------------------------------------------------- sluice
 def _config(setup: Setup, host: str) -> TransportConfig:
-    return TransportConfig(channels=3, chunk_bytes=setup.chunk, inflight_bytes=setup.inflight, host=host, shm=False)
+    # bare transports, no job: CURVE off in both arms (its cost is bench/curve_cost.py's subject)
+    return TransportConfig(channels=3, chunk_bytes=setup.chunk, inflight_bytes=setup.inflight, host=host, shm=False,
+                           curve=False)
 
 
 def _sluice_receiver(setup: Setup, address: str, announce: Any) -> dict[str, Any]:

@@ -114,8 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _config(setup: Setup, chunk: int, inflight: int, host: str) -> TransportConfig:
+    # bare transports, no job: CURVE off (its cost is bench/curve_cost.py's subject)
     return TransportConfig(channels=3, chunk_bytes=chunk, inflight_bytes=inflight, marks=setup.marks, host=host,
-                           shm=False)
+                           shm=False, curve=False)
 
 
 def _replying(holder: list[Transport], arrived: Callable[[str, float, Message], None]) -> Handler:

@@ -56,7 +56,7 @@ def _sluice_receiver(endpoints: Any, stop: Any) -> int:
         if msg.key == LAST or msg.chunk == 1:  # end of a stream, or a ping: answer
             transport.send(peer, channel, Message(Kind.REPLY, key=msg.key))
 
-    transport = ZmqTransport("receiver", TransportConfig(channels=1, shm=False), handler)
+    transport = ZmqTransport("receiver", TransportConfig(channels=1, shm=False, curve=False), handler)
     endpoints.put(transport.listen())
     stop.get(timeout=300)
     transport.close(0.5)
@@ -65,7 +65,8 @@ def _sluice_receiver(endpoints: Any, stop: Any) -> int:
 
 def _sluice_sender(endpoints: Any, stop: Any, mode: str, count: int, size: int) -> float:
     replies = threading.Semaphore(0)
-    transport = ZmqTransport("sender", TransportConfig(channels=1, shm=False), lambda *_: replies.release())
+    config = TransportConfig(channels=1, shm=False, curve=False)
+    transport = ZmqTransport("sender", config, lambda *_: replies.release())
     transport.connect("receiver", endpoints.get(timeout=30))
     payload = _payload(size)
     ping = _ping(payload)

@@ -10,32 +10,29 @@ import os
 import shlex
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+from launch.blame import Watched, exit_description, find, first_report, judge, state_description
 from launch.config import SluiceConfig
-from scheduler.bootstrap import NodeEnv
+from launch.janitor import Janitor
+from scheduler import culprit
+from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from transport.shm import remove_segments_of
 
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 20
 #: seconds between SIGTERM and SIGKILL when stopping a process group
 STOP_TIMEOUT = 3.0
+#: after a child exits non-zero, how long the launcher keeps reading before it names the first cause:
+#: the report of what started the failure, and the exits it caused, may arrive a moment later
+SETTLE_SECONDS = 0.5
 _PR_SET_PDEATHSIG = 1
 _MAX_LINE = 1 << 20
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-def exit_description(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
 
 
 def _count(n: int, noun: str) -> str:
@@ -82,6 +79,8 @@ class _Child:
         self.label = role if role == "scheduler" else f"{role} {rank}"
         self.prefix = f"[{self.label}] ".encode()
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.ended_at: float | None = None
+        self.culprit: tuple[float, culprit.Culprit] | None = None
         self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.pump = asyncio.create_task(self._pump())
         self.done = asyncio.create_task(self._wait())
@@ -89,6 +88,14 @@ class _Child:
     @property
     def name(self) -> str:
         return f"{self.label} (pid {self.proc.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
 
     async def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -110,10 +117,13 @@ class _Child:
             self.tail.append(text)
             if text.startswith(READY_PREFIX) and not self.ready.done():
                 self.ready.set_result(text[len(READY_PREFIX) :].strip())
+            if self.culprit is None and (named := culprit.parse(text)) is not None:
+                self.culprit = (time.monotonic(), named)
         self.sink.write(b"".join(self.prefix + raw + b"\n" for raw in lines))
 
     async def _wait(self) -> int:
         code = await self.proc.wait()
+        self.ended_at = time.monotonic()
         remove_segments_of(self.proc.pid)  # shared memory a killed process could not unlink itself
         # a grandchild may hold the pipe open after the child exits: do not wait for it forever
         with contextlib.suppress(TimeoutError):
@@ -130,6 +140,7 @@ class _Job:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
                  grace: float, ready_timeout: float, out: BinaryIO, err: TextIO) -> None:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
+        self.secret = new_secret()
         self.grace, self.ready_timeout = grace, ready_timeout
         self.sink, self.err = _Sink(out), err
         self.children: list[_Child] = []
@@ -145,6 +156,7 @@ class _Job:
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
         self.preexec = _death_signal_hook()
+        self.janitor: Janitor | None = None
 
     def say(self, text: str) -> None:
         self.sink.write("".join(f"[launch] {line}\n" for line in text.splitlines()).encode())
@@ -165,12 +177,21 @@ class _Job:
         env = {**self.base_env, **node.to_environ()}
         if role != "worker":  # role processes run our own module, wherever the launcher was started
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
-        )
+        secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
+        env[ENV_SECRET_FD] = str(secret_fd)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
+                pass_fds=(secret_fd,),
+            )
+        finally:
+            os.close(secret_fd)
         child = _Child(role, rank, proc, self.sink)
         self.children.append(child)
+        if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
+            janitor.spawned(proc.pid)
+            child.done.add_done_callback(lambda _: janitor.reaped(proc.pid))
         return child
 
     def report(self, child: _Child, why: str) -> None:
@@ -182,10 +203,16 @@ class _Job:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.on_signal, sig)
+        # started before any child, so that no child can outlive a launcher killed by SIGKILL
+        self.janitor = Janitor()
+        if self.janitor.error:
+            self.complain(f"warning: cannot start the janitor ({self.janitor.error}); if this launcher is "
+                          "killed by SIGKILL, its children's subprocesses and shared memory may be left behind")
         try:
             return await self._run()
         finally:
             await self.stop_all()
+            self.janitor.close()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
@@ -247,8 +274,7 @@ class _Job:
                 if task in role_tasks:
                     child = role_tasks.pop(task)
                     if code != 0:
-                        self.report(child, " while workers were still running; stopping the job")
-                        return 1
+                        return await self._failed(child)
                     # the scheduler ends the job once every worker said goodbye, which is usually
                     # a moment before those workers exit: give them `grace` to do so
                     if ended is None:
@@ -256,10 +282,44 @@ class _Job:
                     continue
                 child = running.pop(task)
                 if code != 0:
-                    self.report(child, "; stopping the job")
-                    return code if code > 0 else 1
+                    return await self._failed(child)
         self.say("all workers finished")
         return await self._wind_down(roles)
+
+    @staticmethod
+    def _context(child: Watched) -> str:
+        return " while workers were still running" if child.role != "worker" else ""
+
+    async def _failed(self, first: _Child) -> int:
+        """`first` exited non-zero while workers ran: name the first cause (launch/blame.py) and show the
+        last lines of it and of `first`; the launcher's exit code."""
+        code = first.proc.returncode
+        assert code is not None
+        if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
+            await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
+            await self._let_culprit_settle()
+        verdict = judge(first, self.children, self._context)
+        self.complain(f"{verdict.headline}; stopping the job")
+        cause = next((c for c in self.children if c is verdict.cause and c is not first), None)
+        if cause is not None:
+            self.complain(f"then {first.name} {exit_description(code)}{self._context(first)}")
+        for child in (cause, first):
+            if child is first or (child is not None and child.tail):
+                lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
+                self.complain(f"last lines of {child.label}:\n{lines}")
+        return code if code > 0 and first.role == "worker" else 1
+
+    async def _let_culprit_settle(self) -> None:
+        """A culprit still running may be on its way out (a worker that left early, still closing):
+        give it SETTLE_SECONDS more, so that the report says how it ended."""
+        report = first_report(self.children)
+        named = find(self.children, report[1]) if report is not None else None
+        child = next((c for c in self.children if c is named), None)
+        if child is None or child.proc.returncode is not None or state_description(child).startswith("is stopped"):
+            return
+        exited = asyncio.ensure_future(child.proc.wait())
+        await asyncio.wait([exited, self.interrupted], timeout=SETTLE_SECONDS)
+        exited.cancel()
 
     async def _wind_down(self, roles: list[_Child]) -> int:
         """The workers are done: give the scheduler and servers `grace` seconds to leave by themselves."""
@@ -287,6 +347,7 @@ class _Job:
         self.stopping = True
         for child in self.children:
             child.signal_group(signal.SIGTERM)
+            child.signal_group(signal.SIGCONT)  # a stopped process takes its SIGTERM only once continued
         waiting = [child.done for child in self.children if not child.done.done()]
         if waiting:
             kill_now: asyncio.Future[Any] = asyncio.create_task(self.kill_now.wait())

@@ -9,13 +9,15 @@ from typing import Any
 
 import numpy as np
 
+from transport.wire import brief
+
 State = dict[str, Any]
 
 
 def _number(settings: Mapping[str, Any], name: str, default: float, low: float = 0.0) -> float:
     value = settings.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < low:
-        raise ValueError(f"optimizer setting {name!r} must be a finite number >= {low}, got {value!r}")
+        raise ValueError(f"optimizer setting {name!r} must be a finite number >= {low}, got {brief(value)}")
     return float(value)
 
 
@@ -94,4 +96,4 @@ def make_optimizer(settings: Mapping[str, Any]) -> Optimizer:
             _number(settings, "eps", 1e-8),
             weight_decay,
         )
-    raise ValueError(f"unknown server optimizer {name!r}: the servers apply 'sgd' or 'adam'")
+    raise ValueError(f"unknown server optimizer {brief(name)}: the servers apply 'sgd' or 'adam'")

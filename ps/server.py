@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 
 from ps.config import ServerConfig
 from ps.store import ShardStore
+from scheduler import culprit
 from scheduler.bootstrap import NodeEnv
 from scheduler.config import SchedulerConfig
 from scheduler.node import SCHEDULER_PEER, ControlClient
@@ -27,11 +26,10 @@ class Server:
         self.control_settings = SchedulerConfig(**env.section("scheduler"))
         self.done = threading.Event()
         self.exit_code = 0
-        self.rejected = 0
         self.inflight = 0
-        name = f"server-{socket.gethostname()}-{os.getpid()}"
-        self.transport = open_transport(name, env.transport_config(), self._on_message)
+        self.transport = open_transport(env.name, env.transport_config(), self._on_message, keys=env.job_keys())
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
+        self.store.on_first_orphan = self._report_orphan
         self.control = ControlClient(
             self.transport, env, self.control_settings, on_fatal=self._on_fatal, on_message=self._on_control,
             on_welcome=self._on_welcome,
@@ -51,12 +49,17 @@ class Server:
             self.transport.close(flush_seconds=2.0)
             for line in summary_lines(self.transport.stats(), f"server {self.control.rank}"):
                 log.info("%s", line)
-        log.info("server %d stopped (%d messages rejected)", self.control.rank, self.rejected)
+        stats = self.transport.stats()
+        log.info("server %d stopped (%d messages rejected, %d connections refused)", self.control.rank,
+                 stats["rejected"], stats["refused_connections"])
         return self.exit_code
 
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:
         if peer == SCHEDULER_PEER:
-            self.control.on_message(msg)
+            try:
+                self.control.on_message(msg)
+            except WireError as exc:
+                self.transport.refuse(peer, f"rejected {msg.kind.name} from the scheduler: {exc}")
             return
         try:
             if msg.kind == Kind.PROBE:  # a worker's calibration: answer at once, no payload
@@ -66,8 +69,7 @@ class Server:
                 return
             replies = self.store.handle(peer, channel, msg)
         except WireError as exc:
-            self.rejected += 1
-            log.warning("rejected %s from %r: %s", msg.kind.name, peer, exc)
+            self.transport.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: {exc}")
             return
         for to, reply_channel, reply in replies:
             self.transport.send(to, reply_channel, reply)
@@ -102,6 +104,10 @@ class Server:
                 self.transport.send(to, channel, reply)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
+
+    def _report_orphan(self, rank: int, error: str) -> None:
+        """The first worker to leave early is the cause of every failed round after it: name it, once."""
+        culprit.report("worker", rank, error)
 
     def _on_fatal(self, error: str) -> None:
         self.exit_code = 1

@@ -16,9 +16,11 @@ import numpy as np
 
 from ps.optim import Optimizer, make_optimizer
 from transport.dtypes import STORAGE
-from transport.wire import Flag, Kind, Message, WireError
+from transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief
 
 Reply = tuple[str, int, Message]  # (peer, channel, message)
+#: dtypes an optimizer can update (numpy refuses to write its float steps into integer arrays)
+FLOAT_DTYPES = frozenset(("float32", "float64", "float16", "bfloat16"))
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -59,7 +61,48 @@ class Chunk:
     bcast_waiting: list[Waiter] = field(default_factory=list)
 
     def describe(self) -> str:
-        return f"{self.name!r} (key {self.key}) chunk {self.chunk}"
+        return f"{brief(self.name)} (key {self.key}) chunk {self.chunk}"
+
+
+def _optimizer(opt: Any, dtype: str, what: str) -> Optimizer | None:
+    """The optimizer of settings from a PLAN or a PUSH (nil or empty: none), or WireError."""
+    if opt is None or opt == {}:
+        return None
+    if type(opt) is not dict:
+        raise WireError(f"optimizer settings for {what} must be a map or nil, got {brief(opt)}")
+    if dtype not in FLOAT_DTYPES:
+        raise WireError(f"{what} holds {dtype}: an optimizer updates floating-point tensors only")
+    try:
+        return make_optimizer(opt)
+    except (ValueError, TypeError, AttributeError, ArithmeticError) as exc:
+        raise WireError(f"bad optimizer settings for {what}: {exc}") from None
+
+
+def _parse_plan(tensors: Any) -> list[tuple[int, str, str, Optimizer | None, list[tuple[int, int]]]]:
+    """[[key, name, dtype, optimizer, [[chunk, length], ...]], ...] of a PLAN, validated (WireError)."""
+    if type(tensors) is not list:
+        raise WireError(f"a plan must be a list of tensors, got {brief(tensors)}")
+    parsed = []
+    for entry in tensors:
+        if type(entry) is not list or len(entry) != 5:
+            raise WireError(f"a plan entry must be [key, name, dtype, optimizer, chunks], got {brief(entry)}")
+        key, name, dtype, opt, chunks = entry
+        if type(key) is not int or not 0 <= key < 1 << 31 or type(name) is not str:
+            raise WireError(f"a plan entry needs a key in [0, 2**31) and a name: got {brief(key)}, {brief(name)}")
+        if type(dtype) is not str or dtype not in STORAGE:
+            raise WireError(f"tensor {brief(name)} of the plan has dtype {brief(dtype)}")
+        optimizer = _optimizer(opt, dtype, f"tensor {brief(name)}")
+        if type(chunks) is not list:
+            raise WireError(f"the chunks of tensor {brief(name)} must be a list, got {brief(chunks)}")
+        itemsize = np.dtype(STORAGE[dtype]).itemsize
+        pairs = []
+        for pair in chunks:
+            if (type(pair) is not list or len(pair) != 2 or not all(type(v) is int for v in pair)
+                    or not 0 <= pair[0] < 1 << 31 or not 0 <= pair[1] * itemsize < MAX_PAYLOAD_BYTES):
+                raise WireError(f"a chunk of tensor {brief(name)} must be [index, length] in range, got {brief(pair)}")
+            pairs.append((pair[0], pair[1]))
+        parsed.append((key, name, dtype, optimizer, pairs))
+    return parsed
 
 
 class ShardStore:
@@ -75,11 +118,13 @@ class ShardStore:
         #: ranks of workers that have left the job (rounds that need them can never complete)
         self.departed: set[int] = set()
         self.departure_order: list[int] = []  # the first to leave is the likely cause; name it first
+        #: called once, with the first worker to leave and the error, when a round is first found orphaned
+        self.on_first_orphan: Callable[[int, str], None] | None = None
 
     def add_plan(self, tensors: list[Any]) -> None:
-        """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]."""
-        for key, name, dtype, opt, chunks in tensors:
-            optimizer = make_optimizer(opt) if opt else None
+        """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]; a
+        malformed plan raises WireError and changes nothing."""
+        for key, name, dtype, optimizer, chunks in _parse_plan(tensors):
             for chunk, length in chunks:
                 if (key, chunk) in self.chunks:
                     continue
@@ -120,6 +165,8 @@ class ShardStore:
         return known[1]
 
     def _payload(self, chunk: Chunk, msg: Message) -> np.ndarray:
+        if msg.payload is None:  # e.g. a shared-memory descriptor the transport has not mapped
+            raise WireError(f"a {msg.kind.name} for {chunk.describe()} carries no payload")
         if msg.dtype != chunk.dtype or msg.shape != chunk.value.shape:
             raise WireError(
                 f"{chunk.describe()} holds {chunk.dtype}{list(chunk.value.shape)}, "
@@ -131,10 +178,7 @@ class ShardStore:
         data = self._payload(chunk, msg)
         optimizer = chunk.optimizer
         if msg.meta and "opt" in msg.meta:
-            try:
-                optimizer = make_optimizer(msg.meta["opt"]) if msg.meta["opt"] else None
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise WireError(f"bad optimizer settings for {chunk.describe()}: {exc}") from None
+            optimizer = _optimizer(msg.meta["opt"], chunk.dtype, chunk.describe())
         if not self.sync and optimizer is not None:
             chunk.optimizer = optimizer
             return self._apply_async(chunk, data, Waiter(peer, channel, msg.round, msg.priority), msg.flags)
@@ -239,6 +283,8 @@ class ShardStore:
 
     def worker_left(self, rank: int) -> list[Reply]:
         """Worker `rank` said goodbye: every round still waiting for it fails now, naming it."""
+        if type(rank) is not int or not 0 <= rank < self.workers:
+            raise WireError(f"worker {brief(rank)} cannot leave: the job has workers 0..{self.workers - 1}")
         if rank not in self.departed:
             self.departed.add(rank)
             self.departure_order.append(rank)
@@ -259,6 +305,9 @@ class ShardStore:
             f"round {round_} of {chunk.describe()} can never complete: {who} "
             "(did the workers run different numbers of steps?)"
         )
+        if self.on_first_orphan is not None:
+            report, self.on_first_orphan = self.on_first_orphan, None
+            report(self.departure_order[0], error)
         return Message(Kind.ERROR, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_,
                        priority=priority, meta={"error": error})
 

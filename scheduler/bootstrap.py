@@ -1,14 +1,22 @@
-"""How a launched process learns its job: the one place that reads SLUICE_* variables of a child."""
+"""How a launched process learns its job: the one place that reads SLUICE_* variables of a child.
+
+The job secret is not among them: the launcher writes it into a pipe whose read end the child
+inherits, and SLUICE_SECRET_FD names that descriptor. So the secret never appears in a command line,
+in the environment (which tools and experiment trackers like to record) or in a log; it is read once
+and the descriptor closed, so the worker's own subprocesses do not inherit it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import SluiceError
+from transport.auth import MIN_SECRET_BYTES, JobKeys
 from transport.config import TransportConfig
 
 ENV_SCHEDULER = "SLUICE_SCHEDULER"
@@ -17,6 +25,55 @@ ENV_RANK = "SLUICE_RANK"
 ENV_WORKERS = "SLUICE_NUM_WORKERS"
 ENV_SERVERS = "SLUICE_NUM_SERVERS"
 ENV_CONFIG = "SLUICE_CONFIG_JSON"
+ENV_SECRET_FD = "SLUICE_SECRET_FD"
+SECRET_BYTES = 32
+_MAX_SECRET_BYTES = 4096
+#: secrets already read in this process, by descriptor (a script may call init() again)
+_secrets_read: dict[int, bytes] = {}
+
+
+def new_secret() -> bytes:
+    """A fresh job secret (the launcher makes one per job)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_pipe(secret: bytes) -> int:
+    """A descriptor a child inherits to read `secret` from; the caller closes it after starting the child."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, secret)  # 32 bytes: far below a pipe's buffer, never blocks
+    finally:
+        os.close(write_end)
+    os.set_inheritable(read_end, True)
+    return read_end
+
+
+def read_secret(fd: int) -> bytes:
+    """The job secret from an inherited pipe (closed after reading); cached for later calls."""
+    if fd in _secrets_read:
+        return _secrets_read[fd]
+    chunks = []
+    try:
+        while chunk := os.read(fd, _MAX_SECRET_BYTES):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > _MAX_SECRET_BYTES:
+                raise SluiceError(f"{ENV_SECRET_FD}={fd} holds more than a job secret")
+    except OSError as exc:
+        raise SluiceError(f"cannot read the job secret from {ENV_SECRET_FD}={fd}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    secret = _secrets_read[fd] = b"".join(chunks)
+    return secret
+
+
+def node_name(role: str, rank: int) -> str:
+    """A member's name on the wire; with CURVE it is bound to the member's key."""
+    return role if role == "scheduler" else f"{role}-{rank}"
+
+
+def member_names(workers: int, servers: int) -> list[str]:
+    return ["scheduler", *(node_name("server", r) for r in range(servers)),
+            *(node_name("worker", r) for r in range(workers))]
 
 
 @dataclass(frozen=True)
@@ -28,6 +85,8 @@ class NodeEnv:
     servers: int
     #: the launcher's resolved configuration, one dict per section ("transport", "scheduler", ...)
     config: dict[str, Any]
+    #: the job secret (empty: none given); never printed, never in to_environ()
+    secret: bytes = field(default=b"", repr=False, compare=False)
 
     def to_environ(self) -> dict[str, str]:
         return {
@@ -50,6 +109,24 @@ class NodeEnv:
                 section[key] = tuple(section[key])
         return TransportConfig(**section)
 
+    @property
+    def name(self) -> str:
+        return node_name(self.role, self.rank)
+
+    def job_keys(self) -> JobKeys | None:
+        """The job's CURVE keys; None when transport.curve is off. Refuses to run unauthenticated by accident."""
+        if not self.transport_config().curve:
+            return None
+        if len(self.secret) < MIN_SECRET_BYTES:
+            raise SluiceError(
+                "transport.curve is on (the default) but this process was given no job secret: start it with "
+                f"`sluice launch`, which hands one to every process (through {ENV_SECRET_FD}), or turn "
+                "authentication and encryption off with transport.curve = false on a network you trust"
+            )
+        if self.role != "scheduler" and self.rank < 0:
+            raise SluiceError(f"{ENV_RANK} must be set for a {self.role} when transport.curve is on")
+        return JobKeys(self.secret, member_names(self.workers, self.servers))
+
     def fingerprint(self) -> str:
         """Identifies the job-wide settings, so the scheduler can refuse a node configured differently.
 
@@ -68,6 +145,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:
         )
     try:
         config = json.loads(env.get(ENV_CONFIG, "{}"))
+        secret = read_secret(int(env[ENV_SECRET_FD])) if ENV_SECRET_FD in env else b""
         return NodeEnv(
             scheduler=env[ENV_SCHEDULER],
             role=env.get(ENV_ROLE, "worker"),
@@ -75,6 +153,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:
             workers=int(env.get(ENV_WORKERS, "0")),
             servers=int(env.get(ENV_SERVERS, "0")),
             config=config if isinstance(config, dict) else {},
+            secret=secret,
         )
     except ValueError as exc:
         raise SluiceError(f"malformed SLUICE_* environment: {exc}") from None

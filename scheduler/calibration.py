@@ -28,8 +28,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from transport.config import MAX_CHUNK_BYTES
+
 MIN_CHUNK = 64 << 10
-MAX_CHUNK = 1 << 20
+MAX_CHUNK = MAX_CHUNK_BYTES
 MAX_INFLIGHT = 16 << 20
 OVERHEAD_SHARE = 0.025
 GOOD_ENOUGH = 0.9

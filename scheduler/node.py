@@ -10,13 +10,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler import culprit
 from scheduler.bootstrap import NodeEnv
 from scheduler.calibration import Limits
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
 from scheduler.rendezvous import parse_limits
 from transport.base import Transport
-from transport.wire import Kind, Message, WireError, meta_field
+from transport.wire import Kind, Message, WireError, brief, meta_field
 
 log = logging.getLogger("sluice.node")
 
@@ -30,6 +31,25 @@ class PeerInfo:
     rank: int
     name: str
     endpoints: tuple[str, ...]
+
+
+def parse_address_book(raw: object) -> list[PeerInfo]:
+    """[[node_id, role, rank, name, [endpoint, ...]], ...] of a WELCOME, validated (WireError)."""
+    if type(raw) is not list:
+        raise WireError(f"the address book must be a list, got {brief(raw)}")
+    peers = []
+    for entry in raw:
+        if type(entry) is not list or len(entry) != 5:
+            raise WireError(f"an address-book entry must be [node id, role, rank, name, endpoints], got {brief(entry)}")
+        node_id, role, rank, name, endpoints = entry
+        if (type(node_id) is not int or type(rank) is not int or type(role) is not str or type(name) is not str
+                or type(endpoints) is not list or not all(type(e) is str for e in endpoints)):
+            raise WireError(
+                f"address-book entry of {brief(name)}: want int, str, int, str, list of str; got {brief(node_id)}, "
+                f"{brief(role)}, {brief(rank)}, {brief(name)}, {brief(endpoints)}"
+            )
+        peers.append(PeerInfo(node_id, role, rank, name, tuple(endpoints)))
+    return peers
 
 
 class ControlClient:
@@ -60,7 +80,7 @@ class ControlClient:
     # ------------------------------------------------------------------ requests
     def register(self, role: str, endpoints: Sequence[str]) -> None:
         self.role = role
-        self._transport.connect(SCHEDULER_PEER, [self._env.scheduler])
+        self._transport.connect(SCHEDULER_PEER, [self._env.scheduler], control=True)
         self._send(
             Kind.REGISTER,
             role=role,
@@ -111,7 +131,7 @@ class ControlClient:
             self._last_ack = time.monotonic()
         elif msg.kind in (Kind.ERROR, Kind.NODE_LOST):
             error = msg.meta.get("error") if msg.meta else None
-            self.fail(str(error) if error else f"the scheduler sent {msg.kind.name}")
+            self.fail(error if isinstance(error, str) and error else f"the scheduler sent {msg.kind.name}")
         elif msg.kind == Kind.WELCOME:
             self._welcome(msg)
         elif msg.kind == Kind.PLAN and self.role == "worker":
@@ -125,8 +145,7 @@ class ControlClient:
         """Take the ids and the address book here, on the I/O thread, before any later message is
         handled: a peer told of this node at the same moment may send to it at once."""
         try:
-            book = meta_field(msg, "nodes", list)
-            peers = [PeerInfo(int(i), str(r), int(k), str(n), tuple(e)) for i, r, k, n, e in book]
+            peers = parse_address_book(meta_field(msg, "nodes", list))
             self.node_id, self.rank = meta_field(msg, "node_id", int), meta_field(msg, "rank", int)
             self.peers = peers
             self._on_welcome()
@@ -168,5 +187,8 @@ class ControlClient:
             self._send(Kind.HEARTBEAT)
             silent = time.monotonic() - self._last_ack
             if silent > limit:
-                self.fail(f"the scheduler at {self._env.scheduler} has not answered heartbeats for {silent:.1f} s")
+                error = f"the scheduler at {self._env.scheduler} has not answered heartbeats for {silent:.1f} s"
+                if self.failure is None:  # a node that failed for another reason is no witness of this
+                    culprit.report("scheduler", 0, error)
+                self.fail(error)
                 return

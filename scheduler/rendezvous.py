@@ -11,14 +11,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.bootstrap import node_name
 from scheduler.calibration import Limits, agree
 from scheduler.config import SchedulerConfig
 from scheduler.partition import TensorPlan, TensorSpec, plan_tensors
 from transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
-from transport.wire import DTYPES, Kind, Message, WireError, meta_field
+from transport.wire import DTYPES, Kind, Message, WireError, brief, meta_field
 
 Out = tuple[str, Message]
 ROLES = ("server", "worker")
+#: dimensions of a declared tensor (the bound keeps error messages and size arithmetic small)
+MAX_TENSOR_DIMS = 64
+#: chunks one declaration may be cut into: its PLANs (about 17 bytes a chunk) must fit CONTROL_HEADER_BYTES
+MAX_PLAN_CHUNKS = 1 << 17
 
 
 @dataclass
@@ -50,25 +55,27 @@ def parse_limits(raw: object) -> Limits:
         not isinstance(raw, list) or len(raw) != 2 or not all(type(v) is int for v in raw)
         or not 4096 <= raw[0] <= 1 << 30 or not 1 <= raw[1] <= 1 << 34
     ):
-        raise WireError(f"limits must be [chunk bytes 4096..2**30, in-flight bytes 1..2**34], got {raw!r:.80}")
+        raise WireError(f"limits must be [chunk bytes 4096..2**30, in-flight bytes 1..2**34], got {brief(raw)}")
     return Limits(raw[0], raw[1])
 
 
 def parse_tensor_table(raw: object) -> list[tuple[TensorSpec, Any]]:
     """[[name, shape, dtype, optimizer-or-nil], ...] from a DECLARE message, validated."""
     if not isinstance(raw, list):
-        raise WireError("tensors must be a list")
+        raise WireError(f"tensors must be a list, got {brief(raw)}")
     table = []
     for entry in raw:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)):
-            raise WireError("each tensor entry must be [name, shape, dtype, optimizer]")
+            raise WireError(f"each tensor entry must be [name, shape, dtype, optimizer], got {brief(entry)}")
         name, shape, dtype, opt = entry
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise WireError(f"tensor {name!r}: shape must be a list of non-negative ints")
-        if dtype not in DTYPES:
-            raise WireError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
+                or not all(type(d) is int and d >= 0 for d in shape)):
+            raise WireError(f"tensor {brief(name)}: shape must be a list of at most {MAX_TENSOR_DIMS} "
+                            f"non-negative ints, got {brief(shape)}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise WireError(f"tensor {brief(name)}: dtype {brief(dtype)} is not one of {sorted(DTYPES)}")
         if opt is not None and not isinstance(opt, dict):
-            raise WireError(f"tensor {name!r}: optimizer settings must be a map or nil")
+            raise WireError(f"tensor {brief(name)}: optimizer settings must be a map or nil, got {brief(opt)}")
         table.append((TensorSpec(name, tuple(shape), dtype), opt))
     return table
 
@@ -82,15 +89,15 @@ def table_mismatch(reference: Sequence[TensorSpec], other: Sequence[TensorSpec],
     for spec in reference:
         got = theirs.get(spec.name)
         if got is None:
-            return f"worker {rank} does not declare tensor {spec.name!r} that worker 0 declares"
+            return f"worker {rank} does not declare tensor {brief(spec.name)} that worker 0 declares"
         if (got.shape, got.dtype) != (spec.shape, spec.dtype):
             return (
-                f"worker {rank} declares tensor {spec.name!r} as {got.dtype}{list(got.shape)} "
+                f"worker {rank} declares tensor {brief(spec.name)} as {got.dtype}{list(got.shape)} "
                 f"but worker 0 as {spec.dtype}{list(spec.shape)}"
             )
     extra = [name for name in theirs if name not in mine]
     if extra:
-        return f"worker {rank} declares tensor {extra[0]!r} that worker 0 does not"
+        return f"worker {rank} declares tensor {brief(extra[0])} that worker 0 does not"
     return None
 
 
@@ -104,6 +111,7 @@ class Rendezvous:
         fingerprint: str,
         now: float,
         inflight_bytes: int = 0,
+        bind_names: bool = True,
     ) -> None:
         self.workers, self.servers, self.config = workers, servers, config
         #: as configured; 0: the workers' calibrations decide (at the first declaration)
@@ -112,6 +120,9 @@ class Rendezvous:
         #: lines worth logging (the limits chosen); the service drains it
         self.notes: list[str] = []
         self.fingerprint = fingerprint
+        #: a node registering as role R, rank K must come from the connection named node_name(R, K)
+        #: (with CURVE, the name its key proves); off only in tests of other rules with short names
+        self.bind_names = bind_names
         self.started = now
         self.nodes: dict[str, Node] = {}
         self.last_seen: dict[str, float] = {}
@@ -119,6 +130,8 @@ class Rendezvous:
         self.exit_code: int | None = None
         self.error = ""
         self.byes: set[str] = set()
+        #: the node declared lost (no heartbeat), once the job failed for that reason
+        self.lost: Node | None = None
         self._declarations: dict[int, _Declaration] = {}
         self._planned: dict[str, TensorPlan] = {}
         self._loads = [0] * servers
@@ -133,6 +146,7 @@ class Rendezvous:
 
     def _fail(self, error: str, lost: Node | None = None) -> list[Out]:
         self.phase, self.exit_code, self.error = "failed", 1, error
+        self.lost = lost
         kind = Kind.NODE_LOST if lost else Kind.ERROR
         extra = {"node_id": lost.node_id, "role": lost.role, "rank": lost.rank} if lost else {}
         return [(n.name, self._msg(kind, error=error, **extra)) for n in self.nodes.values() if n is not lost]
@@ -179,7 +193,11 @@ class Rendezvous:
     def _on_register(self, peer: str, msg: Message, now: float) -> list[Out]:
         role = meta_field(msg, "role", str)
         if role not in ROLES:
-            raise WireError(f"REGISTER with unknown role {role!r}")
+            raise WireError(f"REGISTER with unknown role {brief(role)}")
+        rank_hint = meta_field(msg, "rank", int)
+        if self.bind_names and rank_hint >= 0 and peer != node_name(role, rank_hint):
+            # with CURVE the connection's name is the member's authenticated name: this is not that member
+            raise WireError(f"REGISTER as {role} {rank_hint} from a connection named {peer!r:.60}")
         if self.phase != "registering" or peer in self.nodes:
             return [(peer, self._msg(Kind.ERROR, error="the job has already formed; registration refused"))]
         if meta_field(msg, "fingerprint", str) != self.fingerprint:
@@ -192,7 +210,7 @@ class Rendezvous:
         if len(self._of_role(role)) >= wanted:
             return [(peer, self._msg(Kind.ERROR, error=f"the job already has {wanted} {role}s"))]
         self.nodes[peer] = Node(
-            peer, role, meta_field(msg, "rank", int), endpoints, meta_field(msg, "pid", int), len(self.nodes)
+            peer, role, rank_hint, endpoints, meta_field(msg, "pid", int), len(self.nodes)
         )
         if len(self.nodes) < self.workers + self.servers:
             return []
@@ -221,15 +239,18 @@ class Rendezvous:
     def _on_declare(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)
         table = parse_tensor_table(meta_field(msg, "tensors", list))
+        proposal = (msg.meta or {}).get("limits")
+        limits_proposed = parse_limits(proposal) if proposal is not None else None  # all checked before any change
         decl = self._declarations.setdefault(seq, _Declaration())
         decl.by_rank[node.rank] = table
-        proposal = (msg.meta or {}).get("limits")
-        if proposal is not None:
-            decl.proposals[node.rank] = parse_limits(proposal)
+        if limits_proposed is not None:
+            decl.proposals[node.rank] = limits_proposed
         if len(decl.by_rank) < self.workers:
             return []
         limits = self.limits or self._settle_limits(decl)
         reference = [spec for spec, _ in decl.by_rank[0]]
+        if len({spec.name for spec in reference}) != len(reference):  # the others are compared with it
+            return self._fail(f"tensor declaration {seq} rejected: worker 0 declares a tensor name twice")
         for rank in range(1, self.workers):
             problem = table_mismatch(reference, [spec for spec, _ in decl.by_rank[rank]], rank)
             if problem:
@@ -237,8 +258,17 @@ class Rendezvous:
         for spec in reference:
             old = self._planned.get(spec.name)
             if old is not None and old.spec != spec:
-                return self._fail(f"tensor {spec.name!r} was declared before as {old.spec}, now as {spec}")
+                return self._fail(
+                    f"tensor {brief(spec.name)} was declared before as {old.spec.dtype}{list(old.spec.shape)}, "
+                    f"now as {spec.dtype}{list(spec.shape)}"
+                )
         new = [spec for spec in reference if spec.name not in self._planned]
+        pieces = sum(max(1, -(-spec.nbytes // limits.chunk_bytes)) for spec in new)
+        if pieces > MAX_PLAN_CHUNKS:
+            return self._fail(
+                f"tensor declaration {seq} rejected: its tensors need {pieces} chunks of {limits.chunk_bytes} bytes, "
+                f"more than the {MAX_PLAN_CHUNKS} one declaration may have (declare them in several parts)"
+            )
         plans, self._loads = plan_tensors(
             new, len(self._planned), self.servers, limits.chunk_bytes, self._loads
         )
@@ -273,7 +303,7 @@ class Rendezvous:
     def _on_plan_ack(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)
         decl = self._declarations.get(seq)
-        if decl is None:
+        if decl is None or len(decl.by_rank) < self.workers:  # not yet planned: no server has been sent it
             raise WireError(f"PLAN_ACK for unknown declaration {seq}")
         decl.acks.add(node.rank)
         if len(decl.acks) < self.servers:

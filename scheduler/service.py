@@ -8,24 +8,39 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from scheduler import culprit
 from scheduler.bootstrap import NodeEnv
 from scheduler.config import SchedulerConfig
 from scheduler.rendezvous import Out, Rendezvous
-from transport.base import open_transport
+from transport.base import Transport, open_transport
+from transport.rejects import Rejections
 from transport.wire import Message, WireError
 
 log = logging.getLogger("sluice.scheduler")
 
 _TICK_SECONDS = 0.2
+#: control messages waiting for the state machine; beyond this a flood is refused, not queued
+_INBOX_LIMIT = 10_000
 
 
 def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     """Serve the control plane for `env.workers` workers and `env.servers` servers; the exit code."""
     settings = SchedulerConfig(**env.section("scheduler"))
     data_settings = env.transport_config()
-    inbox: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
+    inbox: queue.Queue[tuple[str, Message]] = queue.Queue(_INBOX_LIMIT)
     control_settings = replace(data_settings, channels=1, tos=(), so_priority=(), channel_levels=())
-    transport = open_transport("scheduler", control_settings, lambda peer, _, msg: inbox.put((peer, msg)))
+    transport: Transport | None = None
+
+    def take(peer: str, _channel: int, msg: Message) -> None:
+        """On the I/O thread: hand over to the state machine's thread; a full inbox means a flood."""
+        try:
+            inbox.put_nowait((peer, msg))
+        except queue.Full:
+            assert transport is not None
+            transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: the scheduler's inbox is full")
+
+    transport = open_transport("scheduler", control_settings, take, keys=env.job_keys(), control=True)
+    rejects = Rejections(log)
     machine = Rendezvous(
         env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),
         inflight_bytes=data_settings.inflight_bytes,
@@ -49,15 +64,23 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                 try:
                     send(machine.on_message(peer, msg, time.monotonic()))
                 except WireError as exc:
-                    log.warning("rejected %s from %r: %s", msg.kind.name, peer, exc)
+                    rejects.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: {exc}", time.monotonic())
+                except Exception as exc:  # the last resort: a hostile message must not end the control plane
+                    rejects.refuse(peer, f"handling {msg.kind.name} from {peer!r:.60} failed ({type(exc).__name__})",
+                                   time.monotonic(), exc_info=True)
                 for note in machine.notes:
                     log.info("%s", note)
                 machine.notes.clear()
                 if was == "registering" and machine.phase == "running":
                     log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             now = time.monotonic()
+            rejects.tick(now)
             if now >= next_tick:
-                send(machine.on_tick(now))
+                outs = machine.on_tick(now)
+                if machine.lost is not None:  # named before NODE_LOST makes everyone else fail too
+                    lost = machine.lost
+                    culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)
+                send(outs)
                 next_tick = now + _TICK_SECONDS
     finally:
         transport.close(flush_seconds=2.0)

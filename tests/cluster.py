@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.bootstrap import NodeEnv
+from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from transport.shm import remove_segments_of
 
 _ctx = mp.get_context("fork")
@@ -30,6 +30,7 @@ def _server_main(env: NodeEnv) -> None:
 
 def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     os.environ.update(env.to_environ())
+    os.environ[ENV_SECRET_FD] = str(secret_pipe(env.secret))  # as the launcher hands it over
     torch = sys.modules.get("torch")
     if torch is not None:  # an OpenMP pool the parent started does not survive fork: stay single-threaded
         torch.set_num_threads(1)
@@ -50,9 +51,10 @@ class LocalCluster:
     def __init__(self, workers: int, servers: int, config: dict[str, Any] | None = None) -> None:
         self.workers, self.servers = workers, servers
         self.config = config or {}
+        self.secret = new_secret()
         self.processes: list[Any] = []
         announce = _ctx.Queue()
-        base = NodeEnv("", "scheduler", 0, workers, servers, self.config)
+        base = NodeEnv("", "scheduler", 0, workers, servers, self.config, self.secret)
         self._start(_scheduler_main, base, announce)
         try:
             self.endpoint = str(announce.get(timeout=30))
@@ -63,7 +65,7 @@ class LocalCluster:
             self._start(_server_main, self.env("server", rank))
 
     def env(self, role: str, rank: int) -> NodeEnv:
-        return NodeEnv(self.endpoint, role, rank, self.workers, self.servers, self.config)
+        return NodeEnv(self.endpoint, role, rank, self.workers, self.servers, self.config, self.secret)
 
     def _start(self, target: Callable[..., None], *args: Any) -> Any:
         process = _ctx.Process(target=target, args=args, daemon=True)

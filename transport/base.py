@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from transport.auth import JobKeys
 from transport.config import TransportConfig
 from transport.wire import Message
 
@@ -24,8 +25,10 @@ class Transport(Protocol):
         """Bind one endpoint per channel on the configured host; return their addresses."""
         ...
 
-    def connect(self, peer: str, endpoints: Sequence[str]) -> None:
-        """Open one channel per endpoint to `peer`; with fewer endpoints, higher channels use the last."""
+    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+        """Open one channel per endpoint to `peer`; with fewer endpoints, higher channels use the last.
+
+        `control`: the peer is the control plane (the scheduler), whose messages carry large headers."""
         ...
 
     def send(self, peer: str, channel: int, msg: Message) -> None:
@@ -52,13 +55,20 @@ class Transport(Protocol):
         """Change the in-flight bound of every channel (after a calibration)."""
         ...
 
+    def refuse(self, peer: str, text: str) -> None:
+        """Count and log (rate-limited) a message the handler refused; call it from the handler."""
+        ...
+
     def close(self, flush_seconds: float = 1.0) -> None:
         """Send what is queued (up to `flush_seconds`), stop the I/O thread, close the sockets."""
         ...
 
 
-def open_transport(name: str, config: TransportConfig, handler: Handler) -> Transport:
-    """The transport implementation named by config.backend."""
+def open_transport(name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
+                   control: bool = False) -> Transport:
+    """The transport implementation named by config.backend. With config.curve (the default), `keys`
+    authenticate and encrypt every connection, `name` being this member's name among them.
+    `control`: this transport serves the control plane (the scheduler)."""
     from transport.zmq_transport import ZmqTransport
 
-    return ZmqTransport(name, config, handler)
+    return ZmqTransport(name, config, handler, keys, control)

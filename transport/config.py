@@ -36,6 +36,9 @@ class TransportConfig:
     backend: str = "zmq"
     #: payloads to peers on this host travel through shared memory (/dev/shm) instead of sockets
     shm: bool = True
+    #: authenticate every connection with CURVE keys derived from the job's secret, and encrypt it;
+    #: false: anyone who can reach the ports can join, read and forge (only on a network you trust)
+    curve: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.channels <= 8:
@@ -94,6 +97,12 @@ class TransportConfig:
     def inflight_limit(self) -> int:
         return self.inflight_bytes or DEFAULT_INFLIGHT_BYTES
 
+    @property
+    def largest_payload(self) -> int:
+        """No legal payload frame of this job is larger: a chunk (as configured, or the calibration's
+        largest candidate). Larger frames are refused by ZeroMQ before they are received."""
+        return max(self.chunk_bytes, MAX_CHUNK_BYTES)
+
 
 #: endpoints of peers on this host (shared memory serves them)
 LOCAL_ENDPOINTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://")
@@ -101,6 +110,8 @@ LOCAL_ENDPOINTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://")
 #: used until a calibration has chosen (1 MiB chunks; ByteScheduler's credit of 4 M float32 parameters)
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_INFLIGHT_BYTES = 16 << 20
+#: the largest chunk a calibration may choose (scheduler/calibration.py)
+MAX_CHUNK_BYTES = 1 << 20
 
 #: Linux maps a socket's ToS to a priority and pfifo_fast maps that to a band (0 first). These marks
 #: land in bands 0, 1 and 2 and are also DSCP classes: AF42 (0x90), best effort (0x00), AF11 (0x28).

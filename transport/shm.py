@@ -13,28 +13,23 @@ import contextlib
 import itertools
 import mmap
 import os
-import re
 import secrets
 import threading
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^sluice-(\d+)-\d+-[0-9a-f]{8}$")
+from transport.shm_peers import SEGMENT_NAME, SHM_DIR, PeerSegments
+
 _ALIGN = 64
 _ARENA_BYTES = 64 << 20
-_MAX_MAPPED = 4096
 _counter = itertools.count()
 
 
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def valid_segment_name(name: str) -> bool:
-    return bool(_NAME.match(name))
 
 
 def remove_segments_of(pid: int) -> int:
@@ -45,7 +40,7 @@ def remove_segments_of(pid: int) -> int:
     except OSError:
         return 0
     for name in names:
-        match = _NAME.match(name)
+        match = SEGMENT_NAME.fullmatch(name)
         if match and int(match.group(1)) == pid:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
@@ -70,7 +65,8 @@ class Segment:
         self.size = size
         self.bytes = np.frombuffer(self._map, np.uint8)
 
-    def close(self) -> None:
+    def unlink(self) -> None:
+        """Remove the name; the memory lives on while this process (and peers that mapped it) hold it."""
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
@@ -103,8 +99,6 @@ class Ring:
     def free_newest(self) -> None:
         self._live.pop()
 
-    def close(self) -> None:
-        self.segment.close()
 
 
 class Registry:
@@ -121,6 +115,9 @@ class Registry:
         self._used = 0
         self._arrays: dict[int, tuple[np.ndarray, str, int]] = {}
         self._bases: dict[int, tuple[str, int]] = {}  # id(segment.bytes) -> (name, address)
+        #: (name, size) of every segment, in order of creation; appended to from callers' threads
+        self.segments: list[tuple[str, int]] = []
+        self._sizes: dict[str, int] = {}
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         nbytes = count * dtype.itemsize
@@ -142,7 +139,12 @@ class Registry:
         segment = Segment(size)
         self._segments.append(segment)
         self._bases[id(segment.bytes)] = (segment.name, segment.bytes.ctypes.data)
+        self._sizes[segment.name] = segment.size
+        self.segments.append((segment.name, segment.size))
         return segment
+
+    def size_of(self, name: str) -> int:
+        return self._sizes[name]
 
     def locate(self, payload: object) -> tuple[str, int] | None:
         """(segment name, offset) if `payload` is an array this registry allocated, or a view of one."""
@@ -156,36 +158,7 @@ class Registry:
 
     def close(self) -> None:
         for segment in self._segments:
-            segment.close()
-
-
-class Mapper:
-    """Peers' segments mapped read-only on first use; every descriptor is bounds-checked."""
-
-    def __init__(self) -> None:
-        self._maps: dict[str, memoryview] = {}
-
-    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
-        """The payload a descriptor names; ValueError if the name or bounds are not acceptable."""
-        mapped = self._maps.get(name)
-        if mapped is None:
-            if not valid_segment_name(name):
-                raise ValueError(f"segment name {name!r:.60} is not a Sluice segment")
-            if len(self._maps) >= _MAX_MAPPED:
-                raise ValueError("too many shared-memory segments mapped")
-            try:
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-            except OSError as exc:
-                raise ValueError(f"segment {name} cannot be opened: {exc.strerror}") from None
-            try:
-                size = os.fstat(fd).st_size
-                mapped = memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ)) if size else memoryview(b"")
-            finally:
-                os.close(fd)
-            self._maps[name] = mapped
-        if offset + nbytes > mapped.nbytes:
-            raise ValueError(f"descriptor [{offset}, {offset + nbytes}) lies outside segment {name} of {mapped.nbytes}")
-        return mapped[offset : offset + nbytes]
+            segment.unlink()
 
 
 Route = tuple[str, int]
@@ -195,15 +168,57 @@ SHM_MIN_BYTES = 16 << 10
 
 
 class SharedPayloads:
-    """One transport's shared-memory state: its registered buffers, a ring per route, peers' maps."""
+    """One transport's shared-memory state: its registered buffers, a ring per route, peers' maps.
+
+    A segment is used for a peer only after the peer confirmed (SHM_MAPPED) that it mapped it on our
+    announcement (SHM_OPEN); until then payloads travel inline. A ring serves one peer, so its name is
+    unlinked as soon as that peer has mapped it: nothing of it is left in /dev/shm to clean up later.
+    """
 
     def __init__(self, ring_bytes: int) -> None:
         self.ring_bytes = ring_bytes
         self.registry = Registry()
-        self.mapper = Mapper()
+        self.peers = PeerSegments()
         self._rings: dict[Route, Ring] = {}
         #: per route, the payload messages sent and not yet acknowledged: (nbytes, used the ring)
         self._unacked: dict[Route, deque[tuple[int, bool]]] = {}
+        self._mapped_by: dict[str, set[str]] = {}  # peer -> our segments it confirmed mapping
+        self._announced: dict[str, set[str]] = {}  # peer -> our segments announced to it
+        #: (peer, segment, size) announcements the transport has yet to send
+        self.pending: deque[tuple[str, str, int]] = deque()
+        self._registered_seen = 0
+
+    def _usable(self, peer: str, name: str, size: int) -> bool:
+        """True once `peer` mapped segment `name`; else announce it (once) and send inline meanwhile."""
+        mapped = self._mapped_by.get(peer)
+        if mapped is not None and name in mapped:
+            return True
+        announced = self._announced.setdefault(peer, set())
+        if name not in announced:
+            announced.add(name)
+            self.pending.append((peer, name, size))
+        return False
+
+    def announce_registered(self, peers: Iterable[str], new_only: bool = False) -> None:
+        """Queue announcements of registered segments to `peers` (all, or those made since the last call)."""
+        segments = self.registry.segments[self._registered_seen :] if new_only else list(self.registry.segments)
+        if new_only:
+            self._registered_seen += len(segments)
+        for peer in peers:
+            for name, size in segments:
+                self._usable(peer, name, size)
+
+    def registered_changed(self) -> bool:
+        return len(self.registry.segments) != self._registered_seen
+
+    def confirmed(self, peer: str, name: str) -> None:
+        """`peer` mapped our segment `name`: use it from now on; a ring's name is no longer needed."""
+        if name not in self._announced.get(peer, ()):
+            return
+        self._mapped_by.setdefault(peer, set()).add(name)
+        for (ring_peer, _), ring in self._rings.items():
+            if ring_peer == peer and ring.segment.name == name:
+                ring.segment.unlink()
 
     def prepare(self, route: Route, payload: Any, nbytes: int) -> tuple[str, int, int] | Literal[False] | None:
         """Where `payload` goes for `route`: a descriptor, None to send it inline, False if no room yet."""
@@ -211,13 +226,14 @@ class SharedPayloads:
             return None
         found = self.registry.locate(payload)
         if found is not None:
-            return found[0], found[1], nbytes
+            usable = self._usable(route[0], found[0], self.registry.size_of(found[0]))
+            return (found[0], found[1], nbytes) if usable else None
         ring = self._rings.get(route)
         if ring is None:
             if nbytes > self.ring_bytes:
                 return None
             ring = self._rings[route] = Ring(self.ring_bytes)
-        if nbytes > ring.segment.size:
+        if nbytes > ring.segment.size or not self._usable(route[0], ring.segment.name, ring.segment.size):
             return None
         offset = ring.alloc(nbytes)
         if offset is None:
@@ -244,7 +260,11 @@ class SharedPayloads:
             if used_ring:
                 self._rings[route].free_oldest()
 
+    def forget(self, peer: str) -> None:
+        """A peer left: unmap its segments."""
+        self.peers.forget(peer)
+
     def close(self) -> None:
         for ring in self._rings.values():
-            ring.close()
+            ring.segment.unlink()
         self.registry.close()

@@ -19,7 +19,11 @@ Layout of a message (a ZeroMQ multipart message):
     frame 1   raw tensor bytes (only when dtype != ""), sent and received zero-copy; or, when flags
               has SHM, a msgpack [segment name, offset] naming where the nbytes lie in shared memory
 
-msgpack is decoded with no extension or object hooks, so decoding never runs code.
+msgpack is decoded with no object hooks, so decoding never runs code. Limits hold before msgpack builds
+anything: frame count, header size (`max_header`: DATA_HEADER_BYTES between workers and servers,
+CONTROL_HEADER_BYTES to and from the scheduler), and, for headers above SCAN_ABOVE bytes, nesting depth
+and number of values, by a walk over the bytes (transport/msgpack_scan.py). No error message reprs a
+received value: `brief` names its type and shows only small scalars and the start of a string.
 """
 
 from __future__ import annotations
@@ -32,10 +36,23 @@ from typing import Any
 
 import msgpack
 
+from transport.brief import brief as brief  # re-exported: receivers format what they got with it
+from transport.msgpack_scan import ScanError, scan
+
 VERSION = 1
 HEADER_FIELDS = 12
 MAX_DIMS = 8
-MAX_HEADER_BYTES = 32 * 1024 * 1024
+#: header limit between workers and servers: data headers are 30-150 bytes, meta is optimizer settings
+DATA_HEADER_BYTES = 64 << 10
+#: header limit for messages to and from the scheduler, which carry tensor tables and address books
+CONTROL_HEADER_BYTES = 4 << 20
+#: containers nested in a header, the header's own array counted: meta is at depth 2
+MAX_DEPTH = 32
+#: values in a header, containers and map keys included (a PLAN of 100,000 chunks has about 500,000)
+MAX_ITEMS = 1 << 20
+#: headers up to this size skip the scan: they decode into at most this many values, which msgpack's
+#: fixed stack (1024 deep) handles, and the field checks below refuse any field nested too deeply
+SCAN_ABOVE = 256
 MAX_PAYLOAD_BYTES = 1 << 31
 MAX_INT = 1 << 62
 
@@ -75,6 +92,9 @@ class Kind(IntEnum):
     BCAST_REPLY = 25
     PROBE = 26
     PROBE_REPLY = 27
+    #: transport-internal: "I will send descriptors into this segment of mine" / "I have mapped it"
+    SHM_OPEN = 28
+    SHM_MAPPED = 29
     ACK = 30
     ERROR = 31
 
@@ -148,55 +168,108 @@ def encode(msg: Message) -> list[Any]:
     return [header, msg.payload]
 
 
-_PLAIN = (type(None), bool, int, float, str, bytes)
+_LEAVES = frozenset((type(None), bool, int, float, str, bytes))
 
 
-def _check_plain(value: object, depth: int) -> None:
-    """Only nil, bool, numbers, strings, bytes, lists and str-keyed maps: no extension types."""
-    if depth > 16:
-        raise WireError("meta is nested too deeply")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if type(key) is not str:
-                raise WireError(f"meta keys must be strings, got {type(key).__name__}")
-            _check_plain(item, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            _check_plain(item, depth + 1)
-    elif type(value) not in _PLAIN:
-        raise WireError(f"meta holds a {type(value).__name__}, which the wire format does not allow")
+def _check_plain(meta: dict[Any, Any], depth: int) -> None:
+    """Only nil, bool, numbers, strings, bytes, lists and str-keyed maps, at most MAX_DEPTH deep
+    (`depth`: the depth of `meta` itself); iterative, so no structure can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(meta, depth)]
+    while stack:
+        value, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise WireError(f"meta is nested deeper than {MAX_DEPTH} containers")
+        if type(value) is dict:
+            for key in value:
+                if type(key) is not str:
+                    raise WireError(f"meta keys must be strings, got {brief(key)}")
+            items = value.values()
+        else:
+            items = value
+        for item in items:
+            kind = type(item)
+            if kind is dict or kind is list:
+                stack.append((item, level + 1))
+            elif kind not in _LEAVES:
+                raise WireError(f"meta holds a {kind.__name__}, which the wire format does not allow")
 
 
 def _int_field(value: object, name: str, low: int, high: int = MAX_INT) -> int:
     if type(value) is not int or not low <= value < high:
-        raise WireError(f"field {name!r} must be an int in [{low}, {high}), got {value!r:.40}")
+        raise WireError(f"field {name!r} must be an int in [{low}, {high}), got {brief(value)}")
     return value
+
+
+class _ExtensionRefused(Exception):
+    """Raised from msgpack's ext_hook: an extension type of length 0 (longer ones exceed max_ext_len)."""
+
+
+def _refuse_extension(code: int, data: bytes) -> Any:
+    raise _ExtensionRefused
+
+
+def _unpack(header: memoryview, what: str) -> Any:
+    """Decode a header that passed the limits. msgpack's own limits are a second line of defence: no
+    extension types, and no length beyond the bytes at hand (its defaults) or beyond MAX_ITEMS."""
+    size = header.nbytes
+    try:
+        if size <= SCAN_ABOVE:
+            return msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
+                                   ext_hook=_refuse_extension)
+        return msgpack.unpackb(
+            header, raw=False, strict_map_key=True, use_list=True, max_str_len=size, max_bin_len=size,
+            max_array_len=min(size, MAX_ITEMS), max_map_len=min(size // 2, MAX_ITEMS), max_ext_len=0,
+            ext_hook=_refuse_extension,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise _unpack_error(exc, what) from None
+
+
+def _unpack_error(exc: Exception, what: str) -> WireError:
+    if isinstance(exc, _ExtensionRefused) or (isinstance(exc, ValueError) and "max_ext_len" in str(exc)):
+        return WireError(f"{what} holds an extension type, which the wire format does not allow")
+    return WireError(f"{what} is not valid msgpack: {type(exc).__name__}")
 
 
 def _payload_view(frame: Any) -> memoryview:
     buffer = getattr(frame, "buffer", None)  # zmq.Frame when received with copy=False
-    return memoryview(buffer if buffer is not None else frame)
+    try:
+        return memoryview(buffer if buffer is not None else frame)
+    except (TypeError, ValueError):  # not a buffer, or a released one
+        raise WireError(f"a frame is {brief(frame)}, not a byte buffer") from None
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Parse and validate one message; raise WireError on anything out of format."""
+def decode(frames: Sequence[Any], max_header: int = DATA_HEADER_BYTES) -> Message:
+    """Parse and validate one message whose header is at most `max_header` bytes; raise WireError on
+    anything out of format, before msgpack builds anything where a limit can tell."""
     if not 1 <= len(frames) <= 2:
         raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
     header_bytes = _payload_view(frames[0])
-    if header_bytes.nbytes > MAX_HEADER_BYTES:
-        raise WireError(f"header of {header_bytes.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        fields = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise WireError(f"header is not valid msgpack: {type(exc).__name__}") from None
-    if not isinstance(fields, list) or len(fields) != HEADER_FIELDS:
-        raise WireError("header must be a msgpack array of 12 fields")
+    size = header_bytes.nbytes
+    if size > max_header:
+        raise WireError(f"header of {size} bytes exceeds {max_header}")
+    if size <= SCAN_ABOVE:  # the data path: _unpack inlined
+        try:
+            fields = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
+                                     ext_hook=_refuse_extension)
+        except Exception as exc:
+            raise _unpack_error(exc, "header") from None
+    else:
+        try:
+            scan(header_bytes, MAX_DEPTH, MAX_ITEMS)
+        except ScanError as exc:
+            raise WireError(f"header is not valid msgpack: {exc}") from None
+        except TypeError:  # a buffer that is not one-dimensional bytes
+            raise WireError("header is not valid msgpack: not a flat byte buffer") from None
+        fields = _unpack(header_bytes, "header")
+    if type(fields) is not list or len(fields) != HEADER_FIELDS:
+        raise WireError(f"header must be a msgpack array of 12 fields, got {brief(fields)}")
     version, kind, sender, key, chunk, rnd, priority, dtype, shape, nbytes, flags, meta = fields
     if type(version) is not int or version != VERSION:
-        raise WireError(f"protocol version {version!r:.20} is not {VERSION}")
+        raise WireError(f"protocol version {brief(version)} is not {VERSION}")
     member = _KINDS.get(kind) if type(kind) is int else None
     if member is None:
-        raise WireError(f"unknown message kind {kind!r:.20}")
+        raise WireError(f"unknown message kind {brief(kind)}")
     msg = Message(
         kind=member,
         sender=_int_field(sender, "sender", -1, 1 << 20),
@@ -207,20 +280,20 @@ def decode(frames: Sequence[Any]) -> Message:
         flags=_int_field(flags, "flags", 0, 1 << 16),
     )
     if meta is not None:
-        if not isinstance(meta, dict):
-            raise WireError("meta must be nil or a map")
-        _check_plain(meta, 0)
+        if type(meta) is not dict:
+            raise WireError(f"meta must be nil or a map, got {brief(meta)}")
+        _check_plain(meta, 2)
     msg.meta = meta
     declared = _int_field(nbytes, "nbytes", 0, MAX_PAYLOAD_BYTES)
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-        raise WireError(f"shape must be a list of at most {MAX_DIMS} ints")
+    if type(shape) is not list or len(shape) > MAX_DIMS:
+        raise WireError(f"shape must be a list of at most {MAX_DIMS} ints, got {brief(shape)}")
     msg.shape = tuple(_int_field(d, "shape", 0, MAX_PAYLOAD_BYTES) for d in shape)
     if dtype == "":
         if len(frames) != 1 or declared != 0 or msg.shape:
             raise WireError("a message without dtype must have no payload, nbytes 0 and no shape")
         return msg
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise WireError(f"dtype {dtype!r:.20} is not one of {sorted(DTYPES)}")
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise WireError(f"dtype {brief(dtype)} is not one of {sorted(DTYPES)}")
     if len(frames) != 2:
         raise WireError(f"a {dtype} message needs exactly one payload frame")
     if math.prod(msg.shape) * DTYPES[dtype] != declared:
@@ -239,11 +312,8 @@ def decode(frames: Sequence[Any]) -> Message:
 def _descriptor(frame: memoryview, nbytes: int) -> tuple[str, int, int]:
     if frame.nbytes > 256:
         raise WireError("shared-memory descriptor too long")
-    try:
-        fields = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:
-        raise WireError(f"shared-memory descriptor is not valid msgpack: {type(exc).__name__}") from None
-    if not (isinstance(fields, list) and len(fields) == 2 and isinstance(fields[0], str)):
+    fields = _unpack(frame, "shared-memory descriptor")
+    if not (type(fields) is list and len(fields) == 2 and type(fields[0]) is str):
         raise WireError("shared-memory descriptor must be [segment name, offset]")
     return fields[0], _int_field(fields[1], "offset", 0, MAX_INT), nbytes
 

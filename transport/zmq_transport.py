@@ -25,18 +25,20 @@ from typing import Any
 import numpy as np
 import zmq
 
+from transport.auth import JobKeys
 from transport.base import Handler
 from transport.config import LOCAL_ENDPOINTS, TransportConfig
 from transport.metrics import TransportMetrics
+from transport.rejects import Rejections
 from transport.sendqueue import ChannelQueue
 from transport.shm import SharedPayloads
-from transport.wire import Flag, Kind, Message, WireError, decode, encode
+from transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Flag, Kind, Message, WireError, decode, encode
+from transport.zmq_guard import Guard, make_socket
 
 log = logging.getLogger("sluice.transport")
 
 _RECV_BATCH = 64
 _MAX_ROUTER_PEERS = 4096
-_HWM = 100_000
 _LINGER_MS = 2000
 
 Route = tuple[str, int]  # (peer name, channel)
@@ -61,19 +63,32 @@ Frames = list[Any]
 
 
 class ZmqTransport:
-    def __init__(self, name: str, config: TransportConfig, handler: Handler) -> None:
+    def __init__(self, name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
+                 control: bool = False) -> None:
+        if config.curve and keys is None:
+            raise ValueError("transport.curve is on but no job keys were given; pass them, or set curve=False")
         self.name = name
         self.config = config
         self._handler = handler
+        self._keys = keys if config.curve else None
+        #: a control-plane transport (the scheduler's) takes control-size headers on every socket
+        self._control = control
         self._tos = config.channel_tos()
         self._inflight = config.inflight_limit
         self._aging = config.aging_ms / 1e3
         _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=1)
         self._poller = zmq.Poller()
+        self._guard = Guard(self._ctx, name, self._keys)
+        if self._guard.zap is not None:
+            self._poller.register(self._guard.zap, zmq.POLLIN)
+        self._monitors: set[zmq.Socket[bytes]] = set()
+        self._max_header: dict[zmq.Socket[bytes], int] = {}
+        self.rejects = Rejections(log)
         self._routers: list[zmq.Socket[bytes]] = []
         self._dealers: dict[str, list[zmq.Socket[bytes]]] = {}
         self._router_idents: dict[str, bytes] = {}
+        self._heard_on: dict[str, int] = {}
         self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
         self._queues: dict[Route, ChannelQueue[Message]] = {}
         self._active: set[Route] = set()
@@ -98,8 +113,8 @@ class ZmqTransport:
     def listen(self) -> list[str]:
         return list(self._call(self._listen))
 
-    def connect(self, peer: str, endpoints: Sequence[str]) -> None:
-        self._call(lambda: self._connect(peer, list(endpoints)))
+    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+        self._call(lambda: self._connect(peer, list(endpoints), control))
 
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
@@ -116,6 +131,8 @@ class ZmqTransport:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         def snapshot() -> dict[str, Any]:
             taken = self.metrics.snapshot()
+            taken["rejected"] = self.rejects.total
+            taken["refused_connections"] = self._guard.refused_handshakes + self._guard.denied
             if reset:
                 self.metrics.reset()
             return taken
@@ -148,6 +165,10 @@ class ZmqTransport:
                 self._closed = True
                 os.close(self._wake)
 
+    def refuse(self, peer: str, text: str) -> None:
+        """Count and log (rate-limited) a message the handler refused; call it on the I/O thread."""
+        self.rejects.refuse(peer, text, time.monotonic(), member=self._is_member(peer), delivered=True)
+
     def _notify(self) -> None:
         """Wake the I/O thread; a no-op once closed, so late senders (heartbeats) cannot fail."""
         with self._wake_lock:
@@ -163,15 +184,12 @@ class ZmqTransport:
         return future.result(timeout)
 
     # ----------------------------------------------------------------- I/O thread
-    def _socket(self, kind: int, channel: int) -> zmq.Socket[bytes]:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        sock.setsockopt(zmq.SNDHWM, _HWM)
-        sock.setsockopt(zmq.RCVHWM, _HWM)
-        if self._tos:
-            sock.setsockopt(zmq.TOS, self._tos[channel])
-        if self.config.so_priority:
-            sock.setsockopt(zmq.PRIORITY, self.config.so_priority[channel])
+    def _socket(self, kind: int, channel: int, control: bool) -> zmq.Socket[bytes]:
+        header = CONTROL_HEADER_BYTES if control else DATA_HEADER_BYTES
+        largest = header if control else max(header, self.config.largest_payload)
+        sock = make_socket(self._ctx, kind, largest, self._tos[channel] if self._tos else None,
+                           self.config.so_priority[channel] if self.config.so_priority else None)
+        self._max_header[sock] = header
         return sock
 
     def _listen(self) -> list[str]:
@@ -179,8 +197,12 @@ class ZmqTransport:
             raise RuntimeError(f"transport {self.name} is already listening")
         endpoints = []
         for channel in range(self.config.channels):
-            sock = self._socket(zmq.ROUTER, channel)
+            sock = self._socket(zmq.ROUTER, channel, self._control)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            monitor = self._guard.secure_listener(sock)
+            if monitor is not None:
+                self._monitors.add(monitor)
+                self._poller.register(monitor, zmq.POLLIN)
             if self.config.protocol == "ipc":
                 self._ipc_dir = self._ipc_dir or tempfile.mkdtemp(prefix="sluice-")
                 sock.bind(f"ipc://{self._ipc_dir}/ch{channel}")
@@ -192,17 +214,19 @@ class ZmqTransport:
             self._poller.register(sock, zmq.POLLIN)
         return endpoints
 
-    def _connect(self, peer: str, endpoints: list[str]) -> None:
+    def _connect(self, peer: str, endpoints: list[str], control: bool) -> None:
         if peer in self._dealers:
             return
         if not endpoints:
             raise ValueError(f"no endpoints given for peer {peer}")
         socks = []
-        if self._local is not None and all(e.startswith(LOCAL_ENDPOINTS) for e in endpoints):
+        if self._local is not None and all(e.startswith(LOCAL_ENDPOINTS) for e in endpoints) and not control:
             self._local.add(peer)
+            self._shared.announce_registered([peer])
         for channel, endpoint in enumerate(endpoints[: self.config.channels]):
-            sock = self._socket(zmq.DEALER, channel)
+            sock = self._socket(zmq.DEALER, channel, control or self._control)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
+            self._guard.secure_dialer(sock, peer)
             sock.connect(endpoint)
             socks.append(sock)
             self._socket_channel[sock] = (peer, channel)
@@ -217,6 +241,14 @@ class ZmqTransport:
                 for sock, _ in events:
                     if sock == self._wake:
                         os.eventfd_read(self._wake)
+                    elif sock is self._guard.zap:
+                        refused = self._guard.answer_zap()
+                        if refused:
+                            self.rejects.refuse("a stranger", refused, time.monotonic())
+                    elif sock in self._monitors:
+                        if self._guard.read_monitor(sock):
+                            self.rejects.refuse("a stranger", "refused a connection that failed the CURVE "
+                                                "handshake (no job secret)", time.monotonic())
                     else:
                         self._receive(sock, arrived)
                 self._dispatch(arrived)
@@ -224,6 +256,8 @@ class ZmqTransport:
                 self._flush_acks()
                 self._drain_outbox()
                 self._pump()
+                self._announce()
+                self.rejects.tick(time.monotonic())
         except Exception:
             log.exception("transport %s: I/O thread failed", self.name)
         finally:
@@ -244,44 +278,127 @@ class ZmqTransport:
                 future.set_exception(exc)
 
     def _receive(self, sock: zmq.Socket[bytes], arrived: list[tuple[int, int, str, int, Message]]) -> None:
-        """Read up to a batch from `sock`: credit acks are applied now, the rest goes to `arrived`."""
+        """Read up to a batch from `sock`: transport messages are handled now, the rest goes to `arrived`."""
         peer, channel = self._socket_channel[sock]
+        max_header = self._max_header[sock]
         for _ in range(_RECV_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            source = peer
-            if source is None:  # a ROUTER: the first frame names the sender, as the sender chose it
-                ident = frames.pop(0).bytes
-                source = ident.decode("utf-8", "replace")
-                if source in self._dealers:
-                    log.warning("dropped a message whose sender calls itself %r, a peer we connected to", source)
-                    continue
-                self._remember(source, ident)
             try:
-                msg = decode(frames)
-                if msg.shm is not None:
-                    self._unacked[(source, channel)] += msg.shm[2]
-                    msg.payload = self._map_shared(msg.shm)
-                    msg.shm = None
-            except WireError as exc:
-                log.warning("dropped a message from %r on channel %d: %s", source, channel, exc)
-                continue
-            if msg.flags & Flag.LOCAL and self._local is not None and peer is None:
+                self._take(frames, peer, channel, max_header, arrived)
+            except Exception as exc:  # the last resort: nothing a peer sends may end this thread
+                self.rejects.refuse(peer or "a router peer", f"transport {self.name}: a message on channel "
+                                    f"{channel} could not be processed ({type(exc).__name__}); dropped",
+                                    time.monotonic(), exc_info=True)
+
+    def _take(self, frames: list[zmq.Frame], peer: str | None, channel: int, max_header: int,
+              arrived: list[tuple[int, int, str, int, Message]]) -> None:
+        """Validate one received message; act on transport messages, queue the others for the handler."""
+        source = peer
+        if source is None:  # a ROUTER: the first frame names the sender, as the sender chose it
+            ident = frames.pop(0).bytes
+            source = ident.decode("utf-8", "replace")
+            if self.rejects.banned(source):
+                now = time.monotonic()
+                self.rejects.drop_banned(now)
+                if frames:
+                    self._guard.cut(source, frames[0], now)
+                return
+            problem = self._impostor(source, frames)
+            if problem:
+                self._refuse(source, channel, problem)
+                return
+            self._remember(source, ident, channel)  # the route back, for acknowledgements of what it sent
+        try:
+            msg = decode(frames, max_header)
+            if msg.shm is not None:
+                self._unacked[(source, channel)] += msg.shm[2]
+                msg.payload = self._map_shared(source, msg.shm)
+                msg.shm = None
+        except WireError as exc:
+            self._refuse(source, channel, f"dropped a message from {source!r:.60} on channel {channel}: {exc}")
+            return
+        if peer is None:
+            if self._keys is None:  # strangers may connect: keep the score that can get one banned
+                self.rejects.accept(source)
+            if msg.flags & Flag.LOCAL and self._local is not None and source not in self._local:
                 self._local.add(source)
-            if msg.kind == Kind.ACK:
-                queue = self._queues.get((source, channel))
-                if queue is not None:
-                    queue.ack(msg.round)
-                    self._shared.acked((source, channel), msg.round)
-                    self._active.add((source, channel))
-                continue
-            if msg.payload is not None:
-                if not msg.flags & Flag.SHM:
-                    self._unacked[(source, channel)] += msg.payload.nbytes
-                self.metrics.received_bytes[channel] += msg.payload.nbytes
-            arrived.append((msg.priority, len(arrived), source, channel, msg))
+                self._shared.announce_registered([source])
+        if msg.kind == Kind.ACK:
+            queue = self._queues.get((source, channel))
+            if queue is not None:
+                queue.ack(msg.round)
+                self._shared.acked((source, channel), msg.round)
+                self._active.add((source, channel))
+            return
+        if msg.kind in (Kind.SHM_OPEN, Kind.SHM_MAPPED):
+            self._on_shm(source, channel, msg)
+            return
+        if msg.payload is not None:
+            if not msg.flags & Flag.SHM:
+                self._unacked[(source, channel)] += msg.payload.nbytes
+            self.metrics.received_bytes[channel] += msg.payload.nbytes
+        arrived.append((msg.priority, len(arrived), source, channel, msg))
+
+    def _impostor(self, source: str, frames: list[zmq.Frame]) -> str | None:
+        """Why a router-side message cannot be from whom it claims, or None."""
+        if source in self._dealers:
+            return f"dropped a message whose sender calls itself {source!r:.60}, a peer we connected to"
+        if self._keys is None:
+            return None
+        user = frames[0].get("User-Id") if frames else None
+        if user != source:
+            return f"dropped a message from a connection authenticated as {user!r:.60} that calls itself {source!r:.60}"
+        return None
+
+    def _refuse(self, source: str, channel: int, text: str, delivered: bool = False) -> None:
+        self.rejects.refuse(source, text, time.monotonic(), member=self._is_member(source), delivered=delivered)
+
+    def _is_member(self, peer: str) -> bool:
+        """Authenticated, or a peer we connected to: never banned (only counted). Without CURVE a peer
+        that sends ten refused messages for each accepted one, a hundred or more, is banned."""
+        return self._keys is not None or peer in self._dealers
+
+    def _on_shm(self, source: str, channel: int, msg: Message) -> None:
+        """A peer announces a segment it will send descriptors into, or confirms it mapped one of ours."""
+        meta = msg.meta or {}
+        name = meta.get("segment")
+        if not isinstance(name, str):
+            raise WireError(f"{msg.kind.name} without a segment name")
+        if msg.kind == Kind.SHM_MAPPED:
+            if meta.get("ok") is True:
+                self._shared.confirmed(source, name)
+            return
+        size = meta.get("size")
+        error = ""
+        if self._local is None:
+            error = "shared memory is off here"
+        elif type(size) is not int:
+            error = "no size"
+        else:
+            try:
+                self._shared.peers.adopt(source, name, size)
+            except ValueError as exc:
+                error = str(exc)
+        if error:
+            self._refuse(source, channel, f"refused the shared-memory segment {source!r:.60} announced: {error}",
+                         delivered=True)
+        reply = Message(Kind.SHM_MAPPED, meta={"segment": name, "ok": not error})
+        self._send_frames((source, channel), encode(reply))
+
+    def _announce(self) -> None:
+        """Send queued segment announcements; tell local peers of newly registered segments."""
+        if self._local is not None and self._local and self._shared.registered_changed():
+            self._shared.announce_registered(self._local, new_only=True)
+        pending = self._shared.pending
+        while pending:
+            peer, name, size = pending[0]
+            route = (peer, 0 if peer in self._dealers else self._heard_on.get(peer, 0))
+            if not self._send_frames(route, encode(Message(Kind.SHM_OPEN, meta={"segment": name, "size": size}))):
+                return  # the socket is full: try again on the next turn
+            pending.popleft()
 
     def _dispatch(self, arrived: list[tuple[int, int, str, int, Message]]) -> None:
         """Hand what one poll brought in to the handler, most urgent first, FIFO among equals: the
@@ -291,14 +408,18 @@ class ZmqTransport:
         for _, _, source, channel, msg in arrived:
             try:
                 self._handler(source, channel, msg)
-            except Exception:
-                log.exception("handling %s from %s failed; message dropped", msg.kind.name, source)
+            except Exception as exc:  # the last resort: a handler's bug must not end the I/O thread
+                self.rejects.refuse(source, f"handling {msg.kind.name} from {source!r:.60} failed "
+                                    f"({type(exc).__name__}); message dropped", time.monotonic(), exc_info=True)
 
-    def _remember(self, source: str, ident: bytes) -> None:
-        """Keep the identity a ROUTER needs to reply; bounded, so a flood of strangers cannot grow it."""
+    def _remember(self, source: str, ident: bytes, channel: int) -> None:
+        """Keep the identity a ROUTER needs to reply, and a channel the peer is surely connected on
+        (its others may still be in their handshake); bounded, so a flood of strangers cannot grow it."""
         if source not in self._router_idents and len(self._router_idents) >= _MAX_ROUTER_PEERS:
             del self._router_idents[next(iter(self._router_idents))]
+            self._heard_on.pop(source, None)
         self._router_idents[source] = ident
+        self._heard_on[source] = channel
 
     def _flush_acks(self) -> None:
         if not self._unacked:
@@ -333,9 +454,9 @@ class ZmqTransport:
             if not len(queue):
                 self._active.discard(route)
 
-    def _map_shared(self, descriptor: tuple[str, int, int]) -> memoryview:
+    def _map_shared(self, peer: str, descriptor: tuple[str, int, int]) -> memoryview:
         try:
-            return self._shared.mapper.view(*descriptor)
+            return self._shared.peers.view(peer, *descriptor)
         except ValueError as exc:
             raise WireError(str(exc)) from None
 
@@ -386,6 +507,7 @@ class ZmqTransport:
 
     def _shutdown(self) -> None:
         self._shared.close()
+        self._guard.close()
         for sock in list(self._socket_channel):
             sock.close(linger=_LINGER_MS if self._stop_at is not None else 0)
         self._ctx.term()

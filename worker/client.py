@@ -9,8 +9,6 @@ are written straight into the caller's output array on the transport's I/O threa
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -27,7 +25,7 @@ from scheduler.node import SCHEDULER_PEER, ControlClient
 from transport.base import open_transport
 from transport.config import LOCAL_ENDPOINTS
 from transport.dtypes import STORAGE
-from transport.wire import Flag, Kind, Message
+from transport.wire import Flag, Kind, Message, WireError
 from worker.calibrate import Calibrator
 
 log = logging.getLogger("sluice.worker")
@@ -106,8 +104,7 @@ class Client:
         self._pending: dict[tuple[Kind, int, int, int], deque[_Op]] = {}
         self._lock = threading.Lock()
         self._failure: str | None = None
-        name = f"worker-{socket.gethostname()}-{os.getpid()}"
-        self.transport = open_transport(name, self.settings, self._on_message)
+        self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys())
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal)
         self.control.register("worker", [])
         self.rank = self.control.rank
@@ -148,13 +145,16 @@ class Client:
             self.limits = limits
             self.transport.set_inflight(limits.inflight_bytes)
         levels = max(len(plan), 1)
-        for key, name, shape, dtype, priority, chunks in plan:
-            if name in self._tensors:
-                continue
-            self._tensors[name] = _Tensor(
-                key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
-                [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
-            )
+        try:
+            for key, name, shape, dtype, priority, chunks in plan:
+                if name in self._tensors:
+                    continue
+                self._tensors[name] = _Tensor(
+                    key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
+                    [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
+                )
+        except (TypeError, ValueError) as exc:  # the scheduler is authenticated, but still not trusted blindly
+            raise SluiceError(f"malformed PLAN from the scheduler: {type(exc).__name__}") from None
 
     def set_priorities(self, priorities: dict[str, int]) -> None:
         """Give declared tensors new priorities (0 most urgent) and the channels that carry them.
@@ -289,14 +289,17 @@ class Client:
 
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:
         if peer == SCHEDULER_PEER:
-            self.control.on_message(msg)
+            try:
+                self.control.on_message(msg)
+            except WireError as exc:
+                self.transport.refuse(peer, f"rejected {msg.kind.name} from the scheduler: {exc}")
             return
         calibrator = self._calibrator
         if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:
             calibrator.on_reply(msg)
             return
         if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY, Kind.ERROR) or msg.sender not in self._server_ids:
-            log.warning("dropped unexpected %s from %r", msg.kind.name, peer)
+            self.transport.refuse(peer, f"dropped unexpected {msg.kind.name} from {peer!r:.60}")
             return
         if msg.kind == Kind.ERROR:
             self._fail_round(msg)

@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.netbed import Netbed
 from launch.config import SluiceConfig
-from scheduler.bootstrap import NodeEnv
+from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from transport.shm import remove_segments_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,11 +81,19 @@ class _Group:
         self.selector = selectors.DefaultSelector()
         self.hook = _die_with_parent()
 
-    def start(self, label: str, host: str, argv: Sequence[str], env: Mapping[str, str]) -> _Proc:
+    def start(self, label: str, host: str, argv: Sequence[str], env: Mapping[str, str], secret: bytes = b"") -> _Proc:
+        """Start `argv` in `host`; a Sluice process gets the job `secret` as the launcher hands it over."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-        process = self.bed.run(host, argv, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self.hook)
+        fds: tuple[int, ...] = (secret_pipe(secret),) if secret else ()
+        if fds:
+            full_env[ENV_SECRET_FD] = str(fds[0])
+        try:
+            process = self.bed.run(host, argv, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, pass_fds=fds,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self.hook)
+        finally:
+            for fd in fds:
+                os.close(fd)
         assert process.stdout is not None
         proc = _Proc(label, process)
         os.set_blocking(process.stdout.fileno(), False)
@@ -190,6 +198,7 @@ def run_sluice_job(
     listens on its own host's address (transport.host). Raises JobError naming the failed process.
     """
     sections = SluiceConfig.from_sections(config).to_sections()  # validates, and fills in the defaults
+    secret = new_secret()
 
     def node_env(role: str, rank: int, host: str, endpoint: str) -> dict[str, str]:
         mine = {**sections, "transport": {**sections["transport"], "host": bed.hosts[host].address}}
@@ -198,7 +207,8 @@ def run_sluice_job(
     group = _Group(bed, echo)
     deadline = time.monotonic() + timeout
     try:
-        sched = group.start("scheduler", scheduler, [*_ROLE_ARGV, "scheduler"], node_env("scheduler", 0, scheduler, ""))
+        sched = group.start("scheduler", scheduler, [*_ROLE_ARGV, "scheduler"], node_env("scheduler", 0, scheduler, ""),
+                            secret)
         ready_by = min(deadline, time.monotonic() + ready_timeout)
         while sched.ready is None:
             if group.finished(sched) is not None:
@@ -206,9 +216,10 @@ def run_sluice_job(
             if time.monotonic() > ready_by:
                 raise JobError(sched.describe(f"printed no {READY_PREFIX.strip()} line within {ready_timeout:g} s"))
             group.pump(0.1)
-        roles = [sched] + [group.start(f"server {r}", h, [*_ROLE_ARGV, "server"], node_env("server", r, h, sched.ready))
+        roles = [sched] + [group.start(f"server {r}", h, [*_ROLE_ARGV, "server"],
+                                       node_env("server", r, h, sched.ready), secret)
                            for r, h in enumerate(servers)]
-        procs = [group.start(f"worker {r}", h, worker_argv, node_env("worker", r, h, sched.ready))
+        procs = [group.start(f"worker {r}", h, worker_argv, node_env("worker", r, h, sched.ready), secret)
                  for r, h in enumerate(workers)]
         group.wait_for(procs, roles, deadline, timeout)
         # the scheduler and servers leave by themselves once every worker said goodbye

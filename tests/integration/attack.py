@@ -1,9 +1,13 @@
 """Training while worker 0 attacks every server with malformed and forged messages (see test_hostile.py).
 
-Two attack paths, both on a thread that runs one round before the broadcast and one during each step:
-- raw ZeroMQ DEALERs with random identities, one per server endpoint, sending wire-level garbage (bad
-  shared-memory descriptors included) and well-formed messages that no worker of the job sent
-  (forged sender ids, control kinds);
+Three attack paths, on a thread that runs one round before the broadcast and one during each step:
+- raw ZeroMQ DEALERs, one per server endpoint, sending wire-level garbage (deep nesting, a 31 MiB
+  header, a frame over the job's chunk size, bad shared-memory descriptors and announcements of
+  directories, FIFOs, symlinks and names with a newline) and well-formed messages that no worker of
+  the job sent (forged sender ids, control kinds). With CURVE off (transport.curve = false) they
+  are strangers with random identities. With CURVE on, strangers cannot even connect (they are
+  counted as refused), so the garbage comes from a compromised member instead: a socket that holds
+  the job secret and connects to each server with another server's key and name;
 - worker 0's own connection to each server, sending well-formed messages the server must refuse:
   an unknown key, a push for a round that is not the next one, a payload of the wrong dtype, a kind
   a server does not take. None of them may change a parameter.
@@ -11,7 +15,9 @@ Two attack paths, both on a thread that runs one round before the broadcast and 
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
 import threading
 from collections import Counter
 from typing import Any
@@ -20,8 +26,10 @@ import msgpack
 import numpy as np
 import zmq
 
+from scheduler.bootstrap import member_names, node_name
 from tests.integration.training import train_distributed
-from transport.shm import Segment
+from transport.auth import JobKeys
+from transport.shm import SHM_DIR, Segment
 from transport.wire import VERSION, Flag, Kind, Message, encode
 
 _FIELDS = (
@@ -38,11 +46,47 @@ def _header(**fields: Any) -> bytes:
     return bytes(msgpack.packb([values[name] for name in _FIELDS]))
 
 
+def _nested_header(depth: int, field: int) -> bytes:
+    """A 12-field header whose field number `field` is a list nested `depth` deep (about depth bytes)."""
+    fields = [bytes(msgpack.packb(v)) for v in (VERSION, int(Kind.PUSH), 0, 0, 0, 1, 0, "", [], 0, 0, None)]
+    fields[field] = b"\x91" * depth + b"\xc0"
+    return b"\x9c" + b"".join(fields)
+
+
+def _announce(name: str, size: int) -> list[bytes]:
+    return encode(Message(Kind.SHM_OPEN, meta={"segment": name, "size": size}))
+
+
+class HostileFiles:
+    """Entries in /dev/shm named like segments that are not: a directory, a FIFO, a symlink to a real
+    segment; removed by close()."""
+
+    def __init__(self, real: Segment) -> None:
+        base = f"sluice-{os.getpid()}-{9000 + random.randrange(1000)}-"
+        self.directory, self.fifo, self.link = (base + secrets.token_hex(4) for _ in range(3))
+        os.mkdir(os.path.join(SHM_DIR, self.directory))
+        os.mkfifo(os.path.join(SHM_DIR, self.fifo))
+        os.symlink(real.path, os.path.join(SHM_DIR, self.link))
+
+    def close(self) -> None:
+        os.rmdir(os.path.join(SHM_DIR, self.directory))
+        for name in (self.fifo, self.link):
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
+def big_attacks(largest_frame: int) -> dict[str, list[bytes]]:
+    """Sent once per endpoint: a 31 MiB header, and a frame twice the job's largest (each makes ZeroMQ
+    drop the connection before the frame is held; the attacker's socket reconnects by itself)."""
+    return {"31 MiB header": [b"\xdc\xff\xff" + bytes(31 << 20)],
+            "frame over the chunk size": [_header(shape=[largest_frame // 2], nbytes=2 * largest_frame),
+                                          bytes(2 * largest_frame)]}
+
+
 def raw_attacks(
-    rng: random.Random, key: int, chunk: int, length: int, worker_id: int, segment: str
+    rng: random.Random, key: int, chunk: int, length: int, worker_id: int, segment: Segment, files: HostileFiles
 ) -> dict[str, list[bytes]]:
-    """Frames a stranger sends, by name. `key`/`chunk` are real, of `length` floats; `segment` names a
-    real shared-memory segment of 4096 bytes."""
+    """Frames a stranger sends, by name. `key`/`chunk` are real, of `length` floats; `segment` is a
+    real shared-memory segment of 4096 bytes; `files` the hostile /dev/shm entries."""
     valid = _header()
     shm = int(Flag.SHM)
     real = np.arange(length, dtype=np.float32).tobytes()
@@ -65,16 +109,27 @@ def raw_attacks(
         "unknown dtype": [_header(dtype="complex64", shape=[2]), bytes(16)],
         "huge declared length": [_header(nbytes=1 << 40, shape=[1 << 38]), bytes(16)],
         "huge header array": [b"\xdd\xff\xff\xff\xff"],
+        "oversized header": [_header(meta={"pad": "x" * (80 << 10)}), bytes(16)],
         "three frames": [valid, bytes(16), bytes(16)],
         "dtype without payload": [valid],
         "payload without dtype": [_header(dtype="", shape=[], nbytes=0), bytes(16)],
         "unknown kind": [_header(kind=77), bytes(16)],
         "negative key": [_header(key=-1), bytes(16)],
         "meta not a map": [_header(meta=[1, 2, 3]), bytes(16)],
+        "list nested 1,000 deep": [_nested_header(1000, 2)],
+        "meta nested 1,000 deep": [_nested_header(1000, 11)],
+        "list nested 100,000 deep": [_nested_header(100_000, 3)],
         "shm descriptor not msgpack": [_header(flags=shm), b"\xc1"],
         "shm path traversal": [_header(flags=shm), bytes(msgpack.packb(["../../../etc/passwd", 0]))],
         "shm unknown segment": [_header(flags=shm), bytes(msgpack.packb(["sluice-1-0-00000000", 0]))],
-        "shm outside a segment": [_header(flags=shm), bytes(msgpack.packb([segment, 4090]))],
+        "shm segment not announced": [_header(flags=shm), bytes(msgpack.packb([segment.name, 0]))],
+        "shm announce of a directory": _announce(files.directory, 4096),
+        "shm announce of a FIFO": _announce(files.fifo, 4096),
+        "shm announce of a symlink": _announce(files.link, 4096),
+        "shm announce of a name with a newline": _announce(segment.name + "\n", 4096),
+        "shm announce with the wrong size": _announce(segment.name, 8192),
+        "shm announce of a real segment": _announce(segment.name, 4096),
+        "shm outside a segment": [_header(flags=shm), bytes(msgpack.packb([segment.name, 4090]))],
         # well-formed on the wire, but no worker of this job sent them
         "unknown key from a stranger": [_header(key=1 << 20, sender=worker_id), bytes(16)],
         "push from a non-worker id": [data_header(sender=999), real],
@@ -119,10 +174,14 @@ class Attacker(threading.Thread):
         self._asked = threading.Semaphore(0)
         self._finishing = threading.Event()
         self.sent: Counter[str] = Counter()
+        self.strangers: list[zmq.Socket[bytes]] = []
+        self.stranger_blocked = 0
         self.rounds = 0
+        self.asked = 0
         self.error: BaseException | None = None
 
     def attack(self) -> None:
+        self.asked += 1
         self._asked.release()
 
     def finish(self, timeout: float = 30.0) -> None:
@@ -134,32 +193,79 @@ class Attacker(threading.Thread):
         if self.error is not None:
             raise RuntimeError(f"the attacker failed: {self.error!r}") from self.error
 
+    def _sockets(self, ctx: zmq.Context[zmq.Socket[bytes]], servers: list[Any],
+                 big: bool = False) -> list[zmq.Socket[bytes]]:
+        """One DEALER per server endpoint: strangers with CURVE off; with it on, a compromised member
+        (another server's key and name, or for the `big` attacks the scheduler's), plus strangers that
+        must be refused at the door."""
+        env = self.client.env
+        keys = env.job_keys()
+        names = member_names(env.workers, env.servers)
+        sockets = []
+        for server in servers:
+            for endpoint in server.endpoints:
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                if keys is None:
+                    sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
+                elif big:
+                    sock.setsockopt(zmq.IDENTITY, b"scheduler")
+                    keys.secure_client(sock, "scheduler", server.name)
+                else:
+                    other = node_name("server", (server.rank + 1) % env.servers)
+                    sock.setsockopt(zmq.IDENTITY, other.encode())
+                    keys.secure_client(sock, other, server.name)
+                    # one stranger guesses the keys, one knows the server's public key (leaked, say)
+                    guessed = JobKeys(secrets.token_bytes(32), names)
+                    for server_key in (guessed.public_key(server.name), keys.public_key(server.name)):
+                        stranger = ctx.socket(zmq.DEALER)
+                        stranger.setsockopt(zmq.LINGER, 0)
+                        stranger.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
+                        stranger.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+                        public, secret = zmq.curve_keypair()
+                        stranger.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                        stranger.setsockopt(zmq.CURVE_SECRETKEY, secret)
+                        stranger.connect(endpoint)
+                        self.strangers.append(stranger)
+                sock.connect(endpoint)
+                sockets.append(sock)
+        return sockets
+
     def run(self) -> None:
         ctx = zmq.Context()
         sockets: list[zmq.Socket[bytes]] = []
         segment = Segment(4096)
+        files = HostileFiles(segment)
         try:
             servers = sorted((p for p in self.client.control.peers if p.role == "server"), key=lambda p: p.rank)
             assert servers, "the address book lists no server"
-            for server in servers:
-                for endpoint in server.endpoints:
-                    sock = ctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
-                    sock.setsockopt(zmq.LINGER, 2000)
-                    sock.setsockopt(zmq.SNDHWM, 0)
-                    sock.connect(endpoint)
-                    sockets.append(sock)
+            sockets = self._sockets(ctx, servers)
             tensor = min(self.client._tensors.values(), key=lambda t: t.key)  # a real key, its first chunk
             chunk, _offset, length, _server = tensor.chunks[0]
             node_id = self.client.control.node_id
+            big = big_attacks(self.client.settings.largest_payload)
             while True:
                 self._asked.acquire()
-                if self._finishing.is_set():
+                if self._finishing.is_set() and self.rounds >= self.asked:  # every round asked for is done
                     break
+                attacks = raw_attacks(self.rng, tensor.key, chunk, length, node_id, segment, files)
                 for sock in sockets:
-                    for name, frames in raw_attacks(self.rng, tensor.key, chunk, length, node_id, segment.name).items():
-                        sock.send_multipart(frames, copy=True)
+                    for name, frames in attacks.items():
+                        sock.send_multipart(frames, copy=False)
                         self.sent[name] += 1
+                if self.rounds == 0:  # on sockets of their own: ZeroMQ drops the connection that sends them
+                    for sock in self._sockets(ctx, servers, big=True):
+                        sockets.append(sock)
+                        for name, frames in big.items():
+                            sock.send_multipart(frames, copy=False)
+                            self.sent[name] += 1
+                for stranger in self.strangers:  # never connected: nothing of this gets through
+                    for frames in attacks.values():
+                        try:
+                            stranger.send_multipart(frames, zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            self.stranger_blocked += 1
                 for name, msg in own_connection_attacks(tensor.key, chunk, length, node_id, self.forge_opt).items():
                     for server in servers:
                         self.client.transport.send(server.name, tensor.channel, msg)
@@ -168,10 +274,11 @@ class Attacker(threading.Thread):
         except BaseException as exc:  # reported to the test through the worker's result
             self.error = exc
         finally:
-            for sock in sockets:
+            for sock in [*sockets, *self.strangers]:
                 sock.close()
             ctx.term()
-            segment.close()
+            segment.unlink()
+            files.close()
 
 
 class _AttackEveryStep:
@@ -189,7 +296,8 @@ class _AttackEveryStep:
 
     def finish(self) -> Any:
         self.attacker.finish()
-        return {"rounds": self.attacker.rounds, "sent": dict(self.attacker.sent)}
+        return {"rounds": self.attacker.rounds, "sent": dict(self.attacker.sent),
+                "strangers": len(self.attacker.strangers), "stranger_blocked": self.attacker.stranger_blocked}
 
 
 def train_under_attack(steps: int, batch: int, optimizer: str, forge_opt: bool = False) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pytest
 from bench.common import Children
 from bench.netbed import Netbed
 from bench.netbed.forked import announced, start_in
-from scheduler.bootstrap import NodeEnv
+from scheduler.bootstrap import NodeEnv, new_secret
 from tests.bench_runs import requires_testbed
 
 pytestmark = requires_testbed
@@ -68,10 +68,13 @@ def _run(transport: dict[str, Any], priorities: dict[str, int]) -> dict[str, flo
         server_host = bed.hosts["srv"].address
         config = {"transport": {"host": server_host, **transport}, "scheduler": {"heartbeat_timeout": 20.0}}
         announce = children.queue()
-        start_in(children, bed, "srv", "scheduler", _scheduler, NodeEnv("", "scheduler", 0, 1, 1, config), announce)
+        secret = new_secret()
+        start_in(children, bed, "srv", "scheduler", _scheduler, NodeEnv("", "scheduler", 0, 1, 1, config, secret),
+                 announce)
         endpoint = announced(children, "scheduler", announce, "its endpoint", timeout=20)
-        start_in(children, bed, "srv", "server", _server, NodeEnv(endpoint, "server", 0, 1, 1, config))
-        start_in(children, bed, "wrk", "worker", _worker, NodeEnv(endpoint, "worker", 0, 1, 1, config), priorities)
+        start_in(children, bed, "srv", "server", _server, NodeEnv(endpoint, "server", 0, 1, 1, config, secret))
+        start_in(children, bed, "wrk", "worker", _worker, NodeEnv(endpoint, "worker", 0, 1, 1, config, secret),
+                 priorities)
         result: dict[str, float] = children.collect(["worker"], timeout=90)["worker"]
         return result
 

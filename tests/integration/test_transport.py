@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 import zmq
 
+from transport.auth import JobKeys
 from transport.config import TransportConfig
 from transport.shm import SHM_MIN_BYTES, Segment
 from transport.wire import Flag, Kind, Message, encode
 from transport.zmq_transport import ZmqTransport
 
 SERVER, CLIENT = "server-t", "client-t"
+#: the tests' "job": raw ZeroMQ sockets hold no key of it, so tests that use them turn CURVE off
+KEYS = JobKeys(b"a test secret of 32 bytes, fixed", [SERVER, CLIENT])
 
 
 @dataclass
@@ -67,7 +70,7 @@ def transports() -> Iterator[Callable[..., ZmqTransport]]:
     made: list[ZmqTransport] = []
 
     def make(name: str, config: TransportConfig, handler: Callable[[str, int, Message], None]) -> ZmqTransport:
-        transport = ZmqTransport(name, config, handler)
+        transport = ZmqTransport(name, config, handler, KEYS if config.curve else None)
         made.append(transport)
         return transport
 
@@ -160,9 +163,18 @@ def test_messages_arrive_intact_and_fifo_per_channel(
     peer = CLIENT if direction == "dealer-to-router" else SERVER
     assert {r.peer for r in got} == {peer}
     assert all(r.kind == Kind.PUSH for r in got)
-    for r in got:  # large payloads go through shared memory exactly when it is enabled
-        large = r.data is not None and len(r.data) >= SHM_MIN_BYTES
-        assert bool(r.flags & Flag.SHM) == (shm and large), (r.key, r.flags)
+    # large payloads go through shared memory exactly when it is enabled, once the receiver has mapped the
+    # channel's ring (announced with the first large one, which travels inline, as the next few may)
+    for channel in range(3):
+        large = [r for r in got if r.channel == channel and r.data is not None and len(r.data) >= SHM_MIN_BYTES]
+        through_shm = [bool(r.flags & Flag.SHM) for r in large]
+        assert not any(through_shm[:1]), "a segment was used before its receiver mapped it"
+        if shm:
+            assert through_shm[len(through_shm) // 2 :] == [True] * (len(through_shm) - len(through_shm) // 2)
+            assert through_shm == sorted(through_shm), "once mapped, the ring is always used"
+        else:
+            assert not any(through_shm)
+        assert not any(r.flags & Flag.SHM for r in got if r.channel == channel and r not in large)
     payload_bytes = sum(len(d) for ch in sent.values() for _, d in ch if d is not None)
     deadline = time.monotonic() + 10
     while sum(sender.stats()["sent_bytes"]) < payload_bytes and time.monotonic() < deadline:
@@ -273,7 +285,7 @@ def test_garbage_from_a_raw_dealer_does_not_break_a_listener(
     request: pytest.FixtureRequest,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="sluice.transport")
-    config = TransportConfig(channels=2, inflight_bytes=1 << 20, chunk_bytes=1 << 16)
+    config = TransportConfig(channels=2, inflight_bytes=1 << 20, chunk_bytes=1 << 16, curve=False)
     server_inbox, client_inbox = Inbox(), Inbox()
     server = transports(SERVER, config, server_inbox)
     client = transports(CLIENT, config, client_inbox)
@@ -288,9 +300,9 @@ def test_garbage_from_a_raw_dealer_does_not_break_a_listener(
         sock.connect(endpoint)
         attackers.append(sock)
     rng = random.Random(3)
-    rounds = 5
+    rounds = 3  # 78 malformed messages from each: below the ban (test_a_stranger_sending_only_garbage_is_cut_off)
     segment = Segment(4096)
-    request.addfinalizer(segment.close)
+    request.addfinalizer(segment.unlink)
     bad = garbage(rng, segment.name)
     keep = [np.arange(4, dtype=np.uint8) + i for i in range(rounds * 2)]
     for r in range(rounds):
@@ -311,13 +323,15 @@ def test_garbage_from_a_raw_dealer_does_not_break_a_listener(
     assert [k for c, k in from_client if c == 1] == [(1 << 30) + 1, *range(200, 200 + rounds)]
     assert sorted((r.peer, r.key) for r in got if r.peer != CLIENT) == [("attacker-0", 900), ("attacker-1", 901)]
 
+    # every one counted; each kind of reason logged, but not one line per message
+    assert server.stats()["rejected"] == rounds * len(attackers) * len(bad)
     dropped = [rec for rec in caplog.records if "dropped a message" in rec.getMessage()]
-    assert len(dropped) == rounds * len(attackers) * len(bad)
+    assert len(dropped) < len(bad)
     assert {rec.levelno for rec in dropped} == {logging.WARNING}
     text = "\n".join(rec.getMessage() for rec in dropped)
     for reason in [
         "version", "not valid msgpack", "declares", "dtype", "'nbytes'", "frames", "message kind",
-        "descriptor is not valid msgpack", "is not a Sluice segment", "cannot be opened", "lies outside", "'offset'",
+        "descriptor is not valid msgpack", "was not announced by 'attacker-", "'offset'",
     ]:
         assert reason in text, reason
 
@@ -359,7 +373,8 @@ def test_close_with_a_backlog_that_cannot_drain_is_prompt(
     silent = raw_sockets(zmq.ROUTER)
     silent.bind("tcp://127.0.0.1:0")
     endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
-    client = transports(CLIENT, TransportConfig(channels=1, inflight_bytes=64 * 1024, chunk_bytes=1 << 16), Inbox())
+    client = transports(CLIENT, TransportConfig(channels=1, inflight_bytes=64 * 1024, chunk_bytes=1 << 16, curve=False),
+                        Inbox())
     client.connect("silent", [endpoint])
     data = np.zeros(64 * 1024, np.uint8)
     for key in range(20):
@@ -381,7 +396,7 @@ def test_close_with_an_unreachable_peer_is_prompt(
     gone.bind("tcp://127.0.0.1:0")
     endpoint = gone.getsockopt_string(zmq.LAST_ENDPOINT)
     gone.close(linger=0)  # nobody listens there any more
-    client = transports(CLIENT, TransportConfig(channels=2), Inbox())
+    client = transports(CLIENT, TransportConfig(channels=2, curve=False), Inbox())
     client.connect("gone", [endpoint, endpoint])
     for key in range(10):
         client.send("gone", key % 2, message(key, payload=np.zeros(1024, np.uint8)))
@@ -408,7 +423,8 @@ def test_a_busy_receiver_handles_urgent_messages_before_its_backlog(
             assert release.wait(10), "the test did not release the receiver"
 
     inbox = Inbox(delay=slow_blocker)
-    server = transports(SERVER, TransportConfig(channels=1, inflight_bytes=1 << 20, chunk_bytes=1 << 16), inbox)
+    server = transports(SERVER, TransportConfig(channels=1, inflight_bytes=1 << 20, chunk_bytes=1 << 16, curve=False),
+                        inbox)
     sender = raw_sockets(zmq.DEALER)
     sender.setsockopt(zmq.IDENTITY, b"fifo-sender")
     sender.connect(server.listen()[0])

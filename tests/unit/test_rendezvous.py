@@ -26,7 +26,7 @@ def register(machine: Rendezvous, name: str, role: str, rank: int = -1, now: flo
 
 
 def formed(workers: int = 2, servers: int = 1) -> Rendezvous:
-    machine = Rendezvous(workers, servers, 1 << 20, CONFIG, "cfg", now=0.0)
+    machine = Rendezvous(workers, servers, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False)
     for s in range(servers):
         register(machine, f"s{s}", "server")
     for w in range(workers):
@@ -36,7 +36,7 @@ def formed(workers: int = 2, servers: int = 1) -> Rendezvous:
 
 
 def test_ids_and_ranks_are_assigned_when_all_arrive() -> None:
-    machine = Rendezvous(2, 2, 1 << 20, CONFIG, "cfg", now=0.0)
+    machine = Rendezvous(2, 2, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False)
     assert register(machine, "a", "worker", rank=1) == []
     assert register(machine, "b", "server") == []
     assert register(machine, "c", "server") == []
@@ -57,13 +57,13 @@ def test_ids_and_ranks_are_assigned_when_all_arrive() -> None:
     ],
 )
 def test_malformed_registration_is_rejected(meta: dict[str, Any], problem: str) -> None:
-    machine = Rendezvous(1, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    machine = Rendezvous(1, 1, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False)
     with pytest.raises(WireError, match=problem):
         machine.on_message("x", Message(Kind.REGISTER, meta=meta), 0.0)
 
 
 def test_other_configuration_is_refused() -> None:
-    machine = Rendezvous(1, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    machine = Rendezvous(1, 1, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False)
     outs = machine.on_message(
         "x", msg(Kind.REGISTER, role="worker", rank=0, endpoints=[], pid=1, fingerprint="other"), 0.0
     )
@@ -71,7 +71,7 @@ def test_other_configuration_is_refused() -> None:
 
 
 def test_rendezvous_timeout_counts_who_came() -> None:
-    machine = Rendezvous(2, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    machine = Rendezvous(2, 1, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False)
     register(machine, "w", "worker")
     assert machine.on_tick(29.0) == []
     outs = machine.on_tick(31.0)
@@ -152,7 +152,8 @@ def _declare_with(machine: Rendezvous, proposals: dict[str, Any]) -> list[Any]:
 def test_the_first_declaration_settles_chunk_size_and_inflight_bound(
     configured: tuple[int, int], proposals: dict[str, Any], limits: list[int], chunks: int
 ) -> None:
-    machine = Rendezvous(2, 1, configured[0], CONFIG, "cfg", now=0.0, inflight_bytes=configured[1])
+    machine = Rendezvous(2, 1, configured[0], CONFIG, "cfg", now=0.0, inflight_bytes=configured[1],
+                         bind_names=False)
     register(machine, "s0", "server")
     register(machine, "w0", "worker")
     register(machine, "w1", "worker")
@@ -165,7 +166,7 @@ def test_the_first_declaration_settles_chunk_size_and_inflight_bound(
 
 
 def test_later_proposals_do_not_change_the_settled_limits() -> None:
-    machine = Rendezvous(1, 1, 0, CONFIG, "cfg", now=0.0)
+    machine = Rendezvous(1, 1, 0, CONFIG, "cfg", now=0.0, bind_names=False)
     register(machine, "s0", "server")
     register(machine, "w0", "worker")
     first = msg(Kind.DECLARE, seq=0, tensors=[["a", [4], "float32", None]], limits=[1 << 17, 1 << 18])
@@ -181,3 +182,18 @@ def test_malformed_limits_are_rejected(bad: Any) -> None:
     machine = formed(workers=1, servers=1)
     with pytest.raises(WireError, match="limits"):
         machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=[["a", [4], "float32", None]], limits=bad), 1.0)
+
+
+def test_a_node_registers_only_under_its_own_name() -> None:
+    """With CURVE the connection's name is proven by its key: worker-1 cannot register as worker 0, and
+    a stranger's connection cannot register as anyone; the real worker 0 is still admitted."""
+    machine = Rendezvous(2, 1, 1 << 20, CONFIG, "cfg", now=0.0)
+    register(machine, "server-0", "server", rank=0)
+    with pytest.raises(WireError, match="REGISTER as worker 0 from a connection named 'worker-1'"):
+        register(machine, "worker-1", "worker", rank=0)
+    with pytest.raises(WireError, match="from a connection named 'stranger'"):
+        register(machine, "stranger", "worker", rank=1)
+    register(machine, "worker-0", "worker", rank=0)
+    outs = register(machine, "worker-1", "worker", rank=1)
+    assert machine.phase == "running"
+    assert sorted(peer for peer, _ in outs) == ["server-0", "worker-0", "worker-1"]

@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import random
 import re
+import sys
+import tracemalloc
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from transport.dtypes import STORAGE
+from transport.msgpack_scan import ScanError, scan
 from transport.wire import (
+    CONTROL_HEADER_BYTES,
+    DATA_HEADER_BYTES,
     DTYPES,
     HEADER_FIELDS,
+    MAX_DEPTH,
     MAX_DIMS,
-    MAX_HEADER_BYTES,
+    MAX_ITEMS,
     MAX_PAYLOAD_BYTES,
+    SCAN_ABOVE,
     VERSION,
     Flag,
     Kind,
     Message,
     WireError,
+    brief,
     decode,
     encode,
 )
@@ -178,7 +190,7 @@ MALFORMED: list[tuple[str, list[Any], str]] = [
     ("array32 of 4G elements", [b"\xdd\xff\xff\xff\xff"], "not valid msgpack"),
     ("map32 of 4G entries", [b"\xdf\xff\xff\xff\xff"], "not valid msgpack"),
     ("bin32 of 4 GiB", [b"\xc6\xff\xff\xff\xff"], "not valid msgpack"),
-    ("header too large", [b"\x00" * (MAX_HEADER_BYTES + 1)], "exceeds"),
+    ("header too large", [b"\x00" * (DATA_HEADER_BYTES + 1)], "exceeds"),
     ("invalid utf-8 in dtype", [header().replace(b"\xa0\x90", b"\xa1\xff\x90")], "not valid msgpack"),
     ("msgpack reserved byte 0xc1", [b"\xc1"], "not valid msgpack"),
     # kind
@@ -215,14 +227,16 @@ MALFORMED: list[tuple[str, list[Any], str]] = [
     ("meta is an int", [header(meta=5)], "meta must be"),
     ("meta is a str", [header(meta="x")], "meta must be"),
     ("meta with int keys", [header(meta={1: "a"})], "not valid msgpack"),
-    ("ext type inside meta", [header(meta={"a": msgpack.ExtType(5, b"x")})], "ExtType"),
-    ("ext type nested in meta", [header(meta={"a": [1, {"b": msgpack.ExtType(5, b"x")}]})], "ExtType"),
-    ("timestamp ext inside meta", [header(meta={"a": msgpack.Timestamp(1, 0)})], "Timestamp"),
+    ("ext type inside meta", [header(meta={"a": msgpack.ExtType(5, b"x")})], "extension type"),
+    ("ext type nested in meta", [header(meta={"a": [1, {"b": msgpack.ExtType(5, b"x")}]})], "extension type"),
+    ("empty ext type inside meta", [header(meta={"a": msgpack.ExtType(5, b"")})], "extension type"),
+    ("timestamp ext inside meta", [header(meta={"a": msgpack.Timestamp(1, 0)})], "extension type"),
+    ("ext type in a long header", [header(meta={"a": "x" * 300, "b": msgpack.ExtType(5, b"")})], "extension type"),
     ("meta with bytes keys", [header(meta={b"a": 1})], "meta keys must be strings"),
-    ("meta is an ext type", [header(meta=msgpack.ExtType(1, b"x"))], "meta must be"),
-    ("key is an ext type", [header(key=msgpack.ExtType(1, b"x"))], "field 'key'"),
-    ("dtype is an ext type", [header(dtype=msgpack.ExtType(1, b"x"))], "is not one of"),
-    ("shape holds an ext type", [float32_header(shape=[msgpack.ExtType(1, b"x")]), PAYLOAD_24], "field 'shape'"),
+    ("meta is an ext type", [header(meta=msgpack.ExtType(1, b"x"))], "extension type"),
+    ("key is an ext type", [header(key=msgpack.ExtType(1, b"x"))], "extension type"),
+    ("dtype is an ext type", [header(dtype=msgpack.ExtType(1, b"x"))], "extension type"),
+    ("shape holds an ext type", [float32_header(shape=[msgpack.ExtType(1, b"x")]), PAYLOAD_24], "extension type"),
     # dtype
     ("unknown dtype complex64", [float32_header(dtype="complex64"), PAYLOAD_24], "is not one of"),
     ("unknown dtype FLOAT32", [float32_header(dtype="FLOAT32"), PAYLOAD_24], "is not one of"),
@@ -324,7 +338,286 @@ def test_mutated_messages_decode_or_raise_wire_error_only(seed: int) -> None:
     assert accepted < 300
 
 
-def test_large_valid_header_is_accepted() -> None:
+def test_large_valid_header_is_accepted_on_control_connections_only() -> None:
     meta = {"tensors": [[i, f"layer{i}.weight", "float32", None, [[0, 1024]]] for i in range(2000)]}
-    got = decode(encode(Message(Kind.PLAN, meta=meta)))
-    assert got.meta == meta
+    frames = encode(Message(Kind.PLAN, meta=meta))
+    assert DATA_HEADER_BYTES < len(frames[0]) < CONTROL_HEADER_BYTES
+    assert decode(frames, max_header=CONTROL_HEADER_BYTES).meta == meta
+    assert decode([zmq.Frame(frames[0])], max_header=CONTROL_HEADER_BYTES).meta == meta  # scanned in place
+    with pytest.raises(WireError, match="exceeds 65536"):
+        decode(frames)
+
+
+# ------------------------------------------------------------------------------------------ hostile input
+# Property tests: whatever arrives, decode returns a Message or raises WireError (never another type),
+# its error message is short, and an over-limit header is refused before msgpack builds anything.
+# Deterministic (derandomize) and small (max_examples), so this part runs in about a second.
+PROPERTY = settings(max_examples=150, derandomize=True, database=None, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+_leaves = (
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+    | st.floats() | st.text(max_size=20) | st.binary(max_size=20)
+    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=6))
+    | st.builds(msgpack.Timestamp, st.integers(0, 1 << 32), st.integers(0, 999_999_999))
+)
+#: any msgpack document: nested lists and maps (keys of several types), ints of any msgpack size, ext types
+documents = st.recursive(
+    _leaves,
+    lambda inner: st.lists(inner, max_size=5)
+    | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5) | st.binary(max_size=4), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+def decode_or_wire_error(frames: list[Any], max_header: int = DATA_HEADER_BYTES) -> Message | None:
+    """decode, asserting that the only exception is a WireError with a short message."""
+    try:
+        return decode(frames, max_header)
+    except WireError as exc:
+        assert len(str(exc)) < 300, str(exc)
+        return None
+
+
+def deep(levels: int) -> bytes:
+    """`levels` nested one-element arrays around a nil, as raw msgpack (nothing is built to make it)."""
+    return b"\x91" * levels + b"\xc0"
+
+
+def with_raw_meta(meta: bytes, **fields: Any) -> bytes:
+    """A valid header whose meta field is the raw msgpack `meta` (header() ends with meta's nil byte)."""
+    head = header(**fields)
+    assert head.endswith(b"\xc0")
+    return head[:-1] + meta
+
+
+def padding(text_bytes: int) -> bytes:
+    """A raw meta entry "p": str of `text_bytes` characters, to push a header past SCAN_ABOVE."""
+    return b"\xa1p\xda" + text_bytes.to_bytes(2, "big") + b"x" * text_bytes
+
+
+@PROPERTY
+@given(st.binary(max_size=600), st.none() | st.binary(max_size=64))
+def test_arbitrary_bytes_decode_or_raise_wire_error(head: bytes, payload: bytes | None) -> None:
+    decode_or_wire_error([head] if payload is None else [head, payload])
+
+
+@PROPERTY
+@given(documents)
+def test_arbitrary_msgpack_documents_decode_or_raise_wire_error(document: Any) -> None:
+    packed = bytes(msgpack.packb(document))
+    assert decode_or_wire_error([packed]) is None  # no document but a 12-field header decodes
+    decode_or_wire_error([header(meta={"x": document})])
+    decode_or_wire_error([with_raw_meta(b"\x82" + padding(300) + b"\xa1x" + packed)])  # the same, scanned
+
+
+@PROPERTY
+@given(st.sampled_from(FIELDS), documents, st.booleans())
+def test_a_header_with_any_value_in_any_field_decodes_or_raises_wire_error(
+    field: str, value: Any, with_payload: bool
+) -> None:
+    frames = [float32_header(**{field: value}), PAYLOAD_24] if with_payload else [header(**{field: value})]
+    msg = decode_or_wire_error(frames)
+    if msg is not None:
+        assert msg.dtype in ("", *DTYPES) and (msg.meta is None or isinstance(msg.meta, dict))
+        assert all(type(d) is int for d in msg.shape) and type(msg.key) is int
+
+
+@PROPERTY
+@given(st.binary(min_size=1, max_size=300), st.integers(0, 400))
+def test_bytes_spliced_into_a_valid_header_decode_or_raise_wire_error(junk: bytes, at: int) -> None:
+    head = float32_header(meta={"seq": 1, "name": "x" * 200})
+    at = min(at, len(head))
+    decode_or_wire_error([head[:at] + junk + head[at:], PAYLOAD_24])
+    decode_or_wire_error([head[:at] + junk, PAYLOAD_24])
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH, 40, 255, 1000, 100_000])
+def test_deep_nesting_is_refused_without_recursion(levels: int) -> None:
+    cases = [
+        [deep(levels)],  # the header itself
+        [with_raw_meta(b"\x81\xa1a" + deep(levels))],  # inside meta
+        [header()[:4] + deep(levels) + header()[5:]],  # in place of the key: [1, 20, 3, [[[...]]], ...]
+    ]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 60)  # any recursion over the levels would fail
+    try:
+        for frames in cases:
+            for max_header in (DATA_HEADER_BYTES, CONTROL_HEADER_BYTES):
+                with pytest.raises(WireError):
+                    decode(frames, max_header)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+@pytest.mark.parametrize("pad", [0, 300], ids=["short header", "scanned header"])
+def test_nesting_up_to_max_depth_is_accepted_and_one_more_is_refused(pad: int) -> None:
+    # the header's array is depth 1, meta depth 2: meta {"a": [[...]]} with k arrays reaches depth 2 + k
+    extra = padding(pad) if pad else b""
+    count = b"\x82" if pad else b"\x81"
+    fits = with_raw_meta(count + extra + b"\xa1a" + deep(MAX_DEPTH - 2))
+    too_deep = with_raw_meta(count + extra + b"\xa1a" + deep(MAX_DEPTH - 1))
+    assert (len(fits) > SCAN_ABOVE) == bool(pad)
+    msg = decode([fits])
+    assert msg.meta is not None and msg.meta["a"] is not None
+    with pytest.raises(WireError, match="deeper than 32"):
+        decode([too_deep])
+
+
+CLAIMS = {"str32": b"\xdb", "bin32": b"\xc6", "array32": b"\xdd", "map32": b"\xdf", "ext32": b"\xc9"}
+
+
+@pytest.mark.parametrize("pad", [0, 300], ids=["short header", "scanned header"])
+@pytest.mark.parametrize("kind", sorted(CLAIMS))
+def test_claimed_lengths_of_4g_are_refused(kind: str, pad: int) -> None:
+    claim = CLAIMS[kind] + b"\xff\xff\xff\xff" + b"\x00" * 8
+    extra = padding(pad) if pad else b""
+    for frames in ([claim], [with_raw_meta((b"\x82" if pad else b"\x81") + extra + b"\xa1a" + claim)]):
+        tracemalloc.start()
+        try:
+            with pytest.raises(WireError):
+                decode(frames, CONTROL_HEADER_BYTES)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 << 10
+
+
+def _padded_header(size: int) -> bytes:
+    """A valid header of exactly `size` bytes: meta {"p": str}."""
+    base = len(with_raw_meta(b"\x81\xa1p\xdb\x00\x00\x00\x00"))
+    text = size - base
+    return with_raw_meta(b"\x81\xa1p\xdb" + text.to_bytes(4, "big") + b"x" * text)
+
+
+@pytest.mark.parametrize("limit", [DATA_HEADER_BYTES, CONTROL_HEADER_BYTES])
+def test_header_size_limit_is_exact(limit: int) -> None:
+    assert len(_padded_header(limit)) == limit
+    meta = decode([_padded_header(limit)], limit).meta
+    assert meta is not None and set(meta["p"]) == {"x"}
+    with pytest.raises(WireError, match=f"exceeds {limit}"):
+        decode([_padded_header(limit + 1)], limit)
+
+
+def test_item_limit_is_exact() -> None:
+    # root array + 12 fields + meta's key and value + the list's items
+    fits = MAX_ITEMS - (1 + HEADER_FIELDS + 2)
+    msg = decode([header(meta={"a": [0] * fits})], CONTROL_HEADER_BYTES)
+    assert msg.meta is not None and len(msg.meta["a"]) == fits
+    with pytest.raises(WireError, match=f"more than {MAX_ITEMS} values"):
+        decode([header(meta={"a": [0] * (fits + 1)})], CONTROL_HEADER_BYTES)
+
+
+def test_meta_is_bounded_by_the_header_limit() -> None:
+    frames = [header(meta={"opt": {"name": "sgd", "lr": 0.1, "note": "x" * DATA_HEADER_BYTES}})]
+    with pytest.raises(WireError, match="exceeds"):
+        decode(frames)
+    assert decode(frames, CONTROL_HEADER_BYTES).meta is not None
+
+
+OVER_LIMIT = {  # built when the test runs, not when pytest collects
+    "31 MiB of str": lambda: with_raw_meta(b"\x81\xa1a\xdb" + (31 << 20).to_bytes(4, "big") + b"x" * (31 << 20)),
+    "31 MiB of empty lists": lambda: b"\xdd" + (31 << 20).to_bytes(4, "big") + b"\x90" * (31 << 20),
+    "4 MiB of empty lists": lambda: b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x90" * ((4 << 20) - 5),
+    "50,000 empty lists then junk": lambda: b"\xdd" + (50_000).to_bytes(4, "big") + b"\x90" * 50_000 + b"!",
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVER_LIMIT))
+def test_an_over_limit_header_allocates_nothing_big(case: str) -> None:
+    head = OVER_LIMIT[case]()
+    for max_header in (DATA_HEADER_BYTES, CONTROL_HEADER_BYTES):
+        tracemalloc.start()
+        try:
+            with pytest.raises(WireError):
+                decode([head], max_header)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"{case}: decode allocated {peak} bytes"
+
+
+def _depth_and_items(value: Any) -> tuple[int, int]:
+    if isinstance(value, list | dict):
+        children = [x for pair in value.items() for x in pair] if isinstance(value, dict) else value
+        inner = [_depth_and_items(child) for child in children]
+        return 1 + max((d for d, _ in inner), default=0), 1 + sum(n for _, n in inner)
+    return 0, 1
+
+
+def _has_ext(value: Any) -> bool:
+    if isinstance(value, list | dict):
+        children = [x for pair in value.items() for x in pair] if isinstance(value, dict) else value
+        return any(_has_ext(child) for child in children)
+    return isinstance(value, msgpack.ExtType | msgpack.Timestamp)
+
+
+@PROPERTY
+@given(documents, st.integers(1, 4), st.integers(1, 40))
+def test_scan_accepts_exactly_the_documents_within_its_limits(document: Any, max_depth: int, max_items: int) -> None:
+    depth, items = _depth_and_items(document)
+    within = depth <= max_depth and items <= max_items and not _has_ext(document)
+    try:
+        scan(bytes(msgpack.packb(document)), max_depth, max_items)
+        accepted = True
+    except ScanError:
+        accepted = False
+    assert accepted == within
+
+
+FORMATS: list[tuple[str, Any, int]] = [  # (name, document, values in it)
+    *((f"str of {n}", "x" * n, 1) for n in (0, 31, 32, 255, 256, 65535, 65536)),
+    *((f"bin of {n}", b"x" * n, 1) for n in (0, 255, 256, 65535, 65536)),
+    *((f"array of {n}", [None] * n, n + 1) for n in (0, 15, 16, 65535, 65536)),
+    *((f"map of {n}", {str(i): 0 for i in range(n)}, 2 * n + 1) for n in (0, 15, 16, 65536)),
+    *((f"int {v}", v, 1) for v in (0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1,
+                                   -1, -32, -33, -128, -129, -32768, -32769, -(1 << 31), -(1 << 31) - 1, -(1 << 63))),
+    ("nil, bools, floats", [None, True, False, 1.5, float("inf")], 6),
+]
+
+
+@pytest.mark.parametrize(("name", "document", "values"), FORMATS, ids=[name for name, _, _ in FORMATS])
+def test_scan_reads_every_format(name: str, document: Any, values: int) -> None:
+    for packed in {bytes(msgpack.packb(document)), bytes(msgpack.packb(document, use_single_float=True))}:
+        scan(packed, 1, values)
+        if values > 1:
+            with pytest.raises(ScanError, match="more than"):
+                scan(packed, 1, values - 1)
+        if len(packed) > 1:
+            with pytest.raises(ScanError, match=r"truncated|claims"):
+                scan(packed[:-1], 1, values)
+        with pytest.raises(ScanError, match="follow"):
+            scan(packed + b"\xc0", 1, values)
+
+
+@PROPERTY
+@given(st.binary(max_size=200))
+def test_what_scan_accepts_msgpack_can_read(data: bytes) -> None:
+    try:
+        scan(data, MAX_DEPTH, MAX_ITEMS)
+    except ScanError:
+        return
+    with contextlib.suppress(TypeError):  # a list or map as a map key: unhashable (decode's strict_map_key refuses it)
+        msgpack.unpackb(data, raw=True, strict_map_key=False)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "None"), (True, "True"), (1.5, "1.5"), (-3, "-3"), ((1 << 64) - 1, "18446744073709551615"),
+        (1 << 200, "an int of 201 bits"), ("float32", "'float32'"),
+        ("x" * 1000, "'xxxxxxxxxxxxxxxxxxxx'... (1000 characters)"),
+        (b"\x00" * 50, repr(b"\x00" * 20) + "... (50 bytes)"), ([1, 2, 3], "a list of 3 items"),
+        ({"a": 1}, "a map of 1 entries"), (msgpack.ExtType(1, b"x" * 100), "a ExtType"), ((1, 2), "a tuple of 2 items"),
+    ],
+)
+def test_brief_names_a_value_without_its_contents(value: Any, expected: str) -> None:
+    assert brief(value) == expected
+
+
+def test_brief_of_a_huge_nested_value_is_quick_and_short() -> None:
+    nested: list[Any] = []
+    for _ in range(100_000):
+        nested = [nested]
+    assert brief(nested) == "a list of 1 items"
+    assert brief(10**5000).startswith("an int of")

@@ -1,0 +1,83 @@
+"""CURVE keys of a job's members, derived from the job secret, and the ZAP answers that admit only them.
+
+Every process of a job holds the job secret (made by the launcher, handed to each child through an
+inherited pipe, never on a command line or in a log). From it each member name ("scheduler",
+"server-0", "worker-3", ...) gets its own CURVE key pair: secret key = HMAC-SHA256(job secret,
+name). So every member can compute every member's public key (a DEALER must know its server's key
+before the handshake) and a listening socket can tell, from the key a client proved it holds, which
+member it is: that name becomes the connection's ZAP User-Id, and the transport drops any message
+whose self-chosen ZeroMQ identity differs from it. A process without the secret cannot complete a
+handshake at all: it does not know the servers' public keys, and no key it has maps to a member.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Sequence
+
+import zmq
+import zmq.utils.z85
+
+_CONTEXT = b"sluice curve key v1\x00"
+MIN_SECRET_BYTES = 16
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_VERSION = b"1.0"
+
+
+class JobKeys:
+    """The key pairs of a job's members; `member` maps a client's public key back to its name."""
+
+    def __init__(self, secret: bytes, members: Iterable[str]) -> None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"a job secret needs at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+        self._secret = secret
+        self._public: dict[str, bytes] = {}
+        self._members: dict[bytes, str] = {}  # raw 32-byte public key -> member name
+        self.names = frozenset(members)
+        for name in self.names:
+            self._members[zmq.utils.z85.decode(self.public_key(name))] = name
+
+    def __repr__(self) -> str:  # never show the secret, whatever logs this object
+        return f"JobKeys({len(self._members)} members)"
+
+    def secret_key(self, name: str) -> bytes:
+        """The Z85-encoded CURVE secret key of member `name`."""
+        raw = hmac.new(self._secret, _CONTEXT + name.encode(), hashlib.sha256).digest()
+        return bytes(zmq.utils.z85.encode(raw))
+
+    def public_key(self, name: str) -> bytes:
+        """The Z85-encoded CURVE public key of member `name` (cached: a scalar multiplication each)."""
+        key = self._public.get(name)
+        if key is None:
+            key = self._public[name] = bytes(zmq.curve_public(self.secret_key(name)))
+        return key
+
+    def member(self, raw_public_key: bytes) -> str | None:
+        """The member holding this (raw, 32-byte) public key, or None for a stranger."""
+        return self._members.get(raw_public_key)
+
+    def secure_server(self, sock: zmq.Socket[bytes], name: str) -> None:
+        """Make a listening socket a CURVE server with `name`'s keys (clients are checked by ZAP)."""
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret_key(name))
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key(name))
+
+    def secure_client(self, sock: zmq.Socket[bytes], name: str, server: str) -> None:
+        """Make a connecting socket a CURVE client of member `server`, proving it is `name`."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public_key(server))
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key(name))
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret_key(name))
+
+    def zap_reply(self, request: Sequence[bytes]) -> tuple[list[bytes], str | None]:
+        """The reply to one ZAP request, and the member admitted (None: refused).
+
+        Request frames (RFC 27): version, request id, domain, address, identity, mechanism, credentials.
+        """
+        if len(request) < 6 or request[0] != ZAP_VERSION:
+            return [ZAP_VERSION, request[1] if len(request) > 1 else b"", b"500", b"malformed request", b"", b""], None
+        request_id, mechanism, credentials = request[1], request[5], request[6:]
+        name = self.member(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else None
+        if name is None:
+            return [ZAP_VERSION, request_id, b"400", b"not a member of this job", b"", b""], None
+        return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""], name

@@ -1,0 +1,134 @@
+"""The transport's defences at the socket level: CURVE and ZAP, size caps, handshake counts, cut-offs.
+
+- Every socket refuses frames over a cap (ZMQ_MAXMSGSIZE): libzmq reads a frame's length before its
+  body and drops the connection of a peer that announces more, so an oversized frame is never held.
+  Data sockets cap at the job's largest chunk, control sockets (to and from the scheduler) at the
+  largest control header.
+- With job keys, listening sockets are CURVE servers and a ZAP handler on the transport's own I/O
+  thread admits only clients whose key belongs to a member, whose name becomes the connection's
+  User-Id; connecting sockets authenticate the server they connect to by its key. A monitor counts
+  handshakes that failed (strangers never get a message through).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from transport.auth import ZAP_ENDPOINT, JobKeys
+
+_HWM = 100_000
+#: CURVE wraps each frame in a MESSAGE command (a nonce, flags and a MAC, under 100 bytes), and libzmq
+#: applies ZMQ_MAXMSGSIZE to that wrapped size
+_FRAME_SLACK = 4096
+_LINGER_MS = 2000
+_FAILED_HANDSHAKES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+#: at most one cut-off per banned peer per this many seconds (its DEALER reconnects by itself)
+_CUT_INTERVAL = 1.0
+
+
+def make_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, max_frame: int, tos: int | None,
+                so_priority: int | None) -> zmq.Socket[bytes]:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, _LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame + _FRAME_SLACK)
+    if tos is not None:
+        sock.setsockopt(zmq.TOS, tos)
+    if so_priority is not None:
+        sock.setsockopt(zmq.PRIORITY, so_priority)
+    return sock
+
+
+class Guard:
+    """The ZAP handler and handshake monitors of one transport; everything runs on its I/O thread."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], name: str, keys: JobKeys | None) -> None:
+        self.name, self.keys = name, keys
+        self.zap: zmq.Socket[bytes] | None = None
+        self.monitors: list[zmq.Socket[bytes]] = []
+        self.refused_handshakes = 0
+        self.denied = 0
+        self._cut_at: dict[str, float] = {}
+        if keys is not None:  # bound before any listening socket exists, so no client slips past it
+            self.zap = ctx.socket(zmq.REP)
+            self.zap.setsockopt(zmq.LINGER, 0)
+            self.zap.bind(ZAP_ENDPOINT)
+
+    def secure_listener(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
+        """CURVE-server settings for a socket about to bind; its handshake monitor (to poll), if any."""
+        if self.keys is None:
+            return None
+        self.keys.secure_server(sock, self.name)
+        monitor = sock.get_monitor_socket(_FAILED_HANDSHAKES)
+        self.monitors.append(monitor)
+        return monitor
+
+    def secure_dialer(self, sock: zmq.Socket[bytes], peer: str) -> None:
+        if self.keys is not None:
+            self.keys.secure_client(sock, self.name, peer)
+
+    def answer_zap(self) -> str | None:
+        """Answer pending ZAP requests; a line to log about a refused client, if any."""
+        assert self.zap is not None
+        refused = None
+        while True:
+            try:
+                request = self.zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return refused
+            assert self.keys is not None
+            reply, member = self.keys.zap_reply(request)
+            self.zap.send_multipart(reply)
+            if member is None:
+                self.denied += 1
+                address = request[3].decode(errors="replace")[:60] if len(request) > 3 else "?"
+                refused = f"refused a connection from {address}: its key is not a member of this job"
+
+    def read_monitor(self, monitor: zmq.Socket[bytes]) -> int:
+        """Count failed handshakes reported by one monitor; how many there were."""
+        failed = 0
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            except (ValueError, KeyError, IndexError):  # an event we do not parse
+                continue
+            if event["event"] & _FAILED_HANDSHAKES:
+                failed += 1
+        self.refused_handshakes += failed
+        return failed
+
+    def cut(self, peer: str, frame: zmq.Frame, now: float) -> bool:
+        """Shut the TCP connection a banned peer's message came on; its DEALER reconnects, and is cut again.
+
+        The descriptor comes from the message just read (ZMQ_SRCFD) and is only shut down (libzmq
+        closes it itself when it sees the end), never closed here."""
+        if now - self._cut_at.get(peer, -_CUT_INTERVAL) < _CUT_INTERVAL:
+            return False
+        if len(self._cut_at) > 4096:
+            self._cut_at.clear()
+        self._cut_at[peer] = now
+        with contextlib.suppress(OSError, zmq.ZMQError, ValueError):
+            fd = frame.get(zmq.SRCFD)
+            if isinstance(fd, int) and fd >= 0:
+                dup = socket.socket(fileno=os.dup(fd))
+                try:
+                    if dup.type == socket.SOCK_STREAM:
+                        dup.shutdown(socket.SHUT_RDWR)
+                        return True
+                finally:
+                    dup.close()
+        return False
+
+    def close(self) -> None:
+        for sock in [*self.monitors, *([self.zap] if self.zap is not None else [])]:
+            sock.close(linger=0)
