@@ -438,3 +438,47 @@ def test_a_busy_receiver_handles_urgent_messages_before_its_backlog(
     keys = [r.key for r in inbox.wait_for(lows + 2)[1:]]
     assert keys[0] == 1000, f"the urgent message was handled after {keys.index(1000)} bulk messages"
     assert keys[1:] == list(range(lows)), "equal priorities stay FIFO"
+
+
+# ------------------------------------------------------------------------------------------ (e) last resort
+@pytest.mark.timeout(30)
+def test_the_io_thread_survives_any_exception_and_says_so_once_per_kind(
+    transports: Callable[..., ZmqTransport], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug anywhere a received message reaches (decoding, the handler) costs that message only: it
+    is dropped, counted and logged with its traceback (once per kind of failure), and the thread serves on."""
+    import transport.zmq_transport as zmq_transport
+
+    caplog.set_level(logging.WARNING, logger="sluice.transport")
+    real_decode = zmq_transport.decode
+
+    def decode_with_a_bug(frames: Any, max_header: int) -> Message:
+        msg = real_decode(frames, max_header)
+        if msg.key == 666:
+            raise RecursionError("a bug while decoding")
+        return msg
+
+    monkeypatch.setattr(zmq_transport, "decode", decode_with_a_bug)
+    received: list[int] = []
+
+    def handler(peer: str, channel: int, msg: Message) -> None:
+        if msg.key == 777:
+            raise KeyError("a bug in the handler")
+        received.append(msg.key)
+
+    config = TransportConfig(channels=1, inflight_bytes=1 << 20, chunk_bytes=1 << 16)
+    server = transports(SERVER, config, handler)
+    client = transports(CLIENT, config, Inbox())
+    client.connect(SERVER, server.listen())
+    for key in [1, 666, 2, 777, 3, 666, 777, 4]:
+        client.send(SERVER, 0, message(key))
+    deadline = time.monotonic() + 10
+    while len(received) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert received == [1, 2, 3, 4]
+    assert server.stats()["rejected"] == 4
+    failures = [rec for rec in caplog.records if "could not be processed" in rec.getMessage()
+                or "failed (KeyError)" in rec.getMessage()]
+    assert len(failures) == 2, [rec.getMessage() for rec in failures]  # each kind once, with its traceback
+    assert all(rec.exc_info is not None for rec in failures)
+    assert "RecursionError" in failures[0].getMessage() and "KeyError" in failures[1].getMessage()

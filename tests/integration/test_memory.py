@@ -1,0 +1,85 @@
+"""A server's memory stays bounded while peers send it oversized headers and payloads.
+
+ZeroMQ refuses a frame larger than the job's largest chunk (plus slack) as soon as it has read its
+length, and drops that connection: nothing of it is held. Headers within the frame limit but over
+the header limit are refused before msgpack builds anything; deep or long ones are refused by the
+pre-scan. So RSS grows by a bounded amount (this test states MAX_GROWTH_MIB), not by what is sent.
+CURVE is off here: strangers can reach the sockets, the worst case; with it on, only members can.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.cluster import LocalCluster
+
+#: oversized frames are dropped unread: the server may grow by little more than allocator noise
+MAX_OVERSIZED_GROWTH_MIB = 16
+#: frames within the limits are read before they are refused: libzmq allocates each (here up to 60 of
+#: 1 MiB at once, 20 connections per endpoint) and the allocator keeps freed heap for reuse
+MAX_IN_LIMIT_GROWTH_MIB = 96
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _flood_and_measure(server_pid: int) -> dict[str, Any]:
+    from worker.client import Client
+
+    client = Client()
+    client.declare([("w", (1024,), "float32", None)])
+    out = np.zeros(1024, np.float32)
+    client.push_pull("w", np.ones(1024, np.float32), out).wait(30)
+    endpoints = [e for p in client.control.peers if p.role == "server" for e in p.endpoints]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sent = 0
+    oversized = [b"\xdc\xff\xff" + bytes(31 << 20)]  # a 31 MiB header: over every frame limit
+    big_payload = [b"\x9c" + bytes(11), bytes(8 << 20)]  # a frame 8x the largest chunk
+    in_limit = [bytes([0xDC, 0xFF, 0xFF]) + os.urandom(60 << 10), os.urandom(1 << 20)]  # refused after reading
+    growth = {}
+    try:
+        for phase, attacks in (("oversized", [oversized, big_payload] * 10), ("in-limit", [in_limit] * 20)):
+            before = peak = rss_mib(server_pid)
+            for round_ in range(10):
+                for endpoint in endpoints:
+                    for frames in attacks:
+                        sock = ctx.socket(zmq.DEALER)  # a fresh connection: an oversized frame ends its connection
+                        sock.setsockopt(zmq.LINGER, 5000)  # closed at once, but what it holds is still sent
+                        sock.setsockopt(zmq.IDENTITY, f"flood-{round_}-{sent}".encode())
+                        sock.connect(endpoint)
+                        sock.send_multipart(frames, copy=False)
+                        sent += 1
+                        sock.close()
+                time.sleep(0.2)
+                peak = max(peak, rss_mib(server_pid))
+            time.sleep(1.0)
+            growth[phase] = max(peak, rss_mib(server_pid)) - before
+        client.push_pull("w", np.ones(1024, np.float32), out).wait(30)  # the server still serves
+    finally:
+        ctx.term()
+        client.close()
+    return {"growth": growth, "sent": sent, "sum": float(out[0])}
+
+
+@pytest.mark.timeout(120)
+def test_server_memory_stays_bounded_under_oversized_headers_and_payloads() -> None:
+    with LocalCluster(1, 1, {"transport": {"curve": False}}) as cluster:
+        server_pid = cluster.processes[1].pid
+        [report] = cluster.run(_flood_and_measure, server_pid, timeout=100)
+        assert cluster.wait(timeout=20) == [0, 0, 0]
+    assert report["sum"] == 1.0
+    assert report["sent"] == 10 * 3 * (20 + 20)  # 1.2 GiB of oversized frames, 0.6 GiB within the limits
+    growth = report["growth"]
+    assert growth["oversized"] < MAX_OVERSIZED_GROWTH_MIB, growth
+    assert growth["in-limit"] < MAX_IN_LIMIT_GROWTH_MIB, growth
