@@ -9,6 +9,7 @@ connection proved with its key is bound to it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any
@@ -44,10 +45,8 @@ def _stranger(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, name: str, ser
 
 
 def _send(sock: zmq.Socket[bytes], msg: Message) -> None:
-    try:  # a socket whose handshake never succeeds has nowhere to put it: that is the point
+    with contextlib.suppress(zmq.Again):  # a socket whose handshake never succeeds has nowhere to put it
         sock.send_multipart(encode(msg), zmq.NOBLOCK)
-    except zmq.Again:
-        pass
 
 
 def _heard(sockets: list[zmq.Socket[bytes]], seconds: float) -> int:
