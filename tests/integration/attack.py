@@ -195,9 +195,9 @@ class Attacker(threading.Thread):
 
     def _sockets(self, ctx: zmq.Context[zmq.Socket[bytes]], servers: list[Any],
                  big: bool = False) -> list[zmq.Socket[bytes]]:
-        """One DEALER per server endpoint: strangers with CURVE off; with it on, a compromised member
-        (another server's key and name, or for the `big` attacks the scheduler's), plus strangers that
-        must be refused at the door."""
+        """One DEALER per server endpoint and one to the scheduler: strangers with CURVE off; with it on,
+        a compromised member (another server's key and name, or for the `big` attacks the scheduler's),
+        plus strangers that must be refused at the door."""
         env = self.client.env
         keys = env.job_keys()
         names = member_names(env.workers, env.servers)
@@ -230,6 +230,17 @@ class Attacker(threading.Thread):
                         self.strangers.append(stranger)
                 sock.connect(endpoint)
                 sockets.append(sock)
+        if not big:  # the scheduler too; with CURVE under its own name, the one member that never dials it
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if keys is None:
+                sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
+            else:
+                sock.setsockopt(zmq.IDENTITY, b"scheduler")
+                keys.secure_client(sock, "scheduler", "scheduler")
+            sock.connect(env.scheduler)
+            sockets.append(sock)
         return sockets
 
     def run(self) -> None:
