@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"run {what} (started by `sluice launch`, or by hand on a cluster)",
             description=_wrap(f"Runs {what} of a job. It reads its place in the job from SLUICE_SCHEDULER, "
                         "SLUICE_RANK, SLUICE_NUM_WORKERS, SLUICE_NUM_SERVERS and the resolved configuration "
-                        "from SLUICE_CONFIG_JSON, as `sluice launch` sets them."
+                        "from SLUICE_CONFIG_JSON, as `sluice launch` sets them, and the job secret from the "
+                        "descriptor SLUICE_SECRET_FD names (or runs unauthenticated with transport.curve = false)."
                         + (" It prints `SLUICE_SCHEDULER_READY <endpoint>` once it listens."
                            if role == "scheduler" else "")))
     return parser
