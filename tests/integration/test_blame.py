@@ -8,7 +8,6 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,22 +39,6 @@ while step < limits.get(client.rank, 1 << 30):
 client.close()
 """
 FAST_HEARTBEATS = ["--set", "scheduler.heartbeat_interval=0.5", "--set", "scheduler.heartbeat_timeout=3"]
-
-
-@pytest.fixture
-def launch() -> Iterator[type[Launch]]:
-    started: list[Launch] = []
-
-    class Tracked(Launch):
-        def __init__(self, args: list[str]) -> None:
-            super().__init__(args)
-            started.append(self)
-
-    try:
-        yield Tracked
-    finally:
-        for job in started:
-            job.close()
 
 
 @pytest.fixture

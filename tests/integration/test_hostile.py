@@ -127,7 +127,8 @@ def test_server_rejects_malformed_messages_and_training_is_unharmed(
     assert re.search(r"rejected PUSH from 'worker-0'", err)
     # the scheduler took its share of the attack and kept hearing every node's heartbeats
     scheduler_side = r"'scheduler'" if curve else r"'stranger-[0-9a-f]{12}'"
-    assert re.search(rf"sluice.scheduler:rejected \w+ from {scheduler_side}: \w+ from unregistered peer", err), err[-2000:]
+    refused_by_scheduler = rf"sluice.scheduler:rejected \w+ from {scheduler_side}: \w+ from unregistered peer"
+    assert re.search(refused_by_scheduler, err), err[-2000:]
     assert "sent no heartbeat" not in err
     for forbidden in ("Traceback", "Logging error", "I/O thread failed", "failed; message dropped", "ERROR:"):
         lines = [line for line in err.splitlines() if forbidden in line]

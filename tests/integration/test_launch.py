@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,22 +162,6 @@ class Launch:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         self.proc.wait(5)
-
-
-@pytest.fixture
-def launch(tmp_path: Path) -> Iterator[type[Launch]]:
-    started: list[Launch] = []
-
-    class Tracked(Launch):
-        def __init__(self, args: list[str]) -> None:
-            super().__init__(args)
-            started.append(self)
-
-    try:
-        yield Tracked
-    finally:
-        for job in started:
-            job.close()
 
 
 @pytest.fixture
