@@ -36,16 +36,17 @@ from transport.wire import VERSION, Kind
 _ctx = mp.get_context("fork")
 
 CLEAN_ON, CLEAN_OFF = "clean", "clean-curve-off"
-STRANGERS, MEMBER, CURVE_OFF, SPIN = "strangers", "member", "curve-off", "busy-loop"
-MODES = (STRANGERS, MEMBER, CURVE_OFF, SPIN)
+STRANGERS, MEMBER, CURVE_OFF, CURVE_OFF_BANNED, SPIN = "strangers", "member", "curve-off", "curve-off-banned", "busy-loop"
+MODES = (STRANGERS, MEMBER, CURVE_OFF, CURVE_OFF_BANNED, SPIN)
 #: the clean run each mode is compared with (the same transport.curve)
-BASELINE = {STRANGERS: CLEAN_ON, MEMBER: CLEAN_ON, SPIN: CLEAN_ON, CURVE_OFF: CLEAN_OFF}
+BASELINE = {STRANGERS: CLEAN_ON, MEMBER: CLEAN_ON, SPIN: CLEAN_ON, CURVE_OFF: CLEAN_OFF, CURVE_OFF_BANNED: CLEAN_OFF}
 PEER_NAME = {CLEAN_ON: "sluice, the same job without a flood (transport.curve = true)",
              CLEAN_OFF: "sluice, the same job without a flood (transport.curve = false)"}
 LABELS = {
     STRANGERS: "CURVE on, strangers without the secret: connection attempts and garbage, nothing gets in",
     MEMBER: "CURVE on, a compromised member (the job secret, another server's key and name) sends garbage",
     CURVE_OFF: "CURVE off, strangers with random identities send garbage, rotating identities before a ban",
+    CURVE_OFF_BANNED: "CURVE off, strangers that keep their identities: banned after 100 refusals, and cut",
     SPIN: "control: a process that only spins one core (no messages), to separate CPU contention",
 }
 TARGET_RATIO = 0.5

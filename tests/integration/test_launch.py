@@ -34,9 +34,17 @@ time.sleep(60)
 
 # A worker of a real Sluice job: every worker adds rank + 1 into one tensor.
 SLUICE_WORKER = """
+import os
 import numpy as np
 from worker.client import Client
 client = Client()
+fd = int(os.environ["SLUICE_SECRET_FD"])  # the job secret came through this pipe: read once, then closed
+try:
+    what = os.readlink(f"/proc/self/fd/{fd}")  # the number may be reused since, but not by a pipe
+except OSError:
+    what = "closed"
+print("secret pipe", "still open" if what.startswith("pipe:") else "closed", flush=True)
+print("secret in environ:", [k for k in os.environ if "SECRET" in k and k != "SLUICE_SECRET_FD"], flush=True)
 client.declare([("w", (1000,), "float32", None)])
 out = np.zeros(1000, np.float32)
 client.push_pull("w", np.full(1000, client.rank + 1, np.float32), out).wait()
@@ -199,6 +207,9 @@ def test_real_job_ends_by_itself(launch: type[Launch], tmp_path: Path) -> None:
     out = job.stdout()
     assert "[worker 0] sum 3.0" in out and "[worker 1] sum 3.0" in out
     assert "stopping" not in out, out  # scheduler and servers left by themselves
+    # CURVE was on, and the secret reached the workers only through the pipe, which is closed after use
+    assert "[launch] transport.curve = true" in out
+    assert out.count("secret pipe closed") == 2 and "secret in environ: []" in out
 
 
 @pytest.mark.timeout(60)
