@@ -483,3 +483,37 @@ def test_the_io_thread_survives_any_exception_and_says_so_once_per_kind(
     assert len(failures) == 2, [rec.getMessage() for rec in failures]  # each kind once, with its traceback
     assert all(rec.exc_info is not None for rec in failures)
     assert "RecursionError" in failures[0].getMessage() and "KeyError" in failures[1].getMessage()
+
+
+@pytest.mark.timeout(30)
+def test_a_stranger_sending_only_garbage_is_cut_off(
+    transports: Callable[..., ZmqTransport], raw_sockets: Callable[[int], zmq.Socket[bytes]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without CURVE, a stranger whose messages are (almost) all refused is banned after 100: its
+    later messages are dropped unread and its TCP connection is shut; a proper peer is unaffected."""
+    caplog.set_level(logging.WARNING, logger="sluice.transport")
+    config = TransportConfig(channels=1, inflight_bytes=1 << 20, chunk_bytes=1 << 16, curve=False)
+    inbox = Inbox()
+    server = transports(SERVER, config, inbox)
+    client = transports(CLIENT, config, Inbox())
+    endpoint = server.listen()[0]
+    client.connect(SERVER, [endpoint])
+    warm_up(client, SERVER, inbox, 1)
+    stranger = raw_sockets(zmq.DEALER)
+    stranger.setsockopt(zmq.IDENTITY, b"stranger")
+    monitor = stranger.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    stranger.connect(endpoint)
+    for _ in range(150):
+        stranger.send_multipart([b"\xc1 not msgpack"])
+    stranger.send_multipart(encode(message(5)))  # well-formed, but from a banned peer
+    deadline = time.monotonic() + 10
+    while server.stats()["rejected"] < 151 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.stats()["rejected"] == 151  # 100 refused, then 51 dropped unread
+    assert monitor.poll(5000), "the stranger's connection was not shut"
+    monitor.close()
+    assert "'stranger' sent 100 malformed or forged messages and little else" in caplog.text
+    assert [r.key for r in inbox.snapshot() if r.peer == "stranger"] == []
+    client.send(SERVER, 0, message(6))
+    assert [r.key for r in inbox.wait_for(2)] == [1 << 30, 6]
