@@ -448,10 +448,10 @@ def test_the_io_thread_survives_any_exception_and_says_so_once_per_kind(
 ) -> None:
     """A bug anywhere a received message reaches (decoding, the handler) costs that message only: it
     is dropped, counted and logged with its traceback (once per kind of failure), and the thread serves on."""
-    import transport.zmq_transport as zmq_transport
+    import transport.zmq_receive as zmq_receive
 
     caplog.set_level(logging.WARNING, logger="sluice.transport")
-    real_decode = zmq_transport.decode
+    real_decode = zmq_receive.decode
 
     def decode_with_a_bug(frames: Any, max_header: int) -> Message:
         msg = real_decode(frames, max_header)
@@ -459,7 +459,7 @@ def test_the_io_thread_survives_any_exception_and_says_so_once_per_kind(
             raise RecursionError("a bug while decoding")
         return msg
 
-    monkeypatch.setattr(zmq_transport, "decode", decode_with_a_bug)
+    monkeypatch.setattr(zmq_receive, "decode", decode_with_a_bug)
     received: list[int] = []
 
     def handler(peer: str, channel: int, msg: Message) -> None:
