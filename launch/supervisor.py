@@ -4,136 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import math
 import os
 import shlex
 import signal
 import sys
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from launch.blame import Watched, exit_description, find, first_report, judge, state_description
+from launch.children import Child, Sink, death_signal_hook
 from launch.config import SluiceConfig
 from launch.janitor import Janitor
-from scheduler import culprit
 from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
-from transport.shm import remove_segments_of
 
-READY_PREFIX = "SLUICE_SCHEDULER_READY "
-TAIL_LINES = 20
 #: seconds between SIGTERM and SIGKILL when stopping a process group
 STOP_TIMEOUT = 3.0
 #: after a child exits non-zero, how long the launcher keeps reading before it names the first cause:
 #: the report of what started the failure, and the exits it caused, may arrive a moment later
 SETTLE_SECONDS = 0.5
-_PR_SET_PDEATHSIG = 1
-_MAX_LINE = 1 << 20
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _death_signal_hook() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL the child when the launcher dies, so no role outlives it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child should not dlopen
-    except OSError:
-        return None
-    parent = os.getpid()
-
-    def hook() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return hook
-
-
-class _Sink:
-    """The launcher's stdout; if it goes away (a closed pipe) the job keeps running without it."""
-
-    def __init__(self, stream: BinaryIO) -> None:
-        self.stream: BinaryIO | None = stream
-
-    def write(self, data: bytes) -> None:
-        if self.stream is None:
-            return
-        try:
-            self.stream.write(data)
-            self.stream.flush()
-        except (OSError, ValueError):
-            self.stream = None
-
-
-class _Child:
-    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: _Sink) -> None:
-        self.role, self.rank, self.proc, self.sink = role, rank, proc, sink
-        self.label = role if role == "scheduler" else f"{role} {rank}"
-        self.prefix = f"[{self.label}] ".encode()
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.ended_at: float | None = None
-        self.culprit: tuple[float, culprit.Culprit] | None = None
-        self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.pump = asyncio.create_task(self._pump())
-        self.done = asyncio.create_task(self._wait())
-
-    @property
-    def name(self) -> str:
-        return f"{self.label} (pid {self.proc.pid})"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    async def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        partial = b""
-        while data := await self.proc.stdout.read(65536):
-            *lines, partial = (partial + data).split(b"\n")
-            if len(partial) > _MAX_LINE:
-                lines.append(partial)
-                partial = b""
-            self._emit(lines)
-        if partial:
-            self._emit([partial])
-
-    def _emit(self, lines: list[bytes]) -> None:
-        if not lines:
-            return
-        for raw in lines:
-            text = raw.decode(errors="replace").rstrip("\r")
-            self.tail.append(text)
-            if text.startswith(READY_PREFIX) and not self.ready.done():
-                self.ready.set_result(text[len(READY_PREFIX) :].strip())
-            if self.culprit is None and (named := culprit.parse(text)) is not None:
-                self.culprit = (time.monotonic(), named)
-        self.sink.write(b"".join(self.prefix + raw + b"\n" for raw in lines))
-
-    async def _wait(self) -> int:
-        code = await self.proc.wait()
-        self.ended_at = time.monotonic()
-        remove_segments_of(self.proc.pid)  # shared memory a killed process could not unlink itself
-        # a grandchild may hold the pipe open after the child exits: do not wait for it forever
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.pump), 1.0)
-        return code
-
-    def signal_group(self, sig: signal.Signals) -> None:
-        # the group outlives its leader when the child left processes behind: signal it regardless
-        with contextlib.suppress(OSError):
-            os.killpg(self.proc.pid, sig)
 
 
 class _Job:
@@ -142,8 +37,8 @@ class _Job:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
         self.secret = new_secret()
         self.grace, self.ready_timeout = grace, ready_timeout
-        self.sink, self.err = _Sink(out), err
-        self.children: list[_Child] = []
+        self.sink, self.err = Sink(out), err
+        self.children: list[Child] = []
         loop = asyncio.get_running_loop()
         self.interrupted: asyncio.Future[int] = loop.create_future()
         self.kill_now = asyncio.Event()
@@ -155,7 +50,7 @@ class _Job:
             threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
-        self.preexec = _death_signal_hook()
+        self.preexec = death_signal_hook()
         self.janitor: Janitor | None = None
 
     def say(self, text: str) -> None:
@@ -172,7 +67,7 @@ class _Job:
             self.interrupted.set_result(128 + sig)
             self.complain(f"received {sig.name}; stopping the job")
 
-    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> _Child:
+    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
         node = NodeEnv(scheduler, role, rank, self.workers, self.servers, self.config.to_sections())
         env = {**self.base_env, **node.to_environ()}
         if role != "worker":  # role processes run our own module, wherever the launcher was started
@@ -187,14 +82,14 @@ class _Job:
             )
         finally:
             os.close(secret_fd)
-        child = _Child(role, rank, proc, self.sink)
+        child = Child(role, rank, proc, self.sink)
         self.children.append(child)
         if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
             janitor.spawned(proc.pid)
             child.done.add_done_callback(lambda _: janitor.reaped(proc.pid))
         return child
 
-    def report(self, child: _Child, why: str) -> None:
+    def report(self, child: Child, why: str) -> None:
         self.complain(f"{child.name} {exit_description(child.proc.returncode or 0)}{why}")
         lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
         self.complain(f"last lines of {child.label}:\n{lines}")
@@ -241,7 +136,7 @@ class _Job:
                  f"{_count(self.workers, 'worker')}")
         plan = [("server", rank, [*role_argv, "server"]) for rank in range(self.servers)]
         plan += [("worker", rank, self.command) for rank in range(self.workers)]
-        started: list[_Child] = []
+        started: list[Child] = []
         for role, rank, argv in plan:
             try:
                 started.append(await self.spawn(role, rank, argv, endpoint))
@@ -252,10 +147,10 @@ class _Job:
         workers = [c for c in started if c.role == "worker"]
         return await self._watch(roles, workers)
 
-    async def _watch(self, roles: list[_Child], workers: list[_Child]) -> int:
-        running: dict[asyncio.Future[Any], _Child] = {child.done: child for child in workers}
-        role_tasks: dict[asyncio.Future[Any], _Child] = {child.done: child for child in roles}
-        ended: _Child | None = None  # the first role that exited 0 while workers were still running
+    async def _watch(self, roles: list[Child], workers: list[Child]) -> int:
+        running: dict[asyncio.Future[Any], Child] = {child.done: child for child in workers}
+        role_tasks: dict[asyncio.Future[Any], Child] = {child.done: child for child in roles}
+        ended: Child | None = None  # the first role that exited 0 while workers were still running
         deadline = math.inf
         loop = asyncio.get_running_loop()
         while running:
@@ -290,7 +185,7 @@ class _Job:
     def _context(child: Watched) -> str:
         return " while workers were still running" if child.role != "worker" else ""
 
-    async def _failed(self, first: _Child) -> int:
+    async def _failed(self, first: Child) -> int:
         """`first` exited non-zero while workers ran: name the first cause (launch/blame.py) and show the
         last lines of it and of `first`; the launcher's exit code."""
         code = first.proc.returncode
@@ -321,7 +216,7 @@ class _Job:
         await asyncio.wait([exited, self.interrupted], timeout=SETTLE_SECONDS)
         exited.cancel()
 
-    async def _wind_down(self, roles: list[_Child]) -> int:
+    async def _wind_down(self, roles: list[Child]) -> int:
         """The workers are done: give the scheduler and servers `grace` seconds to leave by themselves."""
         pending: set[asyncio.Future[Any]] = {child.done for child in roles}
         deadline = asyncio.get_running_loop().time() + self.grace

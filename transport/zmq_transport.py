@@ -5,7 +5,8 @@ peer, with their node name as identity. All sockets live on a single I/O thread 
 with a zmq Poller (blocking sockets, no asyncio: see ARCHITECTURE.md section 5). Callers hand it
 messages through a lock-free deque and an eventfd. Every received payload is acknowledged back to
 its sender in batches; the sender keeps at most `inflight_bytes` unacknowledged per channel, so the
-backlog stays in our priority heap instead of ZeroMQ's FIFO pipes.
+backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. What arrives is validated by the
+receiving half (transport/zmq_receive.py); CURVE, ZAP and size caps are transport/zmq_guard.py's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""One child process of a local job: its output relayed line by line with a [role rank] prefix, its
+last lines kept for the failure report, its readiness and culprit lines noticed, its group signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import BinaryIO
+
+from scheduler import culprit
+from transport.shm import remove_segments_of
+
+READY_PREFIX = "SLUICE_SCHEDULER_READY "
+TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+_MAX_LINE = 1 << 20
+
+
+def death_signal_hook() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGKILL the child when the launcher dies, so no role outlives it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child should not dlopen
+    except OSError:
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+class Sink:
+    """The launcher's stdout; if it goes away (a closed pipe) the job keeps running without it."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream: BinaryIO | None = stream
+
+    def write(self, data: bytes) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(data)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.stream = None
+
+
+class Child:
+    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: Sink) -> None:
+        self.role, self.rank, self.proc, self.sink = role, rank, proc, sink
+        self.label = role if role == "scheduler" else f"{role} {rank}"
+        self.prefix = f"[{self.label}] ".encode()
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.ended_at: float | None = None
+        self.culprit: tuple[float, culprit.Culprit] | None = None
+        self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.pump = asyncio.create_task(self._pump())
+        self.done = asyncio.create_task(self._wait())
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} (pid {self.proc.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        partial = b""
+        while data := await self.proc.stdout.read(65536):
+            *lines, partial = (partial + data).split(b"\n")
+            if len(partial) > _MAX_LINE:
+                lines.append(partial)
+                partial = b""
+            self._emit(lines)
+        if partial:
+            self._emit([partial])
+
+    def _emit(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        for raw in lines:
+            text = raw.decode(errors="replace").rstrip("\r")
+            self.tail.append(text)
+            if text.startswith(READY_PREFIX) and not self.ready.done():
+                self.ready.set_result(text[len(READY_PREFIX) :].strip())
+            if self.culprit is None and (named := culprit.parse(text)) is not None:
+                self.culprit = (time.monotonic(), named)
+        self.sink.write(b"".join(self.prefix + raw + b"\n" for raw in lines))
+
+    async def _wait(self) -> int:
+        code = await self.proc.wait()
+        self.ended_at = time.monotonic()
+        remove_segments_of(self.proc.pid)  # shared memory a killed process could not unlink itself
+        # a grandchild may hold the pipe open after the child exits: do not wait for it forever
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.pump), 1.0)
+        return code
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        # the group outlives its leader when the child left processes behind: signal it regardless
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, sig)
