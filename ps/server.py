@@ -27,7 +27,8 @@ class Server:
         self.done = threading.Event()
         self.exit_code = 0
         self.inflight = 0
-        self.transport = open_transport(env.name, env.transport_config(), self._on_message, keys=env.job_keys())
+        self.transport = open_transport(env.name, env.transport_config(), self._on_message, keys=env.job_keys(),
+                                        members=env.members)
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
         self.store.on_first_orphan = self._report_orphan
         self.control = ControlClient(

@@ -113,6 +113,11 @@ class NodeEnv:
     def name(self) -> str:
         return node_name(self.role, self.rank)
 
+    @property
+    def members(self) -> list[str]:
+        """The names of every process of this job."""
+        return member_names(self.workers, self.servers)
+
     def job_keys(self) -> JobKeys | None:
         """The job's CURVE keys; None when transport.curve is off. Refuses to run unauthenticated by accident."""
         if not self.transport_config().curve:

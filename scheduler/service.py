@@ -31,15 +31,22 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     control_settings = replace(data_settings, channels=1, tos=(), so_priority=(), channel_levels=())
     transport: Transport | None = None
 
+    members = frozenset(env.members)
+
     def take(peer: str, _channel: int, msg: Message) -> None:
-        """On the I/O thread: hand over to the state machine's thread; a full inbox means a flood."""
+        """On the I/O thread: hand over to the state machine's thread. What no member of the job could
+        have sent is refused here, so a flood of strangers (CURVE off) cannot crowd out heartbeats."""
+        assert transport is not None
+        if peer not in members:
+            transport.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: not a member of this job")
+            return
         try:
             inbox.put_nowait((peer, msg))
         except queue.Full:
-            assert transport is not None
             transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: the scheduler's inbox is full")
 
-    transport = open_transport("scheduler", control_settings, take, keys=env.job_keys(), control=True)
+    transport = open_transport("scheduler", control_settings, take, keys=env.job_keys(), control=True,
+                               members=members)
     rejects = Rejections(log)
     machine = Rendezvous(
         env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,10 +65,12 @@ class Transport(Protocol):
 
 
 def open_transport(name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
-                   control: bool = False) -> Transport:
+                   control: bool = False, members: Iterable[str] = ()) -> Transport:
     """The transport implementation named by config.backend. With config.curve (the default), `keys`
     authenticate and encrypt every connection, `name` being this member's name among them.
-    `control`: this transport serves the control plane (the scheduler)."""
+    `control`: this transport serves the control plane (the scheduler). `members`: the names of the
+    job's processes (known from `keys` too): their routes are never forgotten, they are never banned,
+    and only they may share memory with this process."""
     from transport.zmq_transport import ZmqTransport
 
-    return ZmqTransport(name, config, handler, keys, control)
+    return ZmqTransport(name, config, handler, keys, control, members)

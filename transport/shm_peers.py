@@ -68,14 +68,15 @@ class PeerSegments:
 
     def adopt(self, peer: str, name: str, size: int) -> None:
         """Map a segment `peer` announced; ValueError (nothing mapped) if it is not acceptable."""
-        mine = self._maps.setdefault(peer, {})
+        mine = self._maps.get(peer, {})
         if name in mine:
             if mine[name].nbytes != size:
                 raise ValueError(f"segment {name} announced again with another size")
             return
         if len(mine) >= MAX_PER_PEER or self._count >= MAX_MAPPED:
             raise ValueError(f"too many shared-memory segments mapped (peer {peer!r:.60}: {len(mine)})")
-        mine[name] = open_segment(name, size)
+        mapped = open_segment(name, size)  # a refused one leaves no trace: a flood of names grows nothing
+        self._maps.setdefault(peer, {})[name] = mapped
         self._count += 1
 
     def view(self, peer: str, name: str, offset: int, nbytes: int) -> memoryview:

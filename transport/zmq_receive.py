@@ -60,6 +60,8 @@ class ReceivePath:
     _guard: Guard
     _dealers: dict[str, list[zmq.Socket[bytes]]]
     _router_idents: dict[str, bytes]
+    _strangers: dict[str, bytes]
+    _members: frozenset[str]
     _heard_on: dict[str, int]
     _socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]]
     _max_header: dict[zmq.Socket[bytes], int]
@@ -120,7 +122,8 @@ class ReceivePath:
         if peer is None:
             if self._keys is None:  # strangers may connect: keep the score that can get one banned
                 self.rejects.accept(source)
-            if msg.flags & Flag.LOCAL and self._local is not None and source not in self._local:
+            if (msg.flags & Flag.LOCAL and self._local is not None and source not in self._local
+                    and self._trusted(source)):
                 self._local.add(source)
                 self._shared.announce_registered([source])
         if msg.kind == Kind.ACK:
@@ -154,9 +157,15 @@ class ReceivePath:
         self.rejects.refuse(source, text, time.monotonic(), member=self._is_member(source), delivered=delivered)
 
     def _is_member(self, peer: str) -> bool:
-        """Authenticated, or a peer we connected to: never banned (only counted). Without CURVE a peer
-        that sends ten refused messages for each accepted one, a hundred or more, is banned."""
-        return self._keys is not None or peer in self._dealers
+        """Authenticated, a peer we connected to, or named as a member: never banned (only counted).
+        Without CURVE any other peer that sends ten refused messages for each accepted one, a hundred
+        or more, is banned."""
+        return self._keys is not None or peer in self._dealers or peer in self._members
+
+    def _trusted(self, peer: str) -> bool:
+        """May `peer` read our shared memory or have us map its? A member (anyone, when the members
+        are not known: a bare transport)."""
+        return not self._members or peer in self._members or peer in self._dealers
 
     def _on_shm(self, source: str, channel: int, msg: Message) -> None:
         """A peer announces a segment it will send descriptors into, or confirms it mapped one of ours."""
@@ -172,6 +181,8 @@ class ReceivePath:
         error = ""
         if self._local is None:
             error = "shared memory is off here"
+        elif not self._trusted(source):
+            error = "not a member of this job"
         elif type(size) is not int:
             error = "no size"
         else:
@@ -199,12 +210,21 @@ class ReceivePath:
 
     def _remember(self, source: str, ident: bytes, channel: int) -> None:
         """Keep the identity a ROUTER needs to reply, and a channel the peer is surely connected on
-        (its others may still be in their handshake); bounded, so a flood of strangers cannot grow it."""
-        if source not in self._router_idents and len(self._router_idents) >= _MAX_ROUTER_PEERS:
-            del self._router_idents[next(iter(self._router_idents))]
-            self._heard_on.pop(source, None)
-        self._router_idents[source] = ident
+        (its others may still be in their handshake). The job's members are kept for good; others
+        (all peers, when the members are not known) in a bounded FIFO, so a flood of fresh identities
+        can neither grow memory nor push a member's route out."""
+        if source in self._members:
+            self._router_idents[source] = ident
+        else:
+            if source not in self._strangers and len(self._strangers) >= _MAX_ROUTER_PEERS:
+                gone = next(iter(self._strangers))
+                del self._strangers[gone]
+                self._heard_on.pop(gone, None)
+            self._strangers[source] = ident
         self._heard_on[source] = channel
+
+    def _route_ident(self, peer: str) -> bytes | None:
+        return self._router_idents.get(peer) or self._strangers.get(peer)
 
     def _map_shared(self, peer: str, descriptor: tuple[str, int, int]) -> memoryview:
         try:

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -44,7 +44,7 @@ Frames = list[Any]
 
 class ZmqTransport(ReceivePath):
     def __init__(self, name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
-                 control: bool = False) -> None:
+                 control: bool = False, members: Iterable[str] = ()) -> None:
         if config.curve and keys is None:
             raise ValueError("transport.curve is on but no job keys were given; pass them, or set curve=False")
         self.name = name
@@ -67,7 +67,9 @@ class ZmqTransport(ReceivePath):
         self.rejects = Rejections(log)
         self._routers: list[zmq.Socket[bytes]] = []
         self._dealers: dict[str, list[zmq.Socket[bytes]]] = {}
-        self._router_idents: dict[str, bytes] = {}
+        self._router_idents: dict[str, bytes] = {}  # members' (see _remember)
+        self._strangers: dict[str, bytes] = {}
+        self._members = frozenset(members) | (self._keys.names if self._keys is not None else frozenset())
         self._heard_on: dict[str, int] = {}
         self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
         self._queues: dict[Route, ChannelQueue[Message]] = {}
@@ -320,10 +322,8 @@ class ZmqTransport(ReceivePath):
         try:
             if dealers is not None:
                 dealers[channel].send_multipart(frames, zmq.NOBLOCK, copy=False)
-            elif peer in self._router_idents and self._routers:
-                self._routers[channel].send_multipart(
-                    [self._router_idents[peer], *frames], zmq.NOBLOCK, copy=False
-                )
+            elif (ident := self._route_ident(peer)) is not None and self._routers:
+                self._routers[channel].send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
             else:
                 log.error("no route to peer %r; message dropped", peer)
             return True

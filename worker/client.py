@@ -104,7 +104,8 @@ class Client:
         self._pending: dict[tuple[Kind, int, int, int], deque[_Op]] = {}
         self._lock = threading.Lock()
         self._failure: str | None = None
-        self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys())
+        self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
+                                        members=self.env.members)
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal)
         self.control.register("worker", [])
         self.rank = self.control.rank

@@ -70,8 +70,9 @@ def transports() -> Iterator[Callable[..., ZmqTransport]]:
     """Makes ZmqTransports and closes every one of them, whatever the test's outcome."""
     made: list[ZmqTransport] = []
 
-    def make(name: str, config: TransportConfig, handler: Callable[[str, int, Message], None]) -> ZmqTransport:
-        transport = ZmqTransport(name, config, handler, KEYS if config.curve else None)
+    def make(name: str, config: TransportConfig, handler: Callable[[str, int, Message], None],
+             members: tuple[str, ...] = ()) -> ZmqTransport:
+        transport = ZmqTransport(name, config, handler, KEYS if config.curve else None, members=members)
         made.append(transport)
         return transport
 
@@ -517,3 +518,34 @@ def test_a_stranger_sending_only_garbage_is_cut_off(
     assert [r.key for r in inbox.snapshot() if r.peer == "stranger"] == []
     client.send(SERVER, 0, message(6))
     assert [r.key for r in inbox.wait_for(2)] == [1 << 30, 6]
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_fresh_identities_cannot_push_out_a_members_route(
+    transports: Callable[..., ZmqTransport], raw_sockets: Callable[[int], zmq.Socket[bytes]],
+) -> None:
+    """Without CURVE, 4,200 strangers, each under a new name, send well-formed messages: the routes
+    the listener keeps for strangers are bounded, and its member's route survives (replies still go)."""
+    config = TransportConfig(channels=1, inflight_bytes=1 << 20, chunk_bytes=1 << 16, curve=False)
+    inbox, client_inbox = Inbox(), Inbox()
+    server = transports(SERVER, config, inbox, members=(SERVER, CLIENT))
+    client = transports(CLIENT, config, client_inbox, members=(SERVER, CLIENT))
+    endpoint = server.listen()[0]
+    client.connect(SERVER, [endpoint])
+    warm_up(client, SERVER, inbox, 1)
+    names = 4200  # more than the 4,096 strangers routes are kept for
+    sockets = []
+    for batch in range(names // 420):  # a batch at a time: each socket holds a few descriptors
+        for i in range(420):
+            sock = raw_sockets(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"fresh-{batch}-{i}".encode())
+            sock.connect(endpoint)
+            sock.send_multipart(encode(message(7)))
+            sockets.append(sock)
+        inbox.wait_for(1 + (batch + 1) * 420, timeout=30)
+        for sock in sockets:
+            sock.close(linger=0)
+        sockets.clear()
+    assert len(server._strangers) <= 4096 and CLIENT in server._router_idents
+    server.send(CLIENT, 0, message(8))
+    assert [r.key for r in client_inbox.wait_for(1, timeout=10)] == [8]
