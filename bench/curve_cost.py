@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -51,7 +52,8 @@ a job the figures are taken after a warm-up, as in the benchmarks they reuse. Ca
                     Mbit/s with ToS bands, servers unshaped, its "priority" configuration), ms per step
 
 "loopback" and "testbed" name the groups. The testbed needs root (network namespaces); without it
-those cases are skipped with the reason. Every record's ours is CURVE on, peer CURVE off; speedup
+those cases are skipped with the reason. --repeats counts pairs (even: as many on-first as
+off-first). Every record's ours is CURVE on, peer CURVE off; speedup
 > 1 means CURVE on was ahead; cost = how much more time CURVE on takes, in percent (for a
 bandwidth, peer/ours - 1; for a time, ours/peer - 1). Targets: cost <= 25% on loopback, <= 10% on
 the testbed. The medians and min..max pool every timed repetition of every job of a side;
@@ -96,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="testbed: show every process's output, prefixed")
     add_common_options(parser, quick="16 MiB (8 MiB on the testbed), 1 pair of jobs, 2 timed repetitions "
-                                     "each, 30 training steps (4 on the testbed) (overrides those options)")
+                                     "each, 30 training steps (4 on the testbed) (overrides those options)",
+                       repeats=6)
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.repeats, args.inner, args.steps, args.warmup = 16, 1, 2, 30, 5
@@ -288,6 +291,11 @@ def run_cases(cases: Sequence[Case], args: argparse.Namespace) -> list[tuple[Cas
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    # Sluice's warnings reach stderr, its INFO lines (calibration, priority maps, metrics) do not: with a
+    # handler on "sluice", the forked workers add none of their own
+    quiet = logging.StreamHandler()
+    quiet.setLevel(logging.WARNING)
+    logging.getLogger("sluice").addHandler(quiet)
     # The first optimizer a process builds imports torch._dynamo (1.3 s here); do it once before forking.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
     progress(f"curve_cost: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs (CURVE on, off), "

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import multiprocessing as mp
 import queue
 import random
 import re
 import secrets
+import socket
+import struct
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ import torch
 import zmq
 
 from bench.common import Children, Stats, add_common_options, print_table, progress, record, stats, write_json
-from bench.train_throughput import demo, timed_repeats, worker_batches
+from bench.train_throughput import demo, train, worker_batches
 from scheduler.bootstrap import member_names, node_name
 from tests.cluster import LocalCluster
 from transport.auth import JobKeys
@@ -36,59 +39,76 @@ from transport.wire import VERSION, Kind
 _ctx = mp.get_context("fork")
 
 CLEAN_ON, CLEAN_OFF = "clean", "clean-curve-off"
-STRANGERS, MEMBER, CURVE_OFF, CURVE_OFF_BANNED, SPIN = "strangers", "member", "curve-off", "curve-off-banned", "busy-loop"
+STRANGERS, MEMBER, CURVE_OFF, CURVE_OFF_BANNED, SPIN = (
+    "strangers", "member", "curve-off", "curve-off-banned", "busy-loop")
 MODES = (STRANGERS, MEMBER, CURVE_OFF, CURVE_OFF_BANNED, SPIN)
-#: the clean run each mode is compared with (the same transport.curve)
+#: the clean job each mode is compared with (the same transport.curve)
 BASELINE = {STRANGERS: CLEAN_ON, MEMBER: CLEAN_ON, SPIN: CLEAN_ON, CURVE_OFF: CLEAN_OFF, CURVE_OFF_BANNED: CLEAN_OFF}
 PEER_NAME = {CLEAN_ON: "sluice, the same job without a flood (transport.curve = true)",
              CLEAN_OFF: "sluice, the same job without a flood (transport.curve = false)"}
 LABELS = {
     STRANGERS: "CURVE on, strangers without the secret: connection attempts and garbage, nothing gets in",
     MEMBER: "CURVE on, a compromised member (the job secret, another server's key and name) sends garbage",
-    CURVE_OFF: "CURVE off, strangers with random identities send garbage, rotating identities before a ban",
+    CURVE_OFF: "CURVE off, strangers with random identities send garbage, a new identity before each ban",
     CURVE_OFF_BANNED: "CURVE off, strangers that keep their identities: banned after 100 refusals, and cut",
     SPIN: "control: a process that only spins one core (no messages), to separate CPU contention",
 }
+#: what `sent` counts, by mode
+SENT_UNIT = {STRANGERS: "TCP connections carrying a garbage greeting", MEMBER: "messages", CURVE_OFF: "messages",
+             CURVE_OFF_BANNED: "messages", SPIN: ""}
 TARGET_RATIO = 0.5
 _STOPPED = re.compile(r"server (\d+) stopped \((\d+) messages rejected, (\d+) connections refused\)")
 _BANNED = "messages and little else: its messages are dropped from now on"
+#: a server that lost the route to a worker (its ROUTER identity forgotten): the reply is gone
+_NO_ROUTE = re.compile(r"no route to peer 'worker-\d+'; message dropped")
+_SO_LINGER_RESET = struct.pack("ii", 1, 0)  # close with RST: no TIME_WAIT left behind per connection
 
 DESCRIPTION = f"""\
 Global training throughput (steps x batch x workers / seconds) of bench/train_throughput.py's digits
-model (W workers, S servers, optimizer on the workers, LocalCluster: forked roles on 127.0.0.1) clean
-and while one separate process floods every server endpoint (each channel) and the scheduler with
-malformed messages as fast as the servers take them (it waits for room when ZeroMQ's queues are
-full, rather than spinning). Modes (--modes):
+model (W workers, S servers, optimizer on the workers, LocalCluster: forked roles on 127.0.0.1),
+clean and while one separate process floods every server endpoint (each channel) and the scheduler.
+Modes (--modes):
 
-  {STRANGERS:<10} {LABELS[STRANGERS]}. Per endpoint, SOCKETS
-             DEALERs with fresh random CURVE keys (half know the server's public key, half guess it),
-             reconnecting every millisecond and recreated every RECYCLE_MS; the servers count every
-             refused handshake ("connections refused")
-  {MEMBER:<10} {LABELS[MEMBER]}: the flooder
-             derives the keys from the job secret (as a stolen secret would let it) and connects to
-             server r as server r+1 (to the scheduler as the scheduler), so every message reaches the
-             decoder and is rejected there; a member is never banned
-  {CURVE_OFF:<10} {LABELS[CURVE_OFF]}: SOCKETS
-             DEALERs per endpoint, each replaced by one with a new identity after ROTATE messages
-             (a stranger is banned after 100 refused messages), so the flood never stops at a ban
-  {SPIN:<10} {LABELS[SPIN]}
+  {STRANGERS:<16} {LABELS[STRANGERS]}.
+                   Per endpoint SOCKETS ZeroMQ DEALERs with random CURVE keys (half know the
+                   server's public key, half guess it) that reconnect every millisecond after each
+                   refused handshake (the servers count them: "connections refused"), while the
+                   flooding loop opens TCP connections that send 64 random bytes as a greeting and
+                   close with a reset, as fast as it can
+  {MEMBER:<16} {LABELS[MEMBER]}:
+                   keys derived from the job secret (as a stolen secret allows); server r is told
+                   it talks to server r+1, the scheduler to itself, so every message reaches the
+                   decoder and is rejected (a member is never banned)
+  {CURVE_OFF:<16} {LABELS[CURVE_OFF]}:
+                   SOCKETS DEALERs per endpoint, each replaced by one with a new identity after
+                   ROTATE messages (a stranger is banned after 100 refused messages)
+  {CURVE_OFF_BANNED:<16} {LABELS[CURVE_OFF_BANNED]}
+  {SPIN:<16} {LABELS[SPIN]}
 
-Every repetition runs each mode's job and both clean jobs (CURVE on and off), in an order that
-rotates from one repetition to the next; every job is a fresh cluster. Each worker trains WARMUP
-untimed steps, then STEPS timed steps between barriers (rank 0's clock); the flood starts before the
-warm-up and stops when the timed steps are done. Counts: messages the flooder handed to ZeroMQ (and
-its rate), and what each server logged when it stopped ("server N stopped (X messages rejected, Y
-connections refused)"). ours = samples/s under the flood, peer = samples/s of the clean job with
-the same transport.curve, ratio = speedup = ours/peer; target ratio >= {TARGET_RATIO}. This machine
-has 2 cores: the flooder's own CPU time is taken from the training (the busy-loop control shows how
-much that alone costs).
+The message modes send small malformed messages (a sample of tests/integration/attack.py's raw
+attacks; for servers also a well-formed PUSH of an unknown key from a non-worker id) as fast as
+ZeroMQ takes them, and wait for room when its queues are full rather than spin. Every repetition
+runs each mode's job and both clean jobs (CURVE on and off) in an order that rotates from one
+repetition to the next; every job is a fresh cluster with scheduler.op_timeout = OP_TIMEOUT. Each
+worker trains WARMUP untimed steps, then STEPS timed steps between barriers (rank 0's clock); the
+flood starts before the warm-up and stops when the timed steps are done. A job that fails counts
+as 0 samples/s (the record says why); one still training DEADLINE seconds after the flood began
+counts the rate of its timed steps so far (0 if it is still warming up), and then the flood stops
+and the job finishes. Counts: what the flooder sent (and its rate per second of
+flooding), and what each server logged when it stopped ("server N stopped (X messages rejected, Y
+connections refused)"); the scheduler prints no such total. ours = samples/s under the flood, peer
+= samples/s of the clean jobs with the same transport.curve, ratio = speedup = ours/peer; target
+ratio >= {TARGET_RATIO}. This machine has 2 cores, so the flooder's own CPU time is taken from the
+training: the busy-loop control shows what that alone costs, and ratio_to_busy_loop (the "vs
+busy-loop" column: samples/s under the flood / samples/s beside the busy loop, which runs with
+CURVE on) what the flood costs beyond it.
 """
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="flood modes to measure, each against its clean run (default: all)")
+                        help="flood modes to measure, each against its clean jobs (default: all)")
     parser.add_argument("--workers", type=int, default=2, metavar="W", help="worker processes (default: %(default)s)")
     parser.add_argument("--servers", type=int, default=2, metavar="S", help="server processes (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, metavar="B",
@@ -96,28 +116,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, metavar="N",
                         help="timed steps per job (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=20, metavar="N",
-                        help="untimed steps first, under the flood already (default: %(default)s)")
+                        help="untimed steps first, already under the flood (default: %(default)s)")
     parser.add_argument("--sockets", type=int, default=4, metavar="N",
-                        help=f"{STRANGERS} and {CURVE_OFF}: flooding sockets per endpoint (default: %(default)s)")
+                        help=f"{STRANGERS}, {CURVE_OFF} and {CURVE_OFF_BANNED}: flooding sockets per endpoint "
+                             "(default: %(default)s)")
     parser.add_argument("--rotate", type=int, default=90, metavar="N",
-                        help=f"{CURVE_OFF}: messages per identity before the socket is replaced by a new "
-                             "identity; 0: never (default: %(default)s)")
-    parser.add_argument("--recycle-ms", type=float, default=50.0, metavar="MS",
-                        help=f"{STRANGERS}: each stranger socket is replaced by a fresh one (new key, new "
-                             "connection) this often (default: %(default)s)")
+                        help=f"{CURVE_OFF}: messages per identity before its socket is replaced by one with a new "
+                             "identity (default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=0.0, metavar="PER_SECOND",
+                        help="pace the flood at this many messages (strangers: connections) per second in all, "
+                             "e.g. 1500 as an outside tester's flood; 0: as fast as ZeroMQ takes them "
+                             "(default: %(default)s)")
+    parser.add_argument("--deadline", type=float, default=60.0, metavar="SECONDS",
+                        help="a job still training this long after the flood began counts the rate of its timed "
+                             "steps so far; the flood then stops and the job finishes (default: %(default)s)")
+    parser.add_argument("--op-timeout", type=float, default=20.0, metavar="SECONDS",
+                        help="scheduler.op_timeout of every job: how long a lost reply stalls a job before it "
+                             "fails (default: %(default)s)")
     parser.add_argument("--logs", metavar="DIR",
-                        help="keep every job's log (all roles' sluice.* lines) in DIR (default: a temporary "
+                        help="keep each job's log (every role's sluice.* lines) in DIR (default: a temporary "
                              "directory, removed)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
-    add_common_options(parser, quick="30 timed steps after 5 warm-up steps, 1 repeat (overrides those options)")
+    add_common_options(parser, quick="30 timed steps after 5 warm-up steps, 1 repeat, deadline 10 s, op-timeout "
+                                     "5 s (overrides those options)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.repeats = 30, 5, 1
-    if min(args.workers, args.servers, args.batch_size, args.steps, args.repeats, args.sockets) < 1:
-        parser.error("workers, servers, batch size, steps, repeats and sockets must be positive")
-    if args.warmup < 0 or args.rotate < 0 or args.recycle_ms <= 0:
-        parser.error("warmup and rotate must not be negative, recycle-ms must be positive")
+        args.steps, args.warmup, args.repeats, args.deadline, args.op_timeout = 30, 5, 1, 10.0, 5.0
+    if min(args.workers, args.servers, args.batch_size, args.steps, args.repeats, args.sockets, args.rotate) < 1:
+        parser.error("workers, servers, batch size, steps, repeats, sockets and rotate must be positive")
+    if args.warmup < 0 or args.op_timeout <= 0 or args.deadline <= 0 or args.rate < 0:
+        parser.error("warmup must not be negative, deadline and op-timeout must be positive")
     return args
 
 
@@ -135,31 +164,33 @@ def _header(**fields: Any) -> bytes:
 
 
 def garbage(rng: random.Random, to_server: bool) -> list[list[bytes]]:
-    """Messages the decoder refuses (a sample of tests/integration/attack.py's raw attacks, small ones
-    mostly); for a server also a well-formed PUSH of an unknown key from a non-worker id, which its
-    store refuses. Nothing here changes any state."""
+    """Single-frame messages the decoder refuses (a sample of tests/integration/attack.py's raw
+    attacks); for a server also a well-formed PULL of an unknown key from a non-worker id, which its
+    store refuses. None of them changes any state.
+
+    One frame each: libzmq 4.3.5 aborts a process whose connection drops while it is between the
+    frames of a multipart message (session_base.cpp:233, clean_pipes), and connections of banned
+    strangers are cut while they flood."""
     valid = _header()
     nested = b"\x9c" + b"".join(bytes(msgpack.packb(v)) for v in (VERSION, int(Kind.PUSH))) + b"\x91" * 1000 + b"\xc0"
     frames = [
         [rng.randbytes(rng.randint(1, 64))],
-        [rng.randbytes(rng.randint(1, 32)), rng.randbytes(rng.randint(1, 256))],
+        [rng.randbytes(rng.randint(1, 64))],
         [rng.randbytes(4096)],
-        [_header(version=VERSION + 1), bytes(16)],
-        [valid[: len(valid) // 2], bytes(16)],
+        [_header(version=VERSION + 1)],
+        [valid[: len(valid) // 2]],
         [valid[:1]],
         [b""],
-        [_header(nbytes=20, shape=[5]), bytes(16)],
-        [_header(shape=[3]), bytes(16)],
-        [_header(dtype="complex64", shape=[2]), bytes(16)],
-        [_header(kind=77), bytes(16)],
-        [_header(key=-1), bytes(16)],
-        [_header(meta=[1, 2, 3]), bytes(16)],
-        [valid, bytes(16), bytes(16)],
-        [valid],
+        [_header(dtype="complex64", shape=[2], nbytes=16)],
+        [_header(kind=77)],
+        [_header(key=-1)],
+        [_header(meta=[1, 2, 3])],
+        [valid],  # a float32 header without its payload frame
         [nested],
+        [b"\xdd\xff\xff\xff\xff"],  # an array header claiming 4 billion items
     ]
     if to_server:
-        frames.append([_header(key=1 << 20, sender=999), bytes(16)])
+        frames.append([_header(kind=int(Kind.PULL), key=1 << 20, sender=999, dtype="", shape=[], nbytes=0)])
     return frames
 
 
@@ -170,18 +201,17 @@ class Target:
 
     endpoint: str
     server: str  # the member listening there: "server-R" or "scheduler"
-    #: compromised member mode: the member name (and key) the flooder claims there
+    #: member mode: the member name (and key) the flooder claims there
     claim: str = ""
 
 
 @dataclass
-class _Flooder:
+class _Sender:
     target: Target
     sock: zmq.Socket[bytes]
     frames: list[list[bytes]]
     index: int = 0
     sent: int = 0
-    born: float = 0.0
 
 
 @dataclass
@@ -192,28 +222,33 @@ class FloodReport:
     sent_scheduler: int = 0
     sockets_opened: int = 0
     full_waits: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
+    failed_connections: int = 0
 
-    @property
-    def sent(self) -> int:
-        return self.sent_servers + self.sent_scheduler
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "seconds": self.seconds, "sent": self.sent_servers + self.sent_scheduler,
+                "sent_servers": self.sent_servers, "sent_scheduler": self.sent_scheduler,
+                "sockets_opened": self.sockets_opened, "full_waits": self.full_waits,
+                "failed_connections": self.failed_connections}
 
 
 class Flood:
-    """The sockets of one flooding process and how each is (re)made for its mode."""
+    """The sockets of one flooding process, made as its mode says, and the loop that floods."""
 
     def __init__(self, mode: str, targets: list[Target], keys: JobKeys | None, sockets: int, rotate: int,
-                 recycle_s: float) -> None:
-        self.mode, self.targets, self.keys = mode, targets, keys
-        self.rotate, self.recycle_s = rotate, recycle_s
+                 rate: float = 0.0) -> None:
+        self.mode, self.targets, self.keys, self.rotate = mode, targets, keys, rotate
+        #: messages (or connections) per second in all; 0: as fast as they are taken
+        self.rate = rate
         self.rng = random.Random(secrets.randbits(64))
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        # closed sockets are reaped in the background: rotating identities outpaces it at the default 1023
+        self.ctx.set(zmq.MAX_SOCKETS, 16384)
         self.report = FloodReport(mode)
         self.garbage = {True: garbage(self.rng, True), False: garbage(self.rng, False)}
         per = 1 if mode == MEMBER else sockets
-        self.flooders = [self._make(t, n) for t in targets for n in range(per)]
+        self.senders = [self._make(t, n) for t in targets for n in range(per)]
 
-    def _make(self, target: Target, n: int) -> _Flooder:
+    def _make(self, target: Target, n: int) -> _Sender:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
@@ -223,70 +258,117 @@ class Flood:
             self.keys.secure_client(sock, target.claim, target.server)
         elif self.mode == STRANGERS:
             assert self.keys is not None
-            # a stranger claiming a member's name; half know the server's public key (leaked), half guess
+            # a stranger claiming a member's name; half know the server's public key (leaked), half guess it
             sock.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
-            known = n % 2 == 0
-            server_key = self.keys.public_key(target.server) if known else zmq.curve_keypair()[0]
+            server_key = self.keys.public_key(target.server) if n % 2 == 0 else zmq.curve_keypair()[0]
             public, secret = zmq.curve_keypair()
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-            sock.setsockopt(zmq.RECONNECT_IVL, 1)
+            # each retry is a refused handshake: paced, they come at about the rate asked for in all
+            retry_ms = 1 if not self.rate else max(1, int(1000 * len(self.targets) * 4 / self.rate))
+            sock.setsockopt(zmq.RECONNECT_IVL, retry_ms)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
         else:
             sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
         sock.connect(target.endpoint)
         self.report.sockets_opened += 1
-        return _Flooder(target, sock, self.garbage[target.server != "scheduler"], self.rng.randrange(64), 0,
-                        time.monotonic())
+        return _Sender(target, sock, self.garbage[target.server != "scheduler"], self.rng.randrange(64))
 
-    def _renew(self, flooder: _Flooder, n: int) -> _Flooder:
-        flooder.sock.close(linger=0)
-        return self._make(flooder.target, n)
+    def _remake(self, target: Target, n: int) -> _Sender:
+        """A new socket; while too many closed ones await the reaper (EMFILE), wait for it a little."""
+        for _ in range(200):
+            try:
+                return self._make(target, n)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EMFILE:
+                    raise
+                self.report.full_waits += 1
+                time.sleep(0.005)
+        return self._make(target, n)
 
     def run(self, stop: Any, limit: float) -> FloodReport:
-        """Flood until `stop` is set (or `limit` seconds passed)."""
+        """Flood until `stop` is set (or `limit` seconds have passed)."""
         started = time.monotonic()
-        poller = zmq.Poller()
-        for f in self.flooders:
-            poller.register(f.sock, zmq.POLLOUT)
-        passes = 0
-        while True:
-            passes += 1
-            if passes % 16 == 0 and (stop.is_set() or time.monotonic() - started > limit):
-                break
-            sent_now = 0
-            for i, f in enumerate(self.flooders):
-                for _ in range(64):
-                    frames = f.frames[f.index % len(f.frames)]
-                    try:
-                        f.sock.send_multipart(frames, zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    f.index += 1
-                    f.sent += 1
-                    sent_now += 1
-                    if f.target.server == "scheduler":
-                        self.report.sent_scheduler += 1
-                    else:
-                        self.report.sent_servers += 1
-                    if self.mode == CURVE_OFF and self.rotate and f.sent >= self.rotate:
-                        break
-                renew = (self.mode == CURVE_OFF and self.rotate and f.sent >= self.rotate) or (
-                    self.mode == STRANGERS and time.monotonic() - f.born > self.recycle_s)
-                if renew:
-                    poller.unregister(f.sock)
-                    self.flooders[i] = self._renew(f, i)
-                    poller.register(self.flooders[i].sock, zmq.POLLOUT)
-            if not sent_now:  # every queue is full: wait for room instead of spinning
-                self.report.full_waits += 1
-                poller.poll(5)
+        if self.mode == STRANGERS:
+            self._connections(stop, started, limit)
+        else:
+            self._messages(stop, started, limit)
         self.report.seconds = time.monotonic() - started
         return self.report
 
+    def _connections(self, stop: Any, started: float, limit: float) -> None:
+        """TCP connections that send a garbage greeting and reset, round robin over the endpoints (the
+        CURVE strangers meanwhile retry their handshakes on ZeroMQ's I/O thread)."""
+        addresses = []
+        for target in self.targets:
+            host, port = target.endpoint.removeprefix("tcp://").rsplit(":", 1)
+            addresses.append((target, (host, int(port))))
+        count = 0
+        while count % 64 or not (stop.is_set() or time.monotonic() - started > limit):
+            if self.rate and count >= self.rate * (time.monotonic() - started):
+                time.sleep(0.001)
+                continue
+            target, address = addresses[count % len(addresses)]
+            count += 1
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _SO_LINGER_RESET)
+                sock.settimeout(0.5)
+                try:
+                    sock.connect(address)
+                    sock.send(self.rng.randbytes(64))
+                except OSError:
+                    self.report.failed_connections += 1
+                    continue
+            if target.server == "scheduler":
+                self.report.sent_scheduler += 1
+            else:
+                self.report.sent_servers += 1
+
+    def _messages(self, stop: Any, started: float, limit: float) -> None:
+        poller = zmq.Poller()
+        for sender in self.senders:
+            poller.register(sender.sock, zmq.POLLOUT)
+        rotate = self.mode == CURVE_OFF
+        check_at = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= check_at:  # every few milliseconds: is_set() takes a lock
+                if stop.is_set() or now - started > limit:
+                    return
+                check_at = now + 0.005
+            sent_now = 0
+            if self.rate and self.report.sent_servers + self.report.sent_scheduler >= self.rate * (now - started):
+                time.sleep(0.001)  # paced: ahead of the rate asked for
+                continue
+            for i, sender in enumerate(self.senders):
+                for _ in range(64 if not self.rate else 1):
+                    frames = sender.frames[sender.index % len(sender.frames)]
+                    try:
+                        sender.sock.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sender.index += 1
+                    sender.sent += 1
+                    sent_now += 1
+                    if sender.target.server == "scheduler":
+                        self.report.sent_scheduler += 1
+                    else:
+                        self.report.sent_servers += 1
+                    if rotate and sender.sent >= self.rotate:
+                        break
+                if rotate and sender.sent >= self.rotate:  # a new identity before this one is banned
+                    poller.unregister(sender.sock)
+                    sender.sock.close(linger=0)
+                    self.senders[i] = self._remake(sender.target, i)
+                    poller.register(self.senders[i].sock, zmq.POLLOUT)
+            if not sent_now:  # every queue is full: wait for room rather than spin
+                self.report.full_waits += 1
+                poller.poll(5)
+
     def close(self) -> None:
-        for f in self.flooders:
-            f.sock.close(linger=0)
+        for sender in self.senders:
+            sender.sock.close(linger=0)
         self.ctx.term()
 
 
@@ -300,28 +382,29 @@ def _spin(stop: Any, limit: float) -> FloodReport:
     return report
 
 
-def flooder_main(mode: str, targets: list[Target], secret: bytes, workers: int, servers: int, args: Any,
-                 ready: Any, stop: Any) -> dict[str, Any]:
-    """The flooding process: set up, say ready, flood until `stop`; its report."""
-    if mode == SPIN:
-        ready.put("ready")
-        report = _spin(stop, args.timeout)
-    else:
-        keys = JobKeys(secret, member_names(workers, servers)) if mode != CURVE_OFF else None
-        flood = Flood(mode, targets, keys, args.sockets, args.rotate, args.recycle_ms / 1e3)
+def flooder_main(mode: str, targets: list[Target], secret: bytes, workers: int, servers: int, sockets: int,
+                 rotate: int, limit: float, ready: Any, stop: Any, stopped: Any, rate: float = 0.0) -> dict[str, Any]:
+    """The flooding process: set up, say ready, flood until `stop`, close every socket, set `stopped`
+    (worker 0 leaves the job only then: a server that exits under a flood drops connections while
+    the flooder sends); its report."""
+    try:
+        if mode == SPIN:
+            ready.put("ready")
+            return _spin(stop, limit).as_dict()
+        keys = JobKeys(secret, member_names(workers, servers)) if mode in (STRANGERS, MEMBER) else None
+        flood = Flood(mode, targets, keys, sockets, rotate, rate)
         try:
             ready.put("ready")
-            report = flood.run(stop, args.timeout)
+            return flood.run(stop, limit).as_dict()
         finally:
             flood.close()
-    return {"mode": report.mode, "seconds": report.seconds, "sent": report.sent, "sent_servers": report.sent_servers,
-            "sent_scheduler": report.sent_scheduler, "sockets_opened": report.sockets_opened,
-            "full_waits": report.full_waits}
+    finally:
+        stopped.set()
 
 
-def targets_for(mode: str, servers: list[tuple[int, str, list[str]]], scheduler: str) -> list[Target]:
-    """Every server channel and the scheduler; in member mode, server r is told it talks to server r+1
-    and the scheduler to itself (names no real member uses on those connections)."""
+def targets_for(servers: list[tuple[int, str, list[str]]], scheduler: str) -> list[Target]:
+    """Every server channel and the scheduler. In member mode server r is told it talks to server r+1
+    and the scheduler to itself: names no real member uses on those connections."""
     out = []
     for rank, name, endpoints in servers:
         claim = node_name("server", (rank + 1) % len(servers))
@@ -331,10 +414,12 @@ def targets_for(mode: str, servers: list[tuple[int, str, list[str]]], scheduler:
 
 
 # ---------------------------------------------------------------------------- the workers
-def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peers: Any, go: Any,
-                 done: Any) -> dict[str, Any]:
-    """bench/train_throughput.py's Sluice worker, which also hands the servers' endpoints to the
-    benchmark (rank 0), waits for the flood to start and says when the timed steps are over."""
+def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peers: Any, go: Any, done: Any,
+                 stopped: Any, progress: Any) -> dict[str, Any]:
+    """bench/train_throughput.py's Sluice worker and its timed span (warm-up, settle, barrier, steps,
+    settle, barrier), which also hands the servers' endpoints to the benchmark (rank 0), waits for
+    the flood to start, and (rank 0) keeps `progress` = [monotonic time of the timed start, timed
+    steps done], says when the timed steps are over and leaves the job only once the flood stopped."""
     import worker.torch_shim as hvd
     from worker.torch_state import require
 
@@ -353,34 +438,49 @@ def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peer
     if not go.wait(120):
         raise TimeoutError("the benchmark never said go")
     data = worker_batches(x, y, hvd.rank(), hvd.size(), job.batch_size, job.warmup + job.steps)
-    result = timed_repeats(model, optimizer, data, job.warmup, job.steps, 1, hvd.barrier,
-                           hvd.synchronize_parameters)
+    loss = train(model, optimizer, data, 0, job.warmup)
+    hvd.synchronize_parameters()
+    hvd.barrier("start")
+    started = time.perf_counter()
+    if hvd.rank() == 0:
+        progress[0] = time.monotonic()
+    for step in range(job.steps):
+        loss = train(model, optimizer, data, job.warmup + step, 1)
+        if hvd.rank() == 0:
+            progress[1] = step + 1
+    hvd.synchronize_parameters()
+    hvd.barrier("end")
+    seconds = time.perf_counter() - started
     if hvd.rank() == 0:
         done.set()
+        stopped.wait(30)
     hvd.shutdown()
-    return result
+    return {"seconds": seconds, "loss": loss}
 
 
 # ---------------------------------------------------------------------------- one job
 @dataclass
 class JobResult:
     mode: str
-    samples_per_s: float
+    samples_per_s: float  # 0 when the job failed; the rate so far when it was cut at the deadline
+    error: str
+    cut: str
     flood: dict[str, Any] | None
     rejected: list[int]
     refused: list[int]
     banned: int
+    no_route: int
     codes: list[int | None]
     seconds: float
 
 
 @contextlib.contextmanager
 def captured_log(path: Path) -> Iterator[None]:
-    """Every sluice.* line of this process and of those forked inside, at INFO, to `path` (not to the
-    terminal: the workers then add no handler of their own)."""
+    """Every sluice.* line of this process and of those forked meanwhile, from INFO up, to `path`
+    (and not to the terminal: with a handler on "sluice", the workers add none of their own)."""
     ours = logging.getLogger("sluice")
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(process)d %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     saved = ours.level
     ours.addHandler(handler)
     ours.setLevel(logging.INFO)
@@ -393,66 +493,134 @@ def captured_log(path: Path) -> Iterator[None]:
 
 
 def run_job(mode: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, log: Path) -> JobResult:
-    curve = mode not in (CLEAN_OFF, CURVE_OFF)
-    config = {"worker": {"optimizer_on": "worker"}, "transport": {"curve": curve}}
+    curve = mode not in (CLEAN_OFF, CURVE_OFF, CURVE_OFF_BANNED)
+    config = {"worker": {"optimizer_on": "worker"}, "transport": {"curve": curve},
+              "scheduler": {"op_timeout": args.op_timeout}}
     job = argparse.Namespace(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps)
-    flooding = mode in MODES
     flood: dict[str, Any] | None = None
+    error, cut, samples = "", "", 0.0
     started = time.perf_counter()
     with captured_log(log), LocalCluster(args.workers, args.servers, config) as cluster, Children() as children:
-        peers, go, done, ready = _ctx.Queue(), _ctx.Event(), _ctx.Event(), _ctx.Queue()
-        results = cluster.start_workers(flood_worker, x, y, job, peers, go, done)
-        servers = peers.get(timeout=min(args.timeout, 120))
-        if flooding:
-            targets = targets_for(mode, servers, cluster.endpoint)
-            children.start("flooder", flooder_main, mode, targets, cluster.secret, args.workers, args.servers, args,
-                           ready, done)
+        peers, ready = _ctx.Queue(), _ctx.Queue()
+        go, done, stopped = _ctx.Event(), _ctx.Event(), _ctx.Event()
+        progress = _ctx.Array("d", 2)
+        results = cluster.start_workers(flood_worker, x, y, job, peers, go, done, stopped, progress)
+        servers = peers.get(timeout=120)
+        if mode in MODES:
+            children.start("flooder", flooder_main, mode, targets_for(servers, cluster.endpoint), cluster.secret,
+                           args.workers, args.servers, args.sockets, args.rotate, args.timeout, ready, done, stopped,
+                           args.rate)
             ready.get(timeout=60)
+        else:
+            stopped.set()
         go.set()
-        try:
-            reports = cluster.collect(results, args.workers, args.timeout)
-        except queue.Empty:
-            raise TimeoutError(f"{mode}: the workers did not finish within {args.timeout:g} s; log in {log}") from None
+        reports: dict[int, tuple[str, Any]] = {}
+        wait_until = time.monotonic() + args.deadline
+        while len(reports) < args.workers and time.monotonic() < wait_until:
+            with contextlib.suppress(queue.Empty):
+                rank, status, value = results.get(timeout=0.2)
+                reports[rank] = (status, value)
+        if len(reports) < args.workers:  # too slow to wait for: the rate so far, then let it finish
+            begun, steps = progress[0], int(progress[1])
+            if begun and steps:
+                samples = steps * args.batch_size * args.workers / (time.monotonic() - begun)
+            where = f"{steps} of {args.steps} timed steps" if begun else "still in the warm-up"
+            cut = f"stopped after {args.deadline:g} s, {where}"
+            done.set()
+            with contextlib.suppress(queue.Empty):
+                reports.update(cluster.collect(results, args.workers - len(reports), args.timeout))
         failed = {rank: value for rank, (status, value) in reports.items() if status != "ok"}
         if failed:
-            raise RuntimeError(f"{mode}: workers failed: {failed}; log in {log}")
-        if flooding:
-            flood = children.collect(["flooder"], 60)["flooder"]
-        codes = cluster.wait(timeout=30)
+            error = "; ".join(f"worker {rank}: {value}" for rank, value in sorted(failed.items()))
+            samples = 0.0
+        elif len(reports) < args.workers:
+            error = f"the workers did not finish within {args.timeout:g} s of the deadline"
+            samples = 0.0
+        elif not cut:
+            samples = args.steps * args.batch_size * args.workers / reports[0][1]["seconds"]
+        done.set()  # stops the flood if rank 0 could not
+        if mode in MODES:
+            try:
+                flood = children.collect(["flooder"], 60)["flooder"]
+            except (RuntimeError, TimeoutError) as exc:  # its counts are lost; the training figure stands
+                error = "; ".join(filter(None, (error, f"the flooder failed: {exc}")))
+        # after a failure the scheduler ends the job once the failed workers miss their heartbeats (8 s)
+        codes = cluster.wait(timeout=15 if error else 30)
     text = log.read_text(errors="replace")
-    stopped = sorted((int(r), int(x_), int(y_)) for r, x_, y_ in _STOPPED.findall(text))
-    seconds = reports[0][1]["seconds"][0]
-    return JobResult(
-        mode, args.steps * args.batch_size * args.workers / seconds, flood,
-        [s[1] for s in stopped], [s[2] for s in stopped], text.count(_BANNED), codes,
-        time.perf_counter() - started,
-    )
+    summary = sorted((int(r), int(n), int(c)) for r, n, c in _STOPPED.findall(text))
+    return JobResult(mode, samples, error, cut, flood, [s[1] for s in summary], [s[2] for s in summary],
+                     text.count(_BANNED), len(_NO_ROUTE.findall(text)), codes, time.perf_counter() - started)
 
 
 def describe_job(job: JobResult) -> str:
     text = f"{job.samples_per_s:7.0f} samples/s"
     if job.flood is not None and job.mode != SPIN:
         rate = job.flood["sent"] / job.flood["seconds"]
-        text += (f", flooder sent {job.flood['sent']:,} ({rate:,.0f}/s, {job.flood['sent_scheduler']:,} to the "
-                 f"scheduler, {job.flood['sockets_opened']:,} sockets), servers rejected {sum(job.rejected):,} "
-                 f"and refused {sum(job.refused):,} connections")
+        what = "connections" if job.mode == STRANGERS else "messages"
+        text += (f", flooder sent {job.flood['sent']:,} {what} ({rate:,.0f}/s; {job.flood['sent_scheduler']:,} to the "
+                 f"scheduler), servers rejected {sum(job.rejected):,} messages and refused "
+                 f"{sum(job.refused):,} connections")
         if job.banned:
             text += f", {job.banned} bans"
-    if any(code != 0 for code in job.codes):
+        if job.mode == CURVE_OFF:
+            text += f", {job.flood['sockets_opened']:,} identities"
+        if job.no_route:
+            text += f", {job.no_route} messages to workers dropped for want of a route"
+    if job.cut:
+        text += f"; {job.cut}"
+    if job.error:
+        text += f"; FAILED: {job.error[:300]}"
+    elif any(code != 0 for code in job.codes):
         text += f"; exit codes {job.codes}"
     return text
 
 
 # ---------------------------------------------------------------------------- driver
+def mode_record(mode: str, jobs: list[JobResult], clean: list[JobResult], args: argparse.Namespace) -> dict[str, Any]:
+    ours = stats([j.samples_per_s for j in jobs])
+    peer = stats([j.samples_per_s for j in clean if not j.error] or [0.0])
+    ratio = ours.median / peer.median if peer.median else 0.0
+    flooded = [j.flood for j in jobs if j.flood is not None]
+    seconds = sum(f["seconds"] for f in flooded)
+    rates = [f["sent"] / f["seconds"] for f in flooded if mode != SPIN and f["seconds"] > 0]
+    rate = stats(rates) if rates else Stats(0.0, 0.0, 0.0)
+    rejected = sum(sum(j.rejected) for j in jobs)
+    refused = sum(sum(j.refused) for j in jobs)
+    return record(
+        f"{mode}-w{args.workers}-s{args.servers}-b{args.batch_size}" + (f"-at{args.rate:.0f}" if args.rate else ""),
+        ours, peer, PEER_NAME[BASELINE[mode]],
+        "samples/s", better="higher", speedup=ratio, mode=mode, description=LABELS[mode],
+        curve=BASELINE[mode] == CLEAN_ON, workers=args.workers, servers=args.servers, batch_size=args.batch_size,
+        steps=args.steps, warmup=args.warmup, repeats=args.repeats, op_timeout=args.op_timeout, paced_rate=args.rate,
+        sockets_per_endpoint=args.sockets if mode not in (MEMBER, SPIN) else (1 if mode == MEMBER else 0),
+        rotate=args.rotate if mode == CURVE_OFF else None,
+        sent_unit=SENT_UNIT[mode], send_rate=rate.median, send_rate_min=rate.low, send_rate_max=rate.high,
+        sent=sum(f["sent"] for f in flooded), sent_scheduler=sum(f["sent_scheduler"] for f in flooded),
+        flood_seconds=seconds, sockets_opened=sum(f["sockets_opened"] for f in flooded),
+        servers_rejected=rejected, servers_refused_connections=refused,
+        servers_rejected_per_s=rejected / seconds if seconds else 0.0,
+        servers_refused_per_s=refused / seconds if seconds else 0.0,
+        bans=sum(j.banned for j in jobs), worker_messages_without_route=sum(j.no_route for j in jobs),
+        rejected_by_job=[j.rejected for j in jobs],
+        refused_by_job=[j.refused for j in jobs], samples_by_job=[j.samples_per_s for j in jobs],
+        failed_jobs=sum(1 for j in jobs if j.error), errors=[j.error for j in jobs if j.error],
+        cut_jobs=sum(1 for j in jobs if j.cut and not j.error), cuts=[j.cut for j in jobs if j.cut],
+        clean_failed_jobs=sum(1 for j in clean if j.error),
+        exit_codes={str(code): n for code, n in Counter(c for j in jobs for c in j.codes).items()},
+        target_ratio=TARGET_RATIO, met=ratio >= TARGET_RATIO,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     _, load_data = demo()
     x, y, _, _ = load_data()
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)  # import torch._dynamo once
-    baselines = sorted({BASELINE[m] for m in args.modes})
-    order = [*baselines[:1], *(m for m in args.modes if BASELINE[m] == baselines[0]), *baselines[1:],
-             *(m for m in args.modes if BASELINE[m] != baselines[0])]
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)  # imports torch._dynamo once
+    order: list[str] = []
+    for clean in (CLEAN_ON, CLEAN_OFF):
+        modes = [m for m in args.modes if BASELINE[m] == clean]
+        order += [clean, *modes] if modes else []
     progress(f"flood: {args.workers} workers x {args.servers} servers, batch {args.batch_size} per worker, "
              f"{args.warmup} warm-up + {args.steps} timed steps per job; {args.repeats} repeats of "
              f"{', '.join(order)}")
@@ -466,43 +634,31 @@ def main(argv: list[str] | None = None) -> int:
             for name in order[shift:] + order[:shift]:
                 job = run_job(name, args, x, y, logdir / f"{rep}-{name}.log")
                 jobs[name].append(job)
-                progress(f"  repeat {rep + 1}/{args.repeats}  {name:<15} {describe_job(job)}  ({job.seconds:.1f} s)")
-    rows, records = [], []
-    for mode in args.modes:
-        base = BASELINE[mode]
-        ours = stats([j.samples_per_s for j in jobs[mode]])
-        peer = stats([j.samples_per_s for j in jobs[base]])
-        ratio = ours.median / peer.median
-        flooded = [j.flood for j in jobs[mode] if j.flood is not None]
-        seconds = sum(f["seconds"] for f in flooded)
-        sent = sum(f["sent"] for f in flooded)
-        sent_scheduler = sum(f["sent_scheduler"] for f in flooded)
-        rejected = sum(sum(j.rejected) for j in jobs[mode])
-        refused = sum(sum(j.refused) for j in jobs[mode])
-        banned = sum(j.banned for j in jobs[mode])
-        codes = Counter(code for j in jobs[mode] for code in j.codes)
-        rates = [f["sent"] / f["seconds"] for f in flooded] if mode != SPIN else []
-        rate = stats(rates) if rates else Stats(0.0, 0.0, 0.0)
-        case = f"{mode}-w{args.workers}-s{args.servers}-b{args.batch_size}"
-        rows.append([case, ours.brief(0), peer.brief(0), f"{ratio:.2f}x", f"{rate.median:,.0f}",
-                     f"{rejected / seconds:,.0f}" if seconds else "-", f"{refused / seconds:,.0f}" if seconds else "-",
-                     str(banned), "met" if ratio >= TARGET_RATIO else "MISSED"])
-        records.append(record(
-            case, ours, peer, PEER_NAME[base], "samples/s", better="higher", speedup=ratio, mode=mode,
-            description=LABELS[mode], curve=mode != CURVE_OFF, workers=args.workers, servers=args.servers,
-            batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-            send_rate=rate.median, send_rate_min=rate.low, send_rate_max=rate.high, sent=sent,
-            sent_scheduler=sent_scheduler, flood_seconds=seconds, sockets_opened=sum(f["sockets_opened"] for f in flooded),
-            servers_rejected=rejected, servers_refused_connections=refused,
-            servers_rejected_per_s=rejected / seconds if seconds else 0.0,
-            servers_refused_per_s=refused / seconds if seconds else 0.0, banned=banned,
-            rejected_by_job=[j.rejected for j in jobs[mode]], refused_by_job=[j.refused for j in jobs[mode]],
-            exit_codes=dict(codes), target_ratio=TARGET_RATIO, met=ratio >= TARGET_RATIO,
-        ))
-    progress(f"\nglobal samples/s, median [min..max] of {args.repeats} jobs each ({time.perf_counter() - started:.0f} s "
-             "in all); rates are per second of flooding, summed over the servers")
-    print_table(["case", "under flood", "clean", "ratio", "sent/s", "rejected/s", "refused conn/s", "bans",
-                 f">= {TARGET_RATIO}x"], rows)
+                progress(f"  repeat {rep + 1}/{args.repeats}  {name:<16} {describe_job(job)}  ({job.seconds:.1f} s)")
+    records = [mode_record(mode, jobs[mode], jobs[BASELINE[mode]], args) for mode in args.modes]
+    if SPIN in jobs:  # what a flood costs beyond taking one core, as the busy loop does
+        spin = stats([j.samples_per_s for j in jobs[SPIN]]).median
+        for rec in records:
+            rec["ratio_to_busy_loop"] = rec["ours"] / spin if spin else 0.0
+    rows = []
+    for rec in records:
+        rows.append([
+            rec["case"], Stats(rec["ours"], rec["ours_min"], rec["ours_max"]).brief(0),
+            Stats(rec["peer"], rec["peer_min"], rec["peer_max"]).brief(0), f"{rec['ratio']:.2f}x",
+            f"{rec['send_rate']:,.0f}" if rec["mode"] != SPIN else "-",
+            f"{rec['servers_rejected_per_s']:,.0f}", f"{rec['servers_refused_per_s']:,.0f}", str(rec["bans"]),
+            str(rec["failed_jobs"]), f"{rec['ratio_to_busy_loop']:.2f}x" if "ratio_to_busy_loop" in rec else "-",
+            "met" if rec["met"] else "MISSED",
+        ])
+    elapsed = time.perf_counter() - started
+    progress(f"\nglobal samples/s, median [min..max] of {args.repeats} jobs each ({elapsed:.0f} s "
+             "in all); sent/s: messages (strangers: connections) per second of flooding; rejected/s and refused/s: "
+             "the servers' own counts, summed, per second of flooding")
+    print_table(["case", "under flood", "clean", "ratio", "sent/s", "rejected/s", "refused/s", "bans", "failed",
+                 "vs busy-loop", f">= {TARGET_RATIO}x"], rows)
+    for rec in records:
+        for error in dict.fromkeys(rec["errors"]):
+            progress(f"{rec['case']}: a job failed: {error[:400]}")
     write_json(args.json, records)
     return 0
 

@@ -115,3 +115,22 @@ def test_priority_training_quick_writes_records_and_a_plot(tmp_path: Path) -> No
     root = ET.parse(plot).getroot()
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
     assert len(root.findall("{http://www.w3.org/2000/svg}rect")) >= 4 + 1  # the background, then a bar per config
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_curve_cost_quick_on_the_testbed(tmp_path: Path) -> None:
+    out = tmp_path / "curve_cost.json"
+    result = run_script(["bench/curve_cost.py", "--quick", "--cases", "testbed", "--json", str(out)], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = _check_records(out, 2)
+    assert [rec["case"] for rec in records] == ["testbed-pushpull", "testbed-train"], records
+    for rec in records:
+        assert rec["peer_name"] == "sluice, transport.curve = false" and rec["target_cost"] == 10.0, rec
+        faster = rec["ratio"] if rec["better"] == "higher" else 1 / rec["ratio"]
+        assert rec["speedup"] == pytest.approx(faster, rel=1e-12), rec
+        assert rec["cost"] == pytest.approx((1 / rec["speedup"] - 1) * 100, rel=1e-9, abs=1e-9), rec
+        assert rec["case"] in result.stdout
+    pushpull = records[0]
+    # a 1 Gbit/s link carries at most 125 MB/s; both sides must have moved real data through it
+    assert 10 < pushpull["ours"] <= 125 and 10 < pushpull["peer"] <= 125, pushpull
