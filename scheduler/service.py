@@ -91,6 +91,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                 next_tick = now + _TICK_SECONDS
     finally:
         transport.close(flush_seconds=2.0)
+    stats = transport.stats()
+    log.info("scheduler stopped (%d messages rejected, %d connections refused)",
+             stats["rejected"] + rejects.total, stats["refused_connections"])
     if machine.exit_code:
         log.error("job failed: %s", machine.error)
     else:

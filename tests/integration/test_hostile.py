@@ -65,24 +65,27 @@ LOGGED_FROM_A_STRANGER = {"announced by a stranger": "announced: not a member of
 
 @contextlib.contextmanager
 def warnings_to_stderr() -> Iterator[None]:
-    """Warnings (and the servers' exit summary) to this process's stderr, for forked children to inherit.
+    """Warnings (and the servers' and scheduler's exit summaries) to this process's stderr, for forked
+    children to inherit.
 
     A handler of our own rather than logging.basicConfig(force=True): that would close pytest's own
     logging handlers for the rest of the session. Entered inside the test, where sys.stderr is capfd's.
     """
-    root, server_log = logging.getLogger(), logging.getLogger("sluice.server")
+    root = logging.getLogger()
+    summaries = [logging.getLogger("sluice.server"), logging.getLogger("sluice.scheduler")]
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
-    saved = root.level, server_log.level
+    saved = [root.level, *(log.level for log in summaries)]
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
-    server_log.setLevel(logging.INFO)
+    for log in summaries:
+        log.setLevel(logging.INFO)
     try:
         yield
     finally:
         root.removeHandler(handler)
-        root.setLevel(saved[0])
-        server_log.setLevel(saved[1])
+        for log, level in zip([root, *summaries], saved, strict=True):
+            log.setLevel(level)
 
 
 @pytest.mark.timeout(90)
@@ -137,6 +140,8 @@ def test_server_rejects_malformed_messages_and_training_is_unharmed(
         else r"sluice.transport:rejected \w+ from 'stranger-[0-9a-f]{12}': not a member of this job")
     assert re.search(refused_by_scheduler, err), err[-2000:]
     assert "sent no heartbeat" not in err
+    counted = re.findall(r"scheduler stopped \((\d+) messages rejected, (\d+) connections refused\)", err)
+    assert counted and int(counted[0][0]) >= report["rounds"], err[-2000:]
     for forbidden in ("Traceback", "Logging error", "I/O thread failed", "failed; message dropped", "ERROR:"):
         lines = [line for line in err.splitlines() if forbidden in line]
         assert not lines, f"{forbidden!r} in the log: {lines[:10]}"
