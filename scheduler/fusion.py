@@ -1,0 +1,140 @@
+"""Balanced tensor fusion (pure): gradients laid out in one flat buffer, cut into equal groups, sent as they fill.
+
+Horovod fuses whatever a 5 ms cycle happens to find ready, so buffer sizes swing from one tiny tensor
+to the full threshold, and change from run to run (horovod #1548). Here the grouping is planned once,
+offline, from the gradients' sizes and the order backward produces them (seed 004):
+
+- Every gradient of one dtype gets a slot in one flat buffer, in backward order, each slot aligned.
+  The buffer is what the gradients are views of (DDP's gradient_as_bucket_view), so a fused group is
+  sent with no copy.
+- The buffer is cut into k = ceil(total / buffer_bytes) byte ranges of equal size (aligned): groups
+  balanced by construction (max/mean = 1 up to the alignment), each within the fusion buffer size.
+  A gradient may straddle two groups; both then wait for it. Since slots follow backward order, a
+  group's gradients are produced one after another: no group waits for one produced much later.
+- Online (`OnlineFusion`), each cycle's newly ready gradients complete some groups, which are sent
+  now, most urgent first; the rest stay on the defer list for the next cycle (the seed's two lists).
+  `finish` flushes what is left when backward ends (a parameter that got no gradient this step),
+  so nothing waits past the step.
+
+The same sizes and order give the same groups every step and every run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+#: slot and group boundaries fall on this many bytes (a cache line; every dtype's item size divides it)
+ALIGN = 64
+
+
+def _align(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one gradient lies in the flat buffer."""
+
+    tensor: int  # index in the caller's table
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """A byte range of the flat buffer, sent as one fused message, and the gradients it needs."""
+
+    index: int
+    start: int
+    end: int
+    tensors: tuple[int, ...]  # the table indices of the gradients overlapping [start, end)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    slots: tuple[Slot, ...]  # in backward order
+    groups: tuple[Group, ...]
+    total_bytes: int  # the flat buffer's size
+
+    def balance(self) -> float:
+        """max/mean group size (1.0 is perfect)."""
+        sizes = [g.nbytes for g in self.groups]
+        return max(sizes) / (sum(sizes) / len(sizes)) if sizes else 1.0
+
+
+def plan_fusion(sizes: Sequence[int], order: Sequence[int], buffer_bytes: int, align: int = ALIGN) -> FusionPlan:
+    """Groups for gradients of `sizes` bytes (one dtype), produced by backward in `order` (table
+    indices, first produced first), with a fusion buffer of `buffer_bytes`."""
+    if sorted(order) != list(range(len(sizes))):
+        raise ValueError("order must list every tensor index exactly once")
+    if buffer_bytes < align or any(n < 0 for n in sizes):
+        raise ValueError(f"buffer_bytes must be at least {align} and sizes non-negative")
+    buffer_bytes -= buffer_bytes % align  # so that aligned groups stay within it
+    slots, offset = [], 0
+    for tensor in order:
+        slots.append(Slot(tensor, offset, sizes[tensor]))
+        offset += _align(sizes[tensor], align)
+    total = offset
+    count = max(1, math.ceil(total / buffer_bytes))
+    step = _align(math.ceil(total / count), align) if total else 0
+    bounds = [min(i * step, total) for i in range(count)] + [total]
+    groups: list[Group] = []
+    for index, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end <= start and index:  # alignment left nothing for the last ones
+            continue
+        members = tuple(s.tensor for s in slots if _overlaps(s, start, end, total))
+        groups.append(Group(len(groups), start, end, members))
+    return FusionPlan(tuple(slots), tuple(groups), total)
+
+
+def _overlaps(slot: Slot, start: int, end: int, total: int) -> bool:
+    """Does the slot share a byte with [start, end)? An empty one counts where it lies (at the very
+    end: in the last group), so every gradient belongs to some group."""
+    first = min(slot.offset, max(total - 1, 0))
+    return first < end and max(slot.offset + slot.nbytes, first + 1) > start
+
+
+@dataclass
+class OnlineFusion:
+    """One step's online split: gradients become ready, complete groups go out, the rest is deferred."""
+
+    plan: FusionPlan
+    ready: set[int] = field(default_factory=set)
+    sent: set[int] = field(default_factory=set)
+    #: groups with some but not all of their gradients ready, carried into the next cycle
+    deferred: list[int] = field(default_factory=list)
+
+    def cycle(self, newly_ready: Iterable[int]) -> list[Group]:
+        """Take this cycle's ready gradients; the groups to send now, in backward order."""
+        self.ready.update(newly_ready)
+        out, deferred = [], []
+        for group in self.plan.groups:
+            if group.index in self.sent:
+                continue
+            have = [t in self.ready for t in group.tensors]
+            if all(have):
+                out.append(group)
+                self.sent.add(group.index)
+            elif any(have):
+                deferred.append(group.index)
+        self.deferred = deferred
+        return out
+
+    def finish(self) -> list[Group]:
+        """Backward is over: every group not yet sent goes now (missing gradients count as zeros)."""
+        rest = [g for g in self.plan.groups if g.index not in self.sent]
+        self.sent.update(g.index for g in rest)
+        self.deferred = []
+        return rest
+
+    def next_step(self) -> None:
+        self.ready.clear()
+        self.sent.clear()
+        self.deferred = []
