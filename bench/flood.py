@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from bench.common import Children, Stats, add_common_options, print_table, progress, record, stats, write_json
-from bench.train_throughput import demo, train, worker_batches
+from bench.train_throughput import demo, sluice_demo, train, worker_batches
 from scheduler.bootstrap import member_names, node_name
 from tests.cluster import LocalCluster
 from transport.auth import JobKeys
@@ -423,15 +423,7 @@ def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peer
     import worker.torch_shim as hvd
     from worker.torch_state import require
 
-    torch.set_num_threads(1)
-    hvd.init()
-    make_model, _ = demo()
-    torch.manual_seed(0)
-    model = make_model()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
-    )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, optimizer = sluice_demo()
     if hvd.rank() == 0:
         found = [(p.rank, p.name, list(p.endpoints)) for p in require().control.peers if p.role == "server"]
         peers.put(sorted(found))

@@ -121,7 +121,9 @@ def timed_repeats(
 
 
 # ---------------------------------------------------------------------------- the two sides
-def _sluice_worker(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+def sluice_demo() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """In a worker of a Sluice job: hvd.init(), the demo model (seeded) and its DistributedOptimizer
+    (SGD with momentum), parameters broadcast from rank 0."""
     import worker.torch_shim as hvd
 
     torch.set_num_threads(1)
@@ -133,6 +135,13 @@ def _sluice_worker(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, optimizer
+
+
+def _sluice_worker(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    import worker.torch_shim as hvd
+
+    model, optimizer = sluice_demo()
     data = worker_batches(x, y, hvd.rank(), hvd.size(), args.batch_size, args.warmup + args.steps)
     result = timed_repeats(model, optimizer, data, args.warmup, args.steps, args.repeats,
                            hvd.barrier, hvd.synchronize_parameters)
