@@ -57,10 +57,7 @@ class Server:
 
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:
         if peer == SCHEDULER_PEER:
-            try:
-                self.control.on_message(msg)
-            except WireError as exc:
-                self.transport.refuse(peer, f"rejected {msg.kind.name} from the scheduler: {exc}")
+            self.control.receive(msg)
             return
         try:
             if msg.kind == Kind.PROBE:  # a worker's calibration: answer at once, no payload

@@ -126,6 +126,14 @@ class ControlClient:
         self._stop.set()
 
     # ------------------------------------------------------------------ incoming (I/O thread)
+    def receive(self, msg: Message) -> None:
+        """A message from the scheduler, on the transport's I/O thread: a malformed one is refused
+        (counted and logged by the transport) and changes nothing."""
+        try:
+            self.on_message(msg)
+        except WireError as exc:
+            self._transport.refuse(SCHEDULER_PEER, f"rejected {msg.kind.name} from the scheduler: {exc}")
+
     def on_message(self, msg: Message) -> None:
         if msg.kind == Kind.HEARTBEAT_ACK:
             self._last_ack = time.monotonic()

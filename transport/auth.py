@@ -69,15 +69,15 @@ class JobKeys:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key(name))
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret_key(name))
 
-    def zap_reply(self, request: Sequence[bytes]) -> tuple[list[bytes], str | None]:
-        """The reply to one ZAP request, and the member admitted (None: refused).
+    def zap_reply(self, request: Sequence[bytes]) -> list[bytes]:
+        """The reply to one ZAP request: 200 with the member's name as User-Id, or 400 for a stranger.
 
         Request frames (RFC 27): version, request id, domain, address, identity, mechanism, credentials.
         """
         if len(request) < 6 or request[0] != ZAP_VERSION:
-            return [ZAP_VERSION, request[1] if len(request) > 1 else b"", b"500", b"malformed request", b"", b""], None
+            return [ZAP_VERSION, request[1] if len(request) > 1 else b"", b"500", b"malformed request", b"", b""]
         request_id, mechanism, credentials = request[1], request[5], request[6:]
         name = self.member(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else None
         if name is None:
-            return [ZAP_VERSION, request_id, b"400", b"not a member of this job", b"", b""], None
-        return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""], name
+            return [ZAP_VERSION, request_id, b"400", b"not a member of this job", b"", b""]
+        return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]

@@ -111,13 +111,11 @@ class Registry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._segments: list[Segment] = []
+        #: every segment, in order of creation; appended to (under the lock) from callers' threads
+        self.segments: list[Segment] = []
         self._used = 0
-        self._arrays: dict[int, tuple[np.ndarray, str, int]] = {}
-        self._bases: dict[int, tuple[str, int]] = {}  # id(segment.bytes) -> (name, address)
-        #: (name, size) of every segment, in order of creation; appended to from callers' threads
-        self.segments: list[tuple[str, int]] = []
-        self._sizes: dict[str, int] = {}
+        self._arrays: dict[int, tuple[np.ndarray, Segment, int]] = {}
+        self._bases: dict[int, tuple[Segment, int]] = {}  # id(segment.bytes) -> (segment, address)
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         nbytes = count * dtype.itemsize
@@ -126,28 +124,23 @@ class Registry:
             if size > _ARENA_BYTES:
                 segment, start = self._new_segment(size), 0
             else:
-                if not self._segments or self._segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
+                if not self.segments or self.segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
                     self._new_segment(_ARENA_BYTES)
                     self._used = 0
-                segment, start = self._segments[-1], self._used
+                segment, start = self.segments[-1], self._used
                 self._used += size
             array = segment.bytes[start : start + nbytes].view(dtype)
-            self._arrays[id(array)] = (array, segment.name, start)
+            self._arrays[id(array)] = (array, segment, start)
         return array
 
     def _new_segment(self, size: int) -> Segment:
         segment = Segment(size)
-        self._segments.append(segment)
-        self._bases[id(segment.bytes)] = (segment.name, segment.bytes.ctypes.data)
-        self._sizes[segment.name] = segment.size
-        self.segments.append((segment.name, segment.size))
+        self.segments.append(segment)
+        self._bases[id(segment.bytes)] = (segment, segment.bytes.ctypes.data)
         return segment
 
-    def size_of(self, name: str) -> int:
-        return self._sizes[name]
-
-    def locate(self, payload: object) -> tuple[str, int] | None:
-        """(segment name, offset) if `payload` is an array this registry allocated, or a view of one."""
+    def locate(self, payload: object) -> tuple[Segment, int] | None:
+        """(segment, offset) if `payload` is an array this registry allocated, or a view of one."""
         found = self._arrays.get(id(payload))
         if found is not None:
             return found[1], found[2]
@@ -157,7 +150,7 @@ class Registry:
         return base[0], payload.ctypes.data - base[1]
 
     def close(self) -> None:
-        for segment in self._segments:
+        for segment in self.segments:
             segment.unlink()
 
 
@@ -201,12 +194,12 @@ class SharedPayloads:
 
     def announce_registered(self, peers: Iterable[str], new_only: bool = False) -> None:
         """Queue announcements of registered segments to `peers` (all, or those made since the last call)."""
-        segments = self.registry.segments[self._registered_seen :] if new_only else list(self.registry.segments)
+        segments = self.registry.segments[self._registered_seen if new_only else 0 :]
         if new_only:
             self._registered_seen += len(segments)
         for peer in peers:
-            for name, size in segments:
-                self._usable(peer, name, size)
+            for segment in segments:
+                self._usable(peer, segment.name, segment.size)
 
     def registered_changed(self) -> bool:
         return len(self.registry.segments) != self._registered_seen
@@ -226,8 +219,8 @@ class SharedPayloads:
             return None
         found = self.registry.locate(payload)
         if found is not None:
-            usable = self._usable(route[0], found[0], self.registry.size_of(found[0]))
-            return (found[0], found[1], nbytes) if usable else None
+            segment, start = found
+            return (segment.name, start, nbytes) if self._usable(route[0], segment.name, segment.size) else None
         ring = self._rings.get(route)
         if ring is None:
             if nbytes > self.ring_bytes:

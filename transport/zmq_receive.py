@@ -120,7 +120,7 @@ class ReceivePath:
             self._refuse(source, channel, f"dropped a message from {source!r:.60} on channel {channel}: {exc}")
             return
         if peer is None:
-            if self._keys is None:  # strangers may connect: keep the score that can get one banned
+            if not self._is_member(source):  # keep the score that can get a stranger banned
                 self.rejects.accept(source)
             if (msg.flags & Flag.LOCAL and self._local is not None and source not in self._local
                     and self._trusted(source)):
@@ -157,15 +157,15 @@ class ReceivePath:
         self.rejects.refuse(source, text, time.monotonic(), member=self._is_member(source), delivered=delivered)
 
     def _is_member(self, peer: str) -> bool:
-        """Authenticated, a peer we connected to, or named as a member: never banned (only counted).
-        Without CURVE any other peer that sends ten refused messages for each accepted one, a hundred
-        or more, is banned."""
-        return self._keys is not None or peer in self._dealers or peer in self._members
+        """A member of the job (with CURVE every router-side peer is: ZAP admits only members' keys and
+        the identity must be the key's name) or a peer we connected to: never banned, only counted.
+        Any other peer that sends ten refused messages for each accepted one, a hundred or more, is."""
+        return peer in self._members or peer in self._dealers
 
     def _trusted(self, peer: str) -> bool:
-        """May `peer` read our shared memory or have us map its? A member (anyone, when the members
-        are not known: a bare transport)."""
-        return not self._members or peer in self._members or peer in self._dealers
+        """May `peer` read our shared memory or have us map its? A member; anyone, on a bare transport
+        that was told no members."""
+        return not self._members or self._is_member(peer)
 
     def _on_shm(self, source: str, channel: int, msg: Message) -> None:
         """A peer announces a segment it will send descriptors into, or confirms it mapped one of ours."""
@@ -213,13 +213,15 @@ class ReceivePath:
         (its others may still be in their handshake). The job's members are kept for good; others
         (all peers, when the members are not known) in a bounded FIFO, so a flood of fresh identities
         can neither grow memory nor push a member's route out."""
+        if source in self._heard_on:  # known already (the usual case, once per message): nothing to do
+            return
         if source in self._members:
             self._router_idents[source] = ident
         else:
-            if source not in self._strangers and len(self._strangers) >= _MAX_ROUTER_PEERS:
+            if len(self._strangers) >= _MAX_ROUTER_PEERS:
                 gone = next(iter(self._strangers))
                 del self._strangers[gone]
-                self._heard_on.pop(gone, None)
+                del self._heard_on[gone]
             self._strangers[source] = ident
         self._heard_on[source] = channel
 

@@ -114,7 +114,7 @@ class ZmqTransport(ReceivePath):
         def snapshot() -> dict[str, Any]:
             taken = self.metrics.snapshot()
             taken["rejected"] = self.rejects.total
-            taken["refused_connections"] = self._guard.refused_handshakes + self._guard.denied
+            taken["refused_connections"] = self._guard.refused_handshakes
             if reset:
                 self.metrics.reset()
             return taken
@@ -224,13 +224,11 @@ class ZmqTransport(ReceivePath):
                     if sock == self._wake:
                         os.eventfd_read(self._wake)
                     elif sock is self._guard.zap:
-                        refused = self._guard.answer_zap()
-                        if refused:
-                            self.rejects.refuse("a stranger", refused, time.monotonic())
+                        self._guard.answer_zap()
                     elif sock in self._monitors:
-                        if self._guard.read_monitor(sock):
-                            self.rejects.refuse("a stranger", "refused a connection that failed the CURVE "
-                                                "handshake (no job secret)", time.monotonic())
+                        if self._guard.read_monitor(sock):  # counted there; logged here, at a bounded rate
+                            self.rejects.refuse("a stranger", "refused a connection whose CURVE handshake failed "
+                                                "(no job secret, or a key that is no member's)", time.monotonic())
                     else:
                         self._receive(sock, arrived)
                 self._dispatch(arrived)

@@ -25,7 +25,7 @@ from scheduler.node import SCHEDULER_PEER, ControlClient
 from transport.base import open_transport
 from transport.config import LOCAL_ENDPOINTS
 from transport.dtypes import STORAGE
-from transport.wire import Flag, Kind, Message, WireError
+from transport.wire import Flag, Kind, Message
 from worker.calibrate import Calibrator
 
 log = logging.getLogger("sluice.worker")
@@ -290,10 +290,7 @@ class Client:
 
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:
         if peer == SCHEDULER_PEER:
-            try:
-                self.control.on_message(msg)
-            except WireError as exc:
-                self.transport.refuse(peer, f"rejected {msg.kind.name} from the scheduler: {exc}")
+            self.control.receive(msg)
             return
         calibrator = self._calibrator
         if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:
