@@ -20,6 +20,7 @@ from ps.config import ServerConfig
 from scheduler.bootstrap import ENV_CONFIG, ENV_RANK, ENV_ROLE, ENV_SCHEDULER, ENV_SERVERS, ENV_WORKERS
 from scheduler.config import SchedulerConfig
 from transport.config import TransportConfig
+from worker.collective.config import CollectiveConfig
 from worker.config import WorkerConfig
 
 #: section name -> the layer's settings class; the order is the order of listings and help
@@ -28,6 +29,7 @@ SECTIONS: dict[str, type[Any]] = {
     "scheduler": SchedulerConfig,
     "ps": ServerConfig,
     "worker": WorkerConfig,
+    "collective": CollectiveConfig,
 }
 ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
@@ -116,6 +118,7 @@ class SluiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     ps: ServerConfig = field(default_factory=ServerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     #: (key, where its value came from) for every key not left at its default
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 

@@ -97,6 +97,12 @@ class Kind(IntEnum):
     SHM_MAPPED = 29
     ACK = 30
     ERROR = 31
+    #: between workers: the coordinator tree (requests and ready bits up, decisions down)
+    COORD_UP = 40
+    COORD_DOWN = 41
+    #: between workers: one chunk of a collective's data, and "I have consumed all of yours for op N"
+    COLL_DATA = 42
+    COLL_DONE = 43
 
 
 class Flag:

@@ -1,0 +1,49 @@
+"""Settings of the collective engine: the coordinator tree, allreduce algorithms, fusion and hybrid routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALGORITHMS = ("auto", "ring", "tree")
+MODES = ("auto", "ps", "allreduce")
+
+
+@dataclass(frozen=True)
+class CollectiveConfig:
+    #: fan-out of the coordinator tree (each controller hears from at most this many children);
+    #: 0: a flat coordinator, every rank reporting to rank 0 (Horovod's shape)
+    arity: int = 4
+    #: the coordinator batches requests and ready bits for this many milliseconds per cycle
+    cycle_ms: float = 1.0
+    #: an operation some ranks submitted and others did not fails after this many seconds, naming
+    #: the ranks that did not submit it (Horovod only warns)
+    stall_timeout: float = 60.0
+    #: "ring" (reduce-scatter then allgather), "tree" (reduce up the coordinator tree, then down), or
+    #: "auto": the tree below tree_below_bytes (fewer hops), the ring above (least bytes per link)
+    algorithm: str = "auto"
+    #: with algorithm "auto", tensors smaller than this many bytes use the tree
+    tree_below_bytes: int = 64 << 10
+    #: gradients of one dtype are laid out in one registered buffer, cut into equal groups of at most
+    #: this many bytes, each sent as one message stream (0: no fusion, each gradient alone)
+    fusion_bytes: int = 16 << 20
+    #: where each gradient goes: "ps" (the servers), "allreduce", or "auto" (see docs/collective.md);
+    #: a job with no servers uses allreduce whatever this says
+    mode: str = "auto"
+    #: shell-style name patterns of gradients that go through allreduce, whatever `mode` says
+    allreduce_patterns: tuple[str, ...] = field(default_factory=tuple)
+    #: shell-style name patterns of gradients that go through the servers, whatever `mode` says
+    ps_patterns: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.arity < 0 or self.arity == 1:
+            raise ValueError(f"collective.arity must be 0 (flat) or at least 2, got {self.arity}")
+        if self.cycle_ms <= 0:
+            raise ValueError(f"collective.cycle_ms must be positive, got {self.cycle_ms}")
+        if self.stall_timeout <= 0:
+            raise ValueError(f"collective.stall_timeout must be positive, got {self.stall_timeout}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"collective.algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"collective.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.fusion_bytes < 0 or self.tree_below_bytes < 0:
+            raise ValueError("collective.fusion_bytes and collective.tree_below_bytes must be 0 or positive")
