@@ -30,12 +30,14 @@ from bench.common import (
     timed_push_pull,
     write_json,
 )
+from scheduler.fusion import FusionPlan, plan_fusion
 from tests.cluster import LocalCluster
 from transport.config import TransportConfig
 
 MIB = 1 << 20
 CHUNK = MIB  # the raw pyzmq peer sends 1 MiB messages, like Sluice's default chunk size
 GLOO = "torch.distributed gloo all_reduce"
+FUSION_BUFFER = 16 * MIB  # the bucket case's fusion buffer size (plan_fusion's buffer_bytes)
 
 DESCRIPTION = """\
 Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one float32 tensor:
@@ -43,6 +45,12 @@ Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one 
   sluice  W workers push_pull the tensor through S servers (LocalCluster, worker.client.Client),
           pushing from an array in registered memory (Client.alloc: no copy into the send ring)
   plain   the same from an ordinary numpy array (one copy into the send ring per chunk)
+  bucket  the same bytes laid out as torch gradients will be (issue 7): a BERT-like table of
+          about 150 tensors (big weights, small biases and norms) whose sizes sum to the size,
+          given slots in backward order in one flat buffer from Client.alloc, cut by
+          scheduler.fusion.plan_fusion with a 16 MiB fusion buffer; each group is declared as a
+          tensor and push_pulled in place from its view of the buffer (client.push_pull(name,
+          view, view)), every group at once, then all are waited for
   zmq     W processes each send the tensor as 1 MiB zero-copy PUSH messages over tcp 127.0.0.1 to
           S sink processes (chunk i to sink i mod S, as Sluice spreads chunks over its servers),
           which echo every message back on a PUSH socket per worker (the traffic of a push and a
@@ -50,7 +58,8 @@ Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one 
   gloo    W processes run torch.distributed all_reduce (gloo backend) on the same tensor
 
 Every process does one untimed warm-up round, then each repetition times ROUNDS rounds between
-two barriers (rank 0's clock). The JSON record's peer is gloo; plain and zmq are extra fields.
+two barriers (rank 0's clock). The JSON record's peer is gloo; plain, bucket and zmq are extra
+fields (ratio_plain and ratio_bucket against the same gloo figure).
 """
 
 
@@ -91,6 +100,88 @@ def measure_sluice(
 ) -> list[float]:
     with LocalCluster(workers, servers) as cluster:
         results = cluster.run(_sluice_worker, nbytes, rounds, repeats, registered, timeout=timeout)
+        cluster.wait()
+    times: list[float] = results[0]
+    return times
+
+
+# ---------------------------------------------------------------------------- sluice, gradient buckets
+#: one encoder block of a BERT-like model: (name, weight units or None, floats of a small tensor)
+_BLOCK = [
+    ("attn.qkv.weight", 3, 0), ("attn.qkv.bias", None, 2304), ("attn.out.weight", 1, 0), ("attn.out.bias", None, 768),
+    ("ln1.weight", None, 768), ("ln1.bias", None, 768), ("mlp.fc1.weight", 4, 0), ("mlp.fc1.bias", None, 3072),
+    ("mlp.fc2.weight", 4, 0), ("mlp.fc2.bias", None, 768), ("ln2.weight", None, 768), ("ln2.bias", None, 768),
+]
+_BLOCKS = 12
+_EMBEDDING_UNITS = 3
+
+
+def model_table(nbytes: int) -> list[tuple[str, int]]:
+    """(name, float32 count) of a BERT-like model whose tensors sum to exactly `nbytes`: 12 blocks of
+    12 tensors after an embedding, weights scaled to the size, biases and norms of BERT-base's widths.
+    Every count is a multiple of 16 floats, so slots need no padding and the fused buffer is `nbytes`."""
+    small = _BLOCKS * sum(n for _, units, n in _BLOCK if units is None) + 2 * 768
+    units = _EMBEDDING_UNITS + _BLOCKS * sum(u for _, u, _ in _BLOCK if u is not None)
+    unit = (nbytes // 4 - small) // units // 16 * 16
+    if unit < 16:
+        raise ValueError(f"{nbytes} bytes is too small for the bucket case's model table")
+    table = [("embedding.weight", _EMBEDDING_UNITS * unit)]
+    for block in range(_BLOCKS):
+        table += [(f"block{block}.{name}", units_ * unit if units_ is not None else n) for name, units_, n in _BLOCK]
+    table += [("final_ln.weight", 768), ("final_ln.bias", 768)]
+    name, count = table[0]
+    table[0] = (name, count + nbytes // 4 - sum(n for _, n in table))  # the embedding takes what rounding left
+    return table
+
+
+def bucket_plan(nbytes: int) -> tuple[list[tuple[str, int]], FusionPlan]:
+    """The model table and its fusion plan: backward produces gradients from the last layer to the first."""
+    table = model_table(nbytes)
+    plan = plan_fusion([4 * n for _, n in table], list(reversed(range(len(table)))), FUSION_BUFFER)
+    if plan.total_bytes != nbytes:  # bandwidth is quoted for `nbytes`: padding would go uncounted
+        raise ValueError(f"the bucket layout takes {plan.total_bytes} bytes for a {nbytes}-byte case")
+    return table, plan
+
+
+def _bucket_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
+    """In each Sluice worker: push_pull every fusion group in place from one registered flat buffer."""
+    from worker.client import Client
+
+    _, plan = bucket_plan(nbytes)
+    client = Client()
+    flat = client.alloc((plan.total_bytes // 4,), "float32")
+    grads = [flat[s.offset // 4 : (s.offset + s.nbytes) // 4] for s in plan.slots]  # what torch's .grad would be
+    groups = [(f"bucket.{g.index}", flat[g.start // 4 : g.end // 4]) for g in plan.groups]
+    # declared last group first: the plan's priority is the declaration order, and the last group in
+    # backward order holds the first layers, which the next forward pass needs first
+    client.declare([(name, (view.size,), "float32", None) for name, view in reversed(groups)])
+    for grad in grads:
+        grad[:] = 1.0
+
+    def one_round() -> None:
+        handles = [client.push_pull(name, view, view) for name, view in groups]  # in backward order
+        for handle in handles:
+            handle.wait()
+
+    one_round()
+    if not all(bool(np.all(grad == client.size)) for grad in grads):
+        raise AssertionError(f"bucket push_pull returned a wrong sum (expected {client.size} everywhere)")
+    flat[:] = 0.0  # in place, sums of ones would grow without bound; sums of zeros stay finite
+    seconds = []
+    for rep in range(repeats):
+        client.barrier(f"start.{rep}")
+        started = time.perf_counter()
+        for _ in range(rounds):
+            one_round()
+        client.barrier(f"end.{rep}")
+        seconds.append((time.perf_counter() - started) / rounds)
+    client.close()
+    return seconds
+
+
+def measure_bucket(nbytes: int, workers: int, servers: int, rounds: int, repeats: int, timeout: float) -> list[float]:
+    with LocalCluster(workers, servers) as cluster:
+        results = cluster.run(_bucket_worker, nbytes, rounds, repeats, timeout=timeout)
         cluster.wait()
     times: list[float] = results[0]
     return times
@@ -232,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
         rounds = rounds_for(size, args.rounds)
         case = f"{size}MiB-w{workers}-s{servers}"
         measured: dict[str, Stats] = {}
-        for name in ("sluice", "plain", "zmq", "gloo"):
+        for name in ("sluice", "plain", "bucket", "zmq", "gloo"):
             t0 = time.perf_counter()
             if name in ("sluice", "plain"):
                 registered = name == "sluice"
                 seconds = measure_sluice(nbytes, workers, servers, rounds, args.repeats, args.timeout, registered)
+            elif name == "bucket":
+                seconds = measure_bucket(nbytes, workers, servers, rounds, args.repeats, args.timeout)
             elif name == "zmq":
                 seconds = measure_zmq(nbytes, workers, servers, rounds, args.repeats, args.timeout)
             else:
@@ -244,21 +337,27 @@ def main(argv: list[str] | None = None) -> int:
             measured[name] = bandwidth(nbytes, seconds)
             progress(f"  {case:<16} {name:<6} {measured[name].brief()} GB/s  ({time.perf_counter() - t0:.1f} s)")
         ours, plain, zmq_, gloo = measured["sluice"], measured["plain"], measured["zmq"], measured["gloo"]
+        bucket = measured["bucket"]
+        table, plan = bucket_plan(nbytes)
         rows.append([
-            case, str(rounds), ours.brief(), plain.brief(), zmq_.brief(), gloo.brief(),
+            case, str(rounds), ours.brief(), plain.brief(), bucket.brief(), zmq_.brief(), gloo.brief(),
             f"{ours.median / gloo.median:.2f}x", f"{plain.median / gloo.median:.2f}x",
-            f"{ours.median / zmq_.median:.2f}x",
+            f"{bucket.median / gloo.median:.2f}x", f"{ours.median / zmq_.median:.2f}x",
         ])
         records.append(record(
             case, ours, gloo, GLOO, "GB/s", plain=plain.median, plain_min=plain.low, plain_max=plain.high,
-            ratio_plain=plain.median / gloo.median, zmq=zmq_.median, zmq_min=zmq_.low, zmq_max=zmq_.high,
+            ratio_plain=plain.median / gloo.median, bucket=bucket.median, bucket_min=bucket.low,
+            bucket_max=bucket.high, ratio_bucket=bucket.median / gloo.median, bucket_tensors=len(table),
+            bucket_groups=len(plan.groups), bucket_group_bytes=[g.nbytes for g in plan.groups],
+            fusion_buffer_bytes=FUSION_BUFFER, zmq=zmq_.median, zmq_min=zmq_.low, zmq_max=zmq_.high,
             ratio_zmq=ours.median / zmq_.median, size_mib=size, workers=workers, servers=servers,
             rounds=rounds, repeats=args.repeats,
         ))
     progress(f"\nalgorithm bandwidth in GB/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")
     print_table(
-        ["case", "rounds", "sluice", "plain", "zmq echo", "gloo", "sluice/gloo", "plain/gloo", "sluice/zmq"], rows
+        ["case", "rounds", "sluice", "plain", "bucket", "zmq echo", "gloo", "sluice/gloo", "plain/gloo",
+         "bucket/gloo", "sluice/zmq"], rows,
     )
     write_json(args.json, records)
     return 0

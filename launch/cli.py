@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("-w", "--workers", type=int, required=True, metavar="N",
                         help="number of worker processes, each running COMMAND")
     launch.add_argument("-s", "--servers", type=int, required=True, metavar="M",
-                        help="number of parameter-server processes")
+                        help="number of parameter-server processes; 0: pure allreduce among the workers "
+                             "(collective.mode is then ignored)")
     _add_config_options(launch)
     launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                         help="after every worker exited 0, wait this long for the scheduler and servers to "
@@ -88,8 +89,9 @@ def _launch(args: argparse.Namespace) -> int:
     command = list(args.worker_command)
     if command[:1] == ["--"]:
         command = command[1:]
-    if args.workers < 1 or args.servers < 1:
-        return _error(f"a job needs at least one worker and one server, got -w {args.workers} -s {args.servers}")
+    if args.workers < 1 or args.servers < 0:
+        return _error(f"a job needs at least one worker and no negative server count, got -w {args.workers} "
+                      f"-s {args.servers}")
     if not command:
         return _error("no worker command: put it after --, e.g. sluice launch -w 2 -s 1 -- python train.py")
     if args.grace < 0 or args.ready_timeout <= 0:

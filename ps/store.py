@@ -3,6 +3,14 @@
 `ShardStore.handle` takes one validated wire message and returns the replies to send, so the whole
 server protocol is testable with plain arrays. Arithmetic is numpy, in place; bfloat16 is summed
 and updated in float32 and rounded back to nearest-even.
+
+A round's floating-point sum is taken in worker rank order, whatever order the pushes arrive in:
+float addition is not associative, so summing in arrival order would change the parameters bit by
+bit from run to run with 3 or more workers (issue 7 asks for bitwise-identical runs with the same
+seeds). The sum is ((w0 + w1) + w2) + ... : a push is added at once when it is next in that order
+(ranks 0 and 1 always are, since a + b == b + a, bit for bit); any other is copied aside and added
+when the gap before it fills. So only an out-of-order arrival costs a copy, and at most workers - 2
+copies of a chunk are held at once.
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ class Chunk:
     round: int = 0
     pushed: set[int] = field(default_factory=set)
     round_started: float = 0.0
+    #: how many pushes of this round are in `accum`: ranks 0..summed-1 (1: rank 0 or rank 1 alone)
+    summed: int = 0
+    #: pushes of this round that arrived before a lower rank's, copied (rank -> storage-dtype array)
+    stash: dict[int, np.ndarray] = field(default_factory=dict)
     waiting: list[Waiter] = field(default_factory=list)
     bcast: np.ndarray | None = None
     bcast_version: int = 0
@@ -120,6 +132,9 @@ class ShardStore:
         self.departure_order: list[int] = []  # the first to leave is the likely cause; name it first
         #: called once, with the first worker to leave and the error, when a round is first found orphaned
         self.on_first_orphan: Callable[[int, str], None] | None = None
+        #: free stash buffers by (dtype, length), reused round after round so that an out-of-order push
+        #: costs a copy and no allocation; they total at most the peak of pushes stashed at once
+        self._spare: dict[tuple[str, int], list[np.ndarray]] = {}
 
     def add_plan(self, tensors: list[Any]) -> None:
         """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]; a
@@ -189,12 +204,9 @@ class ShardStore:
         if not self.departed <= chunk.pushed:
             return [(peer, channel, self._orphaned(chunk, msg.round, msg.priority))]
         chunk.optimizer = optimizer  # only a push that is taken may change the settings
-        wide = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data
         if not chunk.pushed:
-            np.copyto(chunk.accum, wide)
             chunk.round_started = time.monotonic()
-        else:
-            chunk.accum += wide
+        self._take(chunk, rank, data)
         chunk.pushed.add(rank)
         replies: list[Reply] = []
         if msg.flags & Flag.WANT_REPLY:
@@ -205,6 +217,32 @@ class ShardStore:
             self._complete(chunk)
             replies += self._serve(chunk)
         return replies
+
+    def _take(self, chunk: Chunk, rank: int, data: np.ndarray) -> None:
+        """Add worker `rank`'s push to the round's sum in rank order, or stash a copy until it is next."""
+        if rank >= 2 and chunk.summed != rank and chunk.dtype in FLOAT_DTYPES:
+            # a copy, not a reference: the payload's memory (a ring slot, a frame) is the sender's
+            # again once the handler returns. Integer sums need no order: integer addition is associative.
+            spare = self._spare.get((chunk.dtype, data.size))
+            stashed = spare.pop() if spare else np.empty_like(data)
+            np.copyto(stashed, data)
+            chunk.stash[rank] = stashed
+            return
+        self._add(chunk, rank, data)
+        while chunk.summed in chunk.stash:  # the gap is filled: add what waited behind it, in order
+            stashed = chunk.stash.pop(chunk.summed)
+            self._add(chunk, chunk.summed, stashed)
+            self._spare.setdefault((chunk.dtype, stashed.size), []).append(stashed)
+
+    def _add(self, chunk: Chunk, rank: int, data: np.ndarray) -> None:
+        wide = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data
+        if chunk.summed == 0:
+            np.copyto(chunk.accum, wide)
+        elif rank == 0 and chunk.summed == 1:  # rank 1 came first: still w0 + w1, operands in that order,
+            np.add(wide, chunk.accum, out=chunk.accum)  # so even the payload of a NaN is the same each run
+        else:
+            chunk.accum += wide
+        chunk.summed += 1
 
     def _complete(self, chunk: Chunk) -> None:
         if chunk.optimizer is None:
@@ -217,6 +255,7 @@ class ShardStore:
             self._step(chunk, chunk.accum)
         chunk.round += 1
         chunk.pushed.clear()
+        chunk.summed = 0  # every rank pushed, so every stashed push has been added: the stash is empty
 
     def _step(self, chunk: Chunk, grad: np.ndarray) -> None:
         assert chunk.optimizer is not None

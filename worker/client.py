@@ -21,12 +21,14 @@ from scheduler.bootstrap import NodeEnv, from_environ
 from scheduler.calibration import Limits
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
-from scheduler.node import SCHEDULER_PEER, ControlClient
+from scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo
 from transport.base import open_transport
 from transport.config import LOCAL_ENDPOINTS
 from transport.dtypes import STORAGE
 from transport.wire import Flag, Kind, Message
 from worker.calibrate import Calibrator
+from worker.collective.config import CollectiveConfig
+from worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 
 log = logging.getLogger("sluice.worker")
 
@@ -104,18 +106,24 @@ class Client:
         self._pending: dict[tuple[Kind, int, int, int], deque[_Op]] = {}
         self._lock = threading.Lock()
         self._failure: str | None = None
+        self.collective_settings = CollectiveConfig(**self.env.section("collective"))
+        #: the collective engine (allreduce and the rest among workers), made when the scheduler welcomes us
+        self.collectives: CollectiveEngine | None = None
         self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
                                         members=self.env.members)
-        self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal)
-        self.control.register("worker", [])
+        self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal,
+                                     on_welcome=self._start_collectives)
+        self.control.register("worker", self.transport.listen())
         self.rank = self.control.rank
         self.size = self.env.workers
+        assert self.collectives is not None
+        self.collectives.connect([p.endpoints for p in self._workers()])
         servers = sorted((p for p in self.control.peers if p.role == "server"), key=lambda p: p.rank)
-        self._server_names = [p.name for p in servers]
-        self._server_ids = {p.node_id for p in servers}
+        self._server_names: list[str] = [p.name for p in servers]
+        self._server_ids: set[int] = {p.node_id for p in servers}
         for peer in servers:
             self.transport.connect(peer.name, peer.endpoints)
-        self._servers_local = all(e.startswith(LOCAL_ENDPOINTS) for p in servers for e in p.endpoints)
+        self._servers_local: bool = all(e.startswith(LOCAL_ENDPOINTS) for p in servers for e in p.endpoints)
         #: this worker's calibrated limits, proposed to the scheduler with the first declaration
         self.proposal: Limits | None = None
         #: the job's chunk size and in-flight bound, known after the first declaration
@@ -123,6 +131,26 @@ class Client:
         self._calibrator: Calibrator | None = None
         if servers and not (self.settings.chunk_bytes and self.settings.inflight_bytes):
             self._calibrate()
+
+    @property
+    def servers(self) -> int:
+        return len(self._server_names)
+
+    def _start_collectives(self) -> None:
+        """On the I/O thread, as the address book arrives and before any later message is handled: a
+        faster worker may send coordinator messages at once."""
+        workers = self._workers()
+        names = [p.name for p in workers]
+        hosts = [endpoint_host(p.endpoints) for p in workers]
+        levels = self.settings.channels
+        self.collectives = CollectiveEngine(
+            self.transport, self.control.rank, names, hosts, self.collective_settings,
+            self.settings.chunk_limit, self.control_settings.op_timeout,
+            lambda priority: self.settings.channel_for(priority, levels),
+        )
+
+    def _workers(self) -> list[PeerInfo]:
+        return sorted((p for p in self.control.peers if p.role == "worker"), key=lambda p: p.rank)
 
     def _calibrate(self) -> None:
         timeout = min(self.control_settings.op_timeout, 60.0)
@@ -140,6 +168,9 @@ class Client:
     # ------------------------------------------------------------------ collective set-up
     def declare(self, tensors: Sequence[TensorDecl]) -> None:
         """Declare tensors on every worker at once (same names, shapes, dtypes; any order)."""
+        if not self._server_names:
+            raise SluiceError("this job has no parameter servers (-s 0): tensors cannot be declared for them; "
+                              "use the allreduce collectives (worker.collective) instead")
         table = [[name, list(shape), dtype, opt] for name, shape, dtype, opt in tensors]
         plan, limits = self.control.declare(table, self.proposal if self.limits is None else None)
         if self.limits is None:
@@ -166,7 +197,7 @@ class Client:
             if priority < 0:
                 raise SluiceError(f"priority of {name!r} must be >= 0, got {priority}")
             self._tensor(name).priority = priority
-        levels = max(t.priority for t in self._tensors.values()) + 1
+        levels = max((t.priority for t in self._tensors.values()), default=0) + 1
         for tensor in self._tensors.values():
             tensor.channel = self.settings.channel_for(tensor.priority, levels)
 
@@ -226,6 +257,8 @@ class Client:
         return handle
 
     def close(self) -> None:
+        if self.collectives is not None:
+            self.collectives.close()
         self.control.bye()
         self.transport.close(flush_seconds=2.0)
 
@@ -292,6 +325,13 @@ class Client:
         if peer == SCHEDULER_PEER:
             self.control.receive(msg)
             return
+        if msg.kind in COLLECTIVE_KINDS:
+            engine = self.collectives
+            if engine is None or not peer.startswith("worker-"):
+                self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: not a worker's collective")
+                return
+            engine.on_message(peer, msg)
+            return
         calibrator = self._calibrator
         if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:
             calibrator.on_reply(msg)
@@ -328,8 +368,19 @@ class Client:
 
     def _on_fatal(self, error: str) -> None:
         self._failure = error
+        if self.collectives is not None:
+            self.collectives.fail(error)
         with self._lock:
             pending, self._pending = self._pending, {}
         for ops in pending.values():
             for op in ops:
                 op.handle._fail(error)
+
+
+def endpoint_host(endpoints: Sequence[str]) -> str:
+    """The host part of a node's first endpoint ("tcp://10.0.0.5:4000" -> "10.0.0.5"; ipc: "localhost"),
+    which groups ranks by host in the coordinator tree and the ring."""
+    if not endpoints or not endpoints[0].startswith("tcp://"):
+        return "localhost"
+    address = endpoints[0][len("tcp://"):].rpartition(":")[0]
+    return "localhost" if address.startswith(("127.", "[::1]", "localhost")) else address

@@ -17,11 +17,10 @@ from typing import Any
 import torch
 
 from scheduler.errors import SluiceError
-from worker.client import Handle
 from worker.staging import Staging
-from worker.torch_collectives import broadcast_parameters
+from worker.torch_fusion import FusedGradients, GroupWait, build_fusion, choose_routes
 from worker.torch_priority import ParameterPriorities
-from worker.torch_state import PENDING, STATE, declare_missing, log_metrics, require
+from worker.torch_state import PENDING, STATE, Waitable, declare_missing, log_metrics, require
 
 
 def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,18 +67,24 @@ class _DistributedMixin:
         if unnamed:
             raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
         self._sluice_on_server = STATE.settings.optimizer_on == "server"
-        self._sluice_handles: dict[int, tuple[Handle, Callable[[], Any]]] = {}
+        self._sluice_handles: dict[int, tuple[Waitable, Callable[[], Any]]] = {}
         self._sluice_stages: dict[int, Staging] = {}
-        options = {}
-        if self._sluice_on_server:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    options[self._sluice_names[id(p)]] = _server_options(kind, group)
         in_order = [(self._sluice_names[id(p)], p) for p in params]
-        declare_missing(in_order, options)
-        self._sluice_priorities = ParameterPriorities(require(), STATE.settings, in_order, model)
+        client = require()
         if self._sluice_on_server:
-            broadcast_parameters(in_order, root_rank=0)
+            if not client.servers:
+                raise SluiceError("worker.optimizer_on = 'server' needs parameter servers; this job has none (-s 0)")
+            options = {self._sluice_names[id(p)]: _server_options(kind, group)
+                       for group in self.param_groups for p in group["params"]}
+            declare_missing(in_order, options)
+        #: id(param) -> the fused gradients it belongs to (optimizer on the workers; made at the first hook)
+        self._sluice_fused: dict[int, FusedGradients] | None = None
+        self._sluice_flushed = False
+        self._sluice_routes = choose_routes([(n, p) for n, p in in_order if p.requires_grad],
+                                            client.collective_settings, client.servers, client.size)
+        self._sluice_priorities = ParameterPriorities(client, STATE.settings, in_order, model)
+        if self._sluice_on_server:
+            _seed_servers(in_order)
         self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
         self._sluice_params = {id(p): p for p in params}
         for p in params:
@@ -94,19 +99,49 @@ class _DistributedMixin:
             earlier[0].wait()
             earlier[1]()
             step_ready()
+        if not self._sluice_on_server:
+            self._sluice_take(key, param)
+            return
         grad = param.grad
         assert grad is not None
         client, name = require(), self._sluice_names[key]
         grad_stage = self._sluice_staging(key, grad)
         data = grad_stage.load(grad)
-        if self._sluice_on_server:
-            options = _server_options(self._sluice_kind, self._sluice_group[key])
-            param_stage = Staging(param) if grad_stage.direct else grad_stage
-            handle = client.push_pull(name, data, param_stage.array(), opt=options)
-            self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
-        else:
-            handle = client.push_pull(name, data, data)
-            self._sluice_handles[key] = (handle, lambda: _average_into(grad_stage, grad))
+        options = _server_options(self._sluice_kind, self._sluice_group[key])
+        param_stage = Staging(param) if grad_stage.direct else grad_stage
+        handle = client.push_pull(name, data, param_stage.array(), opt=options)
+        self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
+
+    def _sluice_take(self, key: int, param: torch.Tensor) -> None:
+        """Optimizer on the workers: the gradient lies in (or is copied into) its fusion buffer, and
+        every group it completes leaves at once, through the servers or allreduce."""
+        if self._sluice_fused is None:
+            self._sluice_fused = build_fusion(self._sluice_params, self._sluice_names, self._sluice_routes,
+                                              self._sluice_priorities.assigned)
+        elif self._sluice_flushed:
+            self._sluice_next_step()
+        fused = self._sluice_fused[key]
+        fused.take(key, param)
+        view = fused.view(key)
+        self._sluice_handles[key] = (fused.waits_for(key), lambda: view)
+
+    def _sluice_flush(self) -> None:
+        """Backward is over: every group not sent yet (gradients unused this step) goes now."""
+        if self._sluice_fused is not None and not self._sluice_flushed:
+            for fused in {id(f): f for f in self._sluice_fused.values()}.values():
+                fused.flush()
+            self._sluice_flushed = True
+
+    def _sluice_next_step(self) -> None:
+        """A new backward pass begins: finish the updates still reading the buffer about to be reused,
+        then point the gradients at it, zeroed."""
+        assert self._sluice_fused is not None
+        for fused in {id(f): f for f in self._sluice_fused.values()}.values():
+            stale = [k for k, (wait, _) in PENDING.items()
+                     if isinstance(wait, GroupWait) and wait.fused is fused and wait.step.buffer != fused.active]
+            finish_updates(stale)
+            fused.next_step(self._sluice_params)
+        self._sluice_flushed = False
 
     def _sluice_staging(self, key: int, grad: torch.Tensor) -> Staging:
         """The gradient itself on the CPU; else one pinned buffer per parameter, kept across steps."""
@@ -119,6 +154,7 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
+        self._sluice_flush()
         handles, self._sluice_handles = self._sluice_handles, {}
         for handle, finish in handles.values():
             handle.wait()
@@ -130,6 +166,7 @@ class _DistributedMixin:
         if every and self._sluice_steps % every == 0 and require().rank == 0:
             window = f"steps {self._sluice_steps - every + 1}-{self._sluice_steps}"
             log_metrics(require().transport.stats(reset=True), window)
+        self._sluice_flush()
         if self._sluice_on_server:
             loss = closure() if closure is not None else None
             PENDING.update(self._sluice_handles)
@@ -188,14 +225,30 @@ class _DistributedMixin:
         yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """With the optimizer on the workers, gradients stay views of the fusion buffers (as DDP's
+        gradient_as_bucket_view): this points them at the other buffer, zeroed, whatever set_to_none
+        says, while the updates of the last step may still read the first."""
+        if self._sluice_fused is not None:
+            if not self._sluice_flushed:  # in the middle of a step: finish it first
+                self.synchronize()
+            self._sluice_next_step()
+            return
         if not set_to_none:  # zeroing in place would race with updates still in flight: finish them
             synchronize_parameters()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
-def _average_into(stage: Staging, grad: torch.Tensor) -> torch.Tensor:
-    stage.store(grad)
-    return grad.mul_(1.0 / require().size)
+def _seed_servers(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Give every worker rank 0's parameters through the servers, which keep them as the values their
+    optimizer updates."""
+    client = require()
+    started = []
+    for name, tensor in named:
+        staging = Staging(tensor)
+        started.append((client.broadcast(name, staging.load(tensor), 0), staging, tensor))
+    for handle, staging, tensor in started:
+        handle.wait()
+        staging.store(tensor)
 
 
 def DistributedOptimizer(

@@ -86,7 +86,8 @@ class ParameterPriorities:
 
     def _apply(self, assigned: list[Assigned], how: str) -> None:
         self.assigned = assigned
-        self._client.set_priorities({a.name: a.priority for a in assigned})
+        # tensors the servers know by name (optimizer on the servers); fused gradients take theirs per group
+        self._client.set_priorities({a.name: a.priority for a in assigned if self._client.declared(a.name)})
         if self._client.rank != 0:
             return
         log.info("parameter priorities from %s (0 is the most urgent):", how)

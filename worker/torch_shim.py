@@ -18,20 +18,42 @@ import torch
 from worker.client import Client
 from worker.config import WorkerConfig
 from worker.torch_collectives import (
+    Average,
+    Sum,
+    allgather,
+    allgather_async,
     allreduce,
     allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
     broadcast,
     broadcast_,
+    broadcast_async,
+    broadcast_async_,
     broadcast_optimizer_state,
     broadcast_parameters,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    synchronize,
 )
+from worker.torch_objects import allgather_object, broadcast_object
 from worker.torch_optimizer import DistributedOptimizer, synchronize_parameters, wait_for_parameters
-from worker.torch_state import NAMES, PENDING, STATE, log_metrics, require
+from worker.torch_state import PENDING, STATE, log_metrics, require
 
 __all__ = [
-    "DistributedOptimizer", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_",
-    "broadcast_optimizer_state", "broadcast_parameters", "init", "local_rank", "local_size", "metrics",
-    "rank", "shutdown", "size", "synchronize_parameters",
+    "Average", "DistributedOptimizer", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "init", "join", "local_rank", "local_size", "metrics", "poll", "rank", "shutdown",
+    "size", "synchronize", "synchronize_parameters",
 ]
 
 #: for tests and tools that look inside: the client, and the updates still in flight
@@ -95,6 +117,3 @@ def local_rank() -> int:
 def local_size() -> int:
     return size()
 
-
-def barrier(name: str = "barrier") -> None:
-    require().barrier(f"{name}.{next(NAMES)}")

@@ -6,13 +6,13 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from scheduler.errors import SluiceError
 from transport.metrics import summary_lines
-from worker.client import Client, Handle
+from worker.client import Client
 from worker.config import WorkerConfig
 from worker.staging import wire_dtype
 
@@ -28,8 +28,12 @@ class State:
 STATE = State()
 #: names for unnamed collectives, the same sequence on every worker
 NAMES = itertools.count()
+class Waitable(Protocol):
+    def wait(self) -> None: ...
+
+
 #: id(parameter) -> (handle, finish): updates the next forward pass must finish before a module runs
-PENDING: dict[int, tuple[Handle, Callable[[], Any]]] = {}
+PENDING: dict[int, tuple[Waitable, Callable[[], Any]]] = {}
 
 
 def require() -> Client:

@@ -19,6 +19,7 @@ import os
 import random
 import secrets
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -252,6 +253,9 @@ class Attacker(threading.Thread):
             servers = sorted((p for p in self.client.control.peers if p.role == "server"), key=lambda p: p.rank)
             assert servers, "the address book lists no server"
             sockets = self._sockets(ctx, servers)
+            deadline = time.monotonic() + 30  # fused gradients are declared at the first backward pass
+            while not self.client._tensors and time.monotonic() < deadline:
+                time.sleep(0.01)
             tensor = min(self.client._tensors.values(), key=lambda t: t.key)  # a real key, its first chunk
             chunk, _offset, length, _server = tensor.chunks[0]
             node_id = self.client.control.node_id

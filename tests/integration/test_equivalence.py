@@ -11,22 +11,30 @@ from tests.integration.training import record_pushes, train_distributed, train_s
 STEPS, BATCH = 20, 32
 
 
+#: small fusion buffers, so that the demo model's gradients fill several groups
+FUSED = {"fusion_bytes": 256}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("optimizer_on", "overlap", "optimizer", "workers", "servers"),
+    ("optimizer_on", "overlap", "optimizer", "workers", "servers", "collective"),
     [
-        ("worker", True, "sgd", 4, 2),
-        ("worker", False, "sgd", 2, 1),
-        ("worker", True, "adam", 2, 1),
-        ("server", True, "sgd", 4, 2),
-        ("server", True, "adam", 2, 3),
+        ("worker", True, "sgd", 4, 2, {"mode": "ps"}),
+        ("worker", False, "sgd", 2, 1, {"mode": "ps", "fusion_bytes": 0}),
+        ("worker", True, "adam", 2, 1, {"mode": "ps", **FUSED}),
+        ("worker", True, "sgd", 4, 0, FUSED),  # pure allreduce
+        ("worker", False, "adam", 4, 0, {"fusion_bytes": 0, "algorithm": "tree"}),
+        ("worker", True, "sgd", 4, 2, {"mode": "auto", **FUSED}),  # hybrid, split by size
+        ("worker", True, "sgd", 4, 1, {"mode": "ps", "allreduce_patterns": ["*.bias"], **FUSED}),  # hybrid
+        ("server", True, "sgd", 4, 2, {}),
+        ("server", True, "adam", 2, 3, {}),
     ],
 )
 def test_distributed_matches_single_process(
-    optimizer_on: str, overlap: bool, optimizer: str, workers: int, servers: int
+    optimizer_on: str, overlap: bool, optimizer: str, workers: int, servers: int, collective: dict[str, object]
 ) -> None:
     reference = train_single(STEPS, BATCH, optimizer)
-    config = {"worker": {"optimizer_on": optimizer_on, "overlap_step": overlap}}
+    config = {"worker": {"optimizer_on": optimizer_on, "overlap_step": overlap}, "collective": collective}
     with LocalCluster(workers, servers, config) as cluster:
         results = cluster.run(train_distributed, STEPS, BATCH, optimizer)
         assert cluster.wait() == [0] * (1 + servers + workers)
@@ -72,12 +80,28 @@ def test_asynchronous_mode_trains_with_several_workers() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_gradients_are_pushed_from_autograd_hooks_during_backward() -> None:
-    with LocalCluster(2, 1) as cluster:
+@pytest.mark.parametrize("servers", [1, 0])
+def test_gradients_are_sent_from_autograd_hooks_during_backward(servers: int) -> None:
+    """Unfused, each gradient leaves alone (the last layer's first); fused in small groups, each group
+    leaves as its last gradient arrives, all during backward."""
+    config = {"collective": {"fusion_bytes": 0, "mode": "ps"}}
+    with LocalCluster(2, servers, config) as cluster:
         pushes = cluster.run(record_pushes, 3)[0]
-    assert all(during for _, during in pushes), "a gradient was pushed after backward() returned"
-    # the last layer's gradients are ready (and pushed) before the first layer's
-    assert [name for name, _ in pushes[:4]] == ["2.bias", "2.weight", "0.bias", "0.weight"]
+    assert all(during for _, during in pushes), "a gradient was sent after backward() returned"
+    route = "ps" if servers else "allreduce"
+    assert [name for name, _ in pushes[:4]] == [f"fusion.{route}.float32.{i}" for i in range(4)]
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_give_bitwise_identical_parameters() -> None:
+    """Fusion on, three workers (so the order of a sum matters), hybrid: the same seeds, the same bits."""
+    config = {"collective": {"mode": "auto", **FUSED}}
+    runs = []
+    for _ in range(2):
+        with LocalCluster(3, 2, config) as cluster:
+            runs.append(cluster.run(train_distributed, STEPS, 30, "sgd"))
+    assert runs[0][0]["digests"] == runs[1][0]["digests"]
+    assert runs[0][0]["digests"] == runs[0][2]["digests"]
 
 
 @pytest.mark.timeout(120)

@@ -103,7 +103,8 @@ def test_server_rejects_malformed_messages_and_training_is_unharmed(
     capfd: pytest.CaptureFixture[str], optimizer_on: str, forge_opt: bool, curve: bool
 ) -> None:
     reference = train_single(STEPS, BATCH, "sgd")
-    config = {"worker": {"optimizer_on": optimizer_on}, "transport": {"curve": curve}}
+    # every gradient through the servers, which are under attack
+    config = {"worker": {"optimizer_on": optimizer_on}, "transport": {"curve": curve}, "collective": {"mode": "ps"}}
     with warnings_to_stderr(), LocalCluster(WORKERS, SERVERS, config) as cluster:
         results = cluster.run(train_under_attack, STEPS, BATCH, "sgd", forge_opt, timeout=60)
         codes = cluster.wait(timeout=20)

@@ -44,13 +44,13 @@ def _train(steps: int, give_model: bool) -> dict[str, Any]:
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
         model=model if give_model else None,
     )
-    keys = {t.key: name for name, t in client._tensors.items()}
     pushed: list[tuple[str, int, int]] = []
     send = client.transport.send
 
     def spy(peer: str, channel: int, msg: Any) -> None:
-        if msg.key in keys and msg.kind.name == "PUSH":
-            pushed.append((keys[msg.key], msg.priority, channel))
+        if msg.kind.name == "PUSH":  # unfused, each gradient is its own group, declared at the first backward
+            keys = {t.key: name for name, t in client._tensors.items()}
+            pushed.append((_param_of(opt, keys[msg.key]), msg.priority, channel))
         send(peer, channel, msg)
 
     client.transport.send = spy  # type: ignore[method-assign]
@@ -60,17 +60,30 @@ def _train(steps: int, give_model: bool) -> dict[str, Any]:
         F.mse_loss(model(x), torch.zeros(8, 2)).backward()
         opt.step()
     return {
-        "priorities": {name: t.priority for name, t in client._tensors.items()},
-        "channels": {name: t.channel for name, t in client._tensors.items()},
+        "priorities": {_param_of(opt, name): t.priority for name, t in client._tensors.items()},
+        "channels": {_param_of(opt, name): t.channel for name, t in client._tensors.items()},
         "pushed": pushed,
         "metrics": hvd.metrics(),
     }
 
 
+def _param_of(opt: Any, group: str) -> str:
+    """The parameter an unfused group (collective.fusion_bytes = 0) carries."""
+    for fused in set(opt._sluice_fused.values()):
+        if group in fused.names:
+            (tensor,) = fused.plan.groups[fused.names.index(group)].tensors
+            return str(opt._sluice_names[fused.keys[tensor]])
+    raise KeyError(group)
+
+
+#: each gradient alone, through the servers: the priorities under test are the tensors' own
+UNFUSED = {"fusion_bytes": 0, "mode": "ps"}
+
+
 @pytest.mark.parametrize("give_model", [False, True], ids=["first-forward-pass", "fx-graph"])
 def test_priorities_follow_the_forward_pass_not_the_declaration(tmp_path: Path, give_model: bool) -> None:
     out = tmp_path / "priorities.json"
-    config = {"worker": {"priority_file": str(out)}, "transport": {"channels": 3}}
+    config = {"worker": {"priority_file": str(out)}, "transport": {"channels": 3}, "collective": UNFUSED}
     with LocalCluster(2, 1, config) as cluster:
         results = cluster.run(_train, 2, give_model)
     for result in results:
@@ -103,7 +116,7 @@ def test_priorities_follow_the_forward_pass_not_the_declaration(tmp_path: Path, 
     ids=["override", "declaration", "none", "none-with-override"],
 )
 def test_priority_settings(worker_settings: dict[str, Any], expected: dict[str, int]) -> None:
-    with LocalCluster(1, 1, {"worker": worker_settings}) as cluster:
+    with LocalCluster(1, 1, {"worker": worker_settings, "collective": UNFUSED}) as cluster:
         (result,) = cluster.run(_train, 1, False)
     assert result["priorities"] == expected
     assert {(n, p) for n, p, _ in result["pushed"]} == set(expected.items())

@@ -73,7 +73,9 @@ def _run(transport: dict[str, Any], priorities: dict[str, int]) -> dict[str, flo
                  announce)
         endpoint = announced(children, "scheduler", announce, "its endpoint", timeout=20)
         start_in(children, bed, "srv", "server", _server, NodeEnv(endpoint, "server", 0, 1, 1, config, secret))
-        start_in(children, bed, "wrk", "worker", _worker, NodeEnv(endpoint, "worker", 0, 1, 1, config, secret),
+        # workers listen too (for allreduce among them): each node on its own host's address
+        mine = {**config, "transport": {**config["transport"], "host": bed.hosts["wrk"].address}}
+        start_in(children, bed, "wrk", "worker", _worker, NodeEnv(endpoint, "worker", 0, 1, 1, mine, secret),
                  priorities)
         result: dict[str, float] = children.collect(["worker"], timeout=90)["worker"]
         return result

@@ -128,13 +128,20 @@ def record_pushes(steps: int) -> list[tuple[str, bool]]:
     client = hvd._require()
     pushes: list[tuple[str, bool]] = []
     in_backward = False
-    original = client.push_pull
+    engine = client.collectives
+    assert engine is not None
+    original_push, original_allreduce = client.push_pull, engine.allreduce
 
     def recording(name: str, *args: Any, **kwargs: Any) -> Any:
         pushes.append((name, in_backward))
-        return original(name, *args, **kwargs)
+        return original_push(name, *args, **kwargs)
+
+    def recording_allreduce(name: str, *args: Any, **kwargs: Any) -> Any:
+        pushes.append((name, in_backward))
+        return original_allreduce(name, *args, **kwargs)
 
     client.push_pull = recording  # type: ignore[method-assign]
+    engine.allreduce = recording_allreduce  # type: ignore[method-assign]
     x, y = global_batches(steps, 8)
     for step in range(steps):
         opt.zero_grad()

@@ -163,7 +163,8 @@ def new_store() -> ShardStore:
 def store_state(shard: ShardStore) -> Any:
     chunks = {
         at: (c.name, c.dtype, c.round, sorted(c.pushed), c.value.tobytes(), c.accum.tobytes(), c.optimizer,
-             len(c.waiting), len(c.bcast_waiting), c.bcast_version)
+             len(c.waiting), len(c.bcast_waiting), c.bcast_version, c.summed,
+             {rank: data.tobytes() for rank, data in c.stash.items()})
         for at, c in shard.chunks.items()
     }
     return chunks, sorted(shard.departed), list(shard.departure_order)

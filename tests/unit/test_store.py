@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -131,3 +134,113 @@ def test_an_orphaned_round_names_the_first_worker_to_leave_first() -> None:
     shard.worker_left(0)
     (reply,) = shard.handle("w1", 0, push(11, 1, [1, 2, 3, 4]))
     assert "workers 2, 0 have left the job (worker 2 first)" in reply[2].meta["error"]
+
+
+# ------------------------------------------------------------------ deterministic sums (issue 7)
+#: one column per element: float32 sums of these depend on the order of addition (1e8 + 1 == 1e8)
+ORDER_SENSITIVE = np.array(list(itertools.permutations([1e8, 1.0, -1e8, 1.0])), np.float32).T  # ranks x 24
+
+
+def store_of(workers: int, dtype: str = "float32", opt: dict[str, object] | None = None) -> ShardStore:
+    shard = ShardStore(node_id=1, workers=workers, sync=True)
+    shard.worker_ids = {10 + r: (f"w{r}", r) for r in range(workers)}
+    shard.add_plan([[3, "fc.weight", dtype, opt, [[0, 24]]]])
+    return shard
+
+
+def push_of(rank: int, round_: int, data: np.ndarray, dtype: str = "float32", flags: int = Flag.WANT_REPLY) -> Message:
+    return Message(Kind.PUSH, sender=10 + rank, key=3, chunk=0, round=round_, dtype=dtype, shape=data.shape,
+                   flags=flags, payload=memoryview(data))
+
+
+def run_round(shard: ShardStore, order: Sequence[int], rows: np.ndarray, round_: int = 1, dtype: str = "float32",
+              flags: int = Flag.WANT_REPLY) -> list[Message]:
+    """Push row r of `rows` as worker r, in `order`; the REPLY messages carrying the round's value."""
+    replies = []
+    for rank in order:
+        data = rows[rank].copy()  # each push its own buffer, which the sender may reuse once handled
+        replies += shard.handle(f"w{rank}", 0, push_of(rank, round_, data, dtype, flags))
+        data[:] = 0  # a store that kept a reference instead of a copy would now sum zeros
+    return [m for _, _, m in replies if m.payload is not None]
+
+
+def in_rank_order(rows: np.ndarray) -> np.ndarray:
+    total = rows[0].copy()
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+def test_the_sum_is_the_same_bits_in_every_arrival_order() -> None:
+    expected = in_rank_order(ORDER_SENSITIVE)
+    naive = {np.sum(ORDER_SENSITIVE[list(order)], axis=0, dtype=np.float32).tobytes()
+             for order in itertools.permutations(range(4))}
+    assert len(naive) > 1, "the values must make the order of addition matter"
+    for order in itertools.permutations(range(4)):
+        shard = store_of(4)
+        replies = run_round(shard, order, ORDER_SENSITIVE)
+        assert len(replies) == 4, order
+        for reply in replies:
+            assert np.frombuffer(reply.payload, np.float32).tobytes() == expected.tobytes(), order
+        assert not shard.chunks[(3, 0)].stash
+
+
+def test_rank_order_holds_over_rounds_with_acks_and_reused_stash_buffers() -> None:
+    shard = store_of(5)
+    rng = np.random.default_rng(7)
+    rows = np.concatenate([ORDER_SENSITIVE, rng.standard_normal((1, 24)).astype(np.float32) * 1e8])
+    orders = [tuple(int(r) for r in rng.permutation(5)) for _ in range(30)]
+    for round_, order in enumerate(orders, start=1):
+        replies = run_round(shard, order, rows, round_=round_, flags=Flag.NONE)  # every push acked at once
+        pull = shard.handle("w0", 0, Message(Kind.PULL, sender=10, key=3, chunk=0, round=round_))
+        assert replies == [] and np.frombuffer(pull[0][2].payload, np.float32).tobytes() == in_rank_order(
+            rows).tobytes(), order
+    assert sum(len(free) for free in shard._spare.values()) <= 3  # workers - 2: reused, not grown
+
+
+def test_bfloat16_and_server_side_sgd_sum_in_rank_order_too() -> None:
+    bits = np.zeros(ORDER_SENSITIVE.shape, np.uint16)
+    f32_to_bf16(ORDER_SENSITIVE.copy(), bits)  # 1e8 and 1 are exact enough in bfloat16 to still cancel
+    expected = in_rank_order(bf16_to_f32(bits))
+    for order in itertools.permutations(range(4)):
+        (reply, *_) = run_round(store_of(4, "bfloat16"), order, bits, dtype="bfloat16")
+        got = np.zeros(24, np.uint16)
+        f32_to_bf16(expected.copy(), got)
+        assert np.frombuffer(reply.payload, np.uint16).tobytes() == got.tobytes(), order
+    sgd = {"name": "sgd", "lr": 1.0}
+    results = {run_round(store_of(4, opt=sgd), order, ORDER_SENSITIVE)[0].payload.tobytes()
+               for order in itertools.permutations(range(4))}
+    assert len(results) == 1
+
+
+def test_integer_sums_take_pushes_as_they_come() -> None:
+    rows = np.arange(4 * 24, dtype=np.int32).reshape(4, 24)
+    for order in [(3, 2, 1, 0), (2, 0, 3, 1)]:
+        shard = store_of(4, "int32")
+        (reply, *_) = run_round(shard, order, rows, dtype="int32")
+        assert np.frombuffer(reply.payload, np.int32).tolist() == rows.sum(axis=0).tolist()
+        assert not shard._spare  # associative: nothing was stashed
+
+
+def test_a_departed_workers_stashed_push_still_counts() -> None:
+    shard = store_of(4)
+    rows = ORDER_SENSITIVE
+    run_round(shard, [3, 2], rows)  # both wait for ranks 0 and 1
+    assert sorted(shard.chunks[(3, 0)].stash) == [2, 3]
+    assert shard.worker_left(3) == []  # worker 3 pushed this round: it can still complete
+    replies = run_round(shard, [1, 0], rows)
+    assert np.frombuffer(replies[0].payload, np.float32).tobytes() == in_rank_order(rows).tobytes()
+    (error,) = shard.handle("w0", 0, push_of(0, 2, rows[0].copy()))  # round 2 needs worker 3
+    assert error[2].kind == Kind.ERROR and "worker 3 has left" in error[2].meta["error"]
+
+
+def test_a_refused_push_leaves_the_stash_alone() -> None:
+    shard = store_of(4)
+    run_round(shard, [2], ORDER_SENSITIVE)
+    with pytest.raises(WireError, match="twice"):
+        shard.handle("w2", 0, push_of(2, 1, ORDER_SENSITIVE[2].copy()))
+    with pytest.raises(WireError, match="holds float32"):
+        shard.handle("w3", 0, push_of(3, 1, np.zeros(3, np.float32)))
+    assert sorted(shard.chunks[(3, 0)].stash) == [2]
+    replies = run_round(shard, [3, 1, 0], ORDER_SENSITIVE)
+    assert np.frombuffer(replies[0].payload, np.float32).tobytes() == in_rank_order(ORDER_SENSITIVE).tobytes()

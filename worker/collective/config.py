@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ALGORITHMS = ("auto", "ring", "tree")
+FUSIONS = ("balanced", "greedy")
 MODES = ("auto", "ps", "allreduce")
 
 
@@ -26,6 +27,10 @@ class CollectiveConfig:
     #: gradients of one dtype are laid out in one registered buffer, cut into equal groups of at most
     #: this many bytes, each sent as one message stream (0: no fusion, each gradient alone)
     fusion_bytes: int = 16 << 20
+    #: "balanced": groups planned once from the sizes and backward order, sent with no copy (seed 004);
+    #: "greedy": Horovod's way, for comparison: each gradient negotiated alone, and what one cycle
+    #: decides copied into fusion buffers of up to fusion_bytes (allreduce only)
+    fusion: str = "balanced"
     #: where each gradient goes: "ps" (the servers), "allreduce", or "auto" (see docs/collective.md);
     #: a job with no servers uses allreduce whatever this says
     mode: str = "auto"
@@ -43,6 +48,8 @@ class CollectiveConfig:
             raise ValueError(f"collective.stall_timeout must be positive, got {self.stall_timeout}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collective.algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"collective.fusion must be one of {', '.join(FUSIONS)}, got {self.fusion!r}")
         if self.mode not in MODES:
             raise ValueError(f"collective.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.fusion_bytes < 0 or self.tree_below_bytes < 0:

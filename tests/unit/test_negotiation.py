@@ -1,0 +1,479 @@
+"""The coordinator tree's protocol, driven in memory: Controllers of a tree exchanging messages by hand, fake time."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import pytest
+
+from scheduler.negotiation import Controller, Decision, Down, Request, Up
+from scheduler.negotiation_codec import (
+    META_BUDGET,
+    Answer,
+    decode_down,
+    decode_up,
+    encode_down,
+    encode_up,
+    hello,
+    is_hello,
+)
+from scheduler.negotiation_request import ranks_text
+from scheduler.tree import build_tree
+from transport.wire import DATA_HEADER_BYTES, Kind, Message, WireError, decode, encode
+
+Sent = tuple[int, int, Up | Down]
+
+
+def wire(message: Up | Down) -> tuple[Up | Down, int]:
+    """`message` through the real wire format, and its size in bytes."""
+    frames = [bytes(f) for f in encode(encode_up(message) if isinstance(message, Up) else encode_down(message))]
+    assert len(frames[0]) < DATA_HEADER_BYTES
+    back = decode(frames)
+    return (decode_up(back) if isinstance(message, Up) else decode_down(back)), sum(map(len, frames))
+
+
+class Net:
+    """Every rank's Controller; a round: each rank (not skipped) takes its inbox, then ticks; what it sends
+    lands in the receivers' inboxes (through the wire format) for the next round."""
+
+    def __init__(self, n: int, arity: int, stall: float = 60.0, hosts: list[str] | None = None) -> None:
+        self.tree = build_tree(hosts or ["h"] * n, arity)
+        self.ctl = [Controller(r, self.tree, stall) for r in range(n)]
+        self.inbox: list[list[tuple[int, Up | Down]]] = [[] for _ in range(n)]
+        self.decided: list[list[Decision]] = [[] for _ in range(n)]
+        self.now = 0.0
+        self.taken_per_tick: list[list[int]] = [[] for _ in range(n)]  # messages taken in each tick
+        self.bytes: list[int] = []
+
+    def submit(self, rank: int, request: Request) -> None:
+        self.ctl[rank].submit(request, self.now)
+
+    def round(self, skip: frozenset[int] = frozenset(), dt: float = 0.001) -> list[Sent]:
+        self.now += dt
+        sent: list[Sent] = []
+        for rank, ctl in enumerate(self.ctl):
+            if rank in skip:
+                continue
+            box, self.inbox[rank] = self.inbox[rank], []
+            self.taken_per_tick[rank].append(len(box))
+            for source, message in box:
+                ctl.receive(source, message, self.now)
+            out = ctl.tick(self.now)
+            assert sum(isinstance(m, Up) for _, m in out) <= 1  # at most one message up per tick
+            sent += [(rank, dest, m) for dest, m in out]
+            self.decided[rank] += ctl.take_decisions()
+        for source, dest, message in sent:
+            parsed, size = wire(message)
+            assert parsed == message
+            self.bytes.append(size)
+            self.inbox[dest].append((source, parsed))
+        return sent
+
+    def settle(self, rounds: int = 40) -> None:
+        for _ in range(rounds):
+            self.round()
+
+    def wait(self, seconds: float) -> None:
+        for _ in range(int(seconds / 0.25) + 1):
+            self.round(dt=0.25)
+        self.settle(20)
+
+    def names(self, rank: int) -> list[str]:
+        return [d.request.name for d in self.decided[rank]]
+
+    def failures(self) -> set[str | None]:
+        return {c.failure for c in self.ctl}
+
+
+def grad(i: int, columns: int = 3, priority: int = 0) -> Request:
+    return Request(f"grad.{i}", "allreduce", "float32", ((4, columns),), priority=priority)
+
+
+def brief(sent: list[Sent]) -> list[tuple[int, int, str, int, int, int]]:
+    """(from, to, U/D, seq or ack, ready or decided bits, new ops or table entries) of each message."""
+    return [(s, d, "U", m.seq, m.ready, len(m.new)) if isinstance(m, Up) else (s, d, "D", m.ack, m.decided,
+                                                                                len(m.entries)) for s, d, m in sent]
+
+
+def test_slow_path_then_fast_path_message_by_message() -> None:
+    # 7 ranks, 3 levels: 0 -> 1, 4; 1 -> 2, 3; 4 -> 5, 6
+    net = Net(7, 2)
+    assert net.tree.children == ((1, 4), (2, 3), (), (), (5, 6), (), ())
+    ops = [grad(i) for i in range(3)]
+    for rank in range(7):
+        for op in ops:
+            net.submit(rank, op)
+    # iteration 1: the ops' descriptions go up once every subtree has them; the root decides and numbers them
+    assert brief(net.round()) == [(2, 1, "U", 1, 0, 3), (3, 1, "U", 1, 0, 3), (5, 4, "U", 1, 0, 3),
+                                  (6, 4, "U", 1, 0, 3)]
+    assert brief(net.round()) == [(1, 0, "U", 1, 0, 3), (1, 2, "D", 1, 0, 0), (1, 3, "D", 1, 0, 0),
+                                  (4, 0, "U", 1, 0, 3), (4, 5, "D", 1, 0, 0), (4, 6, "D", 1, 0, 0)]
+    assert brief(net.round()) == [(0, 1, "D", 1, 0b111, 3), (0, 4, "D", 1, 0b111, 3)]
+    assert brief(net.round()) == [(1, 2, "D", 0, 0b111, 3), (1, 3, "D", 0, 0b111, 3), (4, 5, "D", 0, 0b111, 3),
+                                  (4, 6, "D", 0, 0b111, 3)]
+    assert net.round() == []
+    slow = list(net.bytes)
+    # iteration 2: only bit-vectors move, the same shape of exchange
+    for rank in range(7):
+        for op in reversed(ops):
+            net.submit(rank, op)
+    net.bytes.clear()
+    assert brief(net.round()) == [(2, 1, "U", 2, 0b111, 0), (3, 1, "U", 2, 0b111, 0), (5, 4, "U", 2, 0b111, 0),
+                                  (6, 4, "U", 2, 0b111, 0)]
+    assert brief(net.round()) == [(1, 0, "U", 2, 0b111, 0), (1, 2, "D", 2, 0, 0), (1, 3, "D", 2, 0, 0),
+                                  (4, 0, "U", 2, 0b111, 0), (4, 5, "D", 2, 0, 0), (4, 6, "D", 2, 0, 0)]
+    assert brief(net.round()) == [(0, 1, "D", 2, 0b111, 0), (0, 4, "D", 2, 0b111, 0)]
+    net.settle(3)
+    assert max(net.bytes) <= 20 < min(size for size in slow if size > 13)  # acks are 13 bytes
+    for rank in range(7):
+        assert net.names(rank) == ["grad.0", "grad.1", "grad.2"] * 2
+        assert [d.index for d in net.decided[rank]] == [0, 1, 2] * 2
+        assert net.ctl[rank].table == ops
+
+
+def test_every_rank_sees_the_same_order_whatever_order_ranks_submit_in() -> None:
+    rng = random.Random(3)
+    net = Net(13, 3)
+    ops = [grad(i, priority=i % 4) for i in range(60)]
+    for iteration in range(4):
+        for rank in range(13):
+            for op in rng.sample(ops, len(ops)):
+                net.submit(rank, op)
+                if rng.random() < 0.1:
+                    net.round()
+        net.settle()
+        assert all(len(net.decided[r]) == 60 * (iteration + 1) for r in range(13))
+    assert all(net.decided[r] == net.decided[0] for r in range(13))
+    assert all(c.table == net.ctl[0].table for c in net.ctl) and len(net.ctl[0].table) == 60
+    assert net.failures() == {None}
+
+
+@pytest.mark.parametrize("arity", [0, 2, 4])
+def test_root_takes_at_most_arity_messages_per_tick_even_when_slow(arity: int) -> None:
+    n = 21
+    net = Net(n, arity)
+    rng = random.Random(arity)
+    ops = [grad(i) for i in range(30)]
+    orders = [rng.sample(ops, len(ops)) for _ in range(n)]
+    for _ in range(3):
+        for k in range(len(ops)):
+            for rank in range(n):
+                net.submit(rank, orders[rank][k])
+            net.round(skip=frozenset({0}) if k % 4 else frozenset())  # the root ticks every fourth round only
+        net.settle()
+    assert all(len(d) == 90 for d in net.decided)
+    fan_in = len(net.tree.children[0])
+    assert fan_in == (n - 1 if arity == 0 else arity)
+    assert max(net.taken_per_tick[0]) <= fan_in
+    assert all(max(net.taken_per_tick[r]) <= max(1, len(net.tree.children[r])) + (r != 0) for r in range(n))
+
+
+def test_a_new_op_in_a_later_iteration_extends_the_table() -> None:
+    net = Net(6, 2)
+    for rank in range(6):
+        net.submit(rank, grad(0))
+    net.settle()
+    for rank in range(6):
+        net.submit(rank, grad(0))
+        net.submit(rank, grad(1))
+    net.settle()
+    assert [c.table for c in net.ctl] == [[grad(0), grad(1)]] * 6
+    assert all([(d.index, d.request.name) for d in decided] == [(0, "grad.0"), (0, "grad.0"), (1, "grad.1")]
+               for decided in net.decided)
+
+
+def test_a_changed_op_takes_the_slow_path_and_keeps_its_entry() -> None:
+    net = Net(6, 2)
+    for columns in (3, 5, 5):
+        for rank in range(6):
+            net.submit(rank, grad(0, columns))
+        net.settle()
+    assert all(c.table == [grad(0, 5)] for c in net.ctl) and net.failures() == {None}
+    assert all([d.request.shapes for d in decided] == [((4, 3),), ((4, 5),), ((4, 5),)] for decided in net.decided)
+
+
+def test_priority_orders_what_is_decided_together() -> None:
+    net = Net(5, 2)
+    ops = [grad(0, priority=3), grad(1, priority=0), grad(2, priority=1)]
+    for _ in range(2):
+        for rank in range(5):
+            for op in ops:
+                net.submit(rank, op)
+        net.settle()
+    assert net.names(4) == ["grad.1", "grad.2", "grad.0"] * 2
+
+
+def test_mismatch_names_both_ranks_and_reaches_every_rank() -> None:
+    net = Net(8, 2)
+    for rank in range(8):
+        net.submit(rank, grad(1, 2 if rank == 5 else 3))
+    net.settle()
+    text = ("collective 'grad.1' mismatch: rank 5 submitted allreduce float32 [[4, 2]] sum, "
+            "rank 6 submitted allreduce float32 [[4, 3]] sum")
+    assert net.failures() == {text}
+    assert all(d == [] for d in net.decided)
+
+
+def test_a_changed_op_on_one_rank_is_a_mismatch_with_the_table() -> None:
+    net = Net(8, 2)
+    for columns in (3, 3):
+        for rank in range(8):
+            net.submit(rank, grad(1, 9 if rank == 2 and len(net.decided[0]) else columns))
+        net.settle()
+    (text,) = net.failures()
+    assert text is not None and "rank 2 submitted allreduce float32 [[4, 9]] sum" in text
+    assert "submitted allreduce float32 [[4, 3]] sum" in text
+
+
+def test_allgather_first_dimension_may_differ_but_not_the_rest() -> None:
+    net = Net(4, 2)
+    for rank in range(4):
+        net.submit(rank, Request("rows", "allgather", "float32", ((rank + 1, 8),)))
+    net.settle()
+    assert net.failures() == {None} and all(len(d) == 1 for d in net.decided)
+    for rank in range(4):  # and again, on the fast path
+        net.submit(rank, Request("rows", "allgather", "float32", ((7 - rank, 8),)))
+    net.settle()
+    assert all(len(d) == 2 for d in net.decided)
+    for rank in range(4):
+        net.submit(rank, Request("rows", "allgather", "float32", ((2, 8 + (rank == 3)),)))
+    net.settle()
+    assert net.failures() == {"collective 'rows' mismatch: rank 0 submitted allgather float32 [[2, 8]], "
+                              "rank 3 submitted allgather float32 [[2, 9]]"}
+
+
+def test_broadcast_root_is_part_of_the_check() -> None:
+    net = Net(3, 2)
+    for rank in range(3):
+        net.submit(rank, Request("w", "broadcast", "int64", ((10,),), root=2 if rank == 1 else 0))
+    net.settle()
+    assert net.failures() == {"collective 'w' mismatch: rank 0 submitted broadcast int64 [[10]] root 0, "
+                              "rank 1 submitted broadcast int64 [[10]] root 2"}
+
+
+def test_stall_names_the_ranks_that_did_not_submit_and_what_else_waits() -> None:
+    net = Net(8, 2, stall=1.5)
+    for rank in range(8):
+        if rank not in (2, 3):
+            net.submit(rank, grad(0))
+        net.submit(rank, grad(1))
+        if rank != 6:
+            net.submit(rank, grad(2))
+    net.settle()
+    assert net.failures() == {None} and all(net.names(r) == ["grad.1"] for r in range(8))
+    net.wait(1.0)
+    assert net.failures() == {None}  # not yet
+    net.wait(1.0)
+    assert net.failures() == {"collective stalled for 1.5 s: ranks 2, 3 did not submit 'grad.0' "
+                              "(ranks 0, 1, 4-7 did); also waiting: 'grad.2'"}
+
+
+def test_a_mismatch_no_node_can_see_is_found_by_the_stall_census() -> None:
+    net = Net(7, 2, stall=1.0)  # 0 -> 1, 4; 1 -> 2, 3; 4 -> 5, 6
+    for rank in range(7):
+        net.submit(rank, grad(0))
+    net.settle()
+    net.submit(2, grad(0, 9))  # slow path, held at rank 1 (rank 3 is missing)
+    net.submit(5, grad(0))  # fast path, held at rank 4 (rank 6 is missing)
+    net.wait(3.0)
+    assert net.failures() == {"collective 'grad.0' mismatch: rank 2 submitted allreduce float32 [[4, 9]] sum, "
+                              "rank 5 submitted allreduce float32 [[4, 3]] sum"}
+
+
+def test_barrier_waits_for_every_rank() -> None:
+    net = Net(5, 2)
+    for rank in range(4):
+        net.submit(rank, Request("sync", "barrier"))
+    net.settle()
+    assert all(d == [] for d in net.decided)
+    net.submit(4, Request("sync", "barrier"))
+    net.settle()
+    assert all(net.names(r) == ["sync"] and net.decided[r][0].request.kind == "barrier" for r in range(5))
+
+
+def test_join_counts_as_ready_and_is_decided_with_the_last_rank() -> None:
+    net = Net(8, 2)  # 0 -> 1, 5; 1 -> 2, 4; 2 -> 3; 5 -> 6, 7
+    ops = [grad(i) for i in range(3)]
+    for rank in range(8):
+        for op in ops:
+            net.submit(rank, op)
+    net.settle()
+    net.submit(3, Request("join", "join"))
+    net.submit(6, Request("join", "join"))
+    for _ in range(2):  # the others go on; ranks 3 and 6 take part with zeros
+        for rank in (0, 1, 2, 4, 5, 7):
+            for op in ops:
+                net.submit(rank, op)
+        net.settle()
+    for rank in (0, 1, 2, 4, 5, 7):
+        net.submit(rank, Request("join", "join"))
+        net.settle(3)
+    net.settle()
+    expected = [(i, f"grad.{i}", ()) for i in range(3)] + [(i, f"grad.{i}", (3, 6)) for i in range(3)] * 2
+    for rank in range(8):
+        got = [(d.index, d.request.name, tuple(sorted(d.joined))) for d in net.decided[rank]]
+        assert got[:-1] == expected
+        assert got[-1] == (-1, "join", tuple(range(8))) and net.decided[rank][-1].request.root == 7
+    for rank in range(8):  # a new epoch: nobody has joined any more
+        for op in ops:
+            net.submit(rank, op)
+    net.settle()
+    assert all([d.joined for d in net.decided[r][-3:]] == [frozenset()] * 3 for r in range(8))
+    assert net.failures() == {None}
+
+
+def test_joined_ranks_count_on_the_slow_path_and_a_joined_subtree_stops_reporting() -> None:
+    net = Net(7, 2)  # 0 -> 1, 4; 1 -> 2, 3; 4 -> 5, 6
+    for rank in (4, 5, 6):
+        net.submit(rank, Request("join", "join"))
+    net.settle()
+    assert not any(net.ctl[0]._child_wild[c] for c in (1,)) and net.ctl[0]._child_wild[4]
+    for rank in (0, 1, 2, 3):
+        net.submit(rank, Request("x", "allreduce", "float16", ((2,),)))
+    net.settle()
+    assert all([(d.request.name, sorted(d.joined)) for d in decided] == [("x", [4, 5, 6])] for decided in net.decided)
+
+
+def test_join_while_a_census_runs_and_join_twice() -> None:
+    net = Net(3, 2)
+    net.submit(1, Request("join", "join"))
+    with pytest.raises(ValueError, match="already joined"):
+        net.submit(1, Request("join", "join"))
+    net.submit(0, grad(0))
+    with pytest.raises(ValueError, match="already pending"):
+        net.submit(0, grad(0))
+    with pytest.raises(ValueError, match="kind 'reduce'"):
+        net.submit(0, Request("y", "reduce", "float32", ((1,),)))
+    with pytest.raises(ValueError, match="named 'join'"):
+        net.submit(0, Request("leave", "join"))
+
+
+def test_big_slow_batches_are_split_under_the_header_limit() -> None:
+    net = Net(3, 2)
+    ops = [Request(f"layer.{i:04d}." + "x" * 200, "allreduce", "bfloat16", ((64, 64, 3, 3),) * 4) for i in range(600)]
+    for rank in range(3):
+        for op in ops:
+            net.submit(rank, op)
+    ups = [m for _ in range(40) for _, _, m in net.round() if isinstance(m, Up) and m.new]
+    assert len(ups) >= 8 and sum(len(m.new) for m in ups) == 1200  # two leaves, several messages each
+    assert max(len(encode(encode_up(m))[0]) for m in ups) < META_BUDGET + 8192 < DATA_HEADER_BYTES
+    net.settle()
+    assert all(len(d) == 600 for d in net.decided) and net.decided[1] == net.decided[0]
+
+
+def test_table_capacity() -> None:
+    tree = build_tree(["h"], 2)
+    ctl = Controller(0, tree, 60.0, capacity=2)
+    for i in range(3):
+        ctl.submit(grad(i), 0.0)
+    ctl.tick(0.1)
+    assert ctl.failure is not None and "operation table is full (2 names)" in ctl.failure
+
+
+def test_ranks_text() -> None:
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([3, 2]) == "ranks 2, 3"
+    assert ranks_text([0, 1, 2, 3, 7, 9, 10, 11]) == "ranks 0-3, 7, 9-11"
+
+
+# ---------------------------------------------------------------------------- hostile and malformed input
+def state(ctl: Controller) -> dict[str, Any]:
+    return copy.deepcopy(vars(ctl))
+
+
+@pytest.fixture
+def trained() -> Net:
+    """A 7-rank tree whose table holds grad.0 and grad.1, rank 5 already reported ready for grad.1."""
+    net = Net(7, 2)
+    for rank in range(7):
+        net.submit(rank, grad(0))
+        net.submit(rank, grad(1))
+    net.settle()
+    net.submit(5, grad(1))
+    net.settle()
+    return net
+
+
+@pytest.mark.parametrize(("sender", "message", "error"), [
+    (6, Up(1), "not its child"),  # 6 is a child of 4, not of 1
+    (0, Up(1), "not its child"),
+    (3, Up(3), "follows 1"),
+    (3, Up(2, epoch=1), "join epoch 1"),
+    (3, Up(2, ready=1 << 2), "marks entry 2 of a table of 2"),
+    (3, Up(2, new=((grad(7), 5),)), "outside its subtree"),
+    (3, Up(2, joined=(2,)), "outside its subtree"),
+    (3, Up(2, joined=(3, 3)), "joined twice"),
+    (3, Up(2, wild=True), "not all of it has"),
+    (3, Up(2, answer=Answer(1, ((grad(0), 1 << 2),))), "census for ranks outside"),
+    (3, Down(), "not its parent"),  # a child
+    (4, Down(), "not its parent"),
+])
+def test_a_message_that_does_not_fit_changes_nothing(trained: Net, sender: int, message: Up | Down,
+                                                      error: str) -> None:
+    before = state(trained.ctl[1])  # 1 -> 2, 3
+    with pytest.raises(WireError, match=error):
+        trained.ctl[1].receive(sender, message, trained.now)
+    assert state(trained.ctl[1]) == before
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    (Down(ack=9), "acknowledges message 9"),
+    (Down(entries=((3, grad(3)),)), "sets table entry 3 of 2"),
+    (Down(entries=((0, grad(5)),)), "sets table entry 0"),
+    (Down(entries=((2, grad(0)),)), "second index"),
+    (Down(decided=1 << 2), "beyond the table"),
+    (Down(joined=(9,)), "unknown"),
+    (Down(joined=(2, 2)), "unknown or joined already"),
+    (Down(join_last=7), "last to join"),
+])
+def test_a_down_that_does_not_fit_changes_nothing(trained: Net, message: Down, error: str) -> None:
+    before = state(trained.ctl[4])
+    with pytest.raises(WireError, match=error):
+        trained.ctl[4].receive(0, message, trained.now)
+    assert state(trained.ctl[4]) == before
+
+
+def malformed(kind: Kind, meta: dict[str, Any] | None, round_: int = 1, **fields: Any) -> Message:
+    return Message(kind, round=round_, meta=meta, **fields)
+
+
+@pytest.mark.parametrize(("msg", "error"), [
+    (malformed(Kind.COORD_UP, None, round_=0), "sequence number"),
+    (malformed(Kind.COORD_UP, {"x": 1}), "unknown fields"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "sum", -1, 0]]}), "8 fields"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float33", [[4]], "sum", -1, 0, 0]]}), "dtype"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[-4]], "sum", -1, 0, 0]]}), "shape"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[1] * 9], "sum", -1, 0, 0]]}), "at most 8"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "max", -1, 0, 0]]}), "op 'max'"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "broadcast", "float32", [[4]], "sum", -1, 0, 0]]}), "root -1"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "sum", -1, -2, 0]]}), "priority"),
+    (malformed(Kind.COORD_UP, {"n": [["", "allreduce", "float32", [[4]], "sum", -1, 0, 0]]}), "a name"),
+    (malformed(Kind.COORD_UP, {"n": [[1, "allreduce", "float32", [[4]], "sum", -1, 0, 0]]}), "a name"),
+    (malformed(Kind.COORD_UP, {"w": 1}), "'w' must be true"),
+    (malformed(Kind.COORD_UP, {"j": [-1]}), "joined rank"),
+    (malformed(Kind.COORD_UP, {"e": "x" * 9000}), "an error"),
+    (malformed(Kind.COORD_UP, {"c": [1, [], [], 0]}), "5 fields"),
+    (malformed(Kind.COORD_UP, {"c": [1, [["a", "barrier", "", [], "sum", -1, 5]], [], 0, []]}), "bitmap"),
+    (malformed(Kind.COORD_UP, None, dtype="float32", shape=(1,), payload=b"\0\0\0\0"), "uint8"),
+    (malformed(Kind.COORD_UP, None, chunk=1 << 30, dtype="uint8", shape=(1,), payload=b"\1"), "beyond"),
+    (malformed(Kind.COORD_DOWN, {"t": [[0, "a", "allreduce", "float32", [[4]], "sum", -1]]}), "8 fields"),
+    (malformed(Kind.COORD_DOWN, {"q": [0, []]}), "census query"),
+    (malformed(Kind.COORD_DOWN, {"jl": "x"}), "last rank to join"),
+    (malformed(Kind.COORD_DOWN, {"hello": True, "e": "x"}), "unknown fields"),
+])
+def test_malformed_messages_raise_wire_errors(msg: Message, error: str) -> None:
+    frames = [bytes(f) for f in encode(msg)]
+    back = decode(frames)
+    with pytest.raises(WireError, match=error):
+        decode_up(back) if msg.kind == Kind.COORD_UP else decode_down(back)
+
+
+def test_every_field_survives_the_wire() -> None:
+    up = Up(7, 2, (1 << 40) | (1 << 43), ((grad(1, priority=4), 3),), True, (3, 4), ("grad.9",),
+            Answer(5, ((grad(2), 0b1010),), ("grad.3",), 2, (6,)), "boom")
+    down = Down(3, ((0, grad(0)), (1, Request("b", "barrier"))), 0b11, (1, 2), 2, (4, ("grad.1",)), "bang")
+    assert wire(up)[0] == up and wire(down)[0] == down
+    assert wire(Up(1, ready=1 << 199))[1] <= 20  # a vector of 200 bits with one set: the zero bytes are skipped
+    assert is_hello(decode([bytes(f) for f in encode(hello(Kind.COORD_UP))]))

@@ -1,0 +1,252 @@
+"""The coordinator tree's executor: a Controller (scheduler/negotiation.py) on its own thread, over the transport.
+
+Messages arrive on the transport's I/O thread (`on_message`): their sender must be this rank's parent or
+a child, and their format is checked there (refused through `transport.refuse` otherwise); what passes is
+queued for the coordinator thread, which owns the Controller. That thread ticks when woken (a submit, a
+message) or when the Controller has a deadline (a stall alert, a census), but never twice within
+`cycle_ms`: with the Controller's one-unacknowledged-message-per-edge rule, a node sends at most one
+message up per cycle, and its parent takes at most one per child per tick. Everything goes on channel 0
+with priority 0 (control is the most urgent traffic). Decisions are handed to `on_decided` in order on
+the coordinator thread; a failure to `on_error`, once.
+
+Connections (see scheduler.tree.dials): each pair of neighbours is dialled once, by the higher rank. Each
+rank sends a hello to the neighbours it dialled, so that they learn a route back; what it has for a
+neighbour that dialled it waits until that neighbour has been heard from (at most `stall_timeout`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from scheduler.negotiation import Controller, Decision, Down, Request, Up
+from scheduler.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
+from scheduler.negotiation_request import check_request
+from scheduler.tree import Tree, dials
+from transport.base import Transport
+from transport.rejects import Rejections
+from transport.wire import Kind, Message, WireError, encode
+from worker.collective.config import CollectiveConfig
+
+log = logging.getLogger("sluice.coordinator")
+
+#: messages kept for a neighbour not heard from yet; more means it never came (the job fails)
+MAX_HELD = 10_000
+
+
+def message_bytes(msg: Message) -> int:
+    """Bytes a message takes on the wire: its header as encoded, plus its payload."""
+    return len(encode(msg)[0]) + msg.nbytes
+
+
+class Coordinator:
+    def __init__(self, transport: Transport, rank: int, tree: Tree, peers: Sequence[str], settings: CollectiveConfig,
+                 on_decided: Callable[[Decision], None], on_error: Callable[[str], None], node_id: int = -1) -> None:
+        if len(peers) != tree.size:
+            raise ValueError(f"{len(peers)} peer names for a tree of {tree.size} ranks")
+        self.rank, self.tree = rank, tree
+        self._transport, self._peers, self._node_id = transport, list(peers), node_id
+        self._on_decided, self._on_error = on_decided, on_error
+        self._cycle = settings.cycle_ms / 1e3
+        self._stall = settings.stall_timeout
+        self._controller = Controller(rank, tree, settings.stall_timeout)
+        self._parent = tree.parent[rank]
+        self._rank_of = {peers[r]: r for r in tree.neighbours(rank)}
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[int, Up | Down, int]] = []
+        self._submitted: list[tuple[Request, float]] = []
+        self._pending: set[str] = set()  # names submitted here and not decided yet
+        self._heard = {r for r in tree.neighbours(rank) if dials(rank, r)}  # we dialled these: routes known
+        self._held: dict[int, list[Message]] = {}
+        self._held_since: dict[int, float] = {}
+        self._batch_since: float | None = None  # first submit or Up since the last tick
+        self._urgent = False  # a Down came: forward it as soon as a cycle allows
+        self._counts = dict.fromkeys(("messages_received", "bytes_received", "messages_sent", "bytes_sent",
+                                      "max_received_per_tick", "ticks", "refused", "decisions", "held"), 0)
+        self._rejects = Rejections(log)
+        self._failed = False
+        self._closed = False
+        for r in sorted(self._heard):
+            kind = Kind.COORD_UP if r == self._parent else Kind.COORD_DOWN
+            transport.send(peers[r], 0, hello(kind, node_id))
+        self._thread = threading.Thread(target=self._run, name=f"sluice-coordinator-{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers (any thread)
+    def submit(self, request: Request) -> None:
+        """Queue this rank's request; ValueError for a malformed one or a name already pending here."""
+        check_request(request, self.tree.size)
+        key = "\0join" if request.kind == "join" else request.name
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the coordinator of rank {self.rank} is closed")
+            if key in self._pending:
+                raise ValueError(f"rank {self.rank}: {'join' if request.kind == 'join' else repr(request.name)}"
+                                 " is already pending")
+            self._pending.add(key)
+            now = time.monotonic()
+            self._submitted.append((request, now))
+            self._batch_since = now if self._batch_since is None else self._batch_since
+            self._cond.notify()
+
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        """Counters since the start (or the last reset): messages and bytes (header + payload) each way,
+        the most controller messages taken in one tick, ticks, refused messages, decisions, held messages."""
+        with self._cond:
+            taken = dict(self._counts)
+            if reset:
+                self._counts = dict.fromkeys(self._counts, 0)
+        return taken
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
+
+    # ------------------------------------------------------------------ transport I/O thread
+    def on_message(self, peer: str, msg: Message) -> None:
+        """Check and queue a COORD_UP (from a child) or COORD_DOWN (from the parent); refuse anything else."""
+        sender = self._rank_of.get(peer)
+        expected = Kind.COORD_DOWN if sender == self._parent else Kind.COORD_UP
+        if sender is None or msg.kind != expected:
+            self._transport.refuse(peer, f"coordinator of rank {self.rank}: a {msg.kind.name} from {peer!r:.60}, "
+                                         "which is not what its parent or a child of it sends")
+            return
+        try:
+            parsed = None if is_hello(msg) else decode_up(msg) if expected == Kind.COORD_UP else decode_down(msg)
+        except WireError as exc:
+            self._transport.refuse(peer, f"coordinator of rank {self.rank}: {msg.kind.name} from {peer!r:.60}: {exc}")
+            return
+        size = message_bytes(msg)
+        with self._cond:
+            if self._closed:
+                return
+            self._counts["messages_received"] += 1
+            self._counts["bytes_received"] += size
+            self._heard.add(sender)
+            if parsed is not None:
+                self._inbox.append((sender, parsed, size))
+                if isinstance(parsed, Down):
+                    self._urgent = True
+                elif self._batch_since is None:
+                    self._batch_since = time.monotonic()
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ coordinator thread
+    def _run(self) -> None:
+        last = -self._cycle
+        try:
+            while True:
+                with self._cond:
+                    self._wait(last)
+                    if self._closed:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                    self._batch_since, self._urgent = None, False
+                    submitted, self._submitted = self._submitted, []
+                    heard = set(self._heard)
+                last = now = time.monotonic()
+                self._tick(now, inbox, submitted, heard)
+        except Exception as exc:  # a bug here must not leave the job waiting forever: fail it, loudly
+            log.exception("coordinator of rank %d failed", self.rank)
+            self._fail(f"the coordinator of rank {self.rank} failed: {type(exc).__name__}: {exc}")
+        finally:
+            with self._cond:
+                self._closed = True  # nothing is queued any more
+                self._inbox.clear()
+
+    def _wait(self, last: float) -> None:
+        """Until there is work and a cycle has passed since the last tick (or until closed)."""
+        while not self._closed:
+            now = time.monotonic()
+            due = [d for d in (self._controller.deadline(), *(t + self._stall for t in self._held_since.values()))
+                   if d is not None]
+            if self._urgent or self._heard & set(self._held):
+                ready_at: float | None = last + self._cycle
+            elif self._batch_since is not None:  # give the rest of a burst a cycle to come
+                ready_at = max(self._batch_since, last) + self._cycle
+            else:
+                ready_at = max(min(due), last + self._cycle) if due else None
+            if ready_at is not None and now >= ready_at:
+                return
+            self._cond.wait(None if ready_at is None else ready_at - now)
+
+    def _tick(self, now: float, inbox: list[tuple[int, Up | Down, int]], submitted: list[tuple[Request, float]],
+              heard: set[int]) -> None:
+        controller = self._controller
+        for request, _ in submitted:
+            try:
+                controller.submit(request, now)
+            except ValueError as exc:  # submit() checked it already; a disagreement is a bug, and ends the job
+                self._fail(f"rank {self.rank}: {exc}")
+        for sender, message, _ in inbox:
+            try:
+                controller.receive(sender, message, now)
+            except WireError as exc:  # a message that does not fit this rank's state: dropped, nothing changed
+                self._rejects.refuse(self._peers[sender], f"coordinator of rank {self.rank}: {exc}", now)
+                with self._cond:
+                    self._counts["refused"] += 1
+        out = controller.tick(now)
+        sent = 0
+        for dest, message in out:
+            msg = encode_up(message, self._node_id) if isinstance(message, Up) else encode_down(message,
+                                                                                                self._node_id)
+            if dest in heard and dest not in self._held:
+                self._send(dest, msg)
+                sent += message_bytes(msg)
+            else:
+                self._hold(dest, msg, now)
+        decisions = controller.take_decisions()
+        with self._cond:
+            for dest in heard & set(self._held):  # a neighbour that dialled us has spoken: its route is known
+                for msg in self._held.pop(dest):
+                    self._send(dest, msg)
+                    sent += message_bytes(msg)
+                del self._held_since[dest]
+            late = [dest for dest, since in self._held_since.items() if now - since > self._stall]
+            for dest in late:
+                del self._held[dest], self._held_since[dest]
+            c = self._counts
+            c["held"] = sum(map(len, self._held.values()))
+            c["ticks"] += 1
+            c["max_received_per_tick"] = max(c["max_received_per_tick"], len(inbox))
+            c["messages_sent"] += len(out)
+            c["bytes_sent"] += sent
+            c["decisions"] += len(decisions)
+            for decision in decisions:
+                self._pending.discard("\0join" if decision.request.kind == "join" else decision.request.name)
+        for decision in decisions:
+            try:
+                self._on_decided(decision)
+            except Exception as exc:
+                log.exception("coordinator of rank %d: on_decided failed", self.rank)
+                self._fail(f"handling the decision of {decision.request.name!r} failed on rank {self.rank}: "
+                           f"{type(exc).__name__}: {exc}")
+        for dest in late:
+            self._fail(f"the coordinator of rank {self.rank} never heard from rank {dest} ({self._peers[dest]}), "
+                       f"its {'parent' if dest == self._parent else 'child'}, in {self._stall:g} s")
+        if controller.failure is not None:
+            self._fail(controller.failure)
+        self._rejects.tick(now)
+
+    def _send(self, dest: int, msg: Message) -> None:
+        self._transport.send(self._peers[dest], 0, msg)
+
+    def _hold(self, dest: int, msg: Message, now: float) -> None:
+        with self._cond:
+            held = self._held.setdefault(dest, [])
+            self._held_since.setdefault(dest, now)
+            if len(held) < MAX_HELD:  # past that the neighbour is surely gone; it fails the job at the deadline
+                held.append(msg)
+
+    def _fail(self, text: str) -> None:
+        if not self._failed:
+            self._failed = True
+            try:
+                self._on_error(text)
+            except Exception:
+                log.exception("coordinator of rank %d: on_error failed", self.rank)

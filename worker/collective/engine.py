@@ -1,0 +1,339 @@
+"""One worker's collective engine: requests ordered by the coordinator tree, run by the data plane.
+
+A caller (the Horovod-style API, or DistributedOptimizer for fusion groups) enqueues an operation
+under a name. The request goes to the coordinator, which decides operations in the same order on
+every rank; each decision gets the next sequence number (the same on every rank, since the order
+is) and starts its data movement at once, so decided operations run concurrently. A rank that has
+called `join` takes part in every operation the others decide, contributing zeros.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scheduler.errors import SluiceError
+from scheduler.negotiation import Decision, Request
+from scheduler.tree import build_tree, ring_order
+from transport.base import Transport
+from transport.dtypes import STORAGE
+from transport.wire import Kind, Message
+from worker.collective.config import CollectiveConfig
+from worker.collective.coordinator import Coordinator
+from worker.collective.data import CollectiveHandle, DataPlane
+from worker.collective.greedy import GreedyFusion
+
+#: coordinator messages kept until this rank's coordinator starts (neighbours send a few each at start)
+EARLY_COORDINATION = 4096
+COLLECTIVE_KINDS = frozenset((Kind.COORD_UP, Kind.COORD_DOWN, Kind.COLL_DATA, Kind.COLL_DONE))
+
+
+class OpHandle:
+    """Completion of one collective as its caller sees it: negotiated, then run; `wait` has a deadline."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        self.what = what
+        self._timeout = timeout
+        self._event = threading.Event()
+        self._error: str | None = None
+        self._result: Any = None
+        self._callbacks: list[Callable[[OpHandle], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        if not self._event.wait(limit):
+            raise SluiceError(f"{self.what}: not finished after {limit:.0f} s (see collective.stall_timeout "
+                              "for operations some ranks never submit)")
+        if self._error is not None:
+            raise SluiceError(f"{self.what} failed: {self._error}")
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def add_done_callback(self, fn: Callable[[OpHandle], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, result: Any = None, error: str | None = None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = result, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+@dataclass
+class _Entry:
+    request: Request
+    arrays: list[np.ndarray]  # the caller's arrays: results land in them (allreduce, broadcast)
+    handle: OpHandle
+    splits: tuple[int, ...] = ()
+
+
+class CollectiveEngine:
+    """Coordinator plus data plane for one rank; every method but `on_message` may be called from any thread."""
+
+    def __init__(self, transport: Transport, rank: int, peers: Sequence[str], hosts: Sequence[str],
+                 settings: CollectiveConfig, chunk_bytes: int, timeout: float,
+                 channel_for: Callable[[int], int]) -> None:
+        """Ready to take messages at once (made on the I/O thread as the address book arrives);
+        `connect` must follow before any operation."""
+        self.rank, self.size, self.settings = rank, len(peers), settings
+        self._timeout = timeout
+        self.tree = build_tree(hosts, settings.arity)
+        self.ring = ring_order(hosts)
+        self._lock = threading.Lock()
+        self._waiting: dict[str, _Entry] = {}
+        self._seq = 0  # data operations started: the same sequence on every rank
+        #: Horovod's greedy fusion (collective.fusion = "greedy", the benchmark's baseline), else None
+        self.greedy = GreedyFusion(settings.fusion_bytes, self._launch_fused) if settings.fusion == "greedy" else None
+        self._joined = False
+        self._failure: str | None = None
+        self.data = DataPlane(transport, rank, peers, self.ring, chunk_bytes, settings, timeout, channel_for)
+        self._transport, self._peers = transport, list(peers)
+        #: made once this rank has dialled its neighbours (`connect`); what they send before is kept here
+        self.coordinator: Coordinator | None = None
+        self._early: list[tuple[str, Message]] = []
+        self._early_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ requests (any thread)
+    def allreduce(self, name: str, arrays: Sequence[np.ndarray], dtype: str, op: str, priority: int = 0) -> OpHandle:
+        """Sum (op 'sum') or average ('average') each array over all ranks, in place; several arrays
+        make one grouped request, decided when every one of them is ready everywhere."""
+        shapes = tuple(tuple(a.shape) for a in arrays)
+        return self._enqueue(Request(name, "allreduce", dtype, shapes, op, -1, priority), list(arrays))
+
+    def allgather(self, name: str, array: np.ndarray, dtype: str, priority: int = 0) -> OpHandle:
+        """Rows of every rank's array, concatenated in rank order (the first dimension may differ)."""
+        return self._enqueue(Request(name, "allgather", dtype, (tuple(array.shape),), "sum", -1, priority), [array])
+
+    def broadcast(self, name: str, array: np.ndarray, root: int, dtype: str, priority: int = 0) -> OpHandle:
+        self._check_rank(root, "broadcast root")
+        return self._enqueue(Request(name, "broadcast", dtype, (tuple(array.shape),), "sum", root, priority), [array])
+
+    def alltoall(self, name: str, array: np.ndarray, splits: Sequence[int], dtype: str, priority: int = 0) -> OpHandle:
+        """Row block i of `array` (rows per block in `splits`) goes to rank i; the result is what each
+        rank sent here, in rank order, and `handle.splits` how many rows came from each."""
+        if len(splits) != self.size or sum(splits) != (array.shape[0] if array.ndim else 0) or min(splits) < 0:
+            raise SluiceError(f"alltoall {name!r}: splits must be {self.size} non-negative row counts summing to "
+                              f"the {array.shape[0] if array.ndim else 0} rows, got {list(splits)}")
+        request = Request(name, "alltoall", dtype, (tuple(array.shape),), "sum", -1, priority)
+        return self._enqueue(request, [array], tuple(splits))
+
+    def barrier(self, name: str) -> OpHandle:
+        return self._enqueue(Request(name, "barrier"), [])
+
+    def join(self) -> OpHandle:
+        """From now on this rank takes part in every operation the others decide, with zeros; the
+        handle completes when every rank has joined, with the rank that joined last as its result."""
+        with self._lock:
+            self._joined = True
+        return self._enqueue(Request("join", "join"), [])
+
+    def connect(self, endpoints: Sequence[Sequence[str]]) -> None:
+        """Connect to every other rank (each pair once; alltoall and allgather reach every rank) and wait
+        until every lower rank has connected here; not on the I/O thread."""
+        self.data.connect(endpoints, self._timeout)
+        with self._early_lock:  # no message reaches the new coordinator before the ones kept for it
+            self.coordinator = Coordinator(self._transport, self.rank, self.tree, self._peers, self.settings,
+                                           self._on_decided, self.fail)
+            early, self._early = self._early, []
+            for peer, msg in early:
+                self.coordinator.on_message(peer, msg)
+
+    def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+    # ------------------------------------------------------------------ incoming (I/O thread)
+    def on_message(self, peer: str, msg: Message) -> None:
+        if msg.kind in (Kind.COORD_UP, Kind.COORD_DOWN):
+            with self._early_lock:
+                if self.coordinator is not None:
+                    self.coordinator.on_message(peer, msg)
+                elif len(self._early) < EARLY_COORDINATION:  # a neighbour that connected sooner
+                    if msg.payload is not None:  # the view is only valid during this call
+                        msg.payload = memoryview(bytes(msg.payload))
+                    self._early.append((peer, msg))
+                else:
+                    self._transport.refuse(peer, f"rank {self.rank}: too many coordinator messages before it started")
+        else:
+            self.data.on_message(peer, msg)
+
+    # ------------------------------------------------------------------ internals
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not 0 <= rank < self.size:
+            raise SluiceError(f"{what} {rank} is not a rank of this job (0..{self.size - 1})")
+
+    def _enqueue(self, request: Request, arrays: list[np.ndarray], splits: tuple[int, ...] = ()) -> OpHandle:
+        for array in arrays:
+            if request.dtype and array.dtype != STORAGE[request.dtype]:
+                raise SluiceError(f"{request.kind} {request.name!r}: array of {array.dtype} "
+                                  f"for a {request.dtype} tensor")
+        handle = OpHandle(f"{request.kind} {request.name!r}", self._timeout)
+        with self._lock:
+            if self._failure is not None:
+                raise SluiceError(self._failure)
+            if request.name in self._waiting:
+                raise SluiceError(f"a collective named {request.name!r} is already in flight on rank {self.rank}; "
+                                  "names must be unique among unfinished operations")
+            self._waiting[request.name] = _Entry(request, arrays, handle, splits)
+        if self.coordinator is None:
+            raise SluiceError("the collective engine is not connected yet (Client.__init__ connects it)")
+        try:
+            self.coordinator.submit(request)
+        except ValueError as exc:
+            with self._lock:
+                self._waiting.pop(request.name, None)
+            raise SluiceError(str(exc)) from None
+        return handle
+
+    def _on_decided(self, decision: Decision) -> None:
+        """On the coordinator's thread, for every decision in order."""
+        with self._lock:
+            entry = self._waiting.pop(decision.request.name, None)
+        if entry is None:  # we joined, or someone else's join: take part with zeros
+            entry = self._stand_in(decision)
+            if entry is None:
+                return
+        if self.greedy is not None:
+            if self.greedy.offer(entry, decision):
+                return
+            self.greedy.flush()  # what was decided before goes first: the same seqs on every rank
+        self._launch(entry, decision)
+
+    def flush(self) -> None:
+        """The coordinator's decisions of this cycle are all in: a greedy fusion batch leaves now."""
+        if self.greedy is not None:
+            self.greedy.flush()
+
+    def _launch(self, entry: _Entry, decision: Decision) -> None:
+        seq = self._seq
+        if entry.request.kind not in ("barrier", "join"):
+            self._seq += 1
+        try:
+            self._start(seq, entry, decision)
+        except Exception as exc:  # a bad array or a data plane refusal fails this op, not the engine
+            entry.handle._finish(error=f"{type(exc).__name__}: {exc}")
+
+    def _launch_fused(self, batch: list[tuple[_Entry, Decision]]) -> None:
+        """One allreduce for a greedy batch: copied into one buffer and back (Horovod's memcpy)."""
+        if len(batch) == 1:
+            self._launch(*batch[0])
+            return
+        entries = [entry for entry, _ in batch]
+        first = entries[0].request
+        request = Request(f"fused[{first.name}..{entries[-1].request.name}]", "allreduce", first.dtype,
+                          tuple(s for e in entries for s in e.request.shapes), first.op, -1,
+                          min(e.request.priority for e in entries))
+        fused = _Entry(request, [e.arrays[0] for e in entries], OpHandle(f"fused allreduce of {len(entries)}",
+                                                                          self._timeout))
+        def settle(done: OpHandle) -> None:
+            for entry in entries:
+                entry.handle._finish(error=done._error)
+
+        fused.handle.add_done_callback(settle)
+        self._launch(fused, batch[0][1])
+
+    def _stand_in(self, decision: Decision) -> _Entry | None:
+        """The part a joined rank plays in an operation it did not submit: zeros in, result dropped."""
+        request = decision.request
+        if request.kind == "join":
+            return None
+        if self.rank not in decision.joined:
+            self.fail(f"rank {self.rank} got a decision for {request.name!r}, which it never submitted")
+            return None
+        storage = STORAGE.get(request.dtype, np.uint8)
+        if request.kind == "allgather" or request.kind == "alltoall":
+            arrays = [np.zeros((0, *request.shapes[0][1:]), storage)]
+        else:
+            arrays = [np.zeros(shape, storage) for shape in request.shapes]
+        splits = (0,) * self.size if request.kind == "alltoall" else ()
+        return _Entry(request, arrays, OpHandle(f"{request.kind} {request.name!r} (joined)", self._timeout), splits)
+
+    def _start(self, seq: int, entry: _Entry, decision: Decision) -> None:
+        request, handle = entry.request, entry.handle
+        kind = request.kind
+        if kind == "barrier":
+            handle._finish()
+            return
+        if kind == "join":  # the decision, not our request, names the rank that joined last
+            handle._finish(result=decision.request.root)
+            return
+        if kind == "allreduce":
+            self._allreduce(seq, entry)
+            return
+        array = np.ascontiguousarray(entry.arrays[0])
+        if kind == "allgather":
+            data = self.data.allgather(seq, array, request.dtype, request.priority)
+            data.add_done_callback(lambda h: _settle(handle, h, lambda: h.result()))
+        elif kind == "broadcast":
+            target = entry.arrays[0]
+            flat = array.reshape(-1)
+            data = self.data.broadcast(seq, flat, request.root, request.dtype, request.priority)
+            data.add_done_callback(lambda h: _settle(handle, h, lambda: _copy_back(flat, target)))
+        elif kind == "alltoall":
+            data = self.data.alltoall(seq, array, entry.splits, request.dtype, request.priority)
+            data.add_done_callback(lambda h: _settle(handle, h, lambda: (h.result(), getattr(h, "splits", None))))
+        else:
+            handle._finish(error=f"unknown collective kind {kind!r}")
+
+    def _allreduce(self, seq: int, entry: _Entry) -> None:
+        request, handle = entry.request, entry.handle
+        arrays = entry.arrays
+        single = len(arrays) == 1 and arrays[0].flags.c_contiguous
+        flat = arrays[0].reshape(-1) if single else np.concatenate([a.reshape(-1) for a in arrays])
+        algorithm = self.settings.algorithm
+        if algorithm == "auto":
+            algorithm = "tree" if flat.nbytes < self.settings.tree_below_bytes else "ring"
+        parent, children = self.tree.parent[self.rank], self.tree.children[self.rank]
+        data = self.data.allreduce(seq, flat, request.dtype, request.op, request.priority, algorithm, parent, children)
+
+        def scatter() -> None:
+            if not single:
+                offset = 0
+                for a in arrays:
+                    a.reshape(-1)[...] = flat[offset:offset + a.size]
+                    offset += a.size
+
+        data.add_done_callback(lambda h: _settle(handle, h, scatter))
+
+    def fail(self, error: str) -> None:
+        """End every operation with `error` (a coordinator failure, or the job failing); later ones raise it."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+            waiting, self._waiting = self._waiting, {}
+        self.data.fail(error)
+        for entry in waiting.values():
+            entry.handle._finish(error=error)
+
+
+def _copy_back(source: np.ndarray, target: np.ndarray) -> None:
+    if not np.shares_memory(source, target):
+        target.reshape(-1)[...] = source
+
+
+def _settle(handle: OpHandle, data: CollectiveHandle, finish: Callable[[], Any]) -> None:
+    """Complete the caller's handle from the data plane's, running `finish` (copy-backs) first."""
+    try:
+        data.wait(0)
+        handle._finish(result=finish())
+    except Exception as exc:
+        handle._finish(error=str(exc))

@@ -1,0 +1,99 @@
+"""Dtype-aware, vectorised in-place sums and averages of collective chunks (bfloat16: via float32, rounded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from transport.dtypes import STORAGE
+
+#: dtypes a collective may reduce; int8/uint8 travel (allgather, broadcast) but are not summed
+REDUCIBLE = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+OPS = ("sum", "average")
+
+#: the quiet NaN torch writes for any NaN it rounds to bfloat16
+_BF16_NAN = 0x7FC0
+
+
+def storage(dtype: str) -> np.dtype[Any]:
+    """The numpy dtype a wire dtype is kept in (bfloat16: its raw 16-bit pattern as uint16)."""
+    return np.dtype(STORAGE[dtype])
+
+
+#: bfloat16 is combined in blocks of this many elements: the float32 scratch arrays (128 KiB each) stay
+#: in L2 across the dozen passes the rounding takes (measured 2.4 -> 0.48 ms per MiB against whole chunks)
+_BF16_BLOCK = 1 << 15
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 patterns (uint16) as float32 values: exact, a bfloat16 is a float32's upper half."""
+    wide: np.ndarray = np.left_shift(bits, 16, dtype=np.uint32)
+    return wide.view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+    """Round float32 `values` to bfloat16 patterns in `out` (uint16), nearest even, as torch does; NaN
+    stays NaN (0x7FC0). `values` is clobbered: it is the scratch the rounding works in."""
+    _round(values, out, np.empty(values.size, np.uint32), np.empty(values.size, bool))
+
+
+def _round(values: np.ndarray, out: np.ndarray, lsb: np.ndarray, nan: np.ndarray) -> None:
+    np.isnan(values, out=nan)
+    bits = values.view(np.uint32)
+    np.right_shift(bits, 16, out=lsb)
+    lsb &= 1
+    lsb += 0x7FFF
+    bits += lsb  # a carry out of the mantissa rounds the exponent up, which is right (up to infinity)
+    bits >>= 16
+    np.copyto(out, bits, casting="unsafe")
+    if nan.any():
+        out[nan] = _BF16_NAN
+
+
+def _bf16_combine(dst: np.ndarray, src: np.ndarray | None, divisor: int) -> None:
+    """dst += src (or dst /= divisor without src) on bfloat16 patterns, in float32, rounded once."""
+    size = min(dst.size, _BF16_BLOCK)
+    acc, other, lsb = (np.empty(size, np.uint32) for _ in range(3))
+    nan = np.empty(size, bool)
+    for start in range(0, dst.size, _BF16_BLOCK):
+        block = dst[start : start + _BF16_BLOCK]
+        n = block.size
+        values = np.left_shift(block, 16, out=acc[:n], dtype=np.uint32).view(np.float32)
+        if src is not None:
+            values += np.left_shift(src[start : start + n], 16, out=other[:n], dtype=np.uint32).view(np.float32)
+        else:
+            values /= np.float32(divisor)
+        _round(values, block, lsb[:n], nan[:n])
+
+
+def accumulate(dst: np.ndarray, src: np.ndarray, dtype: str) -> None:
+    """dst += src in place, both of `dtype`'s storage type and the same length (src may be read-only
+    shared memory). Integer sums wrap around as numpy's (and torch's) do."""
+    with np.errstate(all="ignore"):  # overflow to inf is the sum's value, as in torch; no warning per chunk
+        if dtype == "bfloat16":
+            _bf16_combine(dst, src, 1)
+        else:  # float16 too: numpy adds halves in float32 and rounds once, the correctly rounded sum
+            np.add(dst, src, out=dst)
+
+
+def divide(dst: np.ndarray, count: int, dtype: str) -> None:
+    """dst /= count in place (the average after a sum). Integers take the floor (dst //= count), as a
+    sum of ints has no exact mean; floats divide in their own precision (bfloat16: in float32, rounded)."""
+    if count == 1:
+        return
+    with np.errstate(all="ignore"):
+        if dtype == "bfloat16":
+            _bf16_combine(dst, None, count)
+        elif dtype in ("int32", "int64"):
+            np.floor_divide(dst, count, out=dst)
+        else:
+            np.divide(dst, np.array(count, dst.dtype), out=dst)
+
+
+def check_reducible(dtype: str, op: str) -> None:
+    """ValueError unless `dtype` can be summed and `op` is a known reduction."""
+    if dtype not in REDUCIBLE:
+        raise ValueError(f"allreduce of {dtype!r} is not supported; dtypes: {', '.join(REDUCIBLE)}")
+    if op not in OPS:
+        raise ValueError(f"allreduce op must be one of {', '.join(OPS)}, got {op!r}")

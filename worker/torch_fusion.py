@@ -1,0 +1,227 @@
+"""Gradients as views of registered fusion buffers, sent in balanced groups through the servers or allreduce.
+
+For each route ("ps" or "allreduce") and dtype, the parameters' gradients are laid out in one flat
+buffer in backward order (scheduler/fusion.py), allocated by the client in registered memory, and
+every `param.grad` is made a view of it (DDP's gradient_as_bucket_view): autograd accumulates into
+the buffer, and a fused group leaves with no copy. Two buffers alternate between steps, so the next
+backward pass can fill one while the updates of the last step still read the other. A group is sent
+the moment its last gradient is ready (the online split); its result comes back in place, is
+averaged once, and each parameter's update waits only for the groups its gradient lies in.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from scheduler.errors import SluiceError
+from scheduler.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
+from worker.client import Client
+from worker.collective.config import CollectiveConfig
+from worker.staging import wire_dtype
+from worker.torch_state import require as require_client
+
+_TORCH_STORAGE = {torch.bfloat16: torch.int16}
+
+
+def choose_routes(named: Sequence[tuple[str, torch.Tensor]], settings: CollectiveConfig, servers: int,
+                  workers: int) -> dict[str, str]:
+    """name -> "ps" or "allreduce" for every gradient.
+
+    Patterns win; then `mode`. "auto" sends the largest tensors to the servers until they carry the
+    share of bytes that balances both paths when every machine has the same link (BytePS's analysis,
+    OSDI'20: with n workers and k servers, 2k(n-1) / (n^2 + kn - 2k) of the bytes), the rest by
+    allreduce: small tensors then ride the allreduce's fused groups and large ones use the servers.
+    """
+    if servers == 0:
+        return {name: "allreduce" for name, _ in named}
+    routes: dict[str, str] = {}
+    for name, _ in named:
+        if any(fnmatch.fnmatchcase(name, p) for p in settings.allreduce_patterns):
+            routes[name] = "allreduce"
+        elif any(fnmatch.fnmatchcase(name, p) for p in settings.ps_patterns):
+            routes[name] = "ps"
+        elif settings.mode != "auto":
+            routes[name] = settings.mode
+    free = [(t.numel() * t.element_size(), name) for name, t in named if name not in routes]
+    if not free:
+        return routes
+    n, k = workers, servers
+    share = 1.0 if n == 1 else 2 * k * (n - 1) / (n * n + k * n - 2 * k)
+    target = share * sum(size for size, _ in free)
+    placed = 0
+    for size, name in sorted(free, key=lambda item: (-item[0], item[1])):
+        if placed + size / 2 <= target:  # nearest to the target share, largest first
+            routes[name], placed = "ps", placed + size
+        else:
+            routes[name] = "allreduce"
+    return routes
+
+
+def unfused_plan(sizes: Sequence[int]) -> FusionPlan:
+    """Every gradient its own group (collective.fusion_bytes = 0), laid out the same way."""
+    slots, groups, offset = [], [], 0
+    for index, size in enumerate(sizes):
+        slots.append(Slot(index, offset, size))
+        groups.append(Group(index, offset, offset + size, (index,)))
+        offset += -(-size // 64) * 64
+    return FusionPlan(tuple(slots), tuple(groups), offset)
+
+
+@dataclass
+class _Group:
+    handle: Any = None
+    averaged: bool = False
+
+
+@dataclass
+class StepGroups:
+    """One step's sends: which buffer they came from and each group's handle."""
+
+    buffer: int
+    groups: list[_Group]
+
+
+class GroupWait:
+    """What one parameter's update waits for: the groups its gradient lies in, each averaged once."""
+
+    def __init__(self, fused: FusedGradients, step: StepGroups, groups: Sequence[int]) -> None:
+        self.fused, self.step, self._groups = fused, step, groups
+
+    def wait(self) -> None:
+        for index in self._groups:
+            self.fused.finish_group(self.step, index)
+
+
+class FusedGradients:
+    """One route and dtype: its parameters' gradients in a double registered buffer, sent in groups."""
+
+    def __init__(self, client: Client, route: str, params: Sequence[tuple[int, str, torch.Tensor]],
+                 priorities: dict[int, int], fusion_bytes: int) -> None:
+        self.client, self.route = client, route
+        self.dtype = wire_dtype(params[0][2])
+        torch_dtype = params[0][2].dtype
+        self.keys = [key for key, _, _ in params]
+        sizes = [p.numel() * p.element_size() for _, _, p in params]
+        item = params[0][2].element_size()
+        order = list(range(len(params)))  # the caller gives them in backward order already
+        # greedy fusion (allreduce only) negotiates each gradient alone and fuses what a cycle decides
+        greedy = route == "allreduce" and client.collective_settings.fusion == "greedy"
+        self.plan = plan_fusion(sizes, order, fusion_bytes) if fusion_bytes and not greedy else unfused_plan(sizes)
+        self._online = OnlineFusion(self.plan)
+        self._index = {key: i for i, key in enumerate(self.keys)}
+        offsets = {slot.tensor: slot.offset for slot in self.plan.slots}
+        count = self.plan.total_bytes // item
+        self._arrays = [client.alloc((count,), self.dtype) for _ in range(2)]
+        flats = [torch.from_numpy(a) for a in self._arrays]
+        if torch_dtype in _TORCH_STORAGE:
+            flats = [f.view(torch_dtype) for f in flats]
+        self._flats = flats
+        self._views = [
+            {key: flat[offsets[i] // item: offsets[i] // item + p.numel()].view(p.shape)
+             for i, (key, _, p) in enumerate(params)}
+            for flat in flats
+        ]
+        self._item = item
+        self.active = 0
+        self._groups_of = {key: [g.index for g in self.plan.groups if i in g.tensors] for key, i in self._index.items()}
+        self.names = [f"fusion.{route}.{self.dtype}.{g.index}" for g in self.plan.groups]
+        self.priorities = [min((priorities.get(self.keys[t], 0) for t in g.tensors), default=0)
+                           for g in self.plan.groups]
+        self.step = self._new_step()
+        if route == "ps":
+            client.declare([(name, ((g.end - g.start) // item,), self.dtype, None)
+                            for name, g in zip(self.names, self.plan.groups, strict=True)])
+            client.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
+        elif client.collectives is None:
+            raise SluiceError("allreduce is not available: the collective engine did not start")
+
+    def view(self, key: int) -> torch.Tensor:
+        return self._views[self.active][key]
+
+    def take(self, key: int, param: torch.Tensor) -> None:
+        """Backward accumulated `param`'s gradient: make sure it lies in the buffer, send full groups."""
+        view = self._views[self.active][key]
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.data_ptr() != view.data_ptr():  # the first step, or the grad was reset to None meanwhile
+            with torch.no_grad():
+                view.copy_(grad)
+            param.grad = view
+        for group in self._online.cycle([self._index[key]]):
+            self._send(group)
+
+    def flush(self) -> None:
+        """Backward is over: groups still missing a gradient (a parameter unused this step) go now."""
+        for group in self._online.finish():
+            self._send(group)
+
+    def waits_for(self, key: int) -> GroupWait:
+        return GroupWait(self, self.step, self._groups_of[key])
+
+    def finish_group(self, step: StepGroups, index: int) -> None:
+        group = step.groups[index]
+        if group.averaged:
+            return
+        if group.handle is None:
+            raise SluiceError(f"{self.names[index]} was never sent this step (flush() not called?)")
+        group.handle.wait()
+        plan_group = self.plan.groups[index]
+        part = self._flats[step.buffer][plan_group.start // self._item: plan_group.end // self._item]
+        with torch.no_grad():
+            part.mul_(1.0 / self.client.size)
+        group.averaged = True
+
+    def next_step(self, params: dict[int, torch.Tensor]) -> None:
+        """Flip to the other buffer, zeroed, and point every gradient at it. The caller has finished
+        the updates that read the other buffer (two steps ago)."""
+        self.active ^= 1
+        self._flats[self.active].zero_()
+        for key, view in self._views[self.active].items():
+            params[key].grad = view
+        self._online.next_step()
+        self.step = self._new_step()
+
+    def _new_step(self) -> StepGroups:
+        return StepGroups(self.active, [_Group() for _ in self.plan.groups])
+
+    def _send(self, plan_group: Group) -> None:
+        index = plan_group.index
+        array: np.ndarray = self._arrays[self.active][plan_group.start // self._item: plan_group.end // self._item]
+        if self.route == "ps":
+            handle: Any = self.client.push_pull(self.names[index], array, array)
+        else:
+            engine = self.client.collectives
+            assert engine is not None
+            handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index])
+        self.step.groups[index].handle = handle
+
+
+def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes: dict[str, str],
+                 assigned: Sequence[Any]) -> dict[int, FusedGradients]:
+    """The fused gradient sets of one optimizer, one per route, dtype and device: slots in backward
+    order, which is the reverse of the order the forward pass first uses the parameters (the
+    priority map; ties: the reverse of declaration order). The same on every rank, every step."""
+    client = require_client()
+    priority = {a.name: a.priority for a in assigned}
+    declared = {key: i for i, key in enumerate(params)}
+    trained = [key for key, p in params.items() if p.requires_grad]
+    backward = sorted(trained, key=lambda k: (-priority.get(names[k], 0), -declared[k]))
+    sets: dict[tuple[str, torch.dtype, str], list[tuple[int, str, torch.Tensor]]] = {}
+    for key in backward:
+        p = params[key]
+        sets.setdefault((routes[names[key]], p.dtype, str(p.device)), []).append((key, names[key], p))
+    by_key: dict[int, FusedGradients] = {}
+    fusion_bytes = client.collective_settings.fusion_bytes
+    for (route, _, _), members in sorted(sets.items(), key=lambda item: (item[0][0], str(item[0][1]), item[0][2])):
+        fused = FusedGradients(client, route, members, {k: priority.get(names[k], 0) for k, _, _ in members},
+                               fusion_bytes)
+        for key, _, _ in members:
+            by_key[key] = fused
+    return by_key
