@@ -31,6 +31,7 @@ from bench.common import (
     stats,
     write_json,
 )
+from launch.config import ConfigError, load_config
 from tests.cluster import LocalCluster
 
 DDP = "torch DDP (gloo)"
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer-on", nargs="+", choices=["worker", "server"], default=["worker"],
                         help="where Sluice runs the optimizer (worker.optimizer_on); give both to measure "
                              "both, each against its own DDP run (default: worker)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="settings",
+                        help="a Sluice setting for the Sluice side, as `sluice launch --set` takes it, e.g. "
+                             "collective.mode=allreduce (repeatable)")
     parser.add_argument("--batch-size", type=int, default=16, metavar="B",
                         help="samples per worker per step (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=200, metavar="N",
@@ -72,8 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 30, 1
-    if min(args.workers, args.servers, args.batch_size, args.steps, args.repeats) < 1 or args.warmup < 0:
-        parser.error("workers, servers, batch size, steps and repeats must be positive; warmup not negative")
+    if min(args.workers, args.batch_size, args.steps, args.repeats) < 1 or min(args.warmup, args.servers) < 0:
+        parser.error("workers, batch size, steps and repeats must be positive; servers and warmup not negative")
+    try:
+        args.config = load_config(None, {}, args.settings).to_sections()
+    except ConfigError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -150,7 +158,8 @@ def _sluice_worker(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -
 
 
 def measure_sluice(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, optimizer_on: str) -> dict[str, Any]:
-    with LocalCluster(args.workers, args.servers, {"worker": {"optimizer_on": optimizer_on}}) as cluster:
+    config = {**args.config, "worker": {**args.config["worker"], "optimizer_on": optimizer_on}}
+    with LocalCluster(args.workers, args.servers, config) as cluster:
         results = cluster.run(_sluice_worker, x, y, args, timeout=args.timeout)
         cluster.wait()
     out: dict[str, Any] = results[0]
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append(record(
             case, ours, peer, DDP, "samples/s", workers=args.workers, servers=args.servers,
             batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-            optimizer_on=optimizer_on, ours_loss=sluice["loss"], peer_loss=ddp["loss"],
+            optimizer_on=optimizer_on, ours_loss=sluice["loss"], peer_loss=ddp["loss"], settings=args.settings,
         ))
     progress(f"\nglobal samples/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")

@@ -30,8 +30,8 @@ the child sends afterwards can be mistaken for what was consumed).
 - Stall: a rank whose own op has waited `stall_timeout` reports its name up (`stalled`); the root then
   runs a census (scheduler/negotiation_census.py): a query down the tree, each node answering once its
   children have (or at a deadline), with which ranks below submitted the queried ops and what else
-  waits. The root names the exact ranks that did not submit (or a mismatch the census found), unless
-  the op was decided meanwhile.
+  waits. The root names, for each stalled op, the exact ranks that did not submit it (or a mismatch the
+  census found), unless the op was decided meanwhile.
 - Errors go up to the root and down from it, so every rank's `failure` ends up set; nothing is decided
   after it. Everything received is checked against this state first (WireError, and nothing changes).
 """
@@ -68,6 +68,9 @@ class Decision:
     index: int  # position in the operation order table; -1 for the join
     request: Request
     joined: frozenset[int]  # ranks that had called join when this was decided (they contribute zeros)
+    #: which of the root's decision messages decided it (the same count on every rank: greedy fusion
+    #: fuses what one message decided, as Horovod fuses what one cycle found ready)
+    batch: int = 0
 
 
 class Controller:
@@ -109,12 +112,14 @@ class Controller:
         # the way down
         self._forward: list[Down] = []
         self._decisions: list[Decision] = []
+        self._batches = 0  # decision messages applied (see Decision.batch)
         self._joined_view: list[int] = []
         self._census: Census | None = None
         # the root's own
         self._joined_unsent: list[int] = []
         self._suspects: dict[str, None] = {}
         self._queries = 0
+        self._census_at: float | None = None
         self._error_sent = False
 
     # ------------------------------------------------------------------ inputs
@@ -193,6 +198,8 @@ class Controller:
         if self.failure is not None:
             return None
         due = [self._census.deadline] if self._census is not None else []
+        if self._census_at is not None:
+            due.append(self._census_at)
         oldest = next((since for name, (_, since) in self._own.items() if name not in self._alerted), None)
         if oldest is not None:
             due.append(oldest + self.stall_timeout)
@@ -235,9 +242,11 @@ class Controller:
             self._index[request.name] = index
         self._joined_view += down.joined
         joined = frozenset(self._joined_view)
-        for index in sorted(bit_list(down.decided), key=lambda i: (self.table[i].priority, i)):
+        decided = sorted(bit_list(down.decided), key=lambda i: (self.table[i].priority, i))
+        self._batches += bool(decided)
+        for index in decided:
             self._consume(index, self.table[index])
-            self._decisions.append(Decision(index, self.table[index], joined))
+            self._decisions.append(Decision(index, self.table[index], joined, self._batches))
         if down.join_last >= 0:
             self._decisions.append(Decision(-1, Request("join", "join", root=down.join_last), joined))
             self._new_epoch()
@@ -414,9 +423,14 @@ class Controller:
         for down in pack_decisions([(i, r) for _, i, r in items], tuple(self._joined_unsent)):
             self._emit(down, now)
             self._joined_unsent.clear()  # they went down with the first (none go without a decision)
-        if self._census is None and self._suspects and self.failure is None:
+        if self._census is not None or not self._suspects or self.failure is not None:
+            return
+        if self._census_at is None:  # let the other ranks' alerts of this stall come in first
+            self._census_at = now + min(self.stall_timeout / 2, 2.0)
+        elif now >= self._census_at:
             self._queries += 1
-            self._emit(Down(query=(self._queries, tuple(self._suspects)[:MAX_OTHERS])), now)
+            self._census_at = None
+            self._emit(Down(query=(self._queries, tuple(sorted(self._suspects))[:MAX_OTHERS])), now)
 
     def _emit(self, down: Down, now: float) -> None:
         self._apply_down(down, now)

@@ -1,11 +1,13 @@
 """The stall census of the coordinator tree (pure): who below submitted the ops some rank has waited on too long.
 
-A rank whose own op has waited `stall_timeout` tells the root (scheduler/negotiation.py); the root sends a
-query down naming the suspect ops. Each node starts a Census with its own rank's pending requests, merges
-its children's answers, and answers up once every child has (or at its deadline: a node waits longer
-than its children, so a silent subtree is named by the node above it). The root's `verdict` turns the
-union into the job's error: a mismatch if two descriptions of one op are pending, else the exact ranks
-that did not submit it (joined ranks count as having submitted everything), with the other ops waiting.
+A rank whose own op has waited `stall_timeout` tells the root (scheduler/negotiation.py); the root waits a
+little for the other ranks' alerts of the same stall (min(stall_timeout / 2, 2 s)), then sends a query
+down naming the suspect ops, in name order. Each node starts a Census with its own rank's pending
+requests, merges its children's answers, and answers up once every child has (or at its deadline: a
+node waits longer than its children, so a silent subtree is named by the node above it). The root's
+`verdict` turns the union into the job's error: a mismatch if two descriptions of one op are pending,
+else, for every queried op, the exact ranks that did not submit it (joined ranks count as having
+submitted everything), and the other ops waiting. So the text does not depend on which alert came first.
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ class Census:
                       tuple(self.silent))
 
     def verdict(self, size: int, joined: Iterable[int], suspects: Iterable[str], stall_timeout: float) -> str | None:
-        """At the root, once done: the job's error for the first queried op still suspect, or None."""
+        """At the root, once done: the job's error for the queried ops still suspect, or None. A mismatch
+        first; else every op some rank did not submit, ops missing the same ranks named together."""
         joined, suspects = set(joined), set(suspects)
+        stalled: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = {}
         for name in self.names:
             if name not in suspects:
                 continue  # decided while the census ran
@@ -92,20 +96,20 @@ class Census:
             if len(groups) > 1:
                 return mismatch_text(name, groups[0][:2], groups[1][:2])
             did = groups[0][2] if groups else 0
-            missing = [r for r in range(size) if not did >> r & 1 and r not in joined]
+            missing = tuple(r for r in range(size) if not did >> r & 1 and r not in joined)
             if missing:
-                return self._stall_text(name, missing, bit_list(did), sorted(joined), stall_timeout)
-        return None
-
-    def _stall_text(self, name: str, missing: list[int], did: list[int], joined: list[int], timeout: float) -> str:
-        text = f"collective stalled for {timeout:g} s: {ranks_text(missing)} did not submit {name!r}"
-        text += f" ({ranks_text(did)} did)" if did else ""
-        waiting = [n for n in (*self.names, *self.others) if n != name]
-        if waiting:
-            text += f"; also waiting: {', '.join(map(repr, waiting))}"
-            text += f" and {self.more} more" if self.more else ""
+                stalled.setdefault((missing, tuple(bit_list(did))), []).append(name)
+        if not stalled:
+            return None
+        clauses = [f"{ranks_text(list(missing))} did not submit {', '.join(map(repr, names))}"
+                   + (f" ({ranks_text(list(did))} did)" if did else "") for (missing, did), names in stalled.items()]
+        text = f"collective stalled for {stall_timeout:g} s: {'; '.join(clauses)}"
+        named = {name for names in stalled.values() for name in names}
+        waiting = [n for n in (*self.names, *self.others) if n not in named]
+        if waiting or self.more:
+            text += f"; also waiting: {', '.join(map(repr, waiting))}" + (f" and {self.more} more" if self.more else "")
         if joined:
-            text += f"; {ranks_text(joined)} joined"
+            text += f"; {ranks_text(sorted(joined))} joined"
         if self.silent:
             text += f"; no census answer from the subtrees of {ranks_text(self.silent)}"
         return text

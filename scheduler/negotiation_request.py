@@ -39,6 +39,8 @@ def problem(r: Request, size: int) -> str:
     """What is wrong with `r` in a `size`-rank job, or ''."""
     if not isinstance(r.name, str) or not 0 < len(r.name) <= MAX_NAME:
         return f"a name is a string of 1 to {MAX_NAME} characters"
+    if type(r.kind) is not str or type(r.dtype) is not str or type(r.op) is not str:
+        return "kind, dtype and op are strings"
     if r.kind not in KINDS:
         return f"kind {r.kind!r:.40} is not one of {', '.join(KINDS)}"
     if r.kind == "join" and r.name != "join":

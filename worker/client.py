@@ -29,50 +29,14 @@ from transport.wire import Flag, Kind, Message
 from worker.calibrate import Calibrator
 from worker.collective.config import CollectiveConfig
 from worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
+from worker.handle import Handle
 
 log = logging.getLogger("sluice.worker")
 
+#: collective messages kept until the scheduler's welcome starts the engine (HELLOs, first requests)
+EARLY_COLLECTIVE = 4096
+
 TensorDecl = tuple[str, tuple[int, ...], str, dict[str, Any] | None]
-
-
-class Handle:
-    """Completion of one operation on every chunk of one tensor; `wait` has a deadline."""
-
-    def __init__(self, what: str, servers: dict[int, str], timeout: float) -> None:
-        self.what = what
-        self._servers = servers  # chunk -> the server that owns it, for error messages
-        self._remaining = set(servers)
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self._error: str | None = None
-        if not self._remaining:
-            self._event.set()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        limit = self._timeout if timeout is None else timeout
-        if not self._event.wait(limit):
-            with self._lock:
-                missing = sorted(self._remaining)
-            owners = sorted({self._servers[c] for c in missing})
-            raise SluiceError(
-                f"{self.what}: no reply after {limit:.0f} s for chunks {missing[:8]} from {', '.join(owners)}"
-            )
-        if self._error is not None:
-            raise SluiceError(f"{self.what} failed: {self._error}")
-
-    def _part_done(self, chunk: int) -> None:
-        with self._lock:
-            self._remaining.discard(chunk)
-            if not self._remaining:
-                self._event.set()
-
-    def _fail(self, error: str) -> None:
-        self._error = error
-        self._event.set()
 
 
 @dataclass
@@ -109,6 +73,8 @@ class Client:
         self.collective_settings = CollectiveConfig(**self.env.section("collective"))
         #: the collective engine (allreduce and the rest among workers), made when the scheduler welcomes us
         self.collectives: CollectiveEngine | None = None
+        #: collective messages from workers that were welcomed (and dialled us) before we were (I/O thread)
+        self._before_welcome: list[tuple[str, Message]] = []
         self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
                                         members=self.env.members)
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal,
@@ -136,6 +102,11 @@ class Client:
     def servers(self) -> int:
         return len(self._server_names)
 
+    def hosts(self, role: str) -> list[str]:
+        """The host of each node of `role` ("worker" or "server"), by rank."""
+        nodes = sorted((p for p in self.control.peers if p.role == role), key=lambda p: p.rank)
+        return [endpoint_host(p.endpoints) for p in nodes]
+
     def _start_collectives(self) -> None:
         """On the I/O thread, as the address book arrives and before any later message is handled: a
         faster worker may send coordinator messages at once."""
@@ -143,11 +114,15 @@ class Client:
         names = [p.name for p in workers]
         hosts = [endpoint_host(p.endpoints) for p in workers]
         levels = self.settings.channels
-        self.collectives = CollectiveEngine(
+        engine = CollectiveEngine(
             self.transport, self.control.rank, names, hosts, self.collective_settings,
             self.settings.chunk_limit, self.control_settings.op_timeout,
             lambda priority: self.settings.channel_for(priority, levels),
         )
+        early, self._before_welcome = self._before_welcome, []
+        for peer, msg in early:
+            engine.on_message(peer, msg)
+        self.collectives = engine
 
     def _workers(self) -> list[PeerInfo]:
         return sorted((p for p in self.control.peers if p.role == "worker"), key=lambda p: p.rank)
@@ -327,10 +302,17 @@ class Client:
             return
         if msg.kind in COLLECTIVE_KINDS:
             engine = self.collectives
-            if engine is None or not peer.startswith("worker-"):
+            if not peer.startswith("worker-"):
                 self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: not a worker's collective")
-                return
-            engine.on_message(peer, msg)
+            elif engine is not None:
+                engine.on_message(peer, msg)
+            elif len(self._before_welcome) < EARLY_COLLECTIVE:  # a worker welcomed before us dialled already
+                if msg.payload is not None:  # the view is only valid during this call
+                    msg.payload = memoryview(bytes(msg.payload))
+                self._before_welcome.append((peer, msg))
+            else:
+                self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: too many before the "
+                                      "scheduler's welcome")
             return
         calibrator = self._calibrator
         if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:

@@ -81,7 +81,7 @@ class _DistributedMixin:
         self._sluice_fused: dict[int, FusedGradients] | None = None
         self._sluice_flushed = False
         self._sluice_routes = choose_routes([(n, p) for n, p in in_order if p.requires_grad],
-                                            client.collective_settings, client.servers, client.size)
+                                            client.collective_settings, client.hosts("worker"), client.hosts("server"))
         self._sluice_priorities = ParameterPriorities(client, STATE.settings, in_order, model)
         if self._sluice_on_server:
             _seed_servers(in_order)

@@ -59,7 +59,9 @@ def test_a_parent_with_the_higher_rank_dials_its_child() -> None:
 def test_flat_coordinator_takes_everyone_at_the_root() -> None:
     reports = run(Plan(ranks=24, arity=0, steps=3, ops=50, timeout=40))
     check_same_order(reports, 3, 50)
-    assert 1 < reports[0].first["max_received_per_tick"] <= 23
+    root = reports[0]
+    assert root.first["max_received_per_tick"] <= 23 and root.steady["max_received_per_tick"] <= 23
+    assert root.steady["messages_received"] >= 23 * 2  # every rank reports to the root itself, every step
 
 
 @pytest.mark.slow
@@ -81,7 +83,8 @@ def test_a_stall_names_the_ranks_that_did_not_submit() -> None:
     started = time.monotonic()
     reports = run(Plan(ranks=16, arity=2, steps=2, ops=20, stall_timeout=1.5, skip=skip, timeout=30))
     assert {r.error for r in reports} == {"collective stalled for 1.5 s: ranks 2, 3, 9 did not submit 'grad.3' "
-                                          "(ranks 0, 1, 4-8, 10-15 did); also waiting: 'grad.5'"}
+                                          "(ranks 0, 1, 4-8, 10-15 did); ranks 2, 3 did not submit 'grad.5' "
+                                          "(ranks 0, 1, 4-15 did)"}
     assert time.monotonic() - started < 20
 
 
@@ -98,7 +101,7 @@ def test_ranks_that_join_early_let_the_others_finish() -> None:
     assert len(decisions) == steps * ops + 1 and decisions[-1][0] == "join"
     assert decisions[-1][2] == tuple(range(16))
     assert {d[2] for d in decisions[-1 - ops:-1]} == {(3, 6, 11)}  # the last step: those three contribute zeros
-    assert {r.join_last for r in reports} - {3, 6, 11} == {reports[0].join_last}  # one of the late ones, the same
+    assert {r.join_last for r in reports} == {reports[0].join_last} and reports[0].join_last not in (3, 6, 11)
 
 
 # ---------------------------------------------------------------------------- one process, three ranks

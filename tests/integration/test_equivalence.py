@@ -23,8 +23,9 @@ FUSED = {"fusion_bytes": 256}
         ("worker", False, "sgd", 2, 1, {"mode": "ps", "fusion_bytes": 0}),
         ("worker", True, "adam", 2, 1, {"mode": "ps", **FUSED}),
         ("worker", True, "sgd", 4, 0, FUSED),  # pure allreduce
+        ("worker", True, "sgd", 2, 0, {"fusion": "greedy", "fusion_bytes": 1024}),  # Horovod's fusion (baseline)
         ("worker", False, "adam", 4, 0, {"fusion_bytes": 0, "algorithm": "tree"}),
-        ("worker", True, "sgd", 4, 2, {"mode": "auto", **FUSED}),  # hybrid, split by size
+        ("worker", True, "sgd", 4, 2, {"mode": "auto", **FUSED}),  # auto: all on one host, so allreduce
         ("worker", True, "sgd", 4, 1, {"mode": "ps", "allreduce_patterns": ["*.bias"], **FUSED}),  # hybrid
         ("server", True, "sgd", 4, 2, {}),
         ("server", True, "adam", 2, 3, {}),
@@ -95,7 +96,7 @@ def test_gradients_are_sent_from_autograd_hooks_during_backward(servers: int) ->
 @pytest.mark.timeout(120)
 def test_two_runs_give_bitwise_identical_parameters() -> None:
     """Fusion on, three workers (so the order of a sum matters), hybrid: the same seeds, the same bits."""
-    config = {"collective": {"mode": "auto", **FUSED}}
+    config = {"collective": {"mode": "ps", "allreduce_patterns": ["*.bias"], **FUSED}}
     runs = []
     for _ in range(2):
         with LocalCluster(3, 2, config) as cluster:

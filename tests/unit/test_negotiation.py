@@ -7,6 +7,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.negotiation import Controller, Decision, Down, Request, Up
 from scheduler.negotiation_codec import (
@@ -253,7 +255,7 @@ def test_broadcast_root_is_part_of_the_check() -> None:
                               "rank 1 submitted broadcast int64 [[10]] root 2"}
 
 
-def test_stall_names_the_ranks_that_did_not_submit_and_what_else_waits() -> None:
+def test_stall_names_the_ranks_that_did_not_submit_each_op_and_what_else_waits() -> None:
     net = Net(8, 2, stall=1.5)
     for rank in range(8):
         if rank not in (2, 3):
@@ -265,9 +267,11 @@ def test_stall_names_the_ranks_that_did_not_submit_and_what_else_waits() -> None
     assert net.failures() == {None} and all(net.names(r) == ["grad.1"] for r in range(8))
     net.wait(1.0)
     assert net.failures() == {None}  # not yet
-    net.wait(1.0)
+    net.submit(0, grad(4))  # waiting, but not for long: not stalled when the root looks
+    net.wait(1.5)
     assert net.failures() == {"collective stalled for 1.5 s: ranks 2, 3 did not submit 'grad.0' "
-                              "(ranks 0, 1, 4-7 did); also waiting: 'grad.2'"}
+                              "(ranks 0, 1, 4-7 did); rank 6 did not submit 'grad.2' (ranks 0-5, 7 did); "
+                              "also waiting: 'grad.4'"}
 
 
 def test_a_mismatch_no_node_can_see_is_found_by_the_stall_census() -> None:
@@ -445,6 +449,8 @@ def malformed(kind: Kind, meta: dict[str, Any] | None, round_: int = 1, **fields
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "sum", -1, 0]]}), "8 fields"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float33", [[4]], "sum", -1, 0, 0]]}), "dtype"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[-4]], "sum", -1, 0, 0]]}), "shape"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", ["float32"], [[4]], "sum", -1, 0, 0]]}), "strings"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], {"x": 1}, -1, 0, 0]]}), "strings"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[1] * 9], "sum", -1, 0, 0]]}), "at most 8"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "max", -1, 0, 0]]}), "op 'max'"),
     (malformed(Kind.COORD_UP, {"n": [["a", "broadcast", "float32", [[4]], "sum", -1, 0, 0]]}), "root -1"),
@@ -477,3 +483,63 @@ def test_every_field_survives_the_wire() -> None:
     assert wire(up)[0] == up and wire(down)[0] == down
     assert wire(Up(1, ready=1 << 199))[1] <= 20  # a vector of 200 bits with one set: the zero bytes are skipped
     assert is_hello(decode([bytes(f) for f in encode(hello(Kind.COORD_UP))]))
+
+
+# ---------------------------------------------------------------------------- anything at all
+junk: st.SearchStrategy[Any] = (
+    st.sampled_from([None, True, -1, 0, 1, 2, 7, 1 << 31, 1 << 63, 1.5, "", "x", b"", b"\xff", [], {}])
+    | st.recursive(st.integers(-2, 9) | st.text(max_size=4) | st.binary(max_size=4),
+                   lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=2),
+                   max_leaves=12))
+REQUEST = ["grad.0", "allreduce", "float32", [[4, 3]], "sum", -1]
+UP_META = {"n": [[*REQUEST, 0, 3]], "w": True, "j": [3], "st": ["grad.0"], "e": "x",
+           "c": [1, [[*REQUEST, b"\x08"]], ["grad.1"], 0, [3]]}
+DOWN_META = {"t": [[2, "grad.2", "barrier", "", [], "sum", -1, 0]], "j": [2], "jl": 1, "q": [1, ["grad.0"]], "e": "x"}
+
+
+@st.composite
+def mutated(draw: st.DrawFn, template: Any) -> Any:
+    """`template` with one or two parts (itself included) replaced by junk."""
+    value = copy.deepcopy(template)
+    for _ in range(draw(st.integers(1, 2))):
+        parent, key = None, None
+        node = value
+        while isinstance(node, dict | list) and node and draw(st.booleans()):
+            parent, key = node, draw(st.sampled_from(list(node) if isinstance(node, dict) else range(len(node))))
+            node = node[key]
+        if parent is None:
+            value = draw(junk)
+        else:
+            parent[key] = draw(junk)  # type: ignore[index]
+    return value
+
+
+coordinator_messages = st.builds(
+    lambda kind, meta, round_, key, chunk, bits: Message(
+        kind, round=round_, key=key, chunk=chunk, meta=meta if isinstance(meta, dict) else None,
+        **({"dtype": "uint8", "shape": (len(bits),), "payload": bits} if bits else {})),
+    st.sampled_from([Kind.COORD_UP, Kind.COORD_DOWN]),
+    st.sampled_from([UP_META, DOWN_META]).flatmap(mutated) | st.sampled_from([None, UP_META, DOWN_META]),
+    st.integers(0, 4), st.integers(0, 2), st.integers(0, 3) | st.just(1 << 30), st.binary(max_size=3))
+
+
+@settings(max_examples=300, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 2, 3, 6]), coordinator_messages), max_size=6))
+def test_any_message_is_taken_or_refused_with_a_wire_error(attack: list[tuple[int, Message]]) -> None:
+    net = Net(7, 2)  # rank 1: parent 0, children 2 and 3
+    for rank in range(7):
+        net.submit(rank, grad(0))
+    net.settle()
+    target = net.ctl[1]
+    for sender, msg in attack:
+        try:
+            back = decode([bytes(f) for f in encode(msg)])
+            parsed = decode_up(back) if back.kind == Kind.COORD_UP else decode_down(back)
+        except WireError:
+            continue
+        before = state(target)
+        try:
+            target.receive(sender, parsed, net.now)
+        except WireError:
+            assert state(target) == before
+        target.tick(net.now)

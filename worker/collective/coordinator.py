@@ -43,12 +43,14 @@ def message_bytes(msg: Message) -> int:
 
 class Coordinator:
     def __init__(self, transport: Transport, rank: int, tree: Tree, peers: Sequence[str], settings: CollectiveConfig,
-                 on_decided: Callable[[Decision], None], on_error: Callable[[str], None], node_id: int = -1) -> None:
+                 on_decided: Callable[[Decision], None], on_error: Callable[[str], None], node_id: int = -1,
+                 on_cycle_end: Callable[[], None] = lambda: None) -> None:
+        """`on_cycle_end` is called after each cycle's decisions have been handed to `on_decided`."""
         if len(peers) != tree.size:
             raise ValueError(f"{len(peers)} peer names for a tree of {tree.size} ranks")
         self.rank, self.tree = rank, tree
         self._transport, self._peers, self._node_id = transport, list(peers), node_id
-        self._on_decided, self._on_error = on_decided, on_error
+        self._on_decided, self._on_error, self._on_cycle_end = on_decided, on_error, on_cycle_end
         self._cycle = settings.cycle_ms / 1e3
         self._stall = settings.stall_timeout
         self._controller = Controller(rank, tree, settings.stall_timeout)
@@ -226,6 +228,8 @@ class Coordinator:
                 log.exception("coordinator of rank %d: on_decided failed", self.rank)
                 self._fail(f"handling the decision of {decision.request.name!r} failed on rank {self.rank}: "
                            f"{type(exc).__name__}: {exc}")
+        if decisions:
+            self._on_cycle_end()
         for dest in late:
             self._fail(f"the coordinator of rank {self.rank} never heard from rank {dest} ({self._peers[dest]}), "
                        f"its {'parent' if dest == self._parent else 'child'}, in {self._stall:g} s")

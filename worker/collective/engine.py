@@ -151,7 +151,7 @@ class CollectiveEngine:
         self.data.connect(endpoints, self._timeout)
         with self._early_lock:  # no message reaches the new coordinator before the ones kept for it
             self.coordinator = Coordinator(self._transport, self.rank, self.tree, self._peers, self.settings,
-                                           self._on_decided, self.fail)
+                                           self._on_decided, self.fail, on_cycle_end=self.flush)
             early, self._early = self._early, []
             for peer, msg in early:
                 self.coordinator.on_message(peer, msg)

@@ -1,0 +1,47 @@
+"""Completion of one parameter-server operation on every chunk of one tensor, with a deadline."""
+
+from __future__ import annotations
+
+import threading
+
+from scheduler.errors import SluiceError
+
+
+class Handle:
+    """Completion of one operation on every chunk of one tensor; `wait` has a deadline."""
+
+    def __init__(self, what: str, servers: dict[int, str], timeout: float) -> None:
+        self.what = what
+        self._servers = servers  # chunk -> the server that owns it, for error messages
+        self._remaining = set(servers)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: str | None = None
+        if not self._remaining:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        if not self._event.wait(limit):
+            with self._lock:
+                missing = sorted(self._remaining)
+            owners = sorted({self._servers[c] for c in missing})
+            raise SluiceError(
+                f"{self.what}: no reply after {limit:.0f} s for chunks {missing[:8]} from {', '.join(owners)}"
+            )
+        if self._error is not None:
+            raise SluiceError(f"{self.what} failed: {self._error}")
+
+    def _part_done(self, chunk: int) -> None:
+        with self._lock:
+            self._remaining.discard(chunk)
+            if not self._remaining:
+                self._event.set()
+
+    def _fail(self, error: str) -> None:
+        self._error = error
+        self._event.set()
