@@ -124,9 +124,15 @@ class FusedGradients:
         offsets = {slot.tensor: slot.offset for slot in self.plan.slots}
         count = self.plan.total_bytes // item
         self._arrays = [client.alloc((count,), self.dtype) for _ in range(2)]
-        flats = [torch.from_numpy(a) for a in self._arrays]
+        hosts = [torch.from_numpy(a) for a in self._arrays]
         if torch_dtype in _TORCH_STORAGE:
-            flats = [f.view(torch_dtype) for f in flats]
+            hosts = [f.view(torch_dtype) for f in hosts]
+        self._hosts = hosts
+        device = params[0][2].device
+        #: where the gradients live: the registered buffers themselves on the CPU; on a GPU, buffers there,
+        #: each group copied to its registered twin before it is sent and back when its result is in
+        self._on_device = device.type != "cpu"
+        flats = [torch.zeros(count, dtype=torch_dtype, device=device) for _ in range(2)] if self._on_device else hosts
         self._flats = flats
         self._views = [
             {key: flat[offsets[i] // item: offsets[i] // item + p.numel()].view(p.shape)
@@ -179,8 +185,11 @@ class FusedGradients:
             raise SluiceError(f"{self.names[index]} was never sent this step (flush() not called?)")
         group.handle.wait()
         plan_group = self.plan.groups[index]
-        part = self._flats[step.buffer][plan_group.start // self._item: plan_group.end // self._item]
+        span = slice(plan_group.start // self._item, plan_group.end // self._item)
+        part = self._flats[step.buffer][span]
         with torch.no_grad():
+            if self._on_device:
+                part.copy_(self._hosts[step.buffer][span])
             part.mul_(1.0 / self.client.size)
         group.averaged = True
 
@@ -199,7 +208,11 @@ class FusedGradients:
 
     def _send(self, plan_group: Group) -> None:
         index = plan_group.index
-        array: np.ndarray = self._arrays[self.active][plan_group.start // self._item: plan_group.end // self._item]
+        span = slice(plan_group.start // self._item, plan_group.end // self._item)
+        if self._on_device:
+            with torch.no_grad():
+                self._hosts[self.active][span].copy_(self._flats[self.active][span])
+        array: np.ndarray = self._arrays[self.active][span]
         if self.route == "ps":
             handle: Any = self.client.push_pull(self.names[index], array, array)
         else:
