@@ -63,8 +63,10 @@ rank 0's clock (the last step's updates waited for inside the span). Every confi
 fresh jobs, the configurations in rotated order each round so drift on a shared machine falls on
 all of them; the figures pool every repetition of every job: median [min..max]. speedup =
 baseline ms / balanced ms (> 1: balanced is ahead); paired: the same ratio of each round's two jobs,
-median [min..max] over the rounds. Max/mean fused buffer size: balanced from its
-plan (the same every step), greedy from the buffers the engine actually sent in the timed steps.
+median [min..max] over the rounds. Max/mean fused buffer size: balanced from its plan (the same
+every step), greedy from the buffers the engine actually sent in the timed steps. On the testbed no
+configuration can step faster than the links carry a ring allreduce of every gradient (printed, and
+the records' wire_bound_ms): the larger the model, the more of every step that bound takes.
 """
 
 
@@ -73,7 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cases", nargs="+", choices=NETWORKS, default=list(NETWORKS),
                         help="networks to measure (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=4, metavar="W", help="worker processes (default: %(default)s)")
-    parser.add_argument("--width", type=int, default=128, metavar="D",
+    # 64: 4.4 MB of gradients, whose ring allreduce needs 55 ms of wire time on 1 Gbit/s links, of the
+    # order of the step's compute; at 128 (17.4 MB, 219 ms) the testbed step is mostly wire time,
+    # which no fusion scheme shortens (bench/results/fusion.md has both)
+    parser.add_argument("--width", type=int, default=64, metavar="D",
                         help="model width d (the blocks' matrices are d x 4d) (default: %(default)s)")
     parser.add_argument("--blocks", type=int, default=33, metavar="N",
                         help="blocks of 6 tensors; the head adds 2 (default: %(default)s: 200 tensors)")
@@ -276,6 +281,14 @@ class Measured:
     buffers: list[list[int]] = field(default_factory=list)
 
 
+def wire_bound_ms(model_bytes: int, workers: int, rate_mbit: float) -> float:
+    """The least time the testbed's links allow for one step's gradients: a ring allreduce sends (and
+    receives) 2(W-1)/W of the bytes on every worker's link, and with 1500-byte frames TCP payload is at
+    most 95.7% of the link rate (the shaper counts headers too). Any fusion scheme moves the same bytes."""
+    payload_bytes_per_s = rate_mbit * 1e6 / 8 * 0.957
+    return 2 * (workers - 1) / workers * model_bytes / payload_bytes_per_s * 1e3
+
+
 def balance(sizes: Sequence[int]) -> float:
     """max/mean of buffer sizes (1.0: all equal)."""
     return max(sizes) / (sum(sizes) / len(sizes))
@@ -309,6 +322,7 @@ def measure_network(network: str, args: argparse.Namespace,
 def network_records(network: str, args: argparse.Namespace, measured: dict[str, Measured],
                     model: dict[str, int]) -> tuple[list[dict[str, Any]], list[list[str]], list[list[str]]]:
     """The records of one network, its rows of the step-time table and of the buffer-size table."""
+    testbed = network.startswith("testbed")
     ours = stats(measured[BALANCED].ms)
     plan = measured[BALANCED].groups
     greedy_reps = measured[GREEDY].buffers
@@ -317,7 +331,9 @@ def network_records(network: str, args: argparse.Namespace, measured: dict[str, 
     per_step = len(greedy_sent) / (args.steps * len(greedy_reps))
     common: dict[str, Any] = {
         "network": network, "workers": args.workers, "servers": 0, "mode": "allreduce",
-        "rate_mbit": args.rate_mbit if network == "testbed" else None, "width": args.width, "blocks": args.blocks,
+        "rate_mbit": args.rate_mbit if testbed else None,
+        "wire_bound_ms": wire_bound_ms(model["model_bytes"], args.workers, args.rate_mbit) if testbed else None,
+        "width": args.width, "blocks": args.blocks,
         **model, "batch_size": args.batch_size, "fusion_bytes": args.fusion_bytes, "cycle_ms": args.cycle_ms,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "jobs": args.jobs,
         "samples": len(measured[BALANCED].ms),
@@ -385,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                 bed.host("sched")  # control traffic only: unshaped
                 network = f"testbed-{args.rate_mbit / 1000:g}g" if args.rate_mbit >= 1000 else \
                     f"testbed-{args.rate_mbit:g}m"
+                progress(f"  {network}: the links allow no step below "
+                         f"{wire_bound_ms(model['model_bytes'], args.workers, args.rate_mbit):.1f} ms (ring "
+                         f"allreduce of every gradient at {args.rate_mbit:g} Mbit/s)")
                 measured = measure_network(network, args, lambda name: run_testbed(bed, args, name))
         got, step_rows, size_rows = network_records(network, args, measured, model)
         records += got

@@ -23,7 +23,7 @@ class CollectiveConfig:
     #: "auto": the tree below tree_below_bytes (fewer hops), the ring above (least bytes per link)
     algorithm: str = "auto"
     #: with algorithm "auto", tensors smaller than this many bytes use the tree
-    tree_below_bytes: int = 64 << 10
+    tree_below_bytes: int = 4 << 20
     #: gradients of one dtype are laid out in one registered buffer, cut into equal groups of at most
     #: this many bytes, each sent as one message stream (0: no fusion, each gradient alone)
     fusion_bytes: int = 16 << 20

@@ -169,8 +169,10 @@ class Coordinator:
                    if d is not None]
             if self._urgent or self._heard & set(self._held):
                 ready_at: float | None = last + self._cycle
-            elif self._batch_since is not None:  # give the rest of a burst a cycle to come
-                ready_at = max(self._batch_since, last) + self._cycle
+            elif self._batch_since is not None:
+                # at most one tick per cycle, but the first news after a quiet cycle goes at once: a
+                # step's last fusion group waits for no timer (the rest of a burst waits a cycle)
+                ready_at = last + self._cycle
             else:
                 ready_at = max(min(due), last + self._cycle) if due else None
             if ready_at is not None and now >= ready_at:
