@@ -335,10 +335,10 @@ def test_arguments_are_checked() -> None:
     plane.allreduce(7, np.zeros(4, np.float32), "float32", "sum", 0)
     with pytest.raises(ValueError, match="not above the last one"):
         plane.allreduce(7, np.zeros(4, np.float32), "float32", "sum", 0)
-    # "auto": the tree below collective.tree_below_bytes (64 KiB by default), the ring from there on
-    assert plane.allreduce(8, np.zeros(16383, np.float32), "float32", "sum", 0, "auto").what.startswith(
+    # "auto": the tree below collective.tree_below_bytes (4 MiB by default), the ring from there on
+    assert plane.allreduce(8, np.zeros((1 << 20) - 1, np.float32), "float32", "sum", 0, "auto").what.startswith(
         "allreduce (tree) seq 8")
-    assert plane.allreduce(9, np.zeros(16384, np.float32), "float32", "sum", 0, "auto").what.startswith(
+    assert plane.allreduce(9, np.zeros(1 << 20, np.float32), "float32", "sum", 0, "auto").what.startswith(
         "allreduce (ring) seq 9")
 
 
