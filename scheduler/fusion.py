@@ -111,21 +111,31 @@ class OnlineFusion:
     #: groups with some but not all of their gradients ready, carried into the next cycle
     deferred: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # per gradient, the groups it lies in; per group, how many of its gradients are still missing:
+        # a cycle costs what its gradients touch, not a walk over every group (200 hooks a step)
+        self._groups_of: dict[int, list[int]] = {}
+        for group in self.plan.groups:
+            for tensor in group.tensors:
+                self._groups_of.setdefault(tensor, []).append(group.index)
+        self._missing = [len(g.tensors) for g in self.plan.groups]
+
     def cycle(self, newly_ready: Iterable[int]) -> list[Group]:
         """Take this cycle's ready gradients; the groups to send now, in backward order."""
-        self.ready.update(newly_ready)
-        out, deferred = [], []
-        for group in self.plan.groups:
-            if group.index in self.sent:
+        done: list[int] = []
+        for tensor in newly_ready:
+            if tensor in self.ready:
                 continue
-            have = [t in self.ready for t in group.tensors]
-            if all(have):
-                out.append(group)
-                self.sent.add(group.index)
-            elif any(have):
-                deferred.append(group.index)
-        self.deferred = deferred
-        return out
+            self.ready.add(tensor)
+            for index in self._groups_of.get(tensor, ()):
+                self._missing[index] -= 1
+                if not self._missing[index] and index not in self.sent:
+                    done.append(index)
+        self.sent.update(done)
+        groups = self.plan.groups
+        self.deferred = [g.index for g in groups
+                         if g.index not in self.sent and self._missing[g.index] < len(g.tensors)]
+        return [groups[index] for index in sorted(done)]
 
     def finish(self) -> list[Group]:
         """Backward is over: every group not yet sent goes now (missing gradients count as zeros)."""
@@ -138,3 +148,4 @@ class OnlineFusion:
         self.ready.clear()
         self.sent.clear()
         self.deferred = []
+        self._missing = [len(g.tensors) for g in self.plan.groups]
