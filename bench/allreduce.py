@@ -8,8 +8,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,12 @@ from bench.common import (
     Children,
     Stats,
     add_common_options,
-    free_port,
-    keep_alive,
     print_table,
     progress,
     record,
-    stats,
     write_json,
 )
+from bench.push_pull import bandwidth, measure_gloo
 from scheduler.bootstrap import new_secret
 from scheduler.errors import SluiceError
 from transport.auth import JobKeys
@@ -181,41 +178,6 @@ def measure_sluice(nbytes: int, size: int, algorithm: str, memory: str, rounds: 
     return times
 
 
-# ---------------------------------------------------------------------------- gloo
-def _gloo_rank(rank: int, world: int, port: int, nbytes: int, rounds: int, repeats: int) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    tensor = torch.full((nbytes // 4,), float(rank + 1))
-    keep_alive(tensor)  # no destroy_process_group either: see keep_alive
-    dist.all_reduce(tensor)
-    if not bool((tensor == world * (world + 1) // 2).all()):
-        raise AssertionError("all_reduce returned a wrong sum")
-    tensor.zero_()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(rounds):
-            dist.all_reduce(tensor)
-        dist.barrier()
-        times.append((time.perf_counter() - started) / rounds)
-    return times
-
-
-def measure_gloo(nbytes: int, size: int, rounds: int, repeats: int, timeout: float) -> list[float]:
-    port = free_port()
-    with Children() as children:
-        for rank in range(size):
-            children.start(f"rank {rank}", _gloo_rank, rank, size, port, nbytes, rounds, repeats)
-        results = children.collect([f"rank {r}" for r in range(size)], timeout)
-    times: list[float] = results["rank 0"]
-    return times
-
-
 # ---------------------------------------------------------------------------- driver
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,10 +212,6 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, int, int, str]]:
             if size in args.plain_sizes:
                 out += [(f"ring-{procs}p-{size}MiB-{m}", "ring", procs, size, m) for m in ("plain", "staged")]
     return out
-
-
-def bandwidth(nbytes: int, seconds: Sequence[float]) -> Stats:
-    return stats([nbytes / t / 1e9 for t in seconds])
 
 
 def main(argv: list[str] | None = None) -> int:

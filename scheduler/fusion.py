@@ -94,6 +94,17 @@ def plan_fusion(sizes: Sequence[int], order: Sequence[int], buffer_bytes: int, a
     return FusionPlan(tuple(slots), tuple(groups), total)
 
 
+def unfused_plan(sizes: Sequence[int], align: int = ALIGN) -> FusionPlan:
+    """Every gradient its own group (collective.fusion_bytes = 0), slots laid out as plan_fusion lays
+    them out for `order` = the table's order."""
+    slots, groups, offset = [], [], 0
+    for index, size in enumerate(sizes):
+        slots.append(Slot(index, offset, size))
+        groups.append(Group(index, offset, offset + size, (index,)))
+        offset += _align(size, align)
+    return FusionPlan(tuple(slots), tuple(groups), offset)
+
+
 def _overlaps(slot: Slot, start: int, end: int, total: int) -> bool:
     """Does the slot share a byte with [start, end)? An empty one counts where it lies (at the very
     end: in the last group), so every gradient belongs to some group."""

@@ -29,6 +29,7 @@ from transport.wire import Flag, Kind, Message
 from worker.calibrate import Calibrator
 from worker.collective.config import CollectiveConfig
 from worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
+from worker.collective.mailbox import Mailbox
 from worker.handle import Handle
 
 log = logging.getLogger("sluice.worker")
@@ -74,7 +75,7 @@ class Client:
         #: the collective engine (allreduce and the rest among workers), made when the scheduler welcomes us
         self.collectives: CollectiveEngine | None = None
         #: collective messages from workers that were welcomed (and dialled us) before we were (I/O thread)
-        self._before_welcome: list[tuple[str, Message]] = []
+        self._before_welcome = Mailbox(EARLY_COLLECTIVE, lambda peer, text: self.transport.refuse(peer, text))
         self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
                                         members=self.env.members)
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal,
@@ -119,9 +120,7 @@ class Client:
             self.settings.chunk_limit, self.control_settings.op_timeout,
             lambda priority: self.settings.channel_for(priority, levels),
         )
-        early, self._before_welcome = self._before_welcome, []
-        for peer, msg in early:
-            engine.on_message(peer, msg)
+        self._before_welcome.attach(engine.on_message)
         self.collectives = engine
 
     def _workers(self) -> list[PeerInfo]:
@@ -301,18 +300,10 @@ class Client:
             self.control.receive(msg)
             return
         if msg.kind in COLLECTIVE_KINDS:
-            engine = self.collectives
-            if not peer.startswith("worker-"):
-                self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: not a worker's collective")
-            elif engine is not None:
-                engine.on_message(peer, msg)
-            elif len(self._before_welcome) < EARLY_COLLECTIVE:  # a worker welcomed before us dialled already
-                if msg.payload is not None:  # the view is only valid during this call
-                    msg.payload = memoryview(bytes(msg.payload))
-                self._before_welcome.append((peer, msg))
+            if peer.startswith("worker-"):  # kept until the welcome starts the engine: a worker welcomed sooner
+                self._before_welcome.deliver(peer, msg)
             else:
-                self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: too many before the "
-                                      "scheduler's welcome")
+                self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: not a worker's collective")
             return
         calibrator = self._calibrator
         if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from scheduler.errors import SluiceError
-from scheduler.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
+from scheduler.fusion import Group, OnlineFusion, plan_fusion, unfused_plan
 from worker.client import Client
 from worker.collective.config import CollectiveConfig
 from worker.staging import wire_dtype
@@ -67,16 +67,6 @@ def ps_share(worker_hosts: int, server_hosts: int) -> float:
     if k == 0:
         return 0.0
     return 1.0 if n == 1 else 2 * k * (n - 1) / (n * n + k * n - 2 * k)
-
-
-def unfused_plan(sizes: Sequence[int]) -> FusionPlan:
-    """Every gradient its own group (collective.fusion_bytes = 0), laid out the same way."""
-    slots, groups, offset = [], [], 0
-    for index, size in enumerate(sizes):
-        slots.append(Slot(index, offset, size))
-        groups.append(Group(index, offset, offset + size, (index,)))
-        offset += -(-size // 64) * 64
-    return FusionPlan(tuple(slots), tuple(groups), offset)
 
 
 @dataclass

@@ -17,7 +17,6 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +25,9 @@ from scheduler.negotiation import Decision, Request
 from scheduler.tree import build_tree, dials
 from transport.base import open_transport
 from transport.config import TransportConfig
-from transport.wire import Message
 from worker.collective.config import CollectiveConfig
 from worker.collective.coordinator import Coordinator
+from worker.collective.mailbox import Mailbox
 
 _ctx = mp.get_context("fork")
 
@@ -74,31 +73,6 @@ def op_names(count: int) -> list[str]:
 def request(name: str, columns: int = 0) -> Request:
     index = int(name.rsplit(".", 1)[1])
     return Request(name, "allreduce", "float32", ((4, columns or 1 + index % 7),))
-
-
-class _Mailbox:
-    """The transport handler: holds coordinator messages (copied) that come before the Coordinator exists."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._early: list[tuple[str, Message]] = []
-        self._target: Callable[[str, Message], None] | None = None
-
-    def handler(self, peer: str, channel: int, msg: Message) -> None:
-        with self._lock:
-            if self._target is not None:
-                self._target(peer, msg)
-                return
-            if msg.payload is not None:
-                msg.payload = memoryview(bytes(msg.payload))  # the frame is not ours after we return
-            self._early.append((peer, msg))
-
-    def attach(self, target: Callable[[str, Message], None]) -> None:
-        with self._lock:
-            for peer, msg in self._early:
-                target(peer, msg)
-            self._early.clear()
-            self._target = target
 
 
 class _Seen:
@@ -150,10 +124,10 @@ def _rank_main(plan: Plan, rank: int, endpoints: Any, book: Any, reports: Any, d
     hosts = plan.hosts or [f"host-{r // plan.ranks_per_host}" if plan.ranks_per_host else "host-0"
                            for r in range(plan.ranks)]
     tree = build_tree(hosts, plan.arity)
-    box = _Mailbox()
+    box = Mailbox(1 << 20, lambda peer, text: None)  # a test harness: keep whatever comes early
     config = TransportConfig(channels=1, curve=False, shm=False, marks=False, chunk_bytes=64 << 10,
                              inflight_bytes=1 << 20)
-    transport = open_transport(names[rank], config, box.handler, members=names)
+    transport = open_transport(names[rank], config, lambda peer, _channel, msg: box.deliver(peer, msg), members=names)
     seen, report = _Seen(), Report(rank)
     try:
         endpoints.put((rank, transport.listen()))

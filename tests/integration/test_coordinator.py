@@ -11,12 +11,13 @@ import pytest
 from scheduler.negotiation import Decision, Request, Up
 from scheduler.negotiation_codec import encode_up
 from scheduler.tree import build_tree, dials
-from tests.integration.light_ranks import Plan, Report, _Mailbox, latencies, run
+from tests.integration.light_ranks import Plan, Report, latencies, run
 from transport.base import Transport, open_transport
 from transport.config import TransportConfig
 from transport.wire import Kind, Message
 from worker.collective.config import CollectiveConfig
 from worker.collective.coordinator import Coordinator
+from worker.collective.mailbox import Mailbox
 
 
 def check_same_order(reports: list[Report], steps: int, ops: int) -> None:
@@ -120,8 +121,9 @@ def three() -> Iterator[Three]:
     tree = build_tree(["h"] * 3, 2)
     config = TransportConfig(channels=1, curve=False, shm=False, marks=False, chunk_bytes=64 << 10,
                              inflight_bytes=1 << 20)
-    boxes = [_Mailbox() for _ in range(3)]
-    transports = [open_transport(names[r], config, boxes[r].handler, members=names) for r in range(3)]
+    boxes = [Mailbox(1 << 20, lambda peer, text: None) for _ in range(3)]
+    transports = [open_transport(names[r], config, lambda peer, _channel, msg, box=boxes[r]: box.deliver(peer, msg),
+                                 members=names) for r in range(3)]
     endpoints = [t.listen() for t in transports]
     for rank in range(3):
         for other in tree.neighbours(rank):

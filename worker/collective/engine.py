@@ -24,57 +24,33 @@ from transport.dtypes import STORAGE
 from transport.wire import Kind, Message
 from worker.collective.config import CollectiveConfig
 from worker.collective.coordinator import Coordinator
-from worker.collective.data import CollectiveHandle, DataPlane
+from worker.collective.data import DataPlane
 from worker.collective.greedy import GreedyFusion
+from worker.collective.mailbox import Mailbox
+from worker.collective.ops import CollectiveHandle, Completion
 
 #: coordinator messages kept until this rank's coordinator starts (neighbours send a few each at start)
 EARLY_COORDINATION = 4096
 COLLECTIVE_KINDS = frozenset((Kind.COORD_UP, Kind.COORD_DOWN, Kind.COLL_DATA, Kind.COLL_DONE))
 
 
-class OpHandle:
+class OpHandle(Completion):
     """Completion of one collective as its caller sees it: negotiated, then run; `wait` has a deadline."""
 
     def __init__(self, what: str, timeout: float) -> None:
-        self.what = what
+        super().__init__(what)
         self._timeout = timeout
-        self._event = threading.Event()
-        self._error: str | None = None
-        self._result: Any = None
-        self._callbacks: list[Callable[[OpHandle], None]] = []
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
         limit = self._timeout if timeout is None else timeout
         if not self._event.wait(limit):
             raise SluiceError(f"{self.what}: not finished after {limit:.0f} s (see collective.stall_timeout "
                               "for operations some ranks never submit)")
-        if self._error is not None:
-            raise SluiceError(f"{self.what} failed: {self._error}")
+        self._raise_failure()
 
     def result(self) -> Any:
         self.wait()
         return self._result
-
-    def add_done_callback(self, fn: Callable[[OpHandle], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def _finish(self, result: Any = None, error: str | None = None) -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._result, self._error = result, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
 
 
 @dataclass
@@ -108,8 +84,7 @@ class CollectiveEngine:
         self._transport, self._peers = transport, list(peers)
         #: made once this rank has dialled its neighbours (`connect`); what they send before is kept here
         self.coordinator: Coordinator | None = None
-        self._early: list[tuple[str, Message]] = []
-        self._early_lock = threading.Lock()
+        self._coordination = Mailbox(EARLY_COORDINATION, transport.refuse)
 
     # ------------------------------------------------------------------ requests (any thread)
     def allreduce(self, name: str, arrays: Sequence[np.ndarray], dtype: str, op: str, priority: int = 0) -> OpHandle:
@@ -149,12 +124,9 @@ class CollectiveEngine:
         """Connect to every other rank (each pair once; alltoall and allgather reach every rank) and wait
         until every lower rank has connected here; not on the I/O thread."""
         self.data.connect(endpoints, self._timeout)
-        with self._early_lock:  # no message reaches the new coordinator before the ones kept for it
-            self.coordinator = Coordinator(self._transport, self.rank, self.tree, self._peers, self.settings,
-                                           self._on_decided, self.fail, on_cycle_end=self.flush)
-            early, self._early = self._early, []
-            for peer, msg in early:
-                self.coordinator.on_message(peer, msg)
+        self.coordinator = Coordinator(self._transport, self.rank, self.tree, self._peers, self.settings,
+                                       self._on_decided, self.fail, on_cycle_end=self.flush)
+        self._coordination.attach(self.coordinator.on_message)
 
     def close(self) -> None:
         if self.coordinator is not None:
@@ -163,15 +135,7 @@ class CollectiveEngine:
     # ------------------------------------------------------------------ incoming (I/O thread)
     def on_message(self, peer: str, msg: Message) -> None:
         if msg.kind in (Kind.COORD_UP, Kind.COORD_DOWN):
-            with self._early_lock:
-                if self.coordinator is not None:
-                    self.coordinator.on_message(peer, msg)
-                elif len(self._early) < EARLY_COORDINATION:  # a neighbour that connected sooner
-                    if msg.payload is not None:  # the view is only valid during this call
-                        msg.payload = memoryview(bytes(msg.payload))
-                    self._early.append((peer, msg))
-                else:
-                    self._transport.refuse(peer, f"rank {self.rank}: too many coordinator messages before it started")
+            self._coordination.deliver(peer, msg)  # kept until the coordinator starts (`connect`)
         else:
             self.data.on_message(peer, msg)
 
@@ -229,7 +193,7 @@ class CollectiveEngine:
         try:
             self._start(seq, entry, decision)
         except Exception as exc:  # a bad array or a data plane refusal fails this op, not the engine
-            entry.handle._finish(error=f"{type(exc).__name__}: {exc}")
+            entry.handle.finish(error=f"{type(exc).__name__}: {exc}")
 
     def _launch_fused(self, batch: list[tuple[_Entry, Decision]]) -> None:
         """One allreduce for a greedy batch: copied into one buffer and back (Horovod's memcpy)."""
@@ -245,7 +209,7 @@ class CollectiveEngine:
                                                                           self._timeout))
         def settle(done: OpHandle) -> None:
             for entry in entries:
-                entry.handle._finish(error=done._error)
+                entry.handle.finish(error=done.error)
 
         fused.handle.add_done_callback(settle)
         self._launch(fused, batch[0][1])
@@ -270,10 +234,10 @@ class CollectiveEngine:
         request, handle = entry.request, entry.handle
         kind = request.kind
         if kind == "barrier":
-            handle._finish()
+            handle.finish()
             return
         if kind == "join":  # the decision, not our request, names the rank that joined last
-            handle._finish(result=decision.request.root)
+            handle.finish(result=decision.request.root)
             return
         if kind == "allreduce":
             self._allreduce(seq, entry)
@@ -291,7 +255,7 @@ class CollectiveEngine:
             data = self.data.alltoall(seq, array, entry.splits, request.dtype, request.priority)
             data.add_done_callback(lambda h: _settle(handle, h, lambda: (h.result(), getattr(h, "splits", None))))
         else:
-            handle._finish(error=f"unknown collective kind {kind!r}")
+            handle.finish(error=f"unknown collective kind {kind!r}")
 
     def _allreduce(self, seq: int, entry: _Entry) -> None:
         request, handle = entry.request, entry.handle
@@ -322,7 +286,7 @@ class CollectiveEngine:
             waiting, self._waiting = self._waiting, {}
         self.data.fail(error)
         for entry in waiting.values():
-            entry.handle._finish(error=error)
+            entry.handle.finish(error=error)
 
 
 def _copy_back(source: np.ndarray, target: np.ndarray) -> None:
@@ -334,6 +298,6 @@ def _settle(handle: OpHandle, data: CollectiveHandle, finish: Callable[[], Any])
     """Complete the caller's handle from the data plane's, running `finish` (copy-backs) first."""
     try:
         data.wait(0)
-        handle._finish(result=finish())
+        handle.finish(result=finish())
     except Exception as exc:
-        handle._finish(error=str(exc))
+        handle.finish(error=str(exc))

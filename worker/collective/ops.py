@@ -37,25 +37,59 @@ READY, DONE, HELLO = 0, 1, 2
 COPY_BELOW = 64 << 10
 
 
-class CollectiveHandle:
-    """Completion of one collective on this rank; `wait` has a deadline (the op's, by default)."""
+class Completion:
+    """Done once, with a result or an error; callbacks run once, on the thread that completes it."""
 
-    def __init__(self, what: str, deadline: float) -> None:
+    def __init__(self, what: str) -> None:
         self.what = what
-        self.deadline = deadline
-        #: rows received from each rank (allgather, alltoall), known once the op completes
-        self.splits: list[int] | None = None
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._error: str | None = None
-        self._result: np.ndarray | None = None
-        self._callbacks: list[Callable[[CollectiveHandle], None]] = []
-        #: set by the data plane: what the op still waits for, in words; fail it (past its deadline)
-        self.pending: Callable[[], str] = lambda: "nothing"
-        self.expire: Callable[[], None] = lambda: None
+        self._result: Any = None
+        self._callbacks: list[Callable[[Any], None]] = []
 
     def done(self) -> bool:
         return self._event.is_set()
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call fn(self) once, when it completes or fails (at once if it already has)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def finish(self, result: Any = None, error: str | None = None) -> None:
+        """Complete (or fail) and run the callbacks on this thread; later calls do nothing."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = result, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise SluiceError(f"{self.what} failed: {self._error}")
+
+
+class CollectiveHandle(Completion):
+    """Completion of one collective on this rank; `wait` has a deadline (the op's, by default)."""
+
+    def __init__(self, what: str, deadline: float) -> None:
+        super().__init__(what)
+        self.deadline = deadline
+        #: rows received from each rank (allgather, alltoall), known once the op completes
+        self.splits: list[int] | None = None
+        #: set by the data plane: what the op still waits for, in words; fail it (past its deadline)
+        self.pending: Callable[[], str] = lambda: "nothing"
+        self.expire: Callable[[], None] = lambda: None
 
     def wait(self, timeout: float | None = None) -> None:
         """Return once the op completed; SluiceError if it failed, or is not done after `timeout` s
@@ -67,33 +101,14 @@ class CollectiveHandle:
             self.expire()  # past the op's own deadline: it fails for good, naming whom it waited for
             if not self._event.is_set():
                 raise SluiceError(f"{self.what}: timed out; it waits for {self.pending()}")
-        if self._error is not None:
-            raise SluiceError(f"{self.what} failed: {self._error}")
+        self._raise_failure()
 
     def result(self) -> np.ndarray:
         """The op's output (allgather, alltoall: the concatenation; allreduce, broadcast: the array)."""
         self.wait()
         assert self._result is not None
-        return self._result
-
-    def add_done_callback(self, fn: Callable[[CollectiveHandle], None]) -> None:
-        """Call fn(handle) once, when the op completes or fails (at once if it already has)."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def finish(self, result: np.ndarray | None, error: str | None = None) -> None:
-        """Complete (or fail) the op and run the callbacks on this thread; later calls do nothing."""
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._result, self._error = result, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+        result: np.ndarray = self._result
+        return result
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""Messages for a receiver that does not exist yet (a peer connected sooner), kept until it attaches."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from transport.wire import Message
+
+Receiver = Callable[[str, Message], None]
+
+
+class Mailbox:
+    """`deliver` hands a message to the attached receiver, or keeps it (payload copied: the view is only
+    valid during the transport's handler call) until `attach`, which replays what was kept, in order.
+    At most `limit` are kept; more are passed to `refuse`."""
+
+    def __init__(self, limit: int, refuse: Callable[[str, str], None]) -> None:
+        self._limit, self._refuse = limit, refuse
+        self._lock = threading.Lock()
+        self._kept: list[tuple[str, Message]] = []
+        self._target: Receiver | None = None
+
+    def deliver(self, peer: str, msg: Message) -> None:
+        target = self._target  # set once, after the replay: no lock once attached
+        if target is not None:
+            target(peer, msg)
+            return
+        with self._lock:
+            if self._target is not None:
+                self._target(peer, msg)
+            elif len(self._kept) < self._limit:
+                if msg.payload is not None:
+                    msg.payload = memoryview(bytes(msg.payload))
+                self._kept.append((peer, msg))
+            else:
+                self._refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: {self._limit} messages are "
+                                   "already kept for a receiver that has not started")
+
+    def attach(self, target: Receiver) -> None:
+        with self._lock:
+            for peer, msg in self._kept:
+                target(peer, msg)
+            self._kept.clear()
+            self._target = target
