@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch", formatter_class=_FORMATTER, epilog=help_epilog(),
-        usage="sluice launch -w N -s M [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]",
+        usage="sluice launch -w N -s M [-a K] [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]",
         help="run a job on this machine: a scheduler, M servers and N workers running COMMAND",
         description=_wrap("Runs a job on this machine: one scheduler, M servers and N workers, each worker running "
                     "COMMAND with SLUICE_* variables telling it its rank and the scheduler's address. Output of "
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("-s", "--servers", type=int, required=True, metavar="M",
                         help="number of parameter-server processes; 0: pure allreduce among the workers "
                              "(collective.mode is then ignored)")
+    launch.add_argument("-a", "--aggregators", type=int, default=0, metavar="K",
+                        help="number of aggregator processes (aggregator-0..K-1), which sum the pushes of the "
+                             "workers below them in the aggregation trees ([aggregation] settings) and forward "
+                             "one stream to the servers (default: %(default)s)")
     _add_config_options(launch)
     launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                         help="after every worker exited 0, wait this long for the scheduler and servers to "
@@ -67,12 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(config)
     config.add_argument("--json", action="store_true", help="print the sections as JSON instead")
 
-    for role, what in (("scheduler", "the rendezvous and control plane"), ("server", "one parameter server")):
+    for role, what in (("scheduler", "the rendezvous and control plane"), ("server", "one parameter server"),
+                       ("aggregator", "one aggregator of the aggregation trees")):
         commands.add_parser(
             role, formatter_class=_FORMATTER, epilog=help_epilog(),
             help=f"run {what} (started by `sluice launch`, or by hand on a cluster)",
             description=_wrap(f"Runs {what} of a job. It reads its place in the job from SLUICE_SCHEDULER, "
-                        "SLUICE_RANK, SLUICE_NUM_WORKERS, SLUICE_NUM_SERVERS and the resolved configuration "
+                        "SLUICE_RANK, SLUICE_NUM_WORKERS, SLUICE_NUM_SERVERS, SLUICE_NUM_AGGREGATORS and the "
+                        "resolved configuration "
                         "from SLUICE_CONFIG_JSON, as `sluice launch` sets them, and the job secret from the "
                         "descriptor SLUICE_SECRET_FD names (or runs unauthenticated with transport.curve = false)."
                         + (" It prints `SLUICE_SCHEDULER_READY <endpoint>` once it listens."
@@ -89,6 +95,9 @@ def _launch(args: argparse.Namespace) -> int:
     command = list(args.worker_command)
     if command[:1] == ["--"]:
         command = command[1:]
+    if args.aggregators < 0 or (args.aggregators and not args.servers):
+        return _error(f"-a {args.aggregators}: the aggregator count must be 0 or more, and aggregators need "
+                      "parameter servers (-s 1 or more)")
     if args.workers < 1 or args.servers < 0:
         return _error(f"a job needs at least one worker and no negative server count, got -w {args.workers} "
                       f"-s {args.servers}")
@@ -104,7 +113,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     try:
         return run_local_job(config, args.workers, args.servers, command,
-                             grace=args.grace, ready_timeout=args.ready_timeout)
+                             grace=args.grace, ready_timeout=args.ready_timeout, aggregators=args.aggregators)
     except KeyboardInterrupt:  # before the supervisor's own handlers were installed
         return 130
 
@@ -138,6 +147,10 @@ def _run_role(role: str) -> int:
             from scheduler.service import run_scheduler
 
             return run_scheduler(env, announce=_announce)
+        if role == "aggregator":
+            from ps.aggregator import run_aggregator
+
+            return run_aggregator(env)
         from ps.server import run_server
 
         return run_server(env)
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(args)
     if args.command == "config":
         return _show_config(args)
-    if args.command in ("scheduler", "server"):
+    if args.command in ("scheduler", "server", "aggregator"):
         return _run_role(args.command)
     parser.print_help(sys.stderr)
     return 2

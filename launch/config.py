@@ -17,8 +17,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ps.config import ServerConfig
-from scheduler.bootstrap import ENV_CONFIG, ENV_RANK, ENV_ROLE, ENV_SCHEDULER, ENV_SERVERS, ENV_WORKERS
+from scheduler.bootstrap import (
+    ENV_AGGREGATORS,
+    ENV_CONFIG,
+    ENV_RANK,
+    ENV_ROLE,
+    ENV_SCHEDULER,
+    ENV_SERVERS,
+    ENV_WORKERS,
+)
 from scheduler.config import SchedulerConfig
+from scheduler.hierarchy.config import AggregationConfig
 from transport.config import TransportConfig
 from worker.collective.config import CollectiveConfig
 from worker.config import WorkerConfig
@@ -30,10 +39,11 @@ SECTIONS: dict[str, type[Any]] = {
     "ps": ServerConfig,
     "worker": WorkerConfig,
     "collective": CollectiveConfig,
+    "aggregation": AggregationConfig,
 }
 ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
-BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_CONFIG})
+BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_AGGREGATORS, ENV_CONFIG})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 
@@ -119,6 +129,7 @@ class SluiceConfig:
     ps: ServerConfig = field(default_factory=ServerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     #: (key, where its value came from) for every key not left at its default
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 

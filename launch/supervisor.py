@@ -33,8 +33,9 @@ def _count(n: int, noun: str) -> str:
 
 class _Job:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
-                 grace: float, ready_timeout: float, out: BinaryIO, err: TextIO) -> None:
+                 grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0) -> None:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
+        self.aggregators = aggregators
         self.secret = new_secret()
         self.grace, self.ready_timeout = grace, ready_timeout
         self.sink, self.err = Sink(out), err
@@ -68,7 +69,8 @@ class _Job:
             self.complain(f"received {sig.name}; stopping the job")
 
     async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
-        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, self.config.to_sections())
+        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, self.config.to_sections(),
+                       aggregators=self.aggregators)
         env = {**self.base_env, **node.to_environ()}
         if role != "worker":  # role processes run our own module, wherever the launcher was started
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
@@ -132,9 +134,11 @@ class _Job:
                 self.complain(f"{sched.name} did not announce its endpoint within {self.ready_timeout:g} s")
             return 1
         endpoint = sched.ready.result()
+        aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
-                 f"{_count(self.workers, 'worker')}")
+                 f"{_count(self.workers, 'worker')}{aggregators}")
         plan = [("server", rank, [*role_argv, "server"]) for rank in range(self.servers)]
+        plan += [("aggregator", rank, [*role_argv, "aggregator"]) for rank in range(self.aggregators)]
         plan += [("worker", rank, self.command) for rank in range(self.workers)]
         started: list[Child] = []
         for role, rank, argv in plan:
@@ -143,7 +147,7 @@ class _Job:
             except OSError as exc:
                 self.complain(f"cannot start {role} {rank} ({shlex.join(argv)}): {exc}")
                 return 1
-        roles = [sched, *(c for c in started if c.role == "server")]
+        roles = [sched, *(c for c in started if c.role != "worker")]
         workers = [c for c in started if c.role == "worker"]
         return await self._watch(roles, workers)
 
@@ -258,17 +262,19 @@ class _Job:
 
 async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
                     grace: float = 10.0, ready_timeout: float = 60.0,
-                    out: BinaryIO | None = None, err: TextIO | None = None) -> int:
+                    out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0) -> int:
     """Runs one local job to its end; returns the launcher's exit code."""
     job = _Job(config, workers, servers, command, grace, ready_timeout,
-               out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr)
+               out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr,
+               aggregators=aggregators)
     return await job.run()
 
 
 def run_local_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
-                  grace: float = 10.0, ready_timeout: float = 60.0) -> int:
+                  grace: float = 10.0, ready_timeout: float = 60.0, aggregators: int = 0) -> int:
     """supervise() on uvloop (its subprocesses honour preexec_fn), or on asyncio's loop without it."""
-    job = supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout)
+    job = supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
+                    aggregators=aggregators)
     try:
         import uvloop
     except ImportError:

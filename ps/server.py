@@ -76,6 +76,7 @@ class Server:
         """On the I/O thread, before anything else: workers may probe this server the moment they are admitted."""
         self.store.node_id = self.control.node_id
         self.store.worker_ids = {p.node_id: (p.name, p.rank) for p in self.control.peers if p.role == "worker"}
+        self.store.aggregator_ids = {p.node_id: p.name for p in self.control.peers if p.role == "aggregator"}
 
     def _on_control(self, msg: Message) -> None:
         if msg.kind == Kind.PLAN:

@@ -4,17 +4,15 @@
 server protocol is testable with plain arrays. Arithmetic is numpy, in place; bfloat16 is summed
 and updated in float32 and rounded back to nearest-even.
 
-A round's floating-point sum is taken in worker rank order, whatever order the pushes arrive in:
-float addition is not associative, so summing in arrival order would change the parameters bit by
-bit from run to run with 3 or more workers (issue 7 asks for bitwise-identical runs with the same
-seeds). The sum is ((w0 + w1) + w2) + ... : a push is added at once when it is next in that order
-(ranks 0 and 1 always are, since a + b == b + a, bit for bit); any other is copied aside and added
-when the gap before it fills. So only an out-of-order arrival costs a copy, and at most workers - 2
-copies of a chunk are held at once.
+A round's floating-point sum is taken in worker rank order, whatever order the pushes arrive in
+(ps/ranked_sum.py). A push comes from a worker (its own rank) or from an aggregator (the sum of the
+ranks in its subtree, listed in the push's meta `ranks`); the round completes when every worker's
+rank is in.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,23 +21,13 @@ from typing import Any
 import numpy as np
 
 from ps.optim import Optimizer, make_optimizer
+from ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
 from transport.dtypes import STORAGE
 from transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief
 
+__all__ = ["FLOAT_DTYPES", "Reply", "ShardStore", "bf16_to_f32", "f32_to_bf16", "push_ranks"]
+
 Reply = tuple[str, int, Message]  # (peer, channel, message)
-#: dtypes an optimizer can update (numpy refuses to write its float steps into integer arrays)
-FLOAT_DTYPES = frozenset(("float32", "float64", "float16", "bfloat16"))
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
-    bits = values.view(np.uint32)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    np.right_shift(rounded, 16, out=rounded)
-    out[...] = rounded
 
 
 @dataclass
@@ -57,16 +45,13 @@ class Chunk:
     name: str
     dtype: str
     value: np.ndarray
-    accum: np.ndarray
+    sum: RankedSum
     optimizer: Optimizer | None = None
     opt_state: dict[str, Any] = field(default_factory=dict)
     round: int = 0
+    #: ranks of this round's pushes so far (summed, or stashed until their turn)
     pushed: set[int] = field(default_factory=set)
     round_started: float = 0.0
-    #: how many pushes of this round are in `accum`: ranks 0..summed-1 (1: rank 0 or rank 1 alone)
-    summed: int = 0
-    #: pushes of this round that arrived before a lower rank's, copied (rank -> storage-dtype array)
-    stash: dict[int, np.ndarray] = field(default_factory=dict)
     waiting: list[Waiter] = field(default_factory=list)
     bcast: np.ndarray | None = None
     bcast_version: int = 0
@@ -132,9 +117,9 @@ class ShardStore:
         self.departure_order: list[int] = []  # the first to leave is the likely cause; name it first
         #: called once, with the first worker to leave and the error, when a round is first found orphaned
         self.on_first_orphan: Callable[[int, str], None] | None = None
-        #: free stash buffers by (dtype, length), reused round after round so that an out-of-order push
-        #: costs a copy and no allocation; they total at most the peak of pushes stashed at once
-        self._spare: dict[tuple[str, int], list[np.ndarray]] = {}
+        #: aggregator node id -> its transport peer name: their pushes carry the ranks they sum
+        self.aggregator_ids: dict[int, str] = {}
+        self._spare = SparePool()
 
     def add_plan(self, tensors: list[Any]) -> None:
         """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]; a
@@ -148,18 +133,21 @@ class ShardStore:
                 self.chunks[(key, chunk)] = Chunk(
                     key, chunk, name, dtype,
                     value=self._alloc(length, storage),
-                    accum=self._alloc(length, compute),
+                    sum=RankedSum(self._alloc(length, compute), dtype),
                     optimizer=optimizer,
                 )
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
-        rank = self._worker_rank(peer, msg.sender)
+        if self.aggregator_ids.get(msg.sender) == peer and msg.kind == Kind.PUSH:
+            ranks = push_ranks(msg, self.workers)
+        else:
+            ranks = (self._worker_rank(peer, msg.sender),)
         chunk = self.chunks.get((msg.key, msg.chunk))
         if chunk is None:
             raise WireError(f"unknown key {msg.key} chunk {msg.chunk}")
         if msg.kind == Kind.PUSH:
-            return self._push(chunk, rank, peer, channel, msg)
+            return self._push(chunk, ranks, peer, channel, msg)
         if msg.kind == Kind.PULL:
             return self._pull(chunk, Waiter(peer, channel, msg.round, msg.priority))
         if msg.kind == Kind.BCAST_PUSH:
@@ -189,25 +177,28 @@ class ShardStore:
             )
         return np.frombuffer(msg.payload, STORAGE[chunk.dtype])
 
-    def _push(self, chunk: Chunk, rank: int, peer: str, channel: int, msg: Message) -> list[Reply]:
+    def _push(self, chunk: Chunk, ranks: tuple[int, ...], peer: str, channel: int, msg: Message) -> list[Reply]:
         data = self._payload(chunk, msg)
         optimizer = chunk.optimizer
         if msg.meta and "opt" in msg.meta:
             optimizer = _optimizer(msg.meta["opt"], chunk.dtype, chunk.describe())
         if not self.sync and optimizer is not None:
+            if len(ranks) > 1:
+                raise WireError(f"{chunk.describe()} is updated asynchronously: it takes no aggregated pushes")
             chunk.optimizer = optimizer
             return self._apply_async(chunk, data, Waiter(peer, channel, msg.round, msg.priority), msg.flags)
         if msg.round != chunk.round + 1:
             raise WireError(f"push for round {msg.round} of {chunk.describe()}, which is at round {chunk.round}")
-        if rank in chunk.pushed:
-            raise WireError(f"worker {rank} pushed {chunk.describe()} twice in round {msg.round}")
+        twice = chunk.pushed.intersection(ranks)
+        if twice:
+            raise WireError(f"worker {min(twice)} pushed {chunk.describe()} twice in round {msg.round}")
         if not self.departed <= chunk.pushed:
             return [(peer, channel, self._orphaned(chunk, msg.round, msg.priority))]
         chunk.optimizer = optimizer  # only a push that is taken may change the settings
         if not chunk.pushed:
             chunk.round_started = time.monotonic()
-        self._take(chunk, rank, data)
-        chunk.pushed.add(rank)
+        chunk.sum.take(ranks, data, self._spare)
+        chunk.pushed.update(ranks)
         replies: list[Reply] = []
         if msg.flags & Flag.WANT_REPLY:
             chunk.waiting.append(Waiter(peer, channel, msg.round, msg.priority))
@@ -218,44 +209,19 @@ class ShardStore:
             replies += self._serve(chunk)
         return replies
 
-    def _take(self, chunk: Chunk, rank: int, data: np.ndarray) -> None:
-        """Add worker `rank`'s push to the round's sum in rank order, or stash a copy until it is next."""
-        if rank >= 2 and chunk.summed != rank and chunk.dtype in FLOAT_DTYPES:
-            # a copy, not a reference: the payload's memory (a ring slot, a frame) is the sender's
-            # again once the handler returns. Integer sums need no order: integer addition is associative.
-            spare = self._spare.get((chunk.dtype, data.size))
-            stashed = spare.pop() if spare else np.empty_like(data)
-            np.copyto(stashed, data)
-            chunk.stash[rank] = stashed
-            return
-        self._add(chunk, rank, data)
-        while chunk.summed in chunk.stash:  # the gap is filled: add what waited behind it, in order
-            stashed = chunk.stash.pop(chunk.summed)
-            self._add(chunk, chunk.summed, stashed)
-            self._spare.setdefault((chunk.dtype, stashed.size), []).append(stashed)
-
-    def _add(self, chunk: Chunk, rank: int, data: np.ndarray) -> None:
-        wide = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data
-        if chunk.summed == 0:
-            np.copyto(chunk.accum, wide)
-        elif rank == 0 and chunk.summed == 1:  # rank 1 came first: still w0 + w1, operands in that order,
-            np.add(wide, chunk.accum, out=chunk.accum)  # so even the payload of a NaN is the same each run
-        else:
-            chunk.accum += wide
-        chunk.summed += 1
-
     def _complete(self, chunk: Chunk) -> None:
+        total = chunk.sum
         if chunk.optimizer is None:
             if chunk.dtype == "bfloat16":
-                f32_to_bf16(chunk.accum, chunk.value)
+                f32_to_bf16(total.accum, chunk.value)
             else:  # swap: the old value's replies have all been received by now (see docs/architecture.md)
-                chunk.value, chunk.accum = chunk.accum, chunk.value
+                chunk.value, total.accum = total.accum, chunk.value
         else:
-            chunk.accum *= np.asarray(1.0 / self.workers, chunk.accum.dtype)
-            self._step(chunk, chunk.accum)
+            total.accum *= np.asarray(1.0 / self.workers, total.accum.dtype)
+            self._step(chunk, total.accum)
         chunk.round += 1
         chunk.pushed.clear()
-        chunk.summed = 0  # every rank pushed, so every stashed push has been added: the stash is empty
+        total.clear()
 
     def _step(self, chunk: Chunk, grad: np.ndarray) -> None:
         assert chunk.optimizer is not None
@@ -360,3 +326,13 @@ class ShardStore:
             for c in self.chunks.values()
             if c.pushed and now - c.round_started > limit
         ]
+
+
+def push_ranks(msg: Message, workers: int) -> tuple[int, ...]:
+    """The worker ranks an aggregator's push sums (its meta `ranks`: sorted, distinct, in range), or WireError."""
+    ranks = msg.meta.get("ranks") if msg.meta else None
+    if (type(ranks) is not list or not ranks or len(ranks) > workers
+            or not all(type(r) is int and 0 <= r < workers for r in ranks)
+            or any(a >= b for a, b in itertools.pairwise(ranks))):
+        raise WireError(f"an aggregated push must list the sorted, distinct worker ranks it sums, got {brief(ranks)}")
+    return tuple(ranks)

@@ -24,6 +24,7 @@ ENV_ROLE = "SLUICE_ROLE"
 ENV_RANK = "SLUICE_RANK"
 ENV_WORKERS = "SLUICE_NUM_WORKERS"
 ENV_SERVERS = "SLUICE_NUM_SERVERS"
+ENV_AGGREGATORS = "SLUICE_NUM_AGGREGATORS"
 ENV_CONFIG = "SLUICE_CONFIG_JSON"
 ENV_SECRET_FD = "SLUICE_SECRET_FD"
 SECRET_BYTES = 32
@@ -71,9 +72,10 @@ def node_name(role: str, rank: int) -> str:
     return role if role == "scheduler" else f"{role}-{rank}"
 
 
-def member_names(workers: int, servers: int) -> list[str]:
+def member_names(workers: int, servers: int, aggregators: int = 0) -> list[str]:
     return ["scheduler", *(node_name("server", r) for r in range(servers)),
-            *(node_name("worker", r) for r in range(workers))]
+            *(node_name("worker", r) for r in range(workers)),
+            *(node_name("aggregator", r) for r in range(aggregators))]
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class NodeEnv:
     config: dict[str, Any]
     #: the job secret (empty: none given); never printed, never in to_environ()
     secret: bytes = field(default=b"", repr=False, compare=False)
+    #: aggregator processes of the job (sum the pushes of a rack and forward one stream up: ps/aggregator.py)
+    aggregators: int = 0
 
     def to_environ(self) -> dict[str, str]:
         return {
@@ -95,6 +99,7 @@ class NodeEnv:
             ENV_RANK: str(self.rank),
             ENV_WORKERS: str(self.workers),
             ENV_SERVERS: str(self.servers),
+            ENV_AGGREGATORS: str(self.aggregators),
             ENV_CONFIG: json.dumps(self.config, sort_keys=True),
         }
 
@@ -116,7 +121,7 @@ class NodeEnv:
     @property
     def members(self) -> list[str]:
         """The names of every process of this job."""
-        return member_names(self.workers, self.servers)
+        return member_names(self.workers, self.servers, self.aggregators)
 
     def job_keys(self) -> JobKeys | None:
         """The job's CURVE keys; None when transport.curve is off. Refuses to run unauthenticated by accident."""
@@ -130,7 +135,7 @@ class NodeEnv:
             )
         if self.role != "scheduler" and self.rank < 0:
             raise SluiceError(f"{ENV_RANK} must be set for a {self.role} when transport.curve is on")
-        return JobKeys(self.secret, member_names(self.workers, self.servers))
+        return JobKeys(self.secret, self.members)
 
     def fingerprint(self) -> str:
         """Identifies the job-wide settings, so the scheduler can refuse a node configured differently.
@@ -157,6 +162,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:
             rank=int(env.get(ENV_RANK, "-1")),
             workers=int(env.get(ENV_WORKERS, "0")),
             servers=int(env.get(ENV_SERVERS, "0")),
+            aggregators=int(env.get(ENV_AGGREGATORS, "0")),
             config=config if isinstance(config, dict) else {},
             secret=secret,
         )

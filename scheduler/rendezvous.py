@@ -14,12 +14,14 @@ from typing import Any
 from scheduler.bootstrap import node_name
 from scheduler.calibration import Limits, agree
 from scheduler.config import SchedulerConfig
+from scheduler.hierarchy.routes import Route, check_trees
+from scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from scheduler.partition import TensorPlan, TensorSpec, plan_tensors
 from transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from transport.wire import DTYPES, Kind, Message, WireError, brief, meta_field
 
 Out = tuple[str, Message]
-ROLES = ("server", "worker")
+ROLES = ("server", "worker", "aggregator")
 #: dimensions of a declared tensor (the bound keeps error messages and size arithmetic small)
 MAX_TENSOR_DIMS = 64
 #: chunks one declaration may be cut into: its PLANs (about 17 bytes a chunk) must fit CONTROL_HEADER_BYTES
@@ -46,7 +48,9 @@ class _Declaration:
     by_rank: dict[int, list[Any]] = field(default_factory=dict)
     proposals: dict[int, Limits] = field(default_factory=dict)
     plans: list[TensorPlan] = field(default_factory=list)
-    acks: set[int] = field(default_factory=set)
+    #: the plan as workers get it: [[key, name, shape, dtype, priority, [[chunk, offset, length, server]]]]
+    table: list[Any] = field(default_factory=list)
+    acks: set[str] = field(default_factory=set)
 
 
 def parse_limits(raw: object) -> Limits:
@@ -112,8 +116,11 @@ class Rendezvous:
         now: float,
         inflight_bytes: int = 0,
         bind_names: bool = True,
+        aggregators: int = 0,
     ) -> None:
-        self.workers, self.servers, self.config = workers, servers, config
+        self.workers, self.servers, self.aggregators, self.config = workers, servers, aggregators, config
+        #: the switch to new aggregation trees between rounds (scheduler/hierarchy/switch.py)
+        self.switch = RouteSwitch()
         #: as configured; 0: the workers' calibrations decide (at the first declaration)
         self.chunk_bytes, self.inflight_bytes = chunk_bytes, inflight_bytes
         self.limits: Limits | None = None
@@ -165,8 +172,11 @@ class Rendezvous:
             return [(peer, self._msg(Kind.HEARTBEAT_ACK))]
         if msg.kind == Kind.DECLARE and node.role == "worker":
             return self._on_declare(node, msg)
-        if msg.kind == Kind.PLAN_ACK and node.role == "server":
+        if msg.kind == Kind.PLAN_ACK and node.role in ("server", "aggregator"):
             return self._on_plan_ack(node, msg)
+        if msg.kind == Kind.ROUTES_ACK and node.role in ("worker", "aggregator"):
+            rounds = parse_rounds((msg.meta or {}).get("rounds", []))
+            return self.switch.on_ack(node.name, node.role, meta_field(msg, "epoch", int), rounds)
         if msg.kind == Kind.BARRIER and node.role == "worker":
             return self._on_barrier(node, msg)
         if msg.kind == Kind.BYE:
@@ -176,10 +186,11 @@ class Rendezvous:
     def on_tick(self, now: float) -> list[Out]:
         if self.phase == "registering" and now - self.started > self.config.rendezvous_timeout:
             counts = {r: len([n for n in self.nodes.values() if n.role == r]) for r in ROLES}
+            aggregators = f", {counts['aggregator']} of {self.aggregators} aggregators" if self.aggregators else ""
             return self._fail(
                 f"rendezvous timed out after {self.config.rendezvous_timeout:.0f} s: "
                 f"{counts['worker']} of {self.workers} workers and {counts['server']} of "
-                f"{self.servers} servers registered"
+                f"{self.servers} servers{aggregators} registered"
             )
         if self.phase == "running":
             for name, seen in self.last_seen.items():
@@ -206,19 +217,19 @@ class Rendezvous:
         endpoints = meta_field(msg, "endpoints", list)
         if not all(isinstance(e, str) for e in endpoints) or (role == "server" and not endpoints):
             raise WireError("REGISTER endpoints must be a list of strings (non-empty for a server)")
-        wanted = self.workers if role == "worker" else self.servers
+        wanted = {"worker": self.workers, "server": self.servers, "aggregator": self.aggregators}[role]
         if len(self._of_role(role)) >= wanted:
             return [(peer, self._msg(Kind.ERROR, error=f"the job already has {wanted} {role}s"))]
         self.nodes[peer] = Node(
             peer, role, rank_hint, endpoints, meta_field(msg, "pid", int), len(self.nodes)
         )
-        if len(self.nodes) < self.workers + self.servers:
+        if len(self.nodes) < self.workers + self.servers + self.aggregators:
             return []
         return self._assign(now)
 
     def _assign(self, now: float) -> list[Out]:
         next_id = 1
-        for role in ("server", "worker"):
+        for role in ("server", "worker", "aggregator"):
             members = [n for n in self.nodes.values() if n.role == role]
             hinted = sorted(n.rank_hint for n in members if n.rank_hint >= 0)
             if len(set(hinted)) != len(hinted) or any(r >= len(members) for r in hinted):
@@ -231,10 +242,18 @@ class Rendezvous:
         self.phase = "running"
         self.last_seen = dict.fromkeys(self.nodes, now)
         book = [[n.node_id, n.role, n.rank, n.name, n.endpoints] for n in self.nodes.values()]
-        return [
+        welcomes = [
             (n.name, self._msg(Kind.WELCOME, node_id=n.node_id, rank=n.rank, role=n.role, nodes=book))
             for n in self.nodes.values()
         ]
+        names = {role: [n.name for n in self._of_role(role)] for role in ROLES}
+        return welcomes + self.switch.start(names["worker"], names["aggregator"])
+
+    def propose_routes(self, trees: list[Route]) -> list[Out]:
+        """Switch the job to new aggregation trees between rounds (ValueError if they do not fit the job)."""
+        check_trees(trees, [node_name("worker", r) for r in range(self.workers)],
+                    [node_name("aggregator", r) for r in range(self.aggregators)])
+        return self.switch.propose(trees) if self.phase in ("registering", "running") else []
 
     def _on_declare(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)
@@ -283,6 +302,14 @@ class Rendezvous:
                 for p in plans
             ]
             outs.append((server.name, self._msg(Kind.PLAN, seq=seq, tensors=shard, limits=limits.as_list())))
+        decl.table = [
+            [p.key, p.spec.name, list(p.spec.shape), p.spec.dtype, p.priority,
+             [[c.chunk, c.offset, c.length, c.server] for c in p.chunks]]
+            for p in decl.plans
+        ]
+        # aggregators learn every chunk (its size and server) before any worker may push one to them
+        outs += [(a.name, self._msg(Kind.PLAN, seq=seq, tensors=decl.table, limits=limits.as_list()))
+                 for a in self._of_role("aggregator")]
         return outs
 
     def _settle_limits(self, decl: _Declaration) -> Limits:
@@ -305,14 +332,10 @@ class Rendezvous:
         decl = self._declarations.get(seq)
         if decl is None or len(decl.by_rank) < self.workers:  # not yet planned: no server has been sent it
             raise WireError(f"PLAN_ACK for unknown declaration {seq}")
-        decl.acks.add(node.rank)
-        if len(decl.acks) < self.servers:
+        decl.acks.add(node.name)
+        if len(decl.acks) < self.servers + self.aggregators:
             return []
-        table = [
-            [p.key, p.spec.name, list(p.spec.shape), p.spec.dtype, p.priority,
-             [[c.chunk, c.offset, c.length, c.server] for c in p.chunks]]
-            for p in decl.plans
-        ]
+        table = decl.table
         del self._declarations[seq]
         limits = (self.limits or Limits(DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES)).as_list()
         return [
@@ -330,10 +353,11 @@ class Rendezvous:
 
     def _on_bye(self, node: Node) -> list[Out]:
         self.byes.add(node.name)
+        serving = self._of_role("server") + self._of_role("aggregator")
         if not all(w.name in self.byes for w in self._of_role("worker")):
             if node.role != "worker":
                 return []
-            # servers fail at once any round that now waits for this worker, instead of stalling
-            return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in self._of_role("server")]
+            # servers and aggregators fail at once any round that now waits for this worker, instead of stalling
+            return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in serving] + self.switch.gone(node.name)
         self.phase, self.exit_code = "done", 0
-        return [(s.name, self._msg(Kind.SHUTDOWN)) for s in self._of_role("server")]
+        return [(s.name, self._msg(Kind.SHUTDOWN)) for s in serving]

@@ -11,6 +11,8 @@ from dataclasses import replace
 from scheduler import culprit
 from scheduler.bootstrap import NodeEnv
 from scheduler.config import SchedulerConfig
+from scheduler.hierarchy.config import AggregationConfig
+from scheduler.hierarchy.manager import tree_source
 from scheduler.rendezvous import Out, Rendezvous
 from transport.base import Transport, open_transport
 from transport.rejects import Rejections
@@ -50,10 +52,18 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     rejects = Rejections(log)
     machine = Rendezvous(
         env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),
-        inflight_bytes=data_settings.inflight_bytes,
+        inflight_bytes=data_settings.inflight_bytes, aggregators=env.aggregators,
     )
+    trees = tree_source(AggregationConfig(**env.section("aggregation")), time.monotonic())
+    if trees is not None:
+        try:
+            machine.propose_routes(trees.due(time.monotonic()) or [])
+        except ValueError as exc:
+            transport.close()
+            log.error("aggregation.trees do not fit this job: %s", exc)
+            return 1
     announce(transport.listen()[0])
-    log.info("waiting for %d servers and %d workers", env.servers, env.workers)
+    log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)
 
     def send(outs: list[Out]) -> None:
         for peer, msg in outs:
@@ -84,6 +94,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             rejects.tick(now)
             if now >= next_tick:
                 outs = machine.on_tick(now)
+                due = trees.due(now) if trees is not None and machine.phase == "running" else None
+                if due is not None:
+                    outs += machine.propose_routes(due)
                 if machine.lost is not None:  # named before NODE_LOST makes everyone else fail too
                     lost = machine.lost
                     culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)

@@ -28,6 +28,12 @@ def _server_main(env: NodeEnv) -> None:
     os._exit(run_server(env))
 
 
+def _aggregator_main(env: NodeEnv) -> None:
+    from ps.aggregator import run_aggregator
+
+    os._exit(run_aggregator(env))
+
+
 def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     os.environ.update(env.to_environ())
     os.environ[ENV_SECRET_FD] = str(secret_pipe(env.secret))  # as the launcher hands it over
@@ -48,13 +54,13 @@ def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], re
 class LocalCluster:
     """Scheduler and servers start in the constructor; `run` forks workers running `fn(*args)`."""
 
-    def __init__(self, workers: int, servers: int, config: dict[str, Any] | None = None) -> None:
-        self.workers, self.servers = workers, servers
+    def __init__(self, workers: int, servers: int, config: dict[str, Any] | None = None, aggregators: int = 0) -> None:
+        self.workers, self.servers, self.aggregators = workers, servers, aggregators
         self.config = config or {}
         self.secret = new_secret()
         self.processes: list[Any] = []
         announce = _ctx.Queue()
-        base = NodeEnv("", "scheduler", 0, workers, servers, self.config, self.secret)
+        base = NodeEnv("", "scheduler", 0, workers, servers, self.config, self.secret, aggregators)
         self._start(_scheduler_main, base, announce)
         try:
             self.endpoint = str(announce.get(timeout=30))
@@ -63,9 +69,13 @@ class LocalCluster:
             raise RuntimeError("the scheduler did not report its endpoint within 30 s") from None
         for rank in range(servers):
             self._start(_server_main, self.env("server", rank))
+        #: aggregator processes by rank (a test may kill one)
+        self.aggregator_processes = [self._start(_aggregator_main, self.env("aggregator", rank))
+                                     for rank in range(aggregators)]
 
     def env(self, role: str, rank: int) -> NodeEnv:
-        return NodeEnv(self.endpoint, role, rank, self.workers, self.servers, self.config, self.secret)
+        return NodeEnv(self.endpoint, role, rank, self.workers, self.servers, self.config, self.secret,
+                       self.aggregators)
 
     def _start(self, target: Callable[..., None], *args: Any) -> Any:
         process = _ctx.Process(target=target, args=args, daemon=True)

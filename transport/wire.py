@@ -84,6 +84,11 @@ class Kind(IntEnum):
     BYE = 10
     SHUTDOWN = 11
     PLAN_ACK = 12
+    #: aggregation trees of a new routing epoch (scheduler -> aggregators and workers), and the
+    #: receivers' acknowledgements; COMMIT tells workers from which round of each tensor it applies
+    ROUTES = 13
+    ROUTES_ACK = 14
+    COMMIT = 15
     PUSH = 20
     PULL = 21
     REPLY = 22

@@ -21,16 +21,19 @@ from scheduler.bootstrap import NodeEnv, from_environ
 from scheduler.calibration import Limits
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
+from scheduler.hierarchy.routes import parse_routing
+from scheduler.hierarchy.switch import parse_rounds
 from scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo
 from transport.base import open_transport
 from transport.config import LOCAL_ENDPOINTS
 from transport.dtypes import STORAGE
-from transport.wire import Flag, Kind, Message
+from transport.wire import Flag, Kind, Message, WireError, meta_field
 from worker.calibrate import Calibrator
 from worker.collective.config import CollectiveConfig
 from worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 from worker.collective.mailbox import Mailbox
 from worker.handle import Handle
+from worker.routing import Router
 
 log = logging.getLogger("sluice.worker")
 
@@ -76,10 +79,16 @@ class Client:
         self.collectives: CollectiveEngine | None = None
         #: collective messages from workers that were welcomed (and dialled us) before we were (I/O thread)
         self._before_welcome = Mailbox(EARLY_COLLECTIVE, lambda peer, text: self.transport.refuse(peer, text))
+        #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
+        #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
+        self._router = Router(self.env.name)
+        self._held: list[tuple[_Tensor, list[tuple[int, Message]]]] = []
+        self._reply_ids: set[int] = set()
+        self._aggregator_endpoints: dict[str, tuple[str, ...]] = {}
         self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
                                         members=self.env.members)
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal,
-                                     on_welcome=self._start_collectives)
+                                     on_welcome=self._start_collectives, on_message=self._on_control)
         self.control.register("worker", self.transport.listen())
         self.rank = self.control.rank
         self.size = self.env.workers
@@ -88,6 +97,8 @@ class Client:
         servers = sorted((p for p in self.control.peers if p.role == "server"), key=lambda p: p.rank)
         self._server_names: list[str] = [p.name for p in servers]
         self._server_ids: set[int] = {p.node_id for p in servers}
+        #: who may answer a push: the servers, and the aggregators of the trees
+        self._reply_ids |= self._server_ids
         for peer in servers:
             self.transport.connect(peer.name, peer.endpoints)
         self._servers_local: bool = all(e.startswith(LOCAL_ENDPOINTS) for p in servers for e in p.endpoints)
@@ -111,6 +122,9 @@ class Client:
     def _start_collectives(self) -> None:
         """On the I/O thread, as the address book arrives and before any later message is handled: a
         faster worker may send coordinator messages at once."""
+        aggregators = [p for p in self.control.peers if p.role == "aggregator"]  # ROUTES may come next
+        self._reply_ids |= {p.node_id for p in aggregators}
+        self._aggregator_endpoints.update((p.name, p.endpoints) for p in aggregators)
         workers = self._workers()
         names = [p.name for p in workers]
         hosts = [endpoint_host(p.endpoints) for p in workers]
@@ -152,15 +166,20 @@ class Client:
             self.transport.set_inflight(limits.inflight_bytes)
         levels = max(len(plan), 1)
         try:
+            new = {}
             for key, name, shape, dtype, priority, chunks in plan:
-                if name in self._tensors:
-                    continue
-                self._tensors[name] = _Tensor(
-                    key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
-                    [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
-                )
-        except (TypeError, ValueError) as exc:  # the scheduler is authenticated, but still not trusted blindly
+                if name not in self._tensors:
+                    new[name] = _Tensor(
+                        key, name, tuple(shape), dtype, priority, self.settings.channel_for(priority, levels),
+                        [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
+                    )
+            sizes = [(t.key, c, n * np.dtype(STORAGE[t.dtype]).itemsize)
+                     for t in new.values() for c, _, n, _ in t.chunks]
+        except (TypeError, ValueError, KeyError) as exc:  # the scheduler is authenticated, but not trusted blindly
             raise SluiceError(f"malformed PLAN from the scheduler: {type(exc).__name__}") from None
+        with self._lock:  # the I/O thread reads both when a switch of the aggregation trees begins
+            self._tensors.update(new)
+            self._router.declare(sizes)
 
     def set_priorities(self, priorities: dict[str, int]) -> None:
         """Give declared tensors new priorities (0 most urgent) and the channels that carry them.
@@ -243,17 +262,39 @@ class Client:
         tensor = self._tensor(name)
         flat = self._flat(tensor, data, writable=False)
         target = self._flat(tensor, out, writable=True) if out is not None else None
-        tensor.round += 1
         meta = None
         if opt is not None and opt != tensor.opt_sent:
             meta, tensor.opt_sent = {"opt": opt}, dict(opt)
         verb = "push_pull" if want_reply else "push"
-        handle = self._start(tensor, Kind.REPLY, tensor.round, f"{verb} of {name!r} round {tensor.round}", target)
-        for chunk, offset, length, server in tensor.chunks:
-            msg = self._data_message(Kind.PUSH, tensor, chunk, tensor.round, flat[offset : offset + length])
-            msg.flags, msg.meta = (Flag.WANT_REPLY if want_reply else Flag.NONE), meta
-            self._send(tensor, server, msg)
+        pushes = []
+        with self._lock:  # the round, and whether a switch of the trees holds it, agree with the I/O thread
+            tensor.round += 1
+            round_ = tensor.round
+            handle = self._register(tensor, Kind.REPLY, round_, f"{verb} of {name!r} round {round_}", target)
+            for chunk, offset, length, server in tensor.chunks:
+                msg = self._data_message(Kind.PUSH, tensor, chunk, round_, flat[offset : offset + length])
+                msg.flags, msg.meta = (Flag.WANT_REPLY if want_reply else Flag.NONE), meta
+                pushes.append((server, msg))
+            if self._router.holding:
+                self._held.append((tensor, pushes))
+                return handle
+        self._send_pushes(tensor, pushes, handle)
         return handle
+
+    def _send_pushes(self, tensor: _Tensor, pushes: list[tuple[int, Message]], handle: Handle | None) -> None:
+        """Each chunk to its server, or to its parent aggregator in the tree its round takes."""
+        with self._lock:
+            routes = [self._router.route(tensor.key, msg.chunk, msg.round) for _, msg in pushes]
+        for (server, msg), route in zip(pushes, routes, strict=True):
+            if route is None:
+                self._send(tensor, server, msg)
+                continue
+            epoch, tree, parent = route
+            msg.meta = {**(msg.meta or {}), "route": [epoch, tree]}
+            msg.sender, msg.priority = self.control.node_id, tensor.priority
+            if handle is not None:
+                handle.via(msg.chunk, parent.replace("-", " "))
+            self.transport.send(parent, tensor.channel, msg)
 
     def _tensor(self, name: str) -> _Tensor:
         if self._failure is not None:
@@ -275,14 +316,16 @@ class Client:
         return array.reshape(-1)
 
     def _start(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None) -> Handle:
+        with self._lock:
+            return self._register(tensor, kind, round_, what, out)
+
+    def _register(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None) -> Handle:
+        """A handle for one operation on every chunk, its replies awaited (call with _lock held)."""
         owners = {c: f"server {s}" for c, _, _, s in tensor.chunks}
         handle = Handle(what, owners, self.control_settings.op_timeout)
-        with self._lock:
-            for chunk, offset, length, _ in tensor.chunks:
-                view = out[offset : offset + length] if out is not None else None
-                self._pending.setdefault((kind, tensor.key, chunk, round_), deque()).append(
-                    _Op(handle, view, tensor.dtype)
-                )
+        for chunk, offset, length, _ in tensor.chunks:
+            view = out[offset : offset + length] if out is not None else None
+            self._pending.setdefault((kind, tensor.key, chunk, round_), deque()).append(_Op(handle, view, tensor.dtype))
         return handle
 
     def _data_message(self, kind: Kind, tensor: _Tensor, chunk: int, round_: int, view: np.ndarray) -> Message:
@@ -309,7 +352,7 @@ class Client:
         if msg.kind == Kind.PROBE_REPLY and calibrator is not None and msg.sender in self._server_ids:
             calibrator.on_reply(msg)
             return
-        if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY, Kind.ERROR) or msg.sender not in self._server_ids:
+        if msg.kind not in (Kind.REPLY, Kind.BCAST_REPLY, Kind.ERROR) or msg.sender not in self._reply_ids:
             self.transport.refuse(peer, f"dropped unexpected {msg.kind.name} from {peer!r:.60}")
             return
         if msg.kind == Kind.ERROR:
@@ -330,6 +373,26 @@ class Client:
                 return
             np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
         op.handle._part_done(msg.chunk)
+
+    def _on_control(self, msg: Message) -> None:
+        """The scheduler's switch to new aggregation trees (scheduler/hierarchy/switch.py), on the I/O thread."""
+        if msg.kind == Kind.ROUTES:
+            routing = parse_routing(meta_field(msg, "routes", list))
+            with self._lock:
+                self._router.begin(routing, set(self._aggregator_endpoints))
+                started = [[t.key, t.round] for t in self._tensors.values() if t.round > 0]
+            self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch, rounds=started)
+        elif msg.kind == Kind.COMMIT:
+            epoch, rounds = meta_field(msg, "epoch", int), parse_rounds(meta_field(msg, "rounds", list))
+            with self._lock:
+                parents = self._router.commit(epoch, rounds)
+                held, self._held = self._held, []
+            for parent in parents:  # a no-op for aggregators connected in an earlier epoch
+                self.transport.connect(parent, self._aggregator_endpoints[parent])
+            for tensor, pushes in held:
+                self._send_pushes(tensor, pushes, None)
+        else:
+            raise WireError(f"unexpected {msg.kind.name} from the scheduler")
 
     def _fail_round(self, msg: Message) -> None:
         """A server says a round can never complete: fail whatever waits for it, with its words."""

@@ -36,6 +36,10 @@ class Handle:
         if self._error is not None:
             raise SluiceError(f"{self.what} failed: {self._error}")
 
+    def via(self, chunk: int, aggregator: str) -> None:
+        """Chunk `chunk` went up an aggregation tree through `aggregator`: name it if it never answers."""
+        self._servers[chunk] = f"{aggregator} (for {self._servers[chunk]})"
+
     def _part_done(self, chunk: int) -> None:
         with self._lock:
             self._remaining.discard(chunk)

@@ -148,7 +148,7 @@ dtypes = st.sampled_from([*DTYPES, "complex64"]) | anything
 chunk_lists = st.lists(st.tuples(edge_ints, edge_ints).map(list) | anything, max_size=3) | anything
 plan_entry = st.tuples(edge_ints | anything, names, dtypes, opt, chunk_lists).map(list)
 plans = mutants(PLAN_TEMPLATE) | st.lists(plan_entry | anything, max_size=3) | anything
-store_ops = st.tuples(st.just("handle"), st.sampled_from(["w0", "w1", "x"]), st.integers(0, 2), data_frames()) \
+store_ops = st.tuples(st.just("handle"), st.sampled_from(["w0", "w1", "a0", "x"]), st.integers(0, 2), data_frames()) \
     | st.tuples(st.just("plan"), plans) | st.tuples(st.just("left"), edge_ints)
 
 
@@ -156,15 +156,16 @@ store_ops = st.tuples(st.just("handle"), st.sampled_from(["w0", "w1", "x"]), st.
 def new_store() -> ShardStore:
     shard = ShardStore(node_id=1, workers=2, sync=True)
     shard.worker_ids = {10: ("w0", 0), 11: ("w1", 1)}
+    shard.aggregator_ids = {12: "a0"}
     shard.add_plan([[3, "fc.weight", "float32", None, [[0, 4]]], [4, "steps", "int32", None, [[0, 2]]]])
     return shard
 
 
 def store_state(shard: ShardStore) -> Any:
     chunks = {
-        at: (c.name, c.dtype, c.round, sorted(c.pushed), c.value.tobytes(), c.accum.tobytes(), c.optimizer,
-             len(c.waiting), len(c.bcast_waiting), c.bcast_version, c.summed,
-             {rank: data.tobytes() for rank, data in c.stash.items()})
+        at: (c.name, c.dtype, c.round, sorted(c.pushed), c.value.tobytes(), c.sum.accum.tobytes(), c.optimizer,
+             len(c.waiting), len(c.bcast_waiting), c.bcast_version, sorted(c.sum.covered), c.sum.low, c.sum.first,
+             {rank: (list(ranks), data.tobytes()) for rank, (ranks, data) in c.sum.stash.items()})
         for at, c in shard.chunks.items()
     }
     return chunks, sorted(shard.departed), list(shard.departure_order)

@@ -182,7 +182,7 @@ def test_the_sum_is_the_same_bits_in_every_arrival_order() -> None:
         assert len(replies) == 4, order
         for reply in replies:
             assert np.frombuffer(reply.payload, np.float32).tobytes() == expected.tobytes(), order
-        assert not shard.chunks[(3, 0)].stash
+        assert not shard.chunks[(3, 0)].sum.stash
 
 
 def test_rank_order_holds_over_rounds_with_acks_and_reused_stash_buffers() -> None:
@@ -195,7 +195,7 @@ def test_rank_order_holds_over_rounds_with_acks_and_reused_stash_buffers() -> No
         pull = shard.handle("w0", 0, Message(Kind.PULL, sender=10, key=3, chunk=0, round=round_))
         assert replies == [] and np.frombuffer(pull[0][2].payload, np.float32).tobytes() == in_rank_order(
             rows).tobytes(), order
-    assert sum(len(free) for free in shard._spare.values()) <= 3  # workers - 2: reused, not grown
+    assert sum(len(free) for free in shard._spare._free.values()) <= 3  # workers - 2: reused, not grown
 
 
 def test_bfloat16_and_server_side_sgd_sum_in_rank_order_too() -> None:
@@ -219,14 +219,14 @@ def test_integer_sums_take_pushes_as_they_come() -> None:
         shard = store_of(4, "int32")
         (reply, *_) = run_round(shard, order, rows, dtype="int32")
         assert np.frombuffer(reply.payload, np.int32).tolist() == rows.sum(axis=0).tolist()
-        assert not shard._spare  # associative: nothing was stashed
+        assert not shard._spare._free  # associative: nothing was stashed
 
 
 def test_a_departed_workers_stashed_push_still_counts() -> None:
     shard = store_of(4)
     rows = ORDER_SENSITIVE
     run_round(shard, [3, 2], rows)  # both wait for ranks 0 and 1
-    assert sorted(shard.chunks[(3, 0)].stash) == [2, 3]
+    assert sorted(shard.chunks[(3, 0)].sum.stash) == [2, 3]
     assert shard.worker_left(3) == []  # worker 3 pushed this round: it can still complete
     replies = run_round(shard, [1, 0], rows)
     assert np.frombuffer(replies[0].payload, np.float32).tobytes() == in_rank_order(rows).tobytes()
@@ -241,6 +241,6 @@ def test_a_refused_push_leaves_the_stash_alone() -> None:
         shard.handle("w2", 0, push_of(2, 1, ORDER_SENSITIVE[2].copy()))
     with pytest.raises(WireError, match="holds float32"):
         shard.handle("w3", 0, push_of(3, 1, np.zeros(3, np.float32)))
-    assert sorted(shard.chunks[(3, 0)].stash) == [2]
+    assert sorted(shard.chunks[(3, 0)].sum.stash) == [2]
     replies = run_round(shard, [3, 1, 0], ORDER_SENSITIVE)
     assert np.frombuffer(replies[0].payload, np.float32).tobytes() == in_rank_order(ORDER_SENSITIVE).tobytes()

@@ -1,0 +1,209 @@
+"""An aggregator's rounds: sum the children's pushes of a chunk, forward one push up, fan the reply down; no sockets.
+
+`Relay.handle` takes one validated wire message and returns the messages to send, like the shard
+store. A push from a child names its routing epoch and tree (meta `route`); the tree says which
+workers' ranks reach this aggregator, so the round of that chunk is complete here when pushes
+covering exactly those ranks are in (a child aggregator's push lists its ranks). The sum is taken in
+rank order (ps/ranked_sum.py) and forwarded at once to the parent: an aggregator of a higher level,
+or the server that owns the chunk. Each chunk travels alone, so while chunk k's reply is fanned
+down, chunk k+1 is still being gathered: the tree is pipelined chunk by chunk. Forwarded pushes and
+replies keep the children's priority and channel.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
+from ps.relay_tables import Tables, TreeView
+from ps.store import Reply, push_ranks
+from transport.dtypes import STORAGE
+from transport.wire import Flag, Kind, Message, WireError, brief
+
+
+@dataclass
+class _Child:
+    peer: str
+    channel: int
+    round: int
+    priority: int
+    wants_value: bool
+
+
+@dataclass
+class _Round:
+    round: int
+    route: tuple[int, int]
+    view: TreeView
+    started: float
+    pushed: set[int] = field(default_factory=set)
+    children: list[_Child] = field(default_factory=list)
+    opt: Any = None
+    forwarded: bool = False
+
+
+@dataclass
+class _Buffers:
+    sum: RankedSum
+    out: np.ndarray  # the sum in the storage dtype, for bfloat16 (else the sum's own array)
+    reply: np.ndarray
+    last_round: int = 0
+
+
+class Relay:
+    def __init__(self, name: str, workers: int, alloc: Any = None) -> None:
+        self.name, self.workers = name, workers
+        self.node_id = -1
+        self.tables = Tables(name)
+        self._alloc = alloc or (lambda count, dtype: np.zeros(count, dtype))
+        self._rounds: dict[tuple[int, int], _Round] = {}
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._spare = SparePool()
+        self.departed: list[int] = []
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+        if msg.kind == Kind.PUSH:
+            return self._push(peer, channel, msg)
+        if msg.kind in (Kind.REPLY, Kind.ERROR):
+            return self._reply(peer, msg)
+        raise WireError(f"an aggregator does not take {msg.kind.name} messages")
+
+    def _push(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+        tables = self.tables
+        child = tables.sender(peer, msg.sender)
+        route = tables.route_of(msg)
+        view = tables.view(route)
+        if child not in view.children:
+            raise WireError(f"{peer} is not a child of {self.name} in tree {route[1]} of epoch {route[0]}")
+        ranks = (tables.worker_ranks[child],) if child in tables.worker_ranks else push_ranks(msg, self.workers)
+        length, dtype, _server = tables.chunk(msg.key, msg.chunk)
+        if msg.payload is None or msg.dtype != dtype or msg.shape != (length,):
+            raise WireError(f"key {msg.key} chunk {msg.chunk} holds {dtype}[{length}], the push carries "
+                            f"{msg.dtype or 'nothing'}{list(msg.shape)}")
+        at = (msg.key, msg.chunk)
+        state = self._rounds.get(at)
+        buffers = self._buffers.get(at)
+        if state is None:
+            if buffers is not None and msg.round <= buffers.last_round:
+                raise WireError(f"push for round {msg.round} of key {msg.key} chunk {msg.chunk}, which "
+                                f"{self.name} has finished up to round {buffers.last_round}")
+        elif state.round != msg.round or state.route != route or state.forwarded:
+            raise WireError(f"push for round {msg.round} (tree {route}) of key {msg.key} chunk {msg.chunk} while "
+                            f"round {state.round} (tree {state.route}) is in progress")
+        if (state is not None and not state.pushed.isdisjoint(ranks)) or not set(ranks) <= set(view.ranks):
+            raise WireError(f"{peer} pushed ranks {brief(list(ranks))} of key {msg.key} chunk {msg.chunk} round "
+                            f"{msg.round}: duplicated, or not below {self.name} in that tree")
+        # valid: from here on the push is taken
+        buffers = buffers or self._new_buffers(at, length, dtype)
+        if state is None:
+            state = self._rounds[at] = _Round(msg.round, route, view, time.monotonic())
+        departed = [r for r in self.departed if r in view.ranks and r not in state.pushed]
+        state.children.append(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY)))
+        if departed:  # the round can never complete: say so now rather than at the deadline
+            return self._fail(at, state, f"round {msg.round} of key {msg.key} chunk {msg.chunk} can never "
+                                         f"complete: worker {departed[0]} has left the job")
+        buffers.sum.take(ranks, np.frombuffer(msg.payload, STORAGE[dtype]), self._spare)
+        state.pushed.update(ranks)
+        if msg.meta and "opt" in msg.meta and state.opt is None:
+            state.opt = msg.meta["opt"]  # the server checks it; every worker sends the same settings
+        if len(state.pushed) < len(view.ranks):
+            return []
+        return [self._forward(msg, state, buffers)]
+
+    def _forward(self, msg: Message, state: _Round, buffers: _Buffers) -> Reply:
+        """The complete sum of this subtree, one push up to the parent."""
+        state.forwarded = True
+        total = buffers.sum
+        if total.dtype == "bfloat16":
+            f32_to_bf16(total.accum, buffers.out)
+        total.clear()
+        meta: dict[str, Any] = {"ranks": list(state.view.ranks)}
+        if state.view.parent_is_aggregator:
+            meta["route"] = list(state.route)
+        if state.opt is not None:
+            meta["opt"] = state.opt
+        wants = any(c.wants_value for c in state.children)
+        priority = min(c.priority for c in state.children)
+        parent = self.tables.parent_peer(state.view, msg.key, msg.chunk)
+        return (parent, state.children[0].channel, Message(
+            Kind.PUSH, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=state.round, priority=priority,
+            dtype=msg.dtype, shape=buffers.out.shape, payload=buffers.out,
+            flags=Flag.WANT_REPLY if wants else Flag.NONE, meta=meta))
+
+    def _reply(self, peer: str, msg: Message) -> list[Reply]:
+        at = (msg.key, msg.chunk)
+        state = self._rounds.get(at)
+        if state is None or not state.forwarded or state.round != msg.round:
+            raise WireError(f"{msg.kind.name} for key {msg.key} chunk {msg.chunk} round {msg.round}, which "
+                            f"{self.name} did not forward")
+        if peer != self.tables.parent_peer(state.view, msg.key, msg.chunk):
+            raise WireError(f"{msg.kind.name} for key {msg.key} chunk {msg.chunk} from {peer}, not its parent")
+        if msg.kind == Kind.ERROR:
+            error = msg.meta.get("error") if msg.meta else None
+            return self._fail(at, state, error if isinstance(error, str) else "the parent refused the round")
+        buffers = self._buffers[at]
+        if msg.payload is not None:
+            if msg.dtype != self.tables.chunk(msg.key, msg.chunk)[1] or msg.shape != buffers.reply.shape:
+                raise WireError(f"reply for key {msg.key} chunk {msg.chunk} carries {msg.dtype}{list(msg.shape)}")
+            np.copyto(buffers.reply, np.frombuffer(msg.payload, buffers.reply.dtype))
+        del self._rounds[at]
+        buffers.last_round = state.round
+        out = []
+        for child in state.children:
+            value = buffers.reply if child.wants_value and msg.payload is not None else None
+            out.append((child.peer, child.channel, Message(
+                Kind.REPLY, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=child.round,
+                priority=child.priority, dtype=msg.dtype if value is not None else "",
+                shape=value.shape if value is not None else (), payload=value)))
+        return out
+
+    def _fail(self, at: tuple[int, int], state: _Round, error: str) -> list[Reply]:
+        """End the round: every child that pushed hears `error`; later pushes of it are refused."""
+        del self._rounds[at]
+        buffers = self._buffers[at]
+        buffers.last_round = state.round
+        buffers.sum.clear()
+        for _, stashed in buffers.sum.stash.values():
+            self._spare.give_back(stashed)
+        buffers.sum.stash.clear()
+        return [(c.peer, c.channel, Message(Kind.ERROR, sender=self.node_id, key=at[0], chunk=at[1], round=c.round,
+                                            priority=c.priority, meta={"error": error}))
+                for c in state.children]
+
+    def _new_buffers(self, at: tuple[int, int], length: int, dtype: str) -> _Buffers:
+        storage = np.dtype(STORAGE[dtype])
+        wide = np.dtype(np.float32) if dtype == "bfloat16" else storage
+        accum = self._alloc(length, wide)
+        out = self._alloc(length, storage) if dtype == "bfloat16" else accum
+        buffers = self._buffers[at] = _Buffers(RankedSum(accum, dtype), out, self._alloc(length, storage))
+        return buffers
+
+    # ------------------------------------------------------------------ job events
+    def worker_left(self, rank: int) -> list[Reply]:
+        """Worker `rank` said goodbye: every round here still waiting for it fails now, naming it."""
+        if type(rank) is not int or not 0 <= rank < self.workers:
+            raise WireError(f"worker {brief(rank)} cannot leave: the job has workers 0..{self.workers - 1}")
+        if rank not in self.departed:
+            self.departed.append(rank)
+        out: list[Reply] = []
+        for at, state in list(self._rounds.items()):
+            if not state.forwarded and rank in state.view.ranks and rank not in state.pushed:
+                out += self._fail(at, state, f"round {state.round} of key {at[0]} chunk {at[1]} can never "
+                                             f"complete: worker {rank} has left the job")
+        return out
+
+    def stalled(self, now: float, limit: float) -> list[str]:
+        """Rounds in progress here for longer than `limit` seconds, naming whom they wait for."""
+        lines = []
+        for (key, chunk), state in self._rounds.items():
+            if now - state.started > limit:
+                what = ("its parent's reply" if state.forwarded
+                        else f"workers {sorted(set(state.view.ranks) - state.pushed)}")
+                lines.append(f"round {state.round} of key {key} chunk {chunk} has waited "
+                             f"{now - state.started:.0f} s for {what}")
+        return lines

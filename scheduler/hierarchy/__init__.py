@@ -1,0 +1,1 @@
+"""Hierarchical aggregation: topology model, tree planner, chunk routes."""

@@ -1,0 +1,132 @@
+"""Switching a job to new aggregation trees between rounds, with no update lost or counted twice; no sockets.
+
+Every round of a chunk must travel one tree on every worker: an aggregator waits for exactly the
+ranks its tree sends it. Workers reach a round at different moments, so the switch point is agreed,
+not assumed:
+  1. ROUTES(epoch, trees) to every aggregator; each installs the trees (keeping older epochs, whose
+     rounds may still be in flight) and answers ROUTES_ACK.
+  2. Then ROUTES to every worker. A worker answers ROUTES_ACK with the last round it has started of
+     every tensor, and from then on holds (queues, without blocking its caller) every round it starts.
+  3. With every worker's answer, COMMIT(epoch, [[key, round], ...]) gives each tensor its switch
+     round: one past the last round any worker had started. Rounds before it keep the old trees,
+     rounds from it on take the new ones (a tensor not listed switches at once); the workers then
+     send what they held.
+A round started before a worker's answer is below the switch round, so it keeps the trees every
+other worker used for it; a round at or above the switch round was held until COMMIT, so no worker
+sent it on the old trees. Rounds of one tensor are at most one apart across workers (a round
+completes only when every worker pushed it), so at most three epochs are ever in use at once.
+A worker that leaves during a switch counts as having answered with nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.hierarchy.routes import Route, Routing
+from transport.wire import Kind, Message, WireError, brief
+
+Out = tuple[str, Message]
+#: tensors one ROUTES_ACK may list
+MAX_ACK_KEYS = 1 << 17
+
+
+def parse_rounds(raw: object) -> list[tuple[int, int]]:
+    """A worker's ROUTES_ACK rounds [[key, round], ...], validated (WireError)."""
+    if type(raw) is not list or len(raw) > MAX_ACK_KEYS:
+        raise WireError(f"rounds must be a list of at most {MAX_ACK_KEYS} [key, round] pairs, got {brief(raw)}")
+    pairs = []
+    for item in raw:
+        if (type(item) is not list or len(item) != 2 or not all(type(v) is int for v in item)
+                or not 0 <= item[0] < 1 << 31 or not 0 <= item[1] < 1 << 62):
+            raise WireError(f"a round entry must be [key, round], got {brief(item)}")
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+@dataclass
+class _Switch:
+    routing: Routing
+    waiting_aggregators: set[str]
+    waiting_workers: set[str] = field(default_factory=set)
+    last_rounds: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class RouteSwitch:
+    """The scheduler's side of the switch protocol for one job (plain data: comparable, copyable)."""
+
+    workers: list[str] = field(default_factory=list)
+    aggregators: list[str] = field(default_factory=list)
+    epoch: int = 0
+    current: Routing | None = None
+    started: bool = False
+    _switch: _Switch | None = None
+    _queued: tuple[Route, ...] | None = None
+    _gone: set[str] = field(default_factory=set)
+
+    @property
+    def switching(self) -> bool:
+        return self._switch is not None
+
+    def start(self, workers: Sequence[str], aggregators: Sequence[str]) -> list[Out]:
+        """The job has formed: these are its members; a proposal that came earlier starts now."""
+        self.workers, self.aggregators, self.started = list(workers), list(aggregators), True
+        return self._next()
+
+    def propose(self, trees: Sequence[Route]) -> list[Out]:
+        """New trees (already checked against the job's members); they replace any not yet begun."""
+        self._queued = tuple(trees)
+        return self._next() if self.started and self._switch is None else []
+
+    def on_ack(self, name: str, role: str, epoch: int, rounds: list[tuple[int, int]]) -> list[Out]:
+        switch = self._switch
+        if switch is None or epoch != switch.routing.epoch:
+            raise WireError(f"ROUTES_ACK for epoch {epoch} from {name}, which is not being switched to")
+        if role == "aggregator" and name in switch.waiting_aggregators:
+            switch.waiting_aggregators.discard(name)
+            return self._to_workers(switch) if not switch.waiting_aggregators else []
+        if role == "worker" and name in switch.waiting_workers:
+            switch.waiting_workers.discard(name)
+            for key, round_ in rounds:
+                switch.last_rounds[key] = max(round_, switch.last_rounds.get(key, 0))
+            return self._commit(switch) if not switch.waiting_workers else []
+        raise WireError(f"unexpected ROUTES_ACK for epoch {epoch} from {name}")
+
+    def gone(self, name: str) -> list[Out]:
+        """A worker left (said goodbye): never wait for its answer."""
+        self._gone.add(name)
+        switch = self._switch
+        if switch is None or name not in switch.waiting_workers:
+            return []
+        switch.waiting_workers.discard(name)
+        return self._commit(switch) if not switch.waiting_workers and not switch.waiting_aggregators else []
+
+    def _next(self) -> list[Out]:
+        if self._queued is None:
+            return []
+        trees, self._queued = self._queued, None
+        self.epoch += 1
+        routing = Routing(self.epoch, trees)
+        self._switch = _Switch(routing, set(self.aggregators))
+        if not self.aggregators:
+            return self._to_workers(self._switch)
+        message = _message(Kind.ROUTES, routes=routing.encode())
+        return [(name, message) for name in self.aggregators]
+
+    def _to_workers(self, switch: _Switch) -> list[Out]:
+        switch.waiting_workers = {w for w in self.workers if w not in self._gone}
+        if not switch.waiting_workers:
+            return self._commit(switch)
+        message = _message(Kind.ROUTES, routes=switch.routing.encode())
+        return [(name, message) for name in sorted(switch.waiting_workers)]
+
+    def _commit(self, switch: _Switch) -> list[Out]:
+        self.current, self._switch = switch.routing, None
+        rounds = [[key, last + 1] for key, last in sorted(switch.last_rounds.items())]
+        message = _message(Kind.COMMIT, epoch=switch.routing.epoch, rounds=rounds)
+        return [(name, message) for name in self.workers if name not in self._gone] + self._next()
+
+
+def _message(kind: Kind, **meta: object) -> Message:
+    return Message(kind, sender=0, meta=dict(meta))

@@ -1,0 +1,82 @@
+"""A worker's routes: which aggregation tree, and so which peer, each chunk of each round is pushed to.
+
+The scheduler switches the job to new trees with the protocol in scheduler/hierarchy/switch.py;
+this is the worker's side: `begin` (ROUTES: answer with the last round started of every tensor and
+hold new rounds), `commit` (COMMIT: the switch round of each tensor; release what was held), and
+`route` (for a chunk of a round: the epoch's tree and the parent to push to, or None for the
+server). Chunks are given to trees by `assign_chunks`, extended as tensors are declared: keys grow
+with each declaration and the assignment of a chunk depends only on the chunks before it, so every
+worker gets the same assignment whenever it computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing
+from transport.wire import WireError
+
+#: committed epochs kept (rounds of a tensor are at most one apart across workers: see switch.py)
+KEEP_EPOCHS = 4
+
+
+@dataclass
+class _Epoch:
+    routing: Routing
+    #: key -> first round on these trees (tensors not listed: every round)
+    switch: dict[int, int]
+    #: (key, chunk) -> tree index, extended in key order as tensors are declared
+    assignment: ChunkAssignment
+
+
+class Router:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._epochs: list[_Epoch] = []  # committed, newest last
+        self.pending: Routing | None = None
+        #: (key, chunk, nbytes) of every declared chunk, in key order
+        self._chunks: list[tuple[int, int, int]] = []
+
+    @property
+    def holding(self) -> bool:
+        """Between ROUTES and COMMIT: rounds started now wait for the switch round to be known."""
+        return self.pending is not None
+
+    def declare(self, chunks: list[tuple[int, int, int]]) -> None:
+        """Chunks of newly declared tensors as (key, chunk, nbytes); keys larger than any before."""
+        self._chunks.extend(sorted(chunks))
+
+    def begin(self, routing: Routing, aggregators: set[str]) -> None:
+        """ROUTES: the trees to switch to, once COMMIT says from which rounds (WireError if they cannot be)."""
+        if self.pending is not None or (self._epochs and routing.epoch <= self._epochs[-1].routing.epoch):
+            raise WireError(f"ROUTES for epoch {routing.epoch} while another switch is open or it is not newer")
+        strangers = {t.parent(self.name) for t in routing.trees} - aggregators - {SERVERS}
+        if strangers:
+            raise WireError(f"ROUTES give {self.name} the parent {sorted(strangers)[0]!r:.60}: not an aggregator")
+        self.pending = routing
+
+    def commit(self, epoch: int, rounds: list[tuple[int, int]]) -> list[str]:
+        """Take the pending trees from the given switch rounds on; the aggregators to connect to."""
+        if self.pending is None or self.pending.epoch != epoch:
+            raise WireError(f"COMMIT for epoch {epoch}, which was not announced")
+        routing, self.pending = self.pending, None
+        self._epochs.append(_Epoch(routing, dict(rounds), ChunkAssignment([t.weight for t in routing.trees])))
+        del self._epochs[:-KEEP_EPOCHS]
+        return sorted({t.parent(self.name) for t in routing.trees} - {SERVERS})
+
+    def route(self, key: int, chunk: int, round_: int) -> tuple[int, int, str] | None:
+        """(epoch, tree, parent aggregator) for this push, or None: straight to the chunk's server."""
+        for epoch in reversed(self._epochs):
+            if round_ >= epoch.switch.get(key, 0):
+                tree = self._tree(epoch, key, chunk)
+                parent = epoch.routing.trees[tree].parent(self.name)
+                return None if parent == SERVERS else (epoch.routing.epoch, tree, parent)
+        return None  # before the first epoch: every worker pushed this round straight to the servers
+
+    def _tree(self, epoch: _Epoch, key: int, chunk: int) -> int:
+        assignment = epoch.assignment
+        tree = assignment.trees.get((key, chunk))
+        if tree is None:  # a chunk declared since: extend the assignment up to it
+            assignment.extend(self._chunks[len(assignment):])
+            tree = assignment.trees[(key, chunk)]
+        return tree
