@@ -4,11 +4,13 @@ Float addition is not associative, so summing in arrival order would change resu
 from run to run (issue 7 asks for bitwise-identical runs with the same seeds). A piece covers a set
 of worker ranks: one worker's push, or an aggregator's partial sum of its subtree. Pieces are
 disjoint, and the sum is taken in the order of their lowest ranks: ((p0 + p1) + p2) + ... A piece is
-added at once when every rank below its lowest is already in the sum; any other is copied aside
-until the gap before it fills. The first two pieces commute (a + b == b + a, bit for bit): the piece
-whose lowest rank is 0 is p0, and one whose lowest rank is 1 must be p1 (1 is not in p0), so either
-may start the sum and the other is added with its operands in p0 + p1 order. With one piece per
-worker this is exactly the rank order of single pushes: only an out-of-order arrival costs a copy.
+added at once when every expected rank below its lowest is already in the sum; any other is copied
+aside until the gap before it fills. The first two pieces commute (a + b == b + a, bit for bit): the
+piece holding the smallest expected rank e0 is p0, and one whose lowest rank is the next expected
+rank e1 must be p1 (e1 is not in p0), so either may start the sum and the other is added with its
+operands in p0 + p1 order. A server expects every rank (e0 = 0, e1 = 1); an aggregator the ranks of
+its subtree. With one piece per worker this is exactly the rank order of single pushes: only an
+out-of-order arrival costs a copy.
 Integer sums need no order: integer addition is associative.
 """
 
@@ -57,14 +59,29 @@ class RankedSum:
 
     accum: np.ndarray
     dtype: str
+    #: the ranks a complete sum holds, sorted (by default every rank: see expect())
+    expected: Sequence[int] | None = None
     #: ranks already added into accum
     covered: set[int] = field(default_factory=set)
-    #: the smallest rank not in `covered`
+    #: the smallest expected rank not in `covered`
     low: int = 0
     #: lowest rank of the piece that started the sum (-1: empty)
     first: int = -1
     #: pieces that arrived before the gap below them filled: lowest rank -> (ranks, storage-dtype copy)
     stash: dict[int, tuple[Sequence[int], np.ndarray]] = field(default_factory=dict)
+
+    def expect(self, ranks: Sequence[int]) -> None:
+        """This round's sum holds exactly `ranks` (sorted): an aggregator's subtree. Call before take()."""
+        self.expected = ranks
+        self.low = ranks[0]
+
+    def _next_expected(self, rank: int) -> int:
+        if self.expected is None:
+            return rank + 1
+        for candidate in self.expected:
+            if candidate > rank:
+                return candidate
+        return rank + 1
 
     def take(self, ranks: Sequence[int], data: np.ndarray, spare: SparePool) -> None:
         """Add the piece covering sorted `ranks` now if its turn has come, else stash a copy.
@@ -75,7 +92,7 @@ class RankedSum:
         lowest = ranks[0]
         ordered = self.dtype in FLOAT_DTYPES
         if self.first < 0:
-            if ordered and lowest > 1:
+            if ordered and lowest != self.low and lowest != self._next_expected(self.low):
                 self.stash[lowest] = (ranks, spare.copy_of(data))
                 return
         elif ordered and lowest != self.low:  # (p0 after p1: low is still 0, so it passes here)
@@ -92,16 +109,17 @@ class RankedSum:
         if self.first < 0:
             np.copyto(self.accum, wide)
             self.first = ranks[0]
-        elif ranks[0] == 0 and self.first > 0:  # p1 came first: still p0 + p1, operands in that order,
-            np.add(wide, self.accum, out=self.accum)  # so even the payload of a NaN is the same each run
-            self.first = 0
+        elif ranks[0] == self.low and self.first > self.low:  # p1 came first: still p0 + p1, operands in
+            np.add(wide, self.accum, out=self.accum)  # that order, so even a NaN's payload is the same each run
+            self.first = ranks[0]
         else:
             self.accum += wide
         self.covered.update(ranks)
         while self.low in self.covered:
-            self.low += 1
+            self.low = self._next_expected(self.low)
 
     def clear(self) -> None:
         """Ready for the next round (every piece was added, so the stash is empty)."""
         self.covered.clear()
-        self.low, self.first = 0, -1
+        self.low = self.expected[0] if self.expected else 0
+        self.first = -1

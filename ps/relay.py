@@ -102,6 +102,7 @@ class Relay:
         buffers = buffers or self._new_buffers(at, length, dtype)
         if state is None:
             state = self._rounds[at] = _Round(msg.round, route, view, time.monotonic())
+            buffers.sum.expect(view.ranks)
         departed = [r for r in self.departed if r in view.ranks and r not in state.pushed]
         state.children.append(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY)))
         if departed:  # the round can never complete: say so now rather than at the deadline

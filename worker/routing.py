@@ -36,6 +36,13 @@ class Router:
         self.pending: Routing | None = None
         #: (key, chunk, nbytes) of every declared chunk, in key order
         self._chunks: list[tuple[int, int, int]] = []
+        #: pushes sent up a tree so far (the rest went straight to the servers)
+        self.routed = 0
+
+    @property
+    def epoch(self) -> int:
+        """The newest committed routing epoch (0: none yet)."""
+        return self._epochs[-1].routing.epoch if self._epochs else 0
 
     @property
     def holding(self) -> bool:
@@ -70,7 +77,10 @@ class Router:
             if round_ >= epoch.switch.get(key, 0):
                 tree = self._tree(epoch, key, chunk)
                 parent = epoch.routing.trees[tree].parent(self.name)
-                return None if parent == SERVERS else (epoch.routing.epoch, tree, parent)
+                if parent == SERVERS:
+                    return None
+                self.routed += 1
+                return epoch.routing.epoch, tree, parent
         return None  # before the first epoch: every worker pushed this round straight to the servers
 
     def _tree(self, epoch: _Epoch, key: int, chunk: int) -> int:

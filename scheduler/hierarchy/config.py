@@ -18,7 +18,7 @@ class AggregationConfig:
     #: to the servers; with several sets (@0, @1, ...) and replan_s > 0 the trees rotate through them
     trees: tuple[str, ...] = field(default_factory=tuple)
     #: with mode "plan", one rack per entry: "NAME: HOST HOST ...", a HOST being a node's address or
-    #: node names joined by commas that share one host (worker-0,aggregator-0)
+    #: node names joined by "+" that share one host (worker-0+aggregator-0)
     racks: tuple[str, ...] = field(default_factory=tuple)
     #: each host's link rate, Mbit/s each way (refined by the agents' measurements)
     link_mbit: float = 1000.0
