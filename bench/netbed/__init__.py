@@ -8,6 +8,13 @@ under it (see qdisc.py). Nothing touches the root namespace. Deleting a namespac
 interfaces and their qdiscs, so `close()` (also run on exceptions and, through `__exit__`, on
 Ctrl-C) removes everything; namespaces of a testbed whose process died are removed on the next
 start. Needs root and iproute2; `NetbedUnavailable` says why when they are missing.
+
+Racks make oversubscription a parameter: `rack()` adds a rack switch, a bridge `br-<rack>` in the
+switch namespace joined to the core bridge br0 by a veth pair, the uplink, shaped on its own (both
+directions, same tbf / ToS bands / htb classes as host links; racks.py). A host given `rack=` gets
+its port on that rack's bridge, others stay on br0. `set_rate` and `set_uplink` re-rate a shaped
+link at run time, keeping what is under its tbf; `uplink_tc_stats` and `uplink_class_bytes` read an
+uplink's counters like `tc_stats` and `class_bytes` read a host link's.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bench.netbed.qdisc import ClassCounters, check_tos_classes, leaf_ids, parse_class_stats, shape
+from bench.netbed.qdisc import ClassCounters, change_rate, check_tos_classes, leaf_ids, parse_class_stats, shape
+from bench.netbed.racks import CORE, Rack, UplinkDirection, build_rack
 
-__all__ = ["PREFIX", "ClassCounters", "Direction", "Host", "Netbed", "NetbedUnavailable", "check_available",
-           "remove_stale", "shape"]
+__all__ = ["PREFIX", "ClassCounters", "Direction", "Host", "Netbed", "NetbedUnavailable", "Rack", "UplinkDirection",
+           "check_available", "remove_stale", "shape"]
 
 PREFIX = "sluicenb"
 _SUBNET = "198.18"
@@ -71,14 +79,19 @@ class Host:
     port: str = ""
     #: the ToS values that have an htb class on this host's link, most urgent first
     tos_classes: tuple[int, ...] = ()
+    #: the rack whose bridge has this host's port (None: the core bridge br0)
+    rack: str | None = None
 
 
 @dataclass
 class Netbed:
-    """Hosts on one switch; `host()` adds one, `run()` starts a command inside a host."""
+    """Hosts on a switch, or on racks joined to it; `host()` adds one, `run()` starts a command inside a host."""
 
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     hosts: dict[str, Host] = field(default_factory=dict)
+    racks: dict[str, Rack] = field(default_factory=dict)
+    #: how much traffic (in ms at the link's rate) a shaped link queues before it drops
+    queue_ms: float = 100.0
     _processes: list[subprocess.Popen[Any]] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
 
@@ -87,8 +100,8 @@ class Netbed:
         remove_stale()
         try:
             self._netns(f"{self.tag}-sw")
-            self._in(f"{self.tag}-sw", "ip", "link", "add", "br0", "type", "bridge")
-            self._in(f"{self.tag}-sw", "ip", "link", "set", "br0", "up")
+            self._in(f"{self.tag}-sw", "ip", "link", "add", CORE, "type", "bridge")
+            self._in(f"{self.tag}-sw", "ip", "link", "set", CORE, "up")
         except BaseException:
             self.close()
             raise
@@ -97,37 +110,63 @@ class Netbed:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def rack(
+        self, name: str, uplink_mbit: float | None = None, tos_bands: bool = False, tos_classes: Sequence[int] = ()
+    ) -> Rack:
+        """A new rack switch joined to the core switch by an uplink shaped to `uplink_mbit` both ways
+        (None: unshaped), with ToS bands or htb classes under the shaper as on a host link."""
+        _check_link("rack", name, self.racks, uplink_mbit, tos_bands, tos_classes)
+        self.racks[name] = build_rack(f"{self.tag}-sw", name, uplink_mbit, tos_bands, tos_classes,
+                                      self.queue_ms)
+        return self.racks[name]
+
     def host(
-        self, name: str, rate_mbit: float | None = None, tos_bands: bool = False, tos_classes: Sequence[int] = ()
+        self, name: str, rate_mbit: float | None = None, tos_bands: bool = False, tos_classes: Sequence[int] = (),
+        *, rack: str | None = None,
     ) -> Host:
-        """A new host on the switch, its link shaped to `rate_mbit` both ways (None: unshaped).
+        """A new host on the core switch, or on `rack`'s, its link shaped to `rate_mbit` both ways (None: unshaped).
 
         Under the shaper go pfifo_fast's three ToS bands (`tos_bands`) or an htb class per value of
         `tos_classes`, the first value the most urgent (qdisc.py); either needs a rate.
         """
-        if not re.fullmatch(r"[a-z0-9]{1,8}", name) or name in self.hosts or name == "sw":
-            raise ValueError(f"host name {name!r} must be 1-8 lowercase letters or digits, new, and not 'sw'")
-        if (tos_bands or tos_classes) and rate_mbit is None:
-            raise ValueError("ToS bands or classes sit under a link's shaper: give the link a rate_mbit")
-        if tos_bands and tos_classes:
-            raise ValueError("a link has either tos_bands or tos_classes, not both")
-        if tos_classes:
-            check_tos_classes(tos_classes)
+        _check_link("host", name, self.hosts, rate_mbit, tos_bands, tos_classes)
+        if rack is not None and rack not in self.racks:
+            raise ValueError(f"no rack {rack!r} (racks: {', '.join(self.racks) or 'none'}): add it with rack() first")
         index = len(self.hosts) + 1
         netns, switch = f"{self.tag}-{name}", f"{self.tag}-sw"
         outer = f"h{index}-{name}"  # the switch's port towards this host (at most 15 characters)
         self._netns(netns)
         self._in(netns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", outer, "netns", switch)
-        self._in(switch, "ip", "link", "set", outer, "master", "br0", "up")
+        self._in(switch, "ip", "link", "set", outer, "master", CORE if rack is None else self.racks[rack].bridge, "up")
         address = f"{_SUBNET}.{index // 250}.{index % 250 + 1}"
         self._in(netns, "ip", "addr", "add", f"{address}/15", "dev", "eth0")
         self._in(netns, "ip", "link", "set", "eth0", "up")
         self._in(netns, "ip", "link", "set", "lo", "up")
         if rate_mbit is not None:
             for ns, dev in ((netns, "eth0"), (switch, outer)):  # host -> switch and switch -> host
-                shape(ns, dev, rate_mbit, tos_bands, tos_classes)
-        self.hosts[name] = Host(name, netns, address, rate_mbit, outer, tuple(tos_classes))
+                shape(ns, dev, rate_mbit, tos_bands, tos_classes, self.queue_ms)
+        self.hosts[name] = Host(name, netns, address, rate_mbit, outer, tuple(tos_classes), rack)
         return self.hosts[name]
+
+    def set_rate(self, host: str, mbit: float) -> None:
+        """Re-rate `host`'s shaped link to `mbit`, both directions, keeping its ToS bands or classes."""
+        record = self.hosts[host]
+        if record.rate_mbit is None:
+            raise ValueError(f"host {host!r}'s link is not shaped: give host() a rate_mbit to change it later")
+        _check_rate(mbit)
+        change_rate(record.netns, "eth0", mbit, record.tos_classes, self.queue_ms)
+        change_rate(f"{self.tag}-sw", record.port, mbit, record.tos_classes, self.queue_ms)
+        record.rate_mbit = mbit
+
+    def set_uplink(self, rack: str, mbit: float) -> None:
+        """Re-rate `rack`'s shaped uplink to `mbit`, both directions, keeping its ToS bands or classes."""
+        record = self.racks[rack]
+        if record.uplink_mbit is None:
+            raise ValueError(f"rack {rack!r}'s uplink is not shaped: give rack() an uplink_mbit to change it later")
+        _check_rate(mbit)
+        for port in (record.uplink_port_up, record.uplink_port_down):
+            change_rate(f"{self.tag}-sw", port, mbit, record.tos_classes, self.queue_ms)
+        record.uplink_mbit = mbit
 
     def run(self, host: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
         """Start `argv` inside `host`; the testbed kills it (and its group) on close."""
@@ -171,28 +210,49 @@ class Netbed:
 
     def tc_stats(self, host: str, direction: Direction = "out") -> str:
         """`tc -s qdisc` of one direction of a host's link: bytes and packets per qdisc."""
-        return self._tc_show(host, direction, "qdisc")
+        return self._tc_show(*self._host_end(host, direction), "qdisc")
 
     def class_stats(self, host: str, direction: Direction = "out") -> dict[int | None, ClassCounters]:
         """Counters of the htb ToS classes of one direction of a host's link, by ToS (None: the
         default class, for packets whose ToS has no class)."""
-        found = parse_class_stats(self._tc_show(host, direction, "class"))
-        ids = leaf_ids(self.hosts[host].tos_classes)
-        missing = sorted(set(ids) - set(found))
-        if not self.hosts[host].tos_classes:
-            raise ValueError(f"host {host!r} has no htb ToS classes on its link")
-        if missing:
-            raise RuntimeError(f"tc shows no class {', '.join(missing)} on host {host!r}'s link ({direction})")
-        return {tos: found[classid] for classid, tos in ids.items()}
+        return self._classes(f"host {host!r}'s link ({direction})", self.hosts[host].tos_classes,
+                             *self._host_end(host, direction))
 
     def class_bytes(self, host: str, direction: Direction = "out") -> dict[int | None, int]:
         """Bytes sent so far by each htb ToS class of one direction of a host's link, by ToS."""
         return {tos: counters.bytes for tos, counters in self.class_stats(host, direction).items()}
 
-    def _tc_show(self, host: str, direction: Direction, what: str) -> str:
+    def uplink_tc_stats(self, rack: str, direction: UplinkDirection = "up") -> str:
+        """`tc -s qdisc` of one direction of a rack's uplink: bytes and packets per qdisc."""
+        return self._tc_show(*self._uplink_end(rack, direction), "qdisc")
+
+    def uplink_class_bytes(self, rack: str, direction: UplinkDirection = "up") -> dict[int | None, int]:
+        """Bytes sent so far by each htb ToS class of one direction of a rack's uplink, by ToS."""
+        found = self._classes(f"rack {rack!r}'s uplink ({direction})", self.racks[rack].tos_classes,
+                              *self._uplink_end(rack, direction))
+        return {tos: counters.bytes for tos, counters in found.items()}
+
+    def _host_end(self, host: str, direction: Direction) -> tuple[str, str]:
+        """(namespace, interface) whose egress carries `direction`'s traffic of `host`'s link."""
         record = self.hosts[host]
-        netns, dev = (record.netns, "eth0") if direction == "out" else (f"{self.tag}-sw", record.port)
+        return (record.netns, "eth0") if direction == "out" else (f"{self.tag}-sw", record.port)
+
+    def _uplink_end(self, rack: str, direction: UplinkDirection) -> tuple[str, str]:
+        return f"{self.tag}-sw", self.racks[rack].uplink_port(direction)
+
+    def _tc_show(self, netns: str, dev: str, what: str) -> str:
         return self._in(netns, "tc", "-s", what, "show", "dev", dev).stdout
+
+    def _classes(self, link: str, tos_classes: tuple[int, ...], netns: str,
+                 dev: str) -> dict[int | None, ClassCounters]:
+        if not tos_classes:
+            raise ValueError(f"{link} has no htb ToS classes: shape it with tos_classes to count by class")
+        found = parse_class_stats(self._tc_show(netns, dev, "class"))
+        ids = leaf_ids(tos_classes)
+        missing = sorted(set(ids) - set(found))
+        if missing:
+            raise RuntimeError(f"tc shows no class {', '.join(missing)} on {link}")
+        return {tos: found[classid] for classid, tos in ids.items()}
 
     def close(self) -> None:
         for process in self._processes:
@@ -215,6 +275,28 @@ class Netbed:
     def _in(netns: str, *argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["ip", "netns", "exec", netns, *argv], capture_output=True, text=True, check=True,
                               timeout=20)
+
+
+def _check_link(kind: str, name: str, taken: dict[str, Any], rate_mbit: float | None, tos_bands: bool,
+                tos_classes: Sequence[int]) -> None:
+    """Raise ValueError unless a new host or rack (`kind`) may have this name and link shaping."""
+    # a name goes into namespace and interface names, which the kernel caps at 15 characters
+    if not re.fullmatch(r"[a-z0-9]{1,8}", name) or name in taken or name == "sw":
+        raise ValueError(f"{kind} name {name!r} must be 1-8 lowercase letters or digits, new, and not 'sw'")
+    if (tos_bands or tos_classes) and rate_mbit is None:
+        raise ValueError(f"ToS bands or classes sit under a link's shaper: give the {kind} a rate "
+                         f"({'rate_mbit' if kind == 'host' else 'uplink_mbit'})")
+    if tos_bands and tos_classes:
+        raise ValueError("a link has either tos_bands or tos_classes, not both")
+    if tos_classes:
+        check_tos_classes(tos_classes)
+    if rate_mbit is not None:
+        _check_rate(rate_mbit)
+
+
+def _check_rate(mbit: float) -> None:
+    if not mbit > 0:
+        raise ValueError(f"a link's rate must be a positive number of Mbit/s, got {mbit!r}")
 
 
 def _sysctl_value(name: str) -> str:

@@ -191,8 +191,9 @@ def run_sluice_job(
     bed: Netbed, scheduler: str, servers: Sequence[str], workers: Sequence[str],
     config: Mapping[str, Mapping[str, Any]], worker_argv: Sequence[str], *, timeout: float = 300.0,
     ready_timeout: float = 60.0, env: Mapping[str, str] | None = None, echo: bool = False, grace: float = 10.0,
+    aggregators: Sequence[str] = (),
 ) -> list[Any]:
-    """Scheduler, servers and workers on the named hosts; each worker's last emitted result, by rank.
+    """Scheduler, servers, aggregators and workers on the named hosts; each worker's last emitted result, by rank.
 
     `config` holds sections as in SLUICE_CONFIG_JSON (missing keys keep their defaults); every process
     listens on its own host's address (transport.host). Raises JobError naming the failed process.
@@ -202,7 +203,8 @@ def run_sluice_job(
 
     def node_env(role: str, rank: int, host: str, endpoint: str) -> dict[str, str]:
         mine = {**sections, "transport": {**sections["transport"], "host": bed.hosts[host].address}}
-        return {**(env or {}), **NodeEnv(endpoint, role, rank, len(workers), len(servers), mine).to_environ()}
+        node = NodeEnv(endpoint, role, rank, len(workers), len(servers), mine, aggregators=len(aggregators))
+        return {**(env or {}), **node.to_environ()}
 
     group = _Group(bed, echo)
     deadline = time.monotonic() + timeout
@@ -219,6 +221,9 @@ def run_sluice_job(
         roles = [sched] + [group.start(f"server {r}", h, [*_ROLE_ARGV, "server"],
                                        node_env("server", r, h, sched.ready), secret)
                            for r, h in enumerate(servers)]
+        roles += [group.start(f"aggregator {r}", h, [*_ROLE_ARGV, "aggregator"],
+                              node_env("aggregator", r, h, sched.ready), secret)
+                  for r, h in enumerate(aggregators)]
         procs = [group.start(f"worker {r}", h, worker_argv, node_env("worker", r, h, sched.ready), secret)
                  for r, h in enumerate(workers)]
         group.wait_for(procs, roles, deadline, timeout)

@@ -12,6 +12,8 @@ A shaped link's egress is `tbf` (handle 1:) at the link rate. Under it goes one 
     guaranteed only a small rate (1% of the link) and may borrow up to the link rate; spare
     bandwidth is lent by `prio`, so in effect the classes are served in strict priority. Each leaf
     counts its own bytes and packets, which `parse_class_stats` reads from `tc -s class show`.
+
+`change_rate` re-rates a shaped link at run time without rebuilding what is under its tbf.
 """
 
 from __future__ import annotations
@@ -64,17 +66,43 @@ def _tc(netns: str, *argv: str) -> None:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()}")
 
 
-def shape(netns: str, dev: str, rate_mbit: float, tos_bands: bool = False, tos_classes: Sequence[int] = ()) -> None:
-    """tbf at `rate_mbit` on `dev`'s egress, with pfifo_fast bands or htb ToS classes under it."""
+def shape(netns: str, dev: str, rate_mbit: float, tos_bands: bool = False, tos_classes: Sequence[int] = (),
+          queue_ms: float = 100.0) -> None:
+    """tbf at `rate_mbit` on `dev`'s egress, with pfifo_fast bands or htb ToS classes under it; the tbf
+    queues at most `queue_ms` of traffic and drops the rest (a switch port's buffer)."""
     if tos_bands and tos_classes:
         raise ValueError("a link has either tos_bands or tos_classes, not both")
     rate, burst = f"{rate_mbit}mbit", f"{burst_bytes(rate_mbit)}b"
     _tc(netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst,
-        "latency", "100ms")
+        "latency", f"{queue_ms:g}ms")
     if tos_bands:
         _tc(netns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "pfifo_fast")
     elif tos_classes:
         _tos_classes(netns, dev, rate_mbit, tos_classes)
+
+
+def change_rate(netns: str, dev: str, rate_mbit: float, tos_classes: Sequence[int] = (),
+                queue_ms: float = 100.0) -> None:
+    """Set the rate of a link shaped by `shape` in place, keeping the bands or classes under its tbf.
+
+    For htb ToS classes the root class and every leaf's ceiling (and 1% floor) follow, so the classes
+    still share exactly the new link rate; `tos_classes` must be those the link was shaped with.
+    """
+    rate, burst = f"{rate_mbit}mbit", f"{burst_bytes(rate_mbit)}b"
+    # `change` (not replace) keeps tbf's child qdisc and what is queued in it
+    _tc(netns, "qdisc", "change", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate, "burst", burst,
+        "latency", f"{queue_ms:g}ms")
+    if tos_classes:
+        _tc(netns, "class", "change", "dev", dev, "parent", "10:", "classid", "10:1", "htb", "rate", rate,
+            "ceil", rate, "burst", burst, "cburst", burst)
+        for classid, prio in _leaves(tos_classes):
+            _tc(netns, "class", "change", "dev", dev, "parent", "10:1", "classid", classid, "htb", "rate",
+                f"{rate_mbit / 100}mbit", "ceil", rate, "cburst", burst, "prio", str(prio))
+
+
+def _leaves(tos_classes: Sequence[int]) -> list[tuple[str, int]]:
+    """(class id, htb prio) of each leaf: one per ToS value in order, then the default class, last."""
+    return [*((f"10:{_LEAF_BASE + i:x}", i) for i in range(len(tos_classes))), (f"10:{_DEFAULT_LEAF:x}", 7)]
 
 
 def _tos_classes(netns: str, dev: str, rate_mbit: float, tos_classes: Sequence[int]) -> None:
@@ -84,8 +112,7 @@ def _tos_classes(netns: str, dev: str, rate_mbit: float, tos_classes: Sequence[i
     _tc(netns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", f"{_DEFAULT_LEAF:x}")
     _tc(netns, "class", "add", "dev", dev, "parent", "10:", "classid", "10:1", "htb", "rate", rate, "ceil", rate,
         "burst", burst, "cburst", burst)
-    leaves = [*((f"10:{_LEAF_BASE + i:x}", i) for i in range(len(tos_classes))), (f"10:{_DEFAULT_LEAF:x}", 7)]
-    for classid, prio in leaves:
+    for classid, prio in _leaves(tos_classes):
         _tc(netns, "class", "add", "dev", dev, "parent", "10:1", "classid", classid, "htb", "rate", floor,
             "ceil", rate, "cburst", burst, "prio", str(prio))
     for i, tos in enumerate(tos_classes):
