@@ -33,6 +33,15 @@ class PeerInfo:
     endpoints: tuple[str, ...]
 
 
+def endpoint_host(endpoints: Sequence[str]) -> str:
+    """The host part of a node's first endpoint ("tcp://10.0.0.5:4000" -> "10.0.0.5"; ipc: "localhost"),
+    which groups ranks by host in the coordinator tree and the ring, and places nodes in racks."""
+    if not endpoints or not endpoints[0].startswith("tcp://"):
+        return "localhost"
+    address = endpoints[0][len("tcp://"):].rpartition(":")[0]
+    return "localhost" if address.startswith(("127.", "[::1]", "localhost")) else address
+
+
 def parse_address_book(raw: object) -> list[PeerInfo]:
     """[[node_id, role, rank, name, [endpoint, ...]], ...] of a WELCOME, validated (WireError)."""
     if type(raw) is not list:

@@ -13,6 +13,8 @@ from scheduler.bootstrap import NodeEnv
 from scheduler.config import SchedulerConfig
 from scheduler.hierarchy.config import AggregationConfig
 from scheduler.hierarchy.manager import tree_source
+from scheduler.hierarchy.placement import NodeAt
+from scheduler.node import endpoint_host
 from scheduler.rendezvous import Out, Rendezvous
 from transport.base import Transport, open_transport
 from transport.rejects import Rejections
@@ -55,9 +57,10 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         inflight_bytes=data_settings.inflight_bytes, aggregators=env.aggregators,
     )
     trees = tree_source(AggregationConfig(**env.section("aggregation")), time.monotonic())
-    if trees is not None:
+    first = trees.due(time.monotonic()) if trees is not None else None
+    if first is not None:  # static trees: checked against the job before anyone registers
         try:
-            machine.propose_routes(trees.due(time.monotonic()) or [])
+            machine.propose_routes(first)
         except ValueError as exc:
             transport.close()
             log.error("aggregation.trees do not fit this job: %s", exc)
@@ -94,15 +97,19 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             rejects.tick(now)
             if now >= next_tick:
                 outs = machine.on_tick(now)
-                due = trees.due(now) if trees is not None and machine.phase == "running" else None
-                if due is not None:
-                    outs += machine.propose_routes(due)
+                if trees is not None and machine.phase == "running":
+                    nodes = [NodeAt(n.name, n.role, endpoint_host(n.endpoints)) for n in machine.nodes.values()]
+                    due = trees.due(now, nodes)
+                    if due is not None:
+                        outs += machine.propose_routes(due)
                 if machine.lost is not None:  # named before NODE_LOST makes everyone else fail too
                     lost = machine.lost
                     culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)
                 send(outs)
                 next_tick = now + _TICK_SECONDS
     finally:
+        if trees is not None:
+            trees.close()
         transport.close(flush_seconds=2.0)
     stats = transport.stats()
     log.info("scheduler stopped (%d messages rejected, %d connections refused)",

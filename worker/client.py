@@ -23,7 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
 from scheduler.hierarchy.routes import parse_routing
 from scheduler.hierarchy.switch import parse_rounds
-from scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo
+from scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host
 from transport.base import open_transport
 from transport.config import LOCAL_ENDPOINTS
 from transport.dtypes import STORAGE
@@ -411,12 +411,3 @@ class Client:
         for ops in pending.values():
             for op in ops:
                 op.handle._fail(error)
-
-
-def endpoint_host(endpoints: Sequence[str]) -> str:
-    """The host part of a node's first endpoint ("tcp://10.0.0.5:4000" -> "10.0.0.5"; ipc: "localhost"),
-    which groups ranks by host in the coordinator tree and the ring."""
-    if not endpoints or not endpoints[0].startswith("tcp://"):
-        return "localhost"
-    address = endpoints[0][len("tcp://"):].rpartition(":")[0]
-    return "localhost" if address.startswith(("127.", "[::1]", "localhost")) else address

@@ -1,9 +1,25 @@
-"""Where a job's aggregation trees come from: the configured static sets now, the planning manager next to it."""
+"""Where a job's aggregation trees come from: the configured static sets, or the network manager's plans.
+
+The network manager lives in the scheduler: it holds the job's topology (racks and rates from
+[aggregation], nodes placed by the address book) and plans weighted trees with the ILP planner once
+the job has formed, again every `replan_s` seconds, and whenever `observe` is told that a link's
+spare bandwidth moved by more than `change`. Planning runs on a thread of its own, so the
+scheduler's loop keeps answering heartbeats while HiGHS searches (up to `time_limit` seconds).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from scheduler.hierarchy.config import AggregationConfig
+from scheduler.hierarchy.placement import NodeAt, host_of, job_topology, routes_from_plan
+from scheduler.hierarchy.planner import plan_trees
 from scheduler.hierarchy.routes import Route, parse_static_trees
+from scheduler.hierarchy.topology import Plan, PlanError
+
+log = logging.getLogger("sluice.manager")
 
 
 class StaticTrees:
@@ -17,8 +33,9 @@ class StaticTrees:
         self._next_at = now + self.period
         self._started = False
 
-    def due(self, now: float) -> list[Route] | None:
+    def due(self, now: float, nodes: Sequence[NodeAt] = ()) -> list[Route] | None:
         """Trees to switch to now, or None."""
+        del nodes
         if not self._started:
             self._started = True
             return self.sets[0]
@@ -28,9 +45,83 @@ class StaticTrees:
         self._current = (self._current + 1) % len(self.sets)
         return self.sets[self._current]
 
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
-def tree_source(config: AggregationConfig, now: float) -> StaticTrees | None:
+
+class NetworkManager:
+    """Plans the job's trees from its topology and the measured spare bandwidth; re-plans on change."""
+
+    def __init__(self, config: AggregationConfig, now: float) -> None:
+        self.config = config
+        self.spare: dict[str, float] = {}  # host -> measured spare Mbit/s (from the agents)
+        self.plan: Plan | None = None
+        self.plans = 0
+        self._planned_spare: dict[str, float] = {}
+        self._next_at = now
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-planner")
+        self._running: Future[tuple[Plan, list[Route]]] | None = None
+
+    def due(self, now: float, nodes: Sequence[NodeAt] = ()) -> list[Route] | None:
+        """Once the job has formed (`nodes` known): trees of a finished plan, or None; starts the next
+        plan when it is time."""
+        if not nodes:
+            return None
+        running = self._running
+        if running is not None:
+            if not running.done():
+                return None
+            self._running = None
+            try:
+                self.plan, routes = running.result()
+            except PlanError as exc:  # the topology does not fit the job: say so and keep the trees in use
+                log.error("cannot plan aggregation trees: %s", exc)
+                self._next_at = float("inf") if not self.config.replan_s else now + self.config.replan_s
+                return None
+            self.plans += 1
+            log.info("aggregation plan %d: %s", self.plans, describe(self.plan))
+            return routes
+        if now >= self._next_at or self._changed():
+            self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
+            self._planned_spare = dict(self.spare)
+            self._running = self._pool.submit(self._solve, list(nodes), dict(self.spare))
+        return None
+
+    def observe(self, spare: dict[str, float]) -> None:
+        """The agents' latest spare bandwidth by host or rack uplink ("uplink:RACK"), Mbit/s."""
+        self.spare.update(spare)
+
+    def _changed(self) -> bool:
+        for link, rate in self.spare.items():
+            planned = self._planned_spare.get(link)
+            if planned is None or abs(rate - planned) > self.config.change * max(planned, 1e-9):
+                return True
+        return False
+
+    def _solve(self, nodes: list[NodeAt], spare: dict[str, float]) -> tuple[Plan, list[Route]]:
+        config = self.config
+        topology, aggregator_at = job_topology(config, nodes, spare or None)
+        plan = plan_trees(topology, max_trees=config.max_trees, tree_penalty=config.tree_penalty,
+                          time_limit=config.time_limit)
+        placed, rack_of_host = host_of(config, nodes)
+        return plan, routes_from_plan(plan, nodes, placed, rack_of_host, aggregator_at)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def describe(plan: Plan) -> str:
+    trees = "; ".join(f"{t.weight:.3f}: " + " ".join(f"{rack}>{host or 'direct'}" for rack, host in t.aggregators)
+                      for t in plan.trees)
+    return (f"{len(plan.trees)} trees, bottleneck {plan.bottleneck_link}, {plan.round_seconds(1 << 20) * 1e3:.1f} "
+            f"ms per MiB (LP bound {plan.bound / plan.objective:.0%} of it, flat PS {plan.flat / plan.objective:.2f}x "
+            f"it), {plan.status} by {plan.solver} in {plan.solve_seconds:.2f} s: {trees}")
+
+
+def tree_source(config: AggregationConfig, now: float) -> StaticTrees | NetworkManager | None:
     """The job's source of trees; None when aggregation is off."""
     if config.mode == "static":
         return StaticTrees(config, now)
+    if config.mode == "plan":
+        return NetworkManager(config, now)
     return None

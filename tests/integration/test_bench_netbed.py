@@ -134,3 +134,19 @@ def test_curve_cost_quick_on_the_testbed(tmp_path: Path) -> None:
     pushpull = records[0]
     # a 1 Gbit/s link carries at most 125 MB/s; both sides must have moved real data through it
     assert 10 < pushpull["ours"] <= 125 and 10 < pushpull["peer"] <= 125, pushpull
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_aggregation_quick_measures_every_configuration_against_its_bound(tmp_path: Path) -> None:
+    out, plot = tmp_path / "aggregation.json", tmp_path / "aggregation.svg"
+    result = run_script(["bench/aggregation.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=190)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = _check_records(out, 5)  # one per rack vs flat; planned and planned+aux vs flat and vs one per rack
+    for rec in records:
+        assert rec["oversubscription"] == "4:1" and rec["better"] == "lower", rec
+        assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12), rec
+        assert 0.5 < rec["measured_vs_predicted"] < 3, rec  # the model's bound is printed beside each case
+    assert [r["aux"] for r in records].count(True) == 2
+    assert ET.parse(plot).getroot().tag == "{http://www.w3.org/2000/svg}svg"
+    assert "measured/predicted" in result.stdout

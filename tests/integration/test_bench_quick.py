@@ -13,7 +13,8 @@ from tests.bench_runs import run_script
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ["bench/push_pull.py", "bench/train_throughput.py", "bench/transport_rate.py",
-                                    "bench/allreduce.py", "bench/coordinator.py", "bench/fusion.py"])
+                                    "bench/allreduce.py", "bench/coordinator.py", "bench/fusion.py",
+                                    "bench/plan_quality.py"])
 def test_quick_run_writes_records(script: str, tmp_path: Path) -> None:
     out = tmp_path / "records.json"
     result = run_script([script, "--quick", "--json", str(out)], timeout=110)

@@ -1,0 +1,113 @@
+"""Where a job's nodes sit: the planner's topology from the configured racks and the address book, and a
+host-level plan turned into node-level routes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.hierarchy.config import AggregationConfig
+from scheduler.hierarchy.routes import SERVERS, Route
+from scheduler.hierarchy.topology import Host, Plan, PlanError, Rack, Topology
+
+
+@dataclass(frozen=True)
+class NodeAt:
+    """One node of the job and the host it runs on (its address as it registered)."""
+
+    name: str  # worker-3, server-0, aggregator-1
+    role: str
+    address: str
+
+
+def _rates(entries: Sequence[str], what: str) -> dict[str, float]:
+    """Config entries "NAME: MBIT" -> {NAME: MBIT}."""
+    rates = {}
+    for entry in entries:
+        name, colon, value = entry.partition(":")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = -1.0
+        if not colon or not name.strip() or not rate > 0:
+            raise PlanError(f"aggregation.{what} entry {entry!r} must be \"NAME: MBIT\" with a positive rate")
+        rates[name.strip()] = rate
+    return rates
+
+
+def host_of(config: AggregationConfig, nodes: Sequence[NodeAt]) -> tuple[dict[str, str], dict[str, str]]:
+    """(node name -> host, host -> rack) from aggregation.racks: a rack lists hosts, each an address or
+    node names joined by "+" (a host of their own, as on one machine standing in for several)."""
+    rack_of_host: dict[str, str] = {}
+    for entry in config.racks:
+        rack, colon, hosts = entry.partition(":")
+        rack = rack.strip()
+        if not colon or not rack or not hosts.split():
+            raise PlanError(f"aggregation.racks entry {entry!r} must be \"RACK: HOST HOST ...\"")
+        for host in hosts.split():
+            if host in rack_of_host:
+                raise PlanError(f"host {host!r} is listed in racks {rack_of_host[host]!r} and {rack!r}")
+            rack_of_host[host] = rack
+    by_name = {name: host for host in rack_of_host for name in host.split("+")}
+    placed = {}
+    for node in nodes:
+        found = by_name.get(node.name) or (node.address if node.address in rack_of_host else None)
+        if found is None:
+            raise PlanError(f"{node.name} (at {node.address}) is in no rack of aggregation.racks: list its address "
+                            f"or its name in the rack it sits in")
+        placed[node.name] = found
+    return placed, rack_of_host
+
+
+def job_topology(config: AggregationConfig, nodes: Sequence[NodeAt],
+                 spare: dict[str, float] | None = None) -> tuple[Topology, dict[str, str]]:
+    """The planner's topology, and the aggregator node that serves each host that has one.
+
+    Host links run at aggregation.link_mbit or their `links` entry; a rack's uplink at its `uplinks`
+    entry, else aggregation.uplink_mbit, else (0) the sum of its hosts' links: not oversubscribed.
+    `spare` (measured, by host and "uplink:RACK") overrides both. A host with an aggregator and no
+    worker is an auxiliary node.
+    """
+    placed, rack_of_host = host_of(config, nodes)
+    links, uplinks = _rates(config.links, "links"), _rates(config.uplinks, "uplinks")
+    counts: dict[str, dict[str, int]] = {host: {"worker": 0, "server": 0, "aggregator": 0} for host in rack_of_host}
+    aggregator_at: dict[str, str] = {}
+    for node in sorted(nodes, key=lambda n: (n.role, int(n.name.rpartition("-")[2]))):
+        host = placed[node.name]
+        counts[host][node.role] += 1
+        if node.role == "aggregator":
+            aggregator_at.setdefault(host, node.name)  # the lowest-ranked one serves its host
+    hosts = []
+    for host, rack in rack_of_host.items():
+        count = counts[host]
+        if not any(count.values()):
+            continue
+        rate = (spare or {}).get(host, links.get(host, config.link_mbit))
+        hosts.append(Host(host, rack, rate, count["worker"], count["server"],
+                          aux=count["aggregator"] > 0 and count["worker"] == 0))
+    racks = []
+    for rack in dict.fromkeys(rack_of_host.values()):
+        default = config.uplink_mbit or sum(h.link_mbit for h in hosts if h.rack == rack) or config.link_mbit
+        racks.append(Rack(rack, (spare or {}).get(f"uplink:{rack}", uplinks.get(rack, default))))
+    return Topology(tuple(hosts), tuple(racks)), aggregator_at
+
+
+def routes_from_plan(plan: Plan, nodes: Sequence[NodeAt], placed: dict[str, str], rack_of_host: dict[str, str],
+                     aggregator_at: dict[str, str]) -> list[Route]:
+    """Node-level trees: in each tree a rack's workers send to the aggregator node on the host the plan
+    chose for the rack (the workers on that host too, locally), and it sends to the servers."""
+    routes = []
+    for tree in plan.trees:
+        chosen = dict(tree.aggregators)
+        parents: dict[str, str] = {}
+        for node in nodes:
+            host = chosen.get(rack_of_host[placed[node.name]]) if node.role == "worker" else None
+            if host is None:
+                continue
+            aggregator = aggregator_at.get(host)
+            if aggregator is None:
+                raise PlanError(f"the plan aggregates at host {host!r}, which runs no aggregator")
+            parents[node.name] = aggregator
+            parents[aggregator] = SERVERS
+        routes.append(Route(tree.weight, parents))
+    return routes
