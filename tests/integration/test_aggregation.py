@@ -151,3 +151,36 @@ def test_sluice_launch_starts_aggregators_and_the_job_trains_through_them(tmp_pa
     assert "[aggregator 0]" in done.stdout
     routed = [int(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() if "routed" in line]
     assert len(routed) == 2 and all(r > 0 for r in routed), done.stdout[-2000:]
+
+
+def _rounds_once_planned(rounds: int) -> dict[str, Any]:
+    from worker.client import Client
+
+    client = Client()
+    client.declare([("grad", (20_000,), "float32", None)])
+    deadline = time.monotonic() + 30
+    sums: list[float] = []
+    planned_at = None
+    while planned_at is None or len(sums) < planned_at + rounds:  # `rounds` more once the plan is in force
+        out = np.zeros(20_000, np.float32)
+        client.push_pull("grad", np.full(20_000, client.rank + 1, np.float32), out).wait()
+        sums.append(float(out[0]))
+        if planned_at is None and (client._router.epoch >= 1 or time.monotonic() > deadline):
+            planned_at = len(sums)
+    routed, epoch = client._router.routed, client._router.epoch
+    client.close()
+    return {"sums": sums, "routed": routed, "epoch": epoch}
+
+
+@pytest.mark.timeout(90)
+def test_the_network_manager_plans_trees_from_the_racks_and_the_job_uses_them() -> None:
+    racks = ["r0: worker-0+aggregator-0 worker-1+aggregator-1", "r1: worker-2+aggregator-2 worker-3+aggregator-3",
+             "srv: server-0 server-1"]
+    config = {"aggregation": {"mode": "plan", "racks": racks, "link_mbit": 100.0, "uplink_mbit": 50.0,
+                              "uplinks": ["srv: 1000"], "time_limit": 2.0}}
+    with LocalCluster(4, 2, config, aggregators=4) as cluster:
+        results = cluster.run(_rounds_once_planned, 10, timeout=60)
+        assert cluster.wait() == [0] * (1 + 2 + 4 + 4)
+    for result in results:
+        assert set(result["sums"]) == {10.0}  # 1 + 2 + 3 + 4, before and after the plan took over
+        assert result["epoch"] == 1 and result["routed"] > 0, result
