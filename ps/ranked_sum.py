@@ -5,7 +5,7 @@ from run to run (issue 7 asks for bitwise-identical runs with the same seeds). A
 of worker ranks: one worker's push, or an aggregator's partial sum of its subtree. Pieces are
 disjoint, and the sum is taken in the order of their lowest ranks: ((p0 + p1) + p2) + ... A piece is
 added at once when every expected rank below its lowest is already in the sum; any other is copied
-aside until the gap before it fills. The first two pieces commute (a + b == b + a, bit for bit): the
+aside until the gap before it fills. The first two pieces commute (a + b == b + a, bit for bit, for every number): the
 piece holding the smallest expected rank e0 is p0, and one whose lowest rank is the next expected
 rank e1 must be p1 (e1 is not in p0), so either may start the sum and the other is added with its
 operands in p0 + p1 order. A server expects every rank (e0 = 0, e1 = 1); an aggregator the ranks of
@@ -110,7 +110,8 @@ class RankedSum:
             np.copyto(self.accum, wide)
             self.first = ranks[0]
         elif ranks[0] == self.low and self.first > self.low:  # p1 came first: still p0 + p1, operands in
-            np.add(wide, self.accum, out=self.accum)  # that order, so even a NaN's payload is the same each run
+            np.add(wide, self.accum, out=self.accum)  # that order (a NaN's payload may still come from either:
+            # numpy's one-element loop picks by aliasing, not by operand order)
             self.first = ranks[0]
         else:
             self.accum += wide

@@ -98,6 +98,9 @@ class Relay:
         if (state is not None and not state.pushed.isdisjoint(ranks)) or not set(ranks) <= set(view.ranks):
             raise WireError(f"{peer} pushed ranks {brief(list(ranks))} of key {msg.key} chunk {msg.chunk} round "
                             f"{msg.round}: duplicated, or not below {self.name} in that tree")
+        if child in view.child_ranks and ranks != view.child_ranks[child]:
+            raise WireError(f"{peer} pushed ranks {list(ranks[:8])}: its subtree in tree {route[1]} of epoch "
+                            f"{route[0]} holds ranks {list(view.child_ranks[child][:8])}")
         # valid: from here on the push is taken
         buffers = buffers or self._new_buffers(at, length, dtype)
         if state is None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from scheduler.hierarchy.routes import SERVERS, Routing, subtree_ranks
+from scheduler.hierarchy.routes import SERVERS, Routing, has_cycle, subtree_ranks
 from transport.dtypes import STORAGE
 from transport.wire import MAX_PAYLOAD_BYTES, Message, WireError, brief
 
@@ -22,6 +22,8 @@ class TreeView:
     parent: str  # an aggregator's name, or SERVERS
     children: frozenset[str]
     ranks: tuple[int, ...]  # the workers whose pushes reach this aggregator, sorted
+    #: each child aggregator's subtree: exactly the ranks its pushes may list
+    child_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def parent_is_aggregator(self) -> bool:
@@ -72,12 +74,15 @@ class Tables:
         if routing.epoch in self.epochs or (self.epochs and routing.epoch < max(self.epochs)):
             raise WireError(f"routing epoch {routing.epoch} is not newer than {max(self.epochs)}")
         views = []
-        for tree in routing.trees:
+        for index, tree in enumerate(routing.trees):
             parent = tree.parent(self.name)
             if parent != SERVERS and parent not in self.aggregators:
                 raise WireError(f"tree names {brief(parent)} as the parent of {self.name}: not an aggregator")
+            if has_cycle(tree):
+                raise WireError(f"tree {index} of routing epoch {routing.epoch} has a cycle")
             children = frozenset(tree.children(self.name))
-            views.append(TreeView(parent, children, subtree_ranks(tree, self.name, self.worker_ranks)))
+            below = {c: subtree_ranks(tree, c, self.worker_ranks) for c in children if c in self.aggregators}
+            views.append(TreeView(parent, children, subtree_ranks(tree, self.name, self.worker_ranks), below))
         self.epochs[routing.epoch] = views
         for old in sorted(self.epochs)[:-KEEP_EPOCHS]:
             del self.epochs[old]

@@ -71,30 +71,41 @@ def check_trees(trees: Sequence[Route], workers: Iterable[str], aggregators: Ite
                 # lower-ranked parents the way is the same in every epoch
                 raise ValueError(f"tree {index} gives {child!r} the parent {parent!r}: an aggregator's parent "
                                  "aggregator must have a lower rank")
-        for start in tree.parents:
-            seen, node = {start}, tree.parent(start)
-            while node != SERVERS:
-                if node in seen:
-                    raise ValueError(f"tree {index} has a cycle through {node!r}")
-                seen.add(node)
-                node = tree.parent(node)
+        if has_cycle(tree):
+            raise ValueError(f"tree {index} has a cycle")
 
 
 def _rank(name: str) -> int:
     return int(name.rpartition("-")[2])
 
 
+def has_cycle(tree: Route) -> bool:
+    """Whether following parents from some node of `tree` comes back to a node already passed."""
+    for start in tree.parents:
+        seen, node = {start}, tree.parent(start)
+        while node != SERVERS:
+            if node in seen:
+                return True
+            seen.add(node)
+            node = tree.parent(node)
+    return False
+
+
 def subtree_ranks(tree: Route, node: str, worker_ranks: Mapping[str, int]) -> tuple[int, ...]:
-    """The ranks of the workers whose pushes reach `node` in `tree` (itself included), sorted."""
+    """The ranks of the workers whose pushes reach `node` in `tree` (itself included), sorted; each
+    node is visited once, so even a tree with a cycle ends."""
     below: dict[str, list[str]] = {}
     for child, parent in tree.parents.items():
         below.setdefault(parent, []).append(child)
-    ranks, stack = [], [node]
+    ranks, stack, seen = [], [node], {node}
     while stack:
         current = stack.pop()
         if current in worker_ranks:
             ranks.append(worker_ranks[current])
-        stack.extend(below.get(current, ()))
+        for child in below.get(current, ()):
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
     return tuple(sorted(ranks))
 
 
@@ -187,6 +198,8 @@ def parse_routing(raw: object) -> Routing:
         for edge in edges:
             if type(edge) is not list or len(edge) != 2 or not all(type(n) is str and len(n) <= 64 for n in edge):
                 raise WireError(f"a tree edge must be [child, parent] names, got {brief(edge)}")
+            if edge[0] in parents:
+                raise WireError(f"a tree gives {brief(edge[0])} two parents")
             parents[edge[0]] = edge[1]
         trees.append(Route(weight, parents))
     if abs(sum(t.weight for t in trees) - 1.0) > 1e-6:
