@@ -26,6 +26,13 @@ class Layout:
     servers: int
     link_mbit: float
     ratio: int
+    #: the servers' links: by default as wide as a rack's hosts together (4 x 20), so that flat PS is
+    #: paced by the rack uplinks where they are oversubscribed, not by the servers
+    server_mbit: float = 0.0
+
+    @property
+    def server_link(self) -> float:
+        return self.server_mbit or self.per_rack * self.link_mbit
 
     @property
     def uplink_mbit(self) -> float:
@@ -66,7 +73,7 @@ def build_testbed(bed: Netbed, layout: Layout) -> None:
         bed.host(layout.aux_hosts[r], layout.link_mbit, rack=f"r{r}")
     bed.rack("srv")
     for host in layout.server_hosts:
-        bed.host(host, layout.link_mbit, rack="srv")
+        bed.host(host, layout.server_link, rack="srv")
     bed.host("sched")
     for host in bed.hosts:
         bed.sysctl(host, "net.ipv4.tcp_slow_start_after_idle", "0")
@@ -87,6 +94,7 @@ def job_config(layout: Layout, case: str, chunk_kib: int, bed: Netbed) -> dict[s
     racks.append("srv: " + " ".join(address[h] for h in layout.server_hosts))
     return {"transport": transport, "aggregation": {
         "mode": "plan", "racks": racks, "link_mbit": layout.link_mbit, "uplink_mbit": layout.uplink_mbit,
+        "links": [f"{address[h]}: {layout.server_link}" for h in layout.server_hosts],
         "uplinks": [f"srv: {UNSHAPED_MBIT}"], "max_trees": MAX_TREES, "tree_penalty": TREE_PENALTY,
         "time_limit": TIME_LIMIT}}
 
@@ -95,7 +103,7 @@ def topology(layout: Layout, aux: bool) -> Topology:
     hosts = [Host(h, f"r{r}", layout.link_mbit, workers=1) for r in range(layout.racks) for h in layout.rack_hosts(r)]
     if aux:
         hosts += [Host(a, f"r{r}", layout.link_mbit, aux=True) for r, a in enumerate(layout.aux_hosts)]
-    hosts += [Host(s, "srv", layout.link_mbit, servers=1) for s in layout.server_hosts]
+    hosts += [Host(s, "srv", layout.server_link, servers=1) for s in layout.server_hosts]
     racks = [Rack(f"r{r}", layout.uplink_mbit) for r in range(layout.racks)] + [Rack("srv", UNSHAPED_MBIT)]
     return Topology(tuple(hosts), tuple(racks))
 
@@ -108,6 +116,11 @@ def trees_of(layout: Layout, case: str) -> tuple[Topology, tuple[TreeSpec, ...]]
     if case == ONE_PER_RACK:
         return top, (TreeSpec(1.0, tuple((f"r{r}", layout.rack_hosts(r)[0]) for r in range(layout.racks))),)
     return top, plan_trees(top, max_trees=MAX_TREES, tree_penalty=TREE_PENALTY, time_limit=TIME_LIMIT).trees
+
+
+def aggregates(layout: Layout, case: str) -> bool:
+    """Whether the case's trees aggregate anywhere (a plan for racks that are not oversubscribed is flat)."""
+    return any(host for tree in trees_of(layout, case)[1] for _, host in tree.aggregators)
 
 
 def predicted_seconds(layout: Layout, case: str, nbytes: int) -> float:
