@@ -73,14 +73,17 @@ def worker_main(spec: str) -> int:
 
     work = Work(**json.loads(spec))
     client = Client()
-    client.declare([("grad", (work.floats,), "float32", None)])
+    client.declare([("grad", (work.floats,), "float32", None), ("ready", (1,), "int32", None)])
     data = client.alloc((work.floats,), "float32")
     data[:] = client.rank + 1
     out = np.empty(work.floats, np.float32)
     deadline = time.monotonic() + 60
-    done = 0
-    while done < work.warmup or (work.wait_epoch and client._router.epoch < 1 and time.monotonic() < deadline):
+    done, ready = 0, np.zeros(1, np.int32)
+    # every worker must run the same rounds: they agree through a vote that the trees are in force on all
+    while done < work.warmup or (work.wait_epoch and ready[0] < client.size):
         client.push_pull("grad", data, out).wait()
+        vote = client._router.epoch >= 1 or time.monotonic() > deadline  # (run_case names a plan that never came)
+        client.push_pull("ready", np.array([vote], np.int32), ready).wait()
         done += 1
     client.barrier("timed")
     seconds = []

@@ -157,16 +157,20 @@ def _rounds_once_planned(rounds: int) -> dict[str, Any]:
     from worker.client import Client
 
     client = Client()
-    client.declare([("grad", (20_000,), "float32", None)])
+    client.declare([("grad", (20_000,), "float32", None), ("planned", (1,), "int32", None)])
     deadline = time.monotonic() + 30
     sums: list[float] = []
-    planned_at = None
-    while planned_at is None or len(sums) < planned_at + rounds:  # `rounds` more once the plan is in force
+    planned = np.zeros(1, np.int32)
+    while planned[0] < client.size:  # every worker counts the same votes, so all run the same rounds
         out = np.zeros(20_000, np.float32)
         client.push_pull("grad", np.full(20_000, client.rank + 1, np.float32), out).wait()
         sums.append(float(out[0]))
-        if planned_at is None and (client._router.epoch >= 1 or time.monotonic() > deadline):
-            planned_at = len(sums)
+        vote = client._router.epoch >= 1 or time.monotonic() > deadline  # (the assertions name a missing plan)
+        client.push_pull("planned", np.array([vote], np.int32), planned).wait()
+    for _ in range(rounds):  # with the plan in force on every worker
+        out = np.zeros(20_000, np.float32)
+        client.push_pull("grad", np.full(20_000, client.rank + 1, np.float32), out).wait()
+        sums.append(float(out[0]))
     routed, epoch = client._router.routed, client._router.epoch
     client.close()
     return {"sums": sums, "routed": routed, "epoch": epoch}

@@ -1,0 +1,114 @@
+"""What a server and an aggregator share: a transport, a control client, a run loop that reports stalls, an end."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from scheduler.bootstrap import NodeEnv
+from scheduler.calibration import Limits
+from scheduler.config import SchedulerConfig
+from scheduler.node import SCHEDULER_PEER, ControlClient
+from transport.base import open_transport
+from transport.metrics import summary_lines
+from transport.wire import Kind, Message, WireError, meta_field
+
+Reply = tuple[str, int, Message]
+
+
+class Role:
+    """A data-plane role: `handle` answers peers, `on_scheduler` the scheduler's other messages."""
+
+    role = ""
+
+    def __init__(self, env: NodeEnv) -> None:
+        self.log = logging.getLogger(f"sluice.{self.role}")
+        self.control_settings = SchedulerConfig(**env.section("scheduler"))
+        self.done = threading.Event()
+        self.exit_code = 0
+        self.inflight = 0
+        self.transport = open_transport(env.name, env.transport_config(), self._on_message, keys=env.job_keys(),
+                                        members=env.members)
+        self.control = ControlClient(
+            self.transport, env, self.control_settings, on_fatal=self._on_fatal, on_message=self._on_control,
+            on_welcome=self.on_welcome,
+        )
+
+    # ------------------------------------------------------------------ what a role fills in
+    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+        """A peer's message, validated by the transport; the replies, or WireError (refused, nothing changed)."""
+        raise NotImplementedError
+
+    def on_welcome(self) -> None:
+        """On the I/O thread, as the address book arrives and before any later message."""
+
+    def on_scheduler(self, msg: Message) -> None:
+        """A scheduler message other than SHUTDOWN and BYE; WireError if it has no business here."""
+        raise WireError(f"unexpected {msg.kind.name} from the scheduler")
+
+    def stalled(self, now: float, limit: float) -> list[str]:
+        """Rounds waiting longer than `limit` seconds, in words."""
+        return []
+
+    def worker_left(self, rank: int) -> list[Reply]:
+        """Worker `rank` said goodbye: the messages that fail the rounds it can no longer join."""
+        return []
+
+    # ------------------------------------------------------------------ shared
+    def run(self) -> int:
+        name = f"{self.role} {self.control.rank}"
+        try:
+            endpoints = self.transport.listen()
+            self.control.register(self.role, endpoints)
+            name = f"{self.role} {self.control.rank}"
+            self.log.info("%s serving on %s", name, " ".join(endpoints))
+            limit = self.control_settings.op_timeout
+            while not self.done.wait(min(limit, 10.0)):
+                for stall in self.stalled(time.monotonic(), limit):
+                    self.log.warning("%s", stall)
+        finally:
+            self.control.bye()
+            self.transport.close(flush_seconds=2.0)
+            for line in summary_lines(self.transport.stats(), name):
+                self.log.info("%s", line)
+        stats = self.transport.stats()
+        self.log.info("%s stopped (%d messages rejected, %d connections refused)", name, stats["rejected"],
+                      stats["refused_connections"])
+        return self.exit_code
+
+    def take_limits(self, limits: Limits) -> bool:
+        """Keep to the job's in-flight bound (replies too); True when it changed."""
+        if limits.inflight_bytes == self.inflight:
+            return False
+        self.inflight = limits.inflight_bytes
+        self.transport.set_inflight(self.inflight)
+        return True
+
+    def _on_message(self, peer: str, channel: int, msg: Message) -> None:
+        if peer == SCHEDULER_PEER:
+            self.control.receive(msg)
+            return
+        try:
+            replies = self.handle(peer, channel, msg)
+        except WireError as exc:
+            self.transport.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: {exc}")
+            return
+        for to, reply_channel, reply in replies:
+            self.transport.send(to, reply_channel, reply)
+
+    def _on_control(self, msg: Message) -> None:
+        if msg.kind == Kind.SHUTDOWN:
+            self.log.info("the scheduler ended the job")
+            self.done.set()
+        elif msg.kind == Kind.BYE:
+            rank = meta_field(msg, "rank", int)
+            self.log.info("worker %d has left the job", rank)
+            for to, channel, reply in self.worker_left(rank):
+                self.transport.send(to, channel, reply)
+        else:
+            self.on_scheduler(msg)
+
+    def _on_fatal(self, error: str) -> None:
+        self.exit_code = 1
+        self.done.set()
