@@ -150,3 +150,15 @@ def test_aggregation_quick_measures_every_configuration_against_its_bound(tmp_pa
     assert [r["aux"] for r in records].count(True) == 2
     assert ET.parse(plot).getroot().tag == "{http://www.w3.org/2000/svg}svg"
     assert "measured/predicted" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_hol_tree_quick_times_urgent_messages_through_an_aggregator(tmp_path: Path) -> None:
+    out = tmp_path / "hol_tree.json"
+    result = run_script(["bench/hol_tree.py", "--quick", "--json", str(out)], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:]
+    (rec,) = _check_records(out, 1)
+    assert rec["peer_name"].startswith("one FIFO channel") and rec["better"] == "lower", rec
+    assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12) and rec["chunk_times_per_hop"] > 0
+    assert "chunk-times per hop" in result.stdout
