@@ -15,6 +15,7 @@ from scheduler.bootstrap import NodeEnv
 from scheduler.calibration import Limits
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SluiceError
+from scheduler.hierarchy.agent import NodeAgent
 from scheduler.rendezvous import parse_limits
 from transport.base import Transport
 from transport.wire import Kind, Message, WireError, brief, meta_field
@@ -85,10 +86,14 @@ class ControlClient:
         self.rank = -1
         self.role = ""
         self.peers: list[PeerInfo] = []
+        #: measures this node's link for the network manager (aggregation.mode = "plan" only)
+        self.agent: NodeAgent | None = None
 
     # ------------------------------------------------------------------ requests
     def register(self, role: str, endpoints: Sequence[str]) -> None:
         self.role = role
+        if self._env.section("aggregation").get("mode") == "plan":
+            self.agent = NodeAgent.for_address(endpoint_host(endpoints), self._transport)
         self._transport.connect(SCHEDULER_PEER, [self._env.scheduler], control=True)
         self._send(
             Kind.REGISTER,
@@ -201,7 +206,8 @@ class ControlClient:
     def _heartbeats(self) -> None:
         interval, limit = self._config.heartbeat_interval, self._config.heartbeat_timeout
         while not self._stop.wait(interval):
-            self._send(Kind.HEARTBEAT)
+            report = self.agent.report() if self.agent is not None else None
+            self._send(Kind.HEARTBEAT, **({"net": report.encode()} if report is not None else {}))
             silent = time.monotonic() - self._last_ack
             if silent > limit:
                 error = f"the scheduler at {self._env.scheduler} has not answered heartbeats for {silent:.1f} s"

@@ -14,6 +14,7 @@ from typing import Any
 from scheduler.bootstrap import node_name
 from scheduler.calibration import Limits, agree
 from scheduler.config import SchedulerConfig
+from scheduler.hierarchy.agent import Report, parse_report
 from scheduler.hierarchy.routes import Route, check_trees
 from scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from scheduler.partition import TensorPlan, TensorSpec, plan_tensors
@@ -121,6 +122,8 @@ class Rendezvous:
         self.workers, self.servers, self.aggregators, self.config = workers, servers, aggregators, config
         #: the switch to new aggregation trees between rounds (scheduler/hierarchy/switch.py)
         self.switch = RouteSwitch()
+        #: each node's latest network report (scheduler/hierarchy/agent.py), by node name
+        self.net_reports: dict[str, Report] = {}
         #: as configured; 0: the workers' calibrations decide (at the first declaration)
         self.chunk_bytes, self.inflight_bytes = chunk_bytes, inflight_bytes
         self.limits: Limits | None = None
@@ -169,6 +172,12 @@ class Rendezvous:
             raise WireError(f"{msg.kind.name} from unregistered peer {peer!r}")
         self.last_seen[peer] = now
         if msg.kind == Kind.HEARTBEAT:
+            if msg.meta and "net" in msg.meta:  # the node's network agent: the manager reads the latest of each
+                report = parse_report(msg.meta["net"])
+                if report is None:
+                    raise WireError(f"a heartbeat's net report must be four rates in Mbit/s, "
+                                    f"got {brief(msg.meta['net'])}")
+                self.net_reports[peer] = report
             return [(peer, self._msg(Kind.HEARTBEAT_ACK))]
         if msg.kind == Kind.DECLARE and node.role == "worker":
             return self._on_declare(node, msg)

@@ -99,6 +99,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                 outs = machine.on_tick(now)
                 if trees is not None and machine.phase == "running":
                     nodes = [NodeAt(n.name, n.role, endpoint_host(n.endpoints)) for n in machine.nodes.values()]
+                    trees.observe_reports(machine.net_reports, nodes)
                     due = trees.due(now, nodes)
                     if due is not None:
                         outs += machine.propose_routes(due)

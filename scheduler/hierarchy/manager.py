@@ -9,10 +9,12 @@ scheduler's loop keeps answering heartbeats while HiGHS searches (up to `time_li
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from scheduler.hierarchy.agent import Report, spare_mbit
 from scheduler.hierarchy.config import AggregationConfig
 from scheduler.hierarchy.placement import NodeAt, host_of, job_topology, routes_from_plan
 from scheduler.hierarchy.planner import plan_trees
@@ -32,6 +34,9 @@ class StaticTrees:
         self._current = 0
         self._next_at = now + self.period
         self._started = False
+
+    def observe_reports(self, reports: Mapping[str, Report], nodes: Sequence[NodeAt]) -> None:
+        """Static trees do not follow the network."""
 
     def due(self, now: float, nodes: Sequence[NodeAt] = ()) -> list[Route] | None:
         """Trees to switch to now, or None."""
@@ -58,6 +63,8 @@ class NetworkManager:
         self.plan: Plan | None = None
         self.plans = 0
         self._planned_spare: dict[str, float] = {}
+        self._configured: dict[str, float] = {}  # host -> configured rate, known once the job has formed
+        self._routes: list[Route] | None = None
         self._next_at = now
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-planner")
         self._running: Future[tuple[Plan, list[Route]]] | None = None
@@ -80,7 +87,13 @@ class NetworkManager:
                 return None
             self.plans += 1
             log.info("aggregation plan %d: %s", self.plans, describe(self.plan))
+            if routes == self._routes:
+                return None  # the same trees: nothing to switch
+            self._routes = routes
             return routes
+        if not self._configured:
+            with contextlib.suppress(PlanError):
+                self._configured = {h.name: h.link_mbit for h in job_topology(self.config, nodes)[0].hosts}
         if now >= self._next_at or self._changed():
             self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
             self._planned_spare = dict(self.spare)
@@ -88,12 +101,28 @@ class NetworkManager:
         return None
 
     def observe(self, spare: dict[str, float]) -> None:
-        """The agents' latest spare bandwidth by host or rack uplink ("uplink:RACK"), Mbit/s."""
+        """Spare bandwidth measured by host or rack uplink ("uplink:RACK"), Mbit/s."""
         self.spare.update(spare)
+
+    def observe_reports(self, reports: Mapping[str, Report], nodes: Sequence[NodeAt]) -> None:
+        """The agents' latest reports by node: each host's spare bandwidth is its configured rate less the
+        traffic its interface carries beyond the job's own (agent.spare_mbit)."""
+        if not reports:
+            return
+        try:
+            topology, _ = job_topology(self.config, nodes)
+            placed, _ = host_of(self.config, nodes)
+        except PlanError:
+            return  # said when planning
+        by_host: dict[str, list[Report]] = {}
+        for name, report in reports.items():
+            if name in placed:
+                by_host.setdefault(placed[name], []).append(report)
+        self.observe({h.name: spare_mbit(h.link_mbit, by_host[h.name]) for h in topology.hosts if h.name in by_host})
 
     def _changed(self) -> bool:
         for link, rate in self.spare.items():
-            planned = self._planned_spare.get(link)
+            planned = self._planned_spare.get(link, self._configured.get(link))
             if planned is None or abs(rate - planned) > self.config.change * max(planned, 1e-9):
                 return True
         return False

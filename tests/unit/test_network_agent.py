@@ -1,0 +1,80 @@
+"""The network agent's counters and rates, and the spare bandwidth the manager derives from them (literal tables)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.hierarchy.agent import LinkAgent, Report, parse_net_dev, parse_report, spare_mbit
+from scheduler.hierarchy.config import AggregationConfig
+from scheduler.hierarchy.manager import NetworkManager
+from scheduler.hierarchy.placement import NodeAt
+
+NET_DEV = """Inter-|   Receive                                  |  Transmit
+ face |bytes packets errs drop fifo frame compressed multicast|bytes packets errs drop fifo colls carrier compressed
+    lo: 123456 100 0 0 0 0 0 0 123456 100 0 0 0 0 0 0
+  eth0: 5000000 4000 0 0 0 0 0 0 7000000 5000 0 0 0 0 0 0
+"""
+
+
+def test_proc_net_dev_gives_received_and_transmitted_bytes_per_interface() -> None:
+    assert parse_net_dev(NET_DEV) == {"lo": (123456, 123456), "eth0": (5_000_000, 7_000_000)}
+    assert parse_net_dev("garbage\n\nno: counters here") == {}
+
+
+@pytest.mark.parametrize(
+    ("samples", "want"),
+    [
+        # (now, (link rx, link tx), (own sent, own received)) ... -> the last sample's report
+        ([(0.0, (0, 0), (0, 0)), (1.0, (1_250_000, 2_500_000), (1_000_000, 500_000))], Report(20.0, 10.0, 8.0, 4.0)),
+        ([(0.0, (0, 0), (0, 0)), (2.0, (2_500_000, 2_500_000), (0, 0))], Report(10.0, 10.0, 0.0, 0.0)),
+        ([(0.0, (0, 0), (0, 0))], None),  # the first sample has nothing to compare with
+        ([(0.0, (10, 10), (10, 10)), (1.0, (20, 20), (5, 20))], None),  # own counters were reset: skip
+        ([(1.0, (0, 0), (0, 0)), (1.0, (10, 10), (10, 10))], None),  # no time passed
+    ],
+)
+def test_the_agent_turns_counter_samples_into_rates(samples: list[tuple[float, tuple[int, int], tuple[int, int]]],
+                                                   want: Report | None) -> None:
+    agent = LinkAgent()
+    got = None
+    for now, link, own in samples:
+        got = agent.sample(now, link, own)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("capacity", "reports", "want"),
+    [
+        (40.0, [], 40.0),
+        (40.0, [Report(10.0, 10.0, 10.0, 10.0)], 40.0),  # all of it is the job's own
+        (40.0, [Report(30.0, 5.0, 10.0, 5.0)], 20.0),  # 20 Mbit/s of someone else's going out
+        (40.0, [Report(30.0, 30.0, 5.0, 5.0), Report(30.0, 30.0, 5.0, 5.0)], 20.0),  # two nodes, one link
+        (40.0, [Report(50.0, 0.0, 0.0, 0.0)], 0.0),  # never below zero
+    ],
+)
+def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, reports: list[Report], want: float) -> None:
+    assert spare_mbit(capacity, reports) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("raw", [None, [1, 2, 3], [1, 2, 3, -1], [1, 2, 3, "4"], [1, 2, 3, 1e9], {"a": 1}])
+def test_malformed_reports_are_refused(raw: object) -> None:
+    assert parse_report(raw) is None
+    assert parse_report([1, 2.5, 0, 0]) == Report(1.0, 2.5, 0.0, 0.0)
+
+
+def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_moves() -> None:
+    config = AggregationConfig(mode="plan", racks=("r0: 10.0.0.1 10.0.0.2", "srv: 10.0.9.1"), link_mbit=40.0,
+                               uplink_mbit=40.0)
+    nodes = [NodeAt("worker-0", "worker", "10.0.0.1"), NodeAt("aggregator-0", "aggregator", "10.0.0.1"),
+             NodeAt("worker-1", "worker", "10.0.0.2"), NodeAt("server-0", "server", "10.0.9.1")]
+    manager = NetworkManager(config, now=0.0)
+    try:
+        manager._configured = {"10.0.0.1": 40.0, "10.0.0.2": 40.0, "10.0.9.1": 40.0}
+        manager.observe_reports({"worker-0": Report(30.0, 5.0, 4.0, 1.0), "aggregator-0": Report(30.0, 5.0, 6.0, 1.0),
+                                 "worker-1": Report(4.0, 4.0, 4.0, 4.0)}, nodes)
+        assert manager.spare == {"10.0.0.1": pytest.approx(20.0), "10.0.0.2": pytest.approx(40.0)}
+        assert manager._changed()  # 10.0.0.1 moved from 40 to 20, beyond aggregation.change = 0.25
+        manager._planned_spare = dict(manager.spare)
+        manager.observe({"10.0.0.1": 22.0})
+        assert not manager._changed()  # within 25%
+    finally:
+        manager.close()
