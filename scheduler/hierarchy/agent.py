@@ -85,13 +85,14 @@ class LinkAgent:
 
 def spare_mbit(capacity: float, reports: list[Report]) -> float:
     """A host's spare bandwidth for the job from its nodes' reports: the link rate less the busier
-    direction of what the interface carries beyond the job's own traffic (never below 0)."""
+    direction of what the interface carries beyond the job's own traffic (at least 1% of the rate:
+    the planner needs a positive rate, and a link that full is one it will not load)."""
     if not reports:
         return capacity
     link_tx = max(r.link_tx for r in reports)
     link_rx = max(r.link_rx for r in reports)
     others = max(link_tx - sum(r.own_tx for r in reports), link_rx - sum(r.own_rx for r in reports), 0.0)
-    return max(capacity - others, 0.0)
+    return max(capacity - others, capacity / 100)
 
 
 class NodeAgent:

@@ -84,7 +84,8 @@ def job_topology(config: AggregationConfig, nodes: Sequence[NodeAt],
             continue
         rate = (spare or {}).get(host, links.get(host, config.link_mbit))
         hosts.append(Host(host, rack, rate, count["worker"], count["server"],
-                          aux=count["aggregator"] > 0 and count["worker"] == 0))
+                          aux=count["aggregator"] > 0 and count["worker"] == 0,
+                          can_aggregate=count["aggregator"] > 0))
     racks = []
     for rack in dict.fromkeys(rack_of_host.values()):
         default = config.uplink_mbit or sum(h.link_mbit for h in hosts if h.rack == rack) or config.link_mbit

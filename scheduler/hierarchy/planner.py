@@ -49,7 +49,8 @@ def candidates(topology: Topology, model: LoadModel) -> Candidates:
     racks, options, classes = [], [], []
     for rack in sorted(topology.racks, key=lambda r: r.name):
         hosts = [h for h in topology.hosts if h.rack == rack.name and eligible(h) and h.name in column]
-        if not any(h.workers for h in hosts) or not oversubscribed(topology, rack):
+        has_workers = any(h.workers for h in topology.hosts if h.rack == rack.name)
+        if not hosts or not has_workers or not oversubscribed(topology, rack):
             continue
         racks.append(rack.name)
         options.append(tuple(column[h.name] for h in hosts))

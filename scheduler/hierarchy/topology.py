@@ -39,6 +39,7 @@ class Host:
     workers: int = 0  # this job's worker processes on the host
     servers: int = 0  # this job's server processes on the host
     aux: bool = False  # runs no worker of this job but may aggregate for it
+    can_aggregate: bool = True  # an aggregator process can run here (the job started one on the host)
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,9 @@ class Plan:
 
 
 def eligible(host: Host) -> bool:
-    """Whether `host` may aggregate its rack: it runs a worker of this job or is an auxiliary node."""
-    return host.workers > 0 or host.aux
+    """Whether `host` may aggregate its rack: it runs a worker of this job or is an auxiliary node, and
+    it can run an aggregator."""
+    return (host.workers > 0 or host.aux) and host.can_aggregate
 
 
 def rack_workers(topology: Topology) -> dict[str, int]:

@@ -48,7 +48,7 @@ def test_the_agent_turns_counter_samples_into_rates(samples: list[tuple[float, t
         (40.0, [Report(10.0, 10.0, 10.0, 10.0)], 40.0),  # all of it is the job's own
         (40.0, [Report(30.0, 5.0, 10.0, 5.0)], 20.0),  # 20 Mbit/s of someone else's going out
         (40.0, [Report(30.0, 30.0, 5.0, 5.0), Report(30.0, 30.0, 5.0, 5.0)], 20.0),  # two nodes, one link
-        (40.0, [Report(50.0, 0.0, 0.0, 0.0)], 0.0),  # never below zero
+        (40.0, [Report(50.0, 0.0, 0.0, 0.0)], 0.4),  # never below 1% of the rate
     ],
 )
 def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, reports: list[Report], want: float) -> None:
