@@ -92,8 +92,10 @@ class ControlClient:
     # ------------------------------------------------------------------ requests
     def register(self, role: str, endpoints: Sequence[str]) -> None:
         self.role = role
-        if self._env.section("aggregation").get("mode") == "plan":
-            self.agent = NodeAgent.for_address(endpoint_host(endpoints), self._transport)
+        aggregation = self._env.section("aggregation")
+        if aggregation.get("mode") == "plan":
+            period = float(aggregation.get("report_s", 1.0))
+            self.agent = NodeAgent.for_address(endpoint_host(endpoints), self._transport, period)
         self._transport.connect(SCHEDULER_PEER, [self._env.scheduler], control=True)
         self._send(
             Kind.REGISTER,

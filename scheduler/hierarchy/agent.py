@@ -98,17 +98,24 @@ def spare_mbit(capacity: float, reports: list[Report]) -> float:
 class NodeAgent:
     """A node's agent: samples its interface and its transport's counters when asked (each heartbeat)."""
 
-    def __init__(self, interface: str, transport: Any) -> None:
-        self.interface, self.transport = interface, transport
+    def __init__(self, interface: str, transport: Any, period: float = 1.0) -> None:
+        self.interface, self.transport, self.period = interface, transport, period
         self.rates = LinkAgent()
+        self._next = 0.0
 
     @classmethod
-    def for_address(cls, address: str, transport: Any) -> NodeAgent | None:
-        """An agent for the interface holding `address`; None where there is no link to measure."""
+    def for_address(cls, address: str, transport: Any, period: float = 1.0) -> NodeAgent | None:
+        """An agent for the interface holding `address`, reporting every `period` seconds; None where
+        there is no link to measure."""
         interface = interface_for(address)
-        return cls(interface, transport) if interface is not None else None
+        return cls(interface, transport, period) if interface is not None else None
 
     def report(self) -> Report | None:
+        """The rates since the last report, once `period` has passed (asked at every heartbeat)."""
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + self.period * 0.9  # heartbeats jitter: a beat a little early still reports
         try:
             with open("/proc/net/dev") as file:
                 counters = parse_net_dev(file.read()).get(self.interface)
@@ -118,4 +125,4 @@ class NodeAgent:
         if counters is None:
             return None
         own = (sum(stats.get("sent_bytes", ())), sum(stats.get("received_bytes", ())))
-        return self.rates.sample(time.monotonic(), counters, own)
+        return self.rates.sample(now, counters, own)

@@ -36,7 +36,8 @@ class AggregationConfig:
     time_limit: float = 5.0
     #: re-plan every this many seconds (0: only when the measured bandwidth changes)
     replan_s: float = 0.0
-    #: agents report their links' use every this many seconds
+    #: agents report their links' use every this many seconds (with a heartbeat: at least
+    #: scheduler.heartbeat_interval apart)
     report_s: float = 1.0
     #: re-plan when a link's measured spare bandwidth moves by more than this fraction
     change: float = 0.25
