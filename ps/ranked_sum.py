@@ -16,6 +16,7 @@ Integer sums need no order: integer addition is associative.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class RankedSum:
     dtype: str
     #: the ranks a complete sum holds, sorted (by default every rank: see expect())
     expected: Sequence[int] | None = None
+    #: each expected rank -> the next one (None: every rank, so rank + 1)
+    _after: dict[int, int] | None = None
     #: ranks already added into accum
     covered: set[int] = field(default_factory=set)
     #: the smallest expected rank not in `covered`
@@ -72,16 +75,13 @@ class RankedSum:
 
     def expect(self, ranks: Sequence[int]) -> None:
         """This round's sum holds exactly `ranks` (sorted): an aggregator's subtree. Call before take()."""
-        self.expected = ranks
+        if ranks is not self.expected:  # a tree's ranks are one tuple round after round: map them once
+            self.expected = ranks
+            self._after = dict(itertools.pairwise(ranks))
         self.low = ranks[0]
 
     def _next_expected(self, rank: int) -> int:
-        if self.expected is None:
-            return rank + 1
-        for candidate in self.expected:
-            if candidate > rank:
-                return candidate
-        return rank + 1
+        return rank + 1 if self._after is None else self._after.get(rank, rank + 1)
 
     def take(self, ranks: Sequence[int], data: np.ndarray, spare: SparePool) -> None:
         """Add the piece covering sorted `ranks` now if its turn has come, else stash a copy.

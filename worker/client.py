@@ -278,13 +278,17 @@ class Client:
             if self._router.holding:
                 self._held.append((tensor, pushes))
                 return handle
-        self._send_pushes(tensor, pushes, handle)
+            routes = self._routes(tensor, pushes)
+        self._send_pushes(tensor, pushes, routes, handle)
         return handle
 
-    def _send_pushes(self, tensor: _Tensor, pushes: list[tuple[int, Message]], handle: Handle | None) -> None:
+    def _routes(self, tensor: _Tensor, pushes: list[tuple[int, Message]]) -> list[tuple[int, int, str] | None]:
+        """The tree (epoch, tree, parent) each push takes, None for its server (call with _lock held)."""
+        return [self._router.route(tensor.key, msg.chunk, msg.round) for _, msg in pushes]
+
+    def _send_pushes(self, tensor: _Tensor, pushes: list[tuple[int, Message]],
+                     routes: list[tuple[int, int, str] | None], handle: Handle | None) -> None:
         """Each chunk to its server, or to its parent aggregator in the tree its round takes."""
-        with self._lock:
-            routes = [self._router.route(tensor.key, msg.chunk, msg.round) for _, msg in pushes]
         for (server, msg), route in zip(pushes, routes, strict=True):
             if route is None:
                 self._send(tensor, server, msg)
@@ -386,11 +390,12 @@ class Client:
             epoch, rounds = meta_field(msg, "epoch", int), parse_rounds(meta_field(msg, "rounds", list))
             with self._lock:
                 parents = self._router.commit(epoch, rounds)
-                held, self._held = self._held, []
+                held = [(tensor, pushes, self._routes(tensor, pushes)) for tensor, pushes in self._held]
+                self._held = []
             for parent in parents:  # a no-op for aggregators connected in an earlier epoch
                 self.transport.connect(parent, self._aggregator_endpoints[parent])
-            for tensor, pushes in held:
-                self._send_pushes(tensor, pushes, None)
+            for tensor, pushes, routes in held:
+                self._send_pushes(tensor, pushes, routes, None)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
 

@@ -4,7 +4,7 @@ The scheduler switches the job to new trees with the protocol in scheduler/hiera
 this is the worker's side: `begin` (ROUTES: answer with the last round started of every tensor and
 hold new rounds), `commit` (COMMIT: the switch round of each tensor; release what was held), and
 `route` (for a chunk of a round: the epoch's tree and the parent to push to, or None for the
-server). Chunks are given to trees by `assign_chunks`, extended as tensors are declared: keys grow
+server). Chunks are given to trees by `ChunkAssignment`, extended as tensors are declared: keys grow
 with each declaration and the assignment of a chunk depends only on the chunks before it, so every
 worker gets the same assignment whenever it computes it.
 """

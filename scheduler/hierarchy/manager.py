@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from scheduler.hierarchy.agent import Report, spare_mbit
 from scheduler.hierarchy.config import AggregationConfig
-from scheduler.hierarchy.placement import NodeAt, host_of, job_topology, routes_from_plan
+from scheduler.hierarchy.placement import NodeAt, Placement, place
 from scheduler.hierarchy.planner import plan_trees
 from scheduler.hierarchy.routes import Route, parse_static_trees
 from scheduler.hierarchy.topology import Plan, PlanError
@@ -64,6 +64,7 @@ class NetworkManager:
         self.plans = 0
         self._planned_spare: dict[str, float] = {}
         self._configured: dict[str, float] = {}  # host -> configured rate, known once the job has formed
+        self._placement: Placement | None = None
         self._routes: list[Route] | None = None
         self._next_at = now
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-planner")
@@ -74,6 +75,7 @@ class NetworkManager:
         plan when it is time."""
         if not nodes:
             return None
+        self._place(nodes)
         running = self._running
         if running is not None:
             if not running.done():
@@ -91,14 +93,20 @@ class NetworkManager:
                 return None  # the same trees: nothing to switch
             self._routes = routes
             return routes
-        if not self._configured:
-            with contextlib.suppress(PlanError):
-                self._configured = {h.name: h.link_mbit for h in job_topology(self.config, nodes)[0].hosts}
         if now >= self._next_at or self._changed():
             self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
             self._planned_spare = dict(self.spare)
-            self._running = self._pool.submit(self._solve, list(nodes), dict(self.spare))
+            self._running = self._pool.submit(self._solve, nodes, dict(self.spare))
         return None
+
+    def _place(self, nodes: Sequence[NodeAt]) -> Placement | None:
+        """The job's placement, worked out once (the nodes of a formed job do not change); None if the
+        racks do not fit the job, which planning then says."""
+        if self._placement is None:
+            with contextlib.suppress(PlanError):
+                self._placement = place(self.config, nodes)
+                self._configured = {h.name: h.link_mbit for h in self._placement.configured.hosts}
+        return self._placement
 
     def observe(self, spare: dict[str, float]) -> None:
         """Spare bandwidth measured by host or rack uplink ("uplink:RACK"), Mbit/s."""
@@ -107,18 +115,15 @@ class NetworkManager:
     def observe_reports(self, reports: Mapping[str, Report], nodes: Sequence[NodeAt]) -> None:
         """The agents' latest reports by node: each host's spare bandwidth is its configured rate less the
         traffic its interface carries beyond the job's own (agent.spare_mbit)."""
-        if not reports:
+        placement = self._place(nodes) if reports else None
+        if placement is None:
             return
-        try:
-            topology, _ = job_topology(self.config, nodes)
-            placed, _ = host_of(self.config, nodes)
-        except PlanError:
-            return  # said when planning
         by_host: dict[str, list[Report]] = {}
         for name, report in reports.items():
-            if name in placed:
-                by_host.setdefault(placed[name], []).append(report)
-        self.observe({h.name: spare_mbit(h.link_mbit, by_host[h.name]) for h in topology.hosts if h.name in by_host})
+            if name in placement.host:
+                by_host.setdefault(placement.host[name], []).append(report)
+        self.observe({h.name: spare_mbit(h.link_mbit, by_host[h.name])
+                      for h in placement.configured.hosts if h.name in by_host})
 
     def _changed(self) -> bool:
         for link, rate in self.spare.items():
@@ -127,13 +132,12 @@ class NetworkManager:
                 return True
         return False
 
-    def _solve(self, nodes: list[NodeAt], spare: dict[str, float]) -> tuple[Plan, list[Route]]:
+    def _solve(self, nodes: Sequence[NodeAt], spare: dict[str, float]) -> tuple[Plan, list[Route]]:
+        placement = self._placement or place(self.config, nodes)  # (raises PlanError, said by due())
         config = self.config
-        topology, aggregator_at = job_topology(config, nodes, spare or None)
-        plan = plan_trees(topology, max_trees=config.max_trees, tree_penalty=config.tree_penalty,
+        plan = plan_trees(placement.topology(spare), max_trees=config.max_trees, tree_penalty=config.tree_penalty,
                           time_limit=config.time_limit)
-        placed, rack_of_host = host_of(config, nodes)
-        return plan, routes_from_plan(plan, nodes, placed, rack_of_host, aggregator_at)
+        return plan, placement.routes(plan)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

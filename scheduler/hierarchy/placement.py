@@ -3,8 +3,8 @@ host-level plan turned into node-level routes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from scheduler.hierarchy.config import AggregationConfig
 from scheduler.hierarchy.routes import SERVERS, Route
@@ -35,16 +35,62 @@ def _rates(entries: Sequence[str], what: str) -> dict[str, float]:
     return rates
 
 
-def host_of(config: AggregationConfig, nodes: Sequence[NodeAt]) -> tuple[dict[str, str], dict[str, str]]:
-    """(node name -> host, host -> rack) from aggregation.racks: a rack lists hosts, each an address or
-    node names joined by "+" (a host of their own, as on one machine standing in for several)."""
+@dataclass(frozen=True)
+class Placement:
+    """A formed job in its racks, worked out once: each node's host, each host's rack, the topology at
+    the configured rates, and the aggregator node that serves each host that has one."""
+
+    nodes: tuple[NodeAt, ...]
+    host: dict[str, str]  # node name -> host
+    rack: dict[str, str]  # host -> rack
+    configured: Topology
+    aggregator_at: dict[str, str]
+
+    def topology(self, spare: Mapping[str, float]) -> Topology:
+        """The topology with measured spare rates (by host and "uplink:RACK") in place of configured ones."""
+        if not spare:
+            return self.configured
+        hosts = tuple(replace(h, link_mbit=spare.get(h.name, h.link_mbit)) for h in self.configured.hosts)
+        racks = tuple(replace(r, uplink_mbit=spare.get(f"uplink:{r.name}", r.uplink_mbit))
+                      for r in self.configured.racks)
+        return Topology(hosts, racks)
+
+    def routes(self, plan: Plan) -> list[Route]:
+        """Node-level trees: in each tree a rack's workers send to the aggregator node on the host the
+        plan chose for the rack (the workers on that host too, locally), and it sends to the servers."""
+        routes = []
+        for tree in plan.trees:
+            chosen = dict(tree.aggregators)
+            parents: dict[str, str] = {}
+            for node in self.nodes:
+                host = chosen.get(self.rack[self.host[node.name]]) if node.role == "worker" else None
+                if host is None:
+                    continue
+                aggregator = self.aggregator_at.get(host)
+                if aggregator is None:
+                    raise PlanError(f"the plan aggregates at host {host!r}, which runs no aggregator")
+                parents[node.name] = aggregator
+                parents[aggregator] = SERVERS
+            routes.append(Route(tree.weight, parents))
+        return routes
+
+
+def place(config: AggregationConfig, nodes: Sequence[NodeAt]) -> Placement:
+    """The job's placement from aggregation.racks, which lists hosts per rack: each an address, or node
+    names joined by "+" (a host of their own, as on one machine standing in for several).
+
+    Host links run at aggregation.link_mbit or their `links` entry; a rack's uplink at its `uplinks`
+    entry, else aggregation.uplink_mbit, else (0) the sum of its hosts' links: not oversubscribed.
+    A host with an aggregator and no worker is an auxiliary node; only hosts with an aggregator may
+    aggregate.
+    """
     rack_of_host: dict[str, str] = {}
     for entry in config.racks:
-        rack, colon, hosts = entry.partition(":")
+        rack, colon, listed = entry.partition(":")
         rack = rack.strip()
-        if not colon or not rack or not hosts.split():
+        if not colon or not rack or not listed.split():
             raise PlanError(f"aggregation.racks entry {entry!r} must be \"RACK: HOST HOST ...\"")
-        for host in hosts.split():
+        for host in listed.split():
             if host in rack_of_host:
                 raise PlanError(f"host {host!r} is listed in racks {rack_of_host[host]!r} and {rack!r}")
             rack_of_host[host] = rack
@@ -56,19 +102,6 @@ def host_of(config: AggregationConfig, nodes: Sequence[NodeAt]) -> tuple[dict[st
             raise PlanError(f"{node.name} (at {node.address}) is in no rack of aggregation.racks: list its address "
                             f"or its name in the rack it sits in")
         placed[node.name] = found
-    return placed, rack_of_host
-
-
-def job_topology(config: AggregationConfig, nodes: Sequence[NodeAt],
-                 spare: dict[str, float] | None = None) -> tuple[Topology, dict[str, str]]:
-    """The planner's topology, and the aggregator node that serves each host that has one.
-
-    Host links run at aggregation.link_mbit or their `links` entry; a rack's uplink at its `uplinks`
-    entry, else aggregation.uplink_mbit, else (0) the sum of its hosts' links: not oversubscribed.
-    `spare` (measured, by host and "uplink:RACK") overrides both. A host with an aggregator and no
-    worker is an auxiliary node.
-    """
-    placed, rack_of_host = host_of(config, nodes)
     links, uplinks = _rates(config.links, "links"), _rates(config.uplinks, "uplinks")
     counts: dict[str, dict[str, int]] = {host: {"worker": 0, "server": 0, "aggregator": 0} for host in rack_of_host}
     aggregator_at: dict[str, str] = {}
@@ -82,33 +115,11 @@ def job_topology(config: AggregationConfig, nodes: Sequence[NodeAt],
         count = counts[host]
         if not any(count.values()):
             continue
-        rate = (spare or {}).get(host, links.get(host, config.link_mbit))
-        hosts.append(Host(host, rack, rate, count["worker"], count["server"],
+        hosts.append(Host(host, rack, links.get(host, config.link_mbit), count["worker"], count["server"],
                           aux=count["aggregator"] > 0 and count["worker"] == 0,
                           can_aggregate=count["aggregator"] > 0))
     racks = []
     for rack in dict.fromkeys(rack_of_host.values()):
         default = config.uplink_mbit or sum(h.link_mbit for h in hosts if h.rack == rack) or config.link_mbit
-        racks.append(Rack(rack, (spare or {}).get(f"uplink:{rack}", uplinks.get(rack, default))))
-    return Topology(tuple(hosts), tuple(racks)), aggregator_at
-
-
-def routes_from_plan(plan: Plan, nodes: Sequence[NodeAt], placed: dict[str, str], rack_of_host: dict[str, str],
-                     aggregator_at: dict[str, str]) -> list[Route]:
-    """Node-level trees: in each tree a rack's workers send to the aggregator node on the host the plan
-    chose for the rack (the workers on that host too, locally), and it sends to the servers."""
-    routes = []
-    for tree in plan.trees:
-        chosen = dict(tree.aggregators)
-        parents: dict[str, str] = {}
-        for node in nodes:
-            host = chosen.get(rack_of_host[placed[node.name]]) if node.role == "worker" else None
-            if host is None:
-                continue
-            aggregator = aggregator_at.get(host)
-            if aggregator is None:
-                raise PlanError(f"the plan aggregates at host {host!r}, which runs no aggregator")
-            parents[node.name] = aggregator
-            parents[aggregator] = SERVERS
-        routes.append(Route(tree.weight, parents))
-    return routes
+        racks.append(Rack(rack, uplinks.get(rack, default)))
+    return Placement(tuple(nodes), placed, rack_of_host, Topology(tuple(hosts), tuple(racks)), aggregator_at)
