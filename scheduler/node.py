@@ -140,6 +140,8 @@ class ControlClient:
         if not self._stop.is_set() and self.failure is None and self.node_id >= 0:
             self._send(Kind.BYE)
         self._stop.set()
+        if self.agent is not None:
+            self.agent.close()
 
     # ------------------------------------------------------------------ incoming (I/O thread)
     def receive(self, msg: Message) -> None:
@@ -184,6 +186,8 @@ class ControlClient:
             self.failure = error
             self._cond.notify_all()
         self._stop.set()
+        if self.agent is not None:
+            self.agent.close()
         log.error("%s", error)
         self._on_fatal(error)
 

@@ -175,8 +175,8 @@ class Rendezvous:
             if msg.meta and "net" in msg.meta:  # the node's network agent: the manager reads the latest of each
                 report = parse_report(msg.meta["net"])
                 if report is None:
-                    raise WireError(f"a heartbeat's net report must be four rates in Mbit/s, "
-                                    f"got {brief(msg.meta['net'])}")
+                    raise WireError(f"a heartbeat's net report must be four rates in Mbit/s and the number of "
+                                    f"its period, got {brief(msg.meta['net'])}")
                 self.net_reports[peer] = report
             return [(peer, self._msg(Kind.HEARTBEAT_ACK))]
         if msg.kind == Kind.DECLARE and node.role == "worker":

@@ -5,6 +5,12 @@ the namespace's own view) and its transport's payload counters. Each report carr
 Mbit/s: the interface's transmit and receive, and this node's own. The manager adds up the own
 rates of the job's nodes on a host, so what the interface carries beyond them is other traffic:
 another job's, or anyone's. A host's spare bandwidth for the job is its link rate less that.
+
+The nodes on one host must measure the same window, or the bursts of synchronous rounds (a second of
+pushes, then a second of replies) show up as other traffic: windows a fraction of a period apart
+made the manager re-plan nine times in one benchmark run. So each agent samples at the boundaries of
+wall-clock periods (k x period; every process on a host reads the same clock) on a thread of its own,
+and every report names its period k: the manager adds up only reports of the same period.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import fcntl
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,42 +60,54 @@ class Report:
     link_rx: float
     own_tx: float
     own_rx: float
+    #: the wall-clock period the rates were measured over (period k ends at k x period seconds)
+    period: int = 0
 
     def encode(self) -> list[float]:
-        return [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3)]
+        return [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3),
+                self.period]
 
 
 def parse_report(raw: object) -> Report | None:
-    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s; None if malformed."""
-    if (type(raw) is not list or len(raw) != 4
-            or not all(type(v) in (int, float) and 0 <= v < 1e7 for v in raw)):
+    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s and the period's number; None if
+    malformed."""
+    if (type(raw) is not list or len(raw) != 5
+            or not all(type(v) in (int, float) and 0 <= v < 1e7 for v in raw[:4])
+            or type(raw[4]) is not int or not 0 <= raw[4] < 1 << 53):
         return None
-    return Report(*(float(v) for v in raw))
+    link_tx, link_rx, own_tx, own_rx = (float(v) for v in raw[:4])
+    return Report(link_tx, link_rx, own_tx, own_rx, raw[4])
 
 
 class LinkAgent:
-    """Turns counter samples into rates; the first sample, and a counter that went back, give none."""
+    """Turns counter samples into rates; the first sample, one after a missed period, and a counter that
+    went back, give none."""
 
     def __init__(self) -> None:
-        self._last: tuple[float, int, int, int, int] | None = None
+        self._last: tuple[int, float, int, int, int, int] | None = None
 
-    def sample(self, now: float, link: tuple[int, int], own: tuple[int, int]) -> Report | None:
-        """`link` = the interface's (received, transmitted) bytes, `own` = this node's (sent, received)."""
+    def sample(self, period: int, now: float, link: tuple[int, int], own: tuple[int, int]) -> Report | None:
+        """Counters read at the end of `period`: `link` = the interface's (received, transmitted) bytes,
+        `own` = this node's (sent, received)."""
         (rx, tx), (own_tx, own_rx) = link, own
-        last, self._last = self._last, (now, tx, rx, own_tx, own_rx)
-        if last is None or now <= last[0] or min(tx - last[1], rx - last[2], own_tx - last[3], own_rx - last[4]) < 0:
+        last, self._last = self._last, (period, now, tx, rx, own_tx, own_rx)
+        if (last is None or last[0] != period - 1 or now <= last[1]
+                or min(tx - last[2], rx - last[3], own_tx - last[4], own_rx - last[5]) < 0):
             return None
-        scale = 8 / 1e6 / (now - last[0])
-        return Report((tx - last[1]) * scale, (rx - last[2]) * scale, (own_tx - last[3]) * scale,
-                      (own_rx - last[4]) * scale)
+        scale = 8 / 1e6 / (now - last[1])
+        return Report((tx - last[2]) * scale, (rx - last[3]) * scale, (own_tx - last[4]) * scale,
+                      (own_rx - last[5]) * scale, period)
 
 
-def spare_mbit(capacity: float, reports: list[Report]) -> float:
+def spare_mbit(capacity: float, reports: list[Report]) -> float | None:
     """A host's spare bandwidth for the job from its nodes' reports: the link rate less the busier
     direction of what the interface carries beyond the job's own traffic (at least 1% of the rate:
-    the planner needs a positive rate, and a link that full is one it will not load)."""
+    the planner needs a positive rate, and a link that full is one it will not load). None until
+    every node on the host has reported the same period: windows that differ tell nothing."""
     if not reports:
         return capacity
+    if len({r.period for r in reports}) > 1:
+        return None
     link_tx = max(r.link_tx for r in reports)
     link_rx = max(r.link_rx for r in reports)
     others = max(link_tx - sum(r.own_tx for r in reports), link_rx - sum(r.own_rx for r in reports), 0.0)
@@ -96,12 +115,17 @@ def spare_mbit(capacity: float, reports: list[Report]) -> float:
 
 
 class NodeAgent:
-    """A node's agent: samples its interface and its transport's counters when asked (each heartbeat)."""
+    """A node's agent: samples its interface and its transport's counters at the end of every wall-clock
+    period, on a thread of its own; each heartbeat carries the newest report not yet sent."""
 
     def __init__(self, interface: str, transport: Any, period: float = 1.0) -> None:
         self.interface, self.transport, self.period = interface, transport, period
         self.rates = LinkAgent()
-        self._next = 0.0
+        self._latest: Report | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sluice-agent", daemon=True)
+        self._thread.start()
 
     @classmethod
     def for_address(cls, address: str, transport: Any, period: float = 1.0) -> NodeAgent | None:
@@ -111,18 +135,34 @@ class NodeAgent:
         return cls(interface, transport, period) if interface is not None else None
 
     def report(self) -> Report | None:
-        """The rates since the last report, once `period` has passed (asked at every heartbeat)."""
+        """The newest report not yet taken (asked at every heartbeat)."""
+        with self._lock:
+            latest, self._latest = self._latest, None
+        return latest
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = int(time.time() / self.period) + 1
+        while not self._stop.wait(max(period * self.period - time.time(), 0.0)):
+            report = self._sample(period)
+            if report is not None:
+                with self._lock:
+                    self._latest = report
+            period = max(period + 1, int(time.time() / self.period) + 1)  # a late wake-up skips periods
+
+    def _sample(self, period: int) -> Report | None:
         now = time.monotonic()
-        if now < self._next:
-            return None
-        self._next = now + self.period * 0.9  # heartbeats jitter: a beat a little early still reports
         try:
             with open("/proc/net/dev") as file:
                 counters = parse_net_dev(file.read()).get(self.interface)
-            stats = self.transport.stats()
+            # the counters themselves, not a snapshot through the I/O thread: a busy I/O thread would
+            # answer late, and the window would no longer be the other nodes' (ints read whole)
+            metrics = self.transport.metrics
+            own = (sum(metrics.sent_bytes), sum(metrics.received_bytes))
         except (OSError, RuntimeError, TimeoutError):
-            return None  # a report missed: the next period has one
+            return None  # a period missed: the one after it has none either, then they resume
         if counters is None:
             return None
-        own = (sum(stats.get("sent_bytes", ())), sum(stats.get("received_bytes", ())))
-        return self.rates.sample(now, counters, own)
+        return self.rates.sample(period, now, counters, own)

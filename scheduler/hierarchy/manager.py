@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -54,6 +55,12 @@ class StaticTrees:
         """Nothing runs in the background."""
 
 
+#: a host's spare bandwidth is the median of its last this many periods: one period can be off by what
+#: the link's queue took in or let out in it (the agent counts our bytes as they enter the queue, the
+#: interface as they leave it), while another job's traffic lasts
+SMOOTHING = 3
+
+
 class NetworkManager:
     """Plans the job's trees from its topology and the measured spare bandwidth; re-plans on change."""
 
@@ -63,6 +70,8 @@ class NetworkManager:
         self.plan: Plan | None = None
         self.plans = 0
         self._planned_spare: dict[str, float] = {}
+        #: each host's spare bandwidth in its last periods, by period: the median of SMOOTHING of them counts
+        self._recent: dict[str, dict[int, float]] = {}
         self._configured: dict[str, float] = {}  # host -> configured rate, known once the job has formed
         self._placement: Placement | None = None
         self._routes: list[Route] | None = None
@@ -122,13 +131,24 @@ class NetworkManager:
         for name, report in reports.items():
             if name in placement.host:
                 by_host.setdefault(placement.host[name], []).append(report)
-        self.observe({h.name: spare_mbit(h.link_mbit, by_host[h.name])
-                      for h in placement.configured.hosts if h.name in by_host})
+        for host in placement.configured.hosts:
+            mine = by_host.get(host.name)
+            rate = spare_mbit(host.link_mbit, mine) if mine else None
+            if mine is None or rate is None:
+                continue
+            recent = self._recent.setdefault(host.name, {})
+            recent[mine[0].period] = rate
+            for old in sorted(recent)[:-SMOOTHING]:
+                del recent[old]
+            if len(recent) == SMOOTHING:
+                self.observe({host.name: statistics.median(recent.values())})
 
     def _changed(self) -> bool:
         for link, rate in self.spare.items():
             planned = self._planned_spare.get(link, self._configured.get(link))
             if planned is None or abs(rate - planned) > self.config.change * max(planned, 1e-9):
+                log.info("re-planning: the spare bandwidth of %s moved from %s to %.1f Mbit/s", link,
+                         "unknown" if planned is None else f"{planned:.1f}", rate)
                 return True
         return False
 

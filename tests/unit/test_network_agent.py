@@ -24,20 +24,22 @@ def test_proc_net_dev_gives_received_and_transmitted_bytes_per_interface() -> No
 @pytest.mark.parametrize(
     ("samples", "want"),
     [
-        # (now, (link rx, link tx), (own sent, own received)) ... -> the last sample's report
-        ([(0.0, (0, 0), (0, 0)), (1.0, (1_250_000, 2_500_000), (1_000_000, 500_000))], Report(20.0, 10.0, 8.0, 4.0)),
-        ([(0.0, (0, 0), (0, 0)), (2.0, (2_500_000, 2_500_000), (0, 0))], Report(10.0, 10.0, 0.0, 0.0)),
-        ([(0.0, (0, 0), (0, 0))], None),  # the first sample has nothing to compare with
-        ([(0.0, (10, 10), (10, 10)), (1.0, (20, 20), (5, 20))], None),  # own counters were reset: skip
-        ([(1.0, (0, 0), (0, 0)), (1.0, (10, 10), (10, 10))], None),  # no time passed
+        # (period, now, (link rx, link tx), (own sent, own received)) ... -> the last sample's report
+        ([(4, 0.0, (0, 0), (0, 0)), (5, 1.0, (1_250_000, 2_500_000), (1_000_000, 500_000))],
+         Report(20.0, 10.0, 8.0, 4.0, period=5)),
+        ([(0, 0.0, (0, 0), (0, 0)), (1, 2.0, (2_500_000, 2_500_000), (0, 0))], Report(10.0, 10.0, 0.0, 0.0, 1)),
+        ([(0, 0.0, (0, 0), (0, 0))], None),  # the first sample has nothing to compare with
+        ([(0, 0.0, (0, 0), (0, 0)), (2, 2.0, (10, 10), (10, 10))], None),  # a period was missed: not aligned
+        ([(0, 0.0, (10, 10), (10, 10)), (1, 1.0, (20, 20), (5, 20))], None),  # own counters were reset: skip
+        ([(0, 1.0, (0, 0), (0, 0)), (1, 1.0, (10, 10), (10, 10))], None),  # no time passed
     ],
 )
-def test_the_agent_turns_counter_samples_into_rates(samples: list[tuple[float, tuple[int, int], tuple[int, int]]],
-                                                   want: Report | None) -> None:
+def test_the_agent_turns_counter_samples_into_rates(
+        samples: list[tuple[int, float, tuple[int, int], tuple[int, int]]], want: Report | None) -> None:
     agent = LinkAgent()
     got = None
-    for now, link, own in samples:
-        got = agent.sample(now, link, own)
+    for period, now, link, own in samples:
+        got = agent.sample(period, now, link, own)
     assert got == want
 
 
@@ -49,16 +51,21 @@ def test_the_agent_turns_counter_samples_into_rates(samples: list[tuple[float, t
         (40.0, [Report(30.0, 5.0, 10.0, 5.0)], 20.0),  # 20 Mbit/s of someone else's going out
         (40.0, [Report(30.0, 30.0, 5.0, 5.0), Report(30.0, 30.0, 5.0, 5.0)], 20.0),  # two nodes, one link
         (40.0, [Report(50.0, 0.0, 0.0, 0.0)], 0.4),  # never below 1% of the rate
+        # two nodes' windows a period apart: a burst of one looks like someone else's traffic, so no answer
+        (40.0, [Report(30.0, 30.0, 20.0, 5.0, period=7), Report(30.0, 30.0, 0.0, 5.0, period=8)], None),
     ],
 )
-def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, reports: list[Report], want: float) -> None:
-    assert spare_mbit(capacity, reports) == pytest.approx(want)
+def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, reports: list[Report],
+                                                        want: float | None) -> None:
+    got = spare_mbit(capacity, reports)
+    assert got == (pytest.approx(want) if want is not None else None)
 
 
-@pytest.mark.parametrize("raw", [None, [1, 2, 3], [1, 2, 3, -1], [1, 2, 3, "4"], [1, 2, 3, 1e9], {"a": 1}])
+@pytest.mark.parametrize("raw", [None, [1, 2, 3, 4], [1, 2, 3, -1, 0], [1, 2, 3, "4", 0], [1, 2, 3, 1e9, 0],
+                                 [1, 2, 3, 4, 1.5], [1, 2, 3, 4, -1], [1, 2, 3, 4, True], {"a": 1}])
 def test_malformed_reports_are_refused(raw: object) -> None:
     assert parse_report(raw) is None
-    assert parse_report([1, 2.5, 0, 0]) == Report(1.0, 2.5, 0.0, 0.0)
+    assert parse_report([1, 2.5, 0, 0, 9]) == Report(1.0, 2.5, 0.0, 0.0, period=9)
 
 
 def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_moves() -> None:
@@ -69,8 +76,18 @@ def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_mov
     manager = NetworkManager(config, now=0.0)
     try:
         manager._configured = {"10.0.0.1": 40.0, "10.0.0.2": 40.0, "10.0.9.1": 40.0}
-        manager.observe_reports({"worker-0": Report(30.0, 5.0, 4.0, 1.0), "aggregator-0": Report(30.0, 5.0, 6.0, 1.0),
-                                 "worker-1": Report(4.0, 4.0, 4.0, 4.0)}, nodes)
+        def period(k: int, burst: float = 0.0) -> None:
+            manager.observe_reports({"worker-0": Report(30.0 + burst, 5.0, 4.0, 1.0, k),
+                                     "aggregator-0": Report(30.0 + burst, 5.0, 6.0, 1.0, k),
+                                     "worker-1": Report(4.0, 4.0, 4.0, 4.0, k)}, nodes)
+
+        period(1)
+        period(2, burst=10.0)  # one period's burst (a queue emptying) does not count on its own
+        assert manager.spare == {}  # nothing until three periods are in
+        manager.observe_reports({"worker-0": Report(30.0, 5.0, 4.0, 1.0, 3),
+                                 "aggregator-0": Report(40.0, 5.0, 6.0, 1.0, 2)}, nodes)
+        assert manager.spare == {}  # the aggregator on that host has not reported period 3 yet
+        period(3)
         assert manager.spare == {"10.0.0.1": pytest.approx(20.0), "10.0.0.2": pytest.approx(40.0)}
         assert manager._changed()  # 10.0.0.1 moved from 40 to 20, beyond aggregation.change = 0.25
         manager._planned_spare = dict(manager.spare)
