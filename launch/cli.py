@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(config)
     config.add_argument("--json", action="store_true", help="print the sections as JSON instead")
 
+    jobs = commands.add_parser(
+        "jobs", formatter_class=_FORMATTER,
+        help="list the Sluice jobs running on this host (the job registry)",
+        description=_wrap("Lists the jobs whose schedulers run on this host, from the job registry: each "
+                    "scheduler publishes its job there about once a second (jobs.registry_dir, or the variable "
+                    "SLUICE_JOBS_REGISTRY_DIR; default /tmp/sluice-jobs-<uid>). With [jobs] priorities on, `level` is the job's priority level "
+                    "(0: the top) and `sent MiB` what its busiest worker has pushed (docs/aggregation.md)."))
+    jobs.add_argument("--json", action="store_true", help="print the entries as a JSON list instead")
+
     for role, what in (("scheduler", "the rendezvous and control plane"), ("server", "one parameter server"),
                        ("aggregator", "one aggregator of the aggregation trees")):
         commands.add_parser(
@@ -84,6 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
                         + (" It prints `SLUICE_SCHEDULER_READY <endpoint>` once it listens."
                            if role == "scheduler" else "")))
     return parser
+
+
+def _list_jobs(as_json: bool) -> int:
+    import dataclasses
+    import json
+
+    from scheduler.jobs_registry import describe, read_all, registry_dir
+
+    jobs, bad = read_all()
+    if as_json:
+        print(json.dumps([dataclasses.asdict(j) for j in jobs]))
+    elif jobs:
+        print(describe(jobs))
+    else:
+        print(f"no Sluice jobs running on this host (registry: {registry_dir()})")
+    if bad:
+        print(f"sluice: skipped {bad} malformed entries in {registry_dir()}", file=sys.stderr)
+    return 0
 
 
 def _error(text: str) -> int:
@@ -173,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return _show_config(args)
     if args.command in ("scheduler", "server", "aggregator"):
         return _run_role(args.command)
+    if args.command == "jobs":
+        return _list_jobs(args.json)
     parser.print_help(sys.stderr)
     return 2
 

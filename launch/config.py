@@ -31,6 +31,7 @@ from scheduler.hierarchy.config import AggregationConfig
 from transport.config import TransportConfig
 from worker.collective.config import CollectiveConfig
 from worker.config import WorkerConfig
+from worker.job_priority import JobsConfig
 
 #: section name -> the layer's settings class; the order is the order of listings and help
 SECTIONS: dict[str, type[Any]] = {
@@ -40,6 +41,7 @@ SECTIONS: dict[str, type[Any]] = {
     "worker": WorkerConfig,
     "collective": CollectiveConfig,
     "aggregation": AggregationConfig,
+    "jobs": JobsConfig,
 }
 ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
@@ -130,6 +132,7 @@ class SluiceConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
     #: (key, where its value came from) for every key not left at its default
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 

@@ -88,6 +88,9 @@ class ControlClient:
         self.peers: list[PeerInfo] = []
         #: measures this node's link for the network manager (aggregation.mode = "plan" only)
         self.agent: NodeAgent | None = None
+        #: a worker with job priorities on: [level, bytes pushed, rounds], sent with each heartbeat
+        #: for the job registry (scheduler/jobs_registry.py)
+        self.job_report: Callable[[], list[int]] | None = None
 
     # ------------------------------------------------------------------ requests
     def register(self, role: str, endpoints: Sequence[str]) -> None:
@@ -213,7 +216,10 @@ class ControlClient:
         interval, limit = self._config.heartbeat_interval, self._config.heartbeat_timeout
         while not self._stop.wait(interval):
             report = self.agent.report() if self.agent is not None else None
-            self._send(Kind.HEARTBEAT, **({"net": report.encode()} if report is not None else {}))
+            meta: dict[str, Any] = {"net": report.encode()} if report is not None else {}
+            if self.job_report is not None:
+                meta["job"] = self.job_report()
+            self._send(Kind.HEARTBEAT, **meta)
             silent = time.monotonic() - self._last_ack
             if silent > limit:
                 error = f"the scheduler at {self._env.scheduler} has not answered heartbeats for {silent:.1f} s"

@@ -124,6 +124,8 @@ class Rendezvous:
         self.switch = RouteSwitch()
         #: each node's latest network report (scheduler/hierarchy/agent.py), by node name
         self.net_reports: dict[str, Report] = {}
+        #: each worker's latest job-priority report (level, bytes pushed, rounds), for the job registry
+        self.job_reports: dict[str, tuple[int, int, int]] = {}
         #: as configured; 0: the workers' calibrations decide (at the first declaration)
         self.chunk_bytes, self.inflight_bytes = chunk_bytes, inflight_bytes
         self.limits: Limits | None = None
@@ -178,6 +180,8 @@ class Rendezvous:
                     raise WireError(f"a heartbeat's net report must be four rates in Mbit/s and the number of "
                                     f"its period, got {brief(msg.meta['net'])}")
                 self.net_reports[peer] = report
+            if msg.meta and "job" in msg.meta:
+                self.job_reports[peer] = parse_job_report(msg.meta["job"])
             return [(peer, self._msg(Kind.HEARTBEAT_ACK))]
         if msg.kind == Kind.DECLARE and node.role == "worker":
             return self._on_declare(node, msg)
@@ -370,3 +374,10 @@ class Rendezvous:
             return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in serving] + self.switch.gone(node.name)
         self.phase, self.exit_code = "done", 0
         return [(s.name, self._msg(Kind.SHUTDOWN)) for s in serving]
+
+
+def parse_job_report(raw: object) -> tuple[int, int, int]:
+    """A heartbeat's `job` field: [level, bytes pushed, rounds], each an int in [0, 2**53)."""
+    if type(raw) is not list or len(raw) != 3 or not all(type(v) is int and 0 <= v < 1 << 53 for v in raw):
+        raise WireError(f"a heartbeat's job report must be [level, bytes pushed, rounds], got {brief(raw)}")
+    return raw[0], raw[1], raw[2]

@@ -14,6 +14,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.hierarchy.config import AggregationConfig
 from scheduler.hierarchy.manager import tree_source
 from scheduler.hierarchy.placement import NodeAt
+from scheduler.jobs_registry import Registry
 from scheduler.node import endpoint_host
 from scheduler.rendezvous import Out, Rendezvous
 from transport.base import Transport, open_transport
@@ -65,7 +66,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             transport.close()
             log.error("aggregation.trees do not fit this job: %s", exc)
             return 1
-    announce(transport.listen()[0])
+    endpoint = transport.listen()[0]
+    announce(endpoint)
+    registry = Registry(endpoint, env, time.time())
     log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)
 
     def send(outs: list[Out]) -> None:
@@ -103,12 +106,14 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                     due = trees.due(now, nodes)
                     if due is not None:
                         outs += machine.propose_routes(due)
+                registry.tick(now, machine.job_reports)
                 if machine.lost is not None:  # named before NODE_LOST makes everyone else fail too
                     lost = machine.lost
                     culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)
                 send(outs)
                 next_tick = now + _TICK_SECONDS
     finally:
+        registry.close()
         if trees is not None:
             trees.close()
         transport.close(flush_seconds=2.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from worker.collective.config import CollectiveConfig
 from worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 from worker.collective.mailbox import Mailbox
 from worker.handle import Handle
+from worker.job_priority import JobLevel, JobsConfig
 from worker.routing import Router
 
 log = logging.getLogger("sluice.worker")
@@ -75,6 +77,11 @@ class Client:
         self._lock = threading.Lock()
         self._failure: str | None = None
         self.collective_settings = CollectiveConfig(**self.env.section("collective"))
+        jobs = JobsConfig(**self.env.section("jobs"))
+        try:  # with job priorities on, every push goes on the channel of the job's level
+            self.job_level = JobLevel(jobs, self.settings.channels) if jobs.priorities else None
+        except ValueError as exc:
+            raise SluiceError(str(exc)) from None
         #: the collective engine (allreduce and the rest among workers), made when the scheduler welcomes us
         self.collectives: CollectiveEngine | None = None
         #: collective messages from workers that were welcomed (and dialled us) before we were (I/O thread)
@@ -89,6 +96,8 @@ class Client:
                                         members=self.env.members)
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal,
                                      on_welcome=self._start_collectives, on_message=self._on_control)
+        if self.job_level is not None:
+            self.control.job_report = self.job_level.report
         self.control.register("worker", self.transport.listen())
         self.rank = self.control.rank
         self.size = self.env.workers
@@ -270,6 +279,8 @@ class Client:
         with self._lock:  # the round, and whether a switch of the trees holds it, agree with the I/O thread
             tensor.round += 1
             round_ = tensor.round
+            if self.job_level is not None:  # replies come back on the channel a push went on
+                tensor.channel = self.job_level.on_push(round_, flat.nbytes, time.monotonic())
             handle = self._register(tensor, Kind.REPLY, round_, f"{verb} of {name!r} round {round_}", target)
             for chunk, offset, length, server in tensor.chunks:
                 msg = self._data_message(Kind.PUSH, tensor, chunk, round_, flat[offset : offset + length])

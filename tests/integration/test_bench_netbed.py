@@ -162,3 +162,16 @@ def test_hol_tree_quick_times_urgent_messages_through_an_aggregator(tmp_path: Pa
     assert rec["peer_name"].startswith("one FIFO channel") and rec["better"] == "lower", rec
     assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12) and rec["chunk_times_per_hop"] > 0
     assert "chunk-times per hop" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_multijob_quick_runs_the_schedule_with_and_without_job_priorities(tmp_path: Path) -> None:
+    out = tmp_path / "multijob.json"
+    result = run_script(["bench/multijob.py", "--quick", "--json", str(out)], timeout=140)
+    assert result.returncode == 0, result.stdout[-3000:]
+    (rec,) = _check_records(out, 1)
+    assert rec["peer_name"] == "no marks" and rec["unit"] == "s average JCT" and rec["better"] == "lower", rec
+    assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12)
+    assert set(rec["jobs"]) == {"long0", "short0", "short1"} and rec["worst_early_vs_alone"] > 0
+    assert "average JCT without / with" in result.stdout
