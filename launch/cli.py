@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the Sluice jobs running on this host (the job registry)",
         description=_wrap("Lists the jobs whose schedulers run on this host, from the job registry: each "
                     "scheduler publishes its job there about once a second (jobs.registry_dir, or the variable "
-                    "SLUICE_JOBS_REGISTRY_DIR; default /tmp/sluice-jobs-<uid>). With [jobs] priorities on, `level` is the job's priority level "
-                    "(0: the top) and `sent MiB` what its busiest worker has pushed (docs/aggregation.md)."))
+                    "SLUICE_JOBS_REGISTRY_DIR; default /tmp/sluice-jobs-<uid>). With [jobs] priorities on, "
+                    "`level` is the job's priority level (0: the top) and `sent MiB` what its busiest worker has "
+                    "pushed (docs/aggregation.md)."))
     jobs.add_argument("--json", action="store_true", help="print the entries as a JSON list instead")
 
     for role, what in (("scheduler", "the rendezvous and control plane"), ("server", "one parameter server"),

@@ -98,7 +98,8 @@ class ControlClient:
         aggregation = self._env.section("aggregation")
         if aggregation.get("mode") == "plan":
             period = float(aggregation.get("report_s", 1.0))
-            self.agent = NodeAgent.for_address(endpoint_host(endpoints), self._transport, period)
+            self.agent = NodeAgent.for_address(endpoint_host(endpoints), self._transport, period,
+                                               deliver=lambda report: self._send(Kind.HEARTBEAT, net=report.encode()))
         self._transport.connect(SCHEDULER_PEER, [self._env.scheduler], control=True)
         self._send(
             Kind.REGISTER,

@@ -9,7 +9,7 @@ recording costs one logarithm and memory stays bounded however long the job runs
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _BINS_PER_OCTAVE = 8
@@ -42,6 +42,11 @@ class TransportMetrics:
 
     def __init__(self, channels: int) -> None:
         self.channels = channels
+        #: per peer, never reset (the network agent takes differences): payload bytes sent to it, and
+        #: seconds during which something for it waited in our queues (a backlog: the path to it, not
+        #: our demand, set the pace then)
+        self.peer_sent: dict[str, int] = {}
+        self.peer_backlog_s: dict[str, float] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -50,13 +55,21 @@ class TransportMetrics:
         self.sent_messages = [0] * self.channels
         self._delays: dict[int, list[int]] = {}
 
-    def sent(self, channel: int, priority: int, nbytes: int, delay_s: float) -> None:
+    def sent(self, channel: int, priority: int, nbytes: int, delay_s: float, peer: str | None = None) -> None:
+        if peer is not None:
+            self.peer_sent[peer] = self.peer_sent.get(peer, 0) + nbytes
         self.sent_bytes[channel] += nbytes
         self.sent_messages[channel] += 1
         counts = self._delays.get(priority)
         if counts is None:
             counts = self._delays[priority] = [0] * _BINS
         counts[_bin(max(delay_s, 0.0))] += 1
+
+    def backlogged(self, peers: Iterable[str], seconds: float) -> None:
+        """`peers` had data waiting in our queues for the last `seconds`."""
+        backlog = self.peer_backlog_s
+        for peer in peers:
+            backlog[peer] = backlog.get(peer, 0.0) + seconds
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data: bytes per channel and, per priority, the sparse delay histogram {bin: count}."""

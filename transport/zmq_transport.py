@@ -74,6 +74,7 @@ class ZmqTransport(ReceivePath):
         self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
         self._queues: dict[Route, ChannelQueue[Message]] = {}
         self._active: set[Route] = set()
+        self._last_pump = time.monotonic()
         self._outbox: deque[tuple[Route, Message, float]] = deque()
         #: peers on this host that read our shared memory (None: shared memory is off)
         self._local: set[str] | None = set() if config.shm else None
@@ -278,6 +279,9 @@ class ZmqTransport(ReceivePath):
 
     def _pump(self) -> None:
         now = time.monotonic()
+        if self._active:  # what waited since the last pump (the network agent's measure of a path)
+            self.metrics.backlogged({peer for peer, _ in self._active}, now - self._last_pump)
+        self._last_pump = now
         for route in list(self._active):
             queue = self._queues[route]
             ready = queue.pop_ready(now)
@@ -286,7 +290,7 @@ class ZmqTransport(ReceivePath):
                     for later_priority, later_bytes, later, later_enqueued in reversed(ready[index:]):
                         queue.push_front(later_priority, later_bytes, later, later_enqueued)
                     break
-                self.metrics.sent(route[1], priority, nbytes, now - enqueued)
+                self.metrics.sent(route[1], priority, nbytes, now - enqueued, route[0])
             if not len(queue):
                 self._active.discard(route)
 

@@ -4,7 +4,11 @@ Every host is a namespace `<tag>-<name>` with one interface `eth0` (a veth pair 
 host's port, sits on a bridge in the switch namespace `<tag>-sw`), an address in 198.18.0.0/15 (the
 range set aside for network benchmarks), and optionally a rate limit on both directions of its link
 (tbf) with either the kernel's three strict ToS bands (pfifo_fast) or an htb class per ToS value
-under it (see qdisc.py). Nothing touches the root namespace. Deleting a namespace deletes its
+under it (see qdisc.py). pfifo_fast picks a band from a packet's skb->priority, which Linux derives
+from the ToS only for packets a host makes itself: on the switch's side of a link (a host's "in"
+direction, an uplink) forwarded packets all land in one band, so the bands order only a host's own
+egress; `tos_classes` (matched on the ToS byte) order both, as a switch does.
+Nothing touches the root namespace. Deleting a namespace deletes its
 interfaces and their qdiscs, so `close()` (also run on exceptions and, through `__exit__`, on
 Ctrl-C) removes everything; namespaces of a testbed whose process died are removed on the next
 start. Needs root and iproute2; `NetbedUnavailable` says why when they are missing.

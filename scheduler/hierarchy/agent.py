@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,21 +63,40 @@ class Report:
     own_rx: float
     #: the wall-clock period the rates were measured over (period k ends at k x period seconds)
     period: int = 0
+    #: per peer this node sent to: (peer, Mbit/s sent, the fraction of the period during which data for
+    #: it waited in our queues); the manager measures rack uplinks from them (uplinks.py)
+    peers: tuple[tuple[str, float, float], ...] = ()
 
-    def encode(self) -> list[float]:
-        return [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3),
-                self.period]
+    def encode(self) -> list[Any]:
+        rates = [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3)]
+        return [*rates, self.period, [[p, round(m, 3), round(b, 3)] for p, m, b in self.peers]]
+
+
+#: at most this many peers in one report (a job's nodes; more is refused as malformed)
+MAX_PEERS = 1024
+
+
+def _peer(raw: object) -> tuple[str, float, float] | None:
+    if (type(raw) is not list or len(raw) != 3 or type(raw[0]) is not str or not 0 < len(raw[0]) <= 64
+            or type(raw[1]) not in (int, float) or not 0 <= raw[1] < 1e7
+            or type(raw[2]) not in (int, float) or not 0 <= raw[2] <= 1.5):
+        return None
+    return raw[0], float(raw[1]), float(raw[2])
 
 
 def parse_report(raw: object) -> Report | None:
-    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s and the period's number; None if
-    malformed."""
-    if (type(raw) is not list or len(raw) != 5
+    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s, the period's number and the
+    per-peer list; None if malformed."""
+    if (type(raw) is not list or len(raw) != 6
             or not all(type(v) in (int, float) and 0 <= v < 1e7 for v in raw[:4])
-            or type(raw[4]) is not int or not 0 <= raw[4] < 1 << 53):
+            or type(raw[4]) is not int or not 0 <= raw[4] < 1 << 53
+            or type(raw[5]) is not list or len(raw[5]) > MAX_PEERS):
+        return None
+    peers = [_peer(p) for p in raw[5]]
+    if any(p is None for p in peers):
         return None
     link_tx, link_rx, own_tx, own_rx = (float(v) for v in raw[:4])
-    return Report(link_tx, link_rx, own_tx, own_rx, raw[4])
+    return Report(link_tx, link_rx, own_tx, own_rx, raw[4], tuple(p for p in peers if p is not None))
 
 
 class LinkAgent:
@@ -85,18 +105,27 @@ class LinkAgent:
 
     def __init__(self) -> None:
         self._last: tuple[int, float, int, int, int, int] | None = None
+        self._last_peers: Mapping[str, tuple[int, float]] = {}
 
-    def sample(self, period: int, now: float, link: tuple[int, int], own: tuple[int, int]) -> Report | None:
+    def sample(self, period: int, now: float, link: tuple[int, int], own: tuple[int, int],
+               peers: Mapping[str, tuple[int, float]] | None = None) -> Report | None:
         """Counters read at the end of `period`: `link` = the interface's (received, transmitted) bytes,
-        `own` = this node's (sent, received)."""
+        `own` = this node's (sent, received), `peers` = per peer (bytes sent, seconds backlogged)."""
         (rx, tx), (own_tx, own_rx) = link, own
         last, self._last = self._last, (period, now, tx, rx, own_tx, own_rx)
+        last_peers, self._last_peers = self._last_peers, dict(peers or {})
         if (last is None or last[0] != period - 1 or now <= last[1]
                 or min(tx - last[2], rx - last[3], own_tx - last[4], own_rx - last[5]) < 0):
             return None
-        scale = 8 / 1e6 / (now - last[1])
+        seconds = now - last[1]
+        scale = 8 / 1e6 / seconds
+        flows = []
+        for peer, (sent, backlog) in sorted((peers or {}).items())[:MAX_PEERS]:
+            before = last_peers.get(peer, (0, 0.0))
+            if sent > before[0]:
+                flows.append((peer, (sent - before[0]) * scale, min(max(backlog - before[1], 0.0) / seconds, 1.0)))
         return Report((tx - last[2]) * scale, (rx - last[3]) * scale, (own_tx - last[4]) * scale,
-                      (own_rx - last[5]) * scale, period)
+                      (own_rx - last[5]) * scale, period, tuple(flows))
 
 
 def spare_mbit(capacity: float, reports: list[Report]) -> float | None:
@@ -118,8 +147,12 @@ class NodeAgent:
     """A node's agent: samples its interface and its transport's counters at the end of every wall-clock
     period, on a thread of its own; each heartbeat carries the newest report not yet sent."""
 
-    def __init__(self, interface: str, transport: Any, period: float = 1.0) -> None:
+    def __init__(self, interface: str, transport: Any, period: float = 1.0,
+                 deliver: Callable[[Report], None] | None = None) -> None:
         self.interface, self.transport, self.period = interface, transport, period
+        #: sends a report as soon as it is taken (the manager hears of a change a heartbeat sooner);
+        #: None: it waits for the next heartbeat (report())
+        self.deliver = deliver
         self.rates = LinkAgent()
         self._latest: Report | None = None
         self._lock = threading.Lock()
@@ -128,11 +161,12 @@ class NodeAgent:
         self._thread.start()
 
     @classmethod
-    def for_address(cls, address: str, transport: Any, period: float = 1.0) -> NodeAgent | None:
+    def for_address(cls, address: str, transport: Any, period: float = 1.0,
+                    deliver: Callable[[Report], None] | None = None) -> NodeAgent | None:
         """An agent for the interface holding `address`, reporting every `period` seconds; None where
         there is no link to measure."""
         interface = interface_for(address)
-        return cls(interface, transport, period) if interface is not None else None
+        return cls(interface, transport, period, deliver) if interface is not None else None
 
     def report(self) -> Report | None:
         """The newest report not yet taken (asked at every heartbeat)."""
@@ -147,7 +181,9 @@ class NodeAgent:
         period = int(time.time() / self.period) + 1
         while not self._stop.wait(max(period * self.period - time.time(), 0.0)):
             report = self._sample(period)
-            if report is not None:
+            if report is not None and self.deliver is not None:
+                self.deliver(report)
+            elif report is not None:
                 with self._lock:
                     self._latest = report
             period = max(period + 1, int(time.time() / self.period) + 1)  # a late wake-up skips periods
@@ -161,8 +197,10 @@ class NodeAgent:
             # answer late, and the window would no longer be the other nodes' (ints read whole)
             metrics = self.transport.metrics
             own = (sum(metrics.sent_bytes), sum(metrics.received_bytes))
+            sent, backlog = dict(metrics.peer_sent), dict(metrics.peer_backlog_s)
+            peers = {peer: (nbytes, backlog.get(peer, 0.0)) for peer, nbytes in sent.items()}
         except (OSError, RuntimeError, TimeoutError):
             return None  # a period missed: the one after it has none either, then they resume
         if counters is None:
             return None
-        return self.rates.sample(period, now, counters, own)
+        return self.rates.sample(period, now, counters, own, peers)

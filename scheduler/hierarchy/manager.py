@@ -21,6 +21,7 @@ from scheduler.hierarchy.placement import NodeAt, Placement, place
 from scheduler.hierarchy.planner import plan_trees
 from scheduler.hierarchy.routes import Route, parse_static_trees
 from scheduler.hierarchy.topology import Plan, PlanError
+from scheduler.hierarchy.uplinks import uplink_rates
 
 log = logging.getLogger("sluice.manager")
 
@@ -72,6 +73,8 @@ class NetworkManager:
         self._planned_spare: dict[str, float] = {}
         #: each host's spare bandwidth in its last periods, by period: the median of SMOOTHING of them counts
         self._recent: dict[str, dict[int, float]] = {}
+        self._uplinks_period = -1
+        self._uplinks_seen: dict[str, tuple[int, float]] = {}  # rack -> (period, rate) last measured
         self._configured: dict[str, float] = {}  # host -> configured rate, known once the job has formed
         self._placement: Placement | None = None
         self._routes: list[Route] | None = None
@@ -114,7 +117,9 @@ class NetworkManager:
         if self._placement is None:
             with contextlib.suppress(PlanError):
                 self._placement = place(self.config, nodes)
-                self._configured = {h.name: h.link_mbit for h in self._placement.configured.hosts}
+                configured = self._placement.configured
+                self._configured = {h.name: h.link_mbit for h in configured.hosts}
+                self._configured.update({f"uplink:{r.name}": r.uplink_mbit for r in configured.racks})
         return self._placement
 
     def observe(self, spare: dict[str, float]) -> None:
@@ -142,6 +147,27 @@ class NetworkManager:
                 del recent[old]
             if len(recent) == SMOOTHING:
                 self.observe({host.name: statistics.median(recent.values())})
+        self._observe_uplinks(reports, placement)
+
+    def _observe_uplinks(self, reports: Mapping[str, Report], placement: Placement) -> None:
+        """Once a period, when every node's latest report is of that period: the uplinks that held the
+        job back, at their measured rates (uplinks.py)."""
+        periods = {r.period for r in reports.values()}
+        if len(periods) != 1 or (period := periods.pop()) == self._uplinks_period:
+            return
+        self._uplinks_period = period
+        known = [name for name in reports if name in placement.host]
+        rates = {h.name: h.link_mbit for h in placement.configured.hosts}
+        measured = uplink_rates({n: reports[n] for n in known},
+                                {n: placement.rack[placement.host[n]] for n in known},
+                                {n: rates[placement.host[n]] for n in known})
+        # one period's evidence can be a burst of the round's phases: an uplink counts once it held the
+        # job back two periods running (a false alarm re-plans around a link that is not slow)
+        seen, self._uplinks_seen = self._uplinks_seen, {rack: (period, mbit) for rack, mbit in measured.items()}
+        confirmed = {rack: mbit for rack, mbit in measured.items() if seen.get(rack, (-2, 0.0))[0] == period - 1}
+        for rack, mbit in confirmed.items():
+            log.info("uplink of rack %s measured at %.1f Mbit/s (it held the job back)", rack, mbit)
+        self.observe({f"uplink:{rack}": mbit for rack, mbit in confirmed.items()})
 
     def _changed(self) -> bool:
         for link, rate in self.spare.items():

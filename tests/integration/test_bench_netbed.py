@@ -175,3 +175,15 @@ def test_multijob_quick_runs_the_schedule_with_and_without_job_priorities(tmp_pa
     assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12)
     assert set(rec["jobs"]) == {"long0", "short0", "short1"} and rec["worst_early_vs_alone"] > 0
     assert "average JCT without / with" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_replan_quick_switches_trees_after_an_uplink_is_cut_with_every_sum_exact(tmp_path: Path) -> None:
+    out = tmp_path / "replan.json"
+    result = run_script(["bench/replan.py", "--quick", "--json", str(out)], timeout=190)
+    # the benchmark fails when no new trees come into force after the cut, or when any round's sum is off
+    assert result.returncode == 0, result.stdout[-3000:]
+    (rec,) = _check_records(out, 1)
+    assert rec["peer_name"] == "fresh plan" and rec["periods_to_new_plan"] > 0, rec
+    assert "throttle to new trees in force" in result.stdout

@@ -61,11 +61,29 @@ def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, report
     assert got == (pytest.approx(want) if want is not None else None)
 
 
-@pytest.mark.parametrize("raw", [None, [1, 2, 3, 4], [1, 2, 3, -1, 0], [1, 2, 3, "4", 0], [1, 2, 3, 1e9, 0],
-                                 [1, 2, 3, 4, 1.5], [1, 2, 3, 4, -1], [1, 2, 3, 4, True], {"a": 1}])
+@pytest.mark.parametrize("raw", [
+    None, [1, 2, 3, 4, 0], [1, 2, 3, -1, 0, []], [1, 2, 3, "4", 0, []], [1, 2, 3, 1e9, 0, []],
+    [1, 2, 3, 4, 1.5, []], [1, 2, 3, 4, -1, []], [1, 2, 3, 4, True, []], {"a": 1}, [1, 2, 3, 4, 0, {}],
+    [1, 2, 3, 4, 0, [["w", 1, 0.5, 9]]], [1, 2, 3, 4, 0, [["", 1, 0.5]]], [1, 2, 3, 4, 0, [["w" * 65, 1, 0.5]]],
+    [1, 2, 3, 4, 0, [["w", -1, 0.5]]], [1, 2, 3, 4, 0, [["w", 1, 2.0]]], [1, 2, 3, 4, 0, [[7, 1, 0.5]]],
+    [1, 2, 3, 4, 0, [["w", 1, 0.5]] * 1025],
+])
 def test_malformed_reports_are_refused(raw: object) -> None:
     assert parse_report(raw) is None
-    assert parse_report([1, 2.5, 0, 0, 9]) == Report(1.0, 2.5, 0.0, 0.0, period=9)
+    assert parse_report([1, 2.5, 0, 0, 9, []]) == Report(1.0, 2.5, 0.0, 0.0, period=9)
+    report = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),))
+    assert parse_report(report.encode()) == report
+
+
+def test_the_agent_reports_each_peers_rate_and_backlog() -> None:
+    agent = LinkAgent()
+    agent.sample(3, 10.0, (0, 0), (0, 0), {"server-0": (1000, 0.1), "worker-1": (500, 0.0)})
+    got = agent.sample(4, 12.0, (0, 0), (0, 0), {"server-0": (251_000, 1.1), "worker-1": (500, 0.0),
+                                                   "aggregator-0": (125_000, 0.5)})
+    assert got is not None
+    # worker-1 sent nothing this period: left out
+    assert got.peers == (("aggregator-0", pytest.approx(0.5), pytest.approx(0.25)),
+                         ("server-0", pytest.approx(1.0), pytest.approx(0.5)))
 
 
 def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_moves() -> None:

@@ -1,0 +1,181 @@
+"""One rack uplink throttled mid-run: how soon the measured re-plan is in force, and how it does against a fresh one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/replan.py`: make the repo root importable
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from bench.aggregation_setup import PLANNED, Layout, build_testbed, job_config
+from bench.common import add_common_options, print_table, progress, write_json
+from bench.netbed import Netbed, ready_for
+from bench.netbed.job import emit_result, run_sluice_job
+
+DESCRIPTION = """\
+The aggregation testbed (bench/aggregation.py's racks, planned weighted trees, aggregation.mode =
+"plan", agents reporting every --period s). Two jobs run in turn:
+
+  re-plan   the job plans for the configured uplinks; after --throttle-after s the uplink of rack r0
+            is cut to a quarter (netbed set_uplink); the agents' reports show the rack's senders
+            backlogged for peers outside it while their links idle, the manager measures the uplink
+            (scheduler/hierarchy/uplinks.py), re-plans, and the workers switch trees between rounds
+  fresh     a job started with the uplink already cut, told so in its config (uplinks = r0: RATE),
+            so that its first plan is the one a re-plan should reach
+
+Every worker checks every round's sum (integer-valued data: exact), so an update lost or counted twice
+across the switch fails the run. Figures: the time from the throttle to the first round under the new
+trees, in measurement periods (target <= 2), and the median round time after it against the fresh
+plan's (target within 15%).
+"""
+
+TARGET_PERIODS, TARGET_RATIO = 2.0, 1.15
+
+
+@dataclass(frozen=True)
+class Work:
+    floats: int
+    stop_at: float  # wall clock: rounds go on (every worker the same number) until this time
+
+
+def worker_main(spec: str) -> int:
+    from worker.client import Client
+
+    work = Work(**json.loads(spec))
+    client = Client()
+    client.declare([("grad", (work.floats,), "float32", None), ("go", (1,), "int32", None)])
+    data, out, go = client.alloc((work.floats,), "float32"), np.empty(work.floats, np.float32), np.zeros(1, np.int32)
+    data[:] = client.rank + 1
+    want = client.size * (client.size + 1) / 2
+    rounds: list[tuple[float, float, int]] = []
+    while True:
+        started, epoch = time.time(), client._router.epoch  # the trees this round's pushes take
+        client.push_pull("grad", data, out).wait()
+        rounds.append((started, time.time(), epoch))
+        if not (out[0] == want and np.all(out == want)):
+            raise SystemExit(f"worker {client.rank}: round {len(rounds)} summed {out[0]}, not {want}")
+        client.push_pull("go", np.array([time.time() < work.stop_at], np.int32), go).wait()
+        if go[0] < client.size:  # every worker sees the same votes: all stop after the same round
+            break
+    client.close()
+    emit_result({"rank": client.rank, "rounds": rounds})
+    return 0
+
+
+def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float, args: argparse.Namespace,
+            throttle_at: float | None = None) -> tuple[list[list[tuple[float, float, int]]], float | None]:
+    """Each worker's rounds (start, end, epoch); with `throttle_at` (s after start), when r0's uplink was cut."""
+    spec = json.dumps(asdict(Work(args.mib << 18, time.time() + seconds)))
+    argv = [sys.executable, "-m", "bench.replan", "--worker", spec]
+    cut: list[float] = []
+    if throttle_at is not None:
+        def throttle() -> None:
+            time.sleep(throttle_at)
+            bed.set_uplink("r0", layout.uplink_mbit / 4)
+            cut.append(time.time())
+            progress(f"  uplink of r0 cut to {layout.uplink_mbit / 4:g} Mbit/s")
+        threading.Thread(target=throttle, daemon=True).start()
+    results = run_sluice_job(bed, "sched", layout.server_hosts, layout.worker_hosts, config,
+                             argv, aggregators=layout.worker_hosts, timeout=seconds + 120, echo=args.verbose)
+    return [[tuple(r) for r in w["rounds"]] for w in results], (cut[0] if cut else None)
+
+
+def round_times(workers: list[list[tuple[float, float, int]]]) -> list[tuple[float, float, int]]:
+    """Round by round: (start of the first worker, seconds of the slowest, epoch of the first worker)."""
+    rounds = []
+    for i in range(min(len(w) for w in workers)):
+        start = min(w[i][0] for w in workers)
+        rounds.append((start, max(w[i][1] for w in workers) - start, max(w[i][2] for w in workers)))
+    return rounds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--racks", type=int, default=4, help="racks of workers (default: %(default)s)")
+    parser.add_argument("--per-rack", type=int, default=4, help="worker hosts per rack (default: %(default)s)")
+    parser.add_argument("--servers", type=int, default=4, help="server hosts (default: %(default)s)")
+    parser.add_argument("--link-mbit", type=float, default=10.0, help="host links, Mbit/s (default: %(default)s)")
+    parser.add_argument("--ratio", type=int, default=4, help="oversubscription of the uplinks (default: %(default)s)")
+    parser.add_argument("--mib", type=int, default=1, help="gradient MiB per worker a round (default: %(default)s)")
+    parser.add_argument("--chunk-kib", type=int, default=16, help="chunk size in KiB (default: %(default)s)")
+    parser.add_argument("--period", type=float, default=1.0, help="aggregation.report_s: the agents' measurement "
+                        "period, s (default: %(default)s)")
+    parser.add_argument("--throttle-after", type=float, default=30.0, help="seconds after the job starts that r0's "
+                        "uplink is cut (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=70.0, help="how long each job runs rounds "
+                        "(default: %(default)s)")
+    parser.add_argument("--verbose", action="store_true", help="echo every process's output")
+    parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
+    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, 20 s jobs", repeats=1)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.racks, args.per_rack, args.servers, args.link_mbit = 2, 2, 2, 40.0
+        args.throttle_after, args.seconds = 9.0, 20.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if not ready_for("replan"):
+        return 0
+    layout = Layout(args.racks, args.per_rack, args.servers, args.link_mbit, args.ratio)
+    delays, after, fresh, lost = [], [], [], 0
+    for repeat in range(args.repeats):
+        with Netbed(queue_ms=1000) as bed:
+            build_testbed(bed, layout)
+            config = job_config(layout, PLANNED, args.chunk_kib, bed)
+            config["aggregation"] = {**config["aggregation"], "report_s": args.period}
+            progress(f"repeat {repeat + 1}/{args.repeats}: re-plan ...")
+            workers, cut = run_job(bed, layout, config, args.seconds, args, throttle_at=args.throttle_after)
+            rounds = round_times(workers)
+            assert cut is not None
+            before = max((e for s, _, e in rounds if s <= cut), default=0)
+            switched = [(s, d) for s, d, e in rounds if s > cut and e > before]
+            if not switched:
+                epochs = [e for *_, e in rounds]
+                raise RuntimeError(f"no new trees came into force after the throttle (epochs {epochs})")
+            delays.append((switched[0][0] - cut) / args.period)
+            after += [d for _, d in switched[2:] or switched[-1:]]  # the switch round and the next settle
+            progress(f"  new trees in force {switched[0][0] - cut:.1f} s after the cut; "
+                     f"{len(switched)} rounds under them")
+            progress(f"repeat {repeat + 1}/{args.repeats}: fresh plan with the uplink already cut ...")
+            uplinks = [u for u in config["aggregation"]["uplinks"] if not u.startswith("r0:")]
+            config["aggregation"] = {**config["aggregation"], "uplinks": [*uplinks, f"r0: {layout.uplink_mbit / 4}"]}
+            bed.set_uplink("r0", layout.uplink_mbit / 4)
+            workers, _ = run_job(bed, layout, config, args.seconds - args.throttle_after + 10, args)
+            rounds = round_times(workers)
+            first = min(e for *_, e in rounds if e > 0)
+            fresh += [d for _, d, e in rounds if e == first][2:]
+            lost += sum(1 for _, _, e in rounds if e > first)  # re-plans of a plan made for the cut uplink
+    delay, ours, peer = statistics.median(delays), statistics.median(after), statistics.median(fresh)
+    progress(f"\n{layout.racks} racks x {layout.per_rack} workers at {args.ratio}:1, r0's uplink cut to a quarter; "
+             f"medians of {args.repeats} repeat(s)")
+    print_table(["measure", "value", "target", ""], [
+        ["throttle to new trees in force", f"{delay:.1f} periods ({delay * args.period:.1f} s)",
+         f"<= {TARGET_PERIODS:g} periods", "PASS" if delay <= TARGET_PERIODS else "FAIL"],
+        ["round after re-plan / fresh plan", f"{ours * 1e3:.0f} / {peer * 1e3:.0f} ms = {ours / peer:.2f}",
+         f"<= {TARGET_RATIO}", "PASS" if ours / peer <= TARGET_RATIO else "FAIL"],
+        ["rounds with a wrong sum", "0 (every worker checked every round)", "0", "PASS"],
+    ])
+    write_json(args.json, [{
+        "case": f"{args.ratio}:1 r0 uplink to 1/4, re-plan", "ours": ours, "peer": peer, "peer_name": "fresh plan",
+        "unit": "s per round", "better": "lower", "ratio": ours / peer, "speedup": peer / ours,
+        "periods_to_new_plan": delay, "seconds_to_new_plan": delay * args.period, "period_s": args.period,
+        "fresh_replans": lost, "met": {"periods": delay <= TARGET_PERIODS, "round_time": ours / peer <= TARGET_RATIO},
+    }])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
