@@ -62,7 +62,10 @@ def test_flat_coordinator_takes_everyone_at_the_root() -> None:
     check_same_order(reports, 3, 50)
     root = reports[0]
     assert root.first["max_received_per_tick"] <= 23 and root.steady["max_received_per_tick"] <= 23
-    assert root.steady["messages_received"] >= 23 * 2  # every rank reports to the root itself, every step
+    # every rank reports to the root itself, every step; a fast rank's step-2 report can reach the root
+    # before the root's own window for the steady steps opens, so only the last step is sure to be in it
+    # (CI once saw 42 of 46)
+    assert root.steady["messages_received"] >= 23
 
 
 @pytest.mark.slow
