@@ -155,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             bed.set_uplink("r0", layout.uplink_mbit / 4)
             workers, _ = run_job(bed, layout, config, args.seconds - args.throttle_after + 10, args)
             rounds = round_times(workers)
+            if not any(e > 0 for *_, e in rounds):
+                raise RuntimeError("the fresh job's trees never came into force")
             first = min(e for *_, e in rounds if e > 0)
-            fresh += [d for _, d, e in rounds if e == first][2:]
-            lost += sum(1 for _, _, e in rounds if e > first)  # re-plans of a plan made for the cut uplink
+            planned = [d for _, d, e in rounds if e >= first]
+            fresh += planned[2:] or planned[-1:]  # the first rounds under the trees settle
+            lost += len({e for *_, e in rounds if e > first})  # re-plans of a plan made for the cut uplink
     delay, ours, peer = statistics.median(delays), statistics.median(after), statistics.median(fresh)
     progress(f"\n{layout.racks} racks x {layout.per_rack} workers at {args.ratio}:1, r0's uplink cut to a quarter; "
              f"medians of {args.repeats} repeat(s)")
