@@ -18,7 +18,8 @@ import numpy as np
 from bench.common import add_common_options, print_table, progress, write_json
 from bench.netbed import Netbed, ready_for
 from bench.netbed.job import emit_result, run_sluice_job
-from transport.config import BULK_TOS, NORMAL_TOS, URGENT_TOS
+from transport.config import TransportConfig
+from worker.job_priority import JobLevel, JobsConfig
 
 DESCRIPTION = """\
 Six jobs (one worker and one server each, compute stubbed out) arrive one after another and share
@@ -38,6 +39,10 @@ first --early rounds within 1.2x of the same rounds alone.
 
 NO_MARKS, PRIORITIES, ALONE = "no marks", "priorities", "alone"
 TARGET_SPEEDUP, TARGET_WORST, TARGET_EARLY = 1 / 0.75, 1.5, 1.2
+#: each channel's ToS mark, channel 0 (the top level) first: the bottleneck has an htb class per mark
+MARKS = TransportConfig(channels=3).channel_tos()
+#: the share of a schedule's bytes a class may miss its expected bytes by (headers, acks, control)
+BAND_SLACK = 0.1
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,10 @@ def worker_main(spec: str) -> int:
         ends.append(time.time())
     if not np.all(out == client.size):
         raise SystemExit(f"the round summed {out[0]}, not {client.size}")
-    level = client.job_level.level if client.job_level is not None else None
+    job = client.job_level
+    level, promotions = (job.level, job.promotions) if job is not None else (None, 0)
     client.close()
-    emit_result({"starts": starts, "ends": ends, "level": level})
+    emit_result({"starts": starts, "ends": ends, "level": level, "promotions": promotions})
     return 0
 
 
@@ -88,10 +94,51 @@ def job_config(mode: str, args: argparse.Namespace, bed: Netbed, job: int) -> di
                                              "thresholds_mib": list(args.thresholds)}}
 
 
-def run_schedule(bed: Netbed, jobs: list[Job], mode: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Every job of the schedule in `mode`, started at its arrival; each job's JCT and early-rounds time."""
-    results: dict[str, dict[str, float]] = {}
+def jobs_config(args: argparse.Namespace) -> JobsConfig:
+    return JobsConfig(priorities=True, early_rounds=args.early, thresholds_mib=tuple(args.thresholds))
+
+
+def expected_mib(jobs: list[Job], mode: str, args: argparse.Namespace) -> dict[int, float]:
+    """MiB of pushes each ToS class should carry, by the policy itself (with no promotion): what the
+    bottleneck's counters must show if the levels land in the bands."""
+    if mode == NO_MARKS:
+        return {tos: (sum(j.rounds for j in jobs) * args.mib if tos == 0 else 0.0) for tos in MARKS}
+    config = jobs_config(args)
+    mib = dict.fromkeys(MARKS, 0.0)
+    for job in jobs:
+        level = JobLevel(config, len(MARKS))
+        for round_ in range(1, job.rounds + 1):
+            mib[MARKS[level.on_push(round_, args.mib << 20, 0.0)]] += args.mib
+    return mib
+
+
+def check_bands(bed: Netbed, before: dict[int | None, int], jobs: list[Job], mode: str, args: argparse.Namespace,
+                exact: bool) -> dict[str, dict[str, float]]:
+    """The bytes that crossed the bottleneck towards the servers in each ToS class, against the policy's;
+    raises if they differ by more than BAND_SLACK (unless a promotion moved a job's later rounds up)."""
+    after = bed.class_bytes("srv", "in")
+    measured = {tos: (after[tos] - before[tos]) / (1 << 20) for tos in after}
+    expected = expected_mib(jobs, mode, args)
+    total = sum(expected.values())
+    off = [f"0x{tos:02x}: {measured[tos]:.1f} MiB, expected {want:.1f}" for tos, want in expected.items()
+           if abs(measured[tos] - want) > BAND_SLACK * total]
+    progress(f"  {mode}: MiB into the servers' host by ToS class " + ", ".join(
+        f"0x{tos:02x} {measured[tos]:.1f} (policy {expected[tos]:.1f})" for tos in MARKS)
+        + f", unclassified {measured[None]:.1f}" + (f"; OFF: {'; '.join(off)}" if off else ""))
+    if off and exact:
+        raise RuntimeError(f"{mode}: the bytes did not land in the ToS classes the levels map to: {'; '.join(off)}")
+    return {f"0x{tos:02x}": {"measured_mib": measured[tos], "expected_mib": expected[tos]} for tos in MARKS}
+
+
+Results = dict[str, dict[str, float]]  # job name -> jct, early, start, promotions
+
+
+def run_schedule(bed: Netbed, jobs: list[Job], mode: str, args: argparse.Namespace) -> tuple[Results, Results]:
+    """Every job of the schedule in `mode`, started at its arrival: each job's JCT and early-rounds time;
+    and the MiB each ToS class carried towards the servers, measured and by the policy."""
+    results: Results = {}
     errors: list[str] = []
+    before = bed.class_bytes("srv", "in")
     begin = time.monotonic()
 
     def one(index: int, job: Job) -> None:
@@ -107,9 +154,10 @@ def run_schedule(bed: Netbed, jobs: list[Job], mode: str, args: argparse.Namespa
             return
         starts, ends = got["starts"], got["ends"]
         early = min(args.early, len(starts)) - 1
-        results[job.name] = {"jct": ends[-1] - starts[0], "early": ends[early] - starts[0], "start": starts[0]}
+        results[job.name] = {"jct": ends[-1] - starts[0], "early": ends[early] - starts[0], "start": starts[0],
+                             "promotions": got["promotions"]}
         progress(f"  {mode} {job.name}: {job.rounds} rounds in {ends[-1] - starts[0]:.1f} s, first {early + 1} in "
-                 f"{ends[early] - starts[0]:.2f} s, level at the end {got['level']}")
+                 f"{ends[early] - starts[0]:.2f} s, level at the end {got['level']}, {got['promotions']} promotions")
 
     threads = [threading.Thread(target=one, args=(i, job)) for i, job in enumerate(jobs)]
     for thread in threads:
@@ -118,13 +166,14 @@ def run_schedule(bed: Netbed, jobs: list[Job], mode: str, args: argparse.Namespa
         thread.join()
     if errors:
         raise RuntimeError("; ".join(errors))
-    return results
+    promotions = sum(int(r["promotions"]) for r in results.values())
+    return results, check_bands(bed, before, jobs, mode, args, exact=promotions == 0)
 
 
 def build(bed: Netbed, jobs: int, args: argparse.Namespace) -> None:
     # htb classes matched on the ToS byte, most urgent first (with a 1% floor each: no band starves
     # outright); pfifo_fast's bands would see only locally made packets' priority, not forwarded ones
-    bed.host("srv", args.mbit, tos_classes=(URGENT_TOS, NORMAL_TOS, BULK_TOS))
+    bed.host("srv", args.mbit, tos_classes=MARKS)
     for index in range(jobs):
         bed.host(f"j{index}", args.host_mbit)
     for host in bed.hosts:
@@ -175,16 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     if not ready_for("multijob"):
         return 0
     jobs = schedule(args)
-    runs: dict[str, list[dict[str, dict[str, float]]]] = {NO_MARKS: [], PRIORITIES: [], ALONE: []}
+    runs: dict[str, list[Results]] = {NO_MARKS: [], PRIORITIES: [], ALONE: []}
+    bands: dict[str, Results] = {}  # the last repeat's
     with Netbed(queue_ms=1000) as bed:
         build(bed, len(jobs), args)
         for repeat in range(args.repeats):
             for mode in (NO_MARKS, PRIORITIES):
                 progress(f"repeat {repeat + 1}/{args.repeats}: {len(jobs)} jobs, {mode} ...")
-                runs[mode].append(run_schedule(bed, jobs, mode, args))
+                results, bands[mode] = run_schedule(bed, jobs, mode, args)
+                runs[mode].append(results)
             progress(f"repeat {repeat + 1}/{args.repeats}: a short job alone ...")
             alone = Job("short0", args.short_rounds, 0.0)
-            runs[ALONE].append(run_schedule(bed, [alone], PRIORITIES, args))
+            results, bands[ALONE] = run_schedule(bed, [alone], PRIORITIES, args)
+            runs[ALONE].append(results)
 
     def median(mode: str, job: str, what: str) -> float:
         return statistics.median(run[job][what] for run in runs[mode])
@@ -217,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": {j.name: {"rounds": j.rounds, "arrival": j.arrival, "jct_no_marks": median(NO_MARKS, j.name, "jct"),
                           "jct_priorities": median(PRIORITIES, j.name, "jct")} for j in jobs},
         "met": {name: ok for name, _, _, ok in checks},
+        "mib_into_servers_by_tos": bands,
+        "promotions": {mode: sum(int(r["promotions"]) for run in runs[mode] for r in run.values()) for mode in runs},
     }])
     return 0
 

@@ -102,7 +102,10 @@ def _list_jobs(as_json: bool) -> int:
 
     from scheduler.jobs_registry import describe, read_all, registry_dir
 
-    jobs, bad = read_all()
+    try:
+        jobs, bad = read_all()
+    except OSError as exc:  # a registry others could write into is not read
+        return _error(str(exc))
     if as_json:
         print(json.dumps([dataclasses.asdict(j) for j in jobs]))
     elif jobs:

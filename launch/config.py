@@ -264,6 +264,10 @@ def _build(items: Iterable[_Item]) -> SluiceConfig:
         except ValueError as exc:
             given = "; ".join(f"{k} from {s}" for k, s in origin.items() if k.startswith(section + "."))
             raise ConfigError(f"invalid [{section}] settings: {exc} (given: {given or 'defaults'})") from None
+    jobs, channels = built["jobs"], built["transport"].channels
+    if jobs.priorities and jobs.levels > channels:  # one channel per level (worker/job_priority.py)
+        raise ConfigError(f"invalid [jobs] settings: thresholds_mib gives {jobs.levels} levels, but the transport has "
+                          f"{channels} channels: set transport.channels = {jobs.levels} or drop thresholds")
     return SluiceConfig(**built, sources=tuple(origin.items()))
 
 

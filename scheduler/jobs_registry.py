@@ -4,7 +4,8 @@ Jobs launched separately on the same hosts find each other here, with no service
 JSON file per job in a directory only this user can write (jobs.registry_dir, or the variable
 SLUICE_JOBS_REGISTRY_DIR; default /tmp/sluice-jobs-<uid>), replaced atomically about once a second,
 removed when the job ends. What a file says is checked like a network message (size, schema, ranges)
-before use; a file that fails is skipped and counted, and one whose scheduler is gone is removed. On
+before use; a file that fails is skipped and counted, and one whose scheduler is gone (or that has not
+been refreshed for a minute) is removed; a directory others could write into is neither written nor read. On
 several hosts the same role belongs to a cluster-level service that every scheduler reports to (not
 built yet).
 """
@@ -25,6 +26,9 @@ from typing import Any
 log = logging.getLogger("sluice.scheduler")
 
 MAX_ENTRY_BYTES = 4096
+#: an entry not refreshed for this long is stale (its scheduler hung, or its pid now names another
+#: process): removed on read; a live scheduler writes it again at its next tick
+STALE_S = 60.0
 ENV_JOBS_DIR = "SLUICE_JOBS_REGISTRY_DIR"  # also jobs.registry_dir, as every config key has its variable
 
 
@@ -50,9 +54,10 @@ def _entry(directory: Path, job: str) -> Path:
     return directory / ("job-" + "".join(c if c.isalnum() else "_" for c in job)[:120] + ".json")
 
 
-def _private(directory: Path) -> None:
+def _private(directory: Path, create: bool = True) -> None:
     """Create the directory for this user only; refuse one that someone else could write into."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if create:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(f"{directory} is not private to this user: remove it, or set {ENV_JOBS_DIR}")
@@ -96,24 +101,44 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_all(directory: Path | None = None) -> tuple[list[JobState], int]:
-    """The jobs running on this host, oldest first, and how many entries were malformed (skipped)."""
+def _read_entry(path: Path) -> JobState | None:
+    """One entry file, or None: only a regular file (not a link, nor a FIFO that would block) of sane size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = file.read(MAX_ENTRY_BYTES + 1)
+            return parse_state(json.loads(data)) if len(data) <= MAX_ENTRY_BYTES else None
+        except (OSError, ValueError):
+            return None
+
+
+def read_all(directory: Path | None = None, now: float | None = None) -> tuple[list[JobState], int]:
+    """The jobs running on this host, oldest first, and how many entries were malformed (skipped).
+
+    Raises PermissionError when the directory is not private to this user: what others could write
+    there is not read at all.
+    """
     directory = directory or registry_dir()
+    now = time.time() if now is None else now
     jobs, bad = [], 0
-    with contextlib.suppress(FileNotFoundError):
-        for path in sorted(directory.glob("job-*.json")):
-            try:
-                with path.open("rb") as file:
-                    data = file.read(MAX_ENTRY_BYTES + 1)
-                state = parse_state(json.loads(data)) if len(data) <= MAX_ENTRY_BYTES else None
-            except (OSError, ValueError):
-                state = None
-            if state is None:
-                bad += 1
-            elif not _alive(state.pid):
-                withdraw(state.job, directory)  # its scheduler died without removing it
-            else:
-                jobs.append(state)
+    try:
+        _private(directory, create=False)
+        paths = sorted(directory.glob("job-*.json"))
+    except FileNotFoundError:
+        return [], 0
+    for path in paths:
+        state = _read_entry(path)
+        if state is None:
+            bad += 1
+        elif not _alive(state.pid) or now - state.updated > STALE_S:
+            withdraw(state.job, directory)  # its scheduler died (or hung) without removing it
+        else:
+            jobs.append(state)
     return sorted(jobs, key=lambda s: s.started), bad
 
 

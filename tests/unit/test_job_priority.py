@@ -58,3 +58,13 @@ def test_invalid_settings_are_refused_saying_which(settings: dict[str, object], 
 def test_more_levels_than_channels_is_refused_saying_what_to_set() -> None:
     with pytest.raises(ValueError, match=r"transport\.channels = 3"):
         JobLevel(JobsConfig(priorities=True, thresholds_mib=(1.0, 2.0)), 2)
+
+
+def test_the_jobs_section_loads_and_is_checked_against_the_channels() -> None:
+    from launch.config import ConfigError, load_config
+
+    config = load_config(None, {"SLUICE_JOBS_EARLY_ROUNDS": "4"}, ["jobs.priorities=true", "jobs.thresholds_mib=2,8"])
+    assert config.jobs == JobsConfig(priorities=True, early_rounds=4, thresholds_mib=(2.0, 8.0))
+    with pytest.raises(ConfigError, match=r"\[jobs\].*set transport\.channels = 3"):
+        load_config(None, {}, ["transport.channels=2", "jobs.priorities=true", "jobs.thresholds_mib=1,2"])
+    load_config(None, {}, ["transport.channels=2", "jobs.thresholds_mib=1,2"])  # off: the channels do not matter

@@ -9,21 +9,23 @@ from pathlib import Path
 
 import pytest
 
+from scheduler import jobs_registry
 from scheduler.jobs_registry import MAX_ENTRY_BYTES, JobState, describe, parse_state, publish, read_all, withdraw
 from scheduler.rendezvous import parse_job_report
 from transport.wire import WireError
 
 STATE = JobState("tcp://10.0.0.1:5555", os.getpid(), 1000.0, 4, 2, True, 1, 12.5, 40, 1010.0)
+NOW = 1020.0  # 10 s after the entry was written
 
 
 def test_a_published_job_is_read_back_and_withdrawn(tmp_path: Path) -> None:
     publish(STATE, tmp_path)
     publish(replace(STATE, rounds=41), tmp_path)  # replaced, not added
-    assert read_all(tmp_path) == ([replace(STATE, rounds=41)], 0)
+    assert read_all(tmp_path, now=NOW) == ([replace(STATE, rounds=41)], 0)
     assert "tcp://10.0.0.1:5555" in describe([STATE], now=1100.0) and " 100 " in describe([STATE], now=1100.0)
     withdraw(STATE.job, tmp_path)
-    assert read_all(tmp_path) == ([], 0)
-    assert read_all(tmp_path / "missing") == ([], 0)
+    assert read_all(tmp_path, now=NOW) == ([], 0)
+    assert read_all(tmp_path / "missing", now=NOW) == ([], 0)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +46,7 @@ def test_a_published_job_is_read_back_and_withdrawn(tmp_path: Path) -> None:
 def test_malformed_entries_are_skipped_and_counted(tmp_path: Path, content: bytes) -> None:
     publish(STATE, tmp_path)
     (tmp_path / "job-hostile.json").write_bytes(content)
-    assert read_all(tmp_path) == ([STATE], 1)
+    assert read_all(tmp_path, now=NOW) == ([STATE], 1)
 
 
 def test_an_entry_whose_scheduler_is_gone_is_removed(tmp_path: Path) -> None:
@@ -54,8 +56,21 @@ def test_an_entry_whose_scheduler_is_gone_is_removed(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     publish(replace(STATE, job="tcp://10.0.0.2:1", pid=int(dead.stdout)), tmp_path)
     publish(STATE, tmp_path)
-    assert read_all(tmp_path) == ([STATE], 0)
+    assert read_all(tmp_path, now=NOW) == ([STATE], 0)
     assert len(list(tmp_path.glob("job-*.json"))) == 1
+
+
+def test_an_entry_not_refreshed_for_a_minute_is_stale_and_removed(tmp_path: Path) -> None:
+    publish(STATE, tmp_path)
+    assert read_all(tmp_path, now=STATE.updated + jobs_registry.STALE_S + 1) == ([], 0)
+    assert not list(tmp_path.glob("job-*.json"))
+
+
+def test_links_and_fifos_are_skipped_without_blocking(tmp_path: Path) -> None:
+    publish(STATE, tmp_path)
+    os.mkfifo(tmp_path / "job-fifo.json")  # opening it for reading would wait for a writer
+    (tmp_path / "job-link.json").symlink_to(next(tmp_path.glob("job-tcp*.json")))
+    assert read_all(tmp_path, now=NOW) == ([STATE], 2)
 
 
 def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
@@ -64,6 +79,8 @@ def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
     shared.chmod(0o777)
     with pytest.raises(PermissionError, match="not private"):
         publish(STATE, shared)
+    with pytest.raises(PermissionError, match="not private"):  # nor read: anyone could have written there
+        read_all(shared, now=NOW)
 
 
 def test_parse_state_takes_only_the_schema() -> None:
