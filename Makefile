@@ -12,7 +12,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,examples,dev]'
+	$(PY) -m pip install -q -e '.[torch,tensorflow,examples,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -69,7 +69,7 @@ class Work:
 
 
 def worker_main(spec: str) -> int:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     work = Work(**json.loads(spec))
     client = Client()

@@ -27,14 +27,14 @@ from bench.common import (
     write_json,
 )
 from bench.push_pull import bandwidth, measure_gloo
-from scheduler.bootstrap import new_secret
-from scheduler.errors import SluiceError
-from transport.auth import JobKeys
-from transport.base import Transport, open_transport
-from transport.config import TransportConfig
-from transport.shm import remove_segments_of
-from worker.collective.config import CollectiveConfig
-from worker.collective.data import DataPlane
+from sluice.scheduler.bootstrap import new_secret
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.auth import JobKeys
+from sluice.transport.base import Transport, open_transport
+from sluice.transport.config import TransportConfig
+from sluice.transport.shm import remove_segments_of
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.data import DataPlane
 
 MIB = 1 << 20
 GLOO = "gloo all_reduce"

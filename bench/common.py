@@ -183,7 +183,7 @@ def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = T
     rounds per repetition between two barriers; (this worker's rank, seconds per round of each)."""
     import numpy as np
 
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     n = nbytes // 4

@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as `python bench/coordinator.py`: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
-from scheduler.tree import build_tree
+from sluice.scheduler.tree import build_tree
 from tests.integration.light_ranks import Plan, latencies, run
 
 PEER = "flat rank-0 coordinator"

@@ -31,10 +31,10 @@ import zmq
 
 from bench.common import Children, Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.train_throughput import demo, sluice_demo, train, worker_batches
-from scheduler.bootstrap import member_names, node_name
+from sluice.scheduler.bootstrap import member_names, node_name
+from sluice.transport.auth import JobKeys
+from sluice.transport.wire import VERSION, Kind
 from tests.cluster import LocalCluster
-from transport.auth import JobKeys
-from transport.wire import VERSION, Kind
 
 _ctx = mp.get_context("fork")
 
@@ -420,8 +420,8 @@ def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peer
     settle, barrier), which also hands the servers' endpoints to the benchmark (rank 0), waits for
     the flood to start, and (rank 0) keeps `progress` = [monotonic time of the timed start, timed
     steps done], says when the timed steps are over and leaves the job only once the flood stopped."""
-    import worker.torch_shim as hvd
-    from worker.torch_state import require
+    import sluice.torch as hvd
+    from sluice.worker.torch.state import require
 
     model, optimizer = sluice_demo()
     if hvd.rank() == 0:

@@ -22,7 +22,7 @@ from torch import nn
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.netbed import Netbed, ready_for
 from bench.netbed.job import emit_result, run_sluice_job
-from scheduler.fusion import ALIGN
+from sluice.scheduler.fusion import ALIGN
 from tests.cluster import LocalCluster
 
 BALANCED, NONE, GREEDY = "balanced", "none", "greedy"
@@ -181,7 +181,8 @@ def quiet_sluice_logs() -> None:
 def fusion_worker(work: Workload) -> dict[str, Any]:
     """In a worker of a Sluice job: train, and return per-repetition seconds per step on this rank's
     clock, the fusion plan's group sizes, and the greedy engine's fused buffer sizes per repetition."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
+    from sluice.worker.torch.state import require
 
     if not work.verbose:
         quiet_sluice_logs()
@@ -208,7 +209,7 @@ def fusion_worker(work: Workload) -> dict[str, Any]:
 
     loss = train(work.warmup)
     hvd.synchronize_parameters()
-    engine = hvd._require().collectives
+    engine = require().collectives
     greedy = engine.greedy if engine is not None else None
     seconds, buffers = [], []
     for _ in range(work.repeats):

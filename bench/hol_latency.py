@@ -21,9 +21,9 @@ import zmq
 from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
 from bench.netbed import Netbed, ready_for
 from bench.netbed.forked import Delays, announced, start_in
-from transport.base import Transport, open_transport
-from transport.config import TransportConfig
-from transport.wire import Kind, Message
+from sluice.transport.base import Transport, open_transport
+from sluice.transport.config import TransportConfig
+from sluice.transport.wire import Kind, Message
 
 KIB, MIB = 1 << 10, 1 << 20
 URGENT_BYTES = 64 * KIB

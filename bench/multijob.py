@@ -18,8 +18,8 @@ import numpy as np
 from bench.common import add_common_options, print_table, progress, write_json
 from bench.netbed import Netbed, ready_for
 from bench.netbed.job import emit_result, run_sluice_job
-from transport.config import TransportConfig
-from worker.job_priority import JobLevel, JobsConfig
+from sluice.transport.config import TransportConfig
+from sluice.worker.job_priority import JobLevel, JobsConfig
 
 DESCRIPTION = """\
 Six jobs (one worker and one server each, compute stubbed out) arrive one after another and share
@@ -52,7 +52,7 @@ class Work:
 
 
 def worker_main(spec: str) -> int:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     work = Work(**json.loads(spec))
     client = Client()

@@ -14,8 +14,8 @@ if __package__ in (None, ""):  # run as `python bench/plan_quality.py`: make the
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_common_options, print_table, progress, record, stats, write_json
-from scheduler.hierarchy.planner import plan_trees
-from scheduler.hierarchy.topology import Host, Plan, Rack, Topology
+from sluice.scheduler.hierarchy.planner import plan_trees
+from sluice.scheduler.hierarchy.topology import Host, Plan, Rack, Topology
 
 PEER = "LP relaxation bound"
 PENALTY_PEER = "the same planner with tree_penalty = 0"

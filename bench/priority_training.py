@@ -153,7 +153,7 @@ def train(args: argparse.Namespace, rank: int, optimizer: torch.optim.Optimizer,
 
 
 def sluice_worker(args: argparse.Namespace) -> dict[str, Any]:
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     hvd.init()
     torch.manual_seed(0)

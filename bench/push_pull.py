@@ -30,9 +30,9 @@ from bench.common import (
     timed_push_pull,
     write_json,
 )
-from scheduler.fusion import FusionPlan, plan_fusion
+from sluice.scheduler.fusion import FusionPlan, plan_fusion
+from sluice.transport.config import TransportConfig
 from tests.cluster import LocalCluster
-from transport.config import TransportConfig
 
 MIB = 1 << 20
 CHUNK = MIB  # the raw pyzmq peer sends 1 MiB messages, like Sluice's default chunk size
@@ -145,7 +145,7 @@ def bucket_plan(nbytes: int) -> tuple[list[tuple[str, int]], FusionPlan]:
 
 def _bucket_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
     """In each Sluice worker: push_pull every fusion group in place from one registered flat buffer."""
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     _, plan = bucket_plan(nbytes)
     client = Client()

@@ -1,4 +1,5 @@
-"""Training throughput of the digits demo model: Sluice workers and servers against torch DDP (gloo)."""
+"""Training throughput of the digits demo model: Sluice workers and servers against torch DDP (gloo), and
+Sluice's Keras shim against Keras alone and against Sluice's PyTorch shim."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from bench.common import (
     stats,
     write_json,
 )
-from launch.config import ConfigError, load_config
+from bench.keras_training import ALONE, measure_keras_alone, measure_sluice_keras
+from sluice.launch.config import ConfigError, load_config
 from tests.cluster import LocalCluster
 
 DDP = "torch DDP (gloo)"
@@ -42,13 +44,20 @@ Global training throughput (steps x batch x workers / seconds) of examples/train
 on the digits data, the same model, batches, optimizer (SGD lr 0.05, momentum 0.9) and one torch
 thread per process on both sides:
 
-  sluice  W workers (LocalCluster, worker.torch_shim: DistributedOptimizer, broadcast_parameters)
+  sluice  W workers (LocalCluster, sluice.torch: DistributedOptimizer, broadcast_parameters)
           with S servers; the optimizer runs on the workers or on the servers (--optimizer-on)
   ddp     W processes, torch.nn.parallel.DistributedDataParallel over gloo
 
 Each process first trains WARMUP untimed steps; every repetition then times STEPS steps between
 two barriers on rank 0 (with the optimizer on the servers the last parameters are waited for
 inside the timed span). Process start and rendezvous are never timed.
+
+With --framework keras, examples/train_digits_keras.py's model (the same layers in Keras 3) trains
+with model.fit on the same batches, one TF thread per process, and is measured twice:
+
+  keras-vs-alone  sluice.keras (DistributedOptimizer, W workers, S servers) against W processes
+                  each training Keras alone at once (no exchange: the ceiling of scaling)
+  keras-vs-torch  sluice.keras against sluice.torch on the same model (optimizer on the workers)
 """
 
 
@@ -61,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer-on", nargs="+", choices=["worker", "server"], default=["worker"],
                         help="where Sluice runs the optimizer (worker.optimizer_on); give both to measure "
                              "both, each against its own DDP run (default: worker)")
+    parser.add_argument("--framework", nargs="+", choices=["torch", "keras"], default=["torch"],
+                        help="torch: Sluice against DDP; keras: sluice.keras against Keras alone and against "
+                             "sluice.torch (default: torch)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="settings",
                         help="a Sluice setting for the Sluice side, as `sluice launch --set` takes it, e.g. "
                              "collective.mode=allreduce (repeatable)")
@@ -132,7 +144,7 @@ def timed_repeats(
 def sluice_demo() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """In a worker of a Sluice job: hvd.init(), the demo model (seeded) and its DistributedOptimizer
     (SGD with momentum), parameters broadcast from rank 0."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
@@ -147,7 +159,7 @@ def sluice_demo() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _sluice_worker(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     model, optimizer = sluice_demo()
     data = worker_batches(x, y, hvd.rank(), hvd.size(), args.batch_size, args.warmup + args.steps)
@@ -196,6 +208,40 @@ def throughput(args: argparse.Namespace, result: dict[str, Any]) -> Stats:
     return stats([samples / s for s in result["seconds"]])
 
 
+def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows: list[list[str]],
+                records: list[dict[str, Any]]) -> None:
+    """sluice.keras against Keras alone x W, and against sluice.torch, on the same model and batches."""
+    def data(rank: int, size: int) -> Batches:
+        return worker_batches(x, y, rank, size, args.batch_size, max(args.warmup, 1) + args.steps)
+
+    base = f"digits-w{args.workers}-s{args.servers}-b{args.batch_size}"
+    t0 = time.perf_counter()
+    keras = measure_sluice_keras(data, args)
+    ours = throughput(args, keras)
+    progress(f"  {base}  sluice.keras {ours.brief(0)} samples/s, last loss {keras['loss']:.4g} "
+             f"({time.perf_counter() - t0:.1f} s)")
+    peers = []
+    t0 = time.perf_counter()
+    alone = measure_keras_alone(data, args)
+    peers.append(("keras-vs-alone", ALONE, alone))
+    progress(f"  {base}  keras alone  {throughput(args, alone).brief(0)} samples/s ({time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    torch_side = measure_sluice(x, y, args, "worker")
+    peers.append(("keras-vs-torch", "sluice.torch (same model, optimizer on the workers)", torch_side))
+    progress(f"  {base}  sluice.torch {throughput(args, torch_side).brief(0)} samples/s "
+             f"({time.perf_counter() - t0:.1f} s)")
+    for name, peer_name, result in peers:
+        peer = throughput(args, result)
+        case = f"{name}-{base}"
+        rows.append([case, ours.brief(0), peer.brief(0), f"{ours.median / peer.median:.2f}x"])
+        records.append(record(
+            case, ours, peer, peer_name, "samples/s", framework="keras", workers=args.workers,
+            servers=args.servers, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+            repeats=args.repeats, optimizer_on="worker", ours_loss=keras["loss"], peer_loss=result["loss"],
+            settings=args.settings,
+        ))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -205,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
     progress(f"training throughput: {args.workers} workers, batch {args.batch_size} per worker, "
              f"{args.warmup} warm-up + {args.steps} timed steps x {args.repeats} repeats")
-    rows, records = [], []
+    rows: list[list[str]] = []
+    records: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for optimizer_on in args.optimizer_on:
+    for optimizer_on in args.optimizer_on if "torch" in args.framework else []:
         case = f"digits-w{args.workers}-s{args.servers}-b{args.batch_size}-opt_{optimizer_on}"
         t0 = time.perf_counter()
         sluice = measure_sluice(x, y, args, optimizer_on)
@@ -225,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
             optimizer_on=optimizer_on, ours_loss=sluice["loss"], peer_loss=ddp["loss"], settings=args.settings,
         ))
+    if "keras" in args.framework:
+        keras_cases(args, x, y, rows, records)
     progress(f"\nglobal samples/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")
-    print_table(["case", "sluice", "ddp", "sluice/ddp"], rows)
+    print_table(["case", "sluice", "peer", "sluice/peer"], rows)
     write_json(args.json, records)
     return 0
 

@@ -19,9 +19,9 @@ import zmq
 import zmq.asyncio
 
 from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
-from transport.config import TransportConfig
-from transport.wire import Kind, Message, decode, encode
-from transport.zmq_transport import ZmqTransport
+from sluice.transport.config import TransportConfig
+from sluice.transport.wire import Kind, Message, decode, encode
+from sluice.transport.zmq_transport import ZmqTransport
 
 DESCRIPTION = """\
 Why the data path is a thread with a zmq Poller and not asyncio (docs/architecture.md). Two processes

@@ -1,6 +1,6 @@
 """Train a small CNN on scikit-learn's bundled digits through Sluice (`make demo` runs this).
 
-A Horovod script switches to Sluice by changing its import to `import worker.torch_shim as hvd`.
+A Horovod script switches to Sluice by changing its import to `import sluice.torch as hvd`.
 Start it with: sluice launch -w 4 -s 2 -- python examples/train_digits.py
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
-import worker.torch_shim as hvd
+import sluice.torch as hvd
 
 
 def parse_args() -> argparse.Namespace:

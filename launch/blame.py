@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from scheduler.culprit import Culprit
+from sluice.scheduler.culprit import Culprit
 
 
 class Watched(Protocol):

@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO
 
-from scheduler import culprit
-from transport.shm import remove_segments_of
+from sluice.scheduler import culprit
+from sluice.transport.shm import remove_segments_of
 
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 20

@@ -12,9 +12,9 @@ import sys
 import textwrap
 from types import FrameType
 
-from launch.config import ConfigError, help_epilog, load_config
-from scheduler.bootstrap import ENV_ROLE, from_environ
-from scheduler.errors import SluiceError
+from sluice.launch.config import ConfigError, help_epilog, load_config
+from sluice.scheduler.bootstrap import ENV_ROLE, from_environ
+from sluice.scheduler.errors import SluiceError
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -100,7 +100,7 @@ def _list_jobs(as_json: bool) -> int:
     import dataclasses
     import json
 
-    from scheduler.jobs_registry import describe, read_all, registry_dir
+    from sluice.scheduler.jobs_registry import describe, read_all, registry_dir
 
     try:
         jobs, bad = read_all()
@@ -140,7 +140,7 @@ def _launch(args: argparse.Namespace) -> int:
         config = load_config(args.config, os.environ, args.sets)
     except ConfigError as exc:
         return _error(str(exc))
-    from launch.supervisor import run_local_job
+    from sluice.launch.supervisor import run_local_job
 
     try:
         return run_local_job(config, args.workers, args.servers, command,
@@ -175,14 +175,14 @@ def _run_role(role: str) -> int:
             raise SluiceError(f"{ENV_ROLE} is {os.environ[ENV_ROLE]!r} but this is `sluice {role}`")
         env = dataclasses.replace(env, role=role)
         if role == "scheduler":
-            from scheduler.service import run_scheduler
+            from sluice.scheduler.service import run_scheduler
 
             return run_scheduler(env, announce=_announce)
         if role == "aggregator":
-            from ps.aggregator import run_aggregator
+            from sluice.ps.aggregator import run_aggregator
 
             return run_aggregator(env)
-        from ps.server import run_server
+        from sluice.ps.server import run_server
 
         return run_server(env)
     except SluiceError as exc:

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ps.config import ServerConfig
-from scheduler.bootstrap import (
+from sluice.ps.config import ServerConfig
+from sluice.scheduler.bootstrap import (
     ENV_AGGREGATORS,
     ENV_CONFIG,
     ENV_RANK,
@@ -26,12 +26,12 @@ from scheduler.bootstrap import (
     ENV_SERVERS,
     ENV_WORKERS,
 )
-from scheduler.config import SchedulerConfig
-from scheduler.hierarchy.config import AggregationConfig
-from transport.config import TransportConfig
-from worker.collective.config import CollectiveConfig
-from worker.config import WorkerConfig
-from worker.job_priority import JobsConfig
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.transport.config import TransportConfig
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.config import WorkerConfig
+from sluice.worker.job_priority import JobsConfig
 
 #: section name -> the layer's settings class; the order is the order of listings and help
 SECTIONS: dict[str, type[Any]] = {

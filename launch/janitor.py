@@ -82,7 +82,7 @@ def clean_up(children: dict[int, int | None], settle: float = SETTLE_SECONDS) ->
         # now, since the id of a group found empty may already be another's
         _kill_groups(set(alive.values()))
         time.sleep(0.05)
-    from transport.shm import remove_segments_of  # numpy with it: only a janitor with work to do pays
+    from sluice.transport.shm import remove_segments_of  # numpy with it: only a janitor with work to do pays
 
     return len(groups), sum(remove_segments_of(pid) for pid in seen)
 
@@ -117,7 +117,7 @@ class Janitor:
         self.error = ""
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "launch.janitor", str(os.getpid())], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "sluice.launch.janitor", str(os.getpid())], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path}, start_new_session=True,
             )
         except OSError as exc:

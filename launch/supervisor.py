@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-from launch.blame import Watched, exit_description, find, first_report, judge, state_description
-from launch.children import Child, Sink, death_signal_hook
-from launch.config import SluiceConfig
-from launch.janitor import Janitor
-from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
+from sluice.launch.blame import Watched, exit_description, find, first_report, judge, state_description
+from sluice.launch.children import Child, Sink, death_signal_hook
+from sluice.launch.config import SluiceConfig
+from sluice.launch.janitor import Janitor
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 
 #: seconds between SIGTERM and SIGKILL when stopping a process group
 STOP_TIMEOUT = 3.0
@@ -117,7 +117,7 @@ class _Job:
         self.say(self.config.describe())
         if self.threads_note:
             self.say(self.threads_note)
-        role_argv = [sys.executable, "-m", "launch.cli"]
+        role_argv = [sys.executable, "-m", "sluice.launch.cli"]
         try:
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
         except OSError as exc:

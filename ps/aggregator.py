@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ps.relay import Relay
-from ps.role import Reply, Role
-from scheduler.bootstrap import NodeEnv
-from scheduler.hierarchy.routes import parse_routing
-from scheduler.rendezvous import parse_limits
-from transport.wire import Kind, Message, WireError, meta_field
+from sluice.ps.relay import Relay
+from sluice.ps.role import Reply, Role
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.hierarchy.routes import parse_routing
+from sluice.scheduler.rendezvous import parse_limits
+from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 
 class Aggregator(Role):

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from transport.wire import brief
+from sluice.transport.wire import brief
 
 State = dict[str, Any]
 

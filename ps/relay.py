@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
-from ps.relay_tables import Tables, TreeView
-from ps.store import Reply, push_ranks
-from transport.dtypes import STORAGE
-from transport.wire import Flag, Kind, Message, WireError, brief
+from sluice.ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
+from sluice.ps.relay_tables import Tables, TreeView
+from sluice.ps.store import Reply, push_ranks
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import Flag, Kind, Message, WireError, brief
 
 
 @dataclass

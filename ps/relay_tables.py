@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.hierarchy.routes import SERVERS, Routing, has_cycle, subtree_ranks
-from transport.dtypes import STORAGE
-from transport.wire import MAX_PAYLOAD_BYTES, Message, WireError, brief
+from sluice.scheduler.hierarchy.routes import SERVERS, Routing, has_cycle, subtree_ranks
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import MAX_PAYLOAD_BYTES, Message, WireError, brief
 
 #: routing epochs kept: a worker still finishes rounds of the last two while the newest takes over
 KEEP_EPOCHS = 3

@@ -6,13 +6,13 @@ import logging
 import threading
 import time
 
-from scheduler.bootstrap import NodeEnv
-from scheduler.calibration import Limits
-from scheduler.config import SchedulerConfig
-from scheduler.node import SCHEDULER_PEER, ControlClient
-from transport.base import open_transport
-from transport.metrics import summary_lines
-from transport.wire import Kind, Message, WireError, meta_field
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.calibration import Limits
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.node import SCHEDULER_PEER, ControlClient
+from sluice.transport.base import open_transport
+from sluice.transport.metrics import summary_lines
+from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 Reply = tuple[str, int, Message]
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ps.config import ServerConfig
-from ps.role import Reply, Role
-from ps.store import ShardStore
-from scheduler import culprit
-from scheduler.bootstrap import NodeEnv
-from scheduler.rendezvous import parse_limits
-from transport.wire import Kind, Message, WireError, meta_field
+from sluice.ps.config import ServerConfig
+from sluice.ps.role import Reply, Role
+from sluice.ps.store import ShardStore
+from sluice.scheduler import culprit
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.rendezvous import parse_limits
+from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 
 class Server(Role):

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ps.optim import Optimizer, make_optimizer
-from ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
-from transport.dtypes import STORAGE
-from transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief
+from sluice.ps.optim import Optimizer, make_optimizer
+from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
+from sluice.transport.dtypes import STORAGE, SUMMABLE
+from sluice.transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief
 
 __all__ = ["FLOAT_DTYPES", "Reply", "ShardStore", "bf16_to_f32", "f32_to_bf16", "push_ranks"]
 
@@ -86,7 +86,7 @@ def _parse_plan(tensors: Any) -> list[tuple[int, str, str, Optimizer | None, lis
         key, name, dtype, opt, chunks = entry
         if type(key) is not int or not 0 <= key < 1 << 31 or type(name) is not str:
             raise WireError(f"a plan entry needs a key in [0, 2**31) and a name: got {brief(key)}, {brief(name)}")
-        if type(dtype) is not str or dtype not in STORAGE:
+        if type(dtype) is not str or dtype not in SUMMABLE:
             raise WireError(f"tensor {brief(name)} of the plan has dtype {brief(dtype)}")
         optimizer = _optimizer(opt, dtype, f"tensor {brief(name)}")
         if type(chunks) is not list:

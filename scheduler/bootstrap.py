@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.errors import SluiceError
-from transport.auth import MIN_SECRET_BYTES, JobKeys
-from transport.config import TransportConfig
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.auth import MIN_SECRET_BYTES, JobKeys
+from sluice.transport.config import TransportConfig
 
 ENV_SCHEDULER = "SLUICE_SCHEDULER"
 ENV_ROLE = "SLUICE_ROLE"

@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transport.config import MAX_CHUNK_BYTES
+from sluice.transport.config import MAX_CHUNK_BYTES
 
 MIN_CHUNK = 64 << 10
 MAX_CHUNK = MAX_CHUNK_BYTES

@@ -105,6 +105,22 @@ def unfused_plan(sizes: Sequence[int], align: int = ALIGN) -> FusionPlan:
     return FusionPlan(tuple(slots), tuple(groups), offset)
 
 
+def grouped_plan(sizes: Sequence[int], groups: Sequence[Sequence[int]], align: int = ALIGN) -> FusionPlan:
+    """The user's own groups (Horovod's `groups=[[...], ...]`): each listed group of table indices is one
+    fused message; slots are laid out group after group, in the order given. Every tensor must be in
+    exactly one group (a tensor on its own is a group of one)."""
+    if sorted(i for g in groups for i in g) != list(range(len(sizes))) or any(not g for g in groups):
+        raise ValueError("groups must be non-empty and list every tensor index exactly once")
+    slots, planned, offset = [], [], 0
+    for index, members in enumerate(groups):
+        start = offset
+        for tensor in members:
+            slots.append(Slot(tensor, offset, sizes[tensor]))
+            offset += _align(sizes[tensor], align)
+        planned.append(Group(index, start, offset, tuple(members)))
+    return FusionPlan(tuple(slots), tuple(planned), offset)
+
+
 def _overlaps(slot: Slot, start: int, end: int, total: int) -> bool:
     """Does the slot share a byte with [start, end)? An empty one counts where it lies (at the very
     end: in the last group), so every gradient belongs to some group."""

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from scheduler.negotiation_census import Census, bit_list, mismatch_text
-from scheduler.negotiation_codec import (
+from sluice.scheduler.negotiation_census import Census, bit_list, mismatch_text
+from sluice.scheduler.negotiation_codec import (
     MAX_OTHERS,
     MAX_TABLE,
     META_BUDGET,
@@ -53,9 +53,9 @@ from scheduler.negotiation_codec import (
     pack_decisions,
     up_size,
 )
-from scheduler.negotiation_request import Request, check_request, describe, signature
-from scheduler.tree import Tree
-from transport.wire import WireError
+from sluice.scheduler.negotiation_request import Request, check_request, describe, signature
+from sluice.scheduler.tree import Tree
+from sluice.transport.wire import WireError
 
 __all__ = ["Controller", "Decision", "Down", "Request", "Up"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from scheduler.negotiation_codec import MAX_OTHERS, Answer
-from scheduler.negotiation_request import Request, describe, ranks_text, signature
+from sluice.scheduler.negotiation_codec import MAX_OTHERS, Answer
+from sluice.scheduler.negotiation_request import Request, describe, ranks_text, signature
 
 
 def mismatch_text(name: str, a: tuple[int, Request], b: tuple[int, Request]) -> str:

@@ -30,8 +30,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.negotiation_request import MAX_NAME, MAX_TENSORS, Request, problem
-from transport.wire import MAX_DIMS, Kind, Message, WireError, brief
+from sluice.scheduler.negotiation_request import MAX_NAME, MAX_TENSORS, Request, problem
+from sluice.transport.wire import MAX_DIMS, Kind, Message, WireError, brief
 
 MAX_RANKS = 1 << 20
 MAX_TEXT = 8192

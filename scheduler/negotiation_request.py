@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from transport.wire import DTYPES, MAX_DIMS, brief
+from sluice.transport.wire import DTYPES, MAX_DIMS, brief
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "barrier", "join")
-OPS = ("sum", "average")
+OPS = ("sum", "average", "min", "max", "product")
 #: kinds that move no data: no dtype, no shapes
 EMPTY_KINDS = ("barrier", "join")
 #: kinds whose first dimension may differ per rank (and is left out of the mismatch check)
@@ -23,7 +23,7 @@ class Request:
     kind: str  # "allreduce" | "allgather" | "broadcast" | "alltoall" | "barrier" | "join"
     dtype: str = ""  # "" for barrier and join
     shapes: tuple[tuple[int, ...], ...] = ()  # one per tensor; a grouped allreduce has several
-    op: str = "sum"  # "sum" | "average" (allreduce)
+    op: str = "sum"  # one of OPS (allreduce)
     root: int = -1  # broadcast's root rank; the last rank to join, in a join's decision
     priority: int = 0  # 0 most urgent; not part of the mismatch check
 

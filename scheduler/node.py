@@ -10,15 +10,15 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler import culprit
-from scheduler.bootstrap import NodeEnv
-from scheduler.calibration import Limits
-from scheduler.config import SchedulerConfig
-from scheduler.errors import SluiceError
-from scheduler.hierarchy.agent import NodeAgent
-from scheduler.rendezvous import parse_limits
-from transport.base import Transport
-from transport.wire import Kind, Message, WireError, brief, meta_field
+from sluice.scheduler import culprit
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.calibration import Limits
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.hierarchy.agent import NodeAgent
+from sluice.scheduler.rendezvous import parse_limits
+from sluice.transport.base import Transport
+from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 
 log = logging.getLogger("sluice.node")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transport.wire import DTYPES
+from sluice.transport.wire import DTYPES
 
 MIN_CHUNK_BYTES = 1024
 

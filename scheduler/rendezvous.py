@@ -11,15 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.bootstrap import node_name
-from scheduler.calibration import Limits, agree
-from scheduler.config import SchedulerConfig
-from scheduler.hierarchy.agent import Report, parse_report
-from scheduler.hierarchy.routes import Route, check_trees
-from scheduler.hierarchy.switch import RouteSwitch, parse_rounds
-from scheduler.partition import TensorPlan, TensorSpec, plan_tensors
-from transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
-from transport.wire import DTYPES, Kind, Message, WireError, brief, meta_field
+from sluice.scheduler.bootstrap import node_name
+from sluice.scheduler.calibration import Limits, agree
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.hierarchy.agent import Report, parse_report
+from sluice.scheduler.hierarchy.routes import Route, check_trees
+from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
+from sluice.scheduler.partition import TensorPlan, TensorSpec, plan_tensors
+from sluice.transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
+from sluice.transport.wire import DTYPES, Kind, Message, WireError, brief, meta_field
 
 Out = tuple[str, Message]
 ROLES = ("server", "worker", "aggregator")

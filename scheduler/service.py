@@ -8,18 +8,18 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from scheduler import culprit
-from scheduler.bootstrap import NodeEnv
-from scheduler.config import SchedulerConfig
-from scheduler.hierarchy.config import AggregationConfig
-from scheduler.hierarchy.manager import tree_source
-from scheduler.hierarchy.placement import NodeAt
-from scheduler.jobs_registry import Registry
-from scheduler.node import endpoint_host
-from scheduler.rendezvous import Out, Rendezvous
-from transport.base import Transport, open_transport
-from transport.rejects import Rejections
-from transport.wire import Message, WireError
+from sluice.scheduler import culprit
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.scheduler.hierarchy.manager import tree_source
+from sluice.scheduler.hierarchy.placement import NodeAt
+from sluice.scheduler.jobs_registry import Registry
+from sluice.scheduler.node import endpoint_host
+from sluice.scheduler.rendezvous import Out, Rendezvous
+from sluice.transport.base import Transport, open_transport
+from sluice.transport.rejects import Rejections
+from sluice.transport.wire import Message, WireError
 
 log = logging.getLogger("sluice.scheduler")
 

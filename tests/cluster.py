@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import queue
@@ -10,26 +11,26 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
-from transport.shm import remove_segments_of
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
+from sluice.transport.shm import remove_segments_of
 
 _ctx = mp.get_context("fork")
 
 
 def _scheduler_main(env: NodeEnv, announce: Any) -> None:
-    from scheduler.service import run_scheduler
+    from sluice.scheduler.service import run_scheduler
 
     os._exit(run_scheduler(env, announce.put))
 
 
 def _server_main(env: NodeEnv) -> None:
-    from ps.server import run_server
+    from sluice.ps.server import run_server
 
     os._exit(run_server(env))
 
 
 def _aggregator_main(env: NodeEnv) -> None:
-    from ps.aggregator import run_aggregator
+    from sluice.ps.aggregator import run_aggregator
 
     os._exit(run_aggregator(env))
 
@@ -42,7 +43,9 @@ def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], re
         torch.set_num_threads(1)
     code = 0
     try:
-        results.put((env.rank, "ok", fn(*args)))
+        value = fn(*args)
+        atexit._run_exitfuncs()  # what a script's exit runs (sluice.torch closes its connection there)
+        results.put((env.rank, "ok", value))
     except BaseException as exc:  # report every failure to the test, then exit non-zero
         results.put((env.rank, "error", f"{type(exc).__name__}: {exc}"))
         code = 1

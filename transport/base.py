@@ -7,9 +7,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from transport.auth import JobKeys
-from transport.config import TransportConfig
-from transport.wire import Message
+from sluice.transport.auth import JobKeys
+from sluice.transport.config import TransportConfig
+from sluice.transport.wire import Message
 
 #: called on the transport's I/O thread for every valid message: (peer name, channel, message).
 #: It must not block, and must be done with the payload when it returns: the payload is a zero-copy
@@ -71,6 +71,6 @@ def open_transport(name: str, config: TransportConfig, handler: Handler, keys: J
     `control`: this transport serves the control plane (the scheduler). `members`: the names of the
     job's processes (known from `keys` too): their routes are never forgotten, they are never banned,
     and only they may share memory with this process."""
-    from transport.zmq_transport import ZmqTransport
+    from sluice.transport.zmq_transport import ZmqTransport
 
     return ZmqTransport(name, config, handler, keys, control, members)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from transport.shm_peers import SEGMENT_NAME, SHM_DIR, PeerSegments
+from sluice.transport.shm_peers import SEGMENT_NAME, SHM_DIR, PeerSegments
 
 _ALIGN = 64
 _ARENA_BYTES = 64 << 20

@@ -36,8 +36,8 @@ from typing import Any
 
 import msgpack
 
-from transport.brief import brief as brief  # re-exported: receivers format what they got with it
-from transport.msgpack_scan import ScanError, scan
+from sluice.transport.brief import brief as brief  # re-exported: receivers format what they got with it
+from sluice.transport.msgpack_scan import ScanError, scan
 
 VERSION = 1
 HEADER_FIELDS = 12
@@ -64,8 +64,19 @@ DTYPES: dict[str, int] = {
     "bfloat16": 2,
     "int64": 8,
     "int32": 4,
+    "int16": 2,
     "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
     "uint8": 1,
+    "bool": 1,
+    # float8 formats travel as their bytes (broadcast, allgather); reductions run in float32 (worker/torch)
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
 
 

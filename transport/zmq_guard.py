@@ -19,7 +19,7 @@ import socket
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from transport.auth import ZAP_ENDPOINT, JobKeys
+from sluice.transport.auth import ZAP_ENDPOINT, JobKeys
 
 _HWM = 100_000
 #: CURVE wraps each frame in a MESSAGE command (a nonce, flags and a MAC, under 100 bytes), and libzmq

@@ -18,14 +18,14 @@ from typing import Any
 
 import zmq
 
-from transport.auth import JobKeys
-from transport.base import Handler
-from transport.metrics import TransportMetrics
-from transport.rejects import Rejections
-from transport.sendqueue import ChannelQueue
-from transport.shm import SharedPayloads
-from transport.wire import Flag, Kind, Message, WireError, decode, encode
-from transport.zmq_guard import Guard
+from sluice.transport.auth import JobKeys
+from sluice.transport.base import Handler
+from sluice.transport.metrics import TransportMetrics
+from sluice.transport.rejects import Rejections
+from sluice.transport.sendqueue import ChannelQueue
+from sluice.transport.shm import SharedPayloads
+from sluice.transport.wire import Flag, Kind, Message, WireError, decode, encode
+from sluice.transport.zmq_guard import Guard
 
 _RECV_BATCH = 64
 _MAX_ROUTER_PEERS = 4096

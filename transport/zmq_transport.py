@@ -25,16 +25,16 @@ from typing import Any
 import numpy as np
 import zmq
 
-from transport.auth import JobKeys
-from transport.base import Handler
-from transport.config import LOCAL_ENDPOINTS, TransportConfig
-from transport.metrics import TransportMetrics
-from transport.rejects import Rejections
-from transport.sendqueue import ChannelQueue
-from transport.shm import SharedPayloads
-from transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Flag, Kind, Message, encode
-from transport.zmq_guard import Guard, make_socket
-from transport.zmq_receive import Arrived, ReceivePath, Route, _keep_large_buffers_mapped
+from sluice.transport.auth import JobKeys
+from sluice.transport.base import Handler
+from sluice.transport.config import LOCAL_ENDPOINTS, TransportConfig
+from sluice.transport.metrics import TransportMetrics
+from sluice.transport.rejects import Rejections
+from sluice.transport.sendqueue import ChannelQueue
+from sluice.transport.shm import SharedPayloads
+from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Flag, Kind, Message, encode
+from sluice.transport.zmq_guard import Guard, make_socket
+from sluice.transport.zmq_receive import Arrived, ReceivePath, Route, _keep_large_buffers_mapped
 
 log = logging.getLogger("sluice.transport")
 

@@ -15,10 +15,17 @@ import time
 
 import numpy as np
 
-from scheduler.calibration import MAX_CHUNK, MAX_INFLIGHT, Limits, choose_chunk, choose_inflight, inflight_candidates
-from scheduler.errors import SluiceError
-from transport.base import Transport
-from transport.wire import Kind, Message
+from sluice.scheduler.calibration import (
+    MAX_CHUNK,
+    MAX_INFLIGHT,
+    Limits,
+    choose_chunk,
+    choose_inflight,
+    inflight_candidates,
+)
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.base import Transport
+from sluice.transport.wire import Kind, Message
 
 log = logging.getLogger("sluice.worker")
 

@@ -18,24 +18,24 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.bootstrap import NodeEnv, from_environ
-from scheduler.calibration import Limits
-from scheduler.config import SchedulerConfig
-from scheduler.errors import SluiceError
-from scheduler.hierarchy.routes import parse_routing
-from scheduler.hierarchy.switch import parse_rounds
-from scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host
-from transport.base import open_transport
-from transport.config import LOCAL_ENDPOINTS
-from transport.dtypes import STORAGE
-from transport.wire import Flag, Kind, Message, WireError, meta_field
-from worker.calibrate import Calibrator
-from worker.collective.config import CollectiveConfig
-from worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
-from worker.collective.mailbox import Mailbox
-from worker.handle import Handle
-from worker.job_priority import JobLevel, JobsConfig
-from worker.routing import Router
+from sluice.scheduler.bootstrap import NodeEnv, from_environ
+from sluice.scheduler.calibration import Limits
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.hierarchy.routes import parse_routing
+from sluice.scheduler.hierarchy.switch import parse_rounds
+from sluice.scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host
+from sluice.transport.base import open_transport
+from sluice.transport.config import LOCAL_ENDPOINTS
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import Flag, Kind, Message, WireError, meta_field
+from sluice.worker.calibrate import Calibrator
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
+from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.handle import Handle
+from sluice.worker.job_priority import JobLevel, JobsConfig
+from sluice.worker.routing import Router
 
 log = logging.getLogger("sluice.worker")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from scheduler.errors import SluiceError
+from sluice.scheduler.errors import SluiceError
 
 
 class Handle:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from scheduler.priority import Op, first_use_times
+from sluice.scheduler.priority import Op, first_use_times
 
 log = logging.getLogger("sluice.worker")
 

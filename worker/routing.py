@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing
-from transport.wire import WireError
+from sluice.scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing
+from sluice.transport.wire import WireError
 
 #: committed epochs kept (rounds of a tensor are at most one apart across workers: see switch.py)
 KEEP_EPOCHS = 4

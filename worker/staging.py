@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from scheduler.errors import SluiceError
+from sluice.scheduler.errors import SluiceError
 
 DTYPES = {
     torch.float32: "float32",
@@ -14,9 +14,22 @@ DTYPES = {
     torch.bfloat16: "bfloat16",
     torch.int64: "int64",
     torch.int32: "int32",
+    torch.int16: "int16",
     torch.int8: "int8",
+    torch.uint64: "uint64",
+    torch.uint32: "uint32",
+    torch.uint16: "uint16",
     torch.uint8: "uint8",
+    torch.bool: "bool",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e4m3fnuz: "float8_e4m3fnuz",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.float8_e5m2fnuz: "float8_e5m2fnuz",
+    torch.float8_e8m0fnu: "float8_e8m0fnu",
 }
+#: torch dtypes numpy has no twin for: their bits travel as this integer type of the same size
+_BITS = {torch.bfloat16: (torch.int16, np.uint16), **{d: (torch.uint8, np.uint8) for d in DTYPES
+                                                       if str(d).startswith("torch.float8")}}
 
 
 def wire_dtype(tensor: torch.Tensor) -> str:
@@ -39,8 +52,9 @@ class Staging:
 
     def array(self) -> np.ndarray:
         host = self.host
-        if host.dtype == torch.bfloat16:
-            return host.view(torch.int16).numpy().view(np.uint16)
+        bits = _BITS.get(host.dtype)
+        if bits is not None:
+            return host.view(bits[0]).numpy().view(bits[1])
         return host.numpy()
 
     def load(self, tensor: torch.Tensor) -> np.ndarray:
@@ -52,3 +66,10 @@ class Staging:
         if not self.direct:
             with torch.no_grad():
                 tensor.copy_(self.host, non_blocking=False)
+
+
+def tensor_of(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `dtype` over `array`, which holds that dtype's wire storage (no copy)."""
+    out = torch.from_numpy(np.ascontiguousarray(array))
+    bits = _BITS.get(dtype)
+    return out.view(dtype) if bits is not None else out

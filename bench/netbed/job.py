@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.netbed import Netbed
-from launch.config import SluiceConfig
-from scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
-from transport.shm import remove_segments_of
+from sluice.launch.config import SluiceConfig
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
+from sluice.transport.shm import remove_segments_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT_PREFIX = "NETBED_RESULT "
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 15
-_ROLE_ARGV = [sys.executable, "-m", "launch.cli"]
+_ROLE_ARGV = [sys.executable, "-m", "sluice.launch.cli"]
 _PORT_PROBE = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
 

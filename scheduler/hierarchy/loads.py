@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from scheduler.hierarchy.topology import (
+from sluice.scheduler.hierarchy.topology import (
     PlanError,
     Topology,
     TreeSpec,

@@ -15,13 +15,13 @@ import statistics
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from scheduler.hierarchy.agent import Report, spare_mbit
-from scheduler.hierarchy.config import AggregationConfig
-from scheduler.hierarchy.placement import NodeAt, Placement, place
-from scheduler.hierarchy.planner import plan_trees
-from scheduler.hierarchy.routes import Route, parse_static_trees
-from scheduler.hierarchy.topology import Plan, PlanError
-from scheduler.hierarchy.uplinks import uplink_rates
+from sluice.scheduler.hierarchy.agent import Report, spare_mbit
+from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.scheduler.hierarchy.placement import NodeAt, Placement, place
+from sluice.scheduler.hierarchy.planner import plan_trees
+from sluice.scheduler.hierarchy.routes import Route, parse_static_trees
+from sluice.scheduler.hierarchy.topology import Plan, PlanError
+from sluice.scheduler.hierarchy.uplinks import uplink_rates
 
 log = logging.getLogger("sluice.manager")
 

@@ -30,7 +30,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_array, csc_array
 
-from scheduler.hierarchy.loads import LoadModel, Vector
+from sluice.scheduler.hierarchy.loads import LoadModel, Vector
 
 Shape = tuple[int, ...]  # the model columns (loads.LoadModel.hosts) that aggregate in one tree, sorted
 INF = float("inf")

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from scheduler.hierarchy.config import AggregationConfig
-from scheduler.hierarchy.routes import SERVERS, Route
-from scheduler.hierarchy.topology import Host, Plan, PlanError, Rack, Topology
+from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.scheduler.hierarchy.routes import SERVERS, Route
+from sluice.scheduler.hierarchy.topology import Host, Plan, PlanError, Rack, Topology
 
 
 @dataclass(frozen=True)

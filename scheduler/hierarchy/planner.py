@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from scheduler.hierarchy.loads import LoadModel, Vector, bottleneck, flat_plan, load_model
-from scheduler.hierarchy.milp import Candidates, Shape, lp_bound, polish, solve_trees
-from scheduler.hierarchy.topology import Plan, PlanError, Topology, TreeSpec, eligible, oversubscribed
+from sluice.scheduler.hierarchy.loads import LoadModel, Vector, bottleneck, flat_plan, load_model
+from sluice.scheduler.hierarchy.milp import Candidates, Shape, lp_bound, polish, solve_trees
+from sluice.scheduler.hierarchy.topology import Plan, PlanError, Topology, TreeSpec, eligible, oversubscribed
 
 Trees = list[tuple[float, Shape]]
 SOLVERS = ("highs", "scipy")

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from transport.wire import WireError, brief
+from sluice.transport.wire import WireError, brief
 
 SERVERS = "server"
 #: trees in one epoch and nodes named by one tree (the wire form must fit a control header)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.hierarchy.routes import Route, Routing
-from transport.wire import Kind, Message, WireError, brief
+from sluice.scheduler.hierarchy.routes import Route, Routing
+from sluice.transport.wire import Kind, Message, WireError, brief
 
 Out = tuple[str, Message]
 #: tensors one ROUTES_ACK may list

@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.hierarchy.agent import Report
+from sluice.scheduler.hierarchy.agent import Report
 
 
 @dataclass

@@ -27,11 +27,11 @@ import msgpack
 import numpy as np
 import zmq
 
-from scheduler.bootstrap import member_names, node_name
+from sluice.scheduler.bootstrap import member_names, node_name
+from sluice.transport.auth import JobKeys
+from sluice.transport.shm import SHM_DIR, Segment
+from sluice.transport.wire import VERSION, Flag, Kind, Message, encode
 from tests.integration.training import train_distributed
-from transport.auth import JobKeys
-from transport.shm import SHM_DIR, Segment
-from transport.wire import VERSION, Flag, Kind, Message, encode
 
 _FIELDS = (
     "version", "kind", "sender", "key", "chunk", "round", "priority", "dtype", "shape", "nbytes", "flags", "meta",
@@ -318,10 +318,11 @@ class _AttackEveryStep:
 def train_under_attack(steps: int, batch: int, optimizer: str, forge_opt: bool = False) -> dict[str, Any]:
     """train_distributed, with worker 0 attacking the servers before the broadcast and at every step
     (the other worker trains as usual); the attack's report is under "attack"."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
+    from sluice.worker.torch.state import require
 
     def hooks() -> _AttackEveryStep | None:
-        return _AttackEveryStep(Attacker(hvd._require(), forge_opt)) if hvd.rank() == 0 else None
+        return _AttackEveryStep(Attacker(require(), forge_opt)) if hvd.rank() == 0 else None
 
     result = train_distributed(steps, batch, optimizer, hooks)
     result["attack"] = result.pop("extra")

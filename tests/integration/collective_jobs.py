@@ -13,7 +13,7 @@ from tests.integration.training import digest, global_batches, make_model, make_
 
 def horovod_api() -> dict[str, Any]:
     """Every collective of the API once, returning what a test compares with the expected values."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -53,7 +53,7 @@ def horovod_api() -> dict[str, Any]:
 
 def train_uneven_then_join(steps: int) -> dict[str, Any]:
     """Rank r trains on `steps + r` batches, then joins; the others' allreduces go on with its zeros."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     hvd.init()
     model = make_model()
@@ -72,7 +72,7 @@ def train_uneven_then_join(steps: int) -> dict[str, Any]:
 
 def stall(rank_that_skips: int) -> str:
     """Everyone but `rank_that_skips` allreduces 'lonely'; the error it gets (or 'no error')."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     hvd.init()
     try:
@@ -89,7 +89,7 @@ def stall(rank_that_skips: int) -> str:
 
 def mismatch() -> str:
     """Rank 1 allreduces 'w' with another shape than the others."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
 
     hvd.init()
     try:

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import torch.nn.functional as F
 
-import worker.torch_shim as hvd
+import sluice.torch as hvd
 from tests.integration.training import global_batches, make_model, make_optimizer
 
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import Children
-from scheduler.negotiation import Decision, Request
-from scheduler.tree import build_tree, dials
-from transport.base import open_transport
-from transport.config import TransportConfig
-from worker.collective.config import CollectiveConfig
-from worker.collective.coordinator import Coordinator
-from worker.collective.mailbox import Mailbox
+from sluice.scheduler.negotiation import Decision, Request
+from sluice.scheduler.tree import build_tree, dials
+from sluice.transport.base import open_transport
+from sluice.transport.config import TransportConfig
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.coordinator import Coordinator
+from sluice.worker.collective.mailbox import Mailbox
 
 _ctx = mp.get_context("fork")
 

@@ -41,7 +41,7 @@ class CountRoutedPushes:
         time.sleep(0.02)  # with the rotating trees: let several switches land inside the run
 
     def finish(self) -> Any:
-        from worker.torch_state import STATE
+        from sluice.worker.torch.state import STATE
 
         assert STATE.client is not None
         return {"routed": STATE.client._router.routed, "epoch": STATE.client._router.epoch}
@@ -81,7 +81,7 @@ def test_training_through_aggregation_trees_matches_single_process(
 
 
 def _push_pull_rounds(rounds: int, pause: float) -> list[float]:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("grad", (50_000,), "float32", None)])
@@ -143,7 +143,7 @@ def test_sluice_launch_starts_aggregators_and_the_job_trains_through_them(tmp_pa
     )
     trees = "1: worker-0>aggregator-0 worker-1>aggregator-0"
     done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "launch", "-w", "2", "-s", "1", "-a", "1",
+        [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "1", "-a", "1",
          "--set", "aggregation.mode=static", "--set", f"aggregation.trees={trees}", "--", sys.executable, str(script)],
         cwd=ROOT, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -154,7 +154,7 @@ def test_sluice_launch_starts_aggregators_and_the_job_trains_through_them(tmp_pa
 
 
 def _rounds_once_planned(rounds: int) -> dict[str, Any]:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("grad", (20_000,), "float32", None), ("planned", (1,), "int32", None)])

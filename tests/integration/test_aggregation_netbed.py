@@ -18,7 +18,7 @@ WORKER = """
 import time
 import numpy as np
 from bench.netbed.job import emit_result
-from worker.client import Client
+from sluice.worker.client import Client
 client = Client()
 client.declare([("grad", (65536,), "float32", None), ("vote", (1,), "int32", None)])
 data, out, votes = np.ones(65536, np.float32), np.empty(65536, np.float32), np.zeros(1, np.int32)

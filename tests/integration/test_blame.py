@@ -20,7 +20,7 @@ from tests.integration.test_launch import Launch, _alive, _children, _cmdline, _
 STEPPER = """
 import os, subprocess, sys, time
 import numpy as np
-from worker.client import Client
+from sluice.worker.client import Client
 args = sys.argv[1:]
 if "grandchild" in args:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -56,9 +56,9 @@ def _start(launch: type[Launch], stepper: str, *worker_args: str, workers: int =
     found = {}
     for pid in job.snapshot():
         cmdline = _cmdline(pid)
-        if "launch.cli scheduler" in cmdline:
+        if "sluice.launch.cli scheduler" in cmdline:
             found["scheduler"] = pid
-        elif "launch.cli server" in cmdline:
+        elif "sluice.launch.cli server" in cmdline:
             found[f"server {_worker_rank(pid)}"] = pid
     assert len(found) == 3, found
     return job, found
@@ -137,7 +137,7 @@ def test_killed_launcher_leaves_no_process_and_no_shared_memory(launch: type[Lau
     job, _ = _start(launch, stepper, "grandchild")
     grandchildren = {int(job.wait_line(rf"^\[worker {r}\] grandchild (\d+)$").group(1)) for r in range(2)}
     direct = _children(job.proc.pid)
-    janitors = {p for p in direct if "launch.janitor" in _cmdline(p)}
+    janitors = {p for p in direct if "sluice.launch.janitor" in _cmdline(p)}
     children = direct - janitors
     assert len(janitors) == 1 and len(children) == 1 + 2 + 2, [_cmdline(p) for p in direct]
     everything = children | grandchildren | janitors

@@ -9,7 +9,7 @@ from tests.cluster import LocalCluster
 
 
 def _sum_both_ways(n: int) -> list[float]:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("r", (n,), "float32", None), ("p", (n,), "float32", None)])
@@ -39,7 +39,7 @@ def test_registered_and_plain_arrays_sum_alike() -> None:
 
 
 def _push_then_pull(n: int) -> list[float]:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("g", (n,), "float32", None), ("b", (n,), "float64", None)])

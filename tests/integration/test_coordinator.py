@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler.negotiation import Decision, Request, Up
-from scheduler.negotiation_codec import encode_up
-from scheduler.tree import build_tree, dials
+from sluice.scheduler.negotiation import Decision, Request, Up
+from sluice.scheduler.negotiation_codec import encode_up
+from sluice.scheduler.tree import build_tree, dials
+from sluice.transport.base import Transport, open_transport
+from sluice.transport.config import TransportConfig
+from sluice.transport.wire import Kind, Message
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.coordinator import Coordinator
+from sluice.worker.collective.mailbox import Mailbox
 from tests.integration.light_ranks import Plan, Report, latencies, run
-from transport.base import Transport, open_transport
-from transport.config import TransportConfig
-from transport.wire import Kind, Message
-from worker.collective.config import CollectiveConfig
-from worker.collective.coordinator import Coordinator
-from worker.collective.mailbox import Mailbox
 
 
 def check_same_order(reports: list[Report], steps: int, ops: int) -> None:

@@ -31,7 +31,7 @@ def test_launched_training_matches_single_process(tmp_path: Path, device: str, o
     steps, batch = 20, 32
     out = tmp_path / "params"
     command = [
-        sys.executable, "-m", "launch.cli", "launch", "-w", "2", "-s", "1",
+        sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "1",
         "--set", f"worker.optimizer_on={optimizer_on}", "--",
         sys.executable, "-m", "tests.integration.cuda_job", str(out), str(steps), str(batch), device,
     ]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from bench.common import Children
-from transport.base import open_transport
-from transport.config import TransportConfig
-from transport.wire import Message
-from worker.collective.config import CollectiveConfig
-from worker.collective.engine import CollectiveEngine
+from sluice.transport.base import open_transport
+from sluice.transport.config import TransportConfig
+from sluice.transport.wire import Message
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.engine import CollectiveEngine
 
 RANKS, ARITY, STEPS, OPS = 64, 4, 4, 20
 _ctx = mp.get_context("fork")

@@ -16,8 +16,8 @@ HEARTBEAT_TIMEOUT = 3.0
 
 
 def _train_until_stopped(stop_rank: int, stop_after: int) -> dict[str, Any]:
-    from scheduler.errors import SluiceError
-    from worker.client import Client
+    from sluice.scheduler.errors import SluiceError
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("w", (1000,), "float32", None)])
@@ -50,8 +50,8 @@ def test_silent_worker_is_detected_and_named() -> None:
 
 
 def _declare(shape: tuple[int, ...]) -> str:
-    from scheduler.errors import SluiceError
-    from worker.client import Client
+    from sluice.scheduler.errors import SluiceError
+    from sluice.worker.client import Client
 
     client = Client()
     try:
@@ -70,8 +70,8 @@ def test_mismatched_declaration_names_worker_and_tensor() -> None:
 
 
 def _uneven_steps(steps_by_rank: dict[int, int]) -> dict[str, Any]:
-    from scheduler.errors import SluiceError
-    from worker.client import Client
+    from sluice.scheduler.errors import SluiceError
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("w", (5000,), "float32", None)])

@@ -161,8 +161,8 @@ def _impersonate_the_scheduler() -> list[str]:
     """A stranger calling itself 'scheduler' tells server 0 to shut down; the job must not notice."""
     import zmq
 
-    from transport.wire import Kind, Message, encode
-    from worker.client import Client
+    from sluice.transport.wire import Kind, Message, encode
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("w", (8,), "float32", None)])

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = """
 import json
 import numpy as np
-from worker.client import Client
+from sluice.worker.client import Client
 c = Client()
 c.declare([("g", (65536,), "float32", None)])  # 256 KiB a push
 levels = []
@@ -36,7 +36,7 @@ def test_a_jobs_pushes_move_down_the_channels_as_its_bytes_pass_the_thresholds(t
     script = tmp_path / "job.py"
     script.write_text(JOB)
     done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "launch", "-w", "2", "-s", "1",
+        [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "1",
          "--set", "jobs.priorities=true", "--set", "jobs.early_rounds=2", "--set", "jobs.thresholds_mib=1,2",
          "--", sys.executable, str(script)],
         cwd=ROOT, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -58,7 +58,7 @@ def test_more_levels_than_channels_fails_at_start_saying_what_to_set(tmp_path: P
     script = tmp_path / "job.py"
     script.write_text("from worker.client import Client\nClient()\n")
     done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "launch", "-w", "1", "-s", "1", "--set", "transport.channels=2",
+        [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "1", "-s", "1", "--set", "transport.channels=2",
          "--set", "jobs.priorities=true", "--set", "jobs.thresholds_mib=1,2", "--", sys.executable, str(script)],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -68,8 +68,8 @@ def test_more_levels_than_channels_fails_at_start_saying_what_to_set(tmp_path: P
 SEES_THE_OTHER = """
 import json, time
 import numpy as np
-from scheduler.jobs_registry import read_all, registry_dir
-from worker.client import Client
+from sluice.scheduler.jobs_registry import read_all, registry_dir
+from sluice.worker.client import Client
 c = Client()
 where = registry_dir(c.env.section("jobs").get("registry_dir", ""))  # the job's config names it
 c.declare([("g", (1024,), "float32", None)])
@@ -94,7 +94,7 @@ def test_two_jobs_on_one_host_find_each_other_in_the_job_registry(tmp_path: Path
     script = tmp_path / "job.py"
     script.write_text(SEES_THE_OTHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SLUICE_JOBS_REGISTRY_DIR": str(tmp_path / "registry")}
-    argv = [sys.executable, "-m", "launch.cli", "launch", "-w", "1", "-s", "1", "--set", "jobs.priorities=true",
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "1", "-s", "1", "--set", "jobs.priorities=true",
             "--", sys.executable, str(script)]
     jobs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             for _ in range(2)]
@@ -104,6 +104,6 @@ def test_two_jobs_on_one_host_find_each_other_in_the_job_registry(tmp_path: Path
     assert len(seen) == 2 and all(len(s) == 2 for s in seen), outputs  # each saw both jobs
     assert seen[0] and sorted(j[0] for j in seen[0]) == sorted(j[0] for j in seen[1])
     assert all(j[2] is True for j in seen[0])
-    listing = subprocess.run([sys.executable, "-m", "launch.cli", "jobs"], cwd=ROOT, capture_output=True, text=True,
-                             env=env, timeout=30)
+    listing = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "jobs"], cwd=ROOT, capture_output=True,
+                             text=True, env=env, timeout=30)
     assert "no Sluice jobs running" in listing.stdout, listing.stdout  # both withdrew at the end

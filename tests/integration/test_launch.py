@@ -36,7 +36,7 @@ time.sleep(60)
 SLUICE_WORKER = """
 import os
 import numpy as np
-from worker.client import Client
+from sluice.worker.client import Client
 client = Client()
 fd = int(os.environ["SLUICE_SECRET_FD"])  # the job secret came through this pipe: read once, then closed
 try:
@@ -91,7 +91,7 @@ class Launch:
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "launch", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "sluice.launch.cli", "launch", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         self.out: list[str] = []
@@ -240,7 +240,7 @@ def test_worker_exit_code_is_returned(launch: type[Launch], worker_script: str) 
 def test_dead_server_ends_the_job(launch: type[Launch], worker_script: str) -> None:
     job = launch([*_job(2, 2), "--", sys.executable, worker_script, "sleep"])
     job.worker_pids(2)
-    servers = [p for p in job.snapshot() if "launch.cli server" in _cmdline(p)]
+    servers = [p for p in job.snapshot() if "sluice.launch.cli server" in _cmdline(p)]
     assert len(servers) == 2
     os.kill(servers[0], signal.SIGKILL)
     assert job.finish(15) == 1
@@ -265,7 +265,7 @@ def test_signal_stops_everything(launch: type[Launch], worker_script: str, sig: 
 def test_killed_launcher_takes_its_children(launch: type[Launch], worker_script: str) -> None:
     job = launch([*_job(2, 1), "--", sys.executable, worker_script, "sleep"])
     grandchildren = {pair[1] for pair in job.worker_pids(2).values()}
-    direct = {p for p in _children(job.proc.pid) if "launch.janitor" not in _cmdline(p)}
+    direct = {p for p in _children(job.proc.pid) if "sluice.launch.janitor" not in _cmdline(p)}
     assert len(direct) == 1 + 1 + 2
     os.kill(job.proc.pid, signal.SIGKILL)
     job.finish(10)
@@ -287,7 +287,7 @@ def test_config_error_exits_2(launch: type[Launch]) -> None:
 @pytest.mark.timeout(30)
 def test_role_without_environment_fails_clearly() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "server"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "server"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=20)
     assert result.returncode == 1
     assert "sluice server: error: SLUICE_SCHEDULER is not set" in result.stderr

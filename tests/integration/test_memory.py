@@ -35,7 +35,7 @@ def rss_mib(pid: int) -> float:
 
 
 def _flood_and_measure(server_pid: int) -> dict[str, Any]:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("w", (1024,), "float32", None)])

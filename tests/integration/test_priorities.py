@@ -35,10 +35,11 @@ EXPECTED = {"stem.weight": 0, "stem.bias": 1, "middle.weight": 2, "middle.bias":
 
 
 def _train(steps: int, give_model: bool) -> dict[str, Any]:
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
+    from sluice.worker.torch.state import require
 
     hvd.init()
-    client = hvd._require()
+    client = require()
     model = Backwards()
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),

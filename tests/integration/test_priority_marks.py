@@ -15,10 +15,10 @@ from bench.common import Children
 from bench.netbed import Direction, Netbed
 from bench.netbed.forked import announced, percentile, start_in
 from bench.netbed.qdisc import ClassCounters, parse_class_stats
+from sluice.transport.base import Transport, open_transport
+from sluice.transport.config import TransportConfig
+from sluice.transport.wire import Kind, Message
 from tests.bench_runs import requires_testbed, run_script
-from transport.base import Transport, open_transport
-from transport.config import TransportConfig
-from transport.wire import Kind, Message
 
 ROOT = Path(__file__).resolve().parents[2]
 

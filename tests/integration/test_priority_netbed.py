@@ -18,7 +18,7 @@ import pytest
 from bench.common import Children
 from bench.netbed import Netbed
 from bench.netbed.forked import announced, start_in
-from scheduler.bootstrap import NodeEnv, new_secret
+from sluice.scheduler.bootstrap import NodeEnv, new_secret
 from tests.bench_runs import requires_testbed
 
 pytestmark = requires_testbed
@@ -28,19 +28,19 @@ SMALL = 16 << 10  # 64 KiB
 
 
 def _scheduler(env: NodeEnv, announce: Any) -> None:
-    from scheduler.service import run_scheduler
+    from sluice.scheduler.service import run_scheduler
 
     run_scheduler(env, announce.put)
 
 
 def _server(env: NodeEnv) -> None:
-    from ps.server import run_server
+    from sluice.ps.server import run_server
 
     run_server(env)
 
 
 def _worker(env: NodeEnv, priorities: dict[str, int]) -> dict[str, float]:
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client(env)
     try:

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import zmq
 
+from sluice.transport.auth import JobKeys
+from sluice.transport.wire import Kind, Message, encode
 from tests.cluster import LocalCluster
 from tests.integration.test_hostile import warnings_to_stderr
-from transport.auth import JobKeys
-from transport.wire import Kind, Message, encode
 
 LISTEN_SECONDS = 1.5
 
@@ -70,7 +70,7 @@ def _train_then_watch_takeovers(steps: int, secret: bytes, names: list[str]) -> 
     """Both workers train; worker 1 then sends strangers at the servers while training goes on, and
     after worker 0 has left, tries to take over its name: with random keys, and as a member (worker 1's
     real key) claiming worker 0's name."""
-    from worker.client import Client
+    from sluice.worker.client import Client
 
     client = Client()
     client.declare([("w", (1024,), "float32", None)])

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import zmq
 
-from transport.auth import JobKeys
-from transport.config import TransportConfig
-from transport.shm import SHM_MIN_BYTES, Segment
-from transport.wire import Flag, Kind, Message, encode
-from transport.zmq_transport import ZmqTransport
+from sluice.transport.auth import JobKeys
+from sluice.transport.config import TransportConfig
+from sluice.transport.shm import SHM_MIN_BYTES, Segment
+from sluice.transport.wire import Flag, Kind, Message, encode
+from sluice.transport.zmq_transport import ZmqTransport
 
 SERVER, CLIENT = "server-t", "client-t"
 #: the tests' "job": raw ZeroMQ sockets hold no key of it, so tests that use them turn CURVE off
@@ -449,7 +449,7 @@ def test_the_io_thread_survives_any_exception_and_says_so_once_per_kind(
 ) -> None:
     """A bug anywhere a received message reaches (decoding, the handler) costs that message only: it
     is dropped, counted and logged with its traceback (once per kind of failure), and the thread serves on."""
-    import transport.zmq_receive as zmq_receive
+    import sluice.transport.zmq_receive as zmq_receive
 
     caplog.set_level(logging.WARNING, logger="sluice.transport")
     real_decode = zmq_receive.decode

@@ -81,7 +81,8 @@ def train_distributed(
     `hooks`, if given, is called once the optimizer is wrapped; what it returns is run around the
     broadcast and every step, and its `finish()` is returned as "extra".
     """
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
+    from sluice.worker.torch.state import PENDING
 
     hvd.init()
     model = make_model(strided)
@@ -102,10 +103,10 @@ def train_distributed(
         if around is not None:
             around.before_step()
         opt.zero_grad()
-        waits_in_forward += len(hvd._pending_params)
+        waits_in_forward += len(PENDING)
         # with the optimizer on the servers, the forward pre-hooks wait for each layer's parameters
         loss = F.mse_loss(model(x[start : start + per]), y[start : start + per])
-        assert not hvd._pending_params
+        assert not PENDING
         if step:
             digests.append(digest(model))  # the parameters after step - 1
         loss.backward()
@@ -120,12 +121,13 @@ def train_distributed(
 
 def record_pushes(steps: int) -> list[tuple[str, bool]]:
     """(tensor name, pushed while backward() was still running) for every push of every step."""
-    import worker.torch_shim as hvd
+    import sluice.torch as hvd
+    from sluice.worker.torch.state import require
 
     hvd.init()
     model = make_model()
     opt = hvd.DistributedOptimizer(make_optimizer(model, "sgd"), named_parameters=model.named_parameters())
-    client = hvd._require()
+    client = require()
     pushes: list[tuple[str, bool]] = []
     in_backward = False
     engine = client.collectives
@@ -162,7 +164,7 @@ def train_scheduled(steps: int, batch: int, distributed: bool) -> list[Any]:
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     rank, size = 0, 1
     if distributed:
-        import worker.torch_shim as hvd
+        import sluice.torch as hvd
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()

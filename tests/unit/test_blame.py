@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from launch.blame import Watched, judge
-from scheduler.culprit import Culprit, parse
+from sluice.launch.blame import Watched, judge
+from sluice.scheduler.culprit import Culprit, parse
 
 
 @pytest.mark.parametrize(

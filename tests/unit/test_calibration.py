@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.calibration import (
+from sluice.scheduler.calibration import (
     MAX_CHUNK,
     MAX_INFLIGHT,
     MIN_CHUNK,

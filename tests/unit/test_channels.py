@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from transport.config import BULK_TOS, NORMAL_TOS, URGENT_TOS, TransportConfig
-from worker.config import WorkerConfig
+from sluice.transport.config import BULK_TOS, NORMAL_TOS, URGENT_TOS, TransportConfig
+from sluice.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(10)
 

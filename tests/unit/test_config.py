@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
-from launch.config import SECTIONS, ConfigError, SluiceConfig, all_fields, load_config, parse_value
-from ps.config import ServerConfig
-from scheduler.config import SchedulerConfig
-from transport.config import TransportConfig
-from worker.config import WorkerConfig
+from sluice.launch.cli import main
+from sluice.launch.config import SECTIONS, ConfigError, SluiceConfig, all_fields, load_config, parse_value
+from sluice.ps.config import ServerConfig
+from sluice.scheduler.config import SchedulerConfig
+from sluice.transport.config import TransportConfig
+from sluice.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from scheduler.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
+from sluice.scheduler.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
 
 MIB = 1 << 20
 

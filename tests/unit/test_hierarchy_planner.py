@@ -7,9 +7,18 @@ import sys
 
 import pytest
 
-from scheduler.hierarchy.loads import bottleneck, flat_plan, link_loads, round_seconds
-from scheduler.hierarchy.planner import plan_trees
-from scheduler.hierarchy.topology import Host, Plan, PlanError, Rack, Topology, TreeSpec, oversubscribed, validate
+from sluice.scheduler.hierarchy.loads import bottleneck, flat_plan, link_loads, round_seconds
+from sluice.scheduler.hierarchy.planner import plan_trees
+from sluice.scheduler.hierarchy.topology import (
+    Host,
+    Plan,
+    PlanError,
+    Rack,
+    Topology,
+    TreeSpec,
+    oversubscribed,
+    validate,
+)
 
 
 def four_racks(uplink: float = 40.0, aux_mbit: float | None = None) -> Topology:

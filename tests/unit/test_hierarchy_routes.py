@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from scheduler.hierarchy.routes import (
+from sluice.scheduler.hierarchy.routes import (
     MAX_EDGES,
     MAX_TREES,
     SERVERS,
@@ -23,9 +23,9 @@ from scheduler.hierarchy.routes import (
     parse_static_trees,
     subtree_ranks,
 )
-from scheduler.hierarchy.switch import MAX_ACK_KEYS, RouteSwitch, parse_rounds
-from transport.wire import Message, WireError
-from worker.routing import Router
+from sluice.scheduler.hierarchy.switch import MAX_ACK_KEYS, RouteSwitch, parse_rounds
+from sluice.transport.wire import Message, WireError
+from sluice.worker.routing import Router
 
 W0, W1, W2, W3 = "worker-0", "worker-1", "worker-2", "worker-3"
 A0, A1, A2 = "aggregator-0", "aggregator-1", "aggregator-2"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.job_priority import JobLevel, JobsConfig
+from sluice.worker.job_priority import JobLevel, JobsConfig
 
 MIB = 1 << 20
 
@@ -61,7 +61,7 @@ def test_more_levels_than_channels_is_refused_saying_what_to_set() -> None:
 
 
 def test_the_jobs_section_loads_and_is_checked_against_the_channels() -> None:
-    from launch.config import ConfigError, load_config
+    from sluice.launch.config import ConfigError, load_config
 
     config = load_config(None, {"SLUICE_JOBS_EARLY_ROUNDS": "4"}, ["jobs.priorities=true", "jobs.thresholds_mib=2,8"])
     assert config.jobs == JobsConfig(priorities=True, early_rounds=4, thresholds_mib=(2.0, 8.0))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import jobs_registry
-from scheduler.jobs_registry import MAX_ENTRY_BYTES, JobState, describe, parse_state, publish, read_all, withdraw
-from scheduler.rendezvous import parse_job_report
-from transport.wire import WireError
+from sluice.scheduler import jobs_registry
+from sluice.scheduler.jobs_registry import MAX_ENTRY_BYTES, JobState, describe, parse_state, publish, read_all, withdraw
+from sluice.scheduler.rendezvous import parse_job_report
+from sluice.transport.wire import WireError
 
 STATE = JobState("tcp://10.0.0.1:5555", os.getpid(), 1000.0, 4, 2, True, 1, 12.5, 40, 1010.0)
 NOW = 1020.0  # 10 s after the entry was written

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transport.metrics import TransportMetrics, delay_table, percentile_ms, summary_lines
+from sluice.transport.metrics import TransportMetrics, delay_table, percentile_ms, summary_lines
 
 pytestmark = pytest.mark.timeout(10)
 

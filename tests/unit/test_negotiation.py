@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.negotiation import Controller, Decision, Down, Request, Up
-from scheduler.negotiation_codec import (
+from sluice.scheduler.negotiation import Controller, Decision, Down, Request, Up
+from sluice.scheduler.negotiation_codec import (
     META_BUDGET,
     Answer,
     decode_down,
@@ -21,9 +21,9 @@ from scheduler.negotiation_codec import (
     hello,
     is_hello,
 )
-from scheduler.negotiation_request import ranks_text
-from scheduler.tree import build_tree
-from transport.wire import DATA_HEADER_BYTES, Kind, Message, WireError, decode, encode
+from sluice.scheduler.negotiation_request import ranks_text
+from sluice.scheduler.tree import build_tree
+from sluice.transport.wire import DATA_HEADER_BYTES, Kind, Message, WireError, decode, encode
 
 Sent = tuple[int, int, Up | Down]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.hierarchy.agent import LinkAgent, Report, parse_net_dev, parse_report, spare_mbit
-from scheduler.hierarchy.config import AggregationConfig
-from scheduler.hierarchy.manager import NetworkManager
-from scheduler.hierarchy.placement import NodeAt
+from sluice.scheduler.hierarchy.agent import LinkAgent, Report, parse_net_dev, parse_report, spare_mbit
+from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.scheduler.hierarchy.manager import NetworkManager
+from sluice.scheduler.hierarchy.placement import NodeAt
 
 NET_DEV = """Inter-|   Receive                                  |  Transmit
  face |bytes packets errs drop fifo frame compressed multicast|bytes packets errs drop fifo colls carrier compressed

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from scheduler.partition import TensorSpec, plan_tensors
+from sluice.scheduler.partition import TensorSpec, plan_tensors
 
 
 def test_small_table_literal() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from ps.ranked_sum import RankedSum, SparePool, bf16_to_f32, f32_to_bf16
+from sluice.ps.ranked_sum import RankedSum, SparePool, bf16_to_f32, f32_to_bf16
 
 Pieces = list[tuple[int, ...]]
 

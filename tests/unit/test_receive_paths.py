@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ps.store import ShardStore
-from scheduler.bootstrap import NodeEnv
-from scheduler.config import SchedulerConfig
-from scheduler.errors import SluiceError
-from scheduler.node import ControlClient
-from scheduler.rendezvous import Rendezvous, parse_limits, parse_tensor_table
-from transport.wire import CONTROL_HEADER_BYTES, DTYPES, VERSION, Flag, Kind, Message, WireError, decode, encode
+from sluice.ps.store import ShardStore
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.node import ControlClient
+from sluice.scheduler.rendezvous import Rendezvous, parse_limits, parse_tensor_table
+from sluice.transport.wire import CONTROL_HEADER_BYTES, DTYPES, VERSION, Flag, Kind, Message, WireError, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 PROPERTY = settings(max_examples=120, derandomize=True, database=None, deadline=None,

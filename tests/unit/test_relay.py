@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ps.ranked_sum import bf16_to_f32, f32_to_bf16
-from ps.relay import Relay
-from ps.relay_tables import KEEP_EPOCHS, TreeView
-from scheduler.hierarchy.routes import SERVERS, Route, Routing
-from transport.wire import DATA_HEADER_BYTES, DTYPES, Flag, Kind, Message, WireError, decode, encode
+from sluice.ps.ranked_sum import bf16_to_f32, f32_to_bf16
+from sluice.ps.relay import Relay
+from sluice.ps.relay_tables import KEEP_EPOCHS, TreeView
+from sluice.scheduler.hierarchy.routes import SERVERS, Route, Routing
+from sluice.transport.wire import DATA_HEADER_BYTES, DTYPES, Flag, Kind, Message, WireError, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 

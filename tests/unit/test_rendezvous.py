@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.partition import TensorSpec
-from scheduler.rendezvous import Rendezvous, table_mismatch
-from transport.wire import Kind, Message, WireError
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.partition import TensorSpec
+from sluice.scheduler.rendezvous import Rendezvous, table_mismatch
+from sluice.transport.wire import Kind, Message, WireError
 
 CONFIG = SchedulerConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, rendezvous_timeout=30.0)
 

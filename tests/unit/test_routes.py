@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.collective.config import CollectiveConfig
-from worker.torch_fusion import choose_routes, ps_share
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.torch.fusion import choose_routes, ps_share
 
 NAMED = [(name, torch.zeros(n)) for name, n in
          [("embed.weight", 4000), ("fc1.weight", 2000), ("fc2.weight", 1000), ("fc1.bias", 20), ("fc2.bias", 10)]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transport.sendqueue import ChannelQueue
+from sluice.transport.sendqueue import ChannelQueue
 
 pytestmark = pytest.mark.timeout(10)
 

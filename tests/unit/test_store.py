@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from ps.store import ShardStore, bf16_to_f32, f32_to_bf16
-from transport.wire import Flag, Kind, Message, WireError
+from sluice.ps.store import ShardStore, bf16_to_f32, f32_to_bf16
+from sluice.transport.wire import Flag, Kind, Message, WireError
 
 
 def store(sync: bool = True, opt: dict[str, object] | None = None) -> ShardStore:

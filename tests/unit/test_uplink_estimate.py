@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.hierarchy.agent import Report
-from scheduler.hierarchy.uplinks import uplink_rates
+from sluice.scheduler.hierarchy.agent import Report
+from sluice.scheduler.hierarchy.uplinks import uplink_rates
 
 # two racks of two workers, a server rack; every host link 10 Mbit/s
 RACK = {"w0": "r0", "w1": "r0", "w2": "r1", "w3": "r1", "s0": "srv", "s1": "srv"}

@@ -17,9 +17,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport.dtypes import STORAGE
-from transport.msgpack_scan import ScanError, scan
-from transport.wire import (
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.msgpack_scan import ScanError, scan
+from sluice.transport.wire import (
     CONTROL_HEADER_BYTES,
     DATA_HEADER_BYTES,
     DTYPES,

@@ -21,14 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from scheduler.negotiation import Controller, Decision, Down, Request, Up
-from scheduler.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
-from scheduler.negotiation_request import check_request
-from scheduler.tree import Tree, dials
-from transport.base import Transport
-from transport.rejects import Rejections
-from transport.wire import Kind, Message, WireError, encode
-from worker.collective.config import CollectiveConfig
+from sluice.scheduler.negotiation import Controller, Decision, Down, Request, Up
+from sluice.scheduler.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
+from sluice.scheduler.negotiation_request import check_request
+from sluice.scheduler.tree import Tree, dials
+from sluice.transport.base import Transport
+from sluice.transport.rejects import Rejections
+from sluice.transport.wire import Kind, Message, WireError, encode
+from sluice.worker.collective.config import CollectiveConfig
 
 log = logging.getLogger("sluice.coordinator")
 

@@ -27,19 +27,19 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from scheduler.errors import SluiceError
-from scheduler.tree import dials
-from transport.base import Transport
-from transport.dtypes import STORAGE
-from transport.wire import Kind, Message
-from worker.collective.config import CollectiveConfig
-from worker.collective.early import EarlyMessages
-from worker.collective.gather import Exchange
-from worker.collective.ops import COPY_BELOW, HELLO, CollectiveHandle, Link, Op
-from worker.collective.reduce import check_reducible, storage
-from worker.collective.ring import ChainBroadcast, RingAllreduce
-from worker.collective.schedule import heap_tree
-from worker.collective.tree_reduce import TreeAllreduce
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.tree import dials
+from sluice.transport.base import Transport
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import Kind, Message
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.early import EarlyMessages
+from sluice.worker.collective.gather import Exchange
+from sluice.worker.collective.ops import COPY_BELOW, HELLO, CollectiveHandle, Link, Op
+from sluice.worker.collective.reduce import check_reducible, storage
+from sluice.worker.collective.ring import ChainBroadcast, RingAllreduce
+from sluice.worker.collective.schedule import heap_tree
+from sluice.worker.collective.tree_reduce import TreeAllreduce
 
 __all__ = ["CollectiveHandle", "DataPlane"]
 
@@ -112,17 +112,16 @@ class DataPlane:
     # ------------------------------------------------------------------ operations (any thread)
     def allreduce(self, seq: int, array: np.ndarray, dtype: str, op: str, priority: int, algorithm: str = "ring",
                   parent: int | None = None, children: Sequence[int] = ()) -> CollectiveHandle:
-        """Sum (or average) `array` over all ranks, in place. "tree": up the given tree (by default a
-        binary tree over the ring order) to its root, then down; "auto": the tree below
-        settings.tree_below_bytes. Average on integers takes the floor of the mean."""
+        """Reduce `array` over all ranks by `op` (sum, average, min, max, product), in place. "tree": up
+        the given tree (by default a binary tree over the ring order) to its root, then down; "auto": the
+        tree below settings.tree_below_bytes. Average on integers takes the floor of the mean."""
         self._check(array, dtype, flat=True)
         check_reducible(dtype, op)
         if algorithm == "auto":
             algorithm = "tree" if array.nbytes < self.settings.tree_below_bytes else "ring"
         handle, channel = self._handle(f"allreduce ({algorithm})", seq, priority)
-        average = op == "average"
         if algorithm == "ring":
-            return self._start(RingAllreduce(self._link, seq, dtype, priority, channel, handle, array, average,
+            return self._start(RingAllreduce(self._link, seq, dtype, priority, channel, handle, array, op,
                                              self.ring, self._chunk_bytes))
         if algorithm != "tree":
             raise ValueError(f"allreduce algorithm must be ring, tree or auto, got {algorithm!r}")
@@ -131,7 +130,7 @@ class DataPlane:
             parent, children = parents[self.rank], kids[self.rank]
         if any(not 0 <= r < self.size or r == self.rank for r in [*children, *([] if parent is None else [parent])]):
             raise ValueError(f"tree neighbours {parent}, {list(children)} of rank {self.rank} are not other ranks")
-        return self._start(TreeAllreduce(self._link, seq, dtype, priority, channel, handle, array, average, parent,
+        return self._start(TreeAllreduce(self._link, seq, dtype, priority, channel, handle, array, op, parent,
                                          children, self._chunk_bytes))
 
     def allgather(self, seq: int, array: np.ndarray, dtype: str, priority: int) -> CollectiveHandle:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transport.wire import Message
+from sluice.transport.wire import Message
 
 #: beyond the eager budget, an op's early messages may hold an exchange's row counts (8 x 9 bytes at most)
 SIZES_BYTES = 128

@@ -16,18 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.errors import SluiceError
-from scheduler.negotiation import Decision, Request
-from scheduler.tree import build_tree, ring_order
-from transport.base import Transport
-from transport.dtypes import STORAGE
-from transport.wire import Kind, Message
-from worker.collective.config import CollectiveConfig
-from worker.collective.coordinator import Coordinator
-from worker.collective.data import DataPlane
-from worker.collective.greedy import GreedyFusion
-from worker.collective.mailbox import Mailbox
-from worker.collective.ops import CollectiveHandle, Completion
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.negotiation import Decision, Request
+from sluice.scheduler.tree import build_tree, ring_order
+from sluice.transport.base import Transport
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import Kind, Message
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.coordinator import Coordinator
+from sluice.worker.collective.data import DataPlane
+from sluice.worker.collective.greedy import GreedyFusion
+from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.collective.ops import CollectiveHandle, Completion
+from sluice.worker.collective.reduce import identity
 
 #: coordinator messages kept until this rank's coordinator starts (neighbours send a few each at start)
 EARLY_COORDINATION = 4096
@@ -88,7 +89,7 @@ class CollectiveEngine:
 
     # ------------------------------------------------------------------ requests (any thread)
     def allreduce(self, name: str, arrays: Sequence[np.ndarray], dtype: str, op: str, priority: int = 0) -> OpHandle:
-        """Sum (op 'sum') or average ('average') each array over all ranks, in place; several arrays
+        """Reduce each array over all ranks by `op` (reduce.OPS), in place; several arrays
         make one grouped request, decided when every one of them is ready everywhere."""
         shapes = tuple(tuple(a.shape) for a in arrays)
         return self._enqueue(Request(name, "allreduce", dtype, shapes, op, -1, priority), list(arrays))
@@ -215,7 +216,8 @@ class CollectiveEngine:
         self._launch(fused, batch[0][1])
 
     def _stand_in(self, decision: Decision) -> _Entry | None:
-        """The part a joined rank plays in an operation it did not submit: zeros in, result dropped."""
+        """The part a joined rank plays in an operation it did not submit: the op's identity in (zeros for
+        a sum; the dtype's largest value for min, ...), result dropped."""
         request = decision.request
         if request.kind == "join":
             return None
@@ -226,7 +228,8 @@ class CollectiveEngine:
         if request.kind == "allgather" or request.kind == "alltoall":
             arrays = [np.zeros((0, *request.shapes[0][1:]), storage)]
         else:
-            arrays = [np.zeros(shape, storage) for shape in request.shapes]
+            fill = identity(request.dtype, request.op) if request.kind == "allreduce" else 0
+            arrays = [np.full(shape, fill, storage) for shape in request.shapes]
         splits = (0,) * self.size if request.kind == "alltoall" else ()
         return _Entry(request, arrays, OpHandle(f"{request.kind} {request.name!r} (joined)", self._timeout), splits)
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transport.wire import Kind, Message
-from worker.collective.ops import CollectiveHandle, Link, Op, as_view
-from worker.collective.schedule import Span, chunk_elems, chunk_spans
+from sluice.transport.wire import Kind, Message
+from sluice.worker.collective.ops import CollectiveHandle, Link, Op, as_view
+from sluice.worker.collective.schedule import Span, chunk_elems, chunk_spans
 
 SIZES, BLOCK = 0, 1
 

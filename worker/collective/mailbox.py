@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from transport.wire import Message
+from sluice.transport.wire import Message
 
 Receiver = Callable[[str, Message], None]
 

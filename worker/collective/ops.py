@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.errors import SluiceError
-from transport.base import Transport
-from transport.wire import Kind, Message
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.base import Transport
+from sluice.transport.wire import Kind, Message
 
 READY, DONE, HELLO = 0, 1, 2
 #: an op that sends a peer at most this many bytes sends copies, and needs no DONE from it (both sides

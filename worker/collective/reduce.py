@@ -1,4 +1,4 @@
-"""Dtype-aware, vectorised in-place sums and averages of collective chunks (bfloat16: via float32, rounded)."""
+"""Dtype-aware, vectorised in-place reductions of collective chunks (sum, average, min, max, product)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ from typing import Any
 
 import numpy as np
 
-from transport.dtypes import STORAGE
+from sluice.transport.dtypes import STORAGE, SUMMABLE
 
-#: dtypes a collective may reduce; int8/uint8 travel (allgather, broadcast) but are not summed
-REDUCIBLE = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
-OPS = ("sum", "average")
+#: dtypes a collective may reduce; bool and float8 travel (allgather, broadcast) but are not reduced here
+REDUCIBLE = tuple(sorted(SUMMABLE))
+OPS = ("sum", "average", "min", "max", "product")
+#: the elementwise combination each op applies as chunks meet (an average sums, and divides once at the end)
+_UFUNC: dict[str, np.ufunc] = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum,
+                               "product": np.multiply}
 
 #: the quiet NaN torch writes for any NaN it rounds to bfloat16
 _BF16_NAN = 0x7FC0
@@ -51,8 +54,9 @@ def _round(values: np.ndarray, out: np.ndarray, lsb: np.ndarray, nan: np.ndarray
         out[nan] = _BF16_NAN
 
 
-def _bf16_combine(dst: np.ndarray, src: np.ndarray | None, divisor: int) -> None:
-    """dst += src (or dst /= divisor without src) on bfloat16 patterns, in float32, rounded once."""
+def _bf16_combine(dst: np.ndarray, src: np.ndarray | None, divisor: int, ufunc: np.ufunc = np.add) -> None:
+    """dst = ufunc(dst, src) (or dst /= divisor without src) on bfloat16 patterns, in float32, rounded once
+    (min and max pick one of the values, which rounds to itself)."""
     size = min(dst.size, _BF16_BLOCK)
     acc, other, lsb = (np.empty(size, np.uint32) for _ in range(3))
     nan = np.empty(size, bool)
@@ -61,20 +65,23 @@ def _bf16_combine(dst: np.ndarray, src: np.ndarray | None, divisor: int) -> None
         n = block.size
         values = np.left_shift(block, 16, out=acc[:n], dtype=np.uint32).view(np.float32)
         if src is not None:
-            values += np.left_shift(src[start : start + n], 16, out=other[:n], dtype=np.uint32).view(np.float32)
+            ufunc(values, np.left_shift(src[start : start + n], 16, out=other[:n], dtype=np.uint32).view(np.float32),
+                  out=values)
         else:
             values /= np.float32(divisor)
         _round(values, block, lsb[:n], nan[:n])
 
 
-def accumulate(dst: np.ndarray, src: np.ndarray, dtype: str) -> None:
-    """dst += src in place, both of `dtype`'s storage type and the same length (src may be read-only
-    shared memory). Integer sums wrap around as numpy's (and torch's) do."""
+def accumulate(dst: np.ndarray, src: np.ndarray, dtype: str, op: str = "sum") -> None:
+    """dst = op(dst, src) in place, both of `dtype`'s storage type and the same length (src may be
+    read-only shared memory); "average" sums (see divide). Integer sums and products wrap around as
+    numpy's (and torch's) do; min and max propagate NaN, as torch's do."""
+    ufunc = _UFUNC[op]
     with np.errstate(all="ignore"):  # overflow to inf is the sum's value, as in torch; no warning per chunk
         if dtype == "bfloat16":
-            _bf16_combine(dst, src, 1)
-        else:  # float16 too: numpy adds halves in float32 and rounds once, the correctly rounded sum
-            np.add(dst, src, out=dst)
+            _bf16_combine(dst, src, 1, ufunc)
+        else:  # float16 too: numpy combines halves in float32 and rounds once, the correctly rounded result
+            ufunc(dst, src, out=dst)
 
 
 def divide(dst: np.ndarray, count: int, dtype: str) -> None:
@@ -85,14 +92,30 @@ def divide(dst: np.ndarray, count: int, dtype: str) -> None:
     with np.errstate(all="ignore"):
         if dtype == "bfloat16":
             _bf16_combine(dst, None, count)
-        elif dtype in ("int32", "int64"):
+        elif dtype.startswith(("int", "uint")):
             np.floor_divide(dst, count, out=dst)
         else:
             np.divide(dst, np.array(count, dst.dtype), out=dst)
 
 
+def identity(dtype: str, op: str) -> int | float:
+    """The value that leaves any other unchanged under `op`, in `dtype`'s storage (a joined rank's part):
+    0 for sum and average, 1 for product, the largest (smallest) value for min (max)."""
+    if op == "product":
+        return 0x3F80 if dtype == "bfloat16" else 1  # bfloat16 1.0 as its bit pattern
+    if op not in ("min", "max"):
+        return 0
+    if dtype == "bfloat16":
+        return 0x7F80 if op == "min" else 0xFF80  # +inf, -inf
+    kind = storage(dtype)
+    if kind.kind == "f":
+        return float("inf") if op == "min" else float("-inf")
+    limits = np.iinfo(kind)
+    return int(limits.max if op == "min" else limits.min)
+
+
 def check_reducible(dtype: str, op: str) -> None:
-    """ValueError unless `dtype` can be summed and `op` is a known reduction."""
+    """ValueError unless `dtype` can be reduced and `op` is a known reduction."""
     if dtype not in REDUCIBLE:
         raise ValueError(f"allreduce of {dtype!r} is not supported; dtypes: {', '.join(REDUCIBLE)}")
     if op not in OPS:

@@ -23,20 +23,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transport.wire import Message
-from worker.collective.ops import CollectiveHandle, Link, Op, as_view
-from worker.collective.reduce import accumulate, divide
-from worker.collective.schedule import RingSchedule, chain, chunk_elems, chunk_spans
+from sluice.transport.wire import Message
+from sluice.worker.collective.ops import CollectiveHandle, Link, Op, as_view
+from sluice.worker.collective.reduce import accumulate, divide
+from sluice.worker.collective.schedule import RingSchedule, chain, chunk_elems, chunk_spans
 
 
 class RingAllreduce(Op):
     kind = "allreduce (ring)"
 
     def __init__(self, link: Link, seq: int, dtype: str, priority: int, channel: int, handle: CollectiveHandle,
-                 array: np.ndarray, average: bool, ring: Sequence[int], chunk_bytes: int) -> None:
+                 array: np.ndarray, op: str, ring: Sequence[int], chunk_bytes: int) -> None:
         super().__init__(link, seq, dtype, priority, channel, handle)
         self.array = self.result = array
-        self.average = average
+        self.op, self.average = op, op == "average"
         n, position = len(ring), list(ring).index(link.rank)
         self.pred, self.succ = ring[(position - 1) % n], ring[(position + 1) % n]
         elems = chunk_elems(chunk_bytes, array.itemsize)
@@ -77,7 +77,7 @@ class RingAllreduce(Op):
         dst = self.array[start : start + length]
         n = schedule.size
         if step < n - 1:  # reduce-scatter: add, then pass the partial sum on
-            accumulate(dst, as_view(msg.payload, self.array.dtype), self.dtype)
+            accumulate(dst, as_view(msg.payload, self.array.dtype), self.dtype, self.op)
             if step == n - 2 and self.average:  # this rank owns the segment's final sum: divide once, here
                 divide(dst, n, self.dtype)
             self.send(self.succ, step + 1, chunk, dst)

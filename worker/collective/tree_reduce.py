@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transport.wire import Message
-from worker.collective.ops import CollectiveHandle, Link, Op, as_view
-from worker.collective.reduce import accumulate, divide
-from worker.collective.schedule import chunk_elems, chunk_spans
+from sluice.transport.wire import Message
+from sluice.worker.collective.ops import CollectiveHandle, Link, Op, as_view
+from sluice.worker.collective.reduce import accumulate, divide
+from sluice.worker.collective.schedule import chunk_elems, chunk_spans
 
 UP, DOWN = 0, 1
 
@@ -32,11 +32,11 @@ class TreeAllreduce(Op):
     kind = "allreduce (tree)"
 
     def __init__(self, link: Link, seq: int, dtype: str, priority: int, channel: int, handle: CollectiveHandle,
-                 array: np.ndarray, average: bool, parent: int | None, children: Sequence[int],
+                 array: np.ndarray, op: str, parent: int | None, children: Sequence[int],
                  chunk_bytes: int) -> None:
         super().__init__(link, seq, dtype, priority, channel, handle)
         self.array = self.result = array
-        self.average = average
+        self.op, self.average = op, op == "average"
         self.parent = parent
         self.children = list(children)
         self.child_index = {child: i for i, child in enumerate(self.children)}
@@ -77,10 +77,10 @@ class TreeAllreduce(Op):
             if index > added:  # an elder sibling's chunk is still to come: keep this one for later
                 self.stash[(index, chunk)] = as_view(msg.payload, self.array.dtype).copy()
             else:
-                accumulate(dst, as_view(msg.payload, self.array.dtype), self.dtype)
+                accumulate(dst, as_view(msg.payload, self.array.dtype), self.dtype, self.op)
                 added += 1
                 while (added, chunk) in self.stash:
-                    accumulate(dst, self.stash.pop((added, chunk)), self.dtype)
+                    accumulate(dst, self.stash.pop((added, chunk)), self.dtype, self.op)
                     added += 1
                 self.added[chunk] = added
                 if added == len(self.children):

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from scheduler.errors import SluiceError
-from worker.staging import Staging
-from worker.torch_fusion import FusedGradients, GroupWait, build_fusion, choose_routes
-from worker.torch_priority import ParameterPriorities
-from worker.torch_state import PENDING, STATE, Waitable, declare_missing, log_metrics, require
+from sluice.scheduler.errors import SluiceError
+from sluice.worker.staging import Staging
+from sluice.worker.torch.collectives import Adasum, Average, Sum, allgather_async, check_process_set, synchronize
+from sluice.worker.torch.compression import Compression, Compressor
+from sluice.worker.torch.fusion import FusedGradients, GroupWait, Reduction, build_fusion, choose_routes
+from sluice.worker.torch.priority import ParameterPriorities
+from sluice.worker.torch.state import PENDING, STATE, Waitable, declare_missing, log_metrics, require
 
 
 def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,10 +54,14 @@ class _DistributedMixin:
     param_groups: list[dict[str, Any]]
 
     def _sluice_setup(
-        self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None
+        self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None,
+        horovod: _Options,
     ) -> None:
         self._sluice_kind = kind
         self._sluice_steps = 0
+        self._sluice_options = horovod
+        #: id(param) -> backward passes since its gradient was last sent (backward_passes_per_step)
+        self._sluice_passes: dict[int, int] = {}
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(params)]
@@ -77,6 +84,9 @@ class _DistributedMixin:
             options = {self._sluice_names[id(p)]: _server_options(kind, group)
                        for group in self.param_groups for p in group["params"]}
             declare_missing(in_order, options)
+            if horovod.reduction != Reduction():
+                raise SluiceError("with worker.optimizer_on = 'server' the servers average the gradients themselves: "
+                                  "compression, op and gradient_predivide_factor apply to optimizer_on = 'worker'")
         #: id(param) -> the fused gradients it belongs to (optimizer on the workers; made at the first hook)
         self._sluice_fused: dict[int, FusedGradients] | None = None
         self._sluice_flushed = False
@@ -94,6 +104,18 @@ class _DistributedMixin:
     def _sluice_hook(self, param: torch.Tensor) -> None:
         self._sluice_priorities.forward_seen()  # a gradient is ready, so the forward pass is over
         key = id(param)
+        passes = self._sluice_passes.get(key, 0) + 1
+        every = self._sluice_options.backward_passes_per_step
+        if passes > every:
+            raise SluiceError(f"the gradient of {self._sluice_names[key]} was computed more than "
+                              f"backward_passes_per_step = {every} times before step(): call step() after every "
+                              f"{every} backward passes, or raise backward_passes_per_step")
+        self._sluice_passes[key] = passes
+        if passes < every:  # accumulate locally; the last pass of the step sends the sum
+            return
+        if param.grad is not None and param.grad.is_sparse:
+            self._sluice_sparse(key, param)
+            return
         earlier = self._sluice_handles.pop(key, None) or PENDING.pop(key, None)
         if earlier is not None:
             earlier[0].wait()
@@ -112,12 +134,39 @@ class _DistributedMixin:
         handle = client.push_pull(name, data, param_stage.array(), opt=options)
         self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
 
+    def _sluice_sparse(self, key: int, param: torch.Tensor) -> None:
+        """A sparse gradient (an embedding's): dense in the fusion buffer with sparse_as_dense, else
+        Horovod's sparse allreduce: every rank's indices and values gathered, then summed (coalesced)."""
+        grad = param.grad
+        assert grad is not None
+        if self._sluice_options.sparse_as_dense:
+            param.grad = grad.to_dense()
+            self._sluice_take(key, param)
+            return
+        if self._sluice_on_server:
+            raise SluiceError(f"{self._sluice_names[key]} has a sparse gradient: the servers take dense ones; "
+                              "pass sparse_as_dense=True")
+        grad = grad.coalesce()
+        name = self._sluice_names[key]
+        indices = allgather_async(grad.indices().t().contiguous(), f"sparse.{name}.indices")
+        values = allgather_async(grad.values().contiguous(), f"sparse.{name}.values")
+        scale = self._sluice_options.reduction.postscale(require().size)
+        shape = grad.shape
+
+        def finish() -> torch.Tensor:
+            gathered = torch.sparse_coo_tensor(synchronize(indices).t(), synchronize(values) * scale, shape,
+                                               check_invariants=True)  # a peer's indices are checked
+            return gathered.coalesce()
+
+        self._sluice_handles[key] = (_Done(), finish)
+
     def _sluice_take(self, key: int, param: torch.Tensor) -> None:
         """Optimizer on the workers: the gradient lies in (or is copied into) its fusion buffer, and
         every group it completes leaves at once, through the servers or allreduce."""
         if self._sluice_fused is None:
             self._sluice_fused = build_fusion(self._sluice_params, self._sluice_names, self._sluice_routes,
-                                              self._sluice_priorities.assigned)
+                                              self._sluice_priorities.assigned, self._sluice_options.reduction,
+                                              self._sluice_options.groups)
         elif self._sluice_flushed:
             self._sluice_next_step()
         fused = self._sluice_fused[key]
@@ -156,12 +205,15 @@ class _DistributedMixin:
         """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
         self._sluice_flush()
         handles, self._sluice_handles = self._sluice_handles, {}
-        for handle, finish in handles.values():
+        for key, (handle, finish) in handles.items():
             handle.wait()
-            finish()
+            grad = finish()
+            if isinstance(grad, torch.Tensor) and grad.is_sparse:  # fused gradients are param.grad already
+                self._sluice_params[key].grad = grad
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         self._sluice_steps += 1
+        self._sluice_passes.clear()
         every = STATE.settings.metrics_every
         if every and self._sluice_steps % every == 0 and require().rank == 0:
             window = f"steps {self._sluice_steps - every + 1}-{self._sluice_steps}"
@@ -251,22 +303,84 @@ def _seed_servers(named: list[tuple[str, torch.Tensor]]) -> None:
         staging.store(tensor)
 
 
+@dataclass(frozen=True)
+class _Options:
+    reduction: Reduction = field(default_factory=Reduction)
+    backward_passes_per_step: int = 1
+    groups: int | list[list[int]] | None = None
+    sparse_as_dense: bool = False
+
+
+class _Done:
+    """A wait that is over at once (the work happens in the finish callback)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _options(compression: type[Compressor], backward_passes_per_step: int, op: str, gradient_predivide_factor: float,
+             groups: Any, sparse_as_dense: bool, process_set: Any, params: list[torch.Tensor]) -> _Options:
+    """Horovod's arguments, checked as Horovod checks them, with what to do instead in each error."""
+    check_process_set(process_set)
+    if op == Adasum:
+        raise SluiceError("op=Adasum is not offered by Sluice: use op=hvd.Average (the default) or hvd.Sum")
+    if op not in (Average, Sum):
+        raise SluiceError(f"DistributedOptimizer reduces gradients by hvd.Average or hvd.Sum, not {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise SluiceError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging around the sum)")
+    if not gradient_predivide_factor > 0:
+        raise SluiceError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+        raise SluiceError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
+    if not (isinstance(compression, type) and issubclass(compression, Compressor)):
+        raise SluiceError("compression must be hvd.Compression.none, .fp16 or .bf16")
+    plan: int | list[list[int]] | None = None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 0:
+            raise SluiceError(f"groups must be a positive int or a list of lists of parameters, got {groups}")
+        plan = groups or None
+    elif groups is not None:
+        ids = {id(p) for p in params}
+        plan = [[id(p) for p in group] for group in groups]
+        flat = [key for group in plan for key in group]
+        if any(key not in ids for key in flat) or len(flat) != len(set(flat)):
+            raise SluiceError("groups must list parameters of this optimizer, each at most once")
+    return _Options(Reduction(op, float(gradient_predivide_factor), compression.wire_dtype),
+                    backward_passes_per_step, plan, bool(sparse_as_dense))
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: str = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
     model: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers.
+    """Wrap `optimizer` so its gradients (or updates) go through the parameter servers or allreduce.
 
-    Parameters get priorities by how soon the forward pass needs them (`worker.priority`): from the
-    torch.fx graph of `model` when it is given and traceable, else from the first forward pass.
+    Horovod's arguments: `compression` (Compression.none, fp16, bf16: the wire dtype of the fused
+    gradients), `op` (Average or Sum), `gradient_predivide_factor`, `backward_passes_per_step`
+    (gradients accumulate locally over that many backward passes, then one reduction), `groups` (an
+    int: that many balanced fused groups; lists of parameters: each list one fused message),
+    `num_groups` (Horovod's older name for an int `groups`), `sparse_as_dense`. Parameters get
+    priorities by how soon the forward pass needs them (`worker.priority`): from the torch.fx graph of
+    `model` when it is given and traceable, else from the first forward pass.
     """
     require()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    options = _options(compression, backward_passes_per_step, op, gradient_predivide_factor,
+                       groups if groups is not None else (num_groups or None), sparse_as_dense, process_set, params)
     base: Any = optimizer.__class__
     cls: Any = type(base.__name__, (_DistributedMixin, base), {})
     wrapped: Any = cls.__new__(cls)
     base.__init__(wrapped, optimizer.param_groups)
-    wrapped._sluice_setup(optimizer.__class__, named_parameters, model)
+    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options)
     return wrapped  # type: ignore[no-any-return]
 
 

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from scheduler.errors import SluiceError
-from scheduler.fusion import Group, OnlineFusion, plan_fusion, unfused_plan
-from worker.client import Client
-from worker.collective.config import CollectiveConfig
-from worker.staging import wire_dtype
-from worker.torch_state import require as require_client
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.fusion import Group, OnlineFusion, grouped_plan, plan_fusion, unfused_plan
+from sluice.worker.client import Client
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.staging import wire_dtype
+from sluice.worker.torch.state import require as require_client
 
 _TORCH_STORAGE = {torch.bfloat16: torch.int16}
 
@@ -69,6 +69,23 @@ def ps_share(worker_hosts: int, server_hosts: int) -> float:
     return 1.0 if n == 1 else 2 * k * (n - 1) / (n * n + k * n - 2 * k)
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """How DistributedOptimizer reduces gradients (Horovod's options): Average or Sum, with
+    gradient_predivide_factor f (each gradient times 1/f before the sum, the sum times f/size after),
+    travelling in `wire` (compression: float16, bfloat16; None: their own dtype)."""
+
+    op: str = "average"
+    predivide: float = 1.0
+    wire: torch.dtype | None = None
+
+    def prescale(self) -> float:
+        return 1.0 / self.predivide
+
+    def postscale(self, size: int) -> float:
+        return self.predivide / size if self.op == "average" else 1.0
+
+
 @dataclass
 class _Group:
     handle: Any = None
@@ -98,30 +115,38 @@ class FusedGradients:
     """One route and dtype: its parameters' gradients in a double registered buffer, sent in groups."""
 
     def __init__(self, client: Client, route: str, params: Sequence[tuple[int, str, torch.Tensor]],
-                 priorities: dict[int, int], fusion_bytes: int) -> None:
-        self.client, self.route = client, route
-        self.dtype = wire_dtype(params[0][2])
+                 priorities: dict[int, int], fusion_bytes: int, reduction: Reduction = Reduction(),
+                 groups: Sequence[Sequence[int]] | None = None) -> None:
+        self.client, self.route, self.reduction = client, route, reduction
         torch_dtype = params[0][2].dtype
+        wire = reduction.wire if reduction.wire is not None and torch_dtype.is_floating_point else torch_dtype
+        self.dtype = wire_dtype(torch.empty(0, dtype=wire))
         self.keys = [key for key, _, _ in params]
         sizes = [p.numel() * p.element_size() for _, _, p in params]
         item = params[0][2].element_size()
         order = list(range(len(params)))  # the caller gives them in backward order already
         # greedy fusion (allreduce only) negotiates each gradient alone and fuses what a cycle decides
         greedy = route == "allreduce" and client.collective_settings.fusion == "greedy"
-        self.plan = plan_fusion(sizes, order, fusion_bytes) if fusion_bytes and not greedy else unfused_plan(sizes)
+        if groups is not None:
+            self.plan = grouped_plan(sizes, groups)
+        elif fusion_bytes and not greedy:
+            self.plan = plan_fusion(sizes, order, fusion_bytes)
+        else:
+            self.plan = unfused_plan(sizes)
         self._online = OnlineFusion(self.plan)
         self._index = {key: i for i, key in enumerate(self.keys)}
         offsets = {slot.tensor: slot.offset for slot in self.plan.slots}
         count = self.plan.total_bytes // item
         self._arrays = [client.alloc((count,), self.dtype) for _ in range(2)]
         hosts = [torch.from_numpy(a) for a in self._arrays]
-        if torch_dtype in _TORCH_STORAGE:
-            hosts = [f.view(torch_dtype) for f in hosts]
+        if wire in _TORCH_STORAGE:
+            hosts = [f.view(wire) for f in hosts]
         self._hosts = hosts
         device = params[0][2].device
-        #: where the gradients live: the registered buffers themselves on the CPU; on a GPU, buffers there,
-        #: each group copied to its registered twin before it is sent and back when its result is in
-        self._on_device = device.type != "cpu"
+        #: where the gradients live: the registered buffers themselves on the CPU; on a GPU, or when they
+        #: travel compressed, buffers of their own, each group copied (cast) to its registered twin before
+        #: it is sent and back when its result is in
+        self._on_device = device.type != "cpu" or wire != torch_dtype
         flats = [torch.zeros(count, dtype=torch_dtype, device=device) for _ in range(2)] if self._on_device else hosts
         self._flats = flats
         self._views = [
@@ -180,7 +205,9 @@ class FusedGradients:
         with torch.no_grad():
             if self._on_device:
                 part.copy_(self._hosts[step.buffer][span])
-            part.mul_(1.0 / self.client.size)
+            post = self.reduction.postscale(self.client.size)
+            if post != 1.0:
+                part.mul_(post)
         group.averaged = True
 
     def next_step(self, params: dict[int, torch.Tensor]) -> None:
@@ -199,8 +226,11 @@ class FusedGradients:
     def _send(self, plan_group: Group) -> None:
         index = plan_group.index
         span = slice(plan_group.start // self._item, plan_group.end // self._item)
-        if self._on_device:
-            with torch.no_grad():
+        with torch.no_grad():
+            pre = self.reduction.prescale()
+            if pre != 1.0:  # before the cast: predivision is there to keep low-precision sums in range
+                self._flats[self.active][span].mul_(pre)
+            if self._on_device:
                 self._hosts[self.active][span].copy_(self._flats[self.active][span])
         array: np.ndarray = self._arrays[self.active][span]
         if self.route == "ps":
@@ -213,10 +243,13 @@ class FusedGradients:
 
 
 def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes: dict[str, str],
-                 assigned: Sequence[Any]) -> dict[int, FusedGradients]:
+                 assigned: Sequence[Any], reduction: Reduction = Reduction(),
+                 groups: int | Sequence[Sequence[int]] | None = None) -> dict[int, FusedGradients]:
     """The fused gradient sets of one optimizer, one per route, dtype and device: slots in backward
     order, which is the reverse of the order the forward pass first uses the parameters (the
-    priority map; ties: the reverse of declaration order). The same on every rank, every step."""
+    priority map; ties: the reverse of declaration order). The same on every rank, every step.
+    `groups` (Horovod's): an int splits each set into that many balanced groups; lists of parameter
+    ids are fused messages of their own (within each set), every other gradient goes alone."""
     client = require_client()
     priority = {a.name: a.priority for a in assigned}
     declared = {key: i for i, key in enumerate(params)}
@@ -229,8 +262,33 @@ def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes:
     by_key: dict[int, FusedGradients] = {}
     fusion_bytes = client.collective_settings.fusion_bytes
     for (route, _, _), members in sorted(sets.items(), key=lambda item: (item[0][0], str(item[0][1]), item[0][2])):
+        explicit = None
+        if isinstance(groups, int):
+            total = sum(p.numel() * p.element_size() for _, _, p in members)
+            fusion_bytes = max(-(-total // groups), 64)
+        elif groups is not None:
+            members, explicit = _user_groups(members, groups)
         fused = FusedGradients(client, route, members, {k: priority.get(names[k], 0) for k, _, _ in members},
-                               fusion_bytes)
+                               fusion_bytes, reduction, explicit)
         for key, _, _ in members:
             by_key[key] = fused
     return by_key
+
+
+def _user_groups(members: list[tuple[int, str, torch.Tensor]], groups: Sequence[Sequence[int]]) -> tuple[
+        list[tuple[int, str, torch.Tensor]], list[list[int]]]:
+    """`members` (in backward order) laid out so each user group is contiguous, where its first member
+    would be; and the groups as indices into that layout (a gradient in no group is one of its own)."""
+    group_of = {key: g for g, keys in enumerate(groups) for key in keys}
+    ordered: list[tuple[int, str, torch.Tensor]] = []
+    layout: list[list[int]] = []
+    placed: set[int] = set()
+    for member in members:
+        if member[0] in placed:
+            continue
+        g = group_of.get(member[0])
+        batch = [member] if g is None else [m for m in members if group_of.get(m[0]) == g]
+        layout.append(list(range(len(ordered), len(ordered) + len(batch))))
+        ordered.extend(batch)
+        placed.update(m[0] for m in batch)
+    return ordered, layout

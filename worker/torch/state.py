@@ -10,11 +10,11 @@ from typing import Any, Protocol
 
 import torch
 
-from scheduler.errors import SluiceError
-from transport.metrics import summary_lines
-from worker.client import Client
-from worker.config import WorkerConfig
-from worker.staging import wire_dtype
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.metrics import summary_lines
+from sluice.worker.client import Client
+from sluice.worker.config import WorkerConfig
+from sluice.worker.staging import wire_dtype
 
 log = logging.getLogger("sluice.worker")
 
@@ -26,6 +26,8 @@ class State:
 
 
 STATE = State()
+#: the client after shutdown(): init() takes it back (its connection lasts until the process exits)
+PARKED: list[Client] = []
 #: names for unnamed collectives, the same sequence on every worker
 NAMES = itertools.count()
 class Waitable(Protocol):
@@ -52,7 +54,7 @@ def declare_missing(named: Iterable[tuple[str, torch.Tensor]], options: Mapping[
     client.declare(table)
 
 
-def log_metrics(snapshot: Mapping[str, Any], when: str) -> None:
-    for line in summary_lines(snapshot, f"worker {require().rank} transport, {when}"):
+def log_metrics(snapshot: Mapping[str, Any], when: str, rank: int | None = None) -> None:
+    for line in summary_lines(snapshot, f"worker {require().rank if rank is None else rank} transport, {when}"):
         log.info("%s", line)
 

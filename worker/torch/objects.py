@@ -15,9 +15,9 @@ import msgpack
 import numpy as np
 import torch
 
-from scheduler.errors import SluiceError
-from worker.torch_collectives import allgather, broadcast_
-from worker.torch_state import NAMES
+from sluice.scheduler.errors import SluiceError
+from sluice.worker.torch.collectives import allgather_async, broadcast_, broadcast_parameters, synchronize
+from sluice.worker.torch.state import NAMES
 
 _TUPLE, _ARRAY, _TENSOR = 1, 2, 3
 _NUMPY_DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
@@ -86,7 +86,7 @@ def loads(data: bytes) -> Any:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """`root_rank`'s object on every rank (the others' `obj` is ignored)."""
-    from worker.torch_state import require
+    from sluice.worker.torch.state import require
 
     name = name or f"broadcast_object.{next(NAMES)}"
     payload = dumps(obj) if require().rank == root_rank else b""
@@ -105,9 +105,9 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's object, in rank order."""
     name = name or f"allgather_object.{next(NAMES)}"
     payload = dumps(obj)
-    lengths = allgather(torch.tensor([len(payload)], dtype=torch.int64), f"{name}.lengths").tolist()
-    data = allgather(torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
-                     else torch.zeros(0, dtype=torch.uint8), f"{name}.bytes").numpy().tobytes()
+    lengths = synchronize(allgather_async(torch.tensor([len(payload)], dtype=torch.int64), f"{name}.lengths")).tolist()
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+    data = synchronize(allgather_async(mine, f"{name}.bytes")).numpy().tobytes()
     objects, offset = [], 0
     for length in lengths:
         try:
@@ -116,3 +116,48 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
             raise SluiceError(f"allgather_object {name!r}: {exc}") from None
         offset += length
     return objects
+
+
+_PLAIN = (type(None), bool, int, float, str, tuple, list)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every worker `root_rank`'s optimizer state and hyper-parameters. The root's layout (which
+    state each parameter has, its shapes and dtypes, its plain values) goes first, as an object, so a
+    rank with no state yet (a checkpoint loaded on the root only) takes it in full, as Horovod's does."""
+    from sluice.worker.torch.state import require
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    layout = None
+    if require().rank == root_rank:
+        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, _PLAIN)}
+                  for g in optimizer.param_groups]
+        state = []
+        for index, param in enumerate(params):
+            for key, value in sorted(optimizer.state.get(param, {}).items()):
+                if torch.is_tensor(value):
+                    state.append([index, key, "tensor", str(value.dtype).removeprefix("torch."), list(value.shape)])
+                elif isinstance(value, _PLAIN):
+                    state.append([index, key, "value", value, []])
+        layout = {"groups": groups, "state": state}
+    layout = broadcast_object(layout, root_rank, "optimizer.layout")
+    if len(layout["groups"]) != len(optimizer.param_groups):
+        raise SluiceError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer has {len(layout['groups'])} "
+                          f"parameter groups, this one {len(optimizer.param_groups)}")
+    for group, settings in zip(optimizer.param_groups, layout["groups"], strict=True):
+        group.update(settings)
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for index, key, kind, value, shape in layout["state"]:
+        param = params[index]
+        state = optimizer.state[param]
+        if kind == "value":
+            state[key] = value
+            continue
+        dtype = _TORCH_DTYPES.get(value)
+        if dtype is None:
+            raise SluiceError(f"broadcast_optimizer_state: state {key!r} has dtype {value!r}, which cannot travel")
+        held = state.get(key)
+        if not torch.is_tensor(held) or held.dtype != dtype or list(held.shape) != shape:
+            held = state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+        tensors.append((f"optimizer.state{index}.{key}", held))
+    broadcast_parameters(tensors, root_rank)

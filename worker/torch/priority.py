@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from scheduler.errors import SluiceError
-from scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
-from worker.client import Client
-from worker.config import WorkerConfig
-from worker.priority_probe import ForwardRecorder, first_use_from_model, names_by_id
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
+from sluice.worker.client import Client
+from sluice.worker.config import WorkerConfig
+from sluice.worker.priority_probe import ForwardRecorder, first_use_from_model, names_by_id
 
 log = logging.getLogger("sluice.worker")
 

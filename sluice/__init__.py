@@ -1,0 +1,3 @@
+"""Sluice: parameter-server and allreduce training with a priority network transport."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""PyTorch shim: Horovod's API (api.py) over the Sluice client, its collectives, optimizer and state."""

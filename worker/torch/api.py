@@ -1,0 +1,225 @@
+"""Horovod's PyTorch API over Sluice, published as `sluice.torch`: `import sluice.torch as hvd` and `hvd.init()`.
+
+Gradients are pushed from autograd hooks as soon as each one is ready (optimizer.py); the next
+forward pass waits, module by module, only for the parameters that module uses (a global forward
+pre-hook). Collectives are in collectives.py (async and in-place forms) and autograd.py
+(differentiable forms), the process-wide state in state.py. CUDA tensors travel through a pinned
+host staging buffer; CPU tensors are sent and received in place.
+
+What Sluice does not offer fails at the call, saying what to use instead: Adasum, process sets, an
+MPI communicator. `shutdown()` finishes this rank's updates in flight and makes every call but
+`init()` raise, as Horovod's; `init()` afterwards rejoins with the same rank. The connection itself is
+kept until the process exits (the job counts a worker as gone when its process ends).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any
+
+import torch
+
+from sluice.scheduler.errors import SluiceError
+from sluice.worker.client import Client
+from sluice.worker.config import WorkerConfig
+from sluice.worker.topology import Placement, placement
+from sluice.worker.torch.autograd import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from sluice.worker.torch.collectives import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    allgather_async,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    barrier,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_parameters,
+    global_process_set,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    remove_process_set,
+    synchronize,
+)
+from sluice.worker.torch.compression import Compression
+from sluice.worker.torch.objects import allgather_object, broadcast_object, broadcast_optimizer_state
+from sluice.worker.torch.optimizer import DistributedOptimizer, synchronize_parameters, wait_for_parameters
+from sluice.worker.torch.state import PARKED, STATE, log_metrics, require
+from sluice.worker.torch.sync_batch_norm import SyncBatchNorm
+
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
+    "metrics", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "remove_process_set", "rocm_built", "shutdown", "size", "synchronize",
+    "synchronize_parameters",
+]
+
+
+# ---------------------------------------------------------------------------- process set-up
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Join the job this process was launched into (by `sluice launch`); again after shutdown()."""
+    if comm is not None:
+        raise SluiceError("init(comm=...) takes an MPI communicator, and Sluice does not use MPI: call hvd.init() "
+                          "and choose the workers with sluice launch -w N")
+    if process_sets is not None:
+        add_process_set(process_sets)  # raises, saying what to do instead
+    if STATE.client is not None:
+        return
+    if PARKED:
+        STATE.client = PARKED.pop()
+        return
+    _show_our_logs()
+    client = Client()
+    section = client.env.section("worker")
+    if "priority_overrides" in section:
+        section["priority_overrides"] = tuple(section["priority_overrides"])
+    STATE.settings = WorkerConfig(**section)
+    STATE.client = client
+    torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
+    atexit.register(_close)
+
+
+def _show_our_logs() -> None:
+    """Our INFO lines (calibration, the priority map, metrics) reach stderr unless the script set up logging."""
+    ours = logging.getLogger("sluice")
+    if not logging.getLogger().handlers and not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
+def shutdown() -> None:
+    """Finish this rank's updates in flight and leave: calls but init() raise until init() again."""
+    client = STATE.client
+    if client is None:
+        return
+    synchronize_parameters()
+    STATE.client = None
+    PARKED.append(client)
+
+
+def _close() -> None:
+    """At exit: close the connection for good (parked or not)."""
+    shutdown()
+    while PARKED:
+        client = PARKED.pop()
+        if client.rank == 0:
+            log_metrics(client.transport.stats(), "at the end", client.rank)
+        client.close()
+
+
+def is_initialized() -> bool:
+    return STATE.client is not None
+
+
+def metrics(reset: bool = False) -> dict[str, Any]:
+    """This worker's transport metrics since the start (or the last reset): bytes and messages per
+    channel, and the queueing delay per priority (see transport/metrics.py; `delay_table` summarises)."""
+    return require().transport.stats(reset)
+
+
+# ---------------------------------------------------------------------------- where this worker is
+def _placement() -> Placement:
+    client = require()
+    return placement(client.hosts("worker"), client.rank)
+
+
+def rank() -> int:
+    return require().rank
+
+
+def size() -> int:
+    return require().size
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its host (the GPU to pick, by Horovod's convention)."""
+    return _placement().local_rank
+
+
+def local_size() -> int:
+    return _placement().local_size
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that run a worker of this local rank."""
+    return _placement().cross_rank
+
+
+def cross_size() -> int:
+    return _placement().cross_size
+
+
+def is_homogeneous() -> bool:
+    """Every host runs as many workers."""
+    return _placement().homogeneous
+
+
+# ---------------------------------------------------------------------------- what this build has, truthfully
+def mpi_built() -> bool:
+    """Sluice uses no MPI (the launcher and ZeroMQ take its place)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    """Sluice's own allreduce takes Gloo's place."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    """No NCCL: CUDA tensors travel through pinned host memory."""
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """True: CUDA tensors are accepted everywhere (staged through pinned host memory, no GPU-direct path)."""
+    return True
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> list[
+        torch.Tensor]:
+    """allgather of each tensor (one operation each); differentiable."""
+    return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]

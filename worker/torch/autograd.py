@@ -1,0 +1,161 @@
+"""Differentiable collectives, as horovod.torch's: a gradient flows back through allreduce, allgather and broadcast.
+
+The backward passes follow Horovod (>= 0.21): allreduce's gradient is the allreduce of the output's
+gradient with the same op and scale factors (for Min and Max only the ranks that hold the extreme
+receive it, and for Product each rank its share y / x, where Horovod gives neither); allgather's is
+the average of the output's gradient over the ranks, narrowed to this rank's rows; broadcast's is that
+average on the root rank and zero elsewhere. The forward passes are the in-place collectives of
+collectives.py on a copy, so the input is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from sluice.worker.torch.collectives import (
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather_async,
+    alltoall_async,
+    broadcast_async_,
+    check_process_set,
+    grouped_allreduce_async_,
+    resolve_op,
+    synchronize,
+)
+from sluice.worker.torch.compression import Compression, Compressor
+from sluice.worker.torch.state import require
+
+
+def _reduced(tensors: Sequence[torch.Tensor], op: str, pre: float, post: float, name: str | None) -> list[torch.Tensor]:
+    outputs = [t.detach().clone() for t in tensors]
+    return synchronize(grouped_allreduce_async_(outputs, None, name, op, pre, post))  # type: ignore[no-any-return]
+
+
+def _reduced_grads(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of the inputs of a (grouped) allreduce, from those of its outputs."""
+    if ctx.op in (Average, Sum):
+        return _reduced(grads, ctx.op, ctx.pre, ctx.post, None)
+    inputs, outputs = ctx.saved_tensors[: len(grads)], ctx.saved_tensors[len(grads):]
+    summed = _reduced(grads, Sum, 1.0, 1.0, None)
+    if ctx.op in (Min, Max):
+        return [g * (x == y) for g, x, y in zip(summed, inputs, outputs, strict=True)]
+    return [g * y / x for g, x, y in zip(summed, inputs, outputs, strict=True)]  # Product: d(prod)/dx = prod / x
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: str, pre: float, post: float, *tensors: torch.Tensor) -> Any:
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        outputs = _reduced(tensors, op, pre, post, name)
+        if op in (Min, Max, Product):
+            ctx.save_for_backward(*tensors, *outputs)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, None, None, None, *_reduced_grads(ctx, grads))
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] = Compression.none, op: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = None) -> list[torch.Tensor]:
+    """Reduce every tensor of the group over all ranks as one request; differentiable."""
+    check_process_set(process_set)
+    reduce_op = resolve_op(average, op)
+    packed = [compression.compress(t) for t in tensors]
+    outputs = _Allreduce.apply(name, reduce_op, prescale_factor, postscale_factor, *(c for c, _ in packed))  # type: ignore[no-untyped-call]
+    return [compression.decompress(out, context) for out, (_, context) in zip(outputs, packed, strict=True)]
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: str | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
+    """The tensor reduced over all ranks by `op` (Average by default), as a new tensor; differentiable.
+    `compression` casts it for the wire (Compression.fp16, bf16) and back."""
+    return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
+                             process_set)[0]
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> Any:
+        ctx.rows = tensor.shape[0]
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        reduced = _reduced([grad], Average, 1.0, 1.0, None)[0]
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64), None))
+        offset = int(rows[: require().rank].sum())
+        return reduced.narrow(0, offset, ctx.rows), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Every rank's tensor concatenated along the first dimension (which may differ per rank); differentiable."""
+    check_process_set(process_set)
+    return _Allgather.apply(tensor, name)  # type: ignore[no-untyped-call, no-any-return]
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> Any:
+        ctx.root = root_rank
+        return synchronize(broadcast_async_(tensor.detach().clone(), root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        reduced = _reduced([grad], Average, 1.0, 1.0, None)[0]
+        return (reduced if require().rank == ctx.root else torch.zeros_like(reduced)), None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """`root_rank`'s tensor on every rank, as a new tensor; differentiable."""
+    check_process_set(process_set)
+    return _Broadcast.apply(tensor, root_rank, name)  # type: ignore[no-untyped-call, no-any-return]
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: list[int] | None, name: str | None) -> Any:
+        output, received = synchronize(alltoall_async(tensor, splits, name))
+        ctx.received = received.tolist()
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _received: Any) -> Any:
+        # the rows this rank received from rank i go back to rank i: an alltoall with the received splits
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, None))
+        return back, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
+             process_set: Any = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Row block i of `tensor` (sizes `splits`; None: equal blocks) goes to rank i; differentiable. With
+    `splits` given, also the rows received from each rank (as Horovod)."""
+    check_process_set(process_set)
+    split_list = None if splits is None else [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
+                                                                 else splits)]
+    output, received = _Alltoall.apply(tensor, split_list, name)  # type: ignore[no-untyped-call]
+    return (output, received) if splits is not None else output
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
+                  op: str | None = Average, process_set: Any = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """This rank's block of the first dimension of the reduced tensor (blocks as even as they can be, the
+    first ones one row longer, as Horovod splits). Built on allreduce: it moves the whole tensor, not a
+    1/size share of it; differentiable."""
+    reduced = allreduce(tensor, None, name, compression, op, prescale_factor, postscale_factor, process_set)
+    client = require()
+    rows, size = tensor.shape[0], client.size
+    starts = [r * (rows // size) + min(r, rows % size) for r in range(size + 1)]
+    return reduced[starts[client.rank]: starts[client.rank + 1]]
