@@ -166,7 +166,7 @@ def sparse_embedding(sparse_as_dense: bool, steps: int) -> list[float]:
     import sluice.torch as hvd
 
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    rank = hvd.rank()
     torch.manual_seed(0)
     embed = torch.nn.Embedding(20, 4, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(embed.parameters(), lr=0.5),
