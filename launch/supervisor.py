@@ -8,6 +8,7 @@ import math
 import os
 import shlex
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ class _Job:
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
         self.preexec = death_signal_hook()
+        self.master_port = _free_port()
         self.janitor: Janitor | None = None
 
     def say(self, text: str) -> None:
@@ -74,6 +76,9 @@ class _Job:
         env = {**self.base_env, **node.to_environ()}
         if role != "worker":  # role processes run our own module, wherever the launcher was started
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+        else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
+            env.update(RANK=str(rank), WORLD_SIZE=str(self.workers), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(self.workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.master_port))
         secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
         env[ENV_SECRET_FD] = str(secret_fd)
         try:
@@ -280,3 +285,10 @@ def run_local_job(config: SluiceConfig, workers: int, servers: int, command: Seq
     except ImportError:
         return asyncio.run(job)
     return int(uvloop.run(job))
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now (for torch.distributed's rendezvous in DDP scripts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from sluice.scheduler.errors import SluiceError
 
@@ -18,6 +19,7 @@ class Handle:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._error: str | None = None
+        self._callbacks: list[Callable[[Handle], None]] = []
         if not self._remaining:
             self._event.set()
 
@@ -40,12 +42,35 @@ class Handle:
         """Chunk `chunk` went up an aggregation tree through `aggregator`: name it if it never answers."""
         self._servers[chunk] = f"{aggregator} (for {self._servers[chunk]})"
 
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call fn(self) once the operation completes or fails (at once if it has), on the thread that
+        completes it (the client's I/O thread: fn must be quick and must not raise)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
     def _part_done(self, chunk: int) -> None:
         with self._lock:
             self._remaining.discard(chunk)
-            if not self._remaining:
-                self._event.set()
+            if self._remaining or self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def _fail(self, error: str) -> None:
-        self._error = error
-        self._event.set()
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error = error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)

@@ -54,17 +54,18 @@ from sluice.worker.torch.collectives import (
     synchronize,
 )
 from sluice.worker.torch.compression import Compression
+from sluice.worker.torch.ddp import DDPHookState, ddp_hook
 from sluice.worker.torch.objects import allgather_object, broadcast_object, broadcast_optimizer_state
 from sluice.worker.torch.optimizer import DistributedOptimizer, synchronize_parameters, wait_for_parameters
 from sluice.worker.torch.state import PARKED, STATE, log_metrics, require
 from sluice.worker.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "Adasum", "Average", "Compression", "DDPHookState", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
     "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
-    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "ddp_hook", "global_process_set", "gloo_built",
     "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
     "metrics", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
