@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                         help="after every worker exited 0, wait this long for the scheduler and servers to "
                              "exit by themselves before stopping them (default: %(default)s)")
+    launch.add_argument("--timeline", metavar="PATH",
+                        help="write a Chrome trace of the job to PATH (open it in https://ui.perfetto.dev): per "
+                             "tensor and step, when it was ready, queued, pushed, summed on a server, pulled and "
+                             "applied, with its priority and channel (same as --set timeline.path=PATH)")
     launch.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="how long the scheduler may take to announce its address (default: %(default)s)")
     launch.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS ...]",
@@ -136,17 +140,34 @@ def _launch(args: argparse.Namespace) -> int:
         return _error("no worker command: put it after --, e.g. sluice launch -w 2 -s 1 -- python train.py")
     if args.grace < 0 or args.ready_timeout <= 0:
         return _error("--grace must be at least 0 and --ready-timeout positive")
+    sets = list(args.sets)
+    if args.timeline:
+        sets.append(f"timeline.path={os.path.abspath(args.timeline)}")
     try:
-        config = load_config(args.config, os.environ, args.sets)
+        config = load_config(args.config, os.environ, sets)
     except ConfigError as exc:
         return _error(str(exc))
     from sluice.launch.supervisor import run_local_job
 
     try:
-        return run_local_job(config, args.workers, args.servers, command,
+        code = run_local_job(config, args.workers, args.servers, command,
                              grace=args.grace, ready_timeout=args.ready_timeout, aggregators=args.aggregators)
     except KeyboardInterrupt:  # before the supervisor's own handlers were installed
         return 130
+    if config.timeline.path:
+        _merge_timeline(config.timeline.path)
+    return code
+
+
+def _merge_timeline(path: str) -> None:
+    from sluice.transport.timeline import merge
+
+    try:
+        events = merge(path)
+    except OSError as exc:
+        print(f"sluice launch: the timeline's parts could not be merged into {path}: {exc}", file=sys.stderr)
+        return
+    print(f"[launch] timeline: {events} events in {path} (open it in https://ui.perfetto.dev)", flush=True)
 
 
 def _show_config(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from sluice.scheduler.bootstrap import (
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.transport.config import TransportConfig
+from sluice.transport.timeline import TimelineConfig
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.config import WorkerConfig
 from sluice.worker.job_priority import JobsConfig
@@ -42,6 +43,7 @@ SECTIONS: dict[str, type[Any]] = {
     "collective": CollectiveConfig,
     "aggregation": AggregationConfig,
     "jobs": JobsConfig,
+    "timeline": TimelineConfig,
 }
 ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
@@ -133,6 +135,7 @@ class SluiceConfig:
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
     #: (key, where its value came from) for every key not left at its default
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 

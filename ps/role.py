@@ -55,6 +55,9 @@ class Role:
         """Worker `rank` said goodbye: the messages that fail the rounds it can no longer join."""
         return []
 
+    def on_close(self) -> None:
+        """The transport is closed: nothing more will arrive."""
+
     # ------------------------------------------------------------------ shared
     def run(self) -> int:
         name = f"{self.role} {self.control.rank}"
@@ -70,6 +73,7 @@ class Role:
         finally:
             self.control.bye()
             self.transport.close(flush_seconds=2.0)
+            self.on_close()
             for line in summary_lines(self.transport.stats(), name):
                 self.log.info("%s", line)
         stats = self.transport.stats()

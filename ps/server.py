@@ -5,9 +5,11 @@ from __future__ import annotations
 from sluice.ps.config import ServerConfig
 from sluice.ps.role import Reply, Role
 from sluice.ps.store import ShardStore
+from sluice.ps.trace import ServerTrace
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.rendezvous import parse_limits
+from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 
@@ -19,13 +21,19 @@ class Server(Role):
         self.settings = ServerConfig(**env.section("ps"))
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
         self.store.on_first_orphan = self._report_orphan
+        timeline = TimelineConfig(**env.section("timeline"))
+        self.trace = ServerTrace(str(part_path(timeline.path, "server", env.rank)), "server", env.rank,
+                                 self.store.chunks) if timeline.path else None
 
     def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
         if msg.kind == Kind.PROBE:  # a worker's calibration: answer at once, no payload
             self.store.check_worker(peer, msg.sender)
             return [(peer, channel, Message(Kind.PROBE_REPLY, sender=self.store.node_id, round=msg.round,
                                             priority=msg.priority))]
-        return self.store.handle(peer, channel, msg)
+        replies = self.store.handle(peer, channel, msg)
+        if self.trace is not None and msg.kind == Kind.PUSH:
+            self.trace.pushed(msg, channel, replies)
+        return replies
 
     def on_welcome(self) -> None:
         """Workers may probe this server the moment they are admitted."""
@@ -47,6 +55,10 @@ class Server(Role):
             self.transport.stats(reset=True)  # the calibration probes are over: metrics start here
             self.log.info("server %d: %s", self.control.rank, limits.describe())
         self.control.send(Kind.PLAN_ACK, seq=seq)
+
+    def on_close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
 
     def stalled(self, now: float, limit: float) -> list[str]:
         return self.store.stalled(now, limit)

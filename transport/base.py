@@ -20,6 +20,8 @@ Handler = Callable[[str, int, Message], None]
 class Transport(Protocol):
     name: str
     config: TransportConfig
+    #: called (message, queued at, sent at; monotonic seconds) as each message goes to its socket
+    tracer: Callable[[Message, float, float], None] | None
 
     def listen(self) -> list[str]:
         """Bind one endpoint per channel on the configured host; return their addresses."""

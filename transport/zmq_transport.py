@@ -43,6 +43,8 @@ Frames = list[Any]
 
 
 class ZmqTransport(ReceivePath):
+    #: called (message, queued at, sent at; monotonic seconds) as each message goes to its socket, on the I/O thread
+    tracer: Callable[[Message, float, float], None] | None = None
     def __init__(self, name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
                  control: bool = False, members: Iterable[str] = ()) -> None:
         if config.curve and keys is None:
@@ -291,6 +293,8 @@ class ZmqTransport(ReceivePath):
                         queue.push_front(later_priority, later_bytes, later, later_enqueued)
                     break
                 self.metrics.sent(route[1], priority, nbytes, now - enqueued, route[0])
+                if self.tracer is not None:  # the timeline (worker/trace.py): off unless asked for
+                    self.tracer(msg, enqueued, now)
             if not len(queue):
                 self._active.discard(route)
 

@@ -28,6 +28,7 @@ from sluice.scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpo
 from sluice.transport.base import open_transport
 from sluice.transport.config import LOCAL_ENDPOINTS
 from sluice.transport.dtypes import STORAGE
+from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Flag, Kind, Message, WireError, meta_field
 from sluice.worker.calibrate import Calibrator
 from sluice.worker.collective.config import CollectiveConfig
@@ -36,6 +37,7 @@ from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.handle import Handle
 from sluice.worker.job_priority import JobLevel, JobsConfig
 from sluice.worker.routing import Router
+from sluice.worker.trace import WorkerTrace
 
 log = logging.getLogger("sluice.worker")
 
@@ -69,6 +71,7 @@ class _Op:
 
 class Client:
     def __init__(self, env: NodeEnv | None = None) -> None:
+        self.trace: WorkerTrace | None = None  # the timeline, when asked for (the I/O thread reads it)
         self.env = env or from_environ()
         self.settings = self.env.transport_config()
         self.control_settings = SchedulerConfig(**self.env.section("scheduler"))
@@ -100,6 +103,9 @@ class Client:
             self.control.job_report = self.job_level.report
         self.control.register("worker", self.transport.listen())
         self.rank = self.control.rank
+        timeline = TimelineConfig(**self.env.section("timeline"))
+        if timeline.path:
+            self.start_trace(str(part_path(timeline.path, "worker", self.rank)))
         self.size = self.env.workers
         assert self.collectives is not None
         self.collectives.connect([p.endpoints for p in self._workers()])
@@ -258,11 +264,24 @@ class Client:
             self._send(tensor, server, msg)
         return handle
 
+    def start_trace(self, path: str) -> None:
+        """Record this worker's timeline into `path` (a Chrome trace; see worker/trace.py)."""
+        self.stop_trace()
+        self.trace = WorkerTrace.open(path, self.rank)
+        self.transport.tracer = self.trace.sent
+
+    def stop_trace(self) -> None:
+        trace, self.trace = self.trace, None
+        if trace is not None:
+            self.transport.tracer = None
+            trace.close()
+
     def close(self) -> None:
         if self.collectives is not None:
             self.collectives.close()
         self.control.bye()
         self.transport.close(flush_seconds=2.0)
+        self.stop_trace()
 
     # ------------------------------------------------------------------ internals
     def _push(
@@ -282,6 +301,8 @@ class Client:
             if self.job_level is not None:  # replies come back on the channel a push went on
                 tensor.channel = self.job_level.on_push(round_, flat.nbytes, time.monotonic())
             handle = self._register(tensor, Kind.REPLY, round_, f"{verb} of {name!r} round {round_}", target)
+            if self.trace is not None:
+                self.trace.round_started(name, tensor.key, round_, tensor.priority, tensor.channel, flat.nbytes, handle)
             for chunk, offset, length, server in tensor.chunks:
                 msg = self._data_message(Kind.PUSH, tensor, chunk, round_, flat[offset : offset + length])
                 msg.flags, msg.meta = (Flag.WANT_REPLY if want_reply else Flag.NONE), meta
@@ -387,6 +408,8 @@ class Client:
                 op.handle._fail(f"server sent {msg.dtype}{list(msg.shape)} for a {op.dtype}{list(op.out.shape)} chunk")
                 return
             np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
+        if self.trace is not None:
+            self.trace.replied(msg.key, msg.round)
         op.handle._part_done(msg.chunk)
 
     def _on_control(self, msg: Message) -> None:

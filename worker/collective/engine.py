@@ -10,6 +10,7 @@ called `join` takes part in every operation the others decide, contributing zero
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ class OpHandle(Completion):
     def __init__(self, what: str, timeout: float) -> None:
         super().__init__(what)
         self._timeout = timeout
+        #: when the coordinator's decision launched it (monotonic seconds; the timeline's NEGOTIATE ends here)
+        self.started: float | None = None
 
     def wait(self, timeout: float | None = None) -> None:
         limit = self._timeout if timeout is None else timeout
@@ -191,6 +194,7 @@ class CollectiveEngine:
         seq = self._seq
         if entry.request.kind not in ("barrier", "join"):
             self._seq += 1
+        entry.handle.started = time.monotonic()
         try:
             self._start(seq, entry, decision)
         except Exception as exc:  # a bad array or a data plane refusal fails this op, not the engine
@@ -202,6 +206,8 @@ class CollectiveEngine:
             self._launch(*batch[0])
             return
         entries = [entry for entry, _ in batch]
+        for entry in entries:
+            entry.handle.started = time.monotonic()
         first = entries[0].request
         request = Request(f"fused[{first.name}..{entries[-1].request.name}]", "allreduce", first.dtype,
                           tuple(s for e in entries for s in e.request.shapes), first.op, -1,

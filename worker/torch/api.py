@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,16 +62,16 @@ from sluice.worker.torch.state import PARKED, STATE, log_metrics, require
 from sluice.worker.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DDPHookState", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
-    "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
-    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "ddp_hook", "global_process_set", "gloo_built",
-    "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
-    "metrics", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
-    "remove_process_set", "rocm_built", "shutdown", "size", "synchronize",
-    "synchronize_parameters",
+    "Adasum", "Average", "Compression", "DDPHookState", "DistributedOptimizer", "Max", "Min", "ProcessSet",
+    "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "ddp_hook", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "metrics", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "remove_process_set", "rocm_built",
+    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize", "synchronize_parameters",
 ]
 
 
@@ -114,6 +115,7 @@ def shutdown() -> None:
     if client is None:
         return
     synchronize_parameters()
+    stop_timeline()
     STATE.client = None
     PARKED.append(client)
 
@@ -126,6 +128,26 @@ def _close() -> None:
         if client.rank == 0:
             log_metrics(client.transport.stats(), "at the end", client.rank)
         client.close()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record this rank's timeline into `file_path` (a Chrome trace: open it in https://ui.perfetto.dev):
+    per tensor and step, when it was ready, queued, pushed, at the server, pulled and applied, with its
+    priority and channel. Each rank that calls it writes its own file (rank r > 0: `file_path` with
+    `.rank<r>` before the extension); `sluice launch --timeline PATH` records every process, servers
+    included, into one file. `mark_cycles` is accepted for Horovod's sake (Sluice has no cycles)."""
+    client = require()
+    path = Path(file_path)
+    if client.rank:
+        path = path.with_name(f"{path.stem}.rank{client.rank}{path.suffix}")
+    client.start_trace(str(path))
+
+
+def stop_timeline() -> None:
+    """Stop recording and close the file (it is valid JSON from then on)."""
+    client = STATE.client
+    if client is not None:
+        client.stop_trace()
 
 
 def is_initialized() -> bool:

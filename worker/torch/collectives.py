@@ -156,7 +156,11 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     arrays = [s.load(t) for s, t in zip(stages, work, strict=True)]
     for array in arrays:
         scale(array, prescale_factor, dtype)
-    handle = engine().allreduce(_name(name, "allreduce"), arrays, dtype, reduce_op, priority)
+    op_name = _name(name, "allreduce")
+    handle = engine().allreduce(op_name, arrays, dtype, reduce_op, priority)
+    trace = require().trace
+    if trace is not None:
+        trace.collective(op_name, "allreduce", priority, sum(a.nbytes for a in arrays), handle)
 
     def finish() -> list[torch.Tensor]:
         for array in arrays:

@@ -158,6 +158,8 @@ class FusedGradients:
         self.active = 0
         self._groups_of = {key: [g.index for g in self.plan.groups if i in g.tensors] for key, i in self._index.items()}
         self.names = [f"fusion.{route}.{self.dtype}.{g.index}" for g in self.plan.groups]
+        #: each group's gradients, for the timeline
+        self.members = [" ".join(params[t][1] for t in g.tensors) for g in self.plan.groups]
         self.priorities = [min((priorities.get(self.keys[t], 0) for t in g.tensors), default=0)
                            for g in self.plan.groups]
         self.step = self._new_step()
@@ -239,6 +241,9 @@ class FusedGradients:
             engine = self.client.collectives
             assert engine is not None
             handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index])
+            if self.client.trace is not None:
+                self.client.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes,
+                                             handle, self.members[index])
         self.step.groups[index].handle = handle
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +114,9 @@ class _DistributedMixin:
         self._sluice_passes[key] = passes
         if passes < every:  # accumulate locally; the last pass of the step sends the sum
             return
+        trace = require().trace
+        if trace is not None:
+            trace.ready(self._sluice_names[key], self._sluice_steps + 1, self._sluice_priorities.of(key))
         if param.grad is not None and param.grad.is_sparse:
             self._sluice_sparse(key, param)
             return
@@ -262,7 +266,12 @@ class _DistributedMixin:
                     param.grad = grad
                 for g in self.param_groups:
                     g["params"] = [param for param, _ in pairs] if g is group else []
+                started = time.monotonic()
                 super().step()  # type: ignore[misc]
+                trace = require().trace
+                if trace is not None:
+                    for param, _ in pairs:
+                        trace.applied(self._sluice_names[id(param)], self._sluice_steps, started, time.monotonic())
             finally:
                 for g, params in zip(self.param_groups, lists, strict=True):
                     g["params"] = params

@@ -34,6 +34,8 @@ class ParameterPriorities:
     ) -> None:
         self._client, self._settings = client, settings
         self._names = [name for name, _ in named]
+        self._named = named
+        self._by_id: dict[int, int] = {}
         self._sizes = {name: p.numel() * p.element_size() for name, p in named}
         try:
             self._overrides = parse_overrides(settings.priority_overrides)
@@ -50,6 +52,10 @@ class ParameterPriorities:
         else:
             self._recorder = ForwardRecorder({id(p): name for name, p in named})
             self._recorder.start()
+
+    def of(self, key: int) -> int:
+        """The priority of the parameter with id `key` (0 until the map is made)."""
+        return self._by_id.get(key, 0)
 
     def forward_seen(self) -> None:
         """The first forward pass is over (a gradient is ready): derive the map from what it used."""
@@ -86,6 +92,8 @@ class ParameterPriorities:
 
     def _apply(self, assigned: list[Assigned], how: str) -> None:
         self.assigned = assigned
+        by_name = {a.name: a.priority for a in assigned}
+        self._by_id = {id(p): by_name.get(name, 0) for name, p in self._named}
         # tensors the servers know by name (optimizer on the servers); fused gradients take theirs per group
         self._client.set_priorities({a.name: a.priority for a in assigned if self._client.declared(a.name)})
         if self._client.rank != 0:

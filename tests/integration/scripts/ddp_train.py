@@ -1,4 +1,4 @@
-"""A plain DDP training script (as torchrun runs it); with --sluice, the one added line sends its buckets through Sluice."""
+"""A plain DDP training script (as torchrun runs it); with --sluice, one added line sends its buckets through Sluice."""
 
 import argparse
 import json

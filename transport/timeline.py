@@ -1,0 +1,138 @@
+"""A Chrome trace (Perfetto, chrome://tracing) of one process: slices per tensor track, written by a background thread.
+
+Each process writes its own file in the JSON array format, one event a line; `sluice launch
+--timeline PATH` has every process write `PATH.parts/<role><rank>.json` and merges them into PATH at
+the end (`merge`). Events are formatted on the caller's thread into a list (a few microseconds;
+nothing when the timeline is off: callers hold None) and written every half second, so the I/O
+threads never wait on the disk. Past MAX_PENDING unwritten events, new ones are dropped and counted.
+Timestamps are wall-clock microseconds, so the processes of one host line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MAX_PENDING = 1 << 20
+FLUSH_S = 0.5
+
+
+@dataclass(frozen=True)
+class TimelineConfig:
+    #: write a Chrome trace of every process to PATH ('' = off); `sluice launch --timeline PATH` sets it
+    path: str = ""
+
+
+def part_path(path: str, role: str, rank: int) -> Path:
+    """Where a process of `role` and `rank` writes its part of the job's timeline PATH."""
+    return Path(path + ".parts") / f"{role}{rank}.json"
+
+
+def now_us() -> float:
+    return time.time() * 1e6
+
+
+class Timeline:
+    """One process's trace: `span` and `instant` on named tracks (a tensor, a fused group)."""
+
+    def __init__(self, path: Path | str, process: str, pid: int) -> None:
+        self.path, self.pid = Path(path), pid
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("w")
+        self._file.write("[\n")
+        self._pending: list[str] = []
+        self._tracks: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self._closed = threading.Event()
+        self._meta("process_name", 0, process)
+        self._writer = threading.Thread(target=self._write_loop, name="sluice-timeline", daemon=True)
+        self._writer.start()
+
+    def _meta(self, kind: str, tid: int, name: str) -> None:
+        self._pending.append(f'{{"name":"{kind}","ph":"M","pid":{self.pid},"tid":{tid},'
+                             f'"args":{{"name":{json.dumps(name)}}}}}')
+
+    def _track(self, track: str) -> int:
+        tid = self._tracks.get(track)
+        if tid is None:
+            with self._lock:
+                tid = self._tracks.get(track)
+                if tid is None:
+                    tid = self._tracks[track] = len(self._tracks) + 1
+                    self._meta("thread_name", tid, track)
+        return tid
+
+    def span(self, name: str, track: str, start_us: float, end_us: float, args: dict[str, Any]) -> None:
+        """A slice `name` on `track` from start to end (microseconds since the epoch)."""
+        self._add(f'{{"name":"{name}","ph":"X","pid":{self.pid},"tid":{self._track(track)},"ts":{start_us:.1f},'
+                  f'"dur":{max(end_us - start_us, 0.0):.1f},"args":{json.dumps(args)}}}')
+
+    def instant(self, name: str, track: str, at_us: float, args: dict[str, Any]) -> None:
+        self._add(f'{{"name":"{name}","ph":"i","s":"t","pid":{self.pid},"tid":{self._track(track)},'
+                  f'"ts":{at_us:.1f},"args":{json.dumps(args)}}}')
+
+    def _add(self, line: str) -> None:
+        with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                self.dropped += 1
+                return
+            self._pending.append(line)
+
+    def _write_loop(self) -> None:
+        while not self._closed.wait(FLUSH_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if batch:
+            self._file.write("".join(line + ",\n" for line in batch))
+            self._file.flush()
+
+    def close(self) -> None:
+        """Write what is left and end the array, so the file is valid JSON."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._writer.join(5)
+        self._flush()
+        self._file.write(f'{{"name":"dropped_events","ph":"M","pid":{self.pid},"args":{{"count":{self.dropped}}}}}\n]\n')
+        self._file.close()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The events of one part file, even one whose process died before closing it (no final ']')."""
+    events = []
+    for line in path.read_text().splitlines():
+        line = line.strip().rstrip(",")
+        if line in ("", "[", "]"):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed process
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def merge(path: str) -> int:
+    """Merge every part of PATH.parts/ into PATH (one JSON array, sorted by time); remove the parts.
+    Returns the number of events."""
+    parts = sorted(Path(path + ".parts").glob("*.json"))
+    events = [event for part in parts for event in read_events(part)]
+    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
+    tmp = Path(path + ".tmp")
+    with tmp.open("w") as file:
+        file.write("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
+    os.replace(tmp, path)
+    for part in parts:
+        part.unlink()
+    Path(path + ".parts").rmdir()
+    return len(events)
