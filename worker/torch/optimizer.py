@@ -208,6 +208,7 @@ class _DistributedMixin:
     def synchronize(self) -> None:
         """Wait for every gradient pushed since the last step (and average it, optimizer on workers)."""
         self._sluice_flush()
+        self._sluice_passes.clear()  # as Horovod's: the next backward pass starts a new accumulation
         handles, self._sluice_handles = self._sluice_handles, {}
         for key, (handle, finish) in handles.items():
             handle.wait()
