@@ -27,7 +27,8 @@ parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
 parser.add_argument("--log-interval", type=int, default=10, help="batches to wait before logging training status")
-parser.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression during allreduce")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="use fp16 compression during allreduce")
 parser.add_argument("--use-mixed-precision", action="store_true", default=False,
                     help="use mixed precision for training (bfloat16 autocast on a CPU)")
 parser.add_argument("--use-adasum", action="store_true", default=False, help="use adasum algorithm to do reduction")
