@@ -65,11 +65,23 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     print("\n".join(lines), flush=True)
 
 
-def record(case: str, ours: Stats, peer: Stats, peer_name: str, unit: str, **extra: Any) -> dict[str, Any]:
-    """One JSON record: medians for ours and the peer, their ratio, min/max and any extra fields."""
+def better_of(unit: str) -> str:
+    """'higher' for rates (a unit per second: GB/s, samples/s), 'lower' for times and everything else."""
+    return "higher" if "/s" in unit or unit.endswith("per s") else "lower"
+
+
+def record(case: str, ours: Stats, peer: Stats, peer_name: str, unit: str, better: str | None = None,
+           **extra: Any) -> dict[str, Any]:
+    """One JSON record: medians for ours and the peer, their ratio, min/max and any extra fields, and
+    `speedup`: how many times better ours is than the peer (> 1: ours ahead), by `better` ("higher" or
+    "lower"; by default from the unit). An `extra` speedup (e.g. a median of paired ratios) wins."""
+    better = better or better_of(unit)
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better must be 'higher' or 'lower', got {better!r}")
+    ratio = ours.median / peer.median
     return {
         "case": case, "ours": ours.median, "peer": peer.median, "peer_name": peer_name,
-        "ratio": ours.median / peer.median, "unit": unit,
+        "ratio": ratio, "unit": unit, "better": better, "speedup": ratio if better == "higher" else 1 / ratio,
         "ours_min": ours.low, "ours_max": ours.high, "peer_min": peer.low, "peer_max": peer.high,
         **extra,
     }

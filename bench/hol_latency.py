@@ -328,7 +328,8 @@ def report(setup: Setup, runs: dict[str, list[Run]], repeats: int) -> list[dict[
     print(f"target sluice+bands p50 <= 2 chunk-times: {ours / chunk_ms:.2f} chunk-times "
           f"({'met' if ours <= 2 * chunk_ms else 'MISSED'})")
     print(f"target fifo p50 / sluice+bands p50 >= 50: {ratio:.0f}x ({'met' if ratio >= 50 else 'MISSED'})", flush=True)
-    common = {"chunk_kib": setup.chunk // KIB, "inflight_kib": setup.inflight // KIB, "rate_mbit": setup.rate_mbit,
+    common: dict[str, Any] = {
+              "chunk_kib": setup.chunk // KIB, "inflight_kib": setup.inflight // KIB, "rate_mbit": setup.rate_mbit,
               "total_mib": setup.total // MIB, "samples": setup.samples, "repeats": repeats, "qdisc": setup.qdisc,
               "chunk_time_ms": chunk_ms, "link_mbit": link.median}
     records = []

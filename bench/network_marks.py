@@ -268,7 +268,8 @@ def report(setup: Setup, runs: dict[str, list[Run]], repeats: int) -> list[dict[
     print(f"\nbytes per htb class on the bottleneck (switch -> r), summed over {repeats} repeats:", flush=True)
     print_table(["case", *(_class_name(t) for t in names)],
                 [[case, *(f"{totals[case][t]:,}" for t in names)] for case in CASES])
-    common = {"rate_mbit": setup.rate_mbit, "a_kib": setup.a_bytes // KIB, "interval_ms": setup.interval * 1e3,
+    common: dict[str, Any] = {
+              "rate_mbit": setup.rate_mbit, "a_kib": setup.a_bytes // KIB, "interval_ms": setup.interval * 1e3,
               "count": setup.count, "b_chunk_kib": setup.b_chunk // KIB, "b_inflight_mib": setup.b_inflight // MIB,
               "repeats": repeats, "cc": setup.cc, "b_mbit_on": b_mbit["marks on"].median,
               "b_mbit_off": b_mbit["marks off"].median}

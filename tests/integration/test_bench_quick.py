@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -14,10 +15,13 @@ from tests.bench_runs import run_script
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ["bench/push_pull.py", "bench/train_throughput.py", "bench/transport_rate.py",
                                     "bench/allreduce.py", "bench/coordinator.py", "bench/fusion.py",
-                                    "bench/plan_quality.py"])
+                                    "bench/plan_quality.py",
+                                    pytest.param("bench/train_throughput.py --framework keras --workers 2 --servers 1",
+                                                 marks=pytest.mark.skipif(importlib.util.find_spec("keras") is None,
+                                                                          reason="needs the tensorflow extra"))])
 def test_quick_run_writes_records(script: str, tmp_path: Path) -> None:
     out = tmp_path / "records.json"
-    result = run_script([script, "--quick", "--json", str(out)], timeout=110)
+    result = run_script([*script.split(), "--quick", "--json", str(out)], timeout=110)
     assert result.returncode == 0, result.stdout[-3000:]
     records = json.loads(out.read_text())
     assert isinstance(records, list) and records
@@ -27,6 +31,7 @@ def test_quick_run_writes_records(script: str, tmp_path: Path) -> None:
         assert isinstance(rec["unit"], str) and rec["unit"]
         assert rec["ours"] > 0 and rec["peer"] > 0, rec
         assert rec["ratio"] == pytest.approx(rec["ours"] / rec["peer"], rel=1e-12), rec
+        assert rec["better"] in ("higher", "lower") and rec["speedup"] > 0, rec
         assert rec["case"] in result.stdout  # the printed table names every case
 
 
@@ -43,6 +48,7 @@ def test_curve_cost_quick_measures_every_loopback_case(tmp_path: Path) -> None:
         assert min(rec["ours"], rec["peer"], rec["ours_min"], rec["peer_min"]) > 0, rec
         assert rec["samples"] == 2, rec  # one pair of jobs, two timed repetitions in each
         assert rec["ratio"] == pytest.approx(rec["ours"] / rec["peer"], rel=1e-12), rec
+        assert rec["better"] in ("higher", "lower") and rec["speedup"] > 0, rec
         faster = rec["ratio"] if rec["better"] == "higher" else 1 / rec["ratio"]
         assert rec["speedup"] == pytest.approx(faster, rel=1e-12), rec
         assert rec["cost"] == pytest.approx((1 / rec["speedup"] - 1) * 100, rel=1e-9, abs=1e-9), rec
