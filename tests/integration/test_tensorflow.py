@@ -1,0 +1,68 @@
+"""sluice.tensorflow: Horovod's TF 2 API on real workers (collectives, DistributedGradientTape, XLA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.cluster import LocalCluster
+from tests.integration.tf_jobs import tape_training_only, tensorflow_api
+
+# the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,
+# so that no TF runtime state is ever forked
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs the tensorflow extra")
+
+
+def _assert_trains_like_one_process(result: dict[str, list[list[float]]], key: str) -> None:
+    for got, want in zip(result[key], result["reference"], strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_collectives_and_gradient_tape_on_two_workers(tmp_path: Path) -> None:
+    priorities = tmp_path / "priorities.json"
+    # small fusion buffers, so the MLP's gradients fill several balanced groups
+    config = {"collective": {"fusion_bytes": 256}, "worker": {"priority_file": str(priorities)}}
+    with LocalCluster(2, 0, config) as cluster:
+        results = cluster.run(tensorflow_api, timeout=110)
+        assert cluster.wait() == [0, 0, 0]
+    for rank, out in enumerate(results):
+        assert out["placement"] == [rank, 2, 0, 1]  # both on 127.0.0.1
+        assert out["initialized"] and not out["initialized_after"]
+        assert out["average"] == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
+        assert out["sum"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+        assert out["scaled"] == [0.75, 2.25, 3.75, 5.25, 6.75, 8.25]  # x3 before the average, x0.5 after
+        assert out["int_sum"] == [3, 6]
+        assert out["fp16"] == "float32"  # decompressed to the tensor's own dtype
+        assert out["grouped"] == [[1.0, 1.0], [[3.0, 3.0], [3.0, 3.0]]]
+        assert out["allgather"] == [[0, 0], [1, 1], [1, 1]]
+        assert out["broadcast"] == [1.0, 1.0, 1.0]
+        assert out["in_graph"] == [[[1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [0.0, 0.0]]] * 2  # traced once, run twice
+        assert out["broadcast_variables"] == [[1.0, 1.0, 1.0], [1, 1]]
+        assert out["broadcast_variables_in_graph"] == [0.0, 0.0]
+        assert out["tape_isinstance"]
+        assert out["tape_fp16"] == [[1.5, 1.5]]
+        assert "jit_compile=False" in out["xla"], out["xla"]
+        _assert_trains_like_one_process(out, "eager")
+        _assert_trains_like_one_process(out, "graph")
+    assert results[0]["graph"] == results[1]["graph"]  # bit for bit
+    ranked = {e["name"]: e["priority"] for e in json.loads(priorities.read_text())["priorities"]}
+    assert ranked == {"w1": 0, "b1": 1, "w2": 2, "b2": 3}  # first layers most urgent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gradient_tape_through_the_servers() -> None:
+    config = {"collective": {"mode": "ps", "fusion_bytes": 256}}
+    with LocalCluster(2, 1, config) as cluster:
+        results = cluster.run(tape_training_only, timeout=110)
+        assert cluster.wait() == [0, 0, 0, 0]
+    for out in results:
+        assert out["routes"] == ["ps"]
+        _assert_trains_like_one_process(out, "graph")
+    assert results[0]["graph"] == results[1]["graph"]

@@ -1,0 +1,187 @@
+"""One set of gradients reduced each step as balanced fused groups: routed, prioritised, numpy only.
+
+Built on the first step from the gradients' names, shapes and dtypes, the same on every rank. For
+each route ("ps" or "allreduce", chosen as the PyTorch shim chooses: `choose_routes`) and dtype, the
+gradients get slots in one registered buffer (scheduler/fusion.py), in backward order (the reverse
+of the variables' order, whose first layers are the most urgent: priority 0). Each step copies the
+gradients into their slots (the one copy: TF tensors are immutable), sends every group at once,
+most urgent first, through the collective engine's allreduce or the servers' push_pull, and writes
+each averaged gradient into a fresh array. TF's tape gives all gradients at once, so unlike the
+PyTorch shim nothing overlaps with the backward pass; the groups still travel concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.fusion import FusionPlan, plan_fusion, unfused_plan
+from sluice.scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
+from sluice.transport.dtypes import STORAGE
+from sluice.worker.client import Client
+from sluice.worker.collective.reduce import bf16_to_f32, f32_to_bf16
+from sluice.worker.config import WorkerConfig
+
+log = logging.getLogger("sluice.worker")
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(STORAGE[self.dtype]).itemsize
+
+
+def scaled(array: np.ndarray, factor: float, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """array * factor in the storage of `dtype` (bfloat16 patterns through float32, integers rounded
+    toward zero), written into `out` (a new array when None)."""
+    target = np.empty(array.shape, array.dtype) if out is None else out
+    if dtype == "bfloat16":
+        f32_to_bf16(bf16_to_f32(array.reshape(-1)) * np.float32(factor), target.reshape(-1))
+    elif np.issubdtype(array.dtype, np.integer):
+        np.copyto(target, np.trunc(array * factor), casting="unsafe")
+    else:
+        np.multiply(array, array.dtype.type(factor), out=target)
+    return target
+
+
+def priorities(client: Client, settings: WorkerConfig, specs: Sequence[Spec]) -> list[Assigned]:
+    """The priority of each gradient: its variable's place in the list (first layers first), all
+    equal with worker.priority = none, worker.priority_overrides on top; rank 0 logs the map."""
+    names = [s.name for s in specs]
+    try:
+        overrides = parse_overrides(settings.priority_overrides)
+        if settings.priority == "none":
+            assigned = [Assigned(n, 0, "none") if (o := override_for(n, overrides)) is None
+                        else Assigned(n, o, "override") for n in names]
+            how = "every tensor equal (worker.priority = none)"
+        else:
+            assigned, how = priority_map(names, None, overrides), "the order of the variables"
+    except ValueError as exc:
+        raise SluiceError(f"worker.priority_overrides: {exc}") from None
+    if client.rank == 0:
+        log.info("gradient priorities from %s (0 is the most urgent):", how)
+        for line in describe(assigned, {s.name: s.nbytes for s in specs}):
+            log.info("  %s", line)
+        if settings.priority_file:
+            Path(settings.priority_file).write_text(to_json(assigned) + "\n")
+    return assigned
+
+
+def choose_routes(client: Client, specs: Sequence[Spec]) -> dict[str, str]:
+    """name -> "ps" or "allreduce", decided as the PyTorch shim decides (worker/torch/fusion.py)."""
+    servers = client.hosts("server")
+    if not servers:  # the common case needs no torch import: everything goes by allreduce
+        return {s.name: "allreduce" for s in specs}
+    from sluice.worker.torch.fusion import choose_routes as torch_routes
+
+    sized: list[tuple[str, Any]] = [(s.name, _Bytes(s.nbytes)) for s in specs]
+    return torch_routes(sized, client.collective_settings, client.hosts("worker"), servers)
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """What choose_routes reads of a tensor: its size in bytes (as numel x element_size)."""
+
+    nbytes: int
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+class _FusedSet:
+    """The gradients of one route and dtype in one registered buffer, cut into the planned groups."""
+
+    def __init__(self, client: Client, label: str, route: str, dtype: str, members: list[int],
+                 specs: Sequence[Spec], priority: dict[str, int]) -> None:
+        self.client, self.route, self.dtype, self.members = client, route, dtype, members
+        sizes = [specs[i].nbytes for i in members]
+        settings = client.collective_settings
+        greedy = route == "allreduce" and settings.fusion == "greedy"  # the engine fuses what a cycle decides
+        fusion = settings.fusion_bytes
+        self.plan: FusionPlan = plan_fusion(sizes, range(len(members)), fusion) if fusion and not greedy \
+            else unfused_plan(sizes)
+        self.item = np.dtype(STORAGE[dtype]).itemsize
+        self.buffer = client.alloc((self.plan.total_bytes // self.item,), dtype)
+        self.slots = [(slot.offset // self.item, specs[members[slot.tensor]]) for slot in self.plan.slots]
+        self.names = [f"{label}.{route}.{dtype}.{g.index}" for g in self.plan.groups]
+        self.priorities = [min((priority[specs[members[t]].name] for t in g.tensors), default=0)
+                           for g in self.plan.groups]
+        if route == "ps":
+            client.declare([(name, ((g.end - g.start) // self.item,), dtype, None)
+                            for name, g in zip(self.names, self.plan.groups, strict=True)])
+            client.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
+        elif client.collectives is None:
+            raise SluiceError("allreduce is not available: the collective engine did not start")
+
+    def load(self, arrays: Sequence[np.ndarray], prescale: float) -> None:
+        for (offset, spec), index in zip(self.slots, self.members, strict=True):
+            view = self.buffer[offset: offset + arrays[index].size]
+            if prescale == 1.0:
+                np.copyto(view, arrays[index].reshape(-1))
+            else:
+                scaled(arrays[index].reshape(-1), prescale, spec.dtype, view)
+
+    def send(self, group: int) -> Any:
+        g = self.plan.groups[group]
+        array = self.buffer[g.start // self.item: g.end // self.item]
+        if self.route == "ps":
+            return self.client.push_pull(self.names[group], array, array)
+        engine = self.client.collectives
+        assert engine is not None
+        return engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group])
+
+    def unload(self, out: list[np.ndarray | None], scale: float) -> None:
+        for (offset, spec), index in zip(self.slots, self.members, strict=True):
+            view = self.buffer[offset: offset + int(np.prod(spec.shape, dtype=np.int64))]
+            out[index] = (scaled(view, scale, spec.dtype) if scale != 1.0 else view.copy()).reshape(spec.shape)
+
+
+class FusedReducer:
+    """Sums (or averages) one fixed list of gradients over the workers, every step."""
+
+    def __init__(self, client: Client, settings: WorkerConfig, specs: Sequence[Spec], label: str) -> None:
+        if len({s.name for s in specs}) != len(specs):
+            raise SluiceError("gradient names must be unique")
+        self.client, self.specs = client, list(specs)
+        assigned = {a.name: a.priority for a in priorities(client, settings, specs)}
+        routes = choose_routes(client, specs)
+        declared = {s.name: i for i, s in enumerate(specs)}
+        backward = sorted(range(len(specs)), key=lambda i: (-assigned[specs[i].name], -declared[specs[i].name]))
+        members: dict[tuple[str, str], list[int]] = {}
+        for i in backward:
+            members.setdefault((routes[specs[i].name], specs[i].dtype), []).append(i)
+        self.sets = [_FusedSet(client, label, route, dtype, indices, specs, assigned)
+                     for (route, dtype), indices in sorted(members.items())]
+        #: every group of every set, most urgent first (ties: backward order)
+        self.order = sorted(((s.priorities[g], n, g) for n, s in enumerate(self.sets) for g in range(len(s.names))))
+
+    def reduce(self, arrays: Sequence[np.ndarray], average: bool, prescale: float = 1.0,
+               postscale: float = 1.0) -> list[np.ndarray]:
+        """The sum over the workers of each array times `prescale`, times `postscale` (and divided by
+        the number of workers when `average`), each in a new array of its own shape."""
+        if [(tuple(a.shape), a.dtype) for a in arrays] != [(s.shape, np.dtype(STORAGE[s.dtype])) for s in self.specs]:
+            raise SluiceError("the gradients changed shape or dtype since the first step")
+        for fused in self.sets:
+            fused.load(arrays, prescale)
+        handles = [self.sets[n].send(g) for _, n, g in self.order]
+        for handle in handles:
+            handle.wait()
+        out: list[np.ndarray | None] = [None] * len(arrays)
+        scale = postscale / self.client.size if average else postscale
+        for fused in self.sets:
+            fused.unload(out, scale)
+        return [a for a in out if a is not None]

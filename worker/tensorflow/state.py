@@ -1,0 +1,93 @@
+"""The TensorFlow and Keras shims' process-wide state: the client, the worker settings, where this worker runs."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.metrics import summary_lines
+from sluice.worker.client import Client
+from sluice.worker.collective.engine import CollectiveEngine
+from sluice.worker.config import WorkerConfig
+from sluice.worker.topology import Placement, placement
+
+log = logging.getLogger("sluice.worker")
+
+
+@dataclass
+class State:
+    client: Client | None = None
+    settings: WorkerConfig = field(default_factory=WorkerConfig)
+    placement: Placement | None = None
+
+
+STATE = State()
+#: numbers for unnamed collectives and for gradient sets: the same sequence on every worker
+NAMES = itertools.count()
+
+
+def require() -> Client:
+    if STATE.client is None:
+        raise SluiceError("call init() first")
+    return STATE.client
+
+
+def engine() -> CollectiveEngine:
+    client = require()
+    if client.collectives is None:
+        raise SluiceError("the collective engine is not running (init() did not finish)")
+    return client.collectives
+
+
+def init() -> None:
+    """Join the job this process was launched into (by `sluice launch`); a second call does nothing."""
+    if STATE.client is not None:
+        return
+    _show_our_logs()
+    client = Client()
+    section = dict(client.env.section("worker"))
+    if "priority_overrides" in section:
+        section["priority_overrides"] = tuple(section["priority_overrides"])
+    settings = WorkerConfig(**section)
+    if settings.optimizer_on != "worker":
+        client.close()
+        raise SluiceError("the TensorFlow and Keras shims run the optimizer on the workers: "
+                          "set worker.optimizer_on = 'worker' (the servers then only sum gradients)")
+    STATE.settings, STATE.client = settings, client
+    STATE.placement = placement(client.hosts("worker"), client.rank)
+    atexit.register(shutdown)
+
+
+def _show_our_logs() -> None:
+    """Our INFO lines (the priority map, metrics) reach stderr unless the script set up logging."""
+    ours = logging.getLogger("sluice")
+    if not logging.getLogger().handlers and not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
+def shutdown() -> None:
+    """Leave the job (at exit by itself); init() may join a new one afterwards."""
+    client = STATE.client
+    if client is not None:
+        if client.rank == 0:
+            log_metrics(client.transport.stats(), "at the end")
+        client.close()
+        STATE.client, STATE.placement = None, None
+
+
+def log_metrics(snapshot: dict[str, Any], when: str) -> None:
+    for line in summary_lines(snapshot, f"worker {require().rank} transport, {when}"):
+        log.info("%s", line)
+
+
+def current_placement() -> Placement:
+    require()
+    assert STATE.placement is not None
+    return STATE.placement
