@@ -25,8 +25,13 @@ the child sends afterwards can be mistaken for what was consumed).
   same `joined` on every rank. When every rank has joined the root decides the join itself (index -1,
   request.root = the last rank to join) and every controller starts a new join epoch; messages from
   the previous epoch still on their way are dropped, and each child reports its state afresh.
-- Mismatch: two descriptions of one name meeting at a node (slow against slow, or slow against a table
-  entry some rank below is ready for) fail the job at once, naming a rank of each side.
+- Mismatch (Horovod's semantics: the op fails on every rank, the job goes on): two descriptions of one
+  name meeting at a node (slow against slow, or slow against a table entry some rank below is ready
+  for) mark the name conflicted there, with a text naming a rank of each side. It waits, like any
+  slow-path op, until every rank below has submitted it (in whatever description, or joined), then
+  goes up as a conflict (`Up.conflicts`); the root decides it as failed (`Down.failed`), and every
+  rank consumes the op (its own request, what its children reported, what it sent) and gets a
+  Decision carrying the error, in the same place of the decision list. The table does not change.
 - Stall: a rank whose own op has waited `stall_timeout` reports its name up (`stalled`); the root then
   runs a census (scheduler/negotiation_census.py): a query down the tree, each node answering once its
   children have (or at a deadline), with which ranks below submitted the queried ops and what else
@@ -71,6 +76,8 @@ class Decision:
     #: which of the root's decision messages decided it (the same count on every rank: greedy fusion
     #: fuses what one message decided, as Horovod fuses what one cycle found ready)
     batch: int = 0
+    #: the op failed on every rank (its ranks disagree: index -2, request = this rank's own); None: run it
+    error: str | None = None
 
 
 class Controller:
@@ -96,6 +103,12 @@ class Controller:
         self._child_bits = dict.fromkeys(self.children, 0)
         self._child_new: dict[int, dict[str, tuple[Request, int]]] = {c: {} for c in self.children}
         self._child_wild = dict.fromkeys(self.children, False)
+        self._child_conflict: dict[int, dict[str, str]] = {c: {} for c in self.children}
+        # names whose descriptions disagree here or below (with the text), those every rank below has
+        # submitted (to report up; at the root: to fail), and those reported up (mirrored at the parent)
+        self._conflicts: dict[str, str] = {}
+        self._complete_conflicts: dict[str, str] = {}
+        self._sent_conflicts: set[str] = set()
         self._seq_in = dict.fromkeys(self.children, 0)
         self._ack_due: dict[int, int] = {}
         self._joined_below: dict[int, None] = {}  # ranks of this subtree that joined, this epoch, in order
@@ -225,6 +238,9 @@ class Controller:
                 self._dirty.update(dict.fromkeys(self._new_names()))
             for name in up.stalled:
                 self._alert(name)
+            for name, text in up.conflicts:
+                self._child_conflict[child][name] = text
+                self._dirty[name] = None
         if up.answer is not None and self._census is not None:
             self._census.take(child, up.answer)
 
@@ -242,6 +258,8 @@ class Controller:
             self._index[request.name] = index
         self._joined_view += down.joined
         joined = frozenset(self._joined_view)
+        for name, text in down.failed:  # before the decisions: every rank applies them in this order
+            self._consume_failed(name, text, joined)
         decided = sorted(bit_list(down.decided), key=lambda i: (self.table[i].priority, i))
         self._batches += bool(decided)
         for index in decided:
@@ -275,6 +293,27 @@ class Controller:
         self._suspects.pop(name, None)
         self._stalled_sent.discard(name)
 
+    def _consume_failed(self, name: str, text: str, joined: frozenset[int]) -> None:
+        """A conflicted op is over: forget it everywhere here; this rank's own request ends with `text`."""
+        index = self._index.get(name)
+        mask = 0 if index is None else 1 << index
+        own = self._own.pop(name, None)
+        self._own_new.pop(name, None)
+        self._own_bits &= ~mask
+        self._alerted.discard(name)
+        for child in self.children:
+            self._child_bits[child] &= ~mask
+            self._child_new[child].pop(name, None)
+            self._child_conflict[child].pop(name, None)
+        self._sent_bits &= ~mask
+        self._sent_new.discard(name)
+        self._sent_conflicts.discard(name)
+        for pending in (self._complete, self._complete_conflicts, self._conflicts, self._dirty, self._suspects):
+            pending.pop(name, None)
+        self._stalled_sent.discard(name)
+        if own is not None:  # a rank that joined has none: it takes no part in a failed op
+            self._decisions.append(Decision(-2, own[0], joined, self._batches, text))
+
     def _new_epoch(self) -> None:
         """Everyone has joined: forget joins and everything reported, and report this rank's state afresh."""
         self._epoch += 1
@@ -286,6 +325,10 @@ class Controller:
         for child in self.children:
             self._child_bits[child], self._child_wild[child] = 0, False
             self._child_new[child].clear()
+            self._child_conflict[child].clear()
+        self._conflicts.clear()
+        self._complete_conflicts.clear()
+        self._sent_conflicts.clear()
         self._sent_bits = 0
         self._sent_new.clear()
         self._complete.clear()
@@ -313,13 +356,22 @@ class Controller:
 
     # ------------------------------------------------------------------ the slow path and readiness
     def _new_names(self) -> set[str]:
-        names = set(self._own_new)
-        for pending in self._child_new.values():
-            names.update(pending)
+        names = set(self._own_new) | set(self._conflicts)
+        for child in self.children:
+            names.update(self._child_new[child])
+            names.update(self._child_conflict[child])
         return names
 
     def _has_new(self, name: str) -> bool:
-        return name in self._own_new or any(name in pending for pending in self._child_new.values())
+        return name in self._own_new or name in self._conflicts or any(
+            name in self._child_new[c] or name in self._child_conflict[c] for c in self.children)
+
+    def _submitted_below(self, name: str, index: int | None) -> bool:
+        """Has every rank of this subtree submitted `name`, in any description (or joined)?"""
+        mask = 0 if index is None else 1 << index
+        return (name in self._own_new or self._joined_self or bool(self._own_bits & mask)) and all(
+            self._child_wild[c] or name in self._child_new[c] or name in self._child_conflict[c]
+            or bool(self._child_bits[c] & mask) for c in self.children)
 
     def _wild(self) -> bool:
         return self._joined_self and all(self._child_wild.values())
@@ -334,14 +386,16 @@ class Controller:
     def _scan_new(self) -> None:
         """Find slow-path names complete below (and mismatches among what is pending here)."""
         for name in self._dirty:
-            if name in self._complete or name in self._sent_new:
+            if name in self._complete or name in self._sent_new or name in self._complete_conflicts or (
+                    name in self._sent_conflicts):
                 continue
             present: list[tuple[Request, int]] = []
             own = self._own_new.get(name)
             if own is not None:
                 present.append((own, self.rank))
             present += [pending[name] for pending in self._child_new.values() if name in pending]
-            if not present:
+            reported = [pending[name] for pending in self._child_conflict.values() if name in pending]
+            if not present and not reported:
                 continue
             index = self._index.get(name)
             holders = list(present)
@@ -355,10 +409,15 @@ class Controller:
             firsts: dict[tuple[object, ...], tuple[int, Request]] = {}
             for request, rep in sorted(holders, key=lambda h: h[1]):
                 firsts.setdefault(signature(request), (rep, request))
-            if len(firsts) > 1:
+            if len(firsts) > 1 and name not in self._conflicts:
                 a, b = sorted(firsts.values(), key=lambda f: f[0])[:2]
-                self._fail(mismatch_text(name, a, b))
-                return
+                self._conflicts[name] = mismatch_text(name, a, b)
+            elif reported and name not in self._conflicts:
+                self._conflicts[name] = reported[0]
+            if name in self._conflicts:
+                if self._submitted_below(name, index):
+                    self._complete_conflicts[name] = self._conflicts[name]
+                continue
             if (own is not None or self._joined_self) and all(
                     self._child_wild[c] or name in self._child_new[c] for c in self.children):
                 self._complete[name] = min(present, key=lambda p: p[1])
@@ -386,14 +445,19 @@ class Controller:
             self._sent_new.add(name)
         for request, _ in new:
             del self._complete[request.name]
+        conflicts = tuple(self._complete_conflicts.items())[:MAX_OTHERS]
+        for name, _ in conflicts:
+            del self._complete_conflicts[name]
+            self._sent_conflicts.add(name)
         stalled = tuple(self._up_stalled)[:MAX_OTHERS * 4]
-        if not (wild or ready or new or self._up_joined or stalled or self._up_answer or self._up_error):
+        if not (wild or ready or new or conflicts or self._up_joined or stalled or self._up_answer
+                or self._up_error):
             return None
         self._seq_out += 1
         self._sent_bits |= ready
         self._sent_wild |= wild
         up = Up(self._seq_out, self._epoch, ready, tuple(new), wild, tuple(self._up_joined), stalled,
-                self._up_answer, self._up_error)
+                self._up_answer, self._up_error, conflicts)
         for name in stalled:
             del self._up_stalled[name]
         self._up_joined.clear()
@@ -405,6 +469,11 @@ class Controller:
         if self._wild():  # every rank has joined: the join itself is decided
             self._emit(Down(joined=tuple(self._joined_unsent), join_last=list(self._joined_below)[-1]), now)
             return
+        if self._complete_conflicts:  # ops whose ranks disagree: failed on every rank, the job goes on
+            failed = tuple(self._complete_conflicts.items())[:MAX_OTHERS]
+            for name, _ in failed:
+                del self._complete_conflicts[name]
+            self._emit(Down(failed=failed), now)
         new = sorted(self._complete.values(), key=lambda item: item[0].priority)  # stable: completion order
         self._complete.clear()
         items: list[tuple[int, int, Request | None]] = []

@@ -9,6 +9,7 @@ about 25 bytes plus ceil(table / 8) bytes.
                 meta  n: [[name, kind, dtype, shapes, op, root, priority, rep], ...]  new ops complete below
                       w: true (every rank below has joined)     j: [rank, ...] ranks that joined below
                       st: [name, ...] stalled here               e: error text
+                      x: [[name, text], ...] ops complete below whose ranks disagree (a mismatch)
                       c: [query, [[name, kind, dtype, shapes, op, root, bitmap], ...], [other name, ...],
                           more, [silent child, ...]]           a stall census answer
     COORD_DOWN  round = ack (the last seq taken from this child; 0 = none), payload = decided bits
@@ -16,6 +17,7 @@ about 25 bytes plus ceil(table / 8) bytes.
                 meta  t: [[index, name, kind, dtype, shapes, op, root, priority], ...]  table entries set
                       j: [rank, ...] newly joined   jl: last rank to join (the join is decided)
                       q: [query, [name, ...]] stall census   e: error text
+                      f: [[name, text], ...] ops decided as failed (their ranks disagree): each rank's fails
     hello       either kind, meta {hello: true} and nothing else: sent once by the side that dialled
 
 Bits are little-endian: bit i of the vector is bit i % 8 of byte i // 8. `decode_up` and `decode_down`
@@ -66,6 +68,8 @@ class Up:
     stalled: tuple[str, ...] = ()
     answer: Answer | None = None
     error: str | None = None
+    #: (name, what disagrees) of ops every rank below has submitted, in descriptions that disagree
+    conflicts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,13 @@ class Down:
     join_last: int = -1
     query: tuple[int, tuple[str, ...]] | None = None
     error: str | None = None
+    #: (name, why) of ops decided as failed: every rank's submission of each ends with the error; the job goes on
+    failed: tuple[tuple[str, str], ...] = ()
 
 
 MAX_OTHERS = 16
+#: the longest mismatch text a message carries (two descriptions and two ranks fit easily)
+MAX_CONFLICT_TEXT = 2048
 
 
 def _req(r: Request) -> list[Any]:
@@ -117,6 +125,8 @@ def encode_up(up: Up, sender: int = -1) -> Message:
         meta["c"] = [a.query, found, list(a.others), a.more, list(a.silent)]
     if up.error is not None:
         meta["e"] = up.error
+    if up.conflicts:
+        meta["x"] = [list(pair) for pair in up.conflicts]
     return _message(Kind.COORD_UP, sender, up.seq, up.epoch, meta, up.ready)
 
 
@@ -132,6 +142,8 @@ def encode_down(down: Down, sender: int = -1) -> Message:
         meta["q"] = [down.query[0], list(down.query[1])]
     if down.error is not None:
         meta["e"] = down.error
+    if down.failed:
+        meta["f"] = [list(pair) for pair in down.failed]
     return _message(Kind.COORD_DOWN, sender, down.ack, 0, meta, down.decided)
 
 
@@ -189,6 +201,14 @@ def _names(value: Any, what: str, limit: int) -> tuple[str, ...]:
     return tuple(_text(n, what, MAX_NAME) for n in _list(value, what, limit))
 
 
+def _conflicts(value: Any, what: str) -> tuple[tuple[str, str], ...]:
+    pairs = tuple((_text(row[0], "a name", MAX_NAME), _text(row[1], "a mismatch", MAX_CONFLICT_TEXT))
+                  for row in (_row(r, 2, what) for r in _list(value, what + "s", MAX_TENSORS)))
+    if len({name for name, _ in pairs}) != len(pairs):
+        raise WireError(f"{what}s name an op twice")
+    return pairs
+
+
 def _payload_bits(msg: Message) -> int:
     if msg.payload is None:
         return 0
@@ -214,7 +234,7 @@ def _answer(value: Any) -> Answer:
 def decode_up(msg: Message) -> Up:
     """The Up in a COORD_UP message (not a hello); WireError if it does not follow the format."""
     meta = msg.meta or {}
-    unknown = set(meta) - {"n", "w", "j", "st", "c", "e"}
+    unknown = set(meta) - {"n", "w", "j", "st", "c", "e", "x"}
     if unknown:
         raise WireError(f"COORD_UP meta has unknown fields {sorted(unknown)[:4]}")
     new = tuple((_request(row[:6], _int(row[6], "a priority", 0, 1 << 31)), _int(row[7], "a rank", 0, MAX_RANKS))
@@ -227,13 +247,14 @@ def decode_up(msg: Message) -> Up:
         stalled=_names(meta.get("st", []), "a stalled op", MAX_TENSORS),
         answer=_answer(meta["c"]) if "c" in meta else None,
         error=_text(meta["e"], "an error", MAX_TEXT) if "e" in meta else None,
+        conflicts=_conflicts(meta.get("x", []), "a conflict"),
     )
 
 
 def decode_down(msg: Message) -> Down:
     """The Down in a COORD_DOWN message (not a hello); WireError if it does not follow the format."""
     meta = msg.meta or {}
-    unknown = set(meta) - {"t", "j", "jl", "q", "e"}
+    unknown = set(meta) - {"t", "j", "jl", "q", "e", "f"}
     if unknown:
         raise WireError(f"COORD_DOWN meta has unknown fields {sorted(unknown)[:4]}")
     entries = tuple((_int(row[0], "a table index", 0, MAX_TABLE), _request(row[1:7], _int(row[7], "a priority", 0,
@@ -247,6 +268,7 @@ def decode_down(msg: Message) -> Down:
         ack=msg.round, entries=entries, decided=_payload_bits(msg), joined=_ranks(meta.get("j", []), "a joined rank"),
         join_last=_int(meta["jl"], "the last rank to join", 0, MAX_RANKS) if "jl" in meta else -1, query=query,
         error=_text(meta["e"], "an error", MAX_TEXT) if "e" in meta else None,
+        failed=_conflicts(meta.get("f", []), "a failed op"),
     )
 
 

@@ -87,15 +87,27 @@ def stall(rank_that_skips: int) -> str:
     return "no error"
 
 
-def mismatch() -> str:
-    """Rank 1 allreduces 'w' with another shape than the others."""
+def mismatches() -> dict[str, Any]:
+    """Rank 1 disagrees with the others on a shape, a dtype, an op and a broadcast root, each time
+    followed by the same op agreed: Horovod's semantics, each mismatch raises on every rank, the job
+    goes on."""
     import sluice.torch as hvd
 
     hvd.init()
-    try:
-        hvd.allreduce(torch.ones(4 if hvd.rank() != 1 else 5), name="w")
-    except Exception as exc:
-        return str(exc)
-    finally:
-        hvd.shutdown()
-    return "no error"
+    odd = hvd.rank() == 1
+    cases = {
+        "shape": lambda: hvd.allreduce(torch.ones(5 if odd else 4), name="w"),
+        "dtype": lambda: hvd.allreduce(torch.ones(4, dtype=torch.float64 if odd else torch.float32), name="w"),
+        "op": lambda: hvd.allreduce(torch.ones(4), name="w", op=hvd.Sum if odd else hvd.Average),
+        "root": lambda: hvd.broadcast(torch.ones(4), root_rank=2 if odd else 0, name="b"),
+    }
+    out: dict[str, Any] = {}
+    for case, call in cases.items():
+        try:
+            call()
+            out[case] = "no error"
+        except Exception as exc:
+            out[case] = f"{type(exc).__name__}: {exc}"
+        out[f"{case}.after"] = hvd.allreduce(torch.full((4,), hvd.rank() + 1.0), name="w", op=hvd.Sum).tolist()
+    hvd.shutdown()
+    return out

@@ -60,6 +60,8 @@ class Report:
     submitted: list[dict[str, float]] = field(default_factory=list)  # per step: op name -> monotonic time
     decided: list[dict[str, float]] = field(default_factory=list)
     error: str | None = None
+    #: the errors of ops decided as failed (their ranks disagreed), in decision order
+    failed: list[str] = field(default_factory=list)
     join_last: int = -1
     cpu: float = 0.0  # seconds of CPU this process used (all its threads)
     first: dict[str, int] = field(default_factory=dict)  # coordinator counters during step 1
@@ -145,6 +147,7 @@ def _rank_main(plan: Plan, rank: int, endpoints: Any, book: Any, reports: Any, d
             report.cpu = time.process_time()
             report.error = seen.error
             report.decisions = [(d.request.name, d.index, tuple(sorted(d.joined))) for d, _ in seen.decisions]
+            report.failed = [d.error for d, _ in seen.decisions if d.error is not None]
             reports.put(report)
             done.wait(plan.timeout * 3)  # neighbours may still need this rank (forwarding), until all reported
             coordinator.close()

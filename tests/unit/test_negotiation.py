@@ -88,6 +88,11 @@ class Net:
     def failures(self) -> set[str | None]:
         return {c.failure for c in self.ctl}
 
+    def errors(self) -> set[tuple[str, str | None, int]]:
+        """(name, error, position in the decision list) of every failed op, over every rank."""
+        return {(d.request.name, d.error, at) for decided in self.decided for at, d in enumerate(decided)
+                if d.error is not None}
+
 
 def grad(i: int, columns: int = 3, priority: int = 0) -> Request:
     return Request(f"grad.{i}", "allreduce", "float32", ((4, columns),), priority=priority)
@@ -207,15 +212,38 @@ def test_priority_orders_what_is_decided_together() -> None:
     assert net.names(4) == ["grad.1", "grad.2", "grad.0"] * 2
 
 
-def test_mismatch_names_both_ranks_and_reaches_every_rank() -> None:
+def test_mismatch_fails_the_op_on_every_rank_naming_both_and_the_job_goes_on() -> None:
     net = Net(8, 2)
     for rank in range(8):
         net.submit(rank, grad(1, 2 if rank == 5 else 3))
     net.settle()
     text = ("collective 'grad.1' mismatch: rank 5 submitted allreduce float32 [[4, 2]] sum, "
             "rank 6 submitted allreduce float32 [[4, 3]] sum")
-    assert net.failures() == {text}
-    assert all(d == [] for d in net.decided)
+    assert net.failures() == {None}  # not the job: the op
+    assert net.errors() == {("grad.1", text, 0)}  # every rank, in the same place of its decisions
+    assert all(len(d) == 1 for d in net.decided)
+    assert net.decided[5][0].request.shapes == ((4, 2),)  # each rank's own request fails
+    for rank in range(8):  # the same name again, consistently, and another op: decided as usual
+        net.submit(rank, grad(1))
+        net.submit(rank, grad(2))
+    net.settle()
+    assert all(net.names(r) == ["grad.1", "grad.1", "grad.2"] for r in range(8))
+    assert all(d.error is None for decided in net.decided for d in decided[1:])
+
+
+@pytest.mark.parametrize(("arity", "odd"), [(2, 3), (2, 0), (3, 7), (7, 1)])
+def test_a_mismatch_found_at_any_node_fails_once_every_rank_submitted(arity: int, odd: int) -> None:
+    net = Net(8, arity)  # odd rank 0: the mismatch meets at the root; a leaf's: deeper down too
+    for rank in range(8):
+        if rank != 4:
+            net.submit(rank, grad(0, 9 if rank == odd else 3))
+    net.settle()
+    assert net.errors() == set() and all(d == [] for d in net.decided)  # rank 4 has not submitted yet
+    net.submit(4, grad(0))
+    net.settle()
+    (error,) = net.errors()
+    assert error[0] == "grad.0" and f"rank {odd} submitted allreduce float32 [[4, 9]] sum" in str(error[1])
+    assert all(len(d) == 1 for d in net.decided) and net.failures() == {None}
 
 
 def test_a_changed_op_on_one_rank_is_a_mismatch_with_the_table() -> None:
@@ -224,9 +252,15 @@ def test_a_changed_op_on_one_rank_is_a_mismatch_with_the_table() -> None:
         for rank in range(8):
             net.submit(rank, grad(1, 9 if rank == 2 and len(net.decided[0]) else columns))
         net.settle()
-    (text,) = net.failures()
+    assert net.failures() == {None}
+    ((name, text, at),) = net.errors()
+    assert name == "grad.1" and at == 1 and all(len(d) == 2 for d in net.decided)
     assert text is not None and "rank 2 submitted allreduce float32 [[4, 9]] sum" in text
     assert "submitted allreduce float32 [[4, 3]] sum" in text
+    for rank in range(8):  # the table entry still serves the op, on the fast path
+        net.submit(rank, grad(1))
+    net.settle()
+    assert all(net.names(r) == ["grad.1"] * 3 for r in range(8)) and net.errors() == {("grad.1", text, 1)}
 
 
 def test_allgather_first_dimension_may_differ_but_not_the_rest() -> None:
@@ -242,8 +276,8 @@ def test_allgather_first_dimension_may_differ_but_not_the_rest() -> None:
     for rank in range(4):
         net.submit(rank, Request("rows", "allgather", "float32", ((2, 8 + (rank == 3)),)))
     net.settle()
-    assert net.failures() == {"collective 'rows' mismatch: rank 0 submitted allgather float32 [[2, 8]], "
-                              "rank 3 submitted allgather float32 [[2, 9]]"}
+    assert net.errors() == {("rows", "collective 'rows' mismatch: rank 0 submitted allgather float32 [[2, 8]], "
+                                     "rank 3 submitted allgather float32 [[2, 9]]", 2)}
 
 
 def test_broadcast_root_is_part_of_the_check() -> None:
@@ -251,8 +285,18 @@ def test_broadcast_root_is_part_of_the_check() -> None:
     for rank in range(3):
         net.submit(rank, Request("w", "broadcast", "int64", ((10,),), root=2 if rank == 1 else 0))
     net.settle()
-    assert net.failures() == {"collective 'w' mismatch: rank 0 submitted broadcast int64 [[10]] root 0, "
-                              "rank 1 submitted broadcast int64 [[10]] root 2"}
+    assert net.errors() == {("w", "collective 'w' mismatch: rank 0 submitted broadcast int64 [[10]] root 0, "
+                                  "rank 1 submitted broadcast int64 [[10]] root 2", 0)}
+
+
+def test_a_joined_rank_takes_no_part_in_a_failed_op() -> None:
+    net = Net(4, 2)
+    net.submit(3, Request("join", "join"))
+    for rank in range(3):
+        net.submit(rank, Request("x", "allreduce", "float32", ((4,),), op="max" if rank == 1 else "sum"))
+    net.settle()
+    assert {name for name, _, _ in net.errors()} == {"x"}
+    assert [len(d) for d in net.decided] == [1, 1, 1, 0]  # the joined rank gets nothing to run
 
 
 def test_stall_names_the_ranks_that_did_not_submit_each_op_and_what_else_waits() -> None:
@@ -445,14 +489,19 @@ def malformed(kind: Kind, meta: dict[str, Any] | None, round_: int = 1, **fields
 
 @pytest.mark.parametrize(("msg", "error"), [
     (malformed(Kind.COORD_UP, None, round_=0), "sequence number"),
-    (malformed(Kind.COORD_UP, {"x": 1}), "unknown fields"),
+    (malformed(Kind.COORD_UP, {"zz": 1}), "unknown fields"),
+    (malformed(Kind.COORD_UP, {"x": [["a"]]}), "2 fields"),
+    (malformed(Kind.COORD_UP, {"x": [["a", ""]]}), "a mismatch"),
+    (malformed(Kind.COORD_UP, {"x": [["a", "t"], ["a", "u"]]}), "twice"),
+    (malformed(Kind.COORD_DOWN, {"f": [[1, "t"]]}), "a name"),
+    (malformed(Kind.COORD_DOWN, {"f": [["a", "t" * 3000]]}), "a mismatch"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "sum", -1, 0]]}), "8 fields"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float33", [[4]], "sum", -1, 0, 0]]}), "dtype"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[-4]], "sum", -1, 0, 0]]}), "shape"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", ["float32"], [[4]], "sum", -1, 0, 0]]}), "strings"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], {"x": 1}, -1, 0, 0]]}), "strings"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[1] * 9], "sum", -1, 0, 0]]}), "at most 8"),
-    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "max", -1, 0, 0]]}), "op 'max'"),
+    (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "median", -1, 0, 0]]}), "op 'median'"),
     (malformed(Kind.COORD_UP, {"n": [["a", "broadcast", "float32", [[4]], "sum", -1, 0, 0]]}), "root -1"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "sum", -1, -2, 0]]}), "priority"),
     (malformed(Kind.COORD_UP, {"n": [["", "allreduce", "float32", [[4]], "sum", -1, 0, 0]]}), "a name"),
@@ -478,8 +527,9 @@ def test_malformed_messages_raise_wire_errors(msg: Message, error: str) -> None:
 
 def test_every_field_survives_the_wire() -> None:
     up = Up(7, 2, (1 << 40) | (1 << 43), ((grad(1, priority=4), 3),), True, (3, 4), ("grad.9",),
-            Answer(5, ((grad(2), 0b1010),), ("grad.3",), 2, (6,)), "boom")
-    down = Down(3, ((0, grad(0)), (1, Request("b", "barrier"))), 0b11, (1, 2), 2, (4, ("grad.1",)), "bang")
+            Answer(5, ((grad(2), 0b1010),), ("grad.3",), 2, (6,)), "boom", (("grad.4", "they disagree"),))
+    down = Down(3, ((0, grad(0)), (1, Request("b", "barrier"))), 0b11, (1, 2), 2, (4, ("grad.1",)), "bang",
+                (("grad.4", "they disagree"),))
     assert wire(up)[0] == up and wire(down)[0] == down
     assert wire(Up(1, ready=1 << 199))[1] <= 20  # a vector of 200 bits with one set: the zero bytes are skipped
     assert is_hello(decode([bytes(f) for f in encode(hello(Kind.COORD_UP))]))
@@ -493,8 +543,9 @@ junk: st.SearchStrategy[Any] = (
                    max_leaves=12))
 REQUEST = ["grad.0", "allreduce", "float32", [[4, 3]], "sum", -1]
 UP_META = {"n": [[*REQUEST, 0, 3]], "w": True, "j": [3], "st": ["grad.0"], "e": "x",
-           "c": [1, [[*REQUEST, b"\x08"]], ["grad.1"], 0, [3]]}
-DOWN_META = {"t": [[2, "grad.2", "barrier", "", [], "sum", -1, 0]], "j": [2], "jl": 1, "q": [1, ["grad.0"]], "e": "x"}
+           "c": [1, [[*REQUEST, b"\x08"]], ["grad.1"], 0, [3]], "x": [["grad.2", "mismatch"]]}
+DOWN_META = {"t": [[2, "grad.2", "barrier", "", [], "sum", -1, 0]], "j": [2], "jl": 1, "q": [1, ["grad.0"]], "e": "x",
+             "f": [["grad.3", "mismatch"]]}
 
 
 @st.composite

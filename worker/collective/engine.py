@@ -175,6 +175,10 @@ class CollectiveEngine:
         """On the coordinator's thread, for every decision in order."""
         with self._lock:
             entry = self._waiting.pop(decision.request.name, None)
+        if decision.error is not None:  # its ranks disagree: it fails here and everywhere; the job goes on
+            if entry is not None:
+                entry.handle.finish(error=decision.error)
+            return
         if entry is None:  # we joined, or someone else's join: take part with zeros
             entry = self._stand_in(decision)
             if entry is None:
