@@ -12,41 +12,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from sluice.scheduler.errors import SluiceError
 from sluice.worker.staging import Staging
-from sluice.worker.torch.collectives import Adasum, Average, Sum, allgather_async, check_process_set, synchronize
+from sluice.worker.torch.collectives import Average, allgather_async, synchronize
 from sluice.worker.torch.compression import Compression, Compressor
 from sluice.worker.torch.fusion import FusedGradients, GroupWait, Reduction, build_fusion, choose_routes
+from sluice.worker.torch.options import Done, Options, parse_options
 from sluice.worker.torch.priority import ParameterPriorities
+from sluice.worker.torch.server_side import seed_servers, server_options
 from sluice.worker.torch.state import PENDING, STATE, Waitable, declare_missing, log_metrics, require
-
-
-def _server_options(kind: type, group: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings a server needs to apply optimizer class `kind` exactly as torch would for `group`."""
-    if group.get("maximize") or group.get("amsgrad"):
-        raise SluiceError("server-side optimizers support neither maximize nor amsgrad")
-    if kind is torch.optim.SGD:
-        options = {"name": "sgd", **{k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay")}}
-        return {**_as_float(options), "nesterov": bool(group["nesterov"])}
-    if kind is torch.optim.Adam:
-        beta1, beta2 = group["betas"]
-        options = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
-                   "weight_decay": group["weight_decay"]}
-        return {"name": "adam", **_as_float(options)}
-    raise SluiceError(
-        f"with worker.optimizer_on = 'server' the servers run SGD or Adam, not {kind.__name__}; "
-        "use optimizer_on = 'worker' for any other optimizer"
-    )
-
-
-def _as_float(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (v if isinstance(v, str) else float(v)) for k, v in options.items()}
 
 
 class _DistributedMixin:
@@ -56,7 +35,7 @@ class _DistributedMixin:
 
     def _sluice_setup(
         self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None,
-        horovod: _Options,
+        horovod: Options,
     ) -> None:
         self._sluice_kind = kind
         self._sluice_steps = 0
@@ -82,7 +61,7 @@ class _DistributedMixin:
         if self._sluice_on_server:
             if not client.servers:
                 raise SluiceError("worker.optimizer_on = 'server' needs parameter servers; this job has none (-s 0)")
-            options = {self._sluice_names[id(p)]: _server_options(kind, group)
+            options = {self._sluice_names[id(p)]: server_options(kind, group)
                        for group in self.param_groups for p in group["params"]}
             declare_missing(in_order, options)
             if horovod.reduction != Reduction():
@@ -95,7 +74,7 @@ class _DistributedMixin:
                                             client.collective_settings, client.hosts("worker"), client.hosts("server"))
         self._sluice_priorities = ParameterPriorities(client, STATE.settings, in_order, model)
         if self._sluice_on_server:
-            _seed_servers(in_order)
+            seed_servers(in_order)
         self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
         self._sluice_params = {id(p): p for p in params}
         for p in params:
@@ -133,7 +112,7 @@ class _DistributedMixin:
         client, name = require(), self._sluice_names[key]
         grad_stage = self._sluice_staging(key, grad)
         data = grad_stage.load(grad)
-        options = _server_options(self._sluice_kind, self._sluice_group[key])
+        options = server_options(self._sluice_kind, self._sluice_group[key])
         param_stage = Staging(param) if grad_stage.direct else grad_stage
         handle = client.push_pull(name, data, param_stage.array(), opt=options)
         self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
@@ -162,7 +141,7 @@ class _DistributedMixin:
                                                check_invariants=True)  # a peer's indices are checked
             return gathered.coalesce()
 
-        self._sluice_handles[key] = (_Done(), finish)
+        self._sluice_handles[key] = (Done(), finish)
 
     def _sluice_take(self, key: int, param: torch.Tensor) -> None:
         """Optimizer on the workers: the gradient lies in (or is copied into) its fusion buffer, and
@@ -300,65 +279,6 @@ class _DistributedMixin:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
-def _seed_servers(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Give every worker rank 0's parameters through the servers, which keep them as the values their
-    optimizer updates."""
-    client = require()
-    started = []
-    for name, tensor in named:
-        staging = Staging(tensor)
-        started.append((client.broadcast(name, staging.load(tensor), 0), staging, tensor))
-    for handle, staging, tensor in started:
-        handle.wait()
-        staging.store(tensor)
-
-
-@dataclass(frozen=True)
-class _Options:
-    reduction: Reduction = field(default_factory=Reduction)
-    backward_passes_per_step: int = 1
-    groups: int | list[list[int]] | None = None
-    sparse_as_dense: bool = False
-
-
-class _Done:
-    """A wait that is over at once (the work happens in the finish callback)."""
-
-    def wait(self) -> None:
-        return None
-
-
-def _options(compression: type[Compressor], backward_passes_per_step: int, op: str, gradient_predivide_factor: float,
-             groups: Any, sparse_as_dense: bool, process_set: Any, params: list[torch.Tensor]) -> _Options:
-    """Horovod's arguments, checked as Horovod checks them, with what to do instead in each error."""
-    check_process_set(process_set)
-    if op == Adasum:
-        raise SluiceError("op=Adasum is not offered by Sluice: use op=hvd.Average (the default) or hvd.Sum")
-    if op not in (Average, Sum):
-        raise SluiceError(f"DistributedOptimizer reduces gradients by hvd.Average or hvd.Sum, not {op!r}")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise SluiceError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging around the sum)")
-    if not gradient_predivide_factor > 0:
-        raise SluiceError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
-    if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
-        raise SluiceError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
-    if not (isinstance(compression, type) and issubclass(compression, Compressor)):
-        raise SluiceError("compression must be hvd.Compression.none, .fp16 or .bf16")
-    plan: int | list[list[int]] | None = None
-    if isinstance(groups, int) and not isinstance(groups, bool):
-        if groups < 0:
-            raise SluiceError(f"groups must be a positive int or a list of lists of parameters, got {groups}")
-        plan = groups or None
-    elif groups is not None:
-        ids = {id(p) for p in params}
-        plan = [[id(p) for p in group] for group in groups]
-        flat = [key for group in plan for key in group]
-        if any(key not in ids for key in flat) or len(flat) != len(set(flat)):
-            raise SluiceError("groups must list parameters of this optimizer, each at most once")
-    return _Options(Reduction(op, float(gradient_predivide_factor), compression.wire_dtype),
-                    backward_passes_per_step, plan, bool(sparse_as_dense))
-
-
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -384,7 +304,7 @@ def DistributedOptimizer(
     """
     require()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    options = _options(compression, backward_passes_per_step, op, gradient_predivide_factor,
+    options = parse_options(compression, backward_passes_per_step, op, gradient_predivide_factor,
                        groups if groups is not None else (num_groups or None), sparse_as_dense, process_set, params)
     base: Any = optimizer.__class__
     cls: Any = type(base.__name__, (_DistributedMixin, base), {})

@@ -1,0 +1,60 @@
+"""DistributedOptimizer's Horovod arguments, checked as Horovod checks them, each error saying what to do instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sluice.scheduler.errors import SluiceError
+from sluice.worker.torch.collectives import Adasum, Average, Sum, check_process_set
+from sluice.worker.torch.compression import Compressor
+from sluice.worker.torch.fusion import Reduction
+
+
+@dataclass(frozen=True)
+class Options:
+    reduction: Reduction = field(default_factory=Reduction)
+    backward_passes_per_step: int = 1
+    groups: int | list[list[int]] | None = None
+    sparse_as_dense: bool = False
+
+
+class Done:
+    """A wait that is over at once (the work happens in the finish callback)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def parse_options(compression: type[Compressor], backward_passes_per_step: int, op: str,
+                  gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool, process_set: Any,
+                  params: list[torch.Tensor]) -> Options:
+    """Horovod's arguments, checked as Horovod checks them, with what to do instead in each error."""
+    check_process_set(process_set)
+    if op == Adasum:
+        raise SluiceError("op=Adasum is not offered by Sluice: use op=hvd.Average (the default) or hvd.Sum")
+    if op not in (Average, Sum):
+        raise SluiceError(f"DistributedOptimizer reduces gradients by hvd.Average or hvd.Sum, not {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise SluiceError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging around the sum)")
+    if not gradient_predivide_factor > 0:
+        raise SluiceError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+        raise SluiceError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
+    if not (isinstance(compression, type) and issubclass(compression, Compressor)):
+        raise SluiceError("compression must be hvd.Compression.none, .fp16 or .bf16")
+    plan: int | list[list[int]] | None = None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 0:
+            raise SluiceError(f"groups must be a positive int or a list of lists of parameters, got {groups}")
+        plan = groups or None
+    elif groups is not None:
+        ids = {id(p) for p in params}
+        plan = [[id(p) for p in group] for group in groups]
+        flat = [key for group in plan for key in group]
+        if any(key not in ids for key in flat) or len(flat) != len(set(flat)):
+            raise SluiceError("groups must list parameters of this optimizer, each at most once")
+    return Options(Reduction(op, float(gradient_predivide_factor), compression.wire_dtype),
+                    backward_passes_per_step, plan, bool(sparse_as_dense))
