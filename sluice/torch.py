@@ -2,3 +2,12 @@
 
 from sluice.worker.torch.api import *  # noqa: F403
 from sluice.worker.torch.api import __all__ as __all__
+
+
+def __getattr__(name: str) -> object:
+    """Horovod's names Sluice does not offer fail saying so, and what to use instead."""
+    from sluice.worker.torch.api import NOT_OFFERED
+
+    if name in NOT_OFFERED:
+        raise AttributeError(f"sluice.torch.{name}: {NOT_OFFERED[name]}")
+    raise AttributeError(f"module 'sluice.torch' has no attribute {name!r}")

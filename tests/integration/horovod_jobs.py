@@ -43,6 +43,8 @@ def reduce_ops_and_dtypes() -> dict[str, Any]:
     out["bool.min"] = hvd.allreduce(flags, name="bool.min", op=hvd.Min).tolist()
     out["bool.gather"] = hvd.allgather(flags, name="bool.gather").tolist()
     out["reducescatter"] = hvd.reducescatter(torch.arange(7.0) * (rank + 1), name="rs", op=hvd.Sum).tolist()
+    out["grouped_reducescatter"] = [t.tolist() for t in hvd.grouped_reducescatter(
+        [torch.arange(7.0) * (rank + 1), torch.ones(3, 2)], name="grs", op=hvd.Sum)]
     out["fp16"] = hvd.allreduce(torch.full((3,), 1.0 + rank), name="fp16", compression=hvd.Compression.fp16,
                                 op=hvd.Sum).tolist()
     out["bf16"] = hvd.allreduce(torch.full((3,), 1.0 + rank), name="bf16", compression=hvd.Compression.bf16,
@@ -88,6 +90,11 @@ def autograd_and_queries() -> dict[str, Any]:
             refused.append("accepted")
         except SluiceError as exc:
             refused.append(str(exc))
+    try:
+        hvd.elastic.run  # noqa: B018
+        refused.append("accepted")
+    except AttributeError as exc:
+        refused.append(str(exc))
     out["refused"] = refused
     hvd.shutdown()
     out["after_shutdown"] = [hvd.is_initialized()]

@@ -51,6 +51,9 @@ def test_reduce_ops_scale_factors_and_every_dtype() -> None:
         assert out["fp16"] == out["bf16"] == [6.0] * 3
     summed = (np.arange(7.0) * 6).tolist()  # (1 + 2 + 3) * i; 7 rows over 3 ranks: 3, 2, 2 as Horovod splits
     assert [out["reducescatter"] for out in results] == [summed[:3], summed[3:5], summed[5:]]
+    blocks = [[[3.0, 3.0]], [[3.0, 3.0]], [[3.0, 3.0]]]  # 3 rows over 3 ranks: one each
+    assert [out["grouped_reducescatter"] for out in results] == [
+        [part, block] for part, block in zip([summed[:3], summed[3:5], summed[5:]], blocks, strict=True)]
 
 
 def test_gradients_flow_through_collectives_and_queries_answer_truthfully() -> None:
@@ -63,7 +66,8 @@ def test_gradients_flow_through_collectives_and_queries_answer_truthfully() -> N
         assert out["grad.broadcast"] == ([1.0] * 3 if rank == 1 else [0.0] * 3)  # the root's, zero elsewhere
         # one host: local rank is the rank; no MPI, Gloo, NCCL, CCL or ROCm; CUDA tensors are accepted
         assert out["queries"] == [rank, 3, 0, 1, True, False, False, False, False, True, False, False, True]
-        adasum, process_set, foreign_set, comm, optimizer_adasum = out["refused"]
+        adasum, process_set, foreign_set, comm, optimizer_adasum, elastic = out["refused"]
+        assert "elastic training" in elastic and "not offered" in elastic
         assert "Adasum is not offered" in adasum and "hvd.Average" in adasum
         assert "process sets are not offered" in process_set and "separate jobs" in process_set
         assert "process sets are not offered" in foreign_set

@@ -68,10 +68,11 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
     "ddl_built", "ddp_hook", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "metrics", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "remove_process_set", "rocm_built",
-    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize", "synchronize_parameters",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
+    "metrics", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "synchronize_parameters",
 ]
 
 
@@ -246,3 +247,21 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, proc
         torch.Tensor]:
     """allgather of each tensor (one operation each); differentiable."""
     return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
+
+
+def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None, compression: Any = None,
+                          op: str | None = Average, process_set: Any = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """reducescatter of each tensor; differentiable."""
+    return [reducescatter(t, None if name is None else f"{name}.{i}", compression or Compression.none, op,
+                          process_set, prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
+
+
+#: Horovod names Sluice does not offer, and what to use instead (sluice.torch's __getattr__ raises with it)
+NOT_OFFERED = {
+    "elastic": "elastic training (hvd.elastic) is not offered yet: a lost worker ends the job, named; restart it "
+               "from your last checkpoint",
+    "PartialDistributedOptimizer": "PartialDistributedOptimizer is not offered: pass only the parameters to "
+                                   "reduce to DistributedOptimizer, and step the others with a plain optimizer",
+    "mpi_ops": "horovod.torch.mpi_ops has no counterpart: every op is in sluice.torch itself",
+}
