@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice import close_at_exit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _ctx = mp.get_context("fork")
@@ -117,7 +119,9 @@ def keep_alive(*objects: Any) -> None:
 def _child_main(key: str, target: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     code = 0
     try:
-        results.put((key, "ok", target(*args)))
+        value = target(*args)
+        close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
+        results.put((key, "ok", value))
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         results.put((key, "error", f"{type(exc).__name__}: {exc}"))
         code = 1

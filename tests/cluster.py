@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing as mp
 import os
 import queue
@@ -11,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from sluice import close_at_exit
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from sluice.transport.shm import remove_segments_of
 
@@ -44,7 +44,7 @@ def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], re
     code = 0
     try:
         value = fn(*args)
-        atexit._run_exitfuncs()  # what a script's exit runs (sluice.torch closes its connection there)
+        close_at_exit()
         results.put((env.rank, "ok", value))
     except BaseException as exc:  # report every failure to the test, then exit non-zero
         results.put((env.rank, "error", f"{type(exc).__name__}: {exc}"))
