@@ -15,6 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as `python bench/timeline_cost.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
 
 SCRIPT = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
