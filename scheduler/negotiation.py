@@ -32,11 +32,16 @@ the child sends afterwards can be mistaken for what was consumed).
   goes up as a conflict (`Up.conflicts`); the root decides it as failed (`Down.failed`), and every
   rank consumes the op (its own request, what its children reported, what it sent) and gets a
   Decision carrying the error, in the same place of the decision list. The table does not change.
+  An op a rank submitted before it joined keeps that rank's description: a joined subtree still
+  reports it up (slow path), and no node counts it ready on the fast path while a description of it,
+  or a conflict, waits there.
 - Stall: a rank whose own op has waited `stall_timeout` reports its name up (`stalled`); the root then
   runs a census (scheduler/negotiation_census.py): a query down the tree, each node answering once its
   children have (or at a deadline), with which ranks below submitted the queried ops and what else
-  waits. The root names, for each stalled op, the exact ranks that did not submit it (or a mismatch the
-  census found), unless the op was decided meanwhile.
+  waits. The root names, for each stalled op, the exact ranks that did not submit it (and the mismatch,
+  if those that did disagree: no node may have seen both descriptions), unless the op was decided
+  meanwhile; an op every rank submitted is no stall, even in descriptions that disagree (its failure
+  is on its way up).
 - Errors go up to the root and down from it, so every rank's `failure` ends up set; nothing is decided
   after it. Everything received is checked against this state first (WireError, and nothing changes).
 """
@@ -166,14 +171,16 @@ class Controller:
             if sender != self.parent or self.parent is None:
                 raise WireError(f"rank {self.rank}: a Down from rank {sender}, which is not its parent")
             check_down(message, f"rank {self.rank}: a Down from rank {sender}", self._seq_out, self.table,
-                       self._index, self.capacity, self.size, set(self._joined_view))
+                       self._index, self.capacity, self.size, set(self._joined_view),
+                       None if self._joined_self else self._own)
             self._apply_down(message, now)
             self._forward.append(message)
         elif isinstance(message, Up):
             if sender not in self._seq_in:
                 raise WireError(f"rank {self.rank}: an Up from rank {sender}, which is not its child")
             check_up(message, f"rank {self.rank}: rank {sender}'s message {message.seq}", self._seq_in[sender],
-                     self._epoch, len(self.table), self._below[sender], self._joined_below)
+                     self._epoch, len(self.table), self._below[sender], self._joined_below,
+                     self._child_new[sender].keys() | self._child_conflict[sender].keys())
             self._take_up(sender, message)
         else:
             raise WireError(f"rank {self.rank}: a {type(message).__name__} is no coordinator message")
@@ -381,6 +388,14 @@ class Controller:
         for child, bits in self._child_bits.items():
             if not self._child_wild[child]:
                 mask &= bits
+        # a rank that submitted an op before it joined still has its own description of it: not ready
+        # on the fast path while that (or a conflict) waits here, whatever a join says for the rest
+        # (with no join here or in a child's report, the AND above has left such entries out already)
+        joins = self._joined_self or any(self._child_wild.values())
+        for name in self._new_names() if mask and joins else ():
+            index = self._index.get(name)
+            if index is not None:
+                mask &= ~(1 << index)
         return mask
 
     def _scan_new(self) -> None:
@@ -438,7 +453,7 @@ class Controller:
         new: list[tuple[Request, int]] = []
         budget = META_BUDGET
         for name, item in self._complete.items():
-            if self._wild() or budget < up_size(item):
+            if budget < up_size(item):  # even a joined subtree reports what it submitted before joining
                 break
             budget -= up_size(item)
             new.append(item)

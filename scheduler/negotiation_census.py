@@ -5,9 +5,12 @@ little for the other ranks' alerts of the same stall (min(stall_timeout / 2, 2 s
 down naming the suspect ops, in name order. Each node starts a Census with its own rank's pending
 requests, merges its children's answers, and answers up once every child has (or at its deadline: a
 node waits longer than its children, so a silent subtree is named by the node above it). The root's
-`verdict` turns the union into the job's error: a mismatch if two descriptions of one op are pending,
-else, for every queried op, the exact ranks that did not submit it (joined ranks count as having
-submitted everything), and the other ops waiting. So the text does not depend on which alert came first.
+`verdict` turns the union into the job's error: for every queried op, the exact ranks that did not
+submit it (joined ranks count as having submitted everything), and the other ops waiting; an op some
+ranks submitted in descriptions that disagree is named as a mismatch too (what it stalls on is still the
+missing ranks: once every rank submits it, it fails on every rank and the job goes on). An op every rank
+submitted is no stall, whatever its descriptions: its decision (or failure) is on its way. So the text
+does not depend on which alert came first.
 """
 
 from __future__ import annotations
@@ -84,26 +87,29 @@ class Census:
                       tuple(self.silent))
 
     def verdict(self, size: int, joined: Iterable[int], suspects: Iterable[str], stall_timeout: float) -> str | None:
-        """At the root, once done: the job's error for the queried ops still suspect, or None. A mismatch
-        first; else every op some rank did not submit, ops missing the same ranks named together."""
+        """At the root, once done: the job's error for the queried ops still suspect, or None: every op
+        some rank did not submit, ops missing the same ranks named together, then the mismatches among them."""
         joined, suspects = set(joined), set(suspects)
         stalled: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = {}
+        mismatches: list[str] = []
         for name in self.names:
             if name not in suspects:
                 continue  # decided while the census ran
             groups = sorted(((bits & -bits).bit_length() - 1, request, bits)
                             for (n, _), (request, bits) in self.found.items() if n == name)
-            if len(groups) > 1:
-                return mismatch_text(name, groups[0][:2], groups[1][:2])
-            did = groups[0][2] if groups else 0
+            did = 0
+            for _, _, bits in groups:
+                did |= bits
             missing = tuple(r for r in range(size) if not did >> r & 1 and r not in joined)
             if missing:
                 stalled.setdefault((missing, tuple(bit_list(did))), []).append(name)
+                if len(groups) > 1:
+                    mismatches.append(mismatch_text(name, groups[0][:2], groups[1][:2]))
         if not stalled:
             return None
         clauses = [f"{ranks_text(list(missing))} did not submit {', '.join(map(repr, names))}"
                    + (f" ({ranks_text(list(did))} did)" if did else "") for (missing, did), names in stalled.items()]
-        text = f"collective stalled for {stall_timeout:g} s: {'; '.join(clauses)}"
+        text = f"collective stalled for {stall_timeout:g} s: {'; '.join(clauses + mismatches)}"
         named = {name for names in stalled.values() for name in names}
         waiting = [n for n in (*self.names, *self.others) if n not in named]
         if waiting or self.more:

@@ -297,9 +297,10 @@ def pack_decisions(items: list[tuple[int, Request | None]], joined: tuple[int, .
 
 # ---------------------------------------------------------------------------- fit to the receiver's state
 def check_up(up: Up, where: str, last: int, epoch: int, table: int, below: frozenset[int],
-             joined: Collection[int]) -> None:
+             joined: Collection[int], reported: Collection[str]) -> None:
     """An Up fits a parent that took message `last` from this child, is in join `epoch`, has `table`
-    entries, and knows `joined` ranks of its subtree joined; `below`: the child's subtree."""
+    entries, and knows `joined` ranks of its subtree joined; `below`: the child's subtree, `reported`:
+    the names it has reported (new or conflicted) that no decision has consumed yet."""
     if up.seq != last + 1:
         raise WireError(f"{where} follows {last}")
     if up.epoch > epoch:
@@ -313,6 +314,9 @@ def check_up(up: Up, where: str, last: int, epoch: int, table: int, below: froze
             raise WireError(f"{where} reports a rank joined twice")
         if up.wild and not below <= {*joined, *up.joined}:
             raise WireError(f"{where} says its subtree joined, but not all of it has")
+        names = [r.name for r, _ in up.new] + [name for name, _ in up.conflicts]
+        if len(set(names)) != len(names) or any(name in reported for name in names):
+            raise WireError(f"{where} reports an op it has reported already")
     if up.answer is not None:
         mask = sum(1 << r for r in below)
         if any(bits & ~mask for _, bits in up.answer.found) or any(r not in below for r in up.answer.silent):
@@ -320,9 +324,10 @@ def check_up(up: Up, where: str, last: int, epoch: int, table: int, below: froze
 
 
 def check_down(down: Down, where: str, sent: int, table: Sequence[Request], index: Mapping[str, int],
-               capacity: int, size: int, joined: Collection[int]) -> None:
+               capacity: int, size: int, joined: Collection[int], pending: Collection[str] | None) -> None:
     """A Down fits a child that sent `sent` messages up, holds `table` (`index`: name -> entry) of at
-    most `capacity` entries, in a job of `size` ranks of which it knows `joined` joined."""
+    most `capacity` entries, in a job of `size` ranks of which it knows `joined` joined, and has its own
+    requests `pending` (None: it has joined, so an op may fail that it never submitted)."""
     if down.ack > sent:
         raise WireError(f"{where} acknowledges message {down.ack}, but {sent} were sent")
     length, names = len(table), dict(index)
@@ -339,3 +344,7 @@ def check_down(down: Down, where: str, sent: int, table: Sequence[Request], inde
         raise WireError(f"{where} reports a joined rank that is unknown or joined already")
     if down.join_last >= size:
         raise WireError(f"{where} names rank {down.join_last} as the last to join")
+    if down.failed:  # every rank that has not joined submitted an op before it can fail
+        decided = {name for name, at in names.items() if down.decided >> at & 1}
+        if any(name in decided or (pending is not None and name not in pending) for name, _ in down.failed):
+            raise WireError(f"{where} fails an op this rank has not submitted, or decides it too")

@@ -89,8 +89,8 @@ def stall(rank_that_skips: int) -> str:
 
 def mismatches() -> dict[str, Any]:
     """Rank 1 disagrees with the others on a shape, a dtype, an op and a broadcast root, each time
-    followed by the same op agreed: Horovod's semantics, each mismatch raises on every rank, the job
-    goes on."""
+    followed by the same op agreed, then on one of four allreduces in flight at once: Horovod's
+    semantics, each mismatch raises on every rank, the job goes on."""
     import sluice.torch as hvd
 
     hvd.init()
@@ -109,5 +109,13 @@ def mismatches() -> dict[str, Any]:
         except Exception as exc:
             out[case] = f"{type(exc).__name__}: {exc}"
         out[f"{case}.after"] = hvd.allreduce(torch.full((4,), hvd.rank() + 1.0), name="w", op=hvd.Sum).tolist()
+    # several in flight at once, decided together (fused, under greedy fusion): only the odd one fails
+    handles = [hvd.allreduce_async(torch.full((6 if odd and i == 2 else 4,), hvd.rank() + i), name=f"f{i}",
+                                   op=hvd.Sum) for i in range(4)]
+    for i, handle in enumerate(handles):
+        try:
+            out[f"fused.{i}"] = hvd.synchronize(handle).tolist()
+        except Exception as exc:
+            out[f"fused.{i}"] = f"{type(exc).__name__}: {exc}"
     hvd.shutdown()
     return out

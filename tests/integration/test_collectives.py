@@ -57,8 +57,9 @@ def test_a_stall_names_the_rank_that_did_not_submit() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_mismatched_collectives_raise_on_every_rank_and_the_job_goes_on() -> None:
-    with LocalCluster(3, 0) as cluster:
+@pytest.mark.parametrize("fusion", ["balanced", "greedy"])
+def test_mismatched_collectives_raise_on_every_rank_and_the_job_goes_on(fusion: str) -> None:
+    with LocalCluster(3, 0, {"collective": {"fusion": fusion}}) as cluster:
         results = cluster.run(mismatches)
     described = {"shape": ("[[5]]", "[[4]]"), "dtype": ("float64", "float32"), "op": ("sum", "average"),
                  "root": ("root 2", "root 0")}
@@ -69,3 +70,6 @@ def test_mismatched_collectives_raise_on_every_rank_and_the_job_goes_on() -> Non
             assert "rank 1 " in error and ("rank 0 " in error or "rank 2 " in error), (case, error)
             assert one in error and other in error, (case, error)
             assert out[f"{case}.after"] == [6.0] * 4  # the same name, agreed: the job went on
+        error = out["fused.2"]
+        assert error.startswith("SluiceError") and "'f2' mismatch" in error and "[[6]]" in error, error
+        assert [out[f"fused.{i}"] for i in (0, 1, 3)] == [[3.0 + 3 * i] * 4 for i in (0, 1, 3)]

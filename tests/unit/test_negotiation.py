@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.scheduler.negotiation import Controller, Decision, Down, Request, Up
+from sluice.scheduler.negotiation_census import Census
 from sluice.scheduler.negotiation_codec import (
     META_BUDGET,
     Answer,
@@ -299,6 +300,79 @@ def test_a_joined_rank_takes_no_part_in_a_failed_op() -> None:
     assert [len(d) for d in net.decided] == [1, 1, 1, 0]  # the joined rank gets nothing to run
 
 
+W = Request("w", "allreduce", "float32", ((4,),))
+ODD = {"shape": Request("w", "allreduce", "float32", ((5,),)), "dtype": Request("w", "allreduce", "float64", ((4,),)),
+       "op": Request("w", "allreduce", "float32", ((4,),), op="average"),
+       "kind": Request("w", "broadcast", "float32", ((4,),), root=0)}
+ODD_TEXT = {"shape": "allreduce float32 [[5]] sum", "dtype": "allreduce float64 [[4]] sum",
+            "op": "allreduce float32 [[4]] average", "kind": "broadcast float32 [[4]] root 0"}
+
+
+@pytest.mark.parametrize("case", sorted(ODD))
+@pytest.mark.parametrize(("odd", "text"), [
+    (0, "rank 0 submitted {odd}, rank 1 submitted {w}"),  # own against a child's: met at the root
+    (6, "rank 4 submitted {w}, rank 6 submitted {odd}"),  # met at rank 4 (a leaf's parent), slow vs slow
+    (3, "rank 1 submitted {w}, rank 3 submitted {odd}"),  # met at rank 1, the root's other child
+])
+def test_each_kind_of_mismatch_fails_on_every_rank_wherever_it_is_met(case: str, odd: int, text: str) -> None:
+    net = Net(7, 2)  # 0 -> 1, 4; 1 -> 2, 3; 4 -> 5, 6
+    for rank in range(7):
+        for request in ([grad(0), ODD[case] if rank == odd else W, grad(1)] if rank % 2 else
+                        [ODD[case] if rank == odd else W, grad(1), grad(0)]):  # decided alongside, any order
+            net.submit(rank, request)
+    net.settle()
+    error = "collective 'w' mismatch: " + text.format(odd=ODD_TEXT[case], w="allreduce float32 [[4]] sum")
+    assert net.failures() == {None} and {(name, e) for name, e, _ in net.errors()} == {("w", error)}
+    lists = {tuple((d.request.name, d.error) for d in decided) for decided in net.decided}
+    assert len(lists) == 1  # every rank: the same decisions, the error in the same place
+    assert [d.request for d in net.decided[odd] if d.error] == [ODD[case]]  # each rank's own request
+    assert all(c.table == net.ctl[0].table and W.name not in c._index for c in net.ctl)  # nothing added
+    for rank in range(7):  # the job goes on: the same name, agreed, and another op
+        net.submit(rank, W)
+        net.submit(rank, grad(2))
+    net.settle()
+    assert all(net.names(r)[-2:] == ["w", "grad.2"] or net.names(r)[-2:] == ["grad.2", "w"] for r in range(7))
+    assert len({tuple((d.request.name, d.error) for d in decided) for decided in net.decided}) == 1
+    assert net.errors() == {e for e in net.errors() if e[0] == "w"} and net.failures() == {None}
+
+
+def test_a_mismatch_waits_for_a_joined_subtree_and_the_others_to_submit() -> None:
+    net = Net(7, 2)  # 0 -> 1, 4; 1 -> 2, 3; 4 -> 5, 6
+    for rank in (5, 6):
+        net.submit(rank, Request("join", "join"))
+    for rank in (0, 1, 3, 4):
+        net.submit(rank, Request("x", "barrier") if rank == 3 else Request("x", "allreduce", "int32", ((2,),)))
+    net.settle()
+    assert all(d == [] for d in net.decided)  # rank 2 has not submitted: no one is left with a failure yet
+    net.submit(2, Request("x", "allreduce", "int32", ((2,),)))
+    net.settle()
+    text = "collective 'x' mismatch: rank 1 submitted allreduce int32 [[2]] sum, rank 3 submitted barrier"
+    assert net.errors() == {("x", text, 0)} and [len(d) for d in net.decided] == [1, 1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("in_table", [False, True])
+@pytest.mark.parametrize("arity", [2, 3])
+def test_an_op_submitted_before_joining_keeps_its_description(arity: int, in_table: bool) -> None:
+    net = Net(4, arity)
+    if in_table:  # then the others' grad.0 goes by the fast path, which a join alone would let through
+        for rank in range(4):
+            net.submit(rank, grad(0))
+        net.settle()
+    net.submit(3, grad(0, 9))
+    net.submit(3, Request("join", "join"))
+    for rank in range(3):
+        net.submit(rank, grad(0))
+    net.settle()
+    text = ("collective 'grad.0' mismatch: rank 0 submitted allreduce float32 [[4, 3]] sum, rank 3 submitted "
+            "allreduce float32 [[4, 9]] sum")
+    assert net.failures() == {None} and net.errors() == {("grad.0", text, int(in_table))}
+    assert all(len(d) == 1 + in_table for d in net.decided)  # rank 3 too: its own request failed
+    for rank in range(3):  # the join still counts for rank 3
+        net.submit(rank, grad(1))
+    net.settle()
+    assert all(net.names(r)[-1] == "grad.1" for r in range(4)) and net.failures() == {None}
+
+
 def test_stall_names_the_ranks_that_did_not_submit_each_op_and_what_else_waits() -> None:
     net = Net(8, 2, stall=1.5)
     for rank in range(8):
@@ -318,16 +392,35 @@ def test_stall_names_the_ranks_that_did_not_submit_each_op_and_what_else_waits()
                               "also waiting: 'grad.4'"}
 
 
-def test_a_mismatch_no_node_can_see_is_found_by_the_stall_census() -> None:
+def test_a_stalled_op_whose_ranks_disagree_names_the_missing_ranks_and_the_mismatch() -> None:
     net = Net(7, 2, stall=1.0)  # 0 -> 1, 4; 1 -> 2, 3; 4 -> 5, 6
     for rank in range(7):
         net.submit(rank, grad(0))
     net.settle()
     net.submit(2, grad(0, 9))  # slow path, held at rank 1 (rank 3 is missing)
-    net.submit(5, grad(0))  # fast path, held at rank 4 (rank 6 is missing)
+    net.submit(5, grad(0))  # fast path, held at rank 4 (rank 6 is missing): no node sees both
     net.wait(3.0)
-    assert net.failures() == {"collective 'grad.0' mismatch: rank 2 submitted allreduce float32 [[4, 9]] sum, "
+    assert net.failures() == {"collective stalled for 1 s: ranks 0, 1, 3, 4, 6 did not submit 'grad.0' (ranks 2, 5 "
+                              "did); collective 'grad.0' mismatch: rank 2 submitted allreduce float32 [[4, 9]] sum, "
                               "rank 5 submitted allreduce float32 [[4, 3]] sum"}
+
+
+@pytest.mark.parametrize(("found", "joined", "verdict"), [
+    ({0b0011: grad(0), 0b1100: grad(0, 9)}, (), None),  # every rank submitted: its failure is on its way
+    ({0b0011: grad(0), 0b0100: grad(0, 9)}, (3,), None),
+    ({0b0001: grad(0), 0b0100: grad(0, 9)}, (3,), "collective stalled for 2 s: rank 1 did not submit 'grad.0' "
+     "(ranks 0, 2 did); collective 'grad.0' mismatch: rank 0 submitted allreduce float32 [[4, 3]] sum, rank 2 "
+     "submitted allreduce float32 [[4, 9]] sum; rank 3 joined"),
+    ({0b0111: grad(0)}, (), "collective stalled for 2 s: rank 3 did not submit 'grad.0' (ranks 0-2 did)"),
+])
+def test_census_verdict_names_missing_ranks_not_a_mismatch_every_rank_submitted(
+        found: dict[int, Request], joined: tuple[int, ...], verdict: str | None) -> None:
+    census = Census.start((1, ("grad.0",)), 0, (), 0.0, ())
+    census.take(0, Answer(1))  # no child: a no-op
+    for bits, request in found.items():
+        census._add(request, bits)
+    assert census.done(0.0)
+    assert census.verdict(4, joined, ["grad.0"], 2.0) == verdict
 
 
 def test_barrier_waits_for_every_rank() -> None:
@@ -455,6 +548,7 @@ def trained() -> Net:
     (3, Up(2, joined=(3, 3)), "joined twice"),
     (3, Up(2, wild=True), "not all of it has"),
     (3, Up(2, answer=Answer(1, ((grad(0), 1 << 2),))), "census for ranks outside"),
+    (3, Up(2, new=((grad(7), 3),), conflicts=(("grad.7", "t"),)), "reported already"),
     (3, Down(), "not its parent"),  # a child
     (4, Down(), "not its parent"),
 ])
@@ -475,12 +569,33 @@ def test_a_message_that_does_not_fit_changes_nothing(trained: Net, sender: int, 
     (Down(joined=(9,)), "unknown"),
     (Down(joined=(2, 2)), "unknown or joined already"),
     (Down(join_last=7), "last to join"),
+    (Down(failed=(("grad.1", "t"),)), "not submitted"),  # rank 4 has no grad.1 pending (rank 5 has)
 ])
 def test_a_down_that_does_not_fit_changes_nothing(trained: Net, message: Down, error: str) -> None:
     before = state(trained.ctl[4])
     with pytest.raises(WireError, match=error):
         trained.ctl[4].receive(0, message, trained.now)
     assert state(trained.ctl[4]) == before
+
+
+def test_a_failed_op_must_be_pending_not_decided_and_reported_once(trained: Net) -> None:
+    rank5 = trained.ctl[5]  # grad.1 pending, reported up to rank 4
+    before = state(rank5)
+    with pytest.raises(WireError, match="decides it too"):
+        rank5.receive(4, Down(decided=1 << 1, failed=(("grad.1", "t"),)), trained.now)
+    assert state(rank5) == before
+    rank5.receive(4, Down(failed=(("grad.1", "t"),)), trained.now)
+    assert [(d.request, d.error) for d in rank5.take_decisions()] == [(grad(1), "t")] and not rank5._own
+    trained.submit(3, grad(7))  # reported up to rank 1 as new: it may not come again, as new or conflicted
+    trained.round()
+    trained.round()
+    rank1 = trained.ctl[1]
+    assert rank1._seq_in[3] == 2 and "grad.7" in rank1._child_new[3]
+    before = state(rank1)
+    for again in (Up(3, new=((grad(7), 3),)), Up(3, conflicts=(("grad.7", "t"),))):
+        with pytest.raises(WireError, match="reported already"):
+            rank1.receive(3, again, trained.now)
+        assert state(rank1) == before
 
 
 def malformed(kind: Kind, meta: dict[str, Any] | None, round_: int = 1, **fields: Any) -> Message:
@@ -495,6 +610,11 @@ def malformed(kind: Kind, meta: dict[str, Any] | None, round_: int = 1, **fields
     (malformed(Kind.COORD_UP, {"x": [["a", "t"], ["a", "u"]]}), "twice"),
     (malformed(Kind.COORD_DOWN, {"f": [[1, "t"]]}), "a name"),
     (malformed(Kind.COORD_DOWN, {"f": [["a", "t" * 3000]]}), "a mismatch"),
+    (malformed(Kind.COORD_DOWN, {"f": [["a", "t"], ["a", "t"]]}), "twice"),
+    (malformed(Kind.COORD_DOWN, {"f": [["a", "t", 1]]}), "at most 2 items"),
+    (malformed(Kind.COORD_DOWN, {"f": {"a": "t"}}), "a list"),
+    (malformed(Kind.COORD_UP, {"x": [["a", 7]]}), "a mismatch"),
+    (malformed(Kind.COORD_UP, {"x": "a"}), "a list"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[4]], "sum", -1, 0]]}), "8 fields"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float33", [[4]], "sum", -1, 0, 0]]}), "dtype"),
     (malformed(Kind.COORD_UP, {"n": [["a", "allreduce", "float32", [[-4]], "sum", -1, 0, 0]]}), "shape"),

@@ -4,7 +4,9 @@ A caller (the Horovod-style API, or DistributedOptimizer for fusion groups) enqu
 under a name. The request goes to the coordinator, which decides operations in the same order on
 every rank; each decision gets the next sequence number (the same on every rank, since the order
 is) and starts its data movement at once, so decided operations run concurrently. A rank that has
-called `join` takes part in every operation the others decide, contributing zeros.
+called `join` takes part in every operation the others decide, contributing zeros. A decision that
+carries an error (the op's ranks disagreed) fails that op's handle on every rank that submitted it, moves
+no data and takes no sequence number; the engine goes on.
 """
 
 from __future__ import annotations
