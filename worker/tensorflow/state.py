@@ -13,6 +13,7 @@ from sluice.transport.metrics import summary_lines
 from sluice.worker.client import Client
 from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.config import WorkerConfig
+from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
 
 log = logging.getLogger("sluice.worker")
@@ -47,12 +48,9 @@ def init() -> None:
     """Join the job this process was launched into (by `sluice launch`); a second call does nothing."""
     if STATE.client is not None:
         return
-    _show_our_logs()
+    show_our_logs()
     client = Client()
-    section = dict(client.env.section("worker"))
-    if "priority_overrides" in section:
-        section["priority_overrides"] = tuple(section["priority_overrides"])
-    settings = WorkerConfig(**section)
+    settings = worker_settings(client)
     if settings.optimizer_on != "worker":
         client.close()
         raise SluiceError("the TensorFlow and Keras shims run the optimizer on the workers: "
@@ -60,16 +58,6 @@ def init() -> None:
     STATE.settings, STATE.client = settings, client
     STATE.placement = placement(client.hosts("worker"), client.rank)
     atexit.register(shutdown)
-
-
-def _show_our_logs() -> None:
-    """Our INFO lines (the priority map, metrics) reach stderr unless the script set up logging."""
-    ours = logging.getLogger("sluice")
-    if not logging.getLogger().handlers and not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
 
 
 def shutdown() -> None:

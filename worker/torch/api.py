@@ -15,7 +15,6 @@ kept until the process exits (the job counts a worker as gone when its process e
 from __future__ import annotations
 
 import atexit
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 from sluice.scheduler.errors import SluiceError
 from sluice.worker.client import Client
-from sluice.worker.config import WorkerConfig
+from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
 from sluice.worker.torch.autograd import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from sluice.worker.torch.collectives import (
@@ -89,25 +88,12 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if PARKED:
         STATE.client = PARKED.pop()
         return
-    _show_our_logs()
+    show_our_logs()
     client = Client()
-    section = client.env.section("worker")
-    if "priority_overrides" in section:
-        section["priority_overrides"] = tuple(section["priority_overrides"])
-    STATE.settings = WorkerConfig(**section)
+    STATE.settings = worker_settings(client)
     STATE.client = client
     torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
     atexit.register(_close)
-
-
-def _show_our_logs() -> None:
-    """Our INFO lines (calibration, the priority map, metrics) reach stderr unless the script set up logging."""
-    ours = logging.getLogger("sluice")
-    if not logging.getLogger().handlers and not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
 
 
 def shutdown() -> None:
