@@ -1,0 +1,121 @@
+"""What ssh starts on a remote host: `python -m sluice.launch.remote`, which runs one role and ends it with the session.
+
+The launcher writes one JSON line to the session's stdin, `{"argv": [...], "env": {...}, "cwd": "...",
+"secret": "<hex>"}`, so nothing secret is in a command line (which `ps` shows to every user of the
+host), an environment, or a log. The stub starts `argv` in a process group of its own, hands it the
+job secret through an inherited pipe (as the local launcher does), and lets its output flow back
+through the session. Then it watches stdin: end of file means the launcher is gone or has ended the
+job (the session closed: Ctrl-C, a lost link, the launcher killed), and the stub stops the role's
+whole group, SIGTERM then SIGKILL after a grace period, so nothing outlives the job on any host. The
+stub exits with the role's status (128 + N for a signal). A header it cannot use ends it with status
+2 and a line on stderr that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
+
+MAX_HEADER_BYTES = 1 << 20
+GRACE_S = 5.0
+BAD_HEADER = 2
+
+
+@dataclass(frozen=True)
+class Header:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+    secret: bytes
+
+
+def parse_header(line: bytes) -> Header:
+    """The launcher's header line; ValueError saying what is wrong."""
+    if len(line) > MAX_HEADER_BYTES:
+        raise ValueError(f"the header is over {MAX_HEADER_BYTES} bytes")
+    try:
+        data: Any = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"the header is not JSON: {exc}") from None
+    if not isinstance(data, dict) or set(data) != {"argv", "env", "cwd", "secret"}:
+        raise ValueError("the header must be an object with argv, env, cwd and secret")
+    argv, env, cwd, secret = data["argv"], data["env"], data["cwd"], data["secret"]
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+        raise ValueError("argv must be a non-empty list of non-empty strings")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise ValueError("env must map variable names to strings")
+    if not isinstance(cwd, str) or not cwd:
+        raise ValueError("cwd must be a directory")
+    if not isinstance(secret, str) or len(secret) > 8192:
+        raise ValueError("secret must be a hex string")
+    try:
+        return Header(tuple(argv), dict(env), cwd, bytes.fromhex(secret))
+    except ValueError:
+        raise ValueError("secret must be a hex string") from None
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the role's group, and SIGKILL it if it is still there after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):  # whatever the role started and left behind
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def run(stdin: Any, grace: float = GRACE_S) -> int:
+    """Read the header from `stdin` (binary), run the role, stop it when `stdin` ends; its exit status."""
+    try:
+        header = parse_header(stdin.readline(MAX_HEADER_BYTES + 1))
+    except ValueError as exc:
+        print(f"sluice remote: {exc}; this runs what `sluice launch -H ...` sends it, not by hand", file=sys.stderr)
+        return BAD_HEADER
+    env = {**os.environ, **header.env}
+    fd = secret_pipe(header.secret)
+    env[ENV_SECRET_FD] = str(fd)
+    try:
+        process = subprocess.Popen(header.argv, cwd=header.cwd, env=env, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, pass_fds=(fd,))
+    except OSError as exc:
+        print(f"sluice remote: cannot start {header.argv[0]!r} in {header.cwd!r}: {exc}", file=sys.stderr)
+        return BAD_HEADER
+    finally:
+        os.close(fd)
+    ended = threading.Event()
+
+    def watch() -> None:  # the session's end is the job's end on this host
+        # the raw descriptor, not the buffered file: a daemon thread blocked holding its lock would
+        # abort the interpreter's exit
+        with contextlib.suppress(OSError):
+            while os.read(stdin.fileno(), 4096):
+                pass
+        if not ended.is_set():
+            _stop(process, grace)
+
+    threading.Thread(target=watch, name="sluice-remote-stdin", daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda number, _frame: _stop(process, grace))
+    code = process.wait()
+    ended.set()
+    with contextlib.suppress(ProcessLookupError):  # the role's leftovers do not outlive it
+        os.killpg(process.pid, signal.SIGKILL)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.stdin.buffer))

@@ -1,0 +1,91 @@
+"""The remote stub (`python -m sluice.launch.remote`, what ssh runs on each host): the role gets the job
+secret through a pipe, never its command line or environment, and ends with the session; run here
+through a pipe in place of ssh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = bytes(range(32))
+# the role: reads the secret as a role does, starts a grandchild, reports, then waits to be stopped
+ROLE = """
+import os, subprocess, sys, time
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, read_secret
+secret = read_secret(int(os.environ[ENV_SECRET_FD]))
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(secret.hex(), os.environ["SLUICE_ROLE"], os.getpid(), grandchild.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _stub() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "sluice.launch.remote"], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _header(argv: list[str], env: dict[str, str] | None = None, secret: bytes = SECRET) -> bytes:
+    return json.dumps({"argv": argv, "env": env or {}, "cwd": str(ROOT), "secret": secret.hex()}).encode() + b"\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(60)
+def test_the_role_gets_the_secret_by_pipe_and_ends_with_the_session() -> None:
+    stub = _stub()
+    assert stub.stdin is not None and stub.stdout is not None
+    stub.stdin.write(_header([sys.executable, "-c", ROLE], {"SLUICE_ROLE": "server"}))
+    stub.stdin.flush()
+    secret, role, pid, grandchild = stub.stdout.readline().decode().split()
+    assert bytes.fromhex(secret) == SECRET and role == "server"
+    for where in (f"/proc/{pid}/cmdline", f"/proc/{pid}/environ", f"/proc/{stub.pid}/cmdline"):
+        text = Path(where).read_bytes()
+        assert SECRET.hex().encode() not in text and SECRET not in text, where
+    started = time.monotonic()
+    stub.stdin.close()  # the session ends (the launcher is gone, or stopped the job)
+    assert stub.wait(20) == 128 + 15  # the role was stopped with SIGTERM
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 5
+    while (_alive(int(pid)) or _alive(int(grandchild))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(int(pid)) and not _alive(int(grandchild))  # nothing of the role is left
+
+
+@pytest.mark.timeout(60)
+def test_the_stub_exits_with_the_roles_status() -> None:
+    for code, program in ((3, "import sys; sys.exit(3)"), (128 + 9, "import os; os.kill(os.getpid(), 9)")):
+        stub = _stub()
+        assert stub.stdin is not None
+        stub.stdin.write(_header([sys.executable, "-c", program]))
+        stub.stdin.flush()  # the session stays open: the role ends by itself
+        assert stub.wait(30) == code
+        stub.stdin.close()
+
+
+@pytest.mark.parametrize(("header", "error"), [
+    (b"not json\n", "not JSON"),
+    (b'{"argv": []}\n', "argv, env, cwd and secret"),
+    (json.dumps({"argv": [], "env": {}, "cwd": "/", "secret": ""}).encode() + b"\n", "argv must be"),
+    (json.dumps({"argv": ["x"], "env": {"A=B": "c"}, "cwd": "/", "secret": ""}).encode() + b"\n", "env must"),
+    (json.dumps({"argv": ["x"], "env": {}, "cwd": "/", "secret": "zz"}).encode() + b"\n", "hex string"),
+    (json.dumps({"argv": ["/no/such/program"], "env": {}, "cwd": "/", "secret": ""}).encode() + b"\n",
+     "cannot start '/no/such/program'"),
+])
+def test_a_header_it_cannot_use_ends_it_saying_why(header: bytes, error: str) -> None:
+    stub = _stub()
+    _, err = stub.communicate(header, timeout=30)
+    assert stub.returncode == 2 and error in err.decode(), err.decode()
