@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice import close_at_exit
+from sluice.launch.supervisor import free_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,14 +97,6 @@ def write_json(path: str | None, records: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------------- processes
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS just handed out (for init_method URLs that need a number)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def keep_alive(*objects: Any) -> None:
     """Never free `objects` in this child: it ends with os._exit, which skips their destructors.
 

@@ -53,7 +53,7 @@ class _Job:
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
         self.preexec = death_signal_hook()
-        self.master_port = _free_port()
+        self.master_port = free_port()
         self.janitor: Janitor | None = None
 
     def say(self, text: str) -> None:
@@ -287,8 +287,8 @@ def run_local_job(config: SluiceConfig, workers: int, servers: int, command: Seq
     return int(uvloop.run(job))
 
 
-def _free_port() -> int:
-    """A TCP port free on this host now (for torch.distributed's rendezvous in DDP scripts)."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS just handed out (torch.distributed's rendezvous in DDP scripts)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from sluice.worker.collective.config import CollectiveConfig
-from sluice.worker.tensorflow.fused import Spec, choose_routes, scaled
+from sluice.worker.collective.reduce import scaled
+from sluice.worker.tensorflow.fused import Spec, choose_routes
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,21 @@ def divide(dst: np.ndarray, count: int, dtype: str) -> None:
             np.divide(dst, np.array(count, dst.dtype), out=dst)
 
 
+def scaled(array: np.ndarray, factor: float, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """array * factor in the storage of `dtype` (bfloat16 patterns through float32, rounded once; integers
+    in float64, truncated toward zero, as Horovod scales them), written into `out` (may be `array`
+    itself; a new array when None). Horovod's prescale_factor and postscale_factor."""
+    target = np.empty(array.shape, array.dtype) if out is None else out
+    with np.errstate(all="ignore"):
+        if dtype == "bfloat16":
+            f32_to_bf16(bf16_to_f32(array.reshape(-1)) * np.float32(factor), target.reshape(-1))
+        elif np.issubdtype(array.dtype, np.integer):
+            np.copyto(target, np.trunc(array * factor), casting="unsafe")
+        else:
+            np.multiply(array, array.dtype.type(factor), out=target)
+    return target
+
+
 def identity(dtype: str, op: str) -> int | float:
     """The value that leaves any other unchanged under `op`, in `dtype`'s storage (a joined rank's part):
     0 for sum and average, 1 for product, the largest (smallest) value for min (max)."""

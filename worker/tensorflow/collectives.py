@@ -17,9 +17,9 @@ import numpy as np
 import tensorflow as tf
 
 from sluice.scheduler.errors import SluiceError
+from sluice.worker.collective.reduce import scaled
 from sluice.worker.tensorflow.bridge import run_numpy, wire_dtype
 from sluice.worker.tensorflow.compression import Compression, Compressor
-from sluice.worker.tensorflow.fused import scaled
 from sluice.worker.tensorflow.state import NAMES, engine, require
 
 #: Horovod's reduction ops (horovod.tensorflow.Average, Sum)

@@ -25,7 +25,7 @@ from sluice.scheduler.fusion import FusionPlan, plan_fusion, unfused_plan
 from sluice.scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 from sluice.transport.dtypes import STORAGE
 from sluice.worker.client import Client
-from sluice.worker.collective.reduce import bf16_to_f32, f32_to_bf16
+from sluice.worker.collective.reduce import scaled
 from sluice.worker.config import WorkerConfig
 
 log = logging.getLogger("sluice.worker")
@@ -40,19 +40,6 @@ class Spec:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(STORAGE[self.dtype]).itemsize
-
-
-def scaled(array: np.ndarray, factor: float, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
-    """array * factor in the storage of `dtype` (bfloat16 patterns through float32, integers rounded
-    toward zero), written into `out` (a new array when None)."""
-    target = np.empty(array.shape, array.dtype) if out is None else out
-    if dtype == "bfloat16":
-        f32_to_bf16(bf16_to_f32(array.reshape(-1)) * np.float32(factor), target.reshape(-1))
-    elif np.issubdtype(array.dtype, np.integer):
-        np.copyto(target, np.trunc(array * factor), casting="unsafe")
-    else:
-        np.multiply(array, array.dtype.type(factor), out=target)
-    return target
 
 
 def priorities(client: Client, settings: WorkerConfig, specs: Sequence[Spec]) -> list[Assigned]:

@@ -21,7 +21,7 @@ import torch
 
 from sluice.scheduler.errors import SluiceError
 from sluice.worker.collective.engine import CollectiveEngine, OpHandle
-from sluice.worker.collective.reduce import REDUCIBLE, bf16_to_f32, f32_to_bf16
+from sluice.worker.collective.reduce import REDUCIBLE, scaled
 from sluice.worker.staging import Staging, tensor_of, wire_dtype
 from sluice.worker.torch.state import NAMES, require
 
@@ -123,19 +123,6 @@ _WIDER = {torch.bool: torch.int32, **{d: torch.float32 for d in (
     torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)}}
 
 
-def scale(array: np.ndarray, factor: float, dtype: str) -> None:
-    """array *= factor in place, in the array's own precision (bfloat16: in float32, rounded once;
-    integers: in float64, truncated towards zero, as Horovod scales them)."""
-    if factor == 1.0:
-        return
-    if dtype == "bfloat16":
-        f32_to_bf16(bf16_to_f32(array) * np.float32(factor), array)
-    elif array.dtype.kind == "f":
-        np.multiply(array, array.dtype.type(factor), out=array)
-    else:
-        np.copyto(array, np.trunc(array * factor), casting="unsafe")
-
-
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None, priority: int = 0) -> int:
@@ -155,7 +142,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     stages = [Staging(t) for t in work]
     arrays = [s.load(t) for s, t in zip(stages, work, strict=True)]
     for array in arrays:
-        scale(array, prescale_factor, dtype)
+        if prescale_factor != 1.0:
+            scaled(array, prescale_factor, dtype, array)
     op_name = _name(name, "allreduce")
     handle = engine().allreduce(op_name, arrays, dtype, reduce_op, priority)
     trace = require().trace
@@ -164,7 +152,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
     def finish() -> list[torch.Tensor]:
         for array in arrays:
-            scale(array, postscale_factor, dtype)
+            if postscale_factor != 1.0:
+                scaled(array, postscale_factor, dtype, array)
         for stage, part, tensor in zip(stages, work, tensors, strict=True):
             stage.store(part)
             if part is not tensor:
