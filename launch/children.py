@@ -21,6 +21,8 @@ READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
 _MAX_LINE = 1 << 20
+#: ssh's status when the session failed (refused, unreachable, or the link lost mid-run)
+SSH_FAILED = 255
 
 
 def death_signal_hook() -> Callable[[], None] | None:
@@ -58,8 +60,14 @@ class Sink:
 
 
 class Child:
-    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: Sink) -> None:
+    """`host`: set for a role started on another host through `via` ("ssh" or "srun", running
+    launch/remote.py there); `proc` is then the local ssh or srun, whose stdin keeps the role alive."""
+
+    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: Sink,
+                 host: str | None = None, via: str = "") -> None:
         self.role, self.rank, self.proc, self.sink = role, rank, proc, sink
+        self.host, self.via = host, via
+        self._returncode: int | None = None
         self.label = role if role == "scheduler" else f"{role} {rank}"
         self.prefix = f"[{self.label}] ".encode()
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -71,7 +79,12 @@ class Child:
 
     @property
     def name(self) -> str:
-        return f"{self.label} (pid {self.proc.pid})"
+        if self.host is None:
+            return f"{self.label} (pid {self.proc.pid})"
+        if self.via == "ssh" and self._returncode == SSH_FAILED:
+            return (f"{self.label} on {self.host}, whose ssh session failed (exit {SSH_FAILED}: the host is down or "
+                    f"unreachable, or refused the login; check that `ssh {self.host} true` works without a password),")
+        return f"{self.label} on {self.host}"
 
     @property
     def pid(self) -> int:
@@ -79,7 +92,8 @@ class Child:
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.returncode
+        """The role's exit status: negative for a signal, also when the remote stub reported 128 + N."""
+        return self._returncode
 
     async def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -107,6 +121,9 @@ class Child:
 
     async def _wait(self) -> int:
         code = await self.proc.wait()
+        if self.host is not None and 128 < code <= 128 + 64 and not (self.via == "ssh" and code == SSH_FAILED):
+            code = 128 - code  # launch/remote.py reports a role killed by signal N as 128 + N
+        self._returncode = code
         self.ended_at = time.monotonic()
         remove_segments_of(self.proc.pid)  # shared memory a killed process could not unlink itself
         # a grandchild may hold the pipe open after the child exits: do not wait for it forever
@@ -118,3 +135,12 @@ class Child:
         # the group outlives its leader when the child left processes behind: signal it regardless
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """Ask the role to end: SIGTERM to its group here; on another host, end of file on the session's
+        stdin, on which the remote stub SIGTERMs the role's group there (and SIGKILLs it later)."""
+        if self.host is None:
+            self.signal_group(signal.SIGTERM)
+            self.signal_group(signal.SIGCONT)  # a stopped process takes its SIGTERM only once continued
+        elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.close()

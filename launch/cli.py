@@ -39,14 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch", formatter_class=_FORMATTER, epilog=help_epilog(),
-        usage="sluice launch -w N -s M [-a K] [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]",
-        help="run a job on this machine: a scheduler, M servers and N workers running COMMAND",
-        description=_wrap("Runs a job on this machine: one scheduler, M servers and N workers, each worker running "
+        usage="sluice launch -w N -s M [-a K] [-H HOST:N,... | --hostfile PATH] [--config PATH] "
+              "[--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]",
+        help="run a job: a scheduler, M servers and N workers running COMMAND, here or over several hosts",
+        description=_wrap("Runs a job on this machine or over several hosts (-H, --hostfile, a SLURM allocation): one "
+                    "scheduler, M servers and N workers, each worker running "
                     "COMMAND with SLUICE_* variables telling it its rank and the scheduler's address. Output of "
                     "every process is printed with a [role rank] prefix. If any process fails, all are stopped "
                     "and the launcher exits non-zero naming it."))
-    launch.add_argument("-w", "--workers", type=int, required=True, metavar="N",
-                        help="number of worker processes, each running COMMAND")
+    launch.add_argument("-w", "--workers", type=int, metavar="N",
+                        help="number of worker processes, each running COMMAND (required on one machine; with "
+                             "hosts, the default is one per slot)")
     launch.add_argument("-s", "--servers", type=int, required=True, metavar="M",
                         help="number of parameter-server processes; 0: pure allreduce among the workers "
                              "(collective.mode is then ignored)")
@@ -54,6 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="number of aggregator processes (aggregator-0..K-1), which sum the pushes of the "
                              "workers below them in the aggregation trees ([aggregation] settings) and forward "
                              "one stream to the servers (default: %(default)s)")
+    hosts = launch.add_argument_group(
+        "hosts", _wrap("Several machines: the roles start over OpenSSH (every host has the project and its Python at "
+                       "the same paths, and `ssh HOST` works without a password), or, inside a SLURM allocation "
+                       "(sbatch, salloc) and without -H, with srun on the allocation's nodes. The scheduler runs "
+                       "where `sluice launch` runs. See docs/cluster.md."))
+    hosts.add_argument("-H", "--hosts", metavar="HOST:N,...",
+                       help="the hosts and their worker slots, e.g. -H node1:4,node2:4 (a host without :N has 1)")
+    hosts.add_argument("--hostfile", metavar="PATH",
+                       help="a file of `HOST [slots=N] [rack=LABEL]` lines (Horovod's and DeepSpeed's shape); rack "
+                            "labels become aggregation.racks unless that is set")
+    hosts.add_argument("--server-hosts", metavar="HOST,...",
+                       help="put the servers (and aggregators) round-robin on these hosts only (default: all hosts, "
+                            "so each host's link carries a share of the servers' traffic)")
+    hosts.add_argument("--ssh-port", type=int, metavar="PORT", help="the port of the hosts' ssh servers")
+    hosts.add_argument("--ssh-identity", metavar="PATH", help="the private key ssh logs in with")
+    hosts.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option for ssh (-o KEY=VALUE; repeatable), e.g. UserKnownHostsFile=PATH")
     _add_config_options(launch)
     launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                         help="after every worker exited 0, wait this long for the scheduler and servers to "
@@ -133,7 +153,7 @@ def _launch(args: argparse.Namespace) -> int:
     if args.aggregators < 0 or (args.aggregators and not args.servers):
         return _error(f"-a {args.aggregators}: the aggregator count must be 0 or more, and aggregators need "
                       "parameter servers (-s 1 or more)")
-    if args.workers < 1 or args.servers < 0:
+    if (args.workers is not None and args.workers < 1) or args.servers < 0:
         return _error(f"a job needs at least one worker and no negative server count, got -w {args.workers} "
                       f"-s {args.servers}")
     if not command:
@@ -147,11 +167,34 @@ def _launch(args: argparse.Namespace) -> int:
         config = load_config(args.config, os.environ, sets)
     except ConfigError as exc:
         return _error(str(exc))
-    from sluice.launch.supervisor import run_local_job
+    from sluice.launch.cluster import plan_cluster, read_hosts, slurm_refusal
+    from sluice.launch.hosts import HostsError
+    from sluice.launch.reach import Reach
+    from sluice.launch.supervisor import run_job
 
+    if (refusal := slurm_refusal(os.environ)) is not None:
+        return _error(refusal)
     try:
-        code = run_local_job(config, args.workers, args.servers, command,
-                             grace=args.grace, ready_timeout=args.ready_timeout, aggregators=args.aggregators)
+        hosts, source = read_hosts(args.hosts, args.hostfile, os.environ)
+        plan = None
+        if hosts:
+            method = "srun" if source.startswith("SLURM") else "ssh"
+            reach = Reach(method, args.ssh_port, args.ssh_identity, tuple(args.ssh_option))
+            plan = plan_cluster(hosts, source, args.workers, args.servers, args.aggregators, args.server_hosts,
+                                reach, config)
+            config = plan.with_racks(config, hosts)
+        elif args.server_hosts:
+            raise HostsError("--server-hosts needs hosts: give -H or --hostfile")
+    except (HostsError, ValueError) as exc:
+        return _error(str(exc))
+    workers = args.workers
+    if plan is not None:
+        workers = sum(1 for p in plan.layout.processes if p.role == "worker")
+    elif workers is None:
+        return _error("-w N is required: how many workers to start on this machine")
+    try:
+        code = run_job(config, workers, args.servers, command, grace=args.grace,
+                       ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan)
     except KeyboardInterrupt:  # before the supervisor's own handlers were installed
         return 130
     if config.timeline.path:

@@ -8,10 +8,11 @@ SLURM_JOB_NODELIST / SLURM_NODELIST). Every error names the variable and says wh
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sluice.launch.hosts import HostsError, expand_nodelist
+from sluice.launch.hosts import Host, HostsError, expand_nodelist
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,29 @@ def slurm_task(env: Mapping[str, str]) -> SlurmTask:
     node = _int(env, "SLURM_NODEID", 0, len(nodes))
     local = _int(env, "SLURM_LOCALID", 0, size)
     return SlurmTask(rank, size, local, node, nodes, env.get("SLURM_JOB_ID", ""))
+
+
+def per_node_counts(text: str, name: str) -> list[int]:
+    """SLURM's compressed per-node counts, e.g. SLURM_TASKS_PER_NODE=`2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for item in text.split(","):
+        matched = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if matched is None or int(matched.group(1)) < 1:
+            raise HostsError(f"{name}={text!r}: {item!r} is not N or N(xK)")
+        counts += [int(matched.group(1))] * int(matched.group(2) or 1)
+    return counts
+
+
+def allocation_hosts(env: Mapping[str, str]) -> list[Host]:
+    """The nodes of the SLURM allocation this launcher runs in, each with its tasks as worker slots
+    (SLURM_TASKS_PER_NODE: `salloc -N2 --ntasks-per-node=4` gives 4 slots a node; without tasks, the
+    CPUs of SLURM_JOB_CPUS_PER_NODE)."""
+    listed = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not listed:
+        raise HostsError("SLURM_JOB_NODELIST is not set: run `sluice launch` inside an allocation (sbatch, salloc)")
+    nodes = expand_nodelist(listed)
+    name = next((v for v in ("SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE") if env.get(v)), None)
+    counts = per_node_counts(env[name], name) if name else [1] * len(nodes)
+    if len(counts) != len(nodes):
+        raise HostsError(f"{name} lists {len(counts)} nodes but SLURM_JOB_NODELIST has {len(nodes)}")
+    return [Host(node, slots) for node, slots in zip(nodes, counts, strict=True)]

@@ -1,4 +1,4 @@
-"""Starts the scheduler, servers and workers of a local job, relays their output and ends them together."""
+"""Starts the scheduler, servers and workers of a job, here or over ssh or srun; relays output; ends them together."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from typing import Any, BinaryIO, TextIO
 
 from sluice.launch.blame import Watched, exit_description, find, first_report, judge, state_description
 from sluice.launch.children import Child, Sink, death_signal_hook
+from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 from sluice.launch.janitor import Janitor
+from sluice.launch.reach import forwarded_env, header_line, stub_argv
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 
 #: seconds between SIGTERM and SIGKILL when stopping a process group
@@ -34,9 +36,10 @@ def _count(n: int, noun: str) -> str:
 
 class _Job:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
-                 grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0) -> None:
+                 grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0,
+                 plan: ClusterPlan | None = None) -> None:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
-        self.aggregators = aggregators
+        self.aggregators, self.plan = aggregators, plan
         self.secret = new_secret()
         self.grace, self.ready_timeout = grace, ready_timeout
         self.sink, self.err = Sink(out), err
@@ -49,12 +52,20 @@ class _Job:
         self.threads_note = ""
         if "OMP_NUM_THREADS" not in os.environ:
             # like torchrun: N workers each spinning up one thread per core would overload the machine
-            threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+            threads = max(1, (os.cpu_count() or 1) // max(self.busiest_host(), 1))
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
         self.preexec = death_signal_hook()
         self.master_port = free_port()
+        # torch.distributed's rendezvous (ddp_hook) is worker 0's
+        self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
         self.janitor: Janitor | None = None
+
+    def busiest_host(self) -> int:
+        """The most workers any one host runs."""
+        if self.plan is None:
+            return self.workers
+        return max(self.plan.workers_on(p.host) for p in self.plan.layout.processes)
 
     def say(self, text: str) -> None:
         self.sink.write("".join(f"[launch] {line}\n" for line in text.splitlines()).encode())
@@ -70,34 +81,70 @@ class _Job:
             self.interrupted.set_result(128 + sig)
             self.complain(f"received {sig.name}; stopping the job")
 
-    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
-        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, self.config.to_sections(),
-                       aggregators=self.aggregators)
-        env = {**self.base_env, **node.to_environ()}
+    def node_environ(self, role: str, rank: int, scheduler: str) -> tuple[dict[str, str], str | None]:
+        """The variables that give a process its place in the job, and the host it runs on if not here."""
+        sections = self.config.to_sections()
+        place = self.plan.place(role, rank) if self.plan is not None and role != "scheduler" else None
+        if self.plan is not None:  # every process listens on its own host's address
+            sections["transport"]["host"] = self.plan.address(place.host) if place else self.plan.launcher_address
+        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators)
+        env = node.to_environ()
         if role != "worker":  # role processes run our own module, wherever the launcher was started
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)
         else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
-            env.update(RANK=str(rank), WORLD_SIZE=str(self.workers), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(self.workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.master_port))
-        secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
-        env[ENV_SECRET_FD] = str(secret_fd)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
-                pass_fds=(secret_fd,),
-            )
-        finally:
-            os.close(secret_fd)
-        child = Child(role, rank, proc, self.sink)
+            local_rank, local_size = rank, self.workers
+            if place is not None and self.plan is not None:
+                local_rank, local_size = place.local_rank, self.plan.workers_on(place.host)
+            env.update(RANK=str(rank), WORLD_SIZE=str(self.workers), LOCAL_RANK=str(local_rank),
+                       LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR=self.master_addr,
+                       MASTER_PORT=str(self.master_port))
+        remote = place is not None and self.plan is not None and self.plan.is_remote(place.host)
+        return env, place.host if remote and place is not None else None
+
+    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
+        env, host = self.node_environ(role, rank, scheduler)
+        if host is None:
+            proc = await self._start_here(argv, {**self.base_env, **env})
+        else:
+            proc = await self._start_there(host, argv, env)
+        child = Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "")
         self.children.append(child)
         if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
             janitor.spawned(proc.pid)
             child.done.add_done_callback(lambda _: janitor.reaped(proc.pid))
         return child
 
+    async def _start_here(self, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+        secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
+        env[ENV_SECRET_FD] = str(secret_fd)
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
+                pass_fds=(secret_fd,),
+            )
+        finally:
+            os.close(secret_fd)
+
+    async def _start_there(self, host: str, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+        """ssh (or srun) running the remote stub on `host`; the header, secret included, goes on its stdin,
+        which stays open: its end is the role's end (launch/remote.py)."""
+        assert self.plan is not None
+        cwd = os.getcwd()
+        proc = await asyncio.create_subprocess_exec(
+            *stub_argv(self.plan.reach, host, sys.executable, cwd), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.base_env,
+            start_new_session=True, preexec_fn=self.preexec,
+        )
+        assert proc.stdin is not None
+        # ssh may be gone already (refused, unreachable): its exit status and output then tell why
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret))
+            await proc.stdin.drain()
+        return proc
+
     def report(self, child: Child, why: str) -> None:
-        self.complain(f"{child.name} {exit_description(child.proc.returncode or 0)}{why}")
+        self.complain(f"{child.name} {exit_description(child.returncode or 0)}{why}")
         lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
         self.complain(f"last lines of {child.label}:\n{lines}")
 
@@ -120,6 +167,8 @@ class _Job:
 
     async def _run(self) -> int:
         self.say(self.config.describe())
+        if self.plan is not None:
+            self.say(self.plan.describe())
         if self.threads_note:
             self.say(self.threads_note)
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
@@ -197,7 +246,7 @@ class _Job:
     async def _failed(self, first: Child) -> int:
         """`first` exited non-zero while workers ran: name the first cause (launch/blame.py) and show the
         last lines of it and of `first`; the launcher's exit code."""
-        code = first.proc.returncode
+        code = first.returncode
         assert code is not None
         if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
             await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
@@ -239,7 +288,7 @@ class _Job:
         if self.interrupted.done():
             return self.interrupted.result()
         for child in roles:
-            code = child.proc.returncode
+            code = child.returncode
             if code is None:
                 self.say(f"stopping {child.name}, still running {self.grace:g} s after the workers finished")
             elif code != 0:
@@ -250,8 +299,7 @@ class _Job:
         """SIGTERM every child's group, SIGKILL after STOP_TIMEOUT, and reap them all."""
         self.stopping = True
         for child in self.children:
-            child.signal_group(signal.SIGTERM)
-            child.signal_group(signal.SIGCONT)  # a stopped process takes its SIGTERM only once continued
+            child.stop()
         waiting = [child.done for child in self.children if not child.done.done()]
         if waiting:
             kill_now: asyncio.Future[Any] = asyncio.create_task(self.kill_now.wait())
@@ -267,19 +315,21 @@ class _Job:
 
 async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
                     grace: float = 10.0, ready_timeout: float = 60.0,
-                    out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0) -> int:
-    """Runs one local job to its end; returns the launcher's exit code."""
+                    out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0,
+                    plan: ClusterPlan | None = None) -> int:
+    """Runs one job to its end, on this machine or over `plan`'s hosts; returns the launcher's exit code."""
     job = _Job(config, workers, servers, command, grace, ready_timeout,
                out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr,
-               aggregators=aggregators)
+               aggregators=aggregators, plan=plan)
     return await job.run()
 
 
-def run_local_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
-                  grace: float = 10.0, ready_timeout: float = 60.0, aggregators: int = 0) -> int:
+def run_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
+            grace: float = 10.0, ready_timeout: float = 60.0, aggregators: int = 0,
+            plan: ClusterPlan | None = None) -> int:
     """supervise() on uvloop (its subprocesses honour preexec_fn), or on asyncio's loop without it."""
     job = supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
-                    aggregators=aggregators)
+                    aggregators=aggregators, plan=plan)
     try:
         import uvloop
     except ImportError:

@@ -1,0 +1,147 @@
+"""Hosts that run OpenSSH servers: testbed namespaces (bench/netbed), each with an sshd and a key made by the test.
+
+The launcher runs in the testbed host `launcher`; `h1`, `h2`, ... each run `sshd` on port 22 of
+their address, admitting one key generated for the bed, and the launcher's ssh checks their host
+keys against a known_hosts file the bed writes (StrictHostKeyChecking=yes: nothing is trusted on
+first use). The namespaces share this machine's file system, so the hosts have the project and its
+virtual environment at the same paths, as a cluster with a shared home directory does.
+Needs root, iproute2 and OpenSSH (client and server): `make test-system-deps` installs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.netbed import Netbed, NetbedUnavailable, check_available
+
+ROOT = Path(__file__).resolve().parents[2]
+SSHD = "/usr/sbin/sshd"
+_NOT_HERE = "install them with `apt-get install openssh-server openssh-client` or `make test-system-deps` as root"
+
+
+def unavailable() -> str:
+    """Why this machine cannot run an ssh bed ('' when it can)."""
+    try:
+        check_available()
+    except NetbedUnavailable as exc:
+        return str(exc)
+    missing = [tool for tool in (SSHD, "ssh", "ssh-keygen") if shutil.which(tool) is None]
+    return f"{', '.join(missing)} not found: {_NOT_HERE}" if missing else ""
+
+
+@dataclass
+class SshBed:
+    netbed: Netbed
+    keys: Path
+    #: each ssh host's address, by name
+    hosts: dict[str, str] = field(default_factory=dict)
+    _daemons: list[subprocess.Popen[Any]] = field(default_factory=list)
+
+    @property
+    def identity(self) -> Path:
+        return self.keys / "user_key"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.keys / "known_hosts"
+
+    def ssh_options(self) -> list[str]:
+        """`sluice launch` options that make its ssh use the bed's key and host keys, strictly."""
+        return ["--ssh-identity", str(self.identity), "--ssh-option", f"UserKnownHostsFile={self.known_hosts}",
+                "--ssh-option", "StrictHostKeyChecking=yes", "--ssh-option", "IdentitiesOnly=yes"]
+
+    def start_sshd(self, name: str) -> None:
+        address = self.netbed.hosts[name].address
+        argv = [SSHD, "-D", "-e", "-f", "/dev/null", "-h", str(self.keys / "host_key"),
+                "-o", f"ListenAddress={address}", "-o", "Port=22",
+                "-o", f"AuthorizedKeysFile={self.keys / 'authorized_keys'}", "-o", "PidFile=none",
+                "-o", "StrictModes=no", "-o", "UsePAM=no", "-o", "PasswordAuthentication=no",
+                "-o", "KbdInteractiveAuthentication=no", "-o", "PermitRootLogin=prohibit-password",
+                "-o", "MaxStartups=100:30:200", "-o", "MaxSessions=100"]
+        log = open(self.keys / f"sshd-{name}.log", "wb")  # noqa: SIM115 - the daemon writes it until close
+        self._daemons.append(self.netbed.run(name, argv, stdout=log, stderr=subprocess.STDOUT))
+        self.hosts[name] = address
+
+    def run(self, host: str, argv: Sequence[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess[str]:
+        """`argv` in `host`'s namespace from the repository root; killed (its whole group) at `timeout`."""
+        process = self.netbed.run(host, list(argv), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, **popen)
+        try:
+            out, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            out, _ = process.communicate()
+            pytest.fail(f"{' '.join(argv[:6])} ... did not finish within {timeout:g} s; output:\n{out[-4000:]}")
+        return subprocess.CompletedProcess(process.args, process.returncode, out, "")
+
+    def launch(self, args: Sequence[str], timeout: float = 120.0, **popen: Any) -> subprocess.CompletedProcess[str]:
+        """`sluice launch ARGS` run in the `launcher` host, with the bed's ssh options."""
+        return self.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *self.ssh_options(),
+                                     *args], timeout, **popen)
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Until every sshd admits the bed's key (`ssh HOST true` from the launcher host)."""
+        for name, address in self.hosts.items():
+            deadline = time.monotonic() + timeout
+            while True:
+                probe = self.run("launcher", ["ssh", "-i", str(self.identity), "-o", "BatchMode=yes",
+                                              "-o", f"UserKnownHostsFile={self.known_hosts}",
+                                              "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=3",
+                                              address, "true"], timeout=10)
+                if probe.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    log = (self.keys / f"sshd-{name}.log").read_text(errors="replace")[-2000:]
+                    pytest.fail(f"sshd on {name} ({address}) did not admit the bed's key within {timeout:g} s: "
+                                f"{probe.stdout.strip()}\nsshd log:\n{log}")
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        for daemon in self._daemons:
+            with contextlib.suppress(ProcessLookupError):
+                daemon.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                daemon.wait(5)
+
+
+def _keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True, timeout=30)
+    return (path.with_suffix(".pub") if path.suffix else Path(f"{path}.pub")).read_text().strip()
+
+
+@contextlib.contextmanager
+def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = ()) -> Iterator[SshBed]:
+    """A testbed with a `launcher` host and `ssh_hosts` hosts h1, h2, ... running sshd; `extra_hosts`
+    are more namespaces without sshd (strangers, say)."""
+    if reason := unavailable():
+        pytest.skip(reason)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+    keys.mkdir(parents=True, exist_ok=True)
+    host_public = _keygen(keys / "host_key")
+    (keys / "authorized_keys").write_text(_keygen(keys / "user_key") + "\n")
+    with Netbed() as netbed:
+        bed = SshBed(netbed, keys)
+        try:
+            netbed.host("launcher")
+            for index in range(1, ssh_hosts + 1):
+                netbed.host(f"h{index}")
+                bed.start_sshd(f"h{index}")
+            for name in extra_hosts:
+                netbed.host(name)
+            bed.known_hosts.write_text("".join(f"{address} {host_public}\n" for address in bed.hosts.values()))
+            bed.wait_ready()
+            yield bed
+        finally:
+            bed.close()

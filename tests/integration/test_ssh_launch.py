@@ -1,0 +1,183 @@
+"""`sluice launch -H` over real OpenSSH: hosts are testbed namespaces running sshd (tests/integration/ssh_bed.py).
+
+The launcher runs in its own testbed host and starts every server and worker on h1 and h2 through
+ssh. Checked: the job trains to the parameters of the same job on one machine; Horovod's local and
+cross ranks and torchrun's variables are right on every host; output keeps its [role rank] prefix;
+a refused or lost host is named with what to do; Ctrl-C leaves no process on any host; the job
+secret is in no command line or environment; a stranger on another testbed host gets nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.ssh_bed import ROOT, SshBed, ssh_bed
+
+SCRIPT = "tests/integration/scripts/cluster_train.py"
+#: what a role started over ssh looks like in `ps` on its host
+_REMOTE = re.compile(r"sluice\.launch\.remote|cluster_train\.py|sluice\.launch\.cli (server|aggregator)")
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
+    with ssh_bed(tmp_path_factory.mktemp("ssh"), ssh_hosts=2, extra_hosts=("h3", "stranger")) as made:
+        yield made
+
+
+def _hosts(bed: SshBed, slots: int = 2) -> str:
+    return ",".join(f"{address}:{slots}" for address in bed.hosts.values())
+
+
+def _results(output: str) -> list[dict[str, Any]]:
+    found = [json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", output, re.M)]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def _left_on(bed: SshBed, host: str) -> list[str]:
+    """Processes of a job still running in `host` (all namespaces share the pid space: ask `ip netns pids`)."""
+    pids = subprocess.run(["ip", "netns", "pids", bed.netbed.hosts[host].netns], capture_output=True, text=True,
+                          timeout=10).stdout.split()
+    left = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if _REMOTE.search(cmdline):
+            left.append(f"{pid}: {cmdline[:120]}")
+    return left
+
+
+def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while any(left := [p for host in bed.hosts for p in _left_on(bed, host)]):
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes of the job still run {within:g} s after the launcher ended: {left}")
+        time.sleep(0.2)
+
+
+def _reference(steps: int, optimizer: str) -> list[float]:
+    """The same job on this machine alone (no ssh, no namespaces)."""
+    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "4", "-s", "2", "--",
+                           sys.executable, SCRIPT, "--steps", str(steps), "--optimizer", optimizer],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = _results(done.stdout)
+    assert len(results) == 4
+    return list(results[0]["params"])
+
+
+@pytest.mark.timeout(240)
+def test_ssh_job_trains_across_hosts_as_on_one_machine(bed: SshBed) -> None:
+    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--", sys.executable, SCRIPT, "--steps", "12",
+                       "--optimizer", "adam"], timeout=150)
+    assert done.returncode == 0, done.stdout[-5000:]
+    h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
+    assert re.search(rf"\[launch\]   {re.escape(h1)} \({re.escape(h1)}\): workers 0,1, server 0", done.stdout)
+    assert re.search(rf"\[launch\]   {re.escape(h2)} \({re.escape(h2)}\): workers 2,3, server 1", done.stdout)
+    results = _results(done.stdout)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        host_index = r["rank"] // 2
+        assert r["listens_on"] == (h1, h2)[host_index]
+        assert (r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) == (r["rank"] % 2, 2,
+                                                                                        host_index, 2)
+        assert r["env"] == {"RANK": str(r["rank"]), "WORLD_SIZE": "4", "LOCAL_RANK": str(r["rank"] % 2),
+                            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": h1}
+        assert not r["secret_in_env"]
+        assert r["params"] == results[0]["params"]
+    reference = _reference(12, "adam")
+    assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
+    _nothing_left(bed)
+
+
+@pytest.mark.timeout(120)
+def test_ssh_refused_host_is_named_with_what_to_do(bed: SshBed) -> None:
+    h3 = bed.netbed.hosts["h3"].address  # a host with no ssh server: the connection is refused
+    started = time.monotonic()
+    done = bed.launch(["-H", f"{bed.hosts['h1']}:1,{h3}:1", "-s", "1", "--", sys.executable, SCRIPT],
+                      timeout=90)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 45, "a refused host must end the job promptly"
+    assert re.search(rf"on {re.escape(h3)}, whose ssh session failed \(exit 255: the host is down or unreachable, "
+                     rf"or refused the login; check that `ssh {re.escape(h3)} true` works", done.stdout), done.stdout
+    assert "Connection refused" in done.stdout
+    _nothing_left(bed)
+
+
+@pytest.mark.timeout(150)
+def test_ssh_lost_host_is_named_and_the_rest_stopped(bed: SshBed) -> None:
+    """h2's link goes down mid-run: the launcher names what was lost and stops the job; nothing is left."""
+    job = bed.netbed.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(),
+                                      "-H", _hosts(bed, 1), "-s", "1", "--", sys.executable, SCRIPT,
+                                      "--steps", "100000"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    h2 = bed.netbed.hosts["h2"]
+    try:
+        time.sleep(8)  # registered and training
+        assert job.poll() is None, job.communicate()[0][-3000:]
+        subprocess.run(["ip", "netns", "exec", h2.netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        subprocess.run(["ip", "netns", "exec", h2.netns, "ip", "link", "set", "eth0", "up"], timeout=10)
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert re.search(r"sluice launch: .*(worker 1|server 0).*(silent|lost|on " + re.escape(h2.address) + ")", out), out
+    _nothing_left(bed, within=40.0)  # h2's roles end once they hear nothing from the scheduler
+
+
+@pytest.mark.timeout(120)
+def test_ssh_ctrl_c_leaves_no_process_on_any_host(bed: SshBed) -> None:
+    job = bed.netbed.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(),
+                                      "-H", _hosts(bed), "-s", "2", "--", sys.executable, SCRIPT,
+                                      "--steps", "100000"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 40
+        while len([p for host in bed.hosts for p in _left_on(bed, host)]) < 6:  # 4 workers, 2 servers (+ stubs)
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start on both hosts"
+            time.sleep(0.2)
+        secrets = _hex_secrets_in_command_lines()
+        job.send_signal(signal.SIGINT)
+        out, _ = job.communicate(timeout=40)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 130, out[-3000:]
+    assert "received SIGINT; stopping the job" in out
+    assert secrets == []
+    _nothing_left(bed)
+
+
+def _hex_secrets_in_command_lines() -> list[str]:
+    """Command lines on this machine (every namespace) holding a 64-digit hex string: a leaked job secret."""
+    leaked = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if re.search(r"\b[0-9a-f]{64}\b", cmdline):
+                leaked.append(cmdline[:200])
+    return leaked
+
+
+def test_bad_hostfile_line_is_named(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2 slot=2\n")
+    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "--hostfile", str(hostfile), "-s",
+                           "1", "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"{hostfile}, line 2: 'slot=2' is not slots=N or rack=LABEL" in done.stderr
