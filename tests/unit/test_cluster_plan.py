@@ -1,0 +1,113 @@
+"""How the launcher reaches hosts and plans a multi-host job (pure parts, literal tables)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from sluice.launch.cluster import plan_cluster, read_hosts, slurm_refusal
+from sluice.launch.config import SluiceConfig, load_config
+from sluice.launch.hosts import Host, HostsError
+from sluice.launch.reach import Reach, forwarded_env, header_line, stub_argv
+from sluice.launch.remote import parse_header
+from sluice.launch.slurm import allocation_hosts, per_node_counts
+
+
+def test_ssh_command_carries_no_secret_and_keeps_the_session_alive_checks() -> None:
+    reach = Reach("ssh", 2222, "/k/id", ("UserKnownHostsFile=/k/known",))
+    assert stub_argv(reach, "node1", "/venv/bin/python", "/work dir") == [
+        "ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
+        "-o", "ServerAliveCountMax=3", "-o", "UserKnownHostsFile=/k/known", "-p", "2222", "-i", "/k/id", "node1",
+        "cd '/work dir' && exec /venv/bin/python -m sluice.launch.remote"]
+
+
+def test_srun_command_starts_one_task_on_the_named_node() -> None:
+    assert stub_argv(Reach("srun"), "gpu07", "/venv/bin/python", "/work") == [
+        "srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--kill-on-bad-exit=1", "--quiet", "--chdir=/work",
+        "/venv/bin/python", "-m", "sluice.launch.remote"]
+
+
+@pytest.mark.parametrize(("option", "error"), [("BatchMode", "KEY=VALUE"), ("=x", "KEY=VALUE")])
+def test_bad_ssh_options_are_refused(option: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        Reach("ssh", ssh_options=(option,))
+
+
+def test_the_launchers_session_variables_stay_behind() -> None:
+    env = {"PATH": "/bin", "PYTHONPATH": "/p", "OMP_NUM_THREADS": "2", "SSH_AUTH_SOCK": "/s", "PWD": "/x",
+           "HOSTNAME": "login1", "SLURM_JOB_ID": "7", "SLUICE_SECRET_FD": "5", "SLUICE_TRANSPORT_CURVE": "true",
+           "CUDA_VISIBLE_DEVICES": "0", "BASH_FUNC_module%%": "() {}"}
+    assert forwarded_env(env) == {"PATH": "/bin", "PYTHONPATH": "/p", "OMP_NUM_THREADS": "2",
+                                  "SLUICE_TRANSPORT_CURVE": "true", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_the_header_is_what_the_remote_stub_reads() -> None:
+    line = header_line(["python", "train.py"], {"A": "1"}, "/work", b"\x01\xff" * 16)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    header = parse_header(io.BytesIO(line).readline())
+    assert (header.argv, header.env, header.cwd, header.secret) == (("python", "train.py"), {"A": "1"}, "/work",
+                                                                   b"\x01\xff" * 16)
+
+
+@pytest.mark.parametrize(("text", "counts"), [("4", [4]), ("2(x3),1", [2, 2, 2, 1]), ("8(x2)", [8, 8])])
+def test_slurm_per_node_counts(text: str, counts: list[int]) -> None:
+    assert per_node_counts(text, "SLURM_TASKS_PER_NODE") == counts
+
+
+def test_slurm_allocation_gives_each_node_its_tasks_as_slots() -> None:
+    env = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert allocation_hosts(env) == [Host("gpu01", 2), Host("gpu02", 2), Host("gpu03", 1)]
+    assert read_hosts(None, None, env) == ([Host("gpu01", 2), Host("gpu02", 2), Host("gpu03", 1)], "SLURM job 12")
+    with pytest.raises(HostsError, match="lists 1 nodes but SLURM_JOB_NODELIST has 3"):
+        allocation_hosts({**env, "SLURM_TASKS_PER_NODE": "4"})
+    with pytest.raises(HostsError, match=r"'x' is not N or N\(xK\)"):
+        allocation_hosts({**env, "SLURM_TASKS_PER_NODE": "x"})
+
+
+def test_one_launcher_per_allocation() -> None:
+    assert slurm_refusal({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}) is None
+    assert slurm_refusal({}) is None
+    refusal = slurm_refusal({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"})
+    assert refusal is not None and "run `sluice launch` once" in refusal
+
+
+def test_host_sources() -> None:
+    assert read_hosts("a:2,b", None, {}) == ([Host("a", 2), Host("b", 1)], "-H")
+    assert read_hosts(None, None, {}) == ([], "")
+    with pytest.raises(HostsError, match="not both"):
+        read_hosts("a", "f", {})
+    with pytest.raises(HostsError, match="cannot read the hostfile"):
+        read_hosts(None, "/nonexistent/hosts", {})
+
+
+def _config(host: str) -> SluiceConfig:
+    return load_config(None, {}, [f"transport.host={host}"])
+
+
+def test_plan_places_roles_and_listens_on_each_hosts_address() -> None:
+    hosts = [Host("127.0.0.1", 2, "r1"), Host("192.0.2.10", 2, "r2")]  # this machine and a documentation address
+    plan = plan_cluster(hosts, "-H", None, 2, 0, None, Reach(), _config("192.0.2.1"))
+    assert [(p.role, p.rank, p.host, p.local_rank) for p in plan.layout.processes] == [
+        ("worker", 0, "127.0.0.1", 0), ("worker", 1, "127.0.0.1", 1), ("worker", 2, "192.0.2.10", 0),
+        ("worker", 3, "192.0.2.10", 1), ("server", 0, "127.0.0.1", 0), ("server", 1, "192.0.2.10", 0)]
+    assert plan.here == frozenset({"127.0.0.1"})
+    assert (plan.is_remote("127.0.0.1"), plan.is_remote("192.0.2.10")) == (False, True)
+    assert (plan.address("127.0.0.1"), plan.address("192.0.2.10")) == ("192.0.2.1", "192.0.2.10")
+    assert plan.describe().splitlines() == [
+        "hosts from -H; the scheduler runs here (192.0.2.1)",
+        "  127.0.0.1 (this machine): workers 0,1, server 0",
+        "  192.0.2.10 (192.0.2.10): workers 2,3, server 1"]
+    racks = plan.with_racks(_config("192.0.2.1"), hosts).aggregation.racks
+    assert racks == ("r1: 192.0.2.1", "r2: 192.0.2.10")
+
+
+def test_a_loopback_launcher_address_cannot_serve_other_hosts() -> None:
+    with pytest.raises(HostsError, match=r"transport.host = 127.0.0.2 cannot be reached from the other hosts"):
+        plan_cluster([Host("192.0.2.10")], "-H", None, 1, 0, None, Reach(), _config("127.0.0.2"))
+
+
+def test_under_srun_every_role_goes_through_slurm() -> None:
+    plan = plan_cluster([Host("127.0.0.1", 2)], "SLURM job 3", None, 1, 0, None, Reach("srun"), _config("127.0.0.1"))
+    assert plan.is_remote("127.0.0.1")
+    assert plan.launcher_address == "127.0.0.1"
