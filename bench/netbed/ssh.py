@@ -1,11 +1,12 @@
-"""Hosts that run OpenSSH servers: testbed namespaces (bench/netbed), each with an sshd and a key made by the test.
+"""Hosts that run OpenSSH servers: testbed namespaces, each with an sshd and a key made for the bed.
 
 The launcher runs in the testbed host `launcher`; `h1`, `h2`, ... each run `sshd` on port 22 of
 their address, admitting one key generated for the bed, and the launcher's ssh checks their host
 keys against a known_hosts file the bed writes (StrictHostKeyChecking=yes: nothing is trusted on
 first use). The namespaces share this machine's file system, so the hosts have the project and its
 virtual environment at the same paths, as a cluster with a shared home directory does.
-Needs root, iproute2 and OpenSSH (client and server): `make test-system-deps` installs them.
+Needs root, iproute2 and OpenSSH (client and server): `make test-system-deps` installs them;
+`NetbedUnavailable` says what is missing. Tests and benchmarks (bench/curve_cost.py) share it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from bench.netbed import Netbed, NetbedUnavailable, check_available
 
@@ -69,8 +68,8 @@ class SshBed:
                 "-o", "StrictModes=no", "-o", "UsePAM=no", "-o", "PasswordAuthentication=no",
                 "-o", "KbdInteractiveAuthentication=no", "-o", "PermitRootLogin=prohibit-password",
                 "-o", "MaxStartups=100:30:200", "-o", "MaxSessions=100"]
-        log = open(self.keys / f"sshd-{name}.log", "wb")  # noqa: SIM115 - the daemon writes it until close
-        self._daemons.append(self.netbed.run(name, argv, stdout=log, stderr=subprocess.STDOUT))
+        with open(self.keys / f"sshd-{name}.log", "wb") as log:  # the daemon keeps its own descriptor
+            self._daemons.append(self.netbed.run(name, argv, stdout=log, stderr=subprocess.STDOUT))
         self.hosts[name] = address
 
     def run(self, host: str, argv: Sequence[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess[str]:
@@ -83,7 +82,8 @@ class SshBed:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, 9)
             out, _ = process.communicate()
-            pytest.fail(f"{' '.join(argv[:6])} ... did not finish within {timeout:g} s; output:\n{out[-4000:]}")
+            raise TimeoutError(f"{' '.join(argv[:6])} ... did not finish within {timeout:g} s; output:\n"
+                               f"{out[-4000:]}") from None
         return subprocess.CompletedProcess(process.args, process.returncode, out, "")
 
     def launch(self, args: Sequence[str], timeout: float = 120.0, **popen: Any) -> subprocess.CompletedProcess[str]:
@@ -104,7 +104,7 @@ class SshBed:
                     break
                 if time.monotonic() > deadline:
                     log = (self.keys / f"sshd-{name}.log").read_text(errors="replace")[-2000:]
-                    pytest.fail(f"sshd on {name} ({address}) did not admit the bed's key within {timeout:g} s: "
+                    raise RuntimeError(f"sshd on {name} ({address}) did not admit the bed's key within {timeout:g} s: "
                                 f"{probe.stdout.strip()}\nsshd log:\n{log}")
                 time.sleep(0.2)
 
@@ -122,11 +122,12 @@ def _keygen(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = ()) -> Iterator[SshBed]:
-    """A testbed with a `launcher` host and `ssh_hosts` hosts h1, h2, ... running sshd; `extra_hosts`
-    are more namespaces without sshd (strangers, say)."""
+def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
+            rates: Sequence[float | None] = ()) -> Iterator[SshBed]:
+    """A testbed with a `launcher` host and `ssh_hosts` hosts h1, h2, ... running sshd (host hI's link
+    shaped to rates[I-1] Mbit/s where given); `extra_hosts` are more namespaces without sshd."""
     if reason := unavailable():
-        pytest.skip(reason)
+        raise NetbedUnavailable(reason)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     keys.mkdir(parents=True, exist_ok=True)
     host_public = _keygen(keys / "host_key")
@@ -136,7 +137,7 @@ def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = ()) -> 
         try:
             netbed.host("launcher")
             for index in range(1, ssh_hosts + 1):
-                netbed.host(f"h{index}")
+                netbed.host(f"h{index}", rates[index - 1] if index <= len(rates) else None)
                 bed.start_sshd(f"h{index}")
             for name in extra_hosts:
                 netbed.host(name)
