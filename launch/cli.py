@@ -12,6 +12,7 @@ import sys
 import textwrap
 from types import FrameType
 
+from sluice.launch import kubernetes, node
 from sluice.launch.config import ConfigError, help_epilog, load_config
 from sluice.scheduler.bootstrap import ENV_ROLE, from_environ
 from sluice.scheduler.errors import SluiceError
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "descriptor SLUICE_SECRET_FD names (or runs unauthenticated with transport.curve = false)."
                         + (" It prints `SLUICE_SCHEDULER_READY <endpoint>` once it listens."
                            if role == "scheduler" else "")))
+    node.add_parser(commands)
+    kubernetes.add_manifest_parser(commands)
     return parser
 
 
@@ -270,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run_role(args.command)
     if args.command == "jobs":
         return _list_jobs(args.json)
+    if args.command == "node":
+        return node.run(args)
+    if args.command == "kubernetes":
+        return kubernetes.run_manifest(args)
     parser.print_help(sys.stderr)
     return 2
 

@@ -15,6 +15,9 @@ class SchedulerConfig:
     rendezvous_timeout: float = 120.0
     #: a declaration, barrier or pull waits at most this long before failing with a named error
     op_timeout: float = 120.0
+    #: the port the scheduler listens on; 0: one the OS picks (`sluice launch` hands it to the others).
+    #: `sluice node` sets it from --scheduler, so pods started by Kubernetes find the scheduler there
+    port: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -22,3 +25,5 @@ class SchedulerConfig:
         for name in ("rendezvous_timeout", "op_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"scheduler.port must be 0 (the OS picks one) or a TCP port up to 65535, got {self.port}")

@@ -16,6 +16,7 @@ from sluice.scheduler.hierarchy.manager import tree_source
 from sluice.scheduler.hierarchy.placement import NodeAt
 from sluice.scheduler.jobs_registry import Registry
 from sluice.scheduler.node import endpoint_host
+from sluice.scheduler.recovery import ServerRecovery
 from sluice.scheduler.rendezvous import Out, Rendezvous
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.rejects import Rejections
@@ -31,6 +32,7 @@ _INBOX_LIMIT = 10_000
 def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     """Serve the control plane for `env.workers` workers and `env.servers` servers; the exit code."""
     settings = SchedulerConfig(**env.section("scheduler"))
+    ps_section = env.section("ps")  # ps.recover's keys (ps/config.py, validated by the launcher)
     data_settings = env.transport_config()
     inbox: queue.Queue[tuple[str, Message]] = queue.Queue(_INBOX_LIMIT)
     control_settings = replace(data_settings, channels=1, tos=(), so_priority=(), channel_levels=())
@@ -56,6 +58,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     machine = Rendezvous(
         env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),
         inflight_bytes=data_settings.inflight_bytes, aggregators=env.aggregators,
+        recovery=ServerRecovery(bool(ps_section.get("recover", False)), float(ps_section.get("recover_timeout", 60))),
     )
     trees = tree_source(AggregationConfig(**env.section("aggregation")), time.monotonic())
     first = trees.due(time.monotonic()) if trees is not None else None
@@ -66,7 +69,13 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             transport.close()
             log.error("aggregation.trees do not fit this job: %s", exc)
             return 1
-    endpoint = transport.listen()[0]
+    try:
+        endpoint = transport.listen(settings.port)[0]
+    except (OSError, ValueError) as exc:
+        transport.close()
+        log.error("the scheduler cannot listen: %s (transport.host = %s, scheduler.port = %d)",
+                  exc, data_settings.host, settings.port)
+        return 1
     announce(endpoint)
     registry = Registry(endpoint, env, time.time())
     log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)

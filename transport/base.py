@@ -23,14 +23,23 @@ class Transport(Protocol):
     #: called (message, queued at, sent at; monotonic seconds) as each message goes to its socket
     tracer: Callable[[Message, float, float], None] | None
 
-    def listen(self) -> list[str]:
-        """Bind one endpoint per channel on the configured host; return their addresses."""
+    def listen(self, port: int = 0) -> list[str]:
+        """Bind one endpoint per channel on the configured host; return their addresses.
+
+        `port` 0: ports the OS picks. Otherwise channel c binds `port + c`, an address others can be
+        told in advance (the scheduler's, on Kubernetes); one already taken raises OSError naming it."""
         ...
 
     def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
         """Open one channel per endpoint to `peer`; with fewer endpoints, higher channels use the last.
 
         `control`: the peer is the control plane (the scheduler), whose messages carry large headers."""
+        ...
+
+    def replace_peer(self, peer: str, endpoints: Sequence[str]) -> None:
+        """`peer` died and a new process of its name listens on `endpoints`: forget everything owed to or
+        from the old one (queued messages, in-flight credit, shared memory) and connect to the new one.
+        Messages queued for it are dropped: the caller sends again what it still needs."""
         ...
 
     def send(self, peer: str, channel: int, msg: Message) -> None:

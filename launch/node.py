@@ -1,0 +1,245 @@
+"""`sluice node`: start one process of a job whose processes an outside launcher (Kubernetes) starts one by one."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import stat
+import sys
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.launch.config import ConfigError, help_epilog, load_config
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, secret_pipe
+from sluice.transport.auth import MIN_SECRET_BYTES
+
+#: Kubernetes sets it in every pod of an Indexed Job: 0, 1, ... completions - 1
+ENV_INDEX = "JOB_COMPLETION_INDEX"
+USAGE = ("sluice node -w N -s M [-a K] --scheduler HOST:PORT (--secret-file PATH | --set transport.curve=false) "
+         "[--index I] [--master HOST:PORT] [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]")
+_MAX_SECRET_FILE = 4096
+_LOOPBACK_NAMES = frozenset({"localhost", "::1", "[::1]", "ip6-localhost"})
+# like `sluice launch`: role processes run this very package, wherever it lies
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class NodeError(ValueError):
+    """A command line, index or secret file this node cannot start with; the text says what to do."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """What to exec: the program, its environment (the secret goes separately, through a pipe)."""
+
+    role: str
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+    secret: bytes = dataclasses.field(default=b"", repr=False)
+    notes: tuple[str, ...] = ()
+
+
+def role_of(index: int, workers: int, servers: int, aggregators: int = 0) -> tuple[str, int]:
+    """(role, rank) of process `index`: 0 the scheduler, then the servers, the aggregators, the workers."""
+    size = 1 + servers + aggregators + workers
+    if not 0 <= index < size:
+        raise NodeError(f"index {index} is outside this job: -w {workers} -s {servers} -a {aggregators} make "
+                        f"{size} processes, indexes 0..{size - 1} (on Kubernetes: completions = {size})")
+    if index == 0:
+        return "scheduler", 0
+    if index <= servers:
+        return "server", index - 1
+    if index <= servers + aggregators:
+        return "aggregator", index - 1 - servers
+    return "worker", index - 1 - servers - aggregators
+
+
+def job_index(given: int | None, environ: Mapping[str, str]) -> int:
+    if given is not None:
+        return given
+    raw = environ.get(ENV_INDEX)
+    if raw is None:
+        raise NodeError(f"which process of the job is this? pass --index I, or set {ENV_INDEX} (Kubernetes "
+                        "sets it in each pod of an Indexed Job)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise NodeError(f"{ENV_INDEX}={raw!r} is not a process index; pass --index I instead") from None
+
+
+def host_port(text: str, option: str) -> tuple[str, int]:
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise NodeError(f"{option} {text!r}: expected HOST:PORT, e.g. {option} sluice-0.sluice:29400")
+    return host, int(port)
+
+
+def read_secret_file(path: str) -> bytes:
+    """The job secret in `path`, without surrounding whitespace; refused if others can read the file."""
+    try:  # O_NONBLOCK: a FIFO put there is refused below instead of blocking this open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise NodeError(f"cannot read the secret file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # of what was opened, so the file checked is the file read
+        if not stat.S_ISREG(info.st_mode):
+            raise NodeError(f"the secret file {path} is not a regular file: write the job secret into a file "
+                            "(on Kubernetes: mount the Secret as a volume)")
+        if info.st_mode & 0o007:
+            raise NodeError(f"the secret file {path} can be read by others (mode {stat.S_IMODE(info.st_mode):04o}): "
+                            f"run chmod 600 {path} (on Kubernetes: give the Secret volume defaultMode 0400)")
+        data = b""
+        while len(data) <= _MAX_SECRET_FILE and (chunk := os.read(fd, _MAX_SECRET_FILE + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_SECRET_FILE:
+        raise NodeError(f"the secret file {path} holds more than {_MAX_SECRET_FILE} bytes: is it the job secret?")
+    secret = data.strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise NodeError(f"the secret file {path} holds {len(secret)} bytes (without whitespace); a job secret needs "
+                        f"at least {MIN_SECRET_BYTES}: make one with `openssl rand -hex 32`")
+    return secret
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in _LOOPBACK_NAMES
+
+
+def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
+    """What this node runs, from the command line and environment; raises NodeError or ConfigError."""
+    workers, servers, aggregators = args.workers, args.servers, args.aggregators
+    if workers < 1 or servers < 0 or aggregators < 0 or (aggregators and not servers):
+        raise NodeError(f"-w {workers} -s {servers} -a {aggregators}: a job needs a worker or more, no negative "
+                        "counts, and parameter servers (-s 1 or more) for its aggregators")
+    role, rank = role_of(job_index(args.index, environ), workers, servers, aggregators)
+    command = list(args.worker_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if role == "worker" and not command:
+        raise NodeError("no worker command: put it after --, e.g. sluice node ... -- python train.py")
+    host, port = host_port(args.scheduler, "--scheduler")
+    config = load_config(args.config, environ, args.sets)
+    if config.scheduler.port not in (0, port):
+        raise NodeError(f"scheduler.port = {config.scheduler.port}, but --scheduler {args.scheduler} names port "
+                        f"{port}: drop the setting (--scheduler sets it for every process of the job)")
+    # set on every process, not only the scheduler: the scheduler refuses nodes whose settings differ
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=port))
+    notes: list[str] = []
+    if _loopback(config.transport.host) and not _loopback(host):
+        notes.append(f"warning: transport.host is {config.transport.host}, so processes on other hosts (pods) "
+                     "cannot reach this one: set SLUICE_TRANSPORT_HOST to this host's address (on Kubernetes: "
+                     "status.podIP from the downward API, as `sluice kubernetes` does)")
+    secret = b""
+    if config.transport.curve:
+        if args.secret_file is None:
+            raise NodeError("no --secret-file: every process of the job needs the job secret while "
+                            "transport.curve is on (the default); put one in a file of mode 0600 (on Kubernetes: "
+                            "a Secret mounted as a volume), or --set transport.curve=false on a network you trust")
+        secret = read_secret_file(args.secret_file)
+    elif args.secret_file is not None:
+        notes.append(f"transport.curve is off: the secret file {args.secret_file} is not used")
+    node = NodeEnv("" if role == "scheduler" else f"tcp://{host}:{port}", role, rank, workers, servers,
+                   config.to_sections(), aggregators=aggregators)
+    env = {**environ, "PYTHONUNBUFFERED": "1", **node.to_environ()}
+    env.pop(ENV_SECRET_FD, None)  # one inherited from whoever started us names no pipe of ours
+    if role != "worker":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+        return Start(role, rank, [sys.executable, "-m", "sluice.launch.cli", role], env, secret, tuple(notes))
+    # torchrun's variables, one process per host (pod), so a DDP script's init_process_group() works
+    env.update(RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if args.master is not None:
+        master_host, master_port = host_port(args.master, "--master")
+        env.update(MASTER_ADDR=master_host, MASTER_PORT=str(master_port))
+    return Start(role, rank, command, env, secret, tuple(notes))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Become the node: exec its program, so that it is the pod's main process and gets its signals."""
+    try:
+        start = plan(args, os.environ)
+    except (NodeError, ConfigError) as exc:
+        print(f"sluice node: error: {exc}", file=sys.stderr)
+        return 2
+    for note in start.notes:
+        print(f"sluice node: {note}", file=sys.stderr)
+    print(f"sluice node: {start.role} {start.rank}: {shlex.join(start.argv)}", file=sys.stderr, flush=True)
+    env = dict(start.env)
+    secret_fd = None
+    if start.secret:  # as `sluice launch` hands it over: through a pipe, never argv, environ or logs
+        secret_fd = secret_pipe(start.secret)
+        env[ENV_SECRET_FD] = str(secret_fd)
+    sys.stdout.flush()
+    try:
+        os.execvpe(start.argv[0], start.argv, env)
+    except OSError as exc:
+        if secret_fd is not None:
+            os.close(secret_fd)
+        print(f"sluice node: error: cannot run {shlex.join(start.argv)}: {exc.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached: exec does not return
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-w", "--workers", type=int, required=True, metavar="N", help="worker processes in the job")
+    parser.add_argument("-s", "--servers", type=int, required=True, metavar="M",
+                        help="parameter-server processes in the job (0: pure allreduce)")
+    parser.add_argument("-a", "--aggregators", type=int, default=0, metavar="K",
+                        help="aggregator processes in the job (default: %(default)s)")
+    parser.add_argument("--scheduler", required=True, metavar="HOST:PORT",
+                        help="where the scheduler (index 0) listens; index 0 itself listens on PORT of "
+                             "transport.host (SLUICE_TRANSPORT_HOST), e.g. sluice-0.sluice:29400")
+    parser.add_argument("--secret-file", metavar="PATH",
+                        help="file holding the job secret (at least 16 bytes, the same for every process; "
+                             "readable by no one but its owner and group, e.g. mode 0600). Without it, "
+                             "--set transport.curve=false runs the job unauthenticated and unencrypted: only on "
+                             "a network you trust")
+    parser.add_argument("--index", type=int, metavar="I",
+                        help=f"this process's index: 0 the scheduler, 1..M the servers, then the aggregators, "
+                             f"then the workers (default: the variable {ENV_INDEX}, set by a Kubernetes Indexed Job)")
+    parser.add_argument("--master", metavar="HOST:PORT",
+                        help="MASTER_ADDR and MASTER_PORT for the workers (torch.distributed's rendezvous)")
+    parser.add_argument("--config", metavar="PATH", help="TOML file with the job's settings")
+    parser.add_argument("--set", metavar="SECTION.FIELD=VALUE", action="append", default=[], dest="sets",
+                        help="override one configuration key (repeatable); the keys are listed below")
+    parser.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS ...]",
+                        help="the worker program, e.g. -- python train.py --epochs 3")
+
+
+_DESCRIPTION = textwrap.fill(
+    "Runs one process of a job whose processes are started one by one by another launcher, such as the pods of "
+    "a Kubernetes Indexed Job (`sluice kubernetes` writes one): index 0 runs the scheduler on the port "
+    "--scheduler names, 1..M the servers, then the aggregators, then the workers, each worker running COMMAND "
+    "with the SLUICE_* variables and torchrun's RANK, WORLD_SIZE, LOCAL_RANK = 0. It reads the job secret from "
+    "--secret-file and hands it over through a pipe, then execs the process, which so receives the signals "
+    "sent to this one (Kubernetes' SIGTERM).",
+    100)
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """`sluice node`, among the subcommands of `sluice`."""
+    parser = commands.add_parser(
+        "node", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_epilog(), usage=USAGE,
+        help="run one process of a job started by another launcher (a pod of a Kubernetes Indexed Job)",
+        description=_DESCRIPTION)
+    _add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice node", usage=USAGE, description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_epilog())
+    _add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help and usage errors: hand the code back instead of exiting
+        return exc.code if isinstance(exc.code, int) else 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
