@@ -60,6 +60,8 @@ class _Job:
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
         self.janitor: Janitor | None = None
+        self.endpoint = ""  # the scheduler's, once it announced it
+        self.restarts = 0  # servers restarted (ps.recover)
 
     def busiest_host(self) -> int:
         """The most workers any one host runs."""
@@ -187,7 +189,7 @@ class _Job:
             else:
                 self.complain(f"{sched.name} did not announce its endpoint within {self.ready_timeout:g} s")
             return 1
-        endpoint = sched.ready.result()
+        endpoint = self.endpoint = sched.ready.result()
         aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
                  f"{_count(self.workers, 'worker')}{aggregators}")
@@ -226,6 +228,10 @@ class _Job:
                 code: int = task.result()
                 if task in role_tasks:
                     child = role_tasks.pop(task)
+                    if code != 0 and (replacement := await self._replace(child)) is not None:
+                        role_tasks[replacement.done] = replacement
+                        roles[roles.index(child)] = replacement
+                        continue
                     if code != 0:
                         return await self._failed(child)
                     # the scheduler ends the job once every worker said goodbye, which is usually
@@ -238,6 +244,29 @@ class _Job:
                     return await self._failed(child)
         self.say("all workers finished")
         return await self._wind_down(roles)
+
+    async def _replace(self, dead: Child) -> Child | None:
+        """With ps.recover, start a dead server again under its name (ps/snapshot.py, scheduler/recovery.py),
+        up to ps.max_restarts times in the job; None when it is not to be replaced."""
+        ps = self.config.ps
+        if dead.role != "server" or not ps.recover or self.stopping:
+            return None
+        if self.restarts >= ps.max_restarts:
+            self.complain(f"{dead.name} {exit_description(dead.returncode or 0)}, and the job already restarted "
+                          f"servers {self.restarts} times (ps.max_restarts)")
+            return None
+        self.restarts += 1
+        self.complain(f"{dead.name} {exit_description(dead.returncode or 0)}; restarting it "
+                      f"({self.restarts} of at most {ps.max_restarts} restarts)")
+        lines = "\n".join(f"    {line}" for line in dead.tail) or "    (no output)"
+        self.complain(f"last lines of {dead.label}:\n{lines}")
+        self.children.remove(dead)  # what it did is told; the blame of a later failure is its replacement's
+        try:
+            return await self.spawn("server", dead.rank, [sys.executable, "-m", "sluice.launch.cli", "server"],
+                                    self.endpoint)
+        except OSError as exc:
+            self.complain(f"cannot restart {dead.label}: {exc}")
+            return None
 
     @staticmethod
     def _context(child: Watched) -> str:

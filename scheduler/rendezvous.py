@@ -18,6 +18,7 @@ from sluice.scheduler.hierarchy.agent import Report, parse_report
 from sluice.scheduler.hierarchy.routes import Route, check_trees
 from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from sluice.scheduler.partition import TensorPlan, TensorSpec, plan_tensors
+from sluice.scheduler.recovery import ServerRecovery
 from sluice.transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from sluice.transport.wire import DTYPES, Kind, Message, WireError, brief, meta_field
 
@@ -118,8 +119,11 @@ class Rendezvous:
         inflight_bytes: int = 0,
         bind_names: bool = True,
         aggregators: int = 0,
+        recovery: ServerRecovery | None = None,
     ) -> None:
         self.workers, self.servers, self.aggregators, self.config = workers, servers, aggregators, config
+        #: server replacement under ps.recover (scheduler/recovery.py)
+        self.recovery = recovery or ServerRecovery()
         #: the switch to new aggregation trees between rounds (scheduler/hierarchy/switch.py)
         self.switch = RouteSwitch()
         #: each node's latest network report (scheduler/hierarchy/agent.py), by node name
@@ -207,11 +211,18 @@ class Rendezvous:
             )
         if self.phase == "running":
             for name, seen in self.last_seen.items():
-                if name not in self.byes and now - seen > self.config.heartbeat_timeout:
-                    node = self.nodes[name]
+                if name in self.byes or now - seen <= self.config.heartbeat_timeout:
+                    continue
+                node = self.nodes[name]
+                patience = self.recovery.patience(node.role)
+                if now - seen > self.config.heartbeat_timeout + patience:
+                    waited = f" (nor was it replaced within ps.recover_timeout = {patience:g} s)" if patience else ""
                     return self._fail(
-                        f"{node.describe()} sent no heartbeat for {now - seen:.1f} s: it is lost", node
+                        f"{node.describe()} sent no heartbeat for {now - seen:.1f} s: it is lost{waited}", node
                     )
+                if name not in self.recovery.silent:
+                    self.recovery.silent.add(name)
+                    self.notes.append(f"{node.describe()} is silent; waiting up to {patience:g} s for its replacement")
         return []
 
     def _on_register(self, peer: str, msg: Message, now: float) -> list[Out]:
@@ -222,6 +233,10 @@ class Rendezvous:
         if self.bind_names and rank_hint >= 0 and peer != node_name(role, rank_hint):
             # with CURVE the connection's name is the member's authenticated name: this is not that member
             raise WireError(f"REGISTER as {role} {rank_hint} from a connection named {peer!r:.60}")
+        returning = self.nodes.get(peer)
+        if self.phase == "running" and returning is not None and returning.role == role == "server" \
+                and self.recovery.enabled:
+            return self._server_returns(returning, msg, now)
         if self.phase != "registering" or peer in self.nodes:
             return [(peer, self._msg(Kind.ERROR, error="the job has already formed; registration refused"))]
         if meta_field(msg, "fingerprint", str) != self.fingerprint:
@@ -239,6 +254,33 @@ class Rendezvous:
         if len(self.nodes) < self.workers + self.servers + self.aggregators:
             return []
         return self._assign(now)
+
+    def _server_returns(self, node: Node, msg: Message, now: float) -> list[Out]:
+        """A replaced server registered again (ps.recover): welcome it as before, then re-plan it."""
+        if meta_field(msg, "fingerprint", str) != self.fingerprint:
+            return [(node.name, self._msg(Kind.ERROR, error="the replacement of "
+                                          f"{node.describe()} was started with a different configuration"))]
+        endpoints = meta_field(msg, "endpoints", list)
+        if not endpoints or not all(isinstance(e, str) for e in endpoints):
+            raise WireError("REGISTER endpoints must be a non-empty list of strings for a server")
+        node.endpoints, node.pid = endpoints, meta_field(msg, "pid", int)
+        self.last_seen[node.name] = now
+        book = [[n.node_id, n.role, n.rank, n.name, n.endpoints] for n in self.nodes.values()]
+        outs = [(node.name, self._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role,
+                                      nodes=book))]
+        plans = self.recovery.replaced(node.name)
+        self.notes.append(f"{node.describe()} registered again (replacement {self.recovery.incarnations[node.name]});"
+                          f" re-sending its {len(plans)} plans")
+        outs += [(node.name, plan) for plan in plans]
+        if not plans:
+            self.recovery.pending.pop(node.name, None)
+            outs += self._server_back(node)
+        return outs
+
+    def _server_back(self, node: Node) -> list[Out]:
+        self.notes.append(f"{node.describe()} is back: telling the workers its endpoints")
+        back = self.recovery.back(node.node_id, node.rank, node.name, node.endpoints)
+        return [(n.name, back) for n in self._of_role("worker") + self._of_role("aggregator")]
 
     def _assign(self, now: float) -> list[Out]:
         next_id = 1
@@ -314,7 +356,9 @@ class Rendezvous:
                  [[c.chunk, c.length] for c in p.chunks if c.server == server.rank]]
                 for p in plans
             ]
-            outs.append((server.name, self._msg(Kind.PLAN, seq=seq, tensors=shard, limits=limits.as_list())))
+            plan = self._msg(Kind.PLAN, seq=seq, tensors=shard, limits=limits.as_list())
+            self.recovery.sent(server.name, plan)
+            outs.append((server.name, plan))
         decl.table = [
             [p.key, p.spec.name, list(p.spec.shape), p.spec.dtype, p.priority,
              [[c.chunk, c.offset, c.length, c.server] for c in p.chunks]]
@@ -342,6 +386,12 @@ class Rendezvous:
 
     def _on_plan_ack(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)
+        if self.recovery.recovering(node.name):  # a replacement acknowledging a plan sent again
+            outs = self._server_back(node) if self.recovery.acked(node.name, seq) else []
+            return outs + (self._on_plan_ack_of(node, seq) if seq in self._declarations else [])
+        return self._on_plan_ack_of(node, seq)
+
+    def _on_plan_ack_of(self, node: Node, seq: int) -> list[Out]:
         decl = self._declarations.get(seq)
         if decl is None or len(decl.by_rank) < self.workers:  # not yet planned: no server has been sent it
             raise WireError(f"PLAN_ACK for unknown declaration {seq}")

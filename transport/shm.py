@@ -257,6 +257,20 @@ class SharedPayloads:
         """A peer left: unmap its segments."""
         self.peers.forget(peer)
 
+    def reset_peer(self, peer: str) -> None:
+        """A peer was replaced by a new process: unmap the old one's segments, drop our rings to it
+        (their names are gone: the new one could not map them) and announce our segments afresh."""
+        self.peers.forget(peer)
+        self._mapped_by.pop(peer, None)
+        self._announced.pop(peer, None)
+        for route in [r for r in self._rings if r[0] == peer]:
+            self._rings.pop(route).segment.unlink()
+        for route in [r for r in self._unacked if r[0] == peer]:
+            del self._unacked[route]
+        kept = [item for item in self.pending if item[0] != peer]
+        self.pending.clear()
+        self.pending.extend(kept)
+
     def close(self) -> None:
         for ring in self._rings.values():
             ring.segment.unlink()

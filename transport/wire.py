@@ -100,6 +100,8 @@ class Kind(IntEnum):
     ROUTES = 13
     ROUTES_ACK = 14
     COMMIT = 15
+    #: a server that died was replaced (ps.recover): its new endpoints, to the workers and aggregators
+    SERVER_BACK = 16
     PUSH = 20
     PULL = 21
     REPLY = 22
@@ -131,6 +133,9 @@ class Flag:
     SHM = 2
     #: the sender is on this host and reads shared memory: replies may use SHM
     LOCAL = 4
+    #: a worker sends this again to a server that replaced a dead one (ps.recover): a push of a round
+    #: the server already committed is answered, not applied twice
+    RESEND = 8
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -20,6 +20,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from errno import EADDRINUSE
 from typing import Any
 
 import numpy as np
@@ -95,11 +96,14 @@ class ZmqTransport(ReceivePath):
         self._thread.start()
 
     # ----------------------------------------------------------------- caller side (any thread)
-    def listen(self) -> list[str]:
-        return list(self._call(self._listen))
+    def listen(self, port: int = 0) -> list[str]:
+        return list(self._call(lambda: self._listen(port)))
 
     def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
         self._call(lambda: self._connect(peer, list(endpoints), control))
+
+    def replace_peer(self, peer: str, endpoints: Sequence[str]) -> None:
+        self._call(lambda: self._replace_peer(peer, list(endpoints)))
 
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
@@ -175,29 +179,59 @@ class ZmqTransport(ReceivePath):
         sock = make_socket(self._ctx, kind, largest, self._tos[channel] if self._tos else None,
                            self.config.so_priority[channel] if self.config.so_priority else None)
         self._max_header[sock] = header
+        if kind == zmq.ROUTER and self._control:
+            # a replaced server (ps.recover) registers again under its name before the scheduler may
+            # have noticed that the dead one's connection closed: the new connection takes the name
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         return sock
 
-    def _listen(self) -> list[str]:
+    def _listen(self, port: int) -> list[str]:
         if self._routers:
             raise RuntimeError(f"transport {self.name} is already listening")
-        endpoints = []
-        for channel in range(self.config.channels):
-            sock = self._socket(zmq.ROUTER, channel, self._control)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            monitor = self._guard.secure_listener(sock)
+        channels = self.config.channels
+        if port and (self.config.protocol != "tcp" or not 0 < port <= 65536 - channels):
+            raise ValueError(f"cannot listen on port {port}: a fixed port needs transport.protocol = tcp and "
+                             f"{channels} ports from it up to 65535")
+        made: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]] = []
+        address = ""
+        try:
+            for channel in range(channels):
+                sock = self._socket(zmq.ROUTER, channel, self._control)
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                made.append((sock, self._guard.secure_listener(sock)))
+                address = self._address(channel, port)
+                sock.bind(address)
+        except zmq.ZMQError as exc:
+            self._drop(made)
+            in_use = exc.errno == EADDRINUSE
+            taken = ": another process holds it; stop that one, or choose another port" if in_use else ""
+            error = OSError(f"cannot listen on {address} ({os.strerror(exc.errno or 0)}){taken}")
+            error.errno = exc.errno
+            raise error from None
+        for channel, (sock, monitor) in enumerate(made):
             if monitor is not None:
                 self._monitors.add(monitor)
                 self._poller.register(monitor, zmq.POLLIN)
-            if self.config.protocol == "ipc":
-                self._ipc_dir = self._ipc_dir or tempfile.mkdtemp(prefix="sluice-")
-                sock.bind(f"ipc://{self._ipc_dir}/ch{channel}")
-            else:
-                sock.bind(f"tcp://{self.config.host}:0")
-            endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             self._routers.append(sock)
             self._socket_channel[sock] = (None, channel)
             self._poller.register(sock, zmq.POLLIN)
-        return endpoints
+        return [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in self._routers]
+
+    def _address(self, channel: int, port: int) -> str:
+        if self.config.protocol == "ipc":
+            self._ipc_dir = self._ipc_dir or tempfile.mkdtemp(prefix="sluice-")
+            return f"ipc://{self._ipc_dir}/ch{channel}"
+        return f"tcp://{self.config.host}:{port + channel if port else 0}"
+
+    def _drop(self, made: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]]) -> None:
+        """Close listeners of a listen() that failed, so that none holds a port or is half set up."""
+        for sock, monitor in made:
+            self._max_header.pop(sock, None)
+            if monitor is not None:
+                sock.disable_monitor()
+                self._guard.monitors.remove(monitor)
+                monitor.close(linger=0)
+            sock.close(linger=0)
 
     def _connect(self, peer: str, endpoints: list[str], control: bool) -> None:
         if peer in self._dealers:
@@ -217,6 +251,21 @@ class ZmqTransport(ReceivePath):
             self._socket_channel[sock] = (peer, channel)
             self._poller.register(sock, zmq.POLLIN)
         self._dealers[peer] = socks
+
+    def _replace_peer(self, peer: str, endpoints: list[str]) -> None:
+        for sock in self._dealers.pop(peer, []):
+            self._poller.unregister(sock)
+            self._socket_channel.pop(sock, None)
+            self._max_header.pop(sock, None)
+            sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
+        for route in [r for r in self._queues if r[0] == peer]:
+            del self._queues[route]  # and with the queue, the credit its acknowledgements would have freed
+            self._active.discard(route)
+            self._unacked.pop(route, None)
+        if self._local is not None:
+            self._local.discard(peer)
+        self._shared.reset_peer(peer)
+        self._connect(peer, endpoints, control=False)
 
     def _run(self) -> None:
         try:

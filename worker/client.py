@@ -8,6 +8,7 @@ are written straight into the caller's output array on the transport's I/O threa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +37,7 @@ from sluice.worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.handle import Handle
 from sluice.worker.job_priority import JobLevel, JobsConfig
+from sluice.worker.resend import ServerBack, outstanding, parse_server_back, resent
 from sluice.worker.routing import Router
 from sluice.worker.trace import WorkerTrace
 
@@ -67,6 +69,9 @@ class _Op:
     handle: Handle
     out: np.ndarray | None
     dtype: str
+    #: what was sent for this chunk and to which server, kept to send again to a replacement (resend.py)
+    server: int = -1
+    request: Message | None = None
 
 
 class Client:
@@ -239,9 +244,11 @@ class Client:
         """Write the result of this worker's latest round into `out` (waits for the round to complete)."""
         tensor = self._tensor(name)
         flat = self._flat(tensor, out, writable=True)
-        handle = self._start(tensor, Kind.REPLY, tensor.round, f"pull of {name!r} round {tensor.round}", flat)
-        for chunk, _offset, _length, server in tensor.chunks:
-            self._send(tensor, server, Message(Kind.PULL, key=tensor.key, chunk=chunk, round=tensor.round))
+        pulls = [(server, Message(Kind.PULL, key=tensor.key, chunk=chunk, round=tensor.round))
+                 for chunk, _, _, server in tensor.chunks]
+        handle = self._start(tensor, Kind.REPLY, tensor.round, f"pull of {name!r} round {tensor.round}", flat, pulls)
+        for server, msg in pulls:
+            self._send(tensor, server, msg)
         return handle
 
     def broadcast(self, name: str, array: np.ndarray, root: int) -> Handle:
@@ -252,15 +259,20 @@ class Client:
         what = f"broadcast of {name!r} from worker {root}"
         if self.rank != root:
             flat = self._flat(tensor, array, writable=True)
-            handle = self._start(tensor, Kind.BCAST_REPLY, version, what, flat)
-            for chunk, _, _, server in tensor.chunks:
-                self._send(tensor, server, Message(Kind.BCAST_PULL, key=tensor.key, chunk=chunk, round=version))
+            pulls = [(server, Message(Kind.BCAST_PULL, key=tensor.key, chunk=chunk, round=version))
+                     for chunk, _, _, server in tensor.chunks]
+            handle = self._start(tensor, Kind.BCAST_REPLY, version, what, flat, pulls)
+            for server, msg in pulls:
+                self._send(tensor, server, msg)
             return handle
         flat = self._flat(tensor, array, writable=False)
-        handle = self._start(tensor, Kind.BCAST_REPLY, version, what, None)
+        pushes = []
         for chunk, offset, length, server in tensor.chunks:
             msg = self._data_message(Kind.BCAST_PUSH, tensor, chunk, version, flat[offset : offset + length])
             msg.flags = Flag.WANT_REPLY
+            pushes.append((server, msg))
+        handle = self._start(tensor, Kind.BCAST_REPLY, version, what, None, pushes)
+        for server, msg in pushes:
             self._send(tensor, server, msg)
         return handle
 
@@ -300,13 +312,13 @@ class Client:
             round_ = tensor.round
             if self.job_level is not None:  # replies come back on the channel a push went on
                 tensor.channel = self.job_level.on_push(round_, flat.nbytes, time.monotonic())
-            handle = self._register(tensor, Kind.REPLY, round_, f"{verb} of {name!r} round {round_}", target)
-            if self.trace is not None:
-                self.trace.round_started(name, tensor.key, round_, tensor.priority, tensor.channel, flat.nbytes, handle)
             for chunk, offset, length, server in tensor.chunks:
                 msg = self._data_message(Kind.PUSH, tensor, chunk, round_, flat[offset : offset + length])
                 msg.flags, msg.meta = (Flag.WANT_REPLY if want_reply else Flag.NONE), meta
                 pushes.append((server, msg))
+            handle = self._register(tensor, Kind.REPLY, round_, f"{verb} of {name!r} round {round_}", target, pushes)
+            if self.trace is not None:
+                self.trace.round_started(name, tensor.key, round_, tensor.priority, tensor.channel, flat.nbytes, handle)
             if self._router.holding:
                 self._held.append((tensor, pushes))
                 return handle
@@ -351,17 +363,21 @@ class Client:
             array = np.ascontiguousarray(array)
         return array.reshape(-1)
 
-    def _start(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None) -> Handle:
+    def _start(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None,
+               requests: list[tuple[int, Message]]) -> Handle:
         with self._lock:
-            return self._register(tensor, kind, round_, what, out)
+            return self._register(tensor, kind, round_, what, out, requests)
 
-    def _register(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None) -> Handle:
-        """A handle for one operation on every chunk, its replies awaited (call with _lock held)."""
+    def _register(self, tensor: _Tensor, kind: Kind, round_: int, what: str, out: np.ndarray | None,
+                  requests: list[tuple[int, Message]]) -> Handle:
+        """A handle for one operation on every chunk, its replies awaited (call with _lock held);
+        `requests`: (server, message) per chunk, in the tensor's chunk order."""
         owners = {c: f"server {s}" for c, _, _, s in tensor.chunks}
         handle = Handle(what, owners, self.control_settings.op_timeout)
-        for chunk, offset, length, _ in tensor.chunks:
+        for (chunk, offset, length, _), (server, request) in zip(tensor.chunks, requests, strict=True):
             view = out[offset : offset + length] if out is not None else None
-            self._pending.setdefault((kind, tensor.key, chunk, round_), deque()).append(_Op(handle, view, tensor.dtype))
+            self._pending.setdefault((kind, tensor.key, chunk, round_), deque()).append(
+                _Op(handle, view, tensor.dtype, server, request))
         return handle
 
     def _data_message(self, kind: Kind, tensor: _Tensor, chunk: int, round_: int, view: np.ndarray) -> Message:
@@ -420,6 +436,8 @@ class Client:
                 self._router.begin(routing, set(self._aggregator_endpoints))
                 started = [[t.key, t.round] for t in self._tensors.values() if t.round > 0]
             self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch, rounds=started)
+        elif msg.kind == Kind.SERVER_BACK:
+            self._server_back(parse_server_back(msg, self._server_names))
         elif msg.kind == Kind.COMMIT:
             epoch, rounds = meta_field(msg, "epoch", int), parse_rounds(meta_field(msg, "rounds", list))
             with self._lock:
@@ -432,6 +450,24 @@ class Client:
                 self._send_pushes(tensor, pushes, routes, None)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
+
+    def _server_back(self, back: ServerBack) -> None:
+        """A dead server's replacement is ready (ps.recover): connect to it and send it again every
+        request it owes an answer to (worker/resend.py), on the I/O thread."""
+        self.control.peers = [dataclasses.replace(p, endpoints=back.endpoints) if p.name == back.name else p
+                              for p in self.control.peers]
+        self.transport.replace_peer(back.name, back.endpoints)
+        by_key = {t.key: t for t in self._tensors.values()}
+        with self._lock:
+            requests = outstanding(((op.server, op.request) for ops in self._pending.values() for op in ops),
+                                   back.rank)
+            again = [(by_key[r.key], resent(r, by_key[r.key].opt_sent)) for r in requests if r.key in by_key]
+            for tensor in by_key.values():  # its next push tells the replacement the live settings again
+                if any(server == back.rank for _, _, _, server in tensor.chunks):
+                    tensor.opt_sent = None
+        log.warning("server %d was replaced; sending it again %d unanswered requests", back.rank, len(again))
+        for tensor, msg in again:
+            self.transport.send(back.name, tensor.channel, msg)
 
     def _fail_round(self, msg: Message) -> None:
         """A server says a round can never complete: fail whatever waits for it, with its words."""

@@ -1,12 +1,16 @@
-"""A Horovod-style training script for multi-host jobs: prints where it ran and the parameters it ended with.
+"""A Horovod-style training script for multi-host and recovery jobs: where it ran, the parameters it ended with.
 
 Each worker prints one line `CLUSTER_RESULT {json}`: its ranks as sluice.torch reports them, the
 torchrun variables the launcher gave it, the address it listens on, and the final parameters.
+With --kill-server-at N, worker 0 SIGKILLs server 0 of its job in step N, after its backward pass
+(its pushes in flight), as a crash would.
 """
 
 import argparse
 import json
 import os
+import signal
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +20,25 @@ import sluice.torch as hvd
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
 args = parser.parse_args()
+
+
+def kill_server(rank: int) -> None:
+    """SIGKILL server `rank` of this job (found by its SLUICE_* variables)."""
+    mine = os.environ["SLUICE_SCHEDULER"]
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+        except (OSError, ValueError):
+            continue
+        if (environ.get("SLUICE_ROLE"), environ.get("SLUICE_RANK"), environ.get("SLUICE_SCHEDULER")) == (
+                "server", str(rank), mine) and "sluice.launch.cli" in (proc / "cmdline").read_text():
+            os.kill(int(proc.name), signal.SIGKILL)
+            print(f"killed server {rank} (pid {proc.name}) in step {args.kill_server_at}", flush=True)
+            return
+    raise SystemExit(f"server {rank} of this job not found")
+
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -34,6 +56,8 @@ for step in range(args.steps):
     start = (step * size + rank) * per_worker
     optimizer.zero_grad()
     F.mse_loss(model(x[start:start + per_worker]), y[start:start + per_worker]).backward()
+    if step == args.kill_server_at and rank == 0:
+        kill_server(0)
     optimizer.step()
 result = {
     "rank": rank, "size": size,

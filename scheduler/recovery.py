@@ -1,0 +1,69 @@
+"""The scheduler's side of server recovery (ps.recover; pure): re-admit a replaced server, re-plan it, announce it.
+
+A server that dies is restarted by the launcher under its own name (its CURVE keys derive from the
+job secret and that name, so nobody else can claim it). When it registers again while the job runs,
+the scheduler welcomes it with its old node id and rank, sends it again every PLAN the dead one got,
+in order (it restores each chunk's committed state from its state file, ps/snapshot.py, before it
+acknowledges), and once it acknowledged them all tells the workers SERVER_BACK with its new
+endpoints, on which they re-send what the dead one left unanswered (worker/resend.py). No worker
+talks to the replacement before it knows its chunks: the same rule as a declaration's. While a
+server is silent, the job waits ps.recover_timeout beyond the heartbeat timeout for its replacement
+before it fails naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.transport.wire import Kind, Message
+
+
+@dataclass
+class ServerRecovery:
+    enabled: bool = False
+    #: seconds a silent server may stay silent beyond the heartbeat timeout (its replacement's start)
+    timeout: float = 60.0
+    #: every PLAN sent to each server, in order
+    plans: dict[str, list[Message]] = field(default_factory=dict)
+    #: replacements that have yet to acknowledge these plans (by declaration seq)
+    pending: dict[str, set[int]] = field(default_factory=dict)
+    #: how many times each server was replaced
+    incarnations: dict[str, int] = field(default_factory=dict)
+    #: servers already said to be silent (logged once)
+    silent: set[str] = field(default_factory=set)
+
+    def sent(self, server: str, plan: Message) -> None:
+        """Remember a PLAN sent to `server` (only with recovery on: plans are small, but not free)."""
+        if self.enabled:
+            self.plans.setdefault(server, []).append(plan)
+
+    def replaced(self, server: str) -> list[Message]:
+        """`server` registered again: the PLANs to send it; it is recovering until it acknowledged them."""
+        self.incarnations[server] = self.incarnations.get(server, 0) + 1
+        self.silent.discard(server)
+        plans = self.plans.get(server, [])
+        self.pending[server] = {int(msg.meta["seq"]) for msg in plans if msg.meta}
+        return plans
+
+    def recovering(self, server: str) -> bool:
+        return server in self.pending
+
+    def acked(self, server: str, seq: int) -> bool:
+        """A recovering server acknowledged plan `seq`; True once it has acknowledged every one."""
+        waiting = self.pending.get(server)
+        if waiting is None:
+            return False
+        waiting.discard(seq)
+        if waiting:
+            return False
+        del self.pending[server]
+        return True
+
+    def patience(self, role: str) -> float:
+        """Extra seconds a silent node of `role` gets before the job fails (a server's replacement's start)."""
+        return self.timeout if self.enabled and role == "server" else 0.0
+
+    def back(self, node_id: int, rank: int, name: str, endpoints: list[str]) -> Message:
+        return Message(Kind.SERVER_BACK, sender=0, meta={
+            "node_id": node_id, "rank": rank, "name": name, "endpoints": endpoints,
+            "incarnation": self.incarnations.get(name, 0)})

@@ -1,0 +1,57 @@
+"""What a worker sends again to a server that replaced a dead one (ps.recover; pure).
+
+Every operation a worker starts keeps the request it sent for each chunk until that chunk is
+answered; its payload is a view of the caller's array, which must not change until the handle
+completes (Client.alloc's rule), so it still holds the bytes first sent. When the scheduler says
+SERVER_BACK, the requests of every unanswered chunk the dead server owned go to its replacement
+again, marked RESEND: the replacement restored the rounds it had committed (ps/snapshot.py) and
+answers a re-sent push of such a round without applying it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.transport.wire import Flag, Kind, Message, WireError, brief, meta_field
+
+
+@dataclass(frozen=True)
+class ServerBack:
+    rank: int
+    name: str
+    endpoints: tuple[str, ...]
+
+
+def parse_server_back(msg: Message, server_names: Sequence[str]) -> ServerBack:
+    """The scheduler's SERVER_BACK, checked against the servers this worker knows."""
+    rank, name = meta_field(msg, "rank", int), meta_field(msg, "name", str)
+    endpoints = meta_field(msg, "endpoints", list)
+    if not 0 <= rank < len(server_names) or server_names[rank] != name:
+        raise WireError(f"SERVER_BACK names {brief(name)} as server {rank}, which is not one of this job's servers")
+    if not endpoints or not all(isinstance(e, str) and e for e in endpoints):
+        raise WireError(f"SERVER_BACK endpoints must be a non-empty list of strings, got {brief(endpoints)}")
+    return ServerBack(rank, name, tuple(endpoints))
+
+
+def resent(request: Message, opt: dict[str, Any] | None) -> Message:
+    """A copy of `request` marked RESEND; a push carries the tensor's current optimizer settings, which
+    the replacement may not have (they are sent only when they change)."""
+    meta = dict(request.meta or {})
+    if request.kind == Kind.PUSH and opt is not None:
+        meta["opt"] = opt
+    return dataclasses.replace(request, flags=request.flags | Flag.RESEND, meta=meta or None, shm=None)
+
+
+def outstanding(requests: Iterable[tuple[int, Message | None]], server: int) -> list[Message]:
+    """The requests still unanswered that went to `server`, each once (an operation may wait on a
+    chunk under several handles, e.g. a push_pull and a pull of the same round)."""
+    seen: set[int] = set()
+    out = []
+    for owner, request in requests:
+        if owner == server and request is not None and id(request) not in seen:
+            seen.add(id(request))
+            out.append(request)
+    return out
