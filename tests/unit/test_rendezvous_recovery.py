@@ -1,0 +1,105 @@
+"""The scheduler's side of server recovery (ps.recover), driven with plain messages and a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.recovery import ServerRecovery
+from sluice.scheduler.rendezvous import Rendezvous
+from sluice.transport.wire import Kind, Message
+
+CONFIG = SchedulerConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, rendezvous_timeout=30.0)
+
+
+def msg(kind: Kind, **meta: Any) -> Message:
+    return Message(kind, meta=meta)
+
+
+def register(machine: Rendezvous, name: str, role: str, rank: int, now: float = 0.0,
+             endpoint: str = "tcp://10.0.0.1:1000") -> list[tuple[str, Message]]:
+    endpoints = [endpoint] if role == "server" else []
+    return machine.on_message(name, msg(Kind.REGISTER, role=role, rank=rank, endpoints=endpoints, pid=7,
+                                        fingerprint="cfg"), now)
+
+
+def formed(recover: bool) -> Rendezvous:
+    machine = Rendezvous(2, 2, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False,
+                         recovery=ServerRecovery(recover, timeout=20.0))
+    for rank in range(2):
+        register(machine, f"server-{rank}", "server", rank)
+    for rank in range(2):
+        register(machine, f"worker-{rank}", "worker", rank)
+    return machine
+
+
+def declare(machine: Rendezvous, seq: int, name: str) -> list[tuple[str, Message]]:
+    outs: list[tuple[str, Message]] = []
+    for rank in range(2):
+        outs += machine.on_message(f"worker-{rank}", msg(Kind.DECLARE, seq=seq, tensors=[[name, [4096], "float32",
+                                                                                            None]]), 1.0)
+    return outs
+
+
+def test_a_replaced_server_is_welcomed_as_before_replanned_then_announced() -> None:
+    machine = formed(recover=True)
+    plans = [m for peer, m in declare(machine, 1, "a") if peer == "server-1"]
+    for server in ("server-0", "server-1"):
+        machine.on_message(server, msg(Kind.PLAN_ACK, seq=1), 1.5)
+    plans += [m for peer, m in declare(machine, 2, "b") if peer == "server-1"]
+    outs = register(machine, "server-1", "server", 1, now=3.0, endpoint="tcp://10.0.0.1:2000")
+    assert [(peer, m.kind) for peer, m in outs] == [("server-1", Kind.WELCOME), ("server-1", Kind.PLAN),
+                                                    ("server-1", Kind.PLAN)]
+    assert (outs[0][1].meta or {})["node_id"] == 2 and (outs[0][1].meta or {})["rank"] == 1
+    assert [m.meta for _, m in outs[1:]] == [m.meta for m in plans]
+    assert machine.on_message("server-1", msg(Kind.PLAN_ACK, seq=1), 3.1) == []
+    back = machine.on_message("server-1", msg(Kind.PLAN_ACK, seq=2), 3.2)
+    # the ack of 2 also completes declaration 2 (server-0 acknowledges it next): workers get its plan then
+    assert [(peer, m.kind) for peer, m in back] == [("worker-0", Kind.SERVER_BACK), ("worker-1", Kind.SERVER_BACK)]
+    assert back[0][1].meta == {"node_id": 2, "rank": 1, "name": "server-1", "endpoints": ["tcp://10.0.0.1:2000"],
+                               "incarnation": 1}
+    done = machine.on_message("server-0", msg(Kind.PLAN_ACK, seq=2), 3.3)
+    assert [(peer, m.kind) for peer, m in done] == [("worker-0", Kind.PLAN), ("worker-1", Kind.PLAN)]
+    assert any("registered again (replacement 1); re-sending its 2 plans" in note for note in machine.notes)
+
+
+def test_a_server_replaced_before_any_plan_is_announced_at_once() -> None:
+    machine = formed(recover=True)
+    outs = register(machine, "server-0", "server", 0, now=2.0, endpoint="tcp://10.0.0.1:3000")
+    assert [(peer, m.kind) for peer, m in outs] == [("server-0", Kind.WELCOME), ("worker-0", Kind.SERVER_BACK),
+                                                    ("worker-1", Kind.SERVER_BACK)]
+
+
+def test_without_recovery_a_second_registration_is_refused() -> None:
+    machine = formed(recover=False)
+    outs = register(machine, "server-1", "server", 1, now=2.0)
+    assert [(peer, m.kind) for peer, m in outs] == [("server-1", Kind.ERROR)]
+    assert "already formed" in (outs[0][1].meta or {})["error"]
+
+
+def test_a_worker_cannot_come_back_as_a_server() -> None:
+    machine = formed(recover=True)
+    outs = register(machine, "worker-1", "server", 1, now=2.0)
+    assert [m.kind for _, m in outs] == [Kind.ERROR]
+
+
+def test_a_silent_server_gets_recover_timeout_more_before_the_job_fails() -> None:
+    machine = formed(recover=True)
+    for t in (1.0, 2.0, 6.0, 10.0, 20.0):
+        for peer in ("server-0", "worker-0", "worker-1"):
+            machine.on_message(peer, msg(Kind.HEARTBEAT), t)
+        assert machine.on_tick(t) == []
+    assert any("server 1 (node 2, pid 7) is silent; waiting up to 20 s for its replacement" in n for n in machine.notes)
+    for peer in ("server-0", "worker-0", "worker-1"):
+        machine.on_message(peer, msg(Kind.HEARTBEAT), 25.5)
+    outs = machine.on_tick(25.5)
+    assert machine.phase == "failed" and outs[0][1].kind == Kind.NODE_LOST
+    assert "nor was it replaced within ps.recover_timeout = 20 s" in machine.error
+
+
+def test_without_recovery_a_silent_server_fails_the_job_at_the_heartbeat_timeout() -> None:
+    machine = formed(recover=False)
+    for peer in ("server-0", "worker-0", "worker-1"):
+        machine.on_message(peer, msg(Kind.HEARTBEAT), 5.5)
+    machine.on_tick(5.5)
+    assert machine.phase == "failed" and "server 1" in machine.error
