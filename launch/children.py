@@ -136,6 +136,15 @@ class Child:
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, sig)
 
+    def notify_hosts_updated(self) -> None:
+        """SIGUSR1 to the worker (an elastic job's new hosts; worker/torch/elastic.py): here directly, on
+        another host through the remote stub, which reads it from the session (launch/remote.py)."""
+        if self.host is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, signal.SIGUSR1)
+        elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.write(b"USR1\n")
+
     def stop(self) -> None:
         """Ask the role to end: SIGTERM to its group here; on another host, end of file on the session's
         stdin, on which the remote stub SIGTERMs the role's group there (and SIGKILLs it later)."""

@@ -13,7 +13,10 @@ import textwrap
 from types import FrameType
 
 from sluice.launch import kubernetes, node
-from sluice.launch.config import ConfigError, help_epilog, load_config
+from sluice.launch.cluster import ClusterPlan
+from sluice.launch.config import ConfigError, SluiceConfig, help_epilog, load_config
+from sluice.launch.elastic import ElasticSettings
+from sluice.launch.hosts import Host
 from sluice.scheduler.bootstrap import ENV_ROLE, from_environ
 from sluice.scheduler.errors import SluiceError
 
@@ -75,6 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--ssh-identity", metavar="PATH", help="the private key ssh logs in with")
     hosts.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
                        help="an option for ssh (-o KEY=VALUE; repeatable), e.g. UserKnownHostsFile=PATH")
+    elastic = launch.add_argument_group(
+        "elastic", _wrap("With --elastic the job survives workers that die, and grows when hosts are added: it "
+                         "runs in generations, and each new one starts from the state the workers last committed "
+                         "(hvd.elastic.run and hvd.elastic.TorchState in the script; docs/cluster.md). The optimizer "
+                         "must run on the workers."))
+    elastic.add_argument("--elastic", action="store_true",
+                         help="re-form the job with the remaining workers when one dies, instead of ending it")
+    elastic.add_argument("--min-workers", type=int, metavar="N",
+                         help="with --elastic: end the job when fewer workers are left (default: 1)")
+    elastic.add_argument("--max-workers", type=int, metavar="N",
+                         help="with --elastic: never run more workers than this (default: -w, or with a host "
+                              "discovery script the slots it reports)")
+    elastic.add_argument("--host-discovery-script", metavar="PATH",
+                         help="with --elastic: a program printing the hosts available now, `host:slots` a line "
+                              "(`localhost:N` for this machine); run every --discovery-interval seconds, and when "
+                              "it reports more slots the workers re-form the job at their next commit")
+    elastic.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
+                         help="with --host-discovery-script: seconds between its runs (default: %(default)s)")
     _add_config_options(launch)
     launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                         help="after every worker exited 0, wait this long for the scheduler and servers to "
@@ -195,14 +216,51 @@ def _launch(args: argparse.Namespace) -> int:
         workers = sum(1 for p in plan.layout.processes if p.role == "worker")
     elif workers is None:
         return _error("-w N is required: how many workers to start on this machine")
+    if config.ps.recover and (args.aggregators or not config.ps.sync):
+        return _error("ps.recover works with synchronous servers (ps.sync = true) and no aggregators (-a 0)")
+    elastic = None
+    if args.elastic:
+        try:
+            elastic = _elastic_settings(args, workers, config)
+        except ValueError as exc:
+            return _error(str(exc))
+
+        def replan(hosts: list[Host]) -> ClusterPlan | None:
+            if all(h.name == "localhost" for h in hosts) and plan is None:
+                return None
+            method = "srun" if source.startswith("SLURM") else "ssh"
+            reach = Reach(method, args.ssh_port, args.ssh_identity, tuple(args.ssh_option))
+            return plan_cluster(hosts, source or "host discovery", None, args.servers, args.aggregators,
+                                args.server_hosts, reach, config)
+    elif args.min_workers or args.max_workers or args.host_discovery_script:
+        return _error("--min-workers, --max-workers and --host-discovery-script need --elastic")
     try:
         code = run_job(config, workers, args.servers, command, grace=args.grace,
-                       ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan)
+                       ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan,
+                       elastic=elastic, replan=replan if elastic is not None else None)
     except KeyboardInterrupt:  # before the supervisor's own handlers were installed
         return 130
     if config.timeline.path:
         _merge_timeline(config.timeline.path)
     return code
+
+
+def _elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConfig) -> ElasticSettings:
+    """--elastic's settings, checked; ValueError saying what to change."""
+    if config.worker.optimizer_on == "server":
+        raise ValueError("--elastic keeps the committed state on the workers: the optimizer must run there "
+                         "(worker.optimizer_on = \"worker\")")
+    if config.ps.recover:
+        raise ValueError("--elastic restarts every process of a generation: ps.recover has nothing to add")
+    discovery = args.host_discovery_script
+    if discovery is not None and not os.access(discovery, os.X_OK):
+        raise ValueError(f"--host-discovery-script {discovery} is not an executable file")
+    maximum = args.max_workers or (4096 if discovery else workers)
+    settings = ElasticSettings(args.min_workers or 1, maximum, discovery, args.discovery_interval)
+    if not settings.min_workers <= workers <= settings.max_workers:
+        raise ValueError(f"-w {workers} must lie between --min-workers {settings.min_workers} and --max-workers "
+                         f"{settings.max_workers}")
+    return settings
 
 
 def _merge_timeline(path: str) -> None:

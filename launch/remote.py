@@ -4,7 +4,8 @@ The launcher writes one JSON line to the session's stdin, `{"argv": [...], "env"
 "secret": "<hex>"}`, so nothing secret is in a command line (which `ps` shows to every user of the
 host), an environment, or a log. The stub starts `argv` in a process group of its own, hands it the
 job secret through an inherited pipe (as the local launcher does), and lets its output flow back
-through the session. Then it watches stdin: end of file means the launcher is gone or has ended the
+through the session. Then it watches stdin: a line `USR1` is passed on to the role as SIGUSR1 (an
+elastic job's new hosts); end of file means the launcher is gone or has ended the
 job (the session closed: Ctrl-C, a lost link, the launcher killed), and the stub stops the role's
 whole group, SIGTERM then SIGKILL after a grace period, so nothing outlives the job on any host. The
 stub exits with the role's status (128 + N for a signal). A header it cannot use ends it with status
@@ -101,9 +102,14 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
     def watch() -> None:  # the session's end is the job's end on this host
         # the raw descriptor, not the buffered file: a daemon thread blocked holding its lock would
         # abort the interpreter's exit
+        pending = b""
         with contextlib.suppress(OSError):
-            while os.read(stdin.fileno(), 4096):
-                pass
+            while data := os.read(stdin.fileno(), 4096):
+                *lines, pending = (pending + data).split(b"\n")
+                pending = pending[-64:]  # only short commands come: nothing grows here
+                if b"USR1" in lines:  # an elastic job's new hosts (launch/elastic.py): tell the role
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process.pid, signal.SIGUSR1)
         if not ended.is_set():
             _stop(process, grace)
 

@@ -10,24 +10,36 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, TextIO
 
 from sluice.launch.blame import Watched, exit_description, find, first_report, judge, state_description
 from sluice.launch.children import Child, Sink, death_signal_hook
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
+from sluice.launch.elastic import (
+    ENV_ELASTIC_DIR,
+    ENV_GENERATION,
+    REFORM_EXIT,
+    ElasticSettings,
+    Reform,
+    discover,
+    grown,
+    remove_state_dir,
+    slots,
+    state_dir,
+    without,
+)
+from sluice.launch.hosts import Host, HostsError
 from sluice.launch.janitor import Janitor
-from sluice.launch.reach import forwarded_env, header_line, stub_argv
-from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
+from sluice.launch.spawner import Spawner
+from sluice.scheduler.bootstrap import new_secret
 
 #: seconds between SIGTERM and SIGKILL when stopping a process group
 STOP_TIMEOUT = 3.0
 #: after a child exits non-zero, how long the launcher keeps reading before it names the first cause:
 #: the report of what started the failure, and the exits it caused, may arrive a moment later
 SETTLE_SECONDS = 0.5
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _count(n: int, noun: str) -> str:
@@ -37,10 +49,14 @@ def _count(n: int, noun: str) -> str:
 class _Job:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
                  grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0,
-                 plan: ClusterPlan | None = None) -> None:
+                 plan: ClusterPlan | None = None, elastic: ElasticSettings | None = None,
+                 worker_env: Mapping[str, str] | None = None) -> None:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
-        self.aggregators, self.plan = aggregators, plan
-        self.secret = new_secret()
+        self.aggregators, self.plan, self.elastic = aggregators, plan, elastic
+        #: set when an elastic generation ends for the next (launch/elastic.py)
+        self.reform: Reform | None = None
+        #: the hosts a discovery found, when they offer more slots than this generation uses
+        self.grow_to: list[Host] | None = None
         self.grace, self.ready_timeout = grace, ready_timeout
         self.sink, self.err = Sink(out), err
         self.children: list[Child] = []
@@ -55,13 +71,12 @@ class _Job:
             threads = max(1, (os.cpu_count() or 1) // max(self.busiest_host(), 1))
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
-        self.preexec = death_signal_hook()
-        self.master_port = free_port()
-        # torch.distributed's rendezvous (ddp_hook) is worker 0's
-        self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
+        self.spawner = Spawner(config, workers, servers, aggregators, plan, new_secret(), self.sink, self.base_env,
+                               death_signal_hook(), free_port(), worker_env or {})
         self.janitor: Janitor | None = None
         self.endpoint = ""  # the scheduler's, once it announced it
         self.restarts = 0  # servers restarted (ps.recover)
+        self.discovery: asyncio.Task[None] | None = None
 
     def busiest_host(self) -> int:
         """The most workers any one host runs."""
@@ -83,67 +98,14 @@ class _Job:
             self.interrupted.set_result(128 + sig)
             self.complain(f"received {sig.name}; stopping the job")
 
-    def node_environ(self, role: str, rank: int, scheduler: str) -> tuple[dict[str, str], str | None]:
-        """The variables that give a process its place in the job, and the host it runs on if not here."""
-        sections = self.config.to_sections()
-        place = self.plan.place(role, rank) if self.plan is not None and role != "scheduler" else None
-        if self.plan is not None:  # every process listens on its own host's address
-            sections["transport"]["host"] = self.plan.address(place.host) if place else self.plan.launcher_address
-        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators)
-        env = node.to_environ()
-        if role != "worker":  # role processes run our own module, wherever the launcher was started
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)
-        else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
-            local_rank, local_size = rank, self.workers
-            if place is not None and self.plan is not None:
-                local_rank, local_size = place.local_rank, self.plan.workers_on(place.host)
-            env.update(RANK=str(rank), WORLD_SIZE=str(self.workers), LOCAL_RANK=str(local_rank),
-                       LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR=self.master_addr,
-                       MASTER_PORT=str(self.master_port))
-        remote = place is not None and self.plan is not None and self.plan.is_remote(place.host)
-        return env, place.host if remote and place is not None else None
-
     async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
-        env, host = self.node_environ(role, rank, scheduler)
-        if host is None:
-            proc = await self._start_here(argv, {**self.base_env, **env})
-        else:
-            proc = await self._start_there(host, argv, env)
-        child = Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "")
+        child = await self.spawner.start(role, rank, argv, scheduler)
         self.children.append(child)
         if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
-            janitor.spawned(proc.pid)
-            child.done.add_done_callback(lambda _: janitor.reaped(proc.pid))
+            pid = child.pid
+            janitor.spawned(pid)
+            child.done.add_done_callback(lambda _: janitor.reaped(pid))
         return child
-
-    async def _start_here(self, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
-        secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
-        env[ENV_SECRET_FD] = str(secret_fd)
-        try:
-            return await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
-                pass_fds=(secret_fd,),
-            )
-        finally:
-            os.close(secret_fd)
-
-    async def _start_there(self, host: str, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
-        """ssh (or srun) running the remote stub on `host`; the header, secret included, goes on its stdin,
-        which stays open: its end is the role's end (launch/remote.py)."""
-        assert self.plan is not None
-        cwd = os.getcwd()
-        proc = await asyncio.create_subprocess_exec(
-            *stub_argv(self.plan.reach, host, sys.executable, cwd), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.base_env,
-            start_new_session=True, preexec_fn=self.preexec,
-        )
-        assert proc.stdin is not None
-        # ssh may be gone already (refused, unreachable): its exit status and output then tell why
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret))
-            await proc.stdin.drain()
-        return proc
 
     def report(self, child: Child, why: str) -> None:
         self.complain(f"{child.name} {exit_description(child.returncode or 0)}{why}")
@@ -162,6 +124,8 @@ class _Job:
         try:
             return await self._run()
         finally:
+            if self.discovery is not None:
+                self.discovery.cancel()
             await self.stop_all()
             self.janitor.close()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -205,6 +169,8 @@ class _Job:
                 return 1
         roles = [sched, *(c for c in started if c.role != "worker")]
         workers = [c for c in started if c.role == "worker"]
+        if self.elastic is not None and self.elastic.discovery is not None:
+            self.discovery = asyncio.create_task(self._discover())
         return await self._watch(roles, workers)
 
     async def _watch(self, roles: list[Child], workers: list[Child]) -> int:
@@ -240,6 +206,8 @@ class _Job:
                         ended, deadline = child, loop.time() + self.grace
                     continue
                 child = running.pop(task)
+                if code != 0 and self.elastic is not None:
+                    return await self._reform(child)
                 if code != 0:
                     return await self._failed(child)
         self.say("all workers finished")
@@ -267,6 +235,54 @@ class _Job:
         except OSError as exc:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None
+
+    async def _reform(self, first: Child) -> int:
+        """An elastic generation ends: a worker asked for it (REFORM_EXIT, after new hosts came), or died
+        and is dropped. A server or the scheduler at the origin is a failure no new generation mends."""
+        code = first.returncode
+        assert code is not None
+        if code == REFORM_EXIT:
+            self.reform = Reform((), grown=self.grow_to is not None)
+            self.say(f"{first.label} asked to re-form the job" + (" (new hosts)" if self.grow_to else ""))
+            return REFORM_EXIT
+        if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
+            await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
+        verdict = judge(first, self.children, self._context)
+        cause = verdict.cause if isinstance(verdict.cause, Child) else first
+        if cause.role != "worker":
+            return await self._failed(first)
+        self.complain(f"{verdict.headline}; dropping {cause.label} and re-forming the job (--elastic)")
+        lines = "\n".join(f"    {line}" for line in cause.tail) or "    (no output)"
+        self.complain(f"last lines of {cause.label}:\n{lines}")
+        self.reform = Reform((cause.rank,), grown=self.grow_to is not None)
+        return REFORM_EXIT
+
+    async def _discover(self) -> None:
+        """Run the elastic job's host discovery now and then; when it offers more slots, tell the workers
+        (SIGUSR1: each re-forms at its next commit)."""
+        assert self.elastic is not None and self.elastic.discovery is not None
+        while True:
+            await asyncio.sleep(self.elastic.interval)
+            try:
+                found = await discover(self.elastic.discovery)
+            except (HostsError, OSError) as exc:
+                self.complain(f"warning: {exc}")
+                continue
+            hosts = grown(self.hosts(), found, self.elastic.max_workers)
+            if slots(hosts) > self.workers and self.grow_to is None:
+                self.grow_to = hosts
+                self.say(f"host discovery: {slots(hosts)} slots now ({self.workers} in use); the workers re-form "
+                         "the job at their next commit")
+                for child in self.children:
+                    if child.role == "worker":
+                        child.notify_hosts_updated()
+
+    def hosts(self) -> list[Host]:
+        """This generation's hosts and the worker slots it uses on each."""
+        if self.plan is None:
+            return [Host("localhost", self.workers)]
+        return [Host(h, self.plan.workers_on(h)) for h in dict.fromkeys(p.host for p in self.plan.layout.processes)
+                if self.plan.workers_on(h)]
 
     @staticmethod
     def _context(child: Watched) -> str:
@@ -345,20 +361,46 @@ class _Job:
 async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
                     grace: float = 10.0, ready_timeout: float = 60.0,
                     out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0,
-                    plan: ClusterPlan | None = None) -> int:
-    """Runs one job to its end, on this machine or over `plan`'s hosts; returns the launcher's exit code."""
-    job = _Job(config, workers, servers, command, grace, ready_timeout,
-               out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr,
-               aggregators=aggregators, plan=plan)
-    return await job.run()
+                    plan: ClusterPlan | None = None, elastic: ElasticSettings | None = None,
+                    replan: Callable[[list[Host]], ClusterPlan | None] | None = None) -> int:
+    """Runs one job to its end, on this machine or over `plan`'s hosts; returns the launcher's exit code.
+    With `elastic`, in generations (launch/elastic.py), `replan` laying each out over its hosts."""
+    out = out if out is not None else sys.stdout.buffer
+    err = err if err is not None else sys.stderr
+    if elastic is None:
+        return await _Job(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan).run()
+    directory, generation = state_dir(), 0
+    try:
+        while True:
+            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation)}
+            job = _Job(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan,
+                       elastic, env)
+            code = await job.run()
+            if job.reform is None:
+                return code
+            placed = [p.host for p in sorted(job.plan.layout.processes, key=lambda p: p.rank)
+                      if p.role == "worker"] if job.plan else ["localhost"] * workers
+            hosts = without(job.hosts(), placed, job.reform.dropped)
+            if job.grow_to is not None:
+                hosts = grown(hosts, job.grow_to, elastic.max_workers)
+            if slots(hosts) < elastic.min_workers:
+                job.complain(f"{slots(hosts)} workers are left, fewer than --min-workers {elastic.min_workers}; "
+                             "ending the job")
+                return 1
+            workers, generation = slots(hosts), generation + 1
+            plan = replan(hosts) if replan is not None else None
+            job.say(f"re-forming the job: generation {generation} with {workers} workers")
+    finally:
+        remove_state_dir(directory)
 
 
 def run_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
             grace: float = 10.0, ready_timeout: float = 60.0, aggregators: int = 0,
-            plan: ClusterPlan | None = None) -> int:
+            plan: ClusterPlan | None = None, elastic: ElasticSettings | None = None,
+            replan: Callable[[list[Host]], ClusterPlan | None] | None = None) -> int:
     """supervise() on uvloop (its subprocesses honour preexec_fn), or on asyncio's loop without it."""
     job = supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
-                    aggregators=aggregators, plan=plan)
+                    aggregators=aggregators, plan=plan, elastic=elastic, replan=replan)
     try:
         import uvloop
     except ImportError:

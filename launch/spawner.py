@@ -1,0 +1,95 @@
+"""How the launcher starts one process of a job: its variables, and where (here, or through ssh/srun on its host).
+
+Every process learns its place from SLUICE_* variables (scheduler/bootstrap.py); workers also get
+torchrun's (RANK, LOCAL_RANK, MASTER_ADDR, ...), so DDP scripts run unchanged. The job secret never
+travels in a command line or an environment: here it is an inherited pipe; on another host it is
+in the header the remote stub reads from the session's stdin (launch/reach.py, launch/remote.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from sluice.launch.children import Child, Sink
+from sluice.launch.cluster import ClusterPlan
+from sluice.launch.config import SluiceConfig
+from sluice.launch.reach import forwarded_env, header_line, stub_argv
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, secret_pipe
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class Spawner:
+    def __init__(self, config: SluiceConfig, workers: int, servers: int, aggregators: int, plan: ClusterPlan | None,
+                 secret: bytes, sink: Sink, base_env: Mapping[str, str], preexec: Callable[[], None] | None,
+                 master_port: int, worker_env: Mapping[str, str]) -> None:
+        self.config, self.workers, self.servers, self.aggregators = config, workers, servers, aggregators
+        self.plan, self.secret, self.sink, self.preexec = plan, secret, sink, preexec
+        self.base_env = dict(base_env)
+        #: more variables every worker gets (the elastic state directory and generation)
+        self.worker_env = dict(worker_env)
+        self.master_port = master_port
+        # torch.distributed's rendezvous (ddp_hook) is worker 0's
+        self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
+
+    def node_environ(self, role: str, rank: int, scheduler: str) -> tuple[dict[str, str], str | None]:
+        """The variables that give a process its place in the job, and the host it runs on if not here."""
+        sections = self.config.to_sections()
+        place = self.plan.place(role, rank) if self.plan is not None and role != "scheduler" else None
+        if self.plan is not None:  # every process listens on its own host's address
+            sections["transport"]["host"] = self.plan.address(place.host) if place else self.plan.launcher_address
+        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators)
+        env = node.to_environ()
+        if role != "worker":  # role processes run our own module, wherever the launcher was started
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)
+        else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
+            local_rank, local_size = rank, self.workers
+            if place is not None and self.plan is not None:
+                local_rank, local_size = place.local_rank, self.plan.workers_on(place.host)
+            env.update(RANK=str(rank), WORLD_SIZE=str(self.workers), LOCAL_RANK=str(local_rank),
+                       LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR=self.master_addr,
+                       MASTER_PORT=str(self.master_port), **self.worker_env)
+        remote = place is not None and self.plan is not None and self.plan.is_remote(place.host)
+        return env, place.host if remote and place is not None else None
+
+    async def start(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
+        env, host = self.node_environ(role, rank, scheduler)
+        if host is None:
+            proc = await self._start_here(argv, {**self.base_env, **env})
+        else:
+            proc = await self._start_there(host, argv, env)
+        return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "")
+
+    async def _start_here(self, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+        secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
+        env[ENV_SECRET_FD] = str(secret_fd)
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
+                pass_fds=(secret_fd,),
+            )
+        finally:
+            os.close(secret_fd)
+
+    async def _start_there(self, host: str, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+        """ssh (or srun) running the remote stub on `host`; the header, secret included, goes on its stdin,
+        which stays open: its end is the role's end (launch/remote.py)."""
+        assert self.plan is not None
+        cwd = os.getcwd()
+        proc = await asyncio.create_subprocess_exec(
+            *stub_argv(self.plan.reach, host, sys.executable, cwd), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.base_env,
+            start_new_session=True, preexec_fn=self.preexec,
+        )
+        assert proc.stdin is not None
+        # ssh may be gone already (refused, unreachable): its exit status and output then tell why
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret))
+            await proc.stdin.drain()
+        return proc
