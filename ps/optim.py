@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -97,3 +97,55 @@ def make_optimizer(settings: Mapping[str, Any]) -> Optimizer:
             weight_decay,
         )
     raise ValueError(f"unknown server optimizer {brief(name)}: the servers apply 'sgd' or 'adam'")
+
+
+# ---------------------------------------------------------------------- state files (ps.recover)
+#: the arrays a chunk's optimizer state may hold, in the order a state file keeps them: SGD's momentum
+#: (made at its first step) and Adam's moments. A job that switches optimizers may hold both kinds.
+STATE_ARRAYS = ("momentum", "m", "v")
+#: optimizer codes in a state file; 0 is none
+_CODES: dict[type, int] = {SGD: 1, Adam: 2}
+SETTINGS_COUNT = 5
+
+
+def optimizer_code(optimizer: Optimizer | None) -> int:
+    return 0 if optimizer is None else _CODES[type(optimizer)]
+
+
+def optimizer_settings(optimizer: Optimizer | None) -> tuple[float, ...]:
+    """The SETTINGS_COUNT numbers that rebuild `optimizer` with from_settings (nesterov as 0 or 1)."""
+    if optimizer is None:
+        return (0.0,) * SETTINGS_COUNT
+    return tuple(float(value) for value in astuple(optimizer))
+
+
+def from_settings(code: int, settings: Sequence[float]) -> Optimizer | None:
+    """The optimizer optimizer_code and optimizer_settings describe; ValueError for an unknown code."""
+    if code == 0:
+        return None
+    if code == 1:
+        lr, momentum, dampening, weight_decay, nesterov = settings
+        return SGD(lr, momentum, dampening, weight_decay, bool(nesterov))
+    if code == 2:
+        return Adam(*settings)
+    raise ValueError(f"unknown optimizer code {code}")
+
+
+def state_bits(state: State) -> int:
+    """Which STATE_ARRAYS `state` holds, one bit each (bit 0: momentum)."""
+    return sum(1 << i for i, name in enumerate(STATE_ARRAYS) if name in state)
+
+
+def declared_state_bits(optimizer: Optimizer | None) -> int:
+    """The state_bits `optimizer` will hold once it has stepped: a state file reserves room for them up front."""
+    if isinstance(optimizer, Adam):
+        return 0b110
+    return 0b001 if isinstance(optimizer, SGD) and optimizer.momentum else 0
+
+
+def load_state(bits: int, arrays: Sequence[np.ndarray], t: int) -> State:
+    """An optimizer state from copies of the arrays state_bits names, and Adam's step count `t`."""
+    state: State = {name: np.array(arrays[i]) for i, name in enumerate(STATE_ARRAYS) if bits >> i & 1}
+    if "m" in state:
+        state["t"] = t
+    return state

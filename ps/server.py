@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from sluice.ps.config import ServerConfig
+from sluice.ps.recovered import open_recovery
 from sluice.ps.role import Reply, Role
 from sluice.ps.store import ShardStore
 from sluice.ps.trace import ServerTrace
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.errors import SluiceError
 from sluice.scheduler.rendezvous import parse_limits
 from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field
@@ -17,9 +19,17 @@ class Server(Role):
     role = "server"
 
     def __init__(self, env: NodeEnv) -> None:
-        super().__init__(env)
         self.settings = ServerConfig(**env.section("ps"))
+        # before the transport: a live server holding the state file is refused with nothing to undo
+        recovery = open_recovery(env, self.settings) if self.settings.recover else None
+        try:
+            super().__init__(env)
+        except BaseException:
+            if recovery is not None:
+                recovery.close()
+            raise
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
+        self.store.recovery = recovery
         self.store.on_first_orphan = self._report_orphan
         timeline = TimelineConfig(**env.section("timeline"))
         self.trace = ServerTrace(str(part_path(timeline.path, "server", env.rank)), "server", env.rank,
@@ -30,7 +40,11 @@ class Server(Role):
             self.store.check_worker(peer, msg.sender)
             return [(peer, channel, Message(Kind.PROBE_REPLY, sender=self.store.node_id, round=msg.round,
                                             priority=msg.priority))]
-        replies = self.store.handle(peer, channel, msg)
+        try:
+            replies = self.store.handle(peer, channel, msg)
+        except SluiceError as exc:  # the state file could not take a commit: this server cannot go on safely
+            self.control.fail(str(exc))
+            return []
         if self.trace is not None and msg.kind == Kind.PUSH:
             self.trace.pushed(msg, channel, replies)
         return replies
@@ -45,12 +59,20 @@ class Server(Role):
         if msg.kind != Kind.PLAN:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
         seq = meta_field(msg, "seq", int)
+        recovering = bool(msg.meta and msg.meta.get("recovery") is True)  # sent again to a replacement
         try:
-            self.store.add_plan(meta_field(msg, "tensors", list))
+            restored = self.store.add_plan(meta_field(msg, "tensors", list), recovering)
             limits = parse_limits(meta_field(msg, "limits", list))
         except (ValueError, TypeError, KeyError) as exc:
             self.control.fail(f"server {self.control.rank} cannot take the plan of declaration {seq}: {exc}")
             return
+        except SluiceError as exc:
+            self.control.fail(str(exc))
+            return
+        if restored:
+            rounds = [chunk.round for chunk in restored]
+            self.log.info("server %d: restored %d chunks of declaration %d at rounds %d..%d", self.control.rank,
+                          len(restored), seq, min(rounds), max(rounds))
         if self.take_limits(limits):
             self.transport.stats(reset=True)  # the calibration probes are over: metrics start here
             self.log.info("server %d: %s", self.control.rank, limits.describe())
@@ -59,6 +81,8 @@ class Server(Role):
     def on_close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if self.store.recovery is not None:  # a clean end (SHUTDOWN) leaves nothing to recover
+            self.store.recovery.close(remove=self.done.is_set() and self.exit_code == 0)
 
     def stalled(self, now: float, limit: float) -> list[str]:
         return self.store.stalled(now, limit)

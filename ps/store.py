@@ -22,6 +22,7 @@ import numpy as np
 
 from sluice.ps.optim import Optimizer, make_optimizer
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
+from sluice.ps.recovered import APPLIED, IGNORED, Recovery
 from sluice.transport.dtypes import STORAGE, SUMMABLE
 from sluice.transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief
 
@@ -120,22 +121,27 @@ class ShardStore:
         #: aggregator node id -> its transport peer name: their pushes carry the ranks they sum
         self.aggregator_ids: dict[int, str] = {}
         self._spare = SparePool()
+        #: ps.recover: the state file every round is committed to before its replies exist (ps/recovered.py)
+        self.recovery: Recovery | None = None
 
-    def add_plan(self, tensors: list[Any]) -> None:
+    def add_plan(self, tensors: list[Any], recovering: bool = False) -> list[Chunk]:
         """Take the chunks of a PLAN: [[key, name, dtype, optimizer, [[chunk, length], ...]], ...]; a
-        malformed plan raises WireError and changes nothing."""
+        malformed plan raises WireError and changes nothing. With ps.recover, the new chunks restored from
+        the state file (`recovering`: a PLAN sent again to a replacement server) are returned."""
+        added = []
         for key, name, dtype, optimizer, chunks in _parse_plan(tensors):
             for chunk, length in chunks:
                 if (key, chunk) in self.chunks:
                     continue
                 storage = np.dtype(STORAGE[dtype])
                 compute = np.dtype(np.float32) if dtype == "bfloat16" else storage
-                self.chunks[(key, chunk)] = Chunk(
+                added.append(self.chunks.setdefault((key, chunk), Chunk(
                     key, chunk, name, dtype,
                     value=self._alloc(length, storage),
                     sum=RankedSum(self._alloc(length, compute), dtype),
                     optimizer=optimizer,
-                )
+                )))
+        return self.recovery.restore(added, recovering) if self.recovery is not None else []
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
@@ -187,6 +193,14 @@ class ShardStore:
                 raise WireError(f"{chunk.describe()} is updated asynchronously: it takes no aggregated pushes")
             chunk.optimizer = optimizer
             return self._apply_async(chunk, data, Waiter(peer, channel, msg.round, msg.priority), msg.flags)
+        seen = self.recovery.duplicate(chunk, ranks, msg) if self.recovery is not None else 0
+        if seen == APPLIED:  # sent again to a replacement: it is in the committed value already
+            if msg.flags & Flag.WANT_REPLY:
+                return [(peer, channel, self._reply(Kind.REPLY, chunk, chunk.value,
+                                                    Waiter(peer, channel, msg.round, msg.priority)))]
+            return [(peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority))]
+        if seen == IGNORED:  # the first copy is in, and registered any reply
+            return []
         if msg.round != chunk.round + 1:
             raise WireError(f"push for round {msg.round} of {chunk.describe()}, which is at round {chunk.round}")
         twice = chunk.pushed.intersection(ranks)
@@ -222,6 +236,8 @@ class ShardStore:
         chunk.round += 1
         chunk.pushed.clear()
         total.clear()
+        if self.recovery is not None:  # before any reply of this round exists (see ps/recovered.py)
+            self.recovery.commit(chunk)
 
     def _step(self, chunk: Chunk, grad: np.ndarray) -> None:
         assert chunk.optimizer is not None
@@ -260,11 +276,16 @@ class ShardStore:
     def _bcast_push(self, chunk: Chunk, peer: str, channel: int, msg: Message) -> list[Reply]:
         data = self._payload(chunk, msg)
         if msg.round <= chunk.bcast_version:
+            if self.recovery is not None and msg.flags & Flag.RESEND:  # taken before the restart
+                ack = self._ack(Kind.BCAST_REPLY, chunk, msg.round, msg.priority)
+                return [(peer, channel, ack)] if msg.flags & Flag.WANT_REPLY else []
             raise WireError(f"broadcast {msg.round} of {chunk.describe()} is older than {chunk.bcast_version}")
         chunk.bcast = data.copy()  # a fresh array: replies of the previous version may still be in flight
         chunk.bcast_version = msg.round
         if chunk.round == 0 or chunk.optimizer is not None:
             np.copyto(chunk.value, chunk.bcast)
+        if self.recovery is not None:
+            self.recovery.commit(chunk)
         replies = self._serve_bcast(chunk)
         if msg.flags & Flag.WANT_REPLY:
             replies.append((peer, channel, self._ack(Kind.BCAST_REPLY, chunk, msg.round, msg.priority)))

@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
 parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
+parser.add_argument("--hidden", type=int, default=32)
 args = parser.parse_args()
 
 
@@ -43,7 +44,7 @@ def kill_server(rank: int) -> None:
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+model = torch.nn.Sequential(torch.nn.Linear(12, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 3))
 base = (torch.optim.Adam(model.parameters(), lr=0.01) if args.optimizer == "adam"
         else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
 optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
@@ -59,6 +60,7 @@ for step in range(args.steps):
     if step == args.kill_server_at and rank == 0:
         kill_server(0)
     optimizer.step()
+hvd.synchronize_parameters()  # with the optimizer on the servers, the last updates may still be landing
 result = {
     "rank": rank, "size": size,
     "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),

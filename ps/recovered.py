@@ -1,0 +1,99 @@
+"""What a server does differently with ps.recover: it restores its chunks, commits each round, and knows re-sent pushes.
+
+A replacement server restores every chunk's last committed round from the state file (ps/snapshot.py)
+before it acknowledges the PLAN, and every round is committed before any reply of it exists. So per
+chunk each worker's outstanding push is of the committed round S or of S+1, and workers send again,
+with Flag.RESEND, what the dead server never answered. A RESEND push of S is already in the value:
+it is answered from it and not applied. A second copy of an S+1 push (one sat in the outbox while the
+worker re-sent it) is dropped when either copy is a RESEND. Everything else is refused as before, and
+without ps.recover the flag changes nothing: no peer can get a push applied twice with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from sluice.ps.config import ServerConfig
+from sluice.ps.snapshot import STATE_DIR, StateFile, state_tag
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.wire import Flag, Message
+
+if TYPE_CHECKING:
+    from sluice.ps.store import Chunk
+
+#: what ShardStore does with a push Recovery.duplicate recognises
+APPLIED = 1  # a round already committed: answer from the value, apply nothing
+IGNORED = 2  # a second copy of a push already taken this round
+
+
+class Recovery:
+    """A server's state file and the rules for pushes that workers send again after a restart."""
+
+    def __init__(self, state: StateFile) -> None:
+        self.state = state
+        #: (key, chunk) -> (round, ranks whose push of that round came as a RESEND)
+        self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
+
+    def restore(self, chunks: Sequence[Chunk], recovering: bool) -> list[Chunk]:
+        """Give the new `chunks` of a PLAN their place in the file and their committed state; the chunks restored.
+
+        A replacement gets its PLANs again as they were, so whatever the file holds for a chunk is
+        restored (the file's name comes from the job secret: another job's state is not found).
+        `recovering`, a PLAN marked as sent again (meta `recovery`), also makes a file that held nothing
+        an error: the state was lost, not absent.
+        """
+        if recovering and self.state.problem is not None:
+            raise SluiceError(
+                f"server {self.state.rank} was restarted but its state file {self.state.path} {self.state.problem}: "
+                "was its host rebooted or /dev/shm cleared? Recovery (ps.recover) needs the restarted server on the "
+                "host it died on; start the job again"
+            )
+        self.state.add(chunks)
+        return [chunk for chunk in chunks if self.state.restore(chunk)]
+
+    def commit(self, chunk: Chunk) -> None:
+        """The round (or broadcast) just applied, made durable; call before creating any reply to it."""
+        self.state.commit(chunk)
+
+    def duplicate(self, chunk: Chunk, ranks: tuple[int, ...], msg: Message) -> int:
+        """APPLIED, IGNORED, or 0 (a push like any other, refused or taken as without ps.recover)."""
+        resend = msg.flags & Flag.RESEND
+        if resend and msg.round == chunk.round >= 1:
+            return APPLIED
+        if msg.round != chunk.round + 1:
+            return 0
+        key = (chunk.key, chunk.chunk)
+        if chunk.pushed.issuperset(ranks):
+            earlier = self._resent.get(key)
+            if resend or (earlier is not None and earlier[0] == msg.round and earlier[1].issuperset(ranks)):
+                return IGNORED
+        elif resend:
+            earlier = self._resent.get(key)
+            if earlier is None or earlier[0] != msg.round:
+                earlier = self._resent[key] = (msg.round, set())
+            earlier[1].update(ranks)
+        return 0
+
+    def close(self, remove: bool = False) -> None:
+        self.state.close(remove)
+
+
+def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_DIR) -> Recovery:
+    """Server `env.rank`'s state file, locked, or SluiceError saying why recovery cannot run."""
+    if not settings.sync:
+        raise SluiceError(
+            "ps.recover needs ps.sync = true: an asynchronous server applies each push as it comes, so a "
+            "replacement could not tell a re-sent push from a new one; turn ps.recover or ps.sync off"
+        )
+    if env.aggregators:
+        raise SluiceError(
+            "ps.recover does not work with aggregators (-a) yet: an aggregator would have to forward its sums "
+            "again to a restarted server; run without -a or turn ps.recover off"
+        )
+    if not env.secret:
+        raise SluiceError("ps.recover needs the job secret (transport.curve on, or sluice launch)")
+    if env.rank < 0:
+        raise SluiceError("ps.recover needs each server's rank at start (SLUICE_RANK; sluice launch sets it)")
+    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory))

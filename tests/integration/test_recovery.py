@@ -1,0 +1,58 @@
+"""Server recovery (ps.recover): a server SIGKILLed mid-training is restarted and nothing is lost or applied twice.
+
+Worker 0 kills server 0 in step 10, right after its backward pass (pushes in flight, some rounds
+committed on the server, some not). The launcher restarts the server; it restores its committed
+state (ps/snapshot.py); the workers send it again what it had not answered (worker/resend.py). The
+job must end with exactly the parameters of the same job without the kill, in sum mode (the
+optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "tests/integration/scripts/cluster_train.py"
+
+
+def _train(optimizer: str, where: str, kill_at: int, *sets: str) -> tuple[list[float], str]:
+    # every tensor through the servers (collective.mode = auto would allreduce small ones among the
+    # workers), in chunks of 4 KiB: every tensor, fused or not, has chunks on both servers
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "collective.mode=ps",
+            "--set", "ps.recover=true", "--set", f"worker.optimizer_on={where}", "--set", "transport.chunk_bytes=4096",
+            *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, "--steps", "20", "--optimizer", optimizer,
+            "--hidden", "256", "--kill-server-at", str(kill_at)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", done.stdout, re.M)]
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"], output[-3000:]
+    return list(results[0]["params"]), output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("optimizer", "where"), [("sgd", "worker"), ("sgd", "server"), ("adam", "server")],
+                         ids=["sum-mode", "server-momentum", "server-adam"])
+def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimizer: str, where: str) -> None:
+    reference, _ = _train(optimizer, where, -1)
+    recovered, output = _train(optimizer, where, 10)
+    assert "killed server 0" in output
+    assert re.search(r"sluice launch: server 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at most 3 "
+                     r"restarts\)", output), output[-4000:]
+    assert "is back: telling the workers its endpoints" in output
+    assert recovered == reference
+
+
+@pytest.mark.timeout(120)
+def test_recovery_without_restarts_left_fails_naming_the_server() -> None:
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "ps.recover=true",
+            "--set", "ps.max_restarts=0", "--", sys.executable, SCRIPT, "--steps", "20", "--kill-server-at", "5"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert done.returncode != 0
+    assert "server 0 (pid" in done.stderr and "already restarted servers 0 times (ps.max_restarts)" in done.stderr
