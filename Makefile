@@ -3,7 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean test-system-deps
+
+# What the multi-host tests run on: OpenSSH's server (tests/integration/test_ssh_launch.py) and a
+# one-node SLURM (test_slurm_*.py), in network namespaces (iproute2). Installed when we are root on
+# a Debian/Ubuntu machine (CI is); anywhere else those tests skip, saying why.
+SYSTEM_DEPS := openssh-server openssh-client slurmctld slurmd slurm-client munge iproute2
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -20,7 +25,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/sluice launch -w 4 -s 2 -- $(PY) examples/train_digits.py --epochs 12
 
-test: $(STAMP)
+test-system-deps:
+	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "not root on a Debian machine: the ssh and SLURM tests will skip (they need: $(SYSTEM_DEPS))"; \
+	elif dpkg -s $(SYSTEM_DEPS) >/dev/null 2>&1; then :; \
+	else \
+		echo "installing $(SYSTEM_DEPS) for the ssh and SLURM tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS) >/dev/null \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends $(SYSTEM_DEPS) >/dev/null) \
+		|| echo "warning: could not install $(SYSTEM_DEPS); the ssh and SLURM tests will skip"; \
+	fi
+
+test: $(STAMP) test-system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests

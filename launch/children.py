@@ -134,7 +134,10 @@ class Child:
     def signal_group(self, sig: signal.Signals) -> None:
         # the group outlives its leader when the child left processes behind: signal it regardless
         with contextlib.suppress(OSError):
-            os.killpg(self.proc.pid, sig)
+            if self.via == "srun":  # srun alone: its helper process, in its group, then cancels the step;
+                os.kill(self.proc.pid, sig)  # killed with it, the step would run on until scancel
+            else:
+                os.killpg(self.proc.pid, sig)
 
     def notify_hosts_updated(self) -> None:
         """SIGUSR1 to the worker (an elastic job's new hosts; worker/torch/elastic.py): here directly, on

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --elastic: a program printing the hosts available now, `host:slots` a line "
                               "(`localhost:N` for this machine); run every --discovery-interval seconds, and when "
                               "it reports more slots the workers re-form the job at their next commit")
+    elastic.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                         help="with --elastic: end the job after N re-formings not caused by new hosts (a "
+                              "script that fails the same way every time) (default: %(default)s)")
     elastic.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
                          help="with --host-discovery-script: seconds between its runs (default: %(default)s)")
     _add_config_options(launch)
@@ -256,7 +259,8 @@ def _elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConf
     if discovery is not None and not os.access(discovery, os.X_OK):
         raise ValueError(f"--host-discovery-script {discovery} is not an executable file")
     maximum = args.max_workers or (4096 if discovery else workers)
-    settings = ElasticSettings(args.min_workers or 1, maximum, discovery, args.discovery_interval)
+    settings = ElasticSettings(args.min_workers or 1, maximum, discovery, args.discovery_interval,
+                               args.max_restarts)
     if not settings.min_workers <= workers <= settings.max_workers:
         raise ValueError(f"-w {workers} must lie between --min-workers {settings.min_workers} and --max-workers "
                          f"{settings.max_workers}")

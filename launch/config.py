@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sluice.launch.elastic import ENV_ELASTIC_DIR, ENV_GENERATION
 from sluice.ps.config import ServerConfig
 from sluice.scheduler.bootstrap import (
     ENV_AGGREGATORS,
@@ -23,6 +24,7 @@ from sluice.scheduler.bootstrap import (
     ENV_RANK,
     ENV_ROLE,
     ENV_SCHEDULER,
+    ENV_SECRET_FD,
     ENV_SERVERS,
     ENV_WORKERS,
 )
@@ -47,7 +49,9 @@ SECTIONS: dict[str, type[Any]] = {
 }
 ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
-BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_AGGREGATORS, ENV_CONFIG})
+#: the launcher's variables for a process (not settings): its place, and an elastic job's state
+BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_AGGREGATORS, ENV_CONFIG,
+                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_GENERATION})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 

@@ -38,13 +38,15 @@ class ElasticSettings:
     discovery: str | None = None
     #: seconds between runs of the discovery script
     interval: float = 5.0
+    #: re-formings not caused by new hosts, at most (a script that fails the same way each time stops)
+    max_restarts: int = 10
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
             raise ValueError(f"--min-workers {self.min_workers} and --max-workers {self.max_workers} must satisfy "
                              "1 <= min <= max")
-        if self.interval <= 0:
-            raise ValueError("the discovery interval must be positive")
+        if self.interval <= 0 or self.max_restarts < 0:
+            raise ValueError("the discovery interval must be positive and --max-restarts not negative")
 
 
 @dataclass(frozen=True)

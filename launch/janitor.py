@@ -9,7 +9,8 @@ and tells it `spawn PID` for every child and `reaped PID` for every child it has
 launcher's last word is `done`, after which the janitor exits doing nothing. If the pipe reaches
 EOF without it, the launcher died: the janitor SIGKILLs the group of every child not reported
 reaped (children are session leaders, so their group id is their pid), waits a few seconds at most
-until no process of those groups is left, removes the segments of every process it saw in them,
+until no process of those groups is left, removes the segments of every process it saw in them and
+the job's state it was told of (`state TAG|DIR`: servers' state files, an elastic job's directory),
 and exits.
 
 Pid reuse: a reaped child's pid may already belong to another process, so reaped children are left
@@ -32,6 +33,8 @@ from typing import IO
 
 #: how long the janitor waits for the killed groups to be gone before removing their segments anyway
 SETTLE_SECONDS = 5.0
+#: how long srun's helper process gets to cancel its step once srun itself was killed
+SRUN_CANCEL_SECONDS = 1.0
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -87,9 +90,25 @@ def clean_up(children: dict[int, int | None], settle: float = SETTLE_SECONDS) ->
     return len(groups), sum(remove_segments_of(pid) for pid in seen)
 
 
+def remove_job_state(items: list[str]) -> None:
+    """The job's state in /dev/shm on this host: servers' state files (ps.recover; a tag) and an
+    elastic job's committed-state directory (a path)."""
+    from sluice.launch.elastic import remove_state_dir
+    from sluice.ps.snapshot import remove_state_files
+
+    for item in items:
+        with contextlib.suppress(OSError, ValueError):
+            if item.startswith("/"):
+                remove_state_dir(item)
+            else:
+                remove_state_files(item)
+
+
 def serve(commands: IO[bytes], launcher: int) -> int:
     """Follow the launcher's commands until `done` (exit quietly) or EOF (clean up after it)."""
     children: dict[int, int | None] = {}
+    state: list[str] = []
+    srun = False
     for raw in commands:
         verb, _, arg = raw.decode(errors="replace").strip().partition(" ")
         if verb == "done":
@@ -98,9 +117,16 @@ def serve(commands: IO[bytes], launcher: int) -> int:
             children[int(arg)] = _start_time(int(arg))
         elif verb == "reaped" and arg.isdigit():
             children.pop(int(arg), None)
-    if not children:
+        elif verb == "state" and arg:
+            state.append(arg)
+        elif verb == "srun":
+            srun = True
+    if not children and not state:
         return 0
+    if srun:  # the launcher's death killed each srun (PR_SET_PDEATHSIG): its helper process, which the
+        time.sleep(SRUN_CANCEL_SECONDS)  # group kill below would take too, is cancelling the step now
     groups, segments = clean_up(children)
+    remove_job_state(state)
     with contextlib.suppress(OSError, ValueError):
         print(f"sluice launch: the launcher (pid {launcher}) died; its janitor killed {groups} process "
               f"group(s) and removed {segments} shared-memory segment(s)", file=sys.stderr, flush=True)
@@ -137,6 +163,14 @@ class Janitor:
 
     def reaped(self, pid: int) -> None:
         self._tell(f"reaped {pid}")
+
+    def srun(self) -> None:
+        """Children are srun steps: give SLURM a moment to cancel them before killing their groups."""
+        self._tell("srun")
+
+    def state(self, item: str) -> None:
+        """Job state on this host to remove if the launcher dies: a state-file tag or a directory."""
+        self._tell(f"state {item}")
 
     def close(self) -> None:
         """Every child is reaped: dismiss the janitor and reap it in turn."""

@@ -52,7 +52,7 @@ def stub_argv(reach: Reach, host: str, python: str, cwd: str) -> list[str]:
     if reach.method == "srun":
         # one task on the named node, inside the allocation; --kill-on-bad-exit so SLURM ends the step
         # with the task; stdin goes to the task (srun's default for one task)
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=1", "--quiet",
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--kill-on-bad-exit=1", "--quiet",
                 f"--chdir={cwd}", python, "-m", "sluice.launch.remote"]
     argv = ["ssh", "-T"]  # no terminal: stdin carries the header and then the session's life
     for option in (*_SSH_DEFAULTS, *reach.ssh_options):

@@ -90,8 +90,10 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
     fd = secret_pipe(header.secret)
     env[ENV_SECRET_FD] = str(fd)
     try:
+        # one stream, as the local launcher reads it: ssh and srun carry stdout and stderr apart, and
+        # lines of the two would interleave mid-line on the launcher's side
         process = subprocess.Popen(header.argv, cwd=header.cwd, env=env, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, pass_fds=(fd,))
+                                   stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
     except OSError as exc:
         print(f"sluice remote: cannot start {header.argv[0]!r} in {header.cwd!r}: {exc}", file=sys.stderr)
         return BAD_HEADER

@@ -33,6 +33,7 @@ from sluice.launch.elastic import (
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.janitor import Janitor
 from sluice.launch.spawner import Spawner
+from sluice.ps.snapshot import remove_state_files, state_tag
 from sluice.scheduler.bootstrap import new_secret
 
 #: seconds between SIGTERM and SIGKILL when stopping a process group
@@ -118,6 +119,12 @@ class _Job:
             loop.add_signal_handler(sig, self.on_signal, sig)
         # started before any child, so that no child can outlive a launcher killed by SIGKILL
         self.janitor = Janitor()
+        if self.config.ps.recover:
+            self.janitor.state(state_tag(self.spawner.secret))
+        if self.plan is not None and self.plan.reach.method == "srun":
+            self.janitor.srun()
+        if ENV_ELASTIC_DIR in self.spawner.worker_env:
+            self.janitor.state(self.spawner.worker_env[ENV_ELASTIC_DIR])
         if self.janitor.error:
             self.complain(f"warning: cannot start the janitor ({self.janitor.error}); if this launcher is "
                           "killed by SIGKILL, its children's subprocesses and shared memory may be left behind")
@@ -127,6 +134,8 @@ class _Job:
             if self.discovery is not None:
                 self.discovery.cancel()
             await self.stop_all()
+            if self.config.ps.recover:  # the servers' committed state dies with the job
+                remove_state_files(state_tag(self.spawner.secret))
             self.janitor.close()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -369,7 +378,8 @@ async def supervise(config: SluiceConfig, workers: int, servers: int, command: S
     err = err if err is not None else sys.stderr
     if elastic is None:
         return await _Job(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan).run()
-    directory, generation = state_dir(), 0
+    directory, generation, restarts = state_dir(), 0, 0
+    os.mkdir(directory, 0o700)
     try:
         while True:
             env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation)}
@@ -383,6 +393,11 @@ async def supervise(config: SluiceConfig, workers: int, servers: int, command: S
             hosts = without(job.hosts(), placed, job.reform.dropped)
             if job.grow_to is not None:
                 hosts = grown(hosts, job.grow_to, elastic.max_workers)
+            restarts += not job.reform.grown
+            if restarts > elastic.max_restarts:
+                job.complain(f"the job was re-formed {elastic.max_restarts} times without new hosts "
+                             "(--max-restarts); ending it")
+                return code
             if slots(hosts) < elastic.min_workers:
                 job.complain(f"{slots(hosts)} workers are left, fewer than --min-workers {elastic.min_workers}; "
                              "ending the job")

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.integration.slurm_bed import slurm  # noqa: F401 - the one-node SLURM bed, one per session
 from tests.integration.test_launch import Launch
 
 

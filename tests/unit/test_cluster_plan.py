@@ -24,7 +24,8 @@ def test_ssh_command_carries_no_secret_and_keeps_the_session_alive_checks() -> N
 
 def test_srun_command_starts_one_task_on_the_named_node() -> None:
     assert stub_argv(Reach("srun"), "gpu07", "/venv/bin/python", "/work") == [
-        "srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--kill-on-bad-exit=1", "--quiet", "--chdir=/work",
+        "srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--overlap", "--kill-on-bad-exit=1", "--quiet",
+        "--chdir=/work",
         "/venv/bin/python", "-m", "sluice.launch.remote"]
 
 
