@@ -66,8 +66,8 @@ def test_gradients_flow_through_collectives_and_queries_answer_truthfully() -> N
         assert out["grad.broadcast"] == ([1.0] * 3 if rank == 1 else [0.0] * 3)  # the root's, zero elsewhere
         # one host: local rank is the rank; no MPI, Gloo, NCCL, CCL or ROCm; CUDA tensors are accepted
         assert out["queries"] == [rank, 3, 0, 1, True, False, False, False, False, True, False, False, True]
-        adasum, process_set, foreign_set, comm, optimizer_adasum, elastic = out["refused"]
-        assert "elastic training" in elastic and "not offered" in elastic
+        adasum, process_set, foreign_set, comm, optimizer_adasum, partial = out["refused"]
+        assert "PartialDistributedOptimizer is not offered" in partial
         assert "Adasum is not offered" in adasum and "hvd.Average" in adasum
         assert "process sets are not offered" in process_set and "separate jobs" in process_set
         assert "process sets are not offered" in foreign_set

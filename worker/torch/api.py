@@ -24,6 +24,7 @@ from sluice.scheduler.errors import SluiceError
 from sluice.worker.client import Client
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
+from sluice.worker.torch import elastic
 from sluice.worker.torch.autograd import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from sluice.worker.torch.collectives import (
     Adasum,
@@ -66,7 +67,7 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "ddp_hook", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "ddl_built", "ddp_hook", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
     "metrics", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
@@ -245,8 +246,6 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None, 
 
 #: Horovod names Sluice does not offer, and what to use instead (sluice.torch's __getattr__ raises with it)
 NOT_OFFERED = {
-    "elastic": "elastic training (hvd.elastic) is not offered yet: a lost worker ends the job, named; restart it "
-               "from your last checkpoint",
     "PartialDistributedOptimizer": "PartialDistributedOptimizer is not offered: pass only the parameters to "
                                    "reduce to DistributedOptimizer, and step the others with a plain optimizer",
     "mpi_ops": "horovod.torch.mpi_ops has no counterpart: every op is in sluice.torch itself",

@@ -265,6 +265,11 @@ class _DistributedMixin:
         synchronize() nothing is left to wait for, so step() updates every parameter at once."""
         yield
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, then the map from each parameter to its group again: torch makes new group dicts."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """With the optimizer on the workers, gradients stay views of the fusion buffers (as DDP's
         gradient_as_bucket_view): this points them at the other buffer, zeroed, whatever set_to_none

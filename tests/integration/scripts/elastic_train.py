@@ -1,0 +1,81 @@
+"""Horovod's elastic shape on Sluice: a small model trained step by step, committing after each step.
+
+Each step takes, for worker `rank` of `size`, rows (step * size + rank) * 8 ... + 8 of a fixed data
+set, and the learning rate is 0.05 x size (a reset callback sets it after each re-forming), so a run
+is determined by which size trained which steps. Prints `ELASTIC_START {generation, size, step}` when
+a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the end.
+--die-at S --die-rank R: worker R SIGKILLs itself right after its commit of step S (a worker lost).
+--stop-at S --save PATH: stop after step S and save the state (rank 0), for a reference run;
+--load PATH: start from such a state.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+
+import sluice.torch as hvd
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--die-at", type=int, default=-1)
+parser.add_argument("--die-rank", type=int, default=-1)
+parser.add_argument("--stop-at", type=int, default=-1)
+parser.add_argument("--save", default="")
+parser.add_argument("--load", default="")
+args = parser.parse_args()
+
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+generator = torch.Generator().manual_seed(1)
+x, y = torch.randn(4096, 12, generator=generator), torch.randn(4096, 3, generator=generator)
+state = hvd.elastic.TorchState(model=model, optimizer=optimizer, batch=0)
+if args.load:
+    saved = torch.load(args.load)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    state.batch = saved["batch"]
+    state.commit()
+
+
+def set_lr() -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = 0.05 * hvd.size()
+
+
+set_lr()
+state.register_reset_callbacks([set_lr])
+
+
+@hvd.elastic.run
+def train(state: hvd.elastic.TorchState) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    print("ELASTIC_START " + json.dumps({"generation": int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0")),
+                                         "size": size, "step": state.batch}), flush=True)
+    while state.batch < args.steps:
+        step = state.batch
+        start = (step * size + rank) * 8
+        optimizer.zero_grad()
+        F.mse_loss(model(x[start:start + 8]), y[start:start + 8]).backward()
+        optimizer.step()
+        state.batch = step + 1
+        state.commit()
+        if step == args.die_at and rank == args.die_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.stop_at:
+            break
+
+
+train(state)
+hvd.synchronize_parameters()
+if args.save and hvd.rank() == 0:
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch}, args.save)
+print("ELASTIC_RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "params": torch.cat(
+    [p.detach().reshape(-1) for p in model.parameters()]).tolist()}), flush=True)
+hvd.shutdown()

@@ -1,0 +1,87 @@
+"""`sluice launch --elastic`: a job that loses a worker, or gains one, goes on from its last commit.
+
+Real processes and `sluice launch`; the script is tests/integration/scripts/elastic_train.py
+(Horovod's elastic shape, a learning rate that follows the size). The equivalence: a job that loses
+worker 2 after step 10 ends with exactly the parameters of a job of 3 workers stopped after step 10
+and continued by 2 workers from its state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "tests/integration/scripts/elastic_train.py"
+LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch"]
+
+
+def _run(argv: list[str], timeout: float = 150) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    starts = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_START (.*)$", done.stdout, re.M)]
+    results = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", done.stdout, re.M)]
+    return output, starts, sorted(results, key=lambda r: r["rank"])
+
+
+def _reference(tmp_path: Path, first: int, then: int, switch: int, steps: int, servers: str) -> list[float]:
+    saved = tmp_path / "state.pt"
+    _run([*LAUNCH, "-w", str(first), "-s", servers, "--", sys.executable, SCRIPT, "--steps", str(steps),
+          "--stop-at", str(switch - 1), "--save", str(saved)])
+    _, _, results = _run([*LAUNCH, "-w", str(then), "-s", servers, "--", sys.executable, SCRIPT, "--steps",
+                          str(steps), "--load", str(saved)])
+    return list(results[0]["params"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers", ["0", "1"], ids=["allreduce", "ps"])
+def test_elastic_job_that_loses_a_worker_ends_as_one_with_a_worker_fewer(tmp_path: Path, servers: str) -> None:
+    output, starts, results = _run([*LAUNCH, "--elastic", "--min-workers", "2", "-w", "3", "-s", servers, "--",
+                                    sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2"])
+    assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; dropping worker 2 and "
+                     r"re-forming the job \(--elastic\)", output), output[-4000:]
+    assert "[launch] re-forming the job: generation 1 with 2 workers" in output
+    assert [(s["generation"], s["size"], s["step"]) for s in starts if s["generation"] == 1] == [(1, 2, 11)] * 2
+    assert [r["size"] for r in results] == [2, 2] and results[0]["params"] == results[1]["params"]
+    assert results[0]["params"] == _reference(tmp_path, 3, 2, 11, 20, servers)
+    assert not list(Path("/dev/shm").glob("sluice-elastic-*")), "the committed state outlived the job"
+
+
+@pytest.mark.timeout(300)
+def test_elastic_job_grows_when_discovery_finds_a_slot(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    job = subprocess.Popen([*LAUNCH, "--elastic", "-w", "2", "--max-workers", "3", "--host-discovery-script",
+                            str(script), "--discovery-interval", "0.5", "-s", "0", "--", sys.executable, SCRIPT,
+                            "--steps", "400"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            if line.startswith("[worker 0] ELASTIC_START"):
+                break
+        hosts.write_text("localhost:3\n")
+        out = "".join(job.stdout)
+        job.wait(240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-5000:]
+    assert "host discovery: 3 slots now (2 in use); the workers re-form the job at their next commit" in out
+    assert "[launch] re-forming the job: generation 1 with 3 workers" in out
+    starts = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_START (.*)$", out, re.M)]
+    switch = {s["step"] for s in starts if s["generation"] == 1}
+    assert len(switch) == 1 and 0 < min(switch) < 400
+    results = sorted((json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", out, re.M)),
+                     key=lambda r: r["rank"])
+    assert [r["size"] for r in results] == [3, 3, 3]
+    assert results[0]["params"] == _reference(tmp_path, 2, 3, switch.pop(), 400, "0")
