@@ -195,9 +195,9 @@ def _launch(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _error(str(exc))
     from sluice.launch.cluster import plan_cluster, read_hosts, slurm_refusal
+    from sluice.launch.generations import run_job
     from sluice.launch.hosts import HostsError
     from sluice.launch.reach import Reach
-    from sluice.launch.supervisor import run_job
 
     if (refusal := slurm_refusal(os.environ)) is not None:
         return _error(refusal)

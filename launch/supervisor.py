@@ -10,27 +10,13 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, BinaryIO, TextIO
 
 from sluice.launch.blame import Watched, exit_description, find, first_report, judge, state_description
 from sluice.launch.children import Child, Sink, death_signal_hook
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
-from sluice.launch.elastic import (
-    ENV_ELASTIC_DIR,
-    ENV_GENERATION,
-    REFORM_EXIT,
-    ElasticSettings,
-    Reform,
-    discover,
-    grown,
-    remove_state_dir,
-    slots,
-    state_dir,
-    without,
-)
-from sluice.launch.hosts import Host, HostsError
 from sluice.launch.janitor import Janitor
 from sluice.launch.spawner import Spawner
 from sluice.ps.snapshot import remove_state_files, state_tag
@@ -47,17 +33,12 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-class _Job:
+class Job:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
                  grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0,
-                 plan: ClusterPlan | None = None, elastic: ElasticSettings | None = None,
-                 worker_env: Mapping[str, str] | None = None) -> None:
+                 plan: ClusterPlan | None = None, worker_env: Mapping[str, str] | None = None) -> None:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
-        self.aggregators, self.plan, self.elastic = aggregators, plan, elastic
-        #: set when an elastic generation ends for the next (launch/elastic.py)
-        self.reform: Reform | None = None
-        #: the hosts a discovery found, when they offer more slots than this generation uses
-        self.grow_to: list[Host] | None = None
+        self.aggregators, self.plan = aggregators, plan
         self.grace, self.ready_timeout = grace, ready_timeout
         self.sink, self.err = Sink(out), err
         self.children: list[Child] = []
@@ -77,7 +58,6 @@ class _Job:
         self.janitor: Janitor | None = None
         self.endpoint = ""  # the scheduler's, once it announced it
         self.restarts = 0  # servers restarted (ps.recover)
-        self.discovery: asyncio.Task[None] | None = None
 
     def busiest_host(self) -> int:
         """The most workers any one host runs."""
@@ -123,16 +103,14 @@ class _Job:
             self.janitor.state(state_tag(self.spawner.secret))
         if self.plan is not None and self.plan.reach.method == "srun":
             self.janitor.srun()
-        if ENV_ELASTIC_DIR in self.spawner.worker_env:
-            self.janitor.state(self.spawner.worker_env[ENV_ELASTIC_DIR])
+        self.started()
         if self.janitor.error:
             self.complain(f"warning: cannot start the janitor ({self.janitor.error}); if this launcher is "
                           "killed by SIGKILL, its children's subprocesses and shared memory may be left behind")
         try:
             return await self._run()
         finally:
-            if self.discovery is not None:
-                self.discovery.cancel()
+            self.ended()
             await self.stop_all()
             if self.config.ps.recover:  # the servers' committed state dies with the job
                 remove_state_files(state_tag(self.spawner.secret))
@@ -178,8 +156,7 @@ class _Job:
                 return 1
         roles = [sched, *(c for c in started if c.role != "worker")]
         workers = [c for c in started if c.role == "worker"]
-        if self.elastic is not None and self.elastic.discovery is not None:
-            self.discovery = asyncio.create_task(self._discover())
+        self.running()
         return await self._watch(roles, workers)
 
     async def _watch(self, roles: list[Child], workers: list[Child]) -> int:
@@ -215,10 +192,8 @@ class _Job:
                         ended, deadline = child, loop.time() + self.grace
                     continue
                 child = running.pop(task)
-                if code != 0 and self.elastic is not None:
-                    return await self._reform(child)
                 if code != 0:
-                    return await self._failed(child)
+                    return await self._worker_failed(child)
         self.say("all workers finished")
         return await self._wind_down(roles)
 
@@ -245,53 +220,18 @@ class _Job:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None
 
-    async def _reform(self, first: Child) -> int:
-        """An elastic generation ends: a worker asked for it (REFORM_EXIT, after new hosts came), or died
-        and is dropped. A server or the scheduler at the origin is a failure no new generation mends."""
-        code = first.returncode
-        assert code is not None
-        if code == REFORM_EXIT:
-            self.reform = Reform((), grown=self.grow_to is not None)
-            self.say(f"{first.label} asked to re-form the job" + (" (new hosts)" if self.grow_to else ""))
-            return REFORM_EXIT
-        if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
-            await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
-        verdict = judge(first, self.children, self._context)
-        cause = verdict.cause if isinstance(verdict.cause, Child) else first
-        if cause.role != "worker":
-            return await self._failed(first)
-        self.complain(f"{verdict.headline}; dropping {cause.label} and re-forming the job (--elastic)")
-        lines = "\n".join(f"    {line}" for line in cause.tail) or "    (no output)"
-        self.complain(f"last lines of {cause.label}:\n{lines}")
-        self.reform = Reform((cause.rank,), grown=self.grow_to is not None)
-        return REFORM_EXIT
+    # hooks for an elastic job's generations (launch/generations.py)
+    def started(self) -> None:
+        """The janitor is up, no child yet."""
 
-    async def _discover(self) -> None:
-        """Run the elastic job's host discovery now and then; when it offers more slots, tell the workers
-        (SIGUSR1: each re-forms at its next commit)."""
-        assert self.elastic is not None and self.elastic.discovery is not None
-        while True:
-            await asyncio.sleep(self.elastic.interval)
-            try:
-                found = await discover(self.elastic.discovery)
-            except (HostsError, OSError) as exc:
-                self.complain(f"warning: {exc}")
-                continue
-            hosts = grown(self.hosts(), found, self.elastic.max_workers)
-            if slots(hosts) > self.workers and self.grow_to is None:
-                self.grow_to = hosts
-                self.say(f"host discovery: {slots(hosts)} slots now ({self.workers} in use); the workers re-form "
-                         "the job at their next commit")
-                for child in self.children:
-                    if child.role == "worker":
-                        child.notify_hosts_updated()
+    def running(self) -> None:
+        """Every process of the job was started."""
 
-    def hosts(self) -> list[Host]:
-        """This generation's hosts and the worker slots it uses on each."""
-        if self.plan is None:
-            return [Host("localhost", self.workers)]
-        return [Host(h, self.plan.workers_on(h)) for h in dict.fromkeys(p.host for p in self.plan.layout.processes)
-                if self.plan.workers_on(h)]
+    def ended(self) -> None:
+        """The job is over; its processes are about to be stopped."""
+
+    async def _worker_failed(self, child: Child) -> int:
+        return await self._failed(child)
 
     @staticmethod
     def _context(child: Watched) -> str:
@@ -367,64 +307,27 @@ class _Job:
             child.pump.cancel()
 
 
-async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
-                    grace: float = 10.0, ready_timeout: float = 60.0,
-                    out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0,
-                    plan: ClusterPlan | None = None, elastic: ElasticSettings | None = None,
-                    replan: Callable[[list[Host]], ClusterPlan | None] | None = None) -> int:
-    """Runs one job to its end, on this machine or over `plan`'s hosts; returns the launcher's exit code.
-    With `elastic`, in generations (launch/elastic.py), `replan` laying each out over its hosts."""
-    out = out if out is not None else sys.stdout.buffer
-    err = err if err is not None else sys.stderr
-    if elastic is None:
-        return await _Job(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan).run()
-    directory, generation, restarts = state_dir(), 0, 0
-    os.mkdir(directory, 0o700)
-    try:
-        while True:
-            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation)}
-            job = _Job(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan,
-                       elastic, env)
-            code = await job.run()
-            if job.reform is None:
-                return code
-            placed = [p.host for p in sorted(job.plan.layout.processes, key=lambda p: p.rank)
-                      if p.role == "worker"] if job.plan else ["localhost"] * workers
-            hosts = without(job.hosts(), placed, job.reform.dropped)
-            if job.grow_to is not None:
-                hosts = grown(hosts, job.grow_to, elastic.max_workers)
-            restarts += not job.reform.grown
-            if restarts > elastic.max_restarts:
-                job.complain(f"the job was re-formed {elastic.max_restarts} times without new hosts "
-                             "(--max-restarts); ending it")
-                return code
-            if slots(hosts) < elastic.min_workers:
-                job.complain(f"{slots(hosts)} workers are left, fewer than --min-workers {elastic.min_workers}; "
-                             "ending the job")
-                return 1
-            workers, generation = slots(hosts), generation + 1
-            plan = replan(hosts) if replan is not None else None
-            job.say(f"re-forming the job: generation {generation} with {workers} workers")
-    finally:
-        remove_state_dir(directory)
-
-
-def run_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
-            grace: float = 10.0, ready_timeout: float = 60.0, aggregators: int = 0,
-            plan: ClusterPlan | None = None, elastic: ElasticSettings | None = None,
-            replan: Callable[[list[Host]], ClusterPlan | None] | None = None) -> int:
-    """supervise() on uvloop (its subprocesses honour preexec_fn), or on asyncio's loop without it."""
-    job = supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
-                    aggregators=aggregators, plan=plan, elastic=elastic, replan=replan)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(job)
-    return int(uvloop.run(job))
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that the OS just handed out (torch.distributed's rendezvous in DDP scripts)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
+                    grace: float = 10.0, ready_timeout: float = 60.0,
+                    out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0,
+                    plan: ClusterPlan | None = None) -> int:
+    """Runs one job to its end, on this machine or over `plan`'s hosts; returns the launcher's exit code."""
+    return await Job(config, workers, servers, command, grace, ready_timeout,
+                     out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr,
+                     aggregators, plan).run()
+
+
+def run_on_loop(job: Coroutine[Any, Any, int]) -> int:
+    """`job` on uvloop (its subprocesses honour preexec_fn), or on asyncio's loop without it."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(job)
+    return int(uvloop.run(job))

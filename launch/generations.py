@@ -1,0 +1,160 @@
+"""An elastic job's generations (`sluice launch --elastic`): each one a Job; the next re-formed from how it ended.
+
+A generation ends for the next when a worker dies (it is dropped: its slot goes with it) or asks
+for it (REFORM_EXIT, after the host discovery reported more slots and the workers committed). The
+rules for what comes next are launch/elastic.py's; the workers' side is worker/torch/elastic.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import BinaryIO, TextIO
+
+from sluice.launch.blame import judge
+from sluice.launch.children import Child
+from sluice.launch.cluster import ClusterPlan
+from sluice.launch.config import SluiceConfig
+from sluice.launch.elastic import (
+    ENV_ELASTIC_DIR,
+    ENV_GENERATION,
+    REFORM_EXIT,
+    ElasticSettings,
+    Reform,
+    discover,
+    grown,
+    remove_state_dir,
+    slots,
+    state_dir,
+    without,
+)
+from sluice.launch.hosts import Host, HostsError
+from sluice.launch.supervisor import SETTLE_SECONDS, Job, run_on_loop, supervise
+
+Replan = Callable[[list[Host]], ClusterPlan | None]
+
+
+class Generation(Job):
+    def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str], grace: float,
+                 ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int, plan: ClusterPlan | None,
+                 elastic: ElasticSettings, worker_env: Mapping[str, str]) -> None:
+        super().__init__(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan,
+                         worker_env)
+        self.elastic = elastic
+        #: why this generation ended for the next; None: the job ended
+        self.reform: Reform | None = None
+        #: the hosts a discovery found, when they offer more slots than this generation uses
+        self.grow_to: list[Host] | None = None
+        self.discovery: asyncio.Task[None] | None = None
+
+    def started(self) -> None:
+        if self.janitor is not None:  # the committed state goes with a launcher killed outright
+            self.janitor.state(self.spawner.worker_env[ENV_ELASTIC_DIR])
+
+    def running(self) -> None:
+        if self.elastic.discovery is not None:
+            self.discovery = asyncio.create_task(self._discover())
+
+    def ended(self) -> None:
+        if self.discovery is not None:
+            self.discovery.cancel()
+
+    async def _worker_failed(self, first: Child) -> int:
+        """A worker asked to re-form the job (REFORM_EXIT, after new hosts came), or died and is dropped.
+        A server or the scheduler at the origin is a failure no new generation mends."""
+        code = first.returncode
+        assert code is not None
+        if code == REFORM_EXIT:
+            self.reform = Reform((), grown=self.grow_to is not None)
+            self.say(f"{first.label} asked to re-form the job" + (" (new hosts)" if self.grow_to else ""))
+            return REFORM_EXIT
+        if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
+            await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
+        verdict = judge(first, self.children, self._context)
+        cause = verdict.cause if isinstance(verdict.cause, Child) else first
+        if cause.role != "worker":
+            return await self._failed(first)
+        self.complain(f"{verdict.headline}; dropping {cause.label} and re-forming the job (--elastic)")
+        lines = "\n".join(f"    {line}" for line in cause.tail) or "    (no output)"
+        self.complain(f"last lines of {cause.label}:\n{lines}")
+        self.reform = Reform((cause.rank,), grown=self.grow_to is not None)
+        return REFORM_EXIT
+
+    async def _discover(self) -> None:
+        """Run the host discovery now and then; when it offers more slots, tell the workers (SIGUSR1:
+        each re-forms the job at its next commit)."""
+        assert self.elastic.discovery is not None
+        while True:
+            await asyncio.sleep(self.elastic.interval)
+            try:
+                found = await discover(self.elastic.discovery)
+            except (HostsError, OSError) as exc:
+                self.complain(f"warning: {exc}")
+                continue
+            hosts = grown(self.hosts(), found, self.elastic.max_workers)
+            if slots(hosts) > self.workers and self.grow_to is None:
+                self.grow_to = hosts
+                self.say(f"host discovery: {slots(hosts)} slots now ({self.workers} in use); the workers re-form "
+                         "the job at their next commit")
+                for child in self.children:
+                    if child.role == "worker":
+                        child.notify_hosts_updated()
+
+    def hosts(self) -> list[Host]:
+        """This generation's hosts and the worker slots it uses on each."""
+        if self.plan is None:
+            return [Host("localhost", self.workers)]
+        return [Host(h, self.plan.workers_on(h)) for h in dict.fromkeys(p.host for p in self.plan.layout.processes)
+                if self.plan.workers_on(h)]
+
+    def placed(self) -> list[str]:
+        """The host of each worker, by rank."""
+        if self.plan is None:
+            return ["localhost"] * self.workers
+        return [p.host for p in sorted(self.plan.layout.processes, key=lambda p: p.rank) if p.role == "worker"]
+
+
+async def generations(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], grace: float,
+                      ready_timeout: float, aggregators: int, plan: ClusterPlan | None, elastic: ElasticSettings,
+                      replan: Replan) -> int:
+    """Run generation after generation until one ends the job; the launcher's exit code."""
+    directory, generation, restarts = state_dir(), 0, 0
+    os.mkdir(directory, 0o700)
+    try:
+        while True:
+            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation)}
+            job = Generation(config, workers, servers, command, grace, ready_timeout, sys.stdout.buffer,
+                             sys.stderr, aggregators, plan, elastic, env)
+            code = await job.run()
+            if job.reform is None:
+                return code
+            hosts = without(job.hosts(), job.placed(), job.reform.dropped)
+            if job.grow_to is not None:
+                hosts = grown(hosts, job.grow_to, elastic.max_workers)
+            restarts += not job.reform.grown
+            if restarts > elastic.max_restarts:
+                job.complain(f"the job was re-formed {elastic.max_restarts} times without new hosts "
+                             "(--max-restarts); ending it")
+                return code
+            if slots(hosts) < elastic.min_workers:
+                job.complain(f"{slots(hosts)} workers are left, fewer than --min-workers {elastic.min_workers}; "
+                             "ending the job")
+                return 1
+            workers, generation = slots(hosts), generation + 1
+            plan = replan(hosts)
+            job.say(f"re-forming the job: generation {generation} with {workers} workers")
+    finally:
+        remove_state_dir(directory)
+
+
+def run_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *, grace: float = 10.0,
+            ready_timeout: float = 60.0, aggregators: int = 0, plan: ClusterPlan | None = None,
+            elastic: ElasticSettings | None = None, replan: Replan | None = None) -> int:
+    """The launcher's job: one, or with `elastic` its generations (`replan` lays each out over its hosts)."""
+    if elastic is None:
+        return run_on_loop(supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
+                                     aggregators=aggregators, plan=plan))
+    return run_on_loop(generations(config, workers, servers, command, grace, ready_timeout, aggregators, plan,
+                                   elastic, replan or (lambda hosts: None)))
