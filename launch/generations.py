@@ -49,9 +49,13 @@ class Generation(Job):
         self.grow_to: list[Host] | None = None
         self.discovery: asyncio.Task[None] | None = None
 
-    def started(self) -> None:
-        if self.janitor is not None:  # the committed state goes with a launcher killed outright
-            self.janitor.state(self.spawner.worker_env[ENV_ELASTIC_DIR])
+    def state_items(self) -> list[str]:
+        """The committed state too (the janitor removes it should the launcher be killed)."""
+        return [*super().state_items(), self.spawner.worker_env[ENV_ELASTIC_DIR]]
+
+    def swept(self, items: list[str]) -> list[str]:
+        """The committed state outlives a generation that hands over to the next."""
+        return [item for item in items if self.reform is None or not item.startswith("/")]
 
     def running(self) -> None:
         if self.elastic.discovery is not None:

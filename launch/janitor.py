@@ -189,6 +189,9 @@ class Janitor:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--remove"]:  # the end of a job on another host (Spawner.sweep): its state there
+        remove_job_state(sys.argv[2:])
+        return 0
     launcher = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the launcher is its to handle
     return serve(sys.stdin.buffer, launcher)

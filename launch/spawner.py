@@ -65,6 +65,24 @@ class Spawner:
             proc = await self._start_there(host, argv, env)
         return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "")
 
+    async def sweep(self, items: list[str], timeout: float = 15.0) -> None:
+        """Remove the job's state (launch/janitor.py's `state` items) on every other host of the job."""
+        if self.plan is None or not items:
+            return
+        hosts = [h for h in dict.fromkeys(p.host for p in self.plan.layout.processes) if self.plan.is_remote(h)]
+        argv = [sys.executable, "-m", "sluice.launch.janitor", "--remove", *items]
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)}
+        started = []
+        for host in hosts:
+            with contextlib.suppress(OSError):
+                proc = await self._start_there(host, argv, env)
+                assert proc.stdin is not None
+                proc.stdin.close()  # the stub runs it to its end, whatever the session does
+                started.append(proc.communicate())
+        if started:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*started, return_exceptions=True), timeout)
+
     async def _start_here(self, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
         secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
         env[ENV_SECRET_FD] = str(secret_fd)

@@ -99,8 +99,8 @@ class Job:
             loop.add_signal_handler(sig, self.on_signal, sig)
         # started before any child, so that no child can outlive a launcher killed by SIGKILL
         self.janitor = Janitor()
-        if self.config.ps.recover:
-            self.janitor.state(state_tag(self.spawner.secret))
+        for item in self.state_items():
+            self.janitor.state(item)
         if self.plan is not None and self.plan.reach.method == "srun":
             self.janitor.srun()
         self.started()
@@ -112,8 +112,10 @@ class Job:
         finally:
             self.ended()
             await self.stop_all()
+            state = self.state_items()
             if self.config.ps.recover:  # the servers' committed state dies with the job
                 remove_state_files(state_tag(self.spawner.secret))
+            await self.spawner.sweep(self.swept(state))  # and on the other hosts
             self.janitor.close()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -219,6 +221,14 @@ class Job:
         except OSError as exc:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None
+
+    def state_items(self) -> list[str]:
+        """The job's state in /dev/shm on each host, as launch/janitor.py names it."""
+        return [state_tag(self.spawner.secret)] if self.config.ps.recover else []
+
+    def swept(self, items: list[str]) -> list[str]:
+        """What of `items` to remove from the other hosts as this job ends."""
+        return items
 
     # hooks for an elastic job's generations (launch/generations.py)
     def started(self) -> None:

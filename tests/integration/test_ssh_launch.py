@@ -26,7 +26,7 @@ from bench.netbed.ssh import ROOT, SshBed, ssh_bed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 #: what a role started over ssh looks like in `ps` on its host
-_REMOTE = re.compile(r"sluice\.launch\.remote|cluster_train\.py|sluice\.launch\.cli (server|aggregator)")
+_REMOTE = re.compile(r"sluice\.launch\.remote|(cluster|elastic)_train\.py|sluice\.launch\.cli (server|aggregator)")
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +185,38 @@ def test_bad_hostfile_line_is_named(tmp_path: Path) -> None:
                            "1", "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"{hostfile}, line 2: 'slot=2' is not slots=N or rack=LABEL" in done.stderr
+
+
+@pytest.mark.timeout(240)
+def test_ssh_recovery_restarts_a_killed_server_on_its_host(bed: SshBed) -> None:
+    """ps.recover across hosts: server 0 (on h1) is killed in step 5 and restarted there over ssh."""
+    started = time.time()
+    done = bed.launch(["-H", _hosts(bed, 1), "-s", "2", "--set", "ps.recover=true", "--set", "collective.mode=ps",
+                       "--set", "worker.optimizer_on=server", "--set", "transport.chunk_bytes=4096", "--",
+                       sys.executable, SCRIPT, "--steps", "12", "--hidden", "256", "--kill-server-at", "5"],
+                      timeout=200)
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert re.search(r"server 0 on \S+ was killed by SIGKILL; restarting it \(1 of at most 3 restarts\)",
+                     done.stdout), done.stdout[-3000:]
+    results = _results(done.stdout)
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
+    _nothing_left(bed)
+    left = [p for p in Path("/dev/shm").glob("sluice-state-*") if p.stat().st_mtime >= started]
+    assert not left, f"state files outlived the job: {left}"
+
+
+@pytest.mark.timeout(240)
+def test_ssh_elastic_job_drops_a_worker_of_another_host(bed: SshBed) -> None:
+    h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
+    started = time.time()
+    done = bed.launch(["-H", f"{h1}:2,{h2}:1", "-s", "1", "--elastic", "--min-workers", "2", "--", sys.executable,
+                       "tests/integration/scripts/elastic_train.py", "--steps", "12", "--die-at", "5",
+                       "--die-rank", "2"], timeout=200)
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert "dropping worker 2 and re-forming the job (--elastic)" in done.stdout
+    assert "[launch] re-forming the job: generation 1 with 2 workers" in done.stdout
+    sizes = [json.loads(m.group(1))["size"] for m in re.finditer(r"ELASTIC_RESULT (.*)$", done.stdout, re.M)]
+    assert sizes == [2, 2]
+    _nothing_left(bed)
+    left = [p for p in Path("/dev/shm").glob("sluice-elastic-*") if p.stat().st_mtime >= started]
+    assert not left, f"the committed state outlived the job: {left}"
