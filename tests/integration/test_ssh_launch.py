@@ -178,7 +178,7 @@ def _hex_secrets_in_command_lines() -> list[str]:
     return leaked
 
 
-def test_bad_hostfile_line_is_named(tmp_path: Path) -> None:
+def test_ssh_bad_hostfile_line_is_named(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2\nnode2 slot=2\n")
     done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "--hostfile", str(hostfile), "-s",
