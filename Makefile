@@ -8,7 +8,7 @@ STAMP := $(VENV)/.sluice-installed
 # What the multi-host tests run on: OpenSSH's server (tests/integration/test_ssh_launch.py) and a
 # one-node SLURM (test_slurm_*.py), in network namespaces (iproute2). Installed when we are root on
 # a Debian/Ubuntu machine (CI is); anywhere else those tests skip, saying why.
-SYSTEM_DEPS := openssh-server openssh-client slurmctld slurmd slurm-client munge iproute2
+SYSTEM_DEPS := openssh-server openssh-client slurmctld slurmd slurm-client munge iproute2 tcpdump
 
 $(PY):
 	python3 -m venv $(VENV)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +24,9 @@ import torch
 from bench import priority_training, ps_vs_allreduce
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, timed_push_pull, write_json
 from bench.netbed import Netbed, ready_for
-from bench.netbed.job import run_sluice_job
+from bench.netbed.job import RESULT_PREFIX, run_sluice_job
+from bench.netbed.ssh import SshBed, ssh_bed
+from bench.netbed.ssh import unavailable as ssh_unavailable
 from bench.train_throughput import _sluice_worker as train_worker
 from bench.train_throughput import demo
 from tests.cluster import LocalCluster
@@ -28,7 +34,7 @@ from tests.cluster import LocalCluster
 MIB, KIB = 1 << 20, 1 << 10
 PEER_NAME = "sluice, transport.curve = false"
 LOOPBACK = ("pushpull-shm", "pushpull-tcp", "train")
-TESTBED = ("testbed-pushpull", "testbed-train")
+TESTBED = ("testbed-pushpull", "testbed-train", "ssh-train")
 GROUPS = {"loopback": LOOPBACK, "testbed": TESTBED, "all": LOOPBACK + TESTBED}
 #: the most CURVE may cost, in percent of the time without it
 TARGET_COST = {"loopback": 25.0, "testbed": 10.0}
@@ -50,12 +56,15 @@ a job the figures are taken after a warm-up, as in the benchmarks they reuse. Ca
                     all encrypted since the hosts are not local to each other
   testbed-train     shaped testbed: bench/priority_training.py's VGG-like job (worker links at RATE
                     Mbit/s with ToS bands, servers unshaped, its "priority" configuration), ms per step
+  ssh-train         the same job started as a cluster launches it: `sluice launch -H ... --server-hosts`
+                    over OpenSSH (bench/netbed/ssh.py), each worker and server on a host of its own
+                    running sshd, the scheduler on the launcher's host; needs OpenSSH's server too
 
-"loopback" and "testbed" name the groups. The testbed needs root (network namespaces); without it
-those cases are skipped with the reason. --repeats counts pairs (even: as many on-first as
-off-first). Every record's ours is CURVE on, peer CURVE off; speedup
-> 1 means CURVE on was ahead; cost = how much more time CURVE on takes, in percent (for a
-bandwidth, peer/ours - 1; for a time, ours/peer - 1). Targets: cost <= 25% on loopback, <= 10% on
+"loopback" and "testbed" name the groups. The testbed needs root (network namespaces), and ssh-train
+OpenSSH as well; without them those cases are skipped with the reason. --repeats counts pairs (even:
+as many on-first as off-first). Every record's ours is CURVE on, peer CURVE off; speedup > 1 means
+CURVE on was ahead; cost = how much more time CURVE on takes, in percent (for a bandwidth,
+peer/ours - 1; for a time, ours/peer - 1). Targets: cost <= 25% on loopback, <= 10% on
 the testbed. The medians and min..max pool every timed repetition of every job of a side;
 paired_cost is the median over the pairs of each pair's cost (robust against slow drift).
 """
@@ -89,11 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inflight-bytes", type=int, default=512 * KIB, metavar="B",
                         help="testbed-pushpull: transport.inflight_bytes (default: %(default)s)")
     parser.add_argument("--global-batch", type=int, default=128, metavar="B",
-                        help="testbed-train: samples per step over all workers (default: %(default)s)")
+                        help="testbed-train, ssh-train: samples per step over all workers (default: %(default)s)")
     parser.add_argument("--testbed-steps", type=int, default=20, metavar="N",
-                        help="testbed-train: timed steps per repetition (default: %(default)s)")
+                        help="testbed-train, ssh-train: timed steps per repetition (default: %(default)s)")
     parser.add_argument("--testbed-warmup", type=int, default=5, metavar="N",
-                        help="testbed-train: untimed steps first, at least 1 (default: %(default)s)")
+                        help="testbed-train, ssh-train: untimed steps first, at least 1 (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="testbed: show every process's output, prefixed")
@@ -238,34 +247,91 @@ def testbed_pushpull(args: argparse.Namespace, bed: Netbed) -> Case:
                  "link_bound": args.rate_mbit / 8})
 
 
-def testbed_train(args: argparse.Namespace, bed: Netbed) -> Case:
+def _training_job(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[str, Any]], str, dict[str, Any]]:
+    """The worker program of priority_training.measure() with its "priority" configuration (sections),
+    what it trains (for a description) and the record's extra fields."""
     job = priority_training.parse_args([
         "--workers", str(args.workers), "--servers", str(args.servers), "--global-batch", str(args.global_batch),
         "--steps", str(args.testbed_steps), "--warmup", str(args.testbed_warmup), "--repeats", str(args.inner),
         "--rate-mbit", str(args.rate_mbit),
     ])
-    # the worker program of priority_training.measure(), run with its "priority" configuration
     argv = [sys.executable, "-m", "bench.priority_training", "--worker", "sluice",
             "--batch", str(job.global_batch // args.workers), "--width", str(job.width), "--hidden", str(job.hidden),
             "--steps", str(job.steps), "--warmup", str(job.warmup), "--repeats", str(job.repeats)]
-    base = priority_training.sluice_config(job, priority_training.PRIORITY)
+    params = sum(p.numel() for p in priority_training.make_model(job.width, job.hidden).parameters())
+    model = f"bench/priority_training.py's VGG-like model ({params / 1e6:.2f} M parameters)"
+    extra = {"global_batch": args.global_batch, "steps": args.testbed_steps, "warmup": args.testbed_warmup,
+             "rate_mbit": args.rate_mbit, "parameters": params}
+    return argv, priority_training.sluice_config(job, priority_training.PRIORITY), model, extra
+
+
+def _with_curve(base: dict[str, dict[str, Any]], curve: bool) -> dict[str, dict[str, Any]]:
+    return {**base, "transport": {**base["transport"], "curve": curve}}
+
+
+def testbed_train(args: argparse.Namespace, bed: Netbed) -> Case:
+    argv, base, model, extra = _training_job(args)
     workers, servers = [f"w{i}" for i in range(args.workers)], [f"t{i}" for i in range(args.servers)]
 
     def run(curve: bool) -> list[float]:
-        config = {**base, "transport": {**base["transport"], "curve": curve}}
-        results = run_sluice_job(bed, servers[0], servers, workers, config, argv, timeout=args.timeout,
-                                 env={"OMP_NUM_THREADS": "1"}, echo=args.verbose)
+        results = run_sluice_job(bed, servers[0], servers, workers, _with_curve(base, curve), argv,
+                                 timeout=args.timeout, env={"OMP_NUM_THREADS": "1"}, echo=args.verbose)
         seconds = next(r["seconds"] for r in results if r["rank"] == 0)
         return [s * 1000 for s in seconds]
 
-    model = priority_training.make_model(job.width, job.hidden)
-    params = sum(p.numel() for p in model.parameters())
-    describe = (f"training step of bench/priority_training.py's VGG-like model ({params / 1e6:.2f} M parameters), "
-                f"{args.workers} workers on {args.rate_mbit:g} Mbit/s links with ToS bands, {args.servers} servers "
-                f"unshaped, global batch {args.global_batch}, its 'priority' configuration")
-    return Case("testbed-train", "testbed", "ms/step", "lower", describe, run,
-                {"global_batch": args.global_batch, "steps": args.testbed_steps, "warmup": args.testbed_warmup,
-                 "rate_mbit": args.rate_mbit, "parameters": params})
+    describe = (f"training step of {model}, {args.workers} workers on {args.rate_mbit:g} Mbit/s links with ToS "
+                f"bands, {args.servers} servers unshaped, global batch {args.global_batch}, its 'priority' "
+                "configuration")
+    return Case("testbed-train", "testbed", "ms/step", "lower", describe, run, extra)
+
+
+def _set_options(sections: dict[str, dict[str, Any]]) -> list[str]:
+    """`--set section.key=value` for every key of `sections` (bare values, as --set reads them)."""
+    out = []
+    for section, values in sections.items():
+        for key, value in values.items():
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            out += ["--set", f"{section}.{key}={text}"]
+    return out
+
+
+def ssh_train(args: argparse.Namespace, bed: SshBed) -> Case:
+    """testbed-train's job as `sluice launch -H` starts it over ssh: workers on h1..hW, servers after them."""
+    argv, base, model, extra = _training_job(args)
+    addresses = list(bed.hosts.values())
+    layout = ["-H", ",".join(f"{a}:1" for a in addresses), "-w", str(args.workers), "-s", str(args.servers),
+              "--server-hosts", ",".join(addresses[args.workers:])]
+
+    def run(curve: bool) -> list[float]:
+        # one thread per process, as testbed-train's (the launcher would pick cores / processes per host)
+        done = bed.launch([*layout, *_set_options(_with_curve(base, curve)), "--", *argv], timeout=args.timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if args.verbose:
+            print(done.stdout, flush=True)
+        found = re.findall(rf"^\[worker 0\] {RESULT_PREFIX}(.*)$", done.stdout, re.M)
+        if done.returncode != 0 or not found:
+            tail = "\n".join(f"    {line}" for line in done.stdout.splitlines()[-30:])
+            raise RuntimeError(f"sluice launch over ssh (transport.curve = {curve}) exited {done.returncode} "
+                               f"without worker 0's {RESULT_PREFIX.strip()} line; its last lines:\n{tail}")
+        return [s * 1000 for s in json.loads(found[-1])["seconds"]]
+
+    describe = (f"training step of {model} launched over OpenSSH (sluice launch -H), {args.workers} workers on "
+                f"hosts of their own with {args.rate_mbit:g} Mbit/s links and ToS bands, {args.servers} servers on "
+                f"unshaped hosts (--server-hosts), the scheduler on the launcher's, global batch "
+                f"{args.global_batch}, the 'priority' configuration")
+    return Case("ssh-train", "testbed", "ms/step", "lower", describe, run, {**extra, "launched": "ssh"})
+
+
+def run_ssh_case(args: argparse.Namespace) -> list[tuple[Case, Measured]]:
+    """ssh-train in a bed of its own (a Netbed per process at a time: it is built after the other one
+    is gone): hosts h1..hW for the workers, their links shaped, then hosts for the servers."""
+    if reason := ssh_unavailable():
+        progress(f"ssh-train: skipped, the ssh testbed is unavailable here: {reason}")
+        return []
+    rates: list[float | None] = [args.rate_mbit] * args.workers + [None] * args.servers
+    with (tempfile.TemporaryDirectory(prefix="curve-cost-ssh-") as keys,
+          ssh_bed(Path(keys), args.workers + args.servers, rates=rates, tos_bands=True) as bed):
+        return run_cases([ssh_train(args, bed)], args)
 
 
 def build_testbed(bed: Netbed, args: argparse.Namespace) -> None:
@@ -309,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "train":
             loopback.append(loopback_train(args))
     done += run_cases(loopback, args)
-    testbed = [name for name in args.cases if name in TESTBED]
-    if testbed and ready_for("curve_cost"):
-        with Netbed() as bed:
-            build_testbed(bed, args)
-            makers = {"testbed-pushpull": testbed_pushpull, "testbed-train": testbed_train}
-            done += run_cases([makers[name](args, bed) for name in testbed], args)
+    testbed = [name for name in args.cases if name in TESTBED and name != "ssh-train"]
+    if (testbed or "ssh-train" in args.cases) and ready_for("curve_cost"):
+        if testbed:
+            with Netbed() as bed:
+                build_testbed(bed, args)
+                makers = {"testbed-pushpull": testbed_pushpull, "testbed-train": testbed_train}
+                done += run_cases([makers[name](args, bed) for name in testbed], args)
+        if "ssh-train" in args.cases:
+            done += run_ssh_case(args)
     records = [case_record(case, measured, args) for case, measured in done]
     progress(f"\nCURVE on against off, median [min..max] of {args.repeats} pairs of jobs x {args.inner} "
              f"repetitions ({time.perf_counter() - started:.0f} s in all); cost = extra time with CURVE")

@@ -70,15 +70,15 @@ class Role:
             while not self.done.wait(min(limit, 10.0)):
                 for stall in self.stalled(time.monotonic(), limit):
                     self.log.warning("%s", stall)
-        finally:
+        finally:  # also when SIGTERM ends the role (SystemExit): what it refused is told either way
             self.control.bye()
             self.transport.close(flush_seconds=2.0)
             self.on_close()
-            for line in summary_lines(self.transport.stats(), name):
+            stats = self.transport.stats()
+            for line in summary_lines(stats, name):
                 self.log.info("%s", line)
-        stats = self.transport.stats()
-        self.log.info("%s stopped (%d messages rejected, %d connections refused)", name, stats["rejected"],
-                      stats["refused_connections"])
+            self.log.info("%s stopped (%d messages rejected, %d connections refused)", name, stats["rejected"],
+                          stats["refused_connections"])
         return self.exit_code
 
     def take_limits(self, limits: Limits) -> bool:

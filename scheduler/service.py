@@ -126,9 +126,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         if trees is not None:
             trees.close()
         transport.close(flush_seconds=2.0)
-    stats = transport.stats()
-    log.info("scheduler stopped (%d messages rejected, %d connections refused)",
-             stats["rejected"] + rejects.total, stats["refused_connections"])
+        stats = transport.stats()  # also when SIGTERM ends the scheduler (SystemExit)
+        log.info("scheduler stopped (%d messages rejected, %d connections refused)",
+                 stats["rejected"] + rejects.total, stats["refused_connections"])
     if machine.exit_code:
         log.error("job failed: %s", machine.error)
     else:

@@ -123,9 +123,10 @@ def _keygen(path: Path) -> str:
 
 @contextlib.contextmanager
 def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
-            rates: Sequence[float | None] = ()) -> Iterator[SshBed]:
+            rates: Sequence[float | None] = (), tos_bands: bool = False) -> Iterator[SshBed]:
     """A testbed with a `launcher` host and `ssh_hosts` hosts h1, h2, ... running sshd (host hI's link
-    shaped to rates[I-1] Mbit/s where given); `extra_hosts` are more namespaces without sshd."""
+    shaped to rates[I-1] Mbit/s where given, with the kernel's ToS bands under the shaper if
+    `tos_bands`); `extra_hosts` are more namespaces without sshd."""
     if reason := unavailable():
         raise NetbedUnavailable(reason)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
@@ -137,7 +138,8 @@ def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
         try:
             netbed.host("launcher")
             for index in range(1, ssh_hosts + 1):
-                netbed.host(f"h{index}", rates[index - 1] if index <= len(rates) else None)
+                rate = rates[index - 1] if index <= len(rates) else None
+                netbed.host(f"h{index}", rate, tos_bands=tos_bands and rate is not None)
                 bed.start_sshd(f"h{index}")
             for name in extra_hosts:
                 netbed.host(name)
