@@ -35,7 +35,7 @@ def test_launched_training_matches_single_process(tmp_path: Path, device: str, o
         "--set", f"worker.optimizer_on={optimizer_on}", "--",
         sys.executable, "-m", "tests.integration.cuda_job", str(out), str(steps), str(batch), device,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reference = train_single(steps, batch, "sgd")
