@@ -194,10 +194,11 @@ def _launch(args: argparse.Namespace) -> int:
         config = load_config(args.config, os.environ, sets)
     except ConfigError as exc:
         return _error(str(exc))
-    from sluice.launch.cluster import plan_cluster, read_hosts, slurm_refusal
+    from sluice.launch.cluster import plan_cluster, read_hosts
     from sluice.launch.generations import run_job
     from sluice.launch.hosts import HostsError
     from sluice.launch.reach import Reach
+    from sluice.launch.slurm import slurm_refusal
 
     if (refusal := slurm_refusal(os.environ)) is not None:
         return _error(refusal)

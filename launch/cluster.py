@@ -109,13 +109,4 @@ def plan_cluster(hosts: Sequence[Host], source: str, workers: int | None, server
     return ClusterPlan(layout, reach, addresses, launcher_address, here, source)
 
 
-def slurm_refusal(environ: Mapping[str, str]) -> str | None:
-    """Why `sluice launch` must not run as one task of several in a SLURM step, or None."""
-    tasks = environ.get("SLURM_NTASKS", "1")
-    if environ.get("SLURM_STEP_ID") is not None and tasks.isdigit() and int(tasks) > 1:
-        return (f"this launcher is one of {tasks} tasks of a SLURM job step (srun -n {tasks} sluice launch ...): run "
-                "`sluice launch` once, in the batch script or the salloc shell; it starts every role with srun itself")
-    return None
-
-
-__all__ = ["ClusterPlan", "HostsError", "plan_cluster", "read_hosts", "slurm_refusal"]
+__all__ = ["ClusterPlan", "HostsError", "plan_cluster", "read_hosts"]

@@ -1,62 +1,16 @@
-"""A task's place in a SLURM job step (pure): SLURM's variables read and checked, as torchrun and Horovod read them.
+"""A SLURM allocation as the launcher sees it (pure): its nodes and their slots, and where the launcher must not run.
 
-Under `srun`, SLURM starts one task per process itself (its own process start, accounting, signals
-and clean-up); each task learns its place from SLURM_PROCID (global rank), SLURM_NTASKS (size),
-SLURM_LOCALID (rank on its node), SLURM_NODEID, and the node list (SLURM_STEP_NODELIST, or the job's
-SLURM_JOB_NODELIST / SLURM_NODELIST). Every error names the variable and says what it should hold.
+`sluice launch` runs once inside an allocation (sbatch, salloc) and starts every process as an srun
+step on the allocation's nodes (launch/reach.py), each node offering the tasks SLURM gave it as
+worker slots. Every error names the variable and says what it should hold.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from sluice.launch.hosts import Host, HostsError, expand_nodelist
-
-
-@dataclass(frozen=True)
-class SlurmTask:
-    rank: int
-    size: int
-    local_rank: int
-    node: int  # index of this task's node in `nodes`
-    nodes: tuple[str, ...]
-    job_id: str
-
-    @property
-    def first_node(self) -> str:
-        """Where rank 0 runs: the node that hosts the scheduler."""
-        return self.nodes[0]
-
-
-def in_slurm_step(env: Mapping[str, str]) -> bool:
-    """Is this process a task of a SLURM job step (started by srun)?"""
-    return "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
-
-
-def _int(env: Mapping[str, str], name: str, low: int, high: int | None = None) -> int:
-    value = env.get(name)
-    if value is None:
-        raise HostsError(f"{name} is not set: run under srun (SLURM sets it for every task)")
-    if not value.isdigit() or int(value) < low or (high is not None and int(value) >= high):
-        bound = f"from {low}" + ("" if high is None else f" to {high - 1}")
-        raise HostsError(f"{name}={value!r} must be a whole number {bound}")
-    return int(value)
-
-
-def slurm_task(env: Mapping[str, str]) -> SlurmTask:
-    """This task's place, from SLURM's variables in `env`; HostsError naming the variable otherwise."""
-    size = _int(env, "SLURM_NTASKS", 1)
-    rank = _int(env, "SLURM_PROCID", 0, size)
-    listed = next((env[v] for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(v)),
-                  None)
-    if listed is None:
-        raise HostsError("none of SLURM_STEP_NODELIST, SLURM_JOB_NODELIST, SLURM_NODELIST is set: run under srun")
-    nodes = tuple(expand_nodelist(listed))
-    node = _int(env, "SLURM_NODEID", 0, len(nodes))
-    local = _int(env, "SLURM_LOCALID", 0, size)
-    return SlurmTask(rank, size, local, node, nodes, env.get("SLURM_JOB_ID", ""))
 
 
 def per_node_counts(text: str, name: str) -> list[int]:
@@ -83,3 +37,12 @@ def allocation_hosts(env: Mapping[str, str]) -> list[Host]:
     if len(counts) != len(nodes):
         raise HostsError(f"{name} lists {len(counts)} nodes but SLURM_JOB_NODELIST has {len(nodes)}")
     return [Host(node, slots) for node, slots in zip(nodes, counts, strict=True)]
+
+
+def slurm_refusal(env: Mapping[str, str]) -> str | None:
+    """Why `sluice launch` must not run as one task of several in a SLURM step, or None."""
+    tasks = env.get("SLURM_NTASKS", "1")
+    if env.get("SLURM_STEP_ID") is not None and tasks.isdigit() and int(tasks) > 1:
+        return (f"this launcher is one of {tasks} tasks of a SLURM job step (srun -n {tasks} sluice launch ...): run "
+                "`sluice launch` once, in the batch script or the salloc shell; it starts every role with srun itself")
+    return None

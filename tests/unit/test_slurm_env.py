@@ -1,33 +1,31 @@
-"""A task's place in a SLURM job step, from SLURM's variables (pure, literal tables)."""
+"""A SLURM allocation as the launcher reads it (pure, literal tables)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sluice.launch.hosts import HostsError
-from sluice.launch.slurm import SlurmTask, in_slurm_step, slurm_task
-
-STEP = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
-        "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "gpu[01-02,07]", "SLURM_JOB_NODELIST": "gpu[01-09]"}
+from sluice.launch.cluster import read_hosts
+from sluice.launch.hosts import Host, HostsError
+from sluice.launch.slurm import allocation_hosts, per_node_counts, slurm_refusal
 
 
-def test_a_task_reads_its_place_from_the_step() -> None:
-    assert in_slurm_step(STEP) and not in_slurm_step({"SLURM_JOB_ID": "42"})  # in an allocation, not a step
-    task = slurm_task(STEP)
-    assert task == SlurmTask(5, 8, 1, 1, ("gpu01", "gpu02", "gpu07"), "42")
-    assert task.first_node == "gpu01"  # the step's node list, not the whole allocation's
+@pytest.mark.parametrize(("text", "counts"), [("4", [4]), ("2(x3),1", [2, 2, 2, 1]), ("8(x2)", [8, 8])])
+def test_slurm_per_node_counts(text: str, counts: list[int]) -> None:
+    assert per_node_counts(text, "SLURM_TASKS_PER_NODE") == counts
 
 
-@pytest.mark.parametrize(("change", "error"), [
-    ({"SLURM_PROCID": None}, "SLURM_PROCID is not set: run under srun"),
-    ({"SLURM_PROCID": "8"}, r"SLURM_PROCID='8' must be a whole number from 0 to 7"),
-    ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS='0'"),
-    ({"SLURM_NODEID": "3"}, r"SLURM_NODEID='3' must be a whole number from 0 to 2"),
-    ({"SLURM_LOCALID": "-1"}, "SLURM_LOCALID"),
-    ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, "none of SLURM_STEP_NODELIST"),
-    ({"SLURM_STEP_NODELIST": "gpu[2-1]"}, "not N or N-M"),
-])
-def test_missing_or_wrong_variables_are_named(change: dict[str, str | None], error: str) -> None:
-    env = {k: v for k, v in {**STEP, **change}.items() if v is not None}
-    with pytest.raises(HostsError, match=error):
-        slurm_task(env)
+def test_slurm_allocation_gives_each_node_its_tasks_as_slots() -> None:
+    env = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert allocation_hosts(env) == [Host("gpu01", 2), Host("gpu02", 2), Host("gpu03", 1)]
+    assert read_hosts(None, None, env) == ([Host("gpu01", 2), Host("gpu02", 2), Host("gpu03", 1)], "SLURM job 12")
+    with pytest.raises(HostsError, match="lists 1 nodes but SLURM_JOB_NODELIST has 3"):
+        allocation_hosts({**env, "SLURM_TASKS_PER_NODE": "4"})
+    with pytest.raises(HostsError, match=r"'x' is not N or N\(xK\)"):
+        allocation_hosts({**env, "SLURM_TASKS_PER_NODE": "x"})
+
+
+def test_one_launcher_per_allocation() -> None:
+    assert slurm_refusal({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}) is None
+    assert slurm_refusal({}) is None
+    refusal = slurm_refusal({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"})
+    assert refusal is not None and "run `sluice launch` once" in refusal
