@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -183,21 +184,36 @@ def test_a_taken_scheduler_port_is_named(nodes: list[Node], tmp_path: Path) -> N
         in node.output()
 
 
+def _free_run(count: int) -> int:
+    """The first of `count` consecutive free ports below Linux's ephemeral range (32768 on), where no
+    port the OS hands out to another test can land meanwhile."""
+    for base in random.Random().sample(range(20000, 32000 - count), 200):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError(f"no {count} consecutive free ports between 20000 and 32000")
+
+
 @pytest.mark.timeout(30)
 def test_a_transport_listens_on_a_fixed_port_or_releases_it() -> None:
     config = TransportConfig(channels=3)
     transport = open_transport("scheduler", config, lambda *_: None, keys=JobKeys(b"k" * 32, ["scheduler"]))
     try:
         with socket.socket() as holder:
-            holder.bind(("127.0.0.1", 0))
+            base = _free_run(3)
+            taken = base + 1
+            holder.bind(("127.0.0.1", taken))
             holder.listen()
-            taken = holder.getsockname()[1]
             with pytest.raises(OSError, match=f"cannot listen on tcp://127.0.0.1:{taken} .*another process holds it"):
-                transport.listen(taken - 1)  # channel 1 would need the port taken
+                transport.listen(base)  # channel 1 would need the port taken
             with pytest.raises(ValueError, match="a fixed port needs"):
                 transport.listen(65535)
         # what the failed try bound was closed again: the same ports can be had now
-        assert transport.listen(taken - 1) == [f"tcp://127.0.0.1:{taken + c - 1}" for c in range(3)]
+        assert transport.listen(base) == [f"tcp://127.0.0.1:{base + c}" for c in range(3)]
     finally:
         transport.close()
 

@@ -285,7 +285,10 @@ def _files_of(pids: set[int], registry: Path, since: float) -> set[Path]:
     with contextlib.suppress(OSError):
         found.update(p for p in registry.iterdir() if p.lstat().st_ctime >= since)
         found.add(registry)
-    return {p for p in found if str(p).startswith(("/tmp/", "/dev/shm/"))}
+    # the project and its interpreter may themselves live under /tmp (a CI checkout): what they map is
+    # installed code, not something the job made
+    installed = (str(ROOT) + "/", sys.prefix + "/", sys.base_prefix + "/")
+    return {p for p in found if str(p).startswith(("/tmp/", "/dev/shm/")) and not str(p).startswith(installed)}
 
 
 @pytest.mark.timeout(200)
