@@ -1,0 +1,158 @@
+"""Pipeline-parallel schedules and stage splits (pure): what each stage runs, in what order, and when.
+
+A model cut into P stages runs M micro-batches a step. Each stage runs its own list of actions
+(`F m`: the forward of micro-batch m, `B m`: its backward) in order; `clock_table` replays those
+lists against their dependencies (a forward needs the stage before it, a backward the stage after
+it) to show which micro-batch each stage runs at each clock, as torchgpipe's `clock_cycles` tables
+do. GPipe (fill-drain) runs every forward, then every backward: each stage holds the activations of
+all M micro-batches. 1F1B (PipeDream-flush, as Megatron and torch.distributed.pipelining run it)
+warms up with P - 1 - s forwards at stage s, then alternates one forward and one backward: stage s
+holds at most P - s micro-batches' activations. Both leave (P - 1) / (M + P - 1) of each stage idle
+when a forward and a backward take the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" or "B"
+    micro: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro}"
+
+
+def _check(stages: int, micro: int) -> None:
+    if stages < 1 or micro < 1:
+        raise ValueError(f"a pipeline needs at least one stage and one micro-batch, got {stages} and {micro}")
+
+
+def gpipe(stages: int, micro: int) -> list[list[Action]]:
+    """Every forward, then every backward (in micro-batch order), on every stage."""
+    _check(stages, micro)
+    order = [Action("F", m) for m in range(micro)] + [Action("B", m) for m in range(micro)]
+    return [list(order) for _ in range(stages)]
+
+
+def one_f_one_b(stages: int, micro: int) -> list[list[Action]]:
+    """Warm-up forwards (P - 1 - s at stage s), then one forward and one backward in turn, then the
+    backwards left."""
+    _check(stages, micro)
+    orders = []
+    for stage in range(stages):
+        warmup = min(stages - 1 - stage, micro)
+        order = [Action("F", m) for m in range(warmup)]
+        for m in range(warmup, micro):
+            order += [Action("F", m), Action("B", m - warmup)]
+        order += [Action("B", m) for m in range(micro - warmup, micro)]
+        orders.append(order)
+    return orders
+
+
+def schedule(name: str, stages: int, micro: int) -> list[list[Action]]:
+    if name == "gpipe":
+        return gpipe(stages, micro)
+    if name == "1f1b":
+        return one_f_one_b(stages, micro)
+    raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+
+
+def clock_table(orders: Sequence[Sequence[Action]], forward: int = 1, backward: int = 1) -> list[list[str]]:
+    """Which action each stage runs at each clock ("" when idle), a forward taking `forward` clocks
+    and a backward `backward`: row t, column s. Raises ValueError if the orders deadlock."""
+    stages = len(orders)
+    done: dict[tuple[str, int, int], int] = {}  # (kind, micro, stage) -> the clock it finished
+    position = [0] * stages
+    free_at = [0] * stages
+    table: list[list[str]] = []
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        progressed = False
+        for stage in range(stages):
+            if position[stage] == len(orders[stage]):
+                continue
+            action = orders[stage][position[stage]]
+            if action.kind == "F":
+                needs = [("F", action.micro, stage - 1)] if stage > 0 else []
+            else:
+                needs = [("F", action.micro, stage)] + ([("B", action.micro, stage + 1)] if stage < stages - 1 else [])
+            if any(need not in done for need in needs):
+                continue
+            start = max([free_at[stage], *(done[need] for need in needs)])
+            end = start + (forward if action.kind == "F" else backward)
+            while len(table) < end:
+                table.append([""] * stages)
+            for clock in range(start, end):
+                table[clock][stage] = str(action)
+            done[(action.kind, action.micro, stage)] = end
+            free_at[stage] = end
+            position[stage] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError("these stage orders deadlock: an action waits for one that waits for it")
+    return table
+
+
+def peak_activations(order: Sequence[Action]) -> int:
+    """The most micro-batches whose activations a stage holds at once (forward done, backward not)."""
+    held = peak = 0
+    for action in order:
+        held += 1 if action.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def bubble(stages: int, micro: int) -> float:
+    """The idle fraction of each stage when forward and backward take equal time: (P - 1) / (M + P - 1)."""
+    _check(stages, micro)
+    return (stages - 1) / (micro + stages - 1)
+
+
+def idle_fraction(table: Sequence[Sequence[str]], stage: int) -> float:
+    """How much of the step stage `stage` spent idle, from a clock table."""
+    return sum(1 for row in table if not row[stage]) / len(table) if table else 0.0
+
+
+def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
+    """Where to cut a sequence of layers with `costs` into `parts` contiguous stages so that the most
+    expensive stage costs least: the index of each stage's first layer (the first is 0). Ties go to
+    the earliest cut. Exact: the bound is the smallest sum of consecutive costs that a greedy cut
+    fits in `parts` stages (binary search over those sums)."""
+    if not 1 <= parts <= len(costs):
+        raise ValueError(f"cannot cut {len(costs)} layers into {parts} stages: each stage needs a layer")
+    if any(c < 0 for c in costs):
+        raise ValueError("layer costs cannot be negative")
+
+    def cuts_for(bound: float) -> list[int] | None:
+        starts, total = [0], 0.0
+        for index, cost in enumerate(costs):
+            if cost > bound:
+                return None
+            if total + cost > bound:
+                starts.append(index)
+                total = 0.0
+            total += cost
+        return starts if len(starts) <= parts else None
+
+    candidates = sorted({sum(costs[i:j]) for i in range(len(costs)) for j in range(i + 1, len(costs) + 1)})
+    low, high = 0, len(candidates) - 1
+    while low < high:  # the smallest candidate bound that fits in `parts` stages
+        middle = (low + high) // 2
+        if cuts_for(candidates[middle]) is not None:
+            high = middle
+        else:
+            low = middle + 1
+    starts = cuts_for(candidates[low])
+    assert starts is not None
+    # fewer stages than asked: split the largest stages further (single layers stay whole)
+    while len(starts) < parts:
+        bounds = [*starts, len(costs)]
+        sizes = [(sum(costs[bounds[i]:bounds[i + 1]]), i) for i in range(len(starts)) if bounds[i + 1] - bounds[i] > 1]
+        _, widest = max(sizes)
+        starts.insert(widest + 1, bounds[widest + 1] - 1)
+    return starts
