@@ -1,0 +1,131 @@
+"""Offload of saved activations (worker/torch/offload.py): bit-exact gradients, compression, what is packed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from sluice.worker.torch.offload import Offloader, OffloadStats, offloaded  # noqa: E402
+
+
+def cnn() -> Any:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+
+
+def gradients(model: Any, x: Any, block: Callable[[], Any]) -> tuple[list[Any], Any]:
+    model.zero_grad(set_to_none=True)
+    with block() as stats:
+        loss = model(x).square().sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("options", [{}, {"prefetch": 2}, {"compress": False}, {"min_bytes": 0}])
+def test_gradients_are_bit_identical_and_activations_shrink(options: dict[str, Any]) -> None:
+    model, x = cnn(), torch.randn(8, 3, 32, 32)
+    plain, _ = gradients(model, x, contextlib.nullcontext)
+    ours, stats = gradients(model, x, lambda: offloaded(**options))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    assert isinstance(stats, OffloadStats) and stats.packed >= 5
+    if options.get("compress", True):
+        assert stats.stored_bytes < 0.75 * stats.raw_bytes, stats  # ReLU outputs are about half zeros
+        assert stats.ratio > 1.3 and 0.25 < stats.memory_saved < 1
+    else:
+        assert stats.stored_bytes == stats.raw_bytes
+    assert stats.held_bytes == 0 and stats.peak_bytes > 0  # the graph is gone, and so is what it saved
+
+
+def test_parameters_are_never_packed() -> None:
+    model, x = cnn(), torch.randn(4, 3, 32, 32)
+    parameters = {p.data_ptr() for p in model.parameters()}
+    offloader, packed, passed = Offloader(min_bytes=0), [], []
+
+    def spy(tensor: Any) -> Any:
+        result = offloader.pack(tensor)
+        (passed if result is tensor else packed).append(tensor.data_ptr())
+        return result
+
+    with torch.autograd.graph.saved_tensors_hooks(spy, offloader.unpack):
+        loss = model(x).sum()  # linear saves its weight as a transposed view: passed through too
+    loss.backward()
+    assert packed and not parameters & set(packed)
+    assert {p.data_ptr() for name, p in model.named_parameters() if name.endswith("weight")} <= set(passed)
+
+
+def test_a_tensor_saved_twice_is_stored_once() -> None:
+    x = torch.randn(64, 1024, requires_grad=True)
+    with offloaded(min_bytes=0) as stats:
+        y = torch.relu(x * 2)  # relu saves y, and y * y saves it twice more
+        loss = (y * y).sum()
+    assert stats.packed == 1 and stats.raw_bytes == y.numel() * 4
+    loss.backward()
+    assert x.grad is not None and torch.equal(x.grad, 8 * x.detach() * (x.detach() > 0))
+
+
+def test_nested_and_no_grad_blocks() -> None:
+    model, x = cnn(), torch.randn(4, 3, 32, 32)
+    plain, _ = gradients(model, x, contextlib.nullcontext)
+    model.zero_grad(set_to_none=True)
+    with offloaded() as outer:
+        with torch.no_grad(), offloaded() as idle:
+            model(x)  # nothing is saved without grad
+        with offloaded() as inner:
+            hidden = model[:3](x)
+        loss = model[3:](hidden).square().sum()
+    loss.backward()
+    assert idle.packed == 0 and inner.packed > 0 and outer.packed > 0
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters(), strict=True))
+
+
+def test_an_exception_inside_the_block_restores_the_hooks() -> None:
+    model, x = cnn(), torch.randn(4, 3, 32, 32)
+    with pytest.raises(RuntimeError, match="boom"), offloaded() as stats:
+        model(x)
+        raise RuntimeError("boom")
+    count = stats.packed
+    loss = model(x).sum()  # outside the block: saved as usual
+    loss.backward()
+    assert stats.packed == count > 0
+
+
+def test_bfloat16_and_integer_tensors_round_trip() -> None:
+    x = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+    with offloaded(min_bytes=0) as stats:
+        loss = torch.relu(x).float().square().sum()
+    loss.backward()
+    expected = (2 * torch.relu(x.detach()).float()).to(torch.bfloat16)
+    assert stats.packed >= 1 and x.grad is not None and torch.equal(x.grad, expected)
+    indices = torch.arange(0, 70000, dtype=torch.int64).reshape(70, 1000)  # needs int32, not int16
+    values = torch.randn(70000, requires_grad=True)
+    with offloaded(min_bytes=0):
+        picked = values.take(indices)  # take saves its int64 indices
+    picked.sum().backward()
+    assert values.grad is not None and torch.equal(values.grad, torch.ones(70000))
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_bytes"), offloaded(min_bytes=-1):
+        pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compress", [True, False])
+def test_cuda_gradients_are_bit_identical(compress: bool) -> None:
+    model, x = cnn().cuda(), torch.randn(8, 3, 32, 32, device="cuda")
+    torch.backends.cudnn.deterministic = True
+    plain, _ = gradients(model, x, contextlib.nullcontext)
+    ours, stats = gradients(model, x, lambda: offloaded(compress=compress))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    assert stats.packed >= 5
+    if compress:
+        assert stats.stored_bytes < 0.75 * stats.raw_bytes, stats
