@@ -7,7 +7,8 @@ job secret through an inherited pipe (as the local launcher does), and lets its 
 through the session. Then it watches stdin: a line `USR1` is passed on to the role as SIGUSR1 (an
 elastic job's new hosts); end of file means the launcher is gone or has ended the
 job (the session closed: Ctrl-C, a lost link, the launcher killed), and the stub stops the role's
-whole group, SIGTERM then SIGKILL after a grace period, so nothing outlives the job on any host. The
+whole group, SIGTERM then SIGKILL after a grace period, and removes the shared memory the role could
+not (killed by a signal), so nothing outlives the job on any host. The
 stub exits with the role's status (128 + N for a signal). A header it cannot use ends it with status
 2 and a line on stderr that says what is wrong.
 """
@@ -122,6 +123,11 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
     ended.set()
     with contextlib.suppress(ProcessLookupError):  # the role's leftovers do not outlive it
         os.killpg(process.pid, signal.SIGKILL)
+    # nor its shared memory: a role killed by a signal could not unlink it (the local launcher does the
+    # same for its own children, launch/children.py)
+    from sluice.transport.shm import remove_segments_of
+
+    remove_segments_of(process.pid)
     return 128 - code if code < 0 else code
 
 

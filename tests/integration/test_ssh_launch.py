@@ -38,6 +38,19 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
         pytest.skip(str(exc))
 
 
+@pytest.fixture(autouse=True)
+def no_segment_left() -> Iterator[None]:
+    """Every test here leaves no shared-memory segment of the job's processes on any host (the
+    namespaces share this machine's /dev/shm)."""
+    before = set(Path("/dev/shm").glob("sluice-[0-9]*"))
+    yield
+    deadline = time.monotonic() + 10
+    while left := set(Path("/dev/shm").glob("sluice-[0-9]*")) - before:
+        if time.monotonic() > deadline:
+            pytest.fail(f"shared-memory segments left behind: {sorted(map(str, left))}")
+        time.sleep(0.2)
+
+
 def _hosts(bed: SshBed, slots: int = 2) -> str:
     return ",".join(f"{address}:{slots}" for address in bed.hosts.values())
 
