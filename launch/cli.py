@@ -204,12 +204,17 @@ def _launch(args: argparse.Namespace) -> int:
         return _error(refusal)
     try:
         hosts, source = read_hosts(args.hosts, args.hostfile, os.environ)
+        reach = Reach("srun" if source.startswith("SLURM") else "ssh", args.ssh_port, args.ssh_identity,
+                      tuple(args.ssh_option))
+
+        def replan(hosts: list[Host], workers: int | None = None) -> ClusterPlan:
+            """The job laid out over `hosts` (workers None: one per slot; an elastic generation's)."""
+            return plan_cluster(hosts, source or "host discovery", workers, args.servers, args.aggregators,
+                                args.server_hosts, reach, config)
+
         plan = None
         if hosts:
-            method = "srun" if source.startswith("SLURM") else "ssh"
-            reach = Reach(method, args.ssh_port, args.ssh_identity, tuple(args.ssh_option))
-            plan = plan_cluster(hosts, source, args.workers, args.servers, args.aggregators, args.server_hosts,
-                                reach, config)
+            plan = replan(hosts, args.workers)
             config = plan.with_racks(config, hosts)
         elif args.server_hosts:
             raise HostsError("--server-hosts needs hosts: give -H or --hostfile")
@@ -228,20 +233,13 @@ def _launch(args: argparse.Namespace) -> int:
             elastic = _elastic_settings(args, workers, config)
         except ValueError as exc:
             return _error(str(exc))
-
-        def replan(hosts: list[Host]) -> ClusterPlan | None:
-            if all(h.name == "localhost" for h in hosts) and plan is None:
-                return None
-            method = "srun" if source.startswith("SLURM") else "ssh"
-            reach = Reach(method, args.ssh_port, args.ssh_identity, tuple(args.ssh_option))
-            return plan_cluster(hosts, source or "host discovery", None, args.servers, args.aggregators,
-                                args.server_hosts, reach, config)
     elif args.min_workers or args.max_workers or args.host_discovery_script:
         return _error("--min-workers, --max-workers and --host-discovery-script need --elastic")
     try:
         code = run_job(config, workers, args.servers, command, grace=args.grace,
                        ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan,
-                       elastic=elastic, replan=replan if elastic is not None else None)
+                       elastic=elastic, replan=lambda hosts: None if plan is None and all(
+                           h.name == "localhost" for h in hosts) else replan(hosts))
     except KeyboardInterrupt:  # before the supervisor's own handlers were installed
         return 130
     if config.timeline.path:

@@ -16,11 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sluice.launch.elastic import ENV_ELASTIC_DIR, ENV_GENERATION
 from sluice.ps.config import ServerConfig
 from sluice.scheduler.bootstrap import (
     ENV_AGGREGATORS,
     ENV_CONFIG,
+    ENV_ELASTIC_DIR,
+    ENV_ELASTIC_GENERATION,
     ENV_RANK,
     ENV_ROLE,
     ENV_SCHEDULER,
@@ -51,7 +52,7 @@ ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
 #: the launcher's variables for a process (not settings): its place, and an elastic job's state
 BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_AGGREGATORS, ENV_CONFIG,
-                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_GENERATION})
+                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 

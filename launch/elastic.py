@@ -21,11 +21,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sluice.launch.hosts import Host, HostsError, parse_host_list
+from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
 
-#: a worker's exit status asking the launcher to re-form the job (EX_TEMPFAIL): not a failure
-REFORM_EXIT = 75
-ENV_ELASTIC_DIR = "SLUICE_ELASTIC_DIR"
-ENV_GENERATION = "SLUICE_ELASTIC_GENERATION"
+__all__ = ["ENV_ELASTIC_DIR", "ENV_GENERATION", "REFORM_EXIT", "ElasticSettings", "Reform", "discover", "grown",
+           "remove_state_dir", "slots", "state_dir", "without"]
+
+#: the variables the launcher gives workers, and the exit status (EX_TEMPFAIL, not a failure) by which
+#: a worker asks for the next generation: shared with worker/torch/elastic_host.py
+ENV_GENERATION = ENV_ELASTIC_GENERATION
 #: longest a discovery script may run
 DISCOVERY_TIMEOUT = 10.0
 

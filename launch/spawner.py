@@ -37,6 +37,10 @@ class Spawner:
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
 
+    def _pythonpath(self) -> str:
+        """Our own modules first: role processes run them, wherever the launcher was started."""
+        return os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)
+
     def node_environ(self, role: str, rank: int, scheduler: str) -> tuple[dict[str, str], str | None]:
         """The variables that give a process its place in the job, and the host it runs on if not here."""
         sections = self.config.to_sections()
@@ -46,7 +50,7 @@ class Spawner:
         node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators)
         env = node.to_environ()
         if role != "worker":  # role processes run our own module, wherever the launcher was started
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)
+            env["PYTHONPATH"] = self._pythonpath()
         else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
             local_rank, local_size = rank, self.workers
             if place is not None and self.plan is not None:
@@ -71,7 +75,7 @@ class Spawner:
             return
         hosts = [h for h in dict.fromkeys(p.host for p in self.plan.layout.processes) if self.plan.is_remote(h)]
         argv = [sys.executable, "-m", "sluice.launch.janitor", "--remove", *items]
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)}
+        env = {"PYTHONPATH": self._pythonpath()}
         started = []
         for host in hosts:
             with contextlib.suppress(OSError):

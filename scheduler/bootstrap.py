@@ -27,6 +27,11 @@ ENV_SERVERS = "SLUICE_NUM_SERVERS"
 ENV_AGGREGATORS = "SLUICE_NUM_AGGREGATORS"
 ENV_CONFIG = "SLUICE_CONFIG_JSON"
 ENV_SECRET_FD = "SLUICE_SECRET_FD"
+#: an elastic job's (sluice launch --elastic): the directory of the workers' commits on this host, the
+#: generation, and the exit status by which a worker asks for the next generation
+ENV_ELASTIC_DIR = "SLUICE_ELASTIC_DIR"
+ENV_ELASTIC_GENERATION = "SLUICE_ELASTIC_GENERATION"
+REFORM_EXIT = 75
 SECRET_BYTES = 32
 _MAX_SECRET_BYTES = 4096
 #: secrets already read in this process, by descriptor (a script may call init() again)

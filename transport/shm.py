@@ -254,12 +254,8 @@ class SharedPayloads:
                 self._rings[route].free_oldest()
 
     def forget(self, peer: str) -> None:
-        """A peer left: unmap its segments."""
-        self.peers.forget(peer)
-
-    def reset_peer(self, peer: str) -> None:
-        """A peer was replaced by a new process: unmap the old one's segments, drop our rings to it
-        (their names are gone: the new one could not map them) and announce our segments afresh."""
+        """A peer is gone (replaced by a new process of its name, say): unmap its segments, drop our rings
+        to it (their names are gone: a new one could not map them), announce our segments afresh."""
         self.peers.forget(peer)
         self._mapped_by.pop(peer, None)
         self._announced.pop(peer, None)

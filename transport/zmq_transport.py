@@ -264,7 +264,7 @@ class ZmqTransport(ReceivePath):
             self._unacked.pop(route, None)
         if self._local is not None:
             self._local.discard(peer)
-        self._shared.reset_peer(peer)
+        self._shared.forget(peer)
         self._connect(peer, endpoints, control=False)
 
     def _run(self) -> None:

@@ -24,14 +24,15 @@ from typing import Any, NoReturn
 import torch
 
 from sluice import close_at_exit
+from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
 from sluice.worker.torch.optimizer import _READY
 from sluice.worker.torch.state import PENDING, log
 
-#: what the launcher sets: the directory for committed state (unset: not an elastic job), the generation
-ENV_DIR = "SLUICE_ELASTIC_DIR"
-ENV_GENERATION = "SLUICE_ELASTIC_GENERATION"
-#: the exit status that asks the launcher to re-form the job (not a failure)
-REFORM = 75
+#: what the launcher sets: the directory for committed state (unset: not an elastic job), the generation;
+#: and the exit status that asks it to re-form the job (not a failure)
+ENV_DIR = ENV_ELASTIC_DIR
+ENV_GENERATION = ENV_ELASTIC_GENERATION
+REFORM = REFORM_EXIT
 
 Key = tuple[int, int]
 #: the key of "nothing committed yet"
