@@ -121,6 +121,12 @@ class Kind(IntEnum):
     #: between workers: one chunk of a collective's data, and "I have consumed all of yours for op N"
     COLL_DATA = 42
     COLL_DONE = 43
+    #: between the stages of a pipeline: activations forward, their gradients backward (worker/pipeline/)
+    STAGE_FORWARD = 44
+    STAGE_BACKWARD = 45
+    #: COLL_DATA and COLL_DONE of a sub-group's data plane (the replicas of one pipeline stage)
+    GROUP_DATA = 46
+    GROUP_DONE = 47
 
 
 class Flag:

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,11 @@ log = logging.getLogger("sluice.worker")
 
 #: collective messages kept until the scheduler's welcome starts the engine (HELLOs, first requests)
 EARLY_COLLECTIVE = 4096
+#: messages between pipeline stages (worker/pipeline/), kept until this worker's stage attaches: a
+#: neighbour may send its first activations before the stage exists here; at most so many, and bytes
+PIPELINE_KINDS = frozenset((Kind.STAGE_FORWARD, Kind.STAGE_BACKWARD, Kind.GROUP_DATA, Kind.GROUP_DONE))
+EARLY_PIPELINE = 1024
+EARLY_PIPELINE_BYTES = 1 << 30
 
 TensorDecl = tuple[str, tuple[int, ...], str, dict[str, Any] | None]
 
@@ -94,6 +99,10 @@ class Client:
         self.collectives: CollectiveEngine | None = None
         #: collective messages from workers that were welcomed (and dialled us) before we were (I/O thread)
         self._before_welcome = Mailbox(EARLY_COLLECTIVE, lambda peer, text: self.transport.refuse(peer, text))
+        self._before_stage = Mailbox(EARLY_PIPELINE, lambda peer, text: self.transport.refuse(peer, text),
+                                     EARLY_PIPELINE_BYTES)
+        #: called with the error when the job fails (the scheduler's SHUTDOWN, a lost peer): pipeline stages
+        self._failure_listeners: list[Callable[[str], None]] = []
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(self.env.name)
@@ -394,6 +403,12 @@ class Client:
         if peer == SCHEDULER_PEER:
             self.control.receive(msg)
             return
+        if msg.kind in PIPELINE_KINDS:
+            if peer.startswith("worker-"):  # checked against the stage's neighbours once it attaches
+                self._before_stage.deliver(peer, msg)
+            else:
+                self.transport.refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: not a worker's")
+            return
         if msg.kind in COLLECTIVE_KINDS:
             if peer.startswith("worker-"):  # kept until the welcome starts the engine: a worker welcomed sooner
                 self._before_welcome.deliver(peer, msg)
@@ -477,10 +492,27 @@ class Client:
         for op in ops or ():
             op.handle._fail(error)
 
+    def attach_pipeline(self, receiver: Callable[[str, Message], None], on_failure: Callable[[str], None]) -> None:
+        """Hand pipeline messages (PIPELINE_KINDS, from workers) to `receiver` on the I/O thread, those kept
+        so far first; `on_failure(error)` when the job fails (at once if it has). One stage per worker."""
+        self._failure_listeners.append(on_failure)
+        self._before_stage.attach(receiver)
+        if self._failure is not None:
+            on_failure(self._failure)
+
+    def worker_name(self, rank: int) -> str:
+        """The transport name of worker `rank`."""
+        return self._workers()[rank].name
+
+    def worker_host(self, rank: int) -> str:
+        return endpoint_host(self._workers()[rank].endpoints)
+
     def _on_fatal(self, error: str) -> None:
         self._failure = error
         if self.collectives is not None:
             self.collectives.fail(error)
+        for listener in self._failure_listeners:
+            listener(error)
         with self._lock:
             pending, self._pending = self._pending, {}
         for ops in pending.values():

@@ -51,12 +51,13 @@ class DataPlane:
                  settings: CollectiveConfig, timeout: float, channel_for: Callable[[int], int], *,
                  eager_bytes: int = 0, early_bytes: int = 64 << 20, early_ops: int = 256,
                  early_window: int = 1 << 16, max_gather_bytes: int = 1 << 34,
-                 copy_below: int = COPY_BELOW) -> None:
+                 copy_below: int = COPY_BELOW, kinds: tuple[Kind, Kind] = (Kind.COLL_DATA, Kind.COLL_DONE)) -> None:
         """`eager_bytes` (0: one chunk): what a rank sends a peer for an op before the peer's READY.
         Early messages (for ops not started here yet) are kept for at most `early_ops` seqs, at most
         `early_window` seqs ahead, `early_bytes` in all. An op sends copies to a peer it sends at most
         `copy_below` bytes, and needs no DONE from it (ops.py). An allgather or alltoall output larger
-        than `max_gather_bytes` fails the op."""
+        than `max_gather_bytes` fails the op. `kinds`: the (data, control) message kinds, so that a
+        sub-group's plane (GROUP_DATA, GROUP_DONE) runs beside the job's, its ranks its own."""
         size = len(peers)
         if not 0 <= rank < size or sorted(ring) != list(range(size)):
             raise ValueError(f"rank {rank} and ring {list(ring)} do not fit {size} peers")
@@ -65,7 +66,7 @@ class DataPlane:
         self.rank, self.size, self.settings = rank, size, settings
         self.ring = list(ring)
         self._chunk_bytes, self._timeout, self._channel_for = chunk_bytes, timeout, channel_for
-        self._link = Link(transport, rank, list(peers), eager_bytes or chunk_bytes, copy_below)
+        self._link = Link(transport, rank, list(peers), eager_bytes or chunk_bytes, copy_below, *kinds)
         self._ranks = {name: r for r, name in enumerate(peers)}
         self._max_gather_bytes = max_gather_bytes
         self._lock = threading.Lock()
@@ -100,7 +101,7 @@ class DataPlane:
                 transport.connect(self._link.names[other], endpoints[other])
                 for channel in range(channels):
                     transport.send(self._link.names[other], channel,
-                                   Message(Kind.COLL_DONE, sender=self.rank, key=HELLO, chunk=channel))
+                                   Message(self._link.done_kind, sender=self.rank, key=HELLO, chunk=channel))
         needed = {(other, channel) for other in range(self.size) if other != self.rank and dials(other, self.rank)
                   for channel in range(channels)}
         with self._hello_cond:
@@ -193,12 +194,12 @@ class DataPlane:
             return "the sender is not a peer of this data plane"
         if msg.sender != src:
             return f"its header says rank {msg.sender}"
-        if msg.kind == Kind.COLL_DONE:
+        if msg.kind == self._link.done_kind:
             if msg.payload is not None:
                 return "COLL_DONE carries no payload"
             if msg.key == HELLO:
                 return self._hello(src, msg.chunk)
-        elif msg.kind != Kind.COLL_DATA or msg.payload is None:
+        elif msg.kind != self._link.data_kind or msg.payload is None:
             return "not a collective data message"
         with self._lock:
             op = self._ops.get(msg.round)
@@ -220,7 +221,7 @@ class DataPlane:
 
     # ------------------------------------------------------------------ internals (under the lock)
     def _deliver(self, op: Op, src: int, msg: Message) -> str | None:
-        if msg.kind == Kind.COLL_DONE:
+        if msg.kind == self._link.done_kind:
             return op.on_control(src, msg.key)
         return op.on_data(src, msg)
 

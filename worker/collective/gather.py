@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sluice.transport.wire import Kind, Message
+from sluice.transport.wire import Message
 from sluice.worker.collective.ops import CollectiveHandle, Link, Op, as_view
 from sluice.worker.collective.schedule import Span, chunk_elems, chunk_spans
 
@@ -52,7 +52,7 @@ class Exchange(Op):
                 continue
             sizes = np.array([block.shape[0], *self.row_shape], np.int64)
             self.link.send(dest, self.channel, Message(
-                Kind.COLL_DATA, sender=rank, key=SIZES, round=self.seq, priority=self.priority, dtype="int64",
+                self.link.data_kind, sender=rank, key=SIZES, round=self.seq, priority=self.priority, dtype="int64",
                 shape=(sizes.size,), payload=sizes))
             flat = block.reshape(-1)
             spans = chunk_spans(0, flat.size, self.elems)

@@ -13,10 +13,11 @@ Receiver = Callable[[str, Message], None]
 class Mailbox:
     """`deliver` hands a message to the attached receiver, or keeps it (payload copied: the view is only
     valid during the transport's handler call) until `attach`, which replays what was kept, in order.
-    At most `limit` are kept; more are passed to `refuse`."""
+    At most `limit` messages and `limit_bytes` of payload are kept; more are passed to `refuse`."""
 
-    def __init__(self, limit: int, refuse: Callable[[str, str], None]) -> None:
-        self._limit, self._refuse = limit, refuse
+    def __init__(self, limit: int, refuse: Callable[[str, str], None], limit_bytes: int = 1 << 30) -> None:
+        self._limit, self._limit_bytes, self._refuse = limit, limit_bytes, refuse
+        self._bytes = 0
         self._lock = threading.Lock()
         self._kept: list[tuple[str, Message]] = []
         self._target: Receiver | None = None
@@ -29,17 +30,19 @@ class Mailbox:
         with self._lock:
             if self._target is not None:
                 self._target(peer, msg)
-            elif len(self._kept) < self._limit:
+            elif len(self._kept) < self._limit and self._bytes + msg.nbytes <= self._limit_bytes:
                 if msg.payload is not None:
                     msg.payload = memoryview(bytes(msg.payload))
+                self._bytes += msg.nbytes
                 self._kept.append((peer, msg))
             else:
-                self._refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: {self._limit} messages are "
-                                   "already kept for a receiver that has not started")
+                self._refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: {len(self._kept)} messages "
+                                   f"({self._bytes} bytes) are already kept for a receiver that has not started")
 
     def attach(self, target: Receiver) -> None:
         with self._lock:
             for peer, msg in self._kept:
                 target(peer, msg)
             self._kept.clear()
+            self._bytes = 0
             self._target = target

@@ -120,6 +120,9 @@ class Link:
     names: Sequence[str]
     eager_bytes: int
     copy_below: int = COPY_BELOW
+    #: the kinds of this plane's data and control messages: a sub-group's plane has its own (GROUP_*)
+    data_kind: Kind = Kind.COLL_DATA
+    done_kind: Kind = Kind.COLL_DONE
 
     def send(self, dest: int, channel: int, msg: Message) -> None:
         self.transport.send(self.names[dest], channel, msg)
@@ -210,7 +213,7 @@ class Op:
 
     def send(self, dest: int, key: int, chunk: int, view: np.ndarray) -> None:
         gate = self.gates[dest]
-        msg = Message(Kind.COLL_DATA, sender=self.link.rank, key=key, chunk=chunk, round=self.seq,
+        msg = Message(self.link.data_kind, sender=self.link.rank, key=key, chunk=chunk, round=self.seq,
                       priority=self.priority, dtype=self.dtype, shape=(view.size,),
                       payload=view.copy() if gate.copy else view)
         if not gate.open:
@@ -222,7 +225,7 @@ class Op:
         self.link.send(dest, self.channel, msg)
 
     def control(self, dest: int, key: int) -> None:
-        msg = Message(Kind.COLL_DONE, sender=self.link.rank, key=key, round=self.seq, priority=self.priority)
+        msg = Message(self.link.done_kind, sender=self.link.rank, key=key, round=self.seq, priority=self.priority)
         self.link.send(dest, self.channel, msg)
 
     def received(self, src: int) -> None:

@@ -1,0 +1,91 @@
+"""A pipeline-parallel training job for the tests: an MLP of ReLU blocks cut into stages, SGD, seeded data.
+
+sluice launch -w P*R -s 0 -- python tests/integration/scripts/pipeline_train.py --stages P ...
+Each worker prints `PIPELINE_RESULT {json}`: its stage, replica, parameters after the last step, the
+most micro-batches it held, the compression ratios and (last stage) the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import torch
+from torch import nn
+
+import sluice.torch as hvd
+from sluice.worker.torch.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, split_model
+
+WIDTH, CLASSES, INPUTS = 32, 10, 16
+
+
+def make_model(layers: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [nn.Linear(INPUTS, WIDTH), nn.ReLU()]
+    for _ in range(layers - 2):
+        blocks += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    blocks.append(nn.Linear(WIDTH, CLASSES))
+    return nn.Sequential(*blocks)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: `size` samples (every replica takes its own contiguous share)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(size, INPUTS, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16, help="samples per replica per step")
+    parser.add_argument("--compress", choices=["on", "off", "auto"], default="auto")
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--grow-at", type=int, default=-1, help="from this step on, batches are twice as large")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    parts = split_model(make_model(), args.stages)
+    stage = PipelineStage(parts[hvd.rank() % args.stages], None, args.stages, compress=args.compress,
+                          offload=args.offload, offload_min_bytes=0)
+    kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+    schedule = kind(stage, args.micro, loss_fn=nn.functional.cross_entropy)
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=args.lr)
+    replicas, replica = stage.place.replicas, stage.place.replica
+    losses: list[float] = []
+    peaks = []
+    for step in range(args.steps):
+        size = args.batch * (2 if 0 <= args.grow_at <= step else 1)
+        x, y = batch(step, size * replicas)
+        mine = slice(replica * size, (replica + 1) * size)
+        optimizer.zero_grad()
+        if stage.is_first and stage.is_last:
+            schedule.step(x[mine], target=y[mine])
+        elif stage.is_first:
+            schedule.step(x[mine])
+        elif stage.is_last:
+            step_losses: list[torch.Tensor] = []
+            schedule.step(target=y[mine], losses=step_losses)
+            losses.append(float(torch.stack(step_losses).mean()))
+        else:
+            schedule.step()
+        optimizer.step()
+        peaks.append(stage.peak_held)
+    result = {"rank": hvd.rank(), "stage": stage.stage_index, "replica": replica, "peaks": peaks,
+              "params": [p.detach().reshape(-1).tolist() for p in stage.submod.parameters()],
+              "ratio": stage.compression_ratio(), "losses": losses,
+              "offloaded": [s.raw_bytes for s in stage.offload_stats]}
+    print("PIPELINE_RESULT " + json.dumps(result), flush=True)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""A stage's messages: activations and gradients to and from its neighbours, and its replicas' data plane.
+
+Arrivals are checked on the I/O thread (the sender is the neighbour that direction comes from, the step
+is the current one or the next, the micro-batch within the step's count, each slot once) and copied or
+decoded into a table that `receive` waits on with a deadline naming the stage and worker it waits for.
+What a stage holds is bounded: at most two steps' micro-batches and `max_held_bytes` in all; anything
+else is refused (counted by the transport) and changes nothing. The job's failure (the scheduler's
+SHUTDOWN, a lost peer) ends every wait at once with its cause.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sluice.scheduler.errors import SluiceError
+from sluice.transport.base import Transport
+from sluice.transport.wire import Kind, Message, WireError
+from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.data import DataPlane
+from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Compression, Received, build, read
+from sluice.worker.pipeline.layout import StagePlace
+
+GROUP_KINDS = frozenset((Kind.GROUP_DATA, Kind.GROUP_DONE))
+#: micro-batches a step may have before the schedule says how many (messages of a faster neighbour)
+MAX_MICRO = 1 << 16
+WHAT = {FORWARD: "activations", BACKWARD: "gradients"}
+
+
+@dataclass
+class _Entry:
+    of: int = 0
+    tensors: dict[int, Received] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def complete(self) -> bool:
+        return bool(self.of) and len(self.tensors) == self.of
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Names and hosts of the job's workers by rank, as the scheduler's address book gives them."""
+
+    names: Sequence[str]
+    hosts: Sequence[str]
+
+    def describe(self, place: StagePlace, rank: int) -> str:
+        return f"stage {rank % place.stages} (worker {rank} on {self.hosts[rank]})"
+
+
+class StageExchange:
+    def __init__(self, transport: Transport, place: StagePlace, workers: Neighbours, timeout: float,
+                 channel_for: Callable[[int], int], *, compress: str = "auto", chunk_bytes: int = 1 << 20,
+                 collective: CollectiveConfig | None = None, max_held_bytes: int = 4 << 30,
+                 max_elements: int = 1 << 31) -> None:
+        """`compress`: "on", "off", or "auto" (on towards a neighbour on another host, where the network is
+        slower than encoding; off on this host, where shared memory is faster)."""
+        if compress not in ("on", "off", "auto"):
+            raise ValueError(f"pipeline compression must be on, off or auto, got {compress!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.transport, self.place, self.workers, self.timeout = transport, place, workers, timeout
+        self._channel_for = channel_for
+        self._max_held, self._max_elements = max_held_bytes, max_elements
+        here = workers.hosts[place.rank]
+        self.compression = {
+            kind: Compression(compress == "on" or (compress == "auto" and rank is not None
+                                                   and workers.hosts[rank] != here))
+            for kind, rank in ((FORWARD, place.next), (BACKWARD, place.previous))
+        }
+        self._sources = {FORWARD: place.previous, BACKWARD: place.next}
+        self._cond = threading.Condition()
+        self._entries: dict[tuple[Kind, int, int], _Entry] = {}
+        self._taken: set[tuple[Kind, int, int]] = set()
+        self._held = 0
+        self._step, self._micro = 0, MAX_MICRO
+        self._failure: str | None = None
+        #: the replicas of this stage average its gradients over their own data plane
+        self.group: DataPlane | None = None
+        if place.replicas > 1:
+            group = place.group
+            self.group = DataPlane(transport, place.replica, [workers.names[r] for r in group], list(range(len(group))),
+                                   chunk_bytes, collective or CollectiveConfig(), timeout, channel_for,
+                                   kinds=(Kind.GROUP_DATA, Kind.GROUP_DONE))
+
+    # ------------------------------------------------------------------ the stage's thread
+    def begin(self, step: int, micro_batches: int) -> None:
+        """Step `step` (counted from 0, one more each time) with `micro_batches` micro-batches starts:
+        what is left of older steps is dropped."""
+        with self._cond:
+            self._step, self._micro = step, micro_batches
+            for key in [k for k in self._entries if k[1] < step]:
+                self._held -= self._entries.pop(key).nbytes
+            self._taken = {k for k in self._taken if k[1] >= step}
+
+    def send(self, kind: Kind, step: int, micro: int, tensors: Sequence[tuple[np.ndarray[Any, Any], str]],
+             priority: int) -> None:
+        """The micro-batch's tensors (wire storage, dtype name) to the next stage (FORWARD) or the
+        previous one (BACKWARD); queued, never blocks. The arrays must not change afterwards."""
+        dest = self.place.next if kind == FORWARD else self.place.previous
+        if dest is None:
+            raise SluiceError(f"stage {self.place.stage} has no stage to send {WHAT[kind]} to")
+        compression, name = self.compression[kind], self.workers.names[dest]
+        channel = self._channel_for(priority)
+        for slot, (array, dtype) in enumerate(tensors):
+            tried = compression.wanted(slot)
+            msg = build(kind, self.place.rank, step, micro, slot, len(tensors), array, dtype, priority, tried)
+            compression.count(slot, array.nbytes, msg, tried)
+            self.transport.send(name, channel, msg)
+
+    def receive(self, kind: Kind, step: int, micro: int) -> list[Received]:
+        """The tensors of micro-batch `micro` of `step` coming in direction `kind`, in slot order; waits
+        at most the deadline, then SluiceError naming the stage and worker that did not send them."""
+        source = self._sources[kind]
+        if source is None:
+            raise SluiceError(f"stage {self.place.stage} receives no {WHAT[kind]}")
+        key = (kind, step, micro)
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while True:
+                entry = self._entries.get(key)
+                if entry is not None and entry.complete():
+                    break
+                if self._failure is not None:
+                    raise SluiceError(f"{self._waiting(kind, step, micro, source)}: the job failed: {self._failure}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SluiceError(
+                        f"{self._waiting(kind, step, micro, source)}: nothing complete after {self.timeout:g} s "
+                        f"({len(entry.tensors) if entry else 0} of {entry.of if entry else '?'} tensors came); "
+                        f"{self.workers.describe(self.place, source)} is slow, stuck or gone. If its step is "
+                        "this slow, raise scheduler.op_timeout")
+                self._cond.wait(min(left, 1.0))
+            del self._entries[key]
+            self._taken.add(key)
+            self._held -= entry.nbytes
+        return [entry.tensors[slot] for slot in range(entry.of)]
+
+    def fail(self, error: str) -> None:
+        """The job failed: every wait ends, now and later, with `error`."""
+        with self._cond:
+            self._failure = self._failure or error
+            self._cond.notify_all()
+        if self.group is not None:
+            self.group.fail(error)
+
+    def _waiting(self, kind: Kind, step: int, micro: int, source: int) -> str:
+        return (f"{self.workers.describe(self.place, self.place.rank)} waited for the {WHAT[kind]} of micro-batch "
+                f"{micro} of step {step} from {self.workers.describe(self.place, source)}")
+
+    # ------------------------------------------------------------------ the I/O thread
+    def on_message(self, peer: str, msg: Message) -> None:
+        """One pipeline message from worker `peer`; refused (counted, logged) if it fails a check; never raises."""
+        try:
+            if msg.kind in GROUP_KINDS:
+                if self.group is None:
+                    problem: str | None = "this stage has no replicas"
+                else:
+                    self.group.on_message(peer, msg)
+                    return
+            else:
+                problem = self._take(peer, msg)
+        except Exception as exc:  # a bug here must not end the I/O thread
+            problem = f"handling it failed ({type(exc).__name__}: {exc})"
+        if problem:
+            self.transport.refuse(peer, f"stage {self.place.stage} dropped {msg.kind.name} of step {msg.round} "
+                                        f"micro-batch {msg.chunk} slot {msg.key} from {peer!r:.60}: {problem}")
+
+    def _take(self, peer: str, msg: Message) -> str | None:
+        source = self._sources.get(msg.kind)
+        if source is None or peer != self.workers.names[source] or msg.sender != source:
+            return f"{WHAT.get(msg.kind, msg.kind.name)} for this stage come only from worker {source}"
+        key = (msg.kind, msg.round, msg.chunk)
+        with self._cond:  # cheap checks first: a refused message costs no copy
+            problem = self._out_of_place(key, msg)
+        if problem:
+            return problem
+        try:
+            tensor = read(msg, self._max_elements)
+        except WireError as exc:
+            return str(exc)
+        with self._cond:
+            problem = self._out_of_place(key, msg)
+            if problem:
+                return problem
+            entry = self._entries.setdefault(key, _Entry(of=tensor.of))
+            if tensor.of != entry.of:
+                return f"it says the micro-batch has {tensor.of} tensors, an earlier one said {entry.of}"
+            if self._held + tensor.array.nbytes > self._max_held:
+                return f"this stage already holds {self._held} bytes (limit {self._max_held})"
+            entry.tensors[tensor.slot] = tensor
+            entry.nbytes += tensor.array.nbytes
+            self._held += tensor.array.nbytes
+            if entry.complete():
+                self._cond.notify_all()
+        return None
+
+    def _out_of_place(self, key: tuple[Kind, int, int], msg: Message) -> str | None:
+        if not self._step <= msg.round <= self._step + 1:
+            return f"step {msg.round} is neither this stage's step {self._step} nor the next"
+        if (msg.round == self._step and msg.chunk >= self._micro) or msg.chunk >= MAX_MICRO:
+            return f"micro-batch {msg.chunk} is beyond the step's {self._micro}"
+        entry = self._entries.get(key)
+        if key in self._taken or (entry is not None and msg.key in entry.tensors):
+            return "it came twice"
+        return None

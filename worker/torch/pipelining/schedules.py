@@ -1,0 +1,123 @@
+"""Pipeline schedules that run a stage's micro-batches: ScheduleGPipe (fill-drain) and Schedule1F1B.
+
+Each stage runs its own order of forwards and backwards (scheduler/pipeline_schedule.py); stages meet
+only through the activations and gradients they send each other, so no clock is shared and a slow
+stage delays only those that wait on it. With several replicas, the stage then averages its gradients
+with theirs (ring allreduce over the replicas' own data plane). The call mirrors
+torch.distributed.pipelining: `step(x)` on the first stage, `step(target=y, losses=losses)` on the
+last, `step()` in between; then the user's optimizer steps the stage's own parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from sluice.scheduler.errors import SluiceError
+from sluice.scheduler.pipeline_schedule import schedule
+from sluice.worker.staging import Staging, wire_dtype
+from sluice.worker.torch.pipelining.stage import REPLICA_PRIORITY, PipelineStage
+
+
+def _chunks(value: Any, micro: int, what: str) -> list[Any]:
+    """`value` cut along dim 0 into `micro` parts (a tensor), or the same for every micro-batch."""
+    if not isinstance(value, torch.Tensor):
+        return [value] * micro
+    if value.dim() == 0 or value.shape[0] < micro:
+        raise SluiceError(f"{what} of shape {list(value.shape)} cannot be cut into {micro} micro-batches along "
+                          "its first dimension: give at least one sample per micro-batch")
+    return list(torch.tensor_split(value, micro))
+
+
+class PipelineSchedule:
+    """Runs `n_microbatches` micro-batches a step through `stage` in the schedule's order."""
+
+    name = ""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *, scale_grads: bool = True) -> None:
+        """`loss_fn(output, target)` runs on the last stage for each micro-batch; `scale_grads` divides its
+        gradients by the number of micro-batches, so that a mean loss gives the gradients of the whole batch."""
+        if stage.is_last and loss_fn is None:
+            raise SluiceError(f"{stage.describe()} is the last stage: give the schedule a loss_fn(output, target)")
+        self.stage, self.micro, self.loss_fn, self.scale_grads = stage, n_microbatches, loss_fn, scale_grads
+        self.order = schedule(self.name, stage.num_stages, n_microbatches)[stage.stage_index]
+        self.steps = 0
+        self._group_seq = 0
+
+    def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None) -> Any:
+        """One training step's forwards and backwards (gradients accumulate in the stage's parameters, as
+        for a whole batch); on the last stage the outputs of the micro-batches concatenated, else None.
+        `losses` (last stage) gets each micro-batch's loss."""
+        stage, micro, step = self.stage, self.micro, self.steps
+        if stage.is_first and not args:
+            raise SluiceError(f"{stage.describe()} is the first stage: call step(inputs)")
+        if stage.is_last and target is None:
+            raise SluiceError(f"{stage.describe()} is the last stage: call step(target=...)")
+        inputs = list(zip(*(_chunks(a, micro, "an input") for a in args), strict=True)) if stage.is_first else []
+        targets = _chunks(target, micro, "the target") if stage.is_last else []
+        stage.begin(step, micro)
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        micro_losses: dict[int, torch.Tensor] = {}
+        for action in self.order:
+            m = action.micro
+            if action.kind == "F":
+                out = stage.forward_one(step, m, inputs[m] if inputs else ())
+                if stage.is_last:
+                    assert self.loss_fn is not None
+                    outputs[m] = out
+                    micro_losses[m] = self.loss_fn(out[0] if len(out) == 1 else out, targets[m])
+            else:
+                loss = micro_losses.get(m)
+                if loss is not None and self.scale_grads:
+                    loss = loss / micro
+                stage.backward_one(step, m, loss)
+        self._average_replicas()
+        self.steps += 1
+        if not stage.is_last:
+            return None
+        if losses is not None:
+            losses.extend(micro_losses[m].detach() for m in range(micro))
+        merged = [torch.cat([outputs[m][i].detach() for m in range(micro)]) for i in range(len(outputs[0]))]
+        return merged[0] if len(merged) == 1 else tuple(merged)
+
+    def _average_replicas(self) -> None:
+        """Average every parameter's gradient over the stage's replicas (one allreduce per dtype)."""
+        group = self.stage.exchange.group
+        if group is None:
+            return
+        params = [p for p in self.stage.submod.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a parameter this replica did not use: it adds zeros, as DDP does
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for members in by_dtype.values():
+            flat = torch.cat([p.grad.detach().reshape(-1).to("cpu") for p in members])  # type: ignore[union-attr]
+            array: np.ndarray[Any, Any] = Staging(flat).array()
+            handle = group.allreduce(self._group_seq, array, wire_dtype(flat), "average", REPLICA_PRIORITY)
+            self._group_seq += 1
+            handle.wait()
+            offset = 0
+            with torch.no_grad():
+                for p in members:
+                    grad = p.grad
+                    assert grad is not None
+                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """Fill-drain: every micro-batch's forward, then every backward; a stage holds all M at once."""
+
+    name = "gpipe"
+
+
+class Schedule1F1B(PipelineSchedule):
+    """One forward, one backward (PipeDream-flush): stage s holds at most P - s micro-batches at once."""
+
+    name = "1f1b"

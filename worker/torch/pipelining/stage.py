@@ -1,0 +1,172 @@
+"""One pipeline stage of a torch model on this worker: its module, its neighbours, a micro-batch's passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sluice.scheduler.errors import SluiceError
+from sluice.worker.pipeline.exchange import Neighbours, StageExchange
+from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Received
+from sluice.worker.pipeline.layout import StagePlace
+from sluice.worker.staging import DTYPES, Staging, tensor_of, wire_dtype
+from sluice.worker.torch.offload import OffloadStats, offloaded
+from sluice.worker.torch.state import require
+
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+#: gradients go backward more urgently than activations go forward: a backward frees memory and, in
+#: 1F1B, the stage before waits on it; the replicas' gradient averaging comes last
+GRADIENT_PRIORITY, ACTIVATION_PRIORITY, REPLICA_PRIORITY = 0, 1, 2
+
+
+@dataclass
+class _Held:
+    """What a micro-batch's forward left for its backward: its inputs and outputs (or loss)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _wire(tensor: torch.Tensor) -> tuple[Any, str]:
+    host = tensor.detach()
+    if host.device.type != "cpu":
+        host = host.to("cpu")
+    return Staging(host.contiguous()).array(), wire_dtype(host)
+
+
+class PipelineStage:
+    """Stage `stage_index` of `num_stages` (torch.distributed.pipelining's PipelineStage): `submodule` runs
+    on this worker, between the stage before it and the stage after it in its pipeline replica.
+
+    Workers map to stages as stage = rank % num_stages, replica = rank // num_stages (see
+    sluice.worker.pipeline.layout); `stage_index` may be left out, and must match when given. With more
+    workers than stages, each stage's replicas average its gradients at the end of every step.
+    `compress`: ZVC for the messages ("auto": towards a neighbour on another host). `offload`: the
+    activations each forward saves for its backward go to host memory (compressed on a CPU) until then,
+    those of at least `offload_min_bytes` (sluice.worker.torch.offload).
+    `timeout`: how long a receive waits (default: scheduler.op_timeout).
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int | None, num_stages: int,
+                 device: torch.device | str | None = None, *, compress: str = "auto", offload: bool = False,
+                 offload_min_bytes: int = 1 << 16, timeout: float | None = None) -> None:
+        client = require()
+        self.place = StagePlace(client.rank, client.size, num_stages)
+        if stage_index is not None and stage_index != self.place.stage:
+            raise SluiceError(f"worker {client.rank} runs stage {self.place.stage} of {num_stages} (stage = rank % "
+                              f"stages), not stage {stage_index}: pass stage_index=None, or hvd.rank() % {num_stages}")
+        self.submod = submodule
+        self.device = torch.device(device) if device is not None else next(
+            (p.device for p in submodule.parameters()), torch.device("cpu"))
+        self.offload, self.offload_min_bytes = offload, offload_min_bytes
+        workers = Neighbours([client.worker_name(r) for r in range(client.size)],
+                             [client.worker_host(r) for r in range(client.size)])
+        self.exchange = StageExchange(
+            client.transport, self.place, workers, timeout or client.control_settings.op_timeout,
+            lambda priority: client.settings.channel_for(priority, REPLICA_PRIORITY + 1),
+            compress=compress, chunk_bytes=client.settings.chunk_limit, collective=client.collective_settings)
+        client.attach_pipeline(self.exchange.on_message, self.exchange.fail)
+        self._held: dict[int, _Held] = {}
+        #: the most micro-batches whose activations this stage held at once, in the last step
+        self.peak_held = 0
+        #: offloaded bytes (raw and stored) of the last step, with `offload`
+        self.offload_stats: list[OffloadStats] = []
+
+    # ------------------------------------------------------------------ who is where
+    @property
+    def stage_index(self) -> int:
+        return self.place.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.place.stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.place.first
+
+    @property
+    def is_last(self) -> bool:
+        return self.place.last
+
+    def describe(self) -> str:
+        return self.exchange.workers.describe(self.place, self.place.rank)
+
+    # ------------------------------------------------------------------ one micro-batch
+    def forward_one(self, step: int, micro: int, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        """Run the forward of `micro`: on `args` on the first stage, else on what the stage before sent;
+        send the outputs on (but from the last stage), keep what the backward needs. The outputs."""
+        if self.is_first:
+            inputs = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        else:
+            inputs = tuple(self._tensor(r) for r in self.exchange.receive(FORWARD, step, micro))
+        try:
+            if self.offload:
+                with offloaded(min_bytes=self.offload_min_bytes) as stats:
+                    outputs = _as_tuple(self.submod(*inputs))
+                self.offload_stats.append(stats)
+            else:
+                outputs = _as_tuple(self.submod(*inputs))
+        except Exception as exc:
+            shapes = ", ".join(f"{list(x.shape)} {x.dtype}" for x in inputs if isinstance(x, torch.Tensor))
+            raise SluiceError(f"{self.describe()}: its module failed on micro-batch {micro} of step {step}, whose "
+                              f"inputs were {shapes}: {type(exc).__name__}: {exc}") from exc
+        if not self.is_last:
+            self.exchange.send(FORWARD, step, micro, [_wire(o) for o in outputs], ACTIVATION_PRIORITY)
+        self._held[micro] = _Held(inputs, outputs)
+        self.peak_held = max(self.peak_held, len(self._held))
+        return outputs
+
+    def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None) -> None:
+        """Run the backward of `micro`: from `loss` on the last stage, else from the gradients the stage
+        after sent; send the inputs' gradients back (but from the first stage); drop what was held."""
+        held = self._held.pop(micro)
+        if loss is not None:
+            loss.backward()  # type: ignore[no-untyped-call]
+        else:
+            outputs = [o for o in held.outputs if o.is_floating_point()]
+            grads = self.exchange.receive(BACKWARD, step, micro)
+            if len(grads) != len(outputs):
+                raise SluiceError(f"{self.describe()} sent {len(outputs)} floating-point activations for micro-batch "
+                                  f"{micro} of step {step} and got {len(grads)} gradients back")
+            pairs = []
+            for index, (output, grad) in enumerate(zip(outputs, grads, strict=True)):
+                tensor = self._tensor(grad, requires_grad=False)
+                if tensor.shape != output.shape or tensor.dtype != output.dtype:
+                    raise SluiceError(
+                        f"{self.describe()} got a gradient of {list(tensor.shape)} {tensor.dtype} for its output "
+                        f"{index} of micro-batch {micro} of step {step}, which it sent as {list(output.shape)} "
+                        f"{output.dtype}")
+                if output.requires_grad:
+                    pairs.append((output, tensor))
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            floats = [x for x in held.inputs if x.is_floating_point()]
+            self.exchange.send(BACKWARD, step, micro, [_wire(x.grad if x.grad is not None else torch.zeros_like(x))
+                                                       for x in floats], GRADIENT_PRIORITY)
+
+    def begin(self, step: int, micro_batches: int) -> None:
+        self._held.clear()
+        self.peak_held = 0
+        self.offload_stats = []
+        self.exchange.begin(step, micro_batches)
+
+    def _tensor(self, received: Received, requires_grad: bool = True) -> torch.Tensor:
+        dtype = TORCH_DTYPES[received.dtype]
+        tensor = tensor_of(received.array, dtype).to(self.device)
+        if requires_grad and tensor.is_floating_point():
+            tensor.requires_grad_(True)
+        return tensor
+
+    def compression_ratio(self) -> dict[str, float]:
+        """Raw bytes over bytes sent, per direction, since the stage began (1.0: nothing compressed)."""
+        return {"forward": self.exchange.compression[FORWARD].ratio,
+                "backward": self.exchange.compression[BACKWARD].ratio}
