@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,14 @@ job = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job)
 
 
-def run(workers: int, *args: str, timeout: float = 120) -> tuple[str, list[dict[str, Any]]]:
-    done = subprocess.run([*LAUNCH, "-w", str(workers), "--", sys.executable, str(SCRIPT), *args], cwd=ROOT,
+def run(workers: int, *args: str, settings: tuple[str, ...] = (), fails: bool = False,
+        timeout: float = 120) -> tuple[str, list[dict[str, Any]]]:
+    done = subprocess.run([*LAUNCH, "-w", str(workers), *settings, "--", sys.executable, str(SCRIPT), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
+    if fails:
+        assert done.returncode != 0, output[-6000:]
+        return output, []
     assert done.returncode == 0, output[-6000:]
     results = [json.loads(m.group(1)) for m in re.finditer(r"PIPELINE_RESULT (.*)$", done.stdout, re.M)]
     assert len(results) == workers, output[-4000:]
@@ -96,3 +101,31 @@ def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, ki
     assert (sum(n for r in results for n in r["offloaded"]) > 0) == offload
     last = [r for r in results if r["stage"] == stages - 1]
     assert all(len(r["losses"]) == 10 for r in last)
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_shape_that_changes_between_steps_needs_nothing_agreed() -> None:
+    _, results = run(2, "--stages", "2", "--micro", "4", "--compress", "on", "--grow-at", "4", "--steps", "8")
+    check_matches(results, 2, reference(8, 16, grow_at=4))
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_that_cannot_take_its_inputs_fails_the_job_naming_itself() -> None:
+    started = time.monotonic()
+    output, _ = run(2, "--stages", "2", "--bad-stage", "1", fails=True)
+    assert time.monotonic() - started < 60
+    assert ("SluiceError: stage 1 (worker 1 on localhost): its module failed on micro-batch 0 of step 0, whose inputs "
+            "were [4, 32] torch.float32: RuntimeError: mat1 and mat2 shapes cannot be multiplied") in output
+    stopped = re.search(r"sluice launch: worker 1 \(pid \d+\) exited with code 1; stopping the job", output)
+    assert stopped, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_stage_is_named_by_its_neighbour_at_the_deadline() -> None:
+    started = time.monotonic()
+    output, _ = run(3, "--stages", "3", "--stall-stage", "2", "--stall-at", "2", settings=("--set",
+                    "scheduler.op_timeout=2"), fails=True)
+    assert time.monotonic() - started < 60
+    assert ("SluiceError: stage 1 (worker 1 on localhost) waited for the gradients of micro-batch 0 of step 2 from "
+            "stage 2 (worker 2 on localhost): not complete after 2 s (nothing came); stage 2 (worker 2 on localhost) "
+            "is slow, stuck or gone") in output, output[-3000:]

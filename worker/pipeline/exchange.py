@@ -131,8 +131,8 @@ class StageExchange:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SluiceError(
-                        f"{self._waiting(kind, step, micro, source)}: nothing complete after {self.timeout:g} s "
-                        f"({len(entry.tensors) if entry else 0} of {entry.of if entry else '?'} tensors came); "
+                        f"{self._waiting(kind, step, micro, source)}: not complete after {self.timeout:g} s "
+                        f"({f'{len(entry.tensors)} of {entry.of} tensors came' if entry else 'nothing came'}); "
                         f"{self.workers.describe(self.place, source)} is slow, stuck or gone. If its step is "
                         "this slow, raise scheduler.op_timeout")
                 self._cond.wait(min(left, 1.0))

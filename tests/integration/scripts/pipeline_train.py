@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -49,11 +50,17 @@ def main() -> int:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--grow-at", type=int, default=-1, help="from this step on, batches are twice as large")
+    parser.add_argument("--bad-stage", type=int, default=-1, help="this stage expects inputs one wider than it gets")
+    parser.add_argument("--stall-stage", type=int, default=-1, help="this stage stops answering at --stall-at")
+    parser.add_argument("--stall-at", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
     parts = split_model(make_model(), args.stages)
-    stage = PipelineStage(parts[hvd.rank() % args.stages], None, args.stages, compress=args.compress,
+    index = hvd.rank() % args.stages
+    if index == args.bad_stage:
+        parts[index] = nn.Sequential(nn.Linear(WIDTH + 1, WIDTH), *parts[index])
+    stage = PipelineStage(parts[index], None, args.stages, compress=args.compress,
                           offload=args.offload, offload_min_bytes=0)
     kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
     schedule = kind(stage, args.micro, loss_fn=nn.functional.cross_entropy)
@@ -65,6 +72,8 @@ def main() -> int:
         size = args.batch * (2 if 0 <= args.grow_at <= step else 1)
         x, y = batch(step, size * replicas)
         mine = slice(replica * size, (replica + 1) * size)
+        if step == args.stall_at and stage.stage_index == args.stall_stage:
+            time.sleep(3600)
         optimizer.zero_grad()
         if stage.is_first and stage.is_last:
             schedule.step(x[mine], target=y[mine])

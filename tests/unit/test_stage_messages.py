@@ -1,0 +1,241 @@
+"""Stage messages (worker/pipeline/frames.py) and a stage's exchange (worker/pipeline/exchange.py).
+
+The exchange is driven through the real wire codec (encode then decode) with a transport that records
+what it is given: the logic of checks, waits and bounds, without sockets (the integration tests in
+tests/integration/test_pipeline.py run real jobs).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sluice.scheduler.errors import SluiceError
+from sluice.transport import zvc
+from sluice.transport.wire import Kind, Message, WireError, decode, encode
+from sluice.worker.pipeline.exchange import Neighbours, StageExchange
+from sluice.worker.pipeline.frames import BACKWARD, FORWARD, SKIP_AFTER_DENSE, Compression, build, read
+from sluice.worker.pipeline.layout import StagePlace
+
+NAMES = ["worker-0", "worker-1", "worker-2"]
+
+
+def through_wire(msg: Message) -> Message:
+    return decode([bytes(f) if not isinstance(f, bytes) else f for f in encode(msg)])
+
+
+def sparse(n: int = 1000, density: float = 0.3, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.where(rng.random(n) < density, rng.standard_normal(n), 0).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- frames
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64"])
+@pytest.mark.parametrize("compress", [True, False])
+def test_round_trip(dtype: str, compress: bool) -> None:
+    storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64}[dtype]
+    array = (sparse(96) * 100).astype(storage).reshape(4, 2, 12)
+    msg = through_wire(build(FORWARD, 1, 7, 3, 1, 2, array, dtype, 1, compress))
+    assert (msg.round, msg.chunk, msg.key, msg.sender) == (7, 3, 1, 1)
+    got = read(msg, 1 << 20)
+    assert (got.slot, got.of, got.dtype) == (1, 2, dtype)
+    assert got.array.shape == (4, 2, 12) and got.array.dtype == np.dtype(storage)
+    assert got.array.tobytes() == array.tobytes()
+    assert ("zvc" in (msg.meta or {})) == compress
+
+
+def test_dense_tensor_travels_raw_even_with_compression_on() -> None:
+    dense = np.arange(1, 101, dtype=np.float32)
+    msg = build(FORWARD, 0, 0, 0, 0, 1, dense, "float32", 0, True)
+    assert msg.dtype == "float32" and msg.meta == {"of": 1}
+
+
+def test_compression_counts_ratio_and_skips_dense_slots() -> None:
+    compression = Compression(True)
+    array = sparse(4096, 0.1)
+    msg = build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 0, compression.wanted(0))
+    compression.count(0, array.nbytes, msg, True)
+    assert compression.ratio == pytest.approx(array.nbytes / msg.nbytes) and compression.ratio > 4
+    dense = np.ones(4096, np.float32)
+    compression.count(1, dense.nbytes, build(FORWARD, 0, 0, 0, 1, 2, dense, "float32", 0, True), True)
+    assert [compression.wanted(1) for _ in range(SKIP_AFTER_DENSE + 1)] == [False] * SKIP_AFTER_DENSE + [True]
+    assert compression.wanted(0) and not Compression(False).wanted(0)
+
+
+def _zvc_msg(array: np.ndarray) -> Message:
+    return through_wire(build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 0, True))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: setattr(m, "meta", None), "meta must be a map"),
+    (lambda m: setattr(m, "meta", {"of": 1, "extra": 1}), "meta must be a map"),
+    (lambda m: setattr(m, "meta", {"of": 0}), "a micro-batch carries 1 to 64"),
+    (lambda m: setattr(m, "meta", {"of": 65}), "a micro-batch carries 1 to 64"),
+    (lambda m: setattr(m, "key", 1), "slot 1 of 1"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32"]}), "'zvc' must be"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["bool", [1000]]}), "not one ZVC encodes"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [-1]]}), "'zvc' shape"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [1 << 39, 1 << 39]]}), "too large"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [999]]}), "over this receiver's limit of 999"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float16", [1000]]}), "holds 1000 float32"),
+    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [2000]]}), "holds 1000 float32, its message says"),
+    (lambda m: setattr(m, "payload", memoryview(bytes(m.payload)[:-1])), "must be .* bytes"),
+    (lambda m: setattr(m, "payload", None), "carries a tensor"),
+])
+def test_malformed_messages_are_refused(change: Any, message: str) -> None:
+    msg = _zvc_msg(sparse())
+    change(msg)
+    with pytest.raises(WireError, match=message):
+        read(msg, 1 << 20)
+
+
+def test_element_limit_holds_before_anything_is_allocated() -> None:
+    with pytest.raises(WireError, match="over this stage's limit of 999"):
+        read(_zvc_msg(sparse()), 999)
+    raw = through_wire(build(FORWARD, 0, 0, 0, 0, 1, sparse(), "float32", 0, False))
+    with pytest.raises(WireError, match="over this stage's limit of 10"):
+        read(raw, 10)
+
+
+def test_a_corrupted_zvc_mask_is_refused() -> None:
+    msg = _zvc_msg(sparse())
+    frame = bytearray(msg.payload)
+    frame[zvc.HEADER_BYTES] ^= 0xFF  # the mask no longer counts the values that follow
+    msg.payload = memoryview(bytes(frame))
+    with pytest.raises(WireError):
+        read(msg, 1 << 20)
+
+
+# ---------------------------------------------------------------------------- the exchange
+class Recorder:
+    """What a transport is asked to do, kept (the exchange's only I/O)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, Message]] = []
+        self.refused: list[str] = []
+
+    def send(self, peer: str, channel: int, msg: Message) -> None:
+        self.sent.append((peer, channel, msg))
+
+    def refuse(self, peer: str, text: str) -> None:
+        self.refused.append(text)
+
+
+def exchange(rank: int, size: int = 3, stages: int = 3, **kw: Any) -> tuple[StageExchange, Recorder]:
+    wire = Recorder()
+    hosts = kw.pop("hosts", ["h0"] * size)
+    ex = StageExchange(wire, StagePlace(rank, size, stages), Neighbours(NAMES[:size], hosts),  # type: ignore[arg-type]
+                       kw.pop("timeout", 5.0), lambda priority: priority, **kw)
+    return ex, wire
+
+
+def deliver(target: StageExchange, source: Recorder, peer: str | None = None) -> None:
+    for _, _, msg in source.sent:
+        target.on_message(peer or f"worker-{msg.sender}", through_wire(msg))
+    source.sent.clear()
+
+
+def test_activations_forward_and_gradients_back() -> None:
+    first, wire0 = exchange(0)
+    middle, wire1 = exchange(1)
+    for ex in (first, middle):
+        ex.begin(0, 2)
+    first.send(FORWARD, 0, 1, [(sparse(64), "float32"), (np.arange(3, dtype=np.int64), "int64")], 1)
+    assert [(peer, channel) for peer, channel, _ in wire0.sent] == [("worker-1", 1)] * 2
+    deliver(middle, wire0)
+    got = middle.receive(FORWARD, 0, 1)
+    assert [g.dtype for g in got] == ["float32", "int64"] and np.array_equal(got[0].array, sparse(64))
+    middle.send(BACKWARD, 0, 1, [(np.ones(64, np.float32), "float32")], 0)
+    assert wire1.sent[0][0] == "worker-0"
+    deliver(first, wire1)
+    assert np.array_equal(first.receive(BACKWARD, 0, 1)[0].array, np.ones(64, np.float32))
+    assert wire0.refused == wire1.refused == []
+
+
+def test_auto_compresses_only_towards_another_host() -> None:
+    same, _ = exchange(1, hosts=["a", "a", "a"])
+    assert not same.compression[FORWARD].enabled and not same.compression[BACKWARD].enabled
+    split, _ = exchange(1, hosts=["a", "a", "b"])
+    assert split.compression[FORWARD].enabled and not split.compression[BACKWARD].enabled
+    forced, _ = exchange(1, compress="on")
+    assert forced.compression[FORWARD].enabled and forced.compression[BACKWARD].enabled
+
+
+def _forward(step: int, micro: int, slot: int = 0, of: int = 1, sender: int = 0, n: int = 8) -> Message:
+    return through_wire(build(FORWARD, sender, step, micro, slot, of, np.ones(n, np.float32), "float32", 1, False))
+
+
+@pytest.mark.parametrize(("peer", "msg", "problem"), [
+    ("worker-2", _forward(0, 0), "come only from worker 0"),
+    ("worker-0", _forward(0, 0, sender=2), "come only from worker 0"),
+    ("worker-0", through_wire(build(BACKWARD, 0, 0, 0, 0, 1, np.ones(2, np.float32), "float32", 0, False)),
+     "come only from worker 2"),
+    ("worker-0", _forward(2, 0), "step 2 is neither this stage's step 0 nor the next"),
+    ("worker-0", _forward(0, 4), "micro-batch 4 is beyond the step's 4"),
+    ("worker-0", Message(Kind.STAGE_FORWARD, sender=0, meta={"of": 1}), "carries a tensor"),
+    ("worker-0", Message(Kind.GROUP_DATA, sender=0), "this stage has no replicas"),
+])
+def test_the_exchange_refuses_what_does_not_fit(peer: str, msg: Message, problem: str) -> None:
+    middle, wire = exchange(1)
+    middle.begin(0, 4)
+    middle.on_message(peer, msg)
+    assert len(wire.refused) == 1 and problem in wire.refused[0], wire.refused
+
+
+def test_duplicates_old_steps_and_the_held_bytes_limit() -> None:
+    middle, wire = exchange(1, max_held_bytes=100)
+    middle.begin(3, 4)
+    middle.on_message("worker-0", _forward(3, 0, of=2))
+    middle.on_message("worker-0", _forward(3, 0, of=2))  # the same slot again
+    middle.on_message("worker-0", _forward(3, 0, slot=1, of=3))  # disagrees on the count
+    middle.on_message("worker-0", _forward(4, 0, n=32))  # the next step: kept, within the limit (32 + 128 > 100)
+    middle.on_message("worker-0", _forward(2, 0))  # an older step
+    expected = ["came twice", "an earlier one said 2", "already holds 32 bytes (limit 100)", "step 2 is neither"]
+    assert [want in got for want, got in zip(expected, wire.refused, strict=True)] == [True] * 4
+    middle.on_message("worker-0", _forward(3, 0, slot=1, of=2))
+    assert len(middle.receive(FORWARD, 3, 0)) == 2
+    middle.on_message("worker-0", _forward(3, 0, slot=1, of=2))  # taken already
+    assert "came twice" in wire.refused[-1]
+
+
+def test_a_next_step_message_waits_for_its_step() -> None:
+    middle, wire = exchange(1)
+    middle.begin(0, 1)
+    middle.on_message("worker-0", _forward(1, 3))  # the next step may have more micro-batches
+    middle.begin(1, 4)
+    assert middle.receive(FORWARD, 1, 3)[0].array.shape == (8,) and not wire.refused
+
+
+def test_the_deadline_names_the_stage_and_worker_waited_for() -> None:
+    last, _ = exchange(2, timeout=0.2, hosts=["h0", "h1", "h2"])
+    last.begin(5, 2)
+    started = time.monotonic()
+    with pytest.raises(SluiceError) as caught:
+        last.receive(FORWARD, 5, 1)
+    assert 0.2 <= time.monotonic() - started < 2
+    text = str(caught.value)
+    assert text.startswith("stage 2 (worker 2 on h2) waited for the activations of micro-batch 1 of step 5 from "
+                           "stage 1 (worker 1 on h1): not complete after 0.2 s (nothing came)"), text
+    assert "raise scheduler.op_timeout" in text
+
+
+def test_the_jobs_failure_ends_a_wait_at_once() -> None:
+    first, _ = exchange(0)
+    first.begin(0, 1)
+    threading.Timer(0.1, first.fail, ["worker 2 was lost"]).start()
+    started = time.monotonic()
+    with pytest.raises(SluiceError, match="the job failed: worker 2 was lost"):
+        first.receive(BACKWARD, 0, 0)
+    assert time.monotonic() - started < 1.5
+
+
+def test_first_and_last_stages_refuse_what_they_cannot_do() -> None:
+    first, _ = exchange(0)
+    with pytest.raises(SluiceError, match="stage 0 receives no activations"):
+        first.receive(FORWARD, 0, 0)
+    with pytest.raises(SluiceError, match="stage 0 has no stage to send gradients to"):
+        first.send(BACKWARD, 0, 0, [], 0)
