@@ -46,7 +46,7 @@ def run(workers: int, *args: str, settings: tuple[str, ...] = (), fails: bool = 
     return output, sorted(results, key=lambda r: r["rank"])
 
 
-def reference(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) -> list[np.ndarray]:
+def reference_model(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) -> torch.nn.Module:
     """The same model trained by one process on the whole batch of each step."""
     torch.set_num_threads(1)
     model = job.make_model()
@@ -56,7 +56,11 @@ def reference(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) -> lis
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-    return [p.detach().reshape(-1).numpy() for p in model.parameters()]
+    return model
+
+
+def reference(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) -> list[np.ndarray]:
+    return [p.detach().reshape(-1).numpy() for p in reference_model(steps, batch, lr, grow_at).parameters()]
 
 
 def check_matches(results: list[dict[str, Any]], stages: int, want: list[np.ndarray]) -> None:
@@ -129,3 +133,31 @@ def test_a_stalled_stage_is_named_by_its_neighbour_at_the_deadline() -> None:
     assert ("SluiceError: stage 1 (worker 1 on localhost) waited for the gradients of micro-batch 0 of step 2 from "
             "stage 2 (worker 2 on localhost): not complete after 2 s (nothing came); stage 2 (worker 2 on localhost) "
             "is slow, stuck or gone") in output, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_eval_steps_give_the_models_outputs_and_keep_the_stages_in_step() -> None:
+    """Forward-only steps, many in a row (the first stage waits for no gradient in them), then the outputs
+    equal the single-process model's on the same inputs."""
+    _, results = run(6, "--stages", "3", "--micro", "2", "--steps", "3", "--eval-steps", "12", "--batch", "8")
+    model = reference_model(3, 16)
+    for r in results:
+        if r["stage"] != 2:
+            continue
+        assert len(r["evaluated"]) == 12
+        for step, got in enumerate(r["evaluated"]):
+            x, _ = job.batch(3 + step, 16)
+            want = model(x[r["replica"] * 8:(r["replica"] + 1) * 8]).detach().reshape(-1).numpy()
+            assert float(np.abs(np.asarray(got, np.float32) - want).max()) <= 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_the_example_trains_digits_with_two_replicas_of_two_stages() -> None:
+    done = subprocess.run([*LAUNCH, "-w", "4", "--", sys.executable, str(ROOT / "examples/train_digits_pipeline.py"),
+                           "--stages", "2", "--epochs", "4", "--target", "0.85", "--compress", "on"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=110)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert re.search(r"\[worker 1\] replica 0 epoch  4 .* test accuracy", output), output[-3000:]
+    ratios = [float(m) for m in re.findall(r"stage 0 of replica \d: ZVC ratio ([0-9.]+) for the activations", output)]
+    assert len(ratios) == 2 and min(ratios) > 1.1, output[-3000:]  # pooled ReLU outputs hold zeros

@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--bad-stage", type=int, default=-1, help="this stage expects inputs one wider than it gets")
     parser.add_argument("--stall-stage", type=int, default=-1, help="this stage stops answering at --stall-at")
     parser.add_argument("--stall-at", type=int, default=2)
+    parser.add_argument("--eval-steps", type=int, default=0, help="forward-only steps after training")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -87,7 +88,15 @@ def main() -> int:
             schedule.step()
         optimizer.step()
         peaks.append(stage.peak_held)
-    result = {"rank": hvd.rank(), "stage": stage.stage_index, "replica": replica, "peaks": peaks,
+    evaluated = []
+    for step in range(args.eval_steps):  # the first stage waits for nothing here but the others' progress
+        x, _ = batch(args.steps + step, args.batch * replicas)
+        mine = slice(replica * args.batch, (replica + 1) * args.batch)
+        out = schedule.eval(x[mine]) if stage.is_first else schedule.eval()
+        if stage.is_last:
+            evaluated.append(out.reshape(-1).tolist())
+    result = {"rank": hvd.rank(), "evaluated": evaluated, "stage": stage.stage_index, "replica": replica,
+              "peaks": peaks,
               "params": [p.detach().reshape(-1).tolist() for p in stage.submod.parameters()],
               "ratio": stage.compression_ratio(), "losses": losses,
               "offloaded": [s.raw_bytes for s in stage.offload_stats]}

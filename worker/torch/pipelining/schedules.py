@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.pipeline_schedule import schedule
+from sluice.scheduler.pipeline_schedule import Action, schedule
 from sluice.worker.staging import Staging, wire_dtype
 from sluice.worker.torch.pipelining.stage import REPLICA_PRIORITY, PipelineStage
 
@@ -52,34 +52,48 @@ class PipelineSchedule:
         """One training step's forwards and backwards (gradients accumulate in the stage's parameters, as
         for a whole batch); on the last stage the outputs of the micro-batches concatenated, else None.
         `losses` (last stage) gets each micro-batch's loss."""
+        return self._run(args, target, losses, train=True)
+
+    def eval(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None) -> Any:
+        """The forwards alone, without autograd (evaluation); every stage calls it where the others do.
+        On the last stage the outputs concatenated (and the losses, given a target), else None."""
+        with torch.no_grad():
+            return self._run(args, target, losses, train=False)
+
+    def _run(self, args: tuple[Any, ...], target: Any, losses: list[torch.Tensor] | None, train: bool) -> Any:
         stage, micro, step = self.stage, self.micro, self.steps
         if stage.is_first and not args:
             raise SluiceError(f"{stage.describe()} is the first stage: call step(inputs)")
-        if stage.is_last and target is None:
+        if stage.is_last and train and target is None:
             raise SluiceError(f"{stage.describe()} is the last stage: call step(target=...)")
         inputs = list(zip(*(_chunks(a, micro, "an input") for a in args), strict=True)) if stage.is_first else []
-        targets = _chunks(target, micro, "the target") if stage.is_last else []
+        targets = _chunks(target, micro, "the target") if stage.is_last and target is not None else []
         stage.begin(step, micro)
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         micro_losses: dict[int, torch.Tensor] = {}
-        for action in self.order:
+        order = self.order if train else [Action("F", m) for m in range(micro)]
+        for action in order:
             m = action.micro
             if action.kind == "F":
-                out = stage.forward_one(step, m, inputs[m] if inputs else ())
+                out = stage.forward_one(step, m, inputs[m] if inputs else (), keep=train)
                 if stage.is_last:
-                    assert self.loss_fn is not None
                     outputs[m] = out
-                    micro_losses[m] = self.loss_fn(out[0] if len(out) == 1 else out, targets[m])
+                    if targets:
+                        assert self.loss_fn is not None
+                        micro_losses[m] = self.loss_fn(out[0] if len(out) == 1 else out, targets[m])
             else:
                 loss = micro_losses.get(m)
                 if loss is not None and self.scale_grads:
                     loss = loss / micro
                 stage.backward_one(step, m, loss)
-        self._average_replicas()
+        if train:
+            self._average_replicas()
+        else:
+            stage.settle_forward_only(step)
         self.steps += 1
         if not stage.is_last:
             return None
-        if losses is not None:
+        if losses is not None and micro_losses:
             losses.extend(micro_losses[m].detach() for m in range(micro))
         merged = [torch.cat([outputs[m][i].detach() for m in range(micro)]) for i in range(len(outputs[0]))]
         return merged[0] if len(merged) == 1 else tuple(merged)

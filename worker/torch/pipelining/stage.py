@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,15 +101,15 @@ class PipelineStage:
         return self.exchange.workers.describe(self.place, self.place.rank)
 
     # ------------------------------------------------------------------ one micro-batch
-    def forward_one(self, step: int, micro: int, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    def forward_one(self, step: int, micro: int, args: tuple[Any, ...], keep: bool = True) -> tuple[torch.Tensor, ...]:
         """Run the forward of `micro`: on `args` on the first stage, else on what the stage before sent;
-        send the outputs on (but from the last stage), keep what the backward needs. The outputs."""
+        send the outputs on (but from the last stage), and `keep` what the backward needs. The outputs."""
         if self.is_first:
             inputs = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
         else:
-            inputs = tuple(self._tensor(r) for r in self.exchange.receive(FORWARD, step, micro))
+            inputs = tuple(self._tensor(r, keep) for r in self.exchange.receive(FORWARD, step, micro))
         try:
-            if self.offload:
+            if self.offload and keep:
                 with offloaded(min_bytes=self.offload_min_bytes) as stats:
                     outputs = _as_tuple(self.submod(*inputs))
                 self.offload_stats.append(stats)
@@ -120,8 +121,9 @@ class PipelineStage:
                               f"inputs were {shapes}: {type(exc).__name__}: {exc}") from exc
         if not self.is_last:
             self.exchange.send(FORWARD, step, micro, [_wire(o) for o in outputs], ACTIVATION_PRIORITY)
-        self._held[micro] = _Held(inputs, outputs)
-        self.peak_held = max(self.peak_held, len(self._held))
+        if keep:
+            self._held[micro] = _Held(inputs, outputs)
+            self.peak_held = max(self.peak_held, len(self._held))
         return outputs
 
     def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None) -> None:
@@ -152,6 +154,16 @@ class PipelineStage:
             floats = [x for x in held.inputs if x.is_floating_point()]
             self.exchange.send(BACKWARD, step, micro, [_wire(x.grad if x.grad is not None else torch.zeros_like(x))
                                                        for x in floats], GRADIENT_PRIORITY)
+
+    def settle_forward_only(self, step: int) -> None:
+        """End a step of forwards alone (eval): each stage waits for the stage after it to be done, then
+        says so to the one before (an empty gradient message). Without it the first stage, which waits
+        for nothing in eval, could run any number of steps ahead of the others; with it, at most one,
+        as in training, where the gradients bound it."""
+        if not self.is_last:
+            self.exchange.receive(BACKWARD, step, 0)
+        if not self.is_first:
+            self.exchange.send(BACKWARD, step, 0, [(np.zeros(0, np.float32), "float32")], GRADIENT_PRIORITY)
 
     def begin(self, step: int, micro_batches: int) -> None:
         self._held.clear()
