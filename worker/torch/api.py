@@ -24,7 +24,7 @@ from sluice.scheduler.errors import SluiceError
 from sluice.worker.client import Client
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
-from sluice.worker.torch import elastic, offload
+from sluice.worker.torch import elastic, offload, pipelining
 from sluice.worker.torch.autograd import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from sluice.worker.torch.collectives import (
     Adasum,
@@ -119,6 +119,7 @@ __all__ = [
     "mpi_threads_supported",
     "nccl_built",
     "offload",
+    "pipelining",
     "poll",
     "rank",
     "reducescatter",
