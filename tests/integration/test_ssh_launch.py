@@ -26,7 +26,8 @@ from bench.netbed.ssh import ROOT, SshBed, ssh_bed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 #: what a role started over ssh looks like in `ps` on its host
-_REMOTE = re.compile(r"sluice\.launch\.remote|(cluster|elastic)_train\.py|sluice\.launch\.cli (server|aggregator)")
+_REMOTE = re.compile(r"sluice\.launch\.remote|(cluster|elastic|pipeline)_train\.py|"
+                     r"sluice\.launch\.cli (server|aggregator)")
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +234,21 @@ def test_ssh_elastic_job_drops_a_worker_of_another_host(bed: SshBed) -> None:
     _nothing_left(bed)
     left = [p for p in Path("/dev/shm").glob("sluice-elastic-*") if p.stat().st_mtime >= started]
     assert not left, f"the committed state outlived the job: {left}"
+
+
+@pytest.mark.timeout(150)
+def test_ssh_pipeline_compresses_activations_only_between_hosts(bed: SshBed) -> None:
+    """A 2-stage pipeline, each stage on its own host: `compress=auto` encodes what
+    crosses between hosts (ReLU activations: about half zeros) and the job trains as one process."""
+    from tests.integration.test_pipeline import check_matches, reference
+
+    h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
+    done = bed.launch(["-H", f"{h1}:1,{h2}:1", "-s", "0", "--", sys.executable,
+                       "tests/integration/scripts/pipeline_train.py", "--stages", "2", "--steps", "10"], timeout=140)
+    assert done.returncode == 0, done.stdout[-5000:]
+    results = sorted((json.loads(m.group(1)) for m in re.finditer(r"PIPELINE_RESULT (.*)$", done.stdout, re.M)),
+                     key=lambda r: r["rank"])
+    assert [r["stage"] for r in results] == [0, 1]
+    assert results[0]["ratio"]["forward"] > 1.2, results[0]["ratio"]
+    check_matches(results, 2, reference(10, 16))
+    _nothing_left(bed)
