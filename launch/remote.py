@@ -8,7 +8,8 @@ through the session. Then it watches stdin: a line `USR1` is passed on to the ro
 elastic job's new hosts); end of file means the launcher is gone or has ended the
 job (the session closed: Ctrl-C, a lost link, the launcher killed), and the stub stops the role's
 whole group, SIGTERM then SIGKILL after a grace period, and removes the shared memory the role could
-not (killed by a signal), so nothing outlives the job on any host. The
+not (killed by a signal), so nothing outlives the job on any host; so does a SIGTERM, SIGHUP or
+SIGINT to the stub itself (SLURM cancelling the step). The
 stub exits with the role's status (128 + N for a signal). A header it cannot use ends it with status
 2 and a line on stderr that says what is wrong.
 """
@@ -116,17 +117,24 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
         if not ended.is_set():
             _stop(process, grace)
 
+    def stop_soon(_number: int, _frame: object) -> None:
+        # not in the handler itself: it runs inside process.wait() below, whose lock reaping the role
+        # needs; it would spin out the grace, then hang, and never remove the role's shared memory
+        # (a cancelled SLURM step's stub gets SIGTERM, and SIGKILL KillWait seconds later)
+        threading.Thread(target=_stop, args=(process, grace), name="sluice-remote-stop", daemon=True).start()
+
     threading.Thread(target=watch, name="sluice-remote-stdin", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, lambda number, _frame: _stop(process, grace))
+        signal.signal(sig, stop_soon)
+    # imported while the role runs (numpy comes with it): once the role is gone, a SIGKILL may be near
+    from sluice.transport.shm import remove_segments_of
+
     code = process.wait()
     ended.set()
     with contextlib.suppress(ProcessLookupError):  # the role's leftovers do not outlive it
         os.killpg(process.pid, signal.SIGKILL)
     # nor its shared memory: a role killed by a signal could not unlink it (the local launcher does the
     # same for its own children, launch/children.py)
-    from sluice.transport.shm import remove_segments_of
-
     remove_segments_of(process.pid)
     return 128 - code if code < 0 else code
 

@@ -1,13 +1,57 @@
-"""Fixtures shared by the integration tests: launched jobs that are always stopped."""
+"""Fixtures shared by the integration tests: launched jobs that are always stopped, no segment left behind."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from sluice.transport.shm_peers import SEGMENT_NAME, SHM_DIR
 from tests.integration.slurm_bed import slurm  # noqa: F401 - the one-node SLURM bed, one per session
 from tests.integration.test_launch import Launch
+
+#: how long the processes that clean up after a dead one (its launcher, the remote stub, a janitor) get
+SEGMENT_DEADLINE_S = 10.0
+
+
+def _segments() -> dict[str, int]:
+    """/dev/shm/sluice-PID-* segment names and the pid that made each."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return {}
+    return {name: int(match.group(1)) for name in names if (match := SEGMENT_NAME.fullmatch(name))}
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process, alive
+        pass
+    return False
+
+
+@pytest.fixture(autouse=True)
+def no_segment_of_a_dead_process_left() -> Iterator[None]:
+    """Fail a test after which a process it started is gone but its 64 MiB segments are not. Only
+    segments made during the test by processes no longer running count: other tests' live processes
+    (or a suite running beside this one) may own segments now, and a live process still unlinks its own."""
+    before = set(_segments())
+    yield
+    deadline = time.monotonic() + SEGMENT_DEADLINE_S
+    while left := sorted(name for name, pid in _segments().items() if name not in before and _dead(pid)):
+        if time.monotonic() > deadline:
+            for name in left:  # 64 MiB each: not left to fill /dev/shm for the tests that follow
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+            pytest.fail(f"shared-memory segments of dead processes left behind in {SHM_DIR}: {left}; whoever "
+                        "stops those processes must remove them (transport.shm.remove_segments_of)", pytrace=False)
+        time.sleep(0.2)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,3 +90,26 @@ def test_a_header_it_cannot_use_ends_it_saying_why(header: bytes, error: str) ->
     stub = _stub()
     _, err = stub.communicate(header, timeout=30)
     assert stub.returncode == 2 and error in err.decode(), err.decode()
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_to_the_stub_stops_the_role_and_removes_its_shared_memory() -> None:
+    """As SLURM cancelling a step does: SIGTERM to the stub with its session still open."""
+    stub = _stub()
+    assert stub.stdin is not None and stub.stdout is not None
+    role = ("import os, time; open(f'/dev/shm/sluice-{os.getpid()}-0-0123abcd', 'wb').close(); "
+            "print(os.getpid(), flush=True); time.sleep(120)")
+    stub.stdin.write(_header([sys.executable, "-c", role]))
+    stub.stdin.flush()
+    segment = Path(f"/dev/shm/sluice-{int(stub.stdout.readline())}-0-0123abcd")
+    try:
+        started = time.monotonic()
+        stub.send_signal(signal.SIGTERM)
+        assert stub.wait(15) == 128 + 15
+        assert time.monotonic() - started < 5.0, "the role died at once: the stub need not wait out its grace"
+        assert not segment.exists(), "the role's shared memory outlived it"
+    finally:
+        if stub.poll() is None:
+            stub.kill()
+        stub.stdin.close()
+        segment.unlink(missing_ok=True)

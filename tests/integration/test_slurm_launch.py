@@ -9,6 +9,7 @@ refuses, saying to run it once; Ctrl-C leaves no step and no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -29,6 +30,18 @@ LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch"]
 def _results(output: str) -> list[dict[str, Any]]:
     found = [json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", output, re.M)]
     return sorted(found, key=lambda r: r["rank"])
+
+
+def _bed_processes(slurm: SlurmBed, needle: bytes) -> list[int]:
+    """Processes whose command line holds `needle` and that this bed's SLURM started (they carry its
+    SLURM_CONF): not those of a job beside it on this machine."""
+    marker, found = f"SLURM_CONF={slurm.conf}".encode() + b"\0", []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes() and marker in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+    return found
 
 
 def _steps(slurm: SlurmBed) -> str:
@@ -75,7 +88,10 @@ def test_slurm_ctrl_c_leaves_no_step_and_no_process(slurm: SlurmBed) -> None:
             assert launcher.poll() is None and time.monotonic() < deadline, "the roles' steps did not start"
             time.sleep(0.3)
         time.sleep(3)  # training
-        sluice = subprocess.run(["pgrep", "-f", "sluice.launch.cli launch"], capture_output=True, text=True)
+        # salloc and the launcher, as a Ctrl-C at the terminal reaches both; only those of this test's
+        # session (salloc's): a launcher of another job on this machine is not ours to interrupt
+        sluice = subprocess.run(["pgrep", "-s", str(launcher.pid), "-f", "sluice.launch.cli launch"],
+                                capture_output=True, text=True)
         for pid in sluice.stdout.split():
             subprocess.run(["kill", "-INT", pid], check=False)
         out, _ = launcher.communicate(timeout=60)
@@ -84,6 +100,6 @@ def test_slurm_ctrl_c_leaves_no_step_and_no_process(slurm: SlurmBed) -> None:
             launcher.kill()
     assert "received SIGINT; stopping the job" in out, out[-3000:]
     deadline = time.monotonic() + 20
-    while _steps(slurm) or subprocess.run(["pgrep", "-f", "cluster_train.py"], capture_output=True).returncode == 0:
+    while _steps(slurm) or _bed_processes(slurm, b"cluster_train.py"):
         assert time.monotonic() < deadline, f"left behind: steps {_steps(slurm)!r}"
         time.sleep(0.3)
