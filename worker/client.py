@@ -103,6 +103,8 @@ class Client:
                                      EARLY_PIPELINE_BYTES)
         #: called with the error when the job fails (the scheduler's SHUTDOWN, a lost peer): pipeline stages
         self._failure_listeners: list[Callable[[str], None]] = []
+        #: called first in close(), while the connections still work: a pipeline stage's closing handshake
+        self._closing: list[Callable[[], None]] = []
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(self.env.name)
@@ -297,7 +299,14 @@ class Client:
             self.transport.tracer = None
             trace.close()
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` first when the client closes (it must not raise, and should have a deadline)."""
+        self._closing.append(fn)
+
     def close(self) -> None:
+        closing, self._closing = self._closing, []
+        for fn in closing:
+            fn()
         if self.collectives is not None:
             self.collectives.close()
         self.control.bye()

@@ -252,3 +252,22 @@ def test_ssh_pipeline_compresses_activations_only_between_hosts(bed: SshBed) -> 
     assert results[0]["ratio"]["forward"] > 1.2, results[0]["ratio"]
     check_matches(results, 2, reference(10, 16))
     _nothing_left(bed)
+
+
+@pytest.mark.timeout(150)
+def test_ssh_pipeline_on_a_slow_link_delivers_the_last_gradients_before_leaving(tmp_path: Path) -> None:
+    """The last stage's final gradients (8 MiB) take 4 s on a 16 Mbit/s link, longer than a closing
+    transport flushes: the stage stays until the stage before confirms it has them (PipelineStage.close).
+    One hidden layer 8192 wide: big activations, little compute."""
+    try:
+        with ssh_bed(tmp_path / "keys", 2, rates=[16.0, 16.0]) as slow:
+            h1, h2 = slow.hosts["h1"], slow.hosts["h2"]
+            done = slow.launch(["-H", f"{h1}:1,{h2}:1", "-s", "0", "--", sys.executable,
+                                "tests/integration/scripts/pipeline_train.py", "--stages", "2", "--steps", "1",
+                                "--micro", "1", "--layers", "2", "--width", "8192", "--batch", "256",
+                                "--compress", "off"], timeout=120)
+            assert done.returncode == 0, done.stdout[-5000:]
+            assert len(re.findall(r"^\[worker \d\] PIPELINE_RESULT", done.stdout, re.M)) == 2
+            _nothing_left(slow)
+    except NetbedUnavailable as exc:
+        pytest.skip(str(exc))

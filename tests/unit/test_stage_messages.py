@@ -17,8 +17,17 @@ import pytest
 from sluice.scheduler.errors import SluiceError
 from sluice.transport import zvc
 from sluice.transport.wire import Kind, Message, WireError, decode, encode
-from sluice.worker.pipeline.exchange import Neighbours, StageExchange
-from sluice.worker.pipeline.frames import BACKWARD, FORWARD, SKIP_AFTER_DENSE, Compression, build, read
+from sluice.worker.pipeline.exchange import OVERHEAD_BYTES, Neighbours, StageExchange
+from sluice.worker.pipeline.frames import (
+    BACKWARD,
+    FORWARD,
+    SKIP_AFTER_DENSE,
+    Assembly,
+    Compression,
+    Received,
+    build,
+    read,
+)
 from sluice.worker.pipeline.layout import StagePlace
 
 NAMES = ["worker-0", "worker-1", "worker-2"]
@@ -34,80 +43,140 @@ def sparse(n: int = 1000, density: float = 0.3, seed: int = 0) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- frames
+def tensor_of(messages: list[Message], limit: int = 1 << 20) -> Received:
+    """The tensor the messages carry, assembled from their pieces in reverse order."""
+    pieces = [read(through_wire(m), limit) for m in reversed(messages)]
+    assembly = Assembly(pieces[0])
+    for piece in pieces:
+        assert assembly.add(piece) is None
+    assert assembly.complete()
+    return assembly.tensor()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64"])
 @pytest.mark.parametrize("compress", [True, False])
-def test_round_trip(dtype: str, compress: bool) -> None:
+@pytest.mark.parametrize("piece", [64, 1 << 20])
+def test_round_trip(dtype: str, compress: bool, piece: int) -> None:
     storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64}[dtype]
     array = (sparse(96) * 100).astype(storage).reshape(4, 2, 12)
-    msg = through_wire(build(FORWARD, 1, 7, 3, 1, 2, array, dtype, 1, compress))
-    assert (msg.round, msg.chunk, msg.key, msg.sender) == (7, 3, 1, 1)
-    got = read(msg, 1 << 20)
-    assert (got.slot, got.of, got.dtype) == (1, 2, dtype)
+    messages = build(FORWARD, 1, 7, 3, 1, 2, array, dtype, 1, compress, piece)
+    size = messages[0].meta["size"]  # type: ignore[index]
+    assert len(messages) == -(-size // piece) and all(m.nbytes <= piece for m in messages)
+    assert [(m.round, m.chunk, m.key, m.sender) for m in messages] == [(7, 3, 1, 1)] * len(messages)
+    got = tensor_of(messages)
+    assert (got.slot, got.of, got.dtype, got.wire_bytes) == (1, 2, dtype, size)
     assert got.array.shape == (4, 2, 12) and got.array.dtype == np.dtype(storage)
     assert got.array.tobytes() == array.tobytes()
-    assert ("zvc" in (msg.meta or {})) == compress
+    assert messages[0].meta["zvc"] == compress  # type: ignore[index]
+
+
+def test_raw_pieces_are_views_of_the_tensor_and_empty_tensors_travel() -> None:
+    array = np.arange(100, dtype=np.float32)
+    messages = build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 0, False, 128)
+    assert len(messages) == 4 and all(np.shares_memory(m.payload, array) for m in messages)
+    empty = tensor_of(build(BACKWARD, 0, 0, 0, 0, 1, np.zeros((0, 3), np.float32), "float32", 0, True, 128))
+    assert empty.array.shape == (0, 3)
 
 
 def test_dense_tensor_travels_raw_even_with_compression_on() -> None:
     dense = np.arange(1, 101, dtype=np.float32)
-    msg = build(FORWARD, 0, 0, 0, 0, 1, dense, "float32", 0, True)
-    assert msg.dtype == "float32" and msg.meta == {"of": 1}
+    (msg,) = build(FORWARD, 0, 0, 0, 0, 1, dense, "float32", 0, True, 1 << 20)
+    assert msg.meta is not None and msg.meta["zvc"] is False and msg.nbytes == 400
 
 
 def test_compression_counts_ratio_and_skips_dense_slots() -> None:
     compression = Compression(True)
     array = sparse(4096, 0.1)
-    msg = build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 0, compression.wanted(0))
-    compression.count(0, array.nbytes, msg, True)
-    assert compression.ratio == pytest.approx(array.nbytes / msg.nbytes) and compression.ratio > 4
+    messages = build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 0, compression.wanted(0), 1 << 20)
+    compression.count(0, array.nbytes, messages, True)
+    assert compression.ratio == pytest.approx(array.nbytes / messages[0].nbytes) and compression.ratio > 4
     dense = np.ones(4096, np.float32)
-    compression.count(1, dense.nbytes, build(FORWARD, 0, 0, 0, 1, 2, dense, "float32", 0, True), True)
+    compression.count(1, dense.nbytes, build(FORWARD, 0, 0, 0, 1, 2, dense, "float32", 0, True, 1 << 20), True)
     assert [compression.wanted(1) for _ in range(SKIP_AFTER_DENSE + 1)] == [False] * SKIP_AFTER_DENSE + [True]
     assert compression.wanted(0) and not Compression(False).wanted(0)
 
 
-def _zvc_msg(array: np.ndarray) -> Message:
-    return through_wire(build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 0, True))
+def _piece_msg(compress: bool = True, piece: int = 1 << 20) -> Message:
+    return through_wire(build(FORWARD, 0, 0, 0, 0, 1, sparse(), "float32", 0, compress, piece)[0])
+
+
+def _meta(**changes: Any) -> Any:
+    def change(msg: Message) -> None:
+        assert msg.meta is not None
+        msg.meta = {**msg.meta, **changes}
+    return change
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda m: setattr(m, "meta", None), "meta must be a map"),
-    (lambda m: setattr(m, "meta", {"of": 1, "extra": 1}), "meta must be a map"),
-    (lambda m: setattr(m, "meta", {"of": 0}), "a micro-batch carries 1 to 64"),
-    (lambda m: setattr(m, "meta", {"of": 65}), "a micro-batch carries 1 to 64"),
+    (lambda m: setattr(m, "meta", None), "meta must have exactly"),
+    (lambda m: setattr(m, "meta", {**m.meta, "extra": 1}), "meta must have exactly"),
+    (_meta(of=0), "a micro-batch carries 1 to 64"),
+    (_meta(of=65), "a micro-batch carries 1 to 64"),
     (lambda m: setattr(m, "key", 1), "slot 1 of 1"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32"]}), "'zvc' must be"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["bool", [1000]]}), "not one ZVC encodes"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [-1]]}), "'zvc' shape"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [1 << 39, 1 << 39]]}), "too large"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [999]]}), "over this receiver's limit of 999"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float16", [1000]]}), "holds 1000 float32"),
-    (lambda m: setattr(m, "meta", {"of": 1, "zvc": ["float32", [2000]]}), "holds 1000 float32, its message says"),
-    (lambda m: setattr(m, "payload", memoryview(bytes(m.payload)[:-1])), "must be .* bytes"),
-    (lambda m: setattr(m, "payload", None), "carries a tensor"),
+    (_meta(dtype="bool"), "not one a stage message carries"),
+    (_meta(dtype="complex64"), "not one a stage message carries"),
+    (_meta(zvc=1), "not one a stage message carries"),
+    (_meta(shape=[-1]), "shape must be a list"),
+    (_meta(shape=[1] * 9), "shape must be a list"),
+    (_meta(shape=[1 << 39, 1 << 39]), "over this stage's limit"),
+    (_meta(size=10), "cannot hold"),
+    (_meta(size=5000), "cannot hold"),
+    (_meta(piece=0), "does not cut"),
+    (_meta(at=3), "does not cut"),
+    (_meta(at=1 << 20), "does not cut"),
+    (lambda m: (setattr(m, "payload", memoryview(bytes(m.payload)[:-1])), setattr(m, "shape", (m.shape[0] - 1,))),
+     "must be .* bytes of uint8"),
+    (lambda m: setattr(m, "payload", None), "bytes of uint8, got uint8"),
 ])
-def test_malformed_messages_are_refused(change: Any, message: str) -> None:
-    msg = _zvc_msg(sparse())
+def test_malformed_pieces_are_refused(change: Any, message: str) -> None:
+    msg = _piece_msg()
     change(msg)
     with pytest.raises(WireError, match=message):
         read(msg, 1 << 20)
 
 
+def test_a_raw_tensor_must_be_exactly_its_bytes() -> None:
+    msg = _piece_msg(compress=False)
+    _meta(size=3996)(msg)
+    with pytest.raises(WireError, match="3996 bytes cannot hold"):
+        read(msg, 1 << 20)
+
+
 def test_element_limit_holds_before_anything_is_allocated() -> None:
     with pytest.raises(WireError, match="over this stage's limit of 999"):
-        read(_zvc_msg(sparse()), 999)
-    raw = through_wire(build(FORWARD, 0, 0, 0, 0, 1, sparse(), "float32", 0, False))
-    with pytest.raises(WireError, match="over this stage's limit of 10"):
-        read(raw, 10)
+        read(_piece_msg(), 999)
 
 
-def test_a_corrupted_zvc_mask_is_refused() -> None:
-    msg = _zvc_msg(sparse())
+def test_pieces_twice_or_of_another_tensor_do_not_fit() -> None:
+    messages = [through_wire(m) for m in build(FORWARD, 0, 0, 0, 0, 1, sparse(), "float32", 0, False, 1024)]
+    assembly = Assembly(read(messages[0], 1 << 20))
+    assert assembly.add(read(messages[0], 1 << 20)) is None
+    assert assembly.add(read(messages[0], 1 << 20)) == "it came twice"
+    other = through_wire(build(FORWARD, 0, 0, 0, 0, 1, sparse(2000), "float32", 0, False, 1024)[1])
+    assert "otherwise than an earlier piece" in str(assembly.add(read(other, 1 << 20)))
+    assert not assembly.complete()
+
+
+def test_a_corrupted_zvc_frame_fails_when_decoded() -> None:
+    msg = _piece_msg()
     frame = bytearray(msg.payload)
     frame[zvc.HEADER_BYTES] ^= 0xFF  # the mask no longer counts the values that follow
     msg.payload = memoryview(bytes(frame))
+    assembly = Assembly(read(msg, 1 << 20))
+    assert assembly.add(read(msg, 1 << 20)) is None
     with pytest.raises(WireError):
-        read(msg, 1 << 20)
+        assembly.tensor()
+
+
+def test_a_zvc_frame_of_another_dtype_fails_when_decoded() -> None:
+    frame = zvc.encode(sparse().astype(np.float16))
+    msg = _piece_msg()
+    _meta(size=len(frame))(msg)
+    msg.payload, msg.shape = memoryview(bytes(frame)), (len(frame),)
+    assembly = Assembly(read(msg, 1 << 20))
+    assembly.add(read(msg, 1 << 20))
+    with pytest.raises(WireError, match="holds 1000 float16, its message says"):
+        assembly.tensor()
 
 
 # ---------------------------------------------------------------------------- the exchange
@@ -166,17 +235,18 @@ def test_auto_compresses_only_towards_another_host() -> None:
 
 
 def _forward(step: int, micro: int, slot: int = 0, of: int = 1, sender: int = 0, n: int = 8) -> Message:
-    return through_wire(build(FORWARD, sender, step, micro, slot, of, np.ones(n, np.float32), "float32", 1, False))
+    (msg,) = build(FORWARD, sender, step, micro, slot, of, np.ones(n, np.float32), "float32", 1, False, 1 << 20)
+    return through_wire(msg)
 
 
 @pytest.mark.parametrize(("peer", "msg", "problem"), [
     ("worker-2", _forward(0, 0), "come only from worker 0"),
     ("worker-0", _forward(0, 0, sender=2), "come only from worker 0"),
-    ("worker-0", through_wire(build(BACKWARD, 0, 0, 0, 0, 1, np.ones(2, np.float32), "float32", 0, False)),
+    ("worker-0", through_wire(build(BACKWARD, 0, 0, 0, 0, 1, np.ones(2, np.float32), "float32", 0, False, 64)[0]),
      "come only from worker 2"),
     ("worker-0", _forward(2, 0), "step 2 is neither this stage's step 0 nor the next"),
     ("worker-0", _forward(0, 4), "micro-batch 4 is beyond the step's 4"),
-    ("worker-0", Message(Kind.STAGE_FORWARD, sender=0, meta={"of": 1}), "carries a tensor"),
+    ("worker-0", Message(Kind.STAGE_FORWARD, sender=0, meta={"of": 1}), "meta must have exactly"),
     ("worker-0", Message(Kind.GROUP_DATA, sender=0), "this stage has no replicas"),
 ])
 def test_the_exchange_refuses_what_does_not_fit(peer: str, msg: Message, problem: str) -> None:
@@ -187,14 +257,15 @@ def test_the_exchange_refuses_what_does_not_fit(peer: str, msg: Message, problem
 
 
 def test_duplicates_old_steps_and_the_held_bytes_limit() -> None:
-    middle, wire = exchange(1, max_held_bytes=100)
+    middle, wire = exchange(1, max_held_bytes=2 * OVERHEAD_BYTES + 100)
     middle.begin(3, 4)
     middle.on_message("worker-0", _forward(3, 0, of=2))
     middle.on_message("worker-0", _forward(3, 0, of=2))  # the same slot again
     middle.on_message("worker-0", _forward(3, 0, slot=1, of=3))  # disagrees on the count
-    middle.on_message("worker-0", _forward(4, 0, n=32))  # the next step: kept, within the limit (32 + 128 > 100)
+    middle.on_message("worker-0", _forward(4, 0, n=32))  # the next step, but over the limit (32 + 128 > 100)
     middle.on_message("worker-0", _forward(2, 0))  # an older step
-    expected = ["came twice", "an earlier one said 2", "already holds 32 bytes (limit 100)", "step 2 is neither"]
+    full = f"already holds {OVERHEAD_BYTES + 32} bytes (limit {2 * OVERHEAD_BYTES + 100})"
+    expected = ["came twice", "an earlier one said 2", full, "step 2 is neither"]
     assert [want in got for want, got in zip(expected, wire.refused, strict=True)] == [True] * 4
     middle.on_message("worker-0", _forward(3, 0, slot=1, of=2))
     assert len(middle.receive(FORWARD, 3, 0)) == 2
@@ -239,3 +310,27 @@ def test_first_and_last_stages_refuse_what_they_cannot_do() -> None:
         first.receive(FORWARD, 0, 0)
     with pytest.raises(SluiceError, match="stage 0 has no stage to send gradients to"):
         first.send(BACKWARD, 0, 0, [], 0)
+
+
+def test_a_tensor_that_does_not_decode_fails_the_receive_at_once() -> None:
+    middle, wire = exchange(1, timeout=30)
+    middle.begin(0, 1)
+    msg = _piece_msg()
+    frame = bytearray(msg.payload)
+    frame[zvc.HEADER_BYTES] ^= 0xFF
+    msg.payload = memoryview(bytes(frame))
+    middle.on_message("worker-0", msg)
+    started = time.monotonic()
+    with pytest.raises(SluiceError, match="a tensor of it is malformed: tensor 0: "):
+        middle.receive(FORWARD, 0, 0)
+    assert time.monotonic() - started < 1 and len(wire.refused) == 1
+
+
+def test_pieces_of_one_tensor_assemble_in_any_order() -> None:
+    middle, wire = exchange(1)
+    middle.begin(0, 1)
+    array = sparse(3000)
+    for msg in reversed(build(FORWARD, 0, 0, 0, 0, 1, array, "float32", 1, True, 256)):
+        middle.on_message("worker-0", through_wire(msg))
+    (got,) = middle.receive(FORWARD, 0, 0)
+    assert np.array_equal(got.array, array) and not wire.refused

@@ -23,20 +23,28 @@ from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message, WireError
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.data import DataPlane
-from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Compression, Received, build, read
+from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Assembly, Compression, Received, build, read
 from sluice.worker.pipeline.layout import StagePlace
 
 GROUP_KINDS = frozenset((Kind.GROUP_DATA, Kind.GROUP_DONE))
 #: micro-batches a step may have before the schedule says how many (messages of a faster neighbour)
-MAX_MICRO = 1 << 16
+MAX_MICRO = 4096
+#: what a tensor being assembled costs besides its bytes, counted against max_held_bytes (so that empty
+#: tensors cannot make a stage keep objects without bound)
+OVERHEAD_BYTES = 1024
 WHAT = {FORWARD: "activations", BACKWARD: "gradients"}
 
 
 @dataclass
 class _Entry:
+    """A micro-batch's tensors in one direction: those complete, those still coming in pieces."""
+
     of: int = 0
     tensors: dict[int, Received] = field(default_factory=dict)
+    partial: dict[int, Assembly] = field(default_factory=dict)
     nbytes: int = 0
+    #: a tensor arrived whole but did not decode: the receive fails with this at once
+    error: str | None = None
 
     def complete(self) -> bool:
         return bool(self.of) and len(self.tensors) == self.of
@@ -59,13 +67,14 @@ class StageExchange:
                  collective: CollectiveConfig | None = None, max_held_bytes: int = 4 << 30,
                  max_elements: int = 1 << 31) -> None:
         """`compress`: "on", "off", or "auto" (on towards a neighbour on another host, where the network is
-        slower than encoding; off on this host, where shared memory is faster)."""
+        slower than encoding; off on this host, where shared memory is faster). Tensors travel in pieces
+        of at most `chunk_bytes` (the job's chunk: a data socket refuses larger frames)."""
         if compress not in ("on", "off", "auto"):
             raise ValueError(f"pipeline compression must be on, off or auto, got {compress!r}")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.transport, self.place, self.workers, self.timeout = transport, place, workers, timeout
-        self._channel_for = channel_for
+        self._channel_for, self._piece = channel_for, chunk_bytes
         self._max_held, self._max_elements = max_held_bytes, max_elements
         here = workers.hosts[place.rank]
         self.compression = {
@@ -109,9 +118,11 @@ class StageExchange:
         channel = self._channel_for(priority)
         for slot, (array, dtype) in enumerate(tensors):
             tried = compression.wanted(slot)
-            msg = build(kind, self.place.rank, step, micro, slot, len(tensors), array, dtype, priority, tried)
-            compression.count(slot, array.nbytes, msg, tried)
-            self.transport.send(name, channel, msg)
+            messages = build(kind, self.place.rank, step, micro, slot, len(tensors), array, dtype, priority, tried,
+                             self._piece)
+            compression.count(slot, array.nbytes, messages, tried)
+            for msg in messages:
+                self.transport.send(name, channel, msg)
 
     def receive(self, kind: Kind, step: int, micro: int) -> list[Received]:
         """The tensors of micro-batch `micro` of `step` coming in direction `kind`, in slot order; waits
@@ -126,13 +137,16 @@ class StageExchange:
                 entry = self._entries.get(key)
                 if entry is not None and entry.complete():
                     break
+                if entry is not None and entry.error is not None:
+                    raise SluiceError(f"{self._waiting(kind, step, micro, source)}: a tensor of it is malformed: "
+                                      f"{entry.error}")
                 if self._failure is not None:
                     raise SluiceError(f"{self._waiting(kind, step, micro, source)}: the job failed: {self._failure}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SluiceError(
                         f"{self._waiting(kind, step, micro, source)}: not complete after {self.timeout:g} s "
-                        f"({f'{len(entry.tensors)} of {entry.of} tensors came' if entry else 'nothing came'}); "
+                        f"({f'{len(entry.tensors)} of {entry.of} tensors came whole' if entry else 'nothing came'}); "
                         f"{self.workers.describe(self.place, source)} is slow, stuck or gone. If its step is "
                         "this slow, raise scheduler.op_timeout")
                 self._cond.wait(min(left, 1.0))
@@ -175,27 +189,41 @@ class StageExchange:
         source = self._sources.get(msg.kind)
         if source is None or peer != self.workers.names[source] or msg.sender != source:
             return f"{WHAT.get(msg.kind, msg.kind.name)} for this stage come only from worker {source}"
-        key = (msg.kind, msg.round, msg.chunk)
-        with self._cond:  # cheap checks first: a refused message costs no copy
-            problem = self._out_of_place(key, msg)
-        if problem:
-            return problem
         try:
-            tensor = read(msg, self._max_elements)
+            piece = read(msg, self._max_elements)
         except WireError as exc:
             return str(exc)
+        key = (msg.kind, msg.round, msg.chunk)
         with self._cond:
             problem = self._out_of_place(key, msg)
             if problem:
                 return problem
-            entry = self._entries.setdefault(key, _Entry(of=tensor.of))
-            if tensor.of != entry.of:
-                return f"it says the micro-batch has {tensor.of} tensors, an earlier one said {entry.of}"
-            if self._held + tensor.array.nbytes > self._max_held:
-                return f"this stage already holds {self._held} bytes (limit {self._max_held})"
-            entry.tensors[tensor.slot] = tensor
-            entry.nbytes += tensor.array.nbytes
-            self._held += tensor.array.nbytes
+            entry = self._entries.setdefault(key, _Entry(of=piece.of))
+            if piece.of != entry.of:
+                return f"it says the micro-batch has {piece.of} tensors, an earlier one said {entry.of}"
+            if piece.slot in entry.tensors:
+                return "it came twice"
+            assembly = entry.partial.get(piece.slot)
+            if assembly is None:
+                cost = piece.size + OVERHEAD_BYTES
+                if self._held + cost > self._max_held:
+                    return f"this stage already holds {self._held} bytes (limit {self._max_held})"
+                assembly = entry.partial[piece.slot] = Assembly(piece)
+                entry.nbytes += cost
+                self._held += cost
+            problem = assembly.add(piece)
+            if problem or not assembly.complete():
+                return problem
+            del entry.partial[piece.slot]
+            try:
+                entry.tensors[piece.slot] = assembly.tensor()
+            except WireError as exc:
+                entry.error = f"tensor {piece.slot}: {exc}"
+                self._cond.notify_all()
+                return str(exc)
+            grown = entry.tensors[piece.slot].array.nbytes - piece.size  # a ZVC frame decodes larger
+            entry.nbytes += grown
+            self._held += grown
             if entry.complete():
                 self._cond.notify_all()
         return None
@@ -205,7 +233,6 @@ class StageExchange:
             return f"step {msg.round} is neither this stage's step {self._step} nor the next"
         if (msg.round == self._step and msg.chunk >= self._micro) or msg.chunk >= MAX_MICRO:
             return f"micro-batch {msg.chunk} is beyond the step's {self._micro}"
-        entry = self._entries.get(key)
-        if key in self._taken or (entry is not None and msg.key in entry.tensors):
+        if key in self._taken:
             return "it came twice"
         return None

@@ -1,15 +1,18 @@
-"""Stage messages: one tensor of a micro-batch's activations (forward) or gradients (backward), raw or ZVC.
+"""Stage messages: one tensor of a micro-batch's activations (forward) or gradients (backward), in pieces.
 
     STAGE_FORWARD / STAGE_BACKWARD
         sender = the sending worker's rank, round = step, chunk = micro-batch, key = slot (the tensor's
-        place among the micro-batch's tensors), priority = the direction's; meta = {"of": tensors in
-        the micro-batch} and, when the payload is compressed, "zvc": [dtype, shape] of the tensor.
-        Raw: dtype and shape are the tensor's (the wire checks them against the payload's length).
-        ZVC: dtype "uint8", shape [frame bytes], the payload a transport/zvc.py frame.
+        place among the micro-batch's tensors), priority = the direction's; dtype "uint8", shape
+        [piece bytes], the payload one piece of the tensor's bytes, raw or a transport/zvc.py frame;
+        meta = {"of": tensors in the micro-batch, "dtype": the tensor's, "shape": its shape,
+                "zvc": whether the bytes are a ZVC frame, "size": their length, "piece": the length of
+                every piece but the last, "at": this piece's offset (a multiple of "piece")}
 
-So every message names its shape, dtype, micro-batch and step: a shape that changes between batches
-needs nothing agreed in advance, and one that does not fit is refused or reported by name, not hung
-on. `read` checks every field before it allocates; a frame must decode to exactly the shape declared.
+Pieces, because a data socket refuses a frame larger than the job's chunk (transport/zmq_guard.py);
+so every message names its tensor's shape, dtype, micro-batch and step: a shape that changes between
+batches needs nothing agreed in advance, and one that does not fit is refused or reported by name.
+`read` checks every field before anything is allocated; `Assembly` collects a tensor's pieces (each
+once, all agreeing on the tensor) and decodes it once complete, a ZVC frame to exactly its shape.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ FORWARD, BACKWARD = Kind.STAGE_FORWARD, Kind.STAGE_BACKWARD
 MAX_SLOTS = 64
 #: a ZVC encode that did not pay (the tensor was dense) skips this many of the slot's next tensors
 SKIP_AFTER_DENSE = 15
+_META = frozenset(("of", "dtype", "shape", "zvc", "size", "piece", "at"))
 
 
 @dataclass(frozen=True)
@@ -42,63 +46,112 @@ class Received:
     wire_bytes: int
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One message's part of a tensor, checked: the tensor's description and where these bytes go."""
+
+    slot: int
+    of: int
+    dtype: str
+    shape: tuple[int, ...]
+    zvc: bool
+    size: int
+    piece: int
+    at: int
+    data: memoryview
+
+    def same_tensor(self, other: Piece) -> bool:
+        return (self.of, self.dtype, self.shape, self.zvc, self.size, self.piece) == (
+            other.of, other.dtype, other.shape, other.zvc, other.size, other.piece)
+
+
 def build(kind: Kind, sender: int, step: int, micro: int, slot: int, of: int, array: np.ndarray[Any, Any],
-          dtype: str, priority: int, compress: bool) -> Message:
-    """The message carrying `array` (a tensor's wire storage); ZVC-compressed when `compress` and the
-    frame is smaller than the raw bytes, else raw."""
-    shape = tuple(int(d) for d in array.shape)
+          dtype: str, priority: int, compress: bool, piece: int) -> list[Message]:
+    """The messages carrying `array` (a tensor's wire storage) in pieces of at most `piece` bytes; its
+    bytes ZVC-encoded when `compress` and the frame is smaller than the raw bytes. No copy of raw bytes."""
+    shape = [int(d) for d in array.shape]
+    data: Any = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    encoded = False
     if compress and dtype in zvc.CODES and array.size:
         frame = zvc.encode(array, dtype)
         if len(frame) < array.nbytes:
-            return Message(kind, sender=sender, key=slot, chunk=micro, round=step, priority=priority, dtype="uint8",
-                           shape=(len(frame),), meta={"of": of, "zvc": [dtype, list(shape)]}, payload=frame)
-    return Message(kind, sender=sender, key=slot, chunk=micro, round=step, priority=priority, dtype=dtype,
-                   shape=shape, meta={"of": of}, payload=np.ascontiguousarray(array))
+            data, encoded = np.frombuffer(frame, np.uint8), True
+    size = int(data.size)
+    messages = []
+    for at in range(0, max(size, 1), piece):
+        part = data[at:at + piece]
+        messages.append(Message(kind, sender=sender, key=slot, chunk=micro, round=step, priority=priority,
+                                dtype="uint8", shape=(int(part.size),), payload=part,
+                                meta={"of": of, "dtype": dtype, "shape": shape, "zvc": encoded, "size": size,
+                                      "piece": piece, "at": at}))
+    return messages
 
 
-def read(msg: Message, max_elements: int) -> Received:
-    """The tensor in `msg` (a copy: the payload is only valid during the handler call); WireError for
-    anything out of format, or a tensor of more than `max_elements` elements."""
+def read(msg: Message, max_elements: int) -> Piece:
+    """The piece in `msg` (a view of its payload, valid during the handler call); WireError for anything
+    out of format, or a tensor of more than `max_elements` elements."""
     meta = msg.meta
-    if type(meta) is not dict or not set(meta) <= {"of", "zvc"}:
-        raise WireError(f"a stage message's meta must be a map of 'of' (and 'zvc'), got {brief(meta)}")
-    of = meta.get("of")
+    if type(meta) is not dict or set(meta) != _META:
+        raise WireError(f"a stage message's meta must have exactly {sorted(_META)}, got {brief(meta)}")
+    of, dtype, shape, encoded, size, piece, at = (meta[k] for k in ("of", "dtype", "shape", "zvc", "size", "piece",
+                                                                   "at"))
     if type(of) is not int or not 1 <= of <= MAX_SLOTS or not msg.key < of:
         raise WireError(f"slot {msg.key} of {brief(of)}: a micro-batch carries 1 to {MAX_SLOTS} tensors")
-    if msg.payload is None or not msg.dtype:
-        raise WireError("a stage message carries a tensor")
-    described = meta.get("zvc")
-    if described is None:
-        count = math.prod(msg.shape)
-        if count > max_elements:
-            raise WireError(f"a tensor of {count} elements is over this stage's limit of {max_elements}")
-        array = np.frombuffer(msg.payload, STORAGE[msg.dtype]).reshape(msg.shape).copy()
-        return Received(msg.key, of, msg.dtype, array, array.nbytes)
-    dtype, shape = _described(described)
-    if msg.dtype != "uint8" or len(msg.shape) != 1:
-        raise WireError(f"a ZVC frame travels as 1-D uint8, got {msg.dtype} of shape {msg.shape}")
+    if type(encoded) is not bool or type(dtype) is not str or dtype not in (zvc.CODES if encoded else DTYPES):
+        raise WireError(f"dtype {brief(dtype)} (zvc {brief(encoded)}) is not one a stage message carries")
+    if type(shape) is not list or len(shape) > MAX_DIMS or any(type(d) is not int or not 0 <= d < 1 << 40
+                                                              for d in shape):
+        raise WireError(f"shape must be a list of at most {MAX_DIMS} sizes, got {brief(shape)}")
     count = math.prod(shape)
     if count > max_elements:
         raise WireError(f"a tensor of {count} elements is over this stage's limit of {max_elements}")
-    header = zvc.read_header(msg.payload, count)
-    if header.dtype != dtype or header.n != count:
-        raise WireError(f"the ZVC frame holds {header.n} {header.dtype}, its message says {shape} of {dtype}")
-    array = zvc.decode(msg.payload, count).reshape(shape)
-    return Received(msg.key, of, dtype, array, msg.shape[0])
+    raw = count * DTYPES[dtype]
+    if type(size) is not int or not (zvc.HEADER_BYTES <= size <= zvc.HEADER_BYTES + raw if encoded else size == raw):
+        raise WireError(f"{brief(size)} bytes cannot hold {shape} of {dtype}{' as a ZVC frame' if encoded else ''}")
+    if type(piece) is not int or type(at) is not int or piece < 1 or at < 0 or at % piece or at >= max(size, 1):
+        raise WireError(f"piece {brief(piece)} at {brief(at)} does not cut {size} bytes")
+    if msg.payload is None or msg.dtype != "uint8" or msg.shape != (min(piece, size - at),):
+        raise WireError(f"a piece at {at} of {size} bytes in pieces of {piece} must be {min(piece, size - at)} "
+                        f"bytes of uint8, got {msg.dtype or 'nothing'} of shape {msg.shape}")
+    return Piece(msg.key, of, dtype, tuple(shape), encoded, size, piece, at, memoryview(msg.payload).cast("B"))
 
 
-def _described(value: Any) -> tuple[str, tuple[int, ...]]:
-    if type(value) is not list or len(value) != 2:
-        raise WireError(f"'zvc' must be [dtype, shape], got {brief(value)}")
-    dtype, shape = value
-    if type(dtype) is not str or dtype not in zvc.CODES:
-        raise WireError(f"'zvc' dtype {brief(dtype)} is not one ZVC encodes")
-    if type(shape) is not list or len(shape) > MAX_DIMS or any(type(d) is not int or not 0 <= d < 1 << 40
-                                                              for d in shape):
-        raise WireError(f"'zvc' shape must be a list of at most {MAX_DIMS} sizes, got {brief(shape)}")
-    if DTYPES[dtype] * math.prod(shape) >= 1 << 40:
-        raise WireError(f"'zvc' shape {shape} of {dtype} is too large")
-    return dtype, tuple(shape)
+class Assembly:
+    """One tensor's pieces as they come (in any order); `add` says why a piece does not fit, or None."""
+
+    def __init__(self, first: Piece) -> None:
+        self.spec = first
+        self.buffer = np.empty(first.size, np.uint8)
+        self._missing = set(range(0, max(first.size, 1), first.piece))
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.size
+
+    def complete(self) -> bool:
+        return not self._missing
+
+    def add(self, piece: Piece) -> str | None:
+        if not piece.same_tensor(self.spec):
+            return "it describes its tensor otherwise than an earlier piece did"
+        if piece.at not in self._missing:
+            return "it came twice"
+        self._missing.discard(piece.at)
+        self.buffer[piece.at:piece.at + len(piece.data)] = np.frombuffer(piece.data, np.uint8)
+        return None
+
+    def tensor(self) -> Received:
+        """The decoded tensor (WireError for a ZVC frame that is not what it says)."""
+        spec = self.spec
+        if not spec.zvc:
+            array = self.buffer.view(STORAGE[spec.dtype]).reshape(spec.shape)
+            return Received(spec.slot, spec.of, spec.dtype, array, spec.size)
+        count = math.prod(spec.shape)
+        header = zvc.read_header(self.buffer, count)
+        if header.dtype != spec.dtype or header.n != count:
+            raise WireError(f"the ZVC frame holds {header.n} {header.dtype}, its message says {list(spec.shape)} "
+                            f"of {spec.dtype}")
+        return Received(spec.slot, spec.of, spec.dtype, zvc.decode(self.buffer, count).reshape(spec.shape), spec.size)
 
 
 class Compression:
@@ -119,8 +172,8 @@ class Compression:
             return False
         return True
 
-    def count(self, slot: int, raw: int, msg: Message, tried: bool) -> None:
-        sent = msg.nbytes
+    def count(self, slot: int, raw: int, messages: list[Message], tried: bool) -> None:
+        sent = sum(m.nbytes for m in messages)
         self.raw_bytes += raw
         self.sent_bytes += sent
         if tried and sent >= raw:  # dense: encoding costs time and saves nothing, so try again later

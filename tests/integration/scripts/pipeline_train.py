@@ -24,12 +24,12 @@ from sluice.worker.torch.pipelining import PipelineStage, Schedule1F1B, Schedule
 WIDTH, CLASSES, INPUTS = 32, 10, 16
 
 
-def make_model(layers: int = 4) -> nn.Sequential:
+def make_model(layers: int = 4, width: int = WIDTH) -> nn.Sequential:
     torch.manual_seed(0)
-    blocks: list[nn.Module] = [nn.Linear(INPUTS, WIDTH), nn.ReLU()]
+    blocks: list[nn.Module] = [nn.Linear(INPUTS, width), nn.ReLU()]
     for _ in range(layers - 2):
-        blocks += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    blocks.append(nn.Linear(WIDTH, CLASSES))
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    blocks.append(nn.Linear(width, CLASSES))
     return nn.Sequential(*blocks)
 
 
@@ -53,14 +53,16 @@ def main() -> int:
     parser.add_argument("--bad-stage", type=int, default=-1, help="this stage expects inputs one wider than it gets")
     parser.add_argument("--stall-stage", type=int, default=-1, help="this stage stops answering at --stall-at")
     parser.add_argument("--stall-at", type=int, default=2)
+    parser.add_argument("--width", type=int, default=WIDTH, help="the hidden layers' width")
+    parser.add_argument("--layers", type=int, default=4, help="Linear layers (2: one hidden layer)")
     parser.add_argument("--eval-steps", type=int, default=0, help="forward-only steps after training")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
-    parts = split_model(make_model(), args.stages)
+    parts = split_model(make_model(args.layers, args.width), args.stages)
     index = hvd.rank() % args.stages
     if index == args.bad_stage:
-        parts[index] = nn.Sequential(nn.Linear(WIDTH + 1, WIDTH), *parts[index])
+        parts[index] = nn.Sequential(nn.Linear(args.width + 1, args.width), *parts[index])
     stage = PipelineStage(parts[index], None, args.stages, compress=args.compress,
                           offload=args.offload, offload_min_bytes=0)
     kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe

@@ -90,6 +90,7 @@ class PipelineSchedule:
             self._average_replicas()
         else:
             stage.settle_forward_only(step)
+        stage.end()
         self.steps += 1
         if not stage.is_last:
             return None

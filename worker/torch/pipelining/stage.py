@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from sluice.worker.staging import DTYPES, Staging, tensor_of, wire_dtype
 from sluice.worker.torch.offload import OffloadStats, offloaded
 from sluice.worker.torch.state import require
 
+log = logging.getLogger("sluice.worker")
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 #: gradients go backward more urgently than activations go forward: a backward frees memory and, in
 #: 1F1B, the stage before waits on it; the replicas' gradient averaging comes last
@@ -74,6 +76,11 @@ class PipelineStage:
             lambda priority: client.settings.channel_for(priority, REPLICA_PRIORITY + 1),
             compress=compress, chunk_bytes=client.settings.chunk_limit, collective=client.collective_settings)
         client.attach_pipeline(self.exchange.on_message, self.exchange.fail)
+        client.on_close(self.close)
+        self._next_step = 0
+        self._closed = False
+        #: a step began and has not ended (it raised, or is still running)
+        self._in_step = False
         self._held: dict[int, _Held] = {}
         #: the most micro-batches whose activations this stage held at once, in the last step
         self.peak_held = 0
@@ -155,6 +162,10 @@ class PipelineStage:
             self.exchange.send(BACKWARD, step, micro, [_wire(x.grad if x.grad is not None else torch.zeros_like(x))
                                                        for x in floats], GRADIENT_PRIORITY)
 
+    def end(self) -> None:
+        """The step ended well (the schedule calls it last)."""
+        self._in_step = False
+
     def settle_forward_only(self, step: int) -> None:
         """End a step of forwards alone (eval): each stage waits for the stage after it to be done, then
         says so to the one before (an empty gradient message). Without it the first stage, which waits
@@ -165,7 +176,31 @@ class PipelineStage:
         if not self.is_first:
             self.exchange.send(BACKWARD, step, 0, [(np.zeros(0, np.float32), "float32")], GRADIENT_PRIORITY)
 
+    def close(self) -> None:
+        """Leave only once the stage before has everything this one sent it: a process that exits right
+        after queueing its last gradients would lose them on a slow link. Every stage runs one more,
+        empty step: it sends an empty activation on, then waits for the one from the stage before, which
+        that stage sends only when it has finished (consumed every gradient from here). The client calls
+        it as it closes; a missing neighbour is logged after the deadline, not raised, at exit. After a step
+        that failed here, it does not wait: the job is ending, and the stage before may wait on this one."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._in_step:
+            return
+        step = self._next_step
+        self.exchange.begin(step, 1)
+        try:
+            if not self.is_last:
+                self.exchange.send(FORWARD, step, 0, [(np.zeros(0, np.float32), "float32")], ACTIVATION_PRIORITY)
+            if not self.is_first:
+                self.exchange.receive(FORWARD, step, 0)
+        except SluiceError as exc:
+            log.warning("%s: closing without the stage before's last word: %s", self.describe(), exc)
+
     def begin(self, step: int, micro_batches: int) -> None:
+        self._next_step = step + 1
+        self._in_step = True
         self._held.clear()
         self.peak_held = 0
         self.offload_stats = []
