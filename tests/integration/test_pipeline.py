@@ -46,10 +46,10 @@ def run(workers: int, *args: str, settings: tuple[str, ...] = (), fails: bool = 
     return output, sorted(results, key=lambda r: r["rank"])
 
 
-def reference_model(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) -> torch.nn.Module:
+def reference_model(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1, width: int = 32) -> torch.nn.Module:
     """The same model trained by one process on the whole batch of each step."""
     torch.set_num_threads(1)
-    model = job.make_model()
+    model = job.make_model(width=width)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         x, y = job.batch(step, batch * (2 if 0 <= grow_at <= step else 1))
@@ -59,8 +59,8 @@ def reference_model(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) 
     return model
 
 
-def reference(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1) -> list[np.ndarray]:
-    return [p.detach().reshape(-1).numpy() for p in reference_model(steps, batch, lr, grow_at).parameters()]
+def reference(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1, width: int = 32) -> list[np.ndarray]:
+    return [p.detach().reshape(-1).numpy() for p in reference_model(steps, batch, lr, grow_at, width).parameters()]
 
 
 def check_matches(results: list[dict[str, Any]], stages: int, want: list[np.ndarray]) -> None:
@@ -111,6 +111,16 @@ def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, ki
 def test_a_batch_shape_that_changes_between_steps_needs_nothing_agreed() -> None:
     _, results = run(2, "--stages", "2", "--micro", "4", "--compress", "on", "--grow-at", "4", "--steps", "8")
     check_matches(results, 2, reference(8, 16, grow_at=4))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compress", ["on", "off"])
+def test_activations_larger_than_a_chunk_travel_in_pieces(compress: str) -> None:
+    """2 MiB activations per micro-batch (8192 samples x 64), twice the job's 1 MiB chunk: a data socket
+    refuses a larger frame, so each tensor goes in pieces."""
+    _, results = run(2, "--stages", "2", "--micro", "1", "--width", "64", "--batch", "8192", "--steps", "3",
+                     "--compress", compress)
+    check_matches(results, 2, reference(3, 8192, width=64))
 
 
 @pytest.mark.timeout(120)
