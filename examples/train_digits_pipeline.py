@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
+from train_digits import load_data, make_model  # the same model and data as the data-parallel example
 
 import sluice.torch as hvd
 from sluice.worker.torch.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, split_model
@@ -36,28 +36,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_model() -> torch.nn.Sequential:
-    torch.manual_seed(0)  # every worker builds the same model, then keeps its stage
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10),
-    )
-
-
-def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    test, train = order[:360], order[360:]
-    return images[train], labels[train], images[test], labels[test]
-
-
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1)
     hvd.init()
+    torch.manual_seed(0)  # every worker builds the same model, then keeps its stage
     parts = split_model(make_model(), args.stages)  # cut where the parameter bytes balance
     stage = PipelineStage(parts[hvd.rank() % args.stages], None, args.stages, compress=args.compress,
                           offload=args.offload)
