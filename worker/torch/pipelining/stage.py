@@ -186,6 +186,12 @@ class PipelineStage:
         if self._closed:
             return
         self._closed = True
+        for direction, compression in zip(("activations", "gradients"), self.exchange.compression.values(),
+                                          strict=True):
+            if compression.enabled and compression.sent_bytes:
+                log.info("%s sent its %s ZVC-compressed at a ratio of %.2f (%.1f MiB raw, %.1f MiB sent)",
+                         self.describe(), direction, compression.ratio, compression.raw_bytes / (1 << 20),
+                         compression.sent_bytes / (1 << 20))
         if self._in_step:
             return
         step = self._next_step
