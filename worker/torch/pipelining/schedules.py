@@ -2,10 +2,10 @@
 
 Each stage runs its own order of forwards and backwards (scheduler/pipeline_schedule.py); stages meet
 only through the activations and gradients they send each other, so no clock is shared and a slow
-stage delays only those that wait on it. With several replicas, the stage then averages its gradients
-with theirs (ring allreduce over the replicas' own data plane). The call mirrors
+stage delays only those that wait on it. The call mirrors
 torch.distributed.pipelining: `step(x)` on the first stage, `step(target=y, losses=losses)` on the
-last, `step()` in between; then the user's optimizer steps the stage's own parameters.
+last, `step()` in between; then the user's optimizer steps the stage's own parameters. With replicas,
+the stage's gradients are averaged in buckets while its last backward runs (replicas.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from sluice.scheduler.errors import SluiceError
 from sluice.scheduler.pipeline_schedule import Action, schedule
-from sluice.worker.staging import Staging, wire_dtype
+from sluice.worker.torch.pipelining.replicas import ReplicaAverager
 from sluice.worker.torch.pipelining.stage import REPLICA_PRIORITY, PipelineStage
 
 
@@ -46,7 +45,10 @@ class PipelineSchedule:
         self.stage, self.micro, self.loss_fn, self.scale_grads = stage, n_microbatches, loss_fn, scale_grads
         self.order = schedule(self.name, stage.num_stages, n_microbatches)[stage.stage_index]
         self.steps = 0
-        self._group_seq = 0
+        group = stage.exchange.group
+        #: with replicas, each stage averages its gradients with theirs while its last backward runs
+        self.replicas = None if group is None else ReplicaAverager(group, list(stage.submod.parameters()),
+                                                                  REPLICA_PRIORITY)
 
     def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None) -> Any:
         """One training step's forwards and backwards (gradients accumulate in the stage's parameters, as
@@ -72,7 +74,7 @@ class PipelineSchedule:
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         micro_losses: dict[int, torch.Tensor] = {}
         order = self.order if train else [Action("F", m) for m in range(micro)]
-        for action in order:
+        for index, action in enumerate(order):
             m = action.micro
             if action.kind == "F":
                 out = stage.forward_one(step, m, inputs[m] if inputs else (), keep=train)
@@ -85,9 +87,11 @@ class PipelineSchedule:
                 loss = micro_losses.get(m)
                 if loss is not None and self.scale_grads:
                     loss = loss / micro
+                if self.replicas is not None and index == len(order) - 1:
+                    self.replicas.arm()  # the last backward: its gradients are final
                 stage.backward_one(step, m, loss)
-        if train:
-            self._average_replicas()
+        if train and self.replicas is not None:
+            self.replicas.finish()
         else:
             stage.settle_forward_only(step)
         stage.end()
@@ -98,32 +102,6 @@ class PipelineSchedule:
             losses.extend(micro_losses[m].detach() for m in range(micro))
         merged = [torch.cat([outputs[m][i].detach() for m in range(micro)]) for i in range(len(outputs[0]))]
         return merged[0] if len(merged) == 1 else tuple(merged)
-
-    def _average_replicas(self) -> None:
-        """Average every parameter's gradient over the stage's replicas (one allreduce per dtype)."""
-        group = self.stage.exchange.group
-        if group is None:
-            return
-        params = [p for p in self.stage.submod.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # a parameter this replica did not use: it adds zeros, as DDP does
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for members in by_dtype.values():
-            flat = torch.cat([p.grad.detach().reshape(-1).to("cpu") for p in members])  # type: ignore[union-attr]
-            array: np.ndarray[Any, Any] = Staging(flat).array()
-            handle = group.allreduce(self._group_seq, array, wire_dtype(flat), "average", REPLICA_PRIORITY)
-            self._group_seq += 1
-            handle.wait()
-            offset = 0
-            with torch.no_grad():
-                for p in members:
-                    grad = p.grad
-                    assert grad is not None
-                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
 
 
 class ScheduleGPipe(PipelineSchedule):
