@@ -334,3 +334,12 @@ def test_pieces_of_one_tensor_assemble_in_any_order() -> None:
         middle.on_message("worker-0", through_wire(msg))
     (got,) = middle.receive(FORWARD, 0, 0)
     assert np.array_equal(got.array, array) and not wire.refused
+
+
+def test_a_timed_out_wait_says_what_was_refused_from_the_stage_it_waits_for() -> None:
+    middle, _ = exchange(1, timeout=0.2)
+    middle.begin(0, 1)
+    middle.on_message("worker-0", _forward(0, 3))
+    with pytest.raises(SluiceError, match=r"\(nothing came; 1 of its messages were refused, the last as: micro-batch 3 "
+                                          r"is beyond the step's 1\); stage 0 \(worker 0 on h0\) is slow"):
+        middle.receive(FORWARD, 0, 0)

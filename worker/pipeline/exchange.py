@@ -89,6 +89,8 @@ class StageExchange:
         self._held = 0
         self._step, self._micro = 0, MAX_MICRO
         self._failure: str | None = None
+        #: messages refused, and the last reason, per sending peer: a wait that times out says so
+        self._refused: dict[str, tuple[int, str]] = {}
         #: the replicas of this stage average its gradients over their own data plane
         self.group: DataPlane | None = None
         if place.replicas > 1:
@@ -144,11 +146,13 @@ class StageExchange:
                     raise SluiceError(f"{self._waiting(kind, step, micro, source)}: the job failed: {self._failure}")
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    count, reason = self._refused.get(self.workers.names[source], (0, ""))
+                    refused = f"; {count} of its messages were refused, the last as: {reason}" if count else ""
                     raise SluiceError(
                         f"{self._waiting(kind, step, micro, source)}: not complete after {self.timeout:g} s "
-                        f"({f'{len(entry.tensors)} of {entry.of} tensors came whole' if entry else 'nothing came'}); "
-                        f"{self.workers.describe(self.place, source)} is slow, stuck or gone. If its step is "
-                        "this slow, raise scheduler.op_timeout")
+                        f"({f'{len(entry.tensors)} of {entry.of} tensors came whole' if entry else 'nothing came'}"
+                        f"{refused}); {self.workers.describe(self.place, source)} is slow, stuck or gone. If its "
+                        "step is this slow, raise scheduler.op_timeout")
                 self._cond.wait(min(left, 1.0))
             del self._entries[key]
             self._taken.add(key)
@@ -182,6 +186,8 @@ class StageExchange:
         except Exception as exc:  # a bug here must not end the I/O thread
             problem = f"handling it failed ({type(exc).__name__}: {exc})"
         if problem:
+            with self._cond:
+                self._refused[peer] = (self._refused.get(peer, (0, ""))[0] + 1, problem)
             self.transport.refuse(peer, f"stage {self.place.stage} dropped {msg.kind.name} of step {msg.round} "
                                         f"micro-batch {msg.chunk} slot {msg.key} from {peer!r:.60}: {problem}")
 

@@ -90,10 +90,10 @@ class PipelineSchedule:
                 if self.replicas is not None and index == len(order) - 1:
                     self.replicas.arm()  # the last backward: its gradients are final
                 stage.backward_one(step, m, loss)
-        if train and self.replicas is not None:
-            self.replicas.finish()
-        else:
+        if not train:
             stage.settle_forward_only(step)
+        elif self.replicas is not None:
+            self.replicas.finish()
         stage.end()
         self.steps += 1
         if not stage.is_last:
