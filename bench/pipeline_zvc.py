@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     peer: list[float] = []
     ratios: list[float] = []
     with tempfile.TemporaryDirectory() as keys, \
-            ssh_bed(Path(keys), 2, rates=[args.rate_mbit, args.rate_mbit]) as bed:
+            ssh_bed(Path(keys), 2, rates=[args.rate_mbit, args.rate_mbit], tos_bands=True) as bed:
         for pair in range(args.repeats):
             for compress in (("on", "off") if pair % 2 == 0 else ("off", "on")):
                 rate, ratio = run_job(bed, args, compress)

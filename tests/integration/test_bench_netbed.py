@@ -189,3 +189,14 @@ def test_replan_quick_switches_trees_after_an_uplink_is_cut_with_every_sum_exact
     (rec,) = _check_records(out, 1)
     assert rec["peer_name"] == "fresh plan" and rec["periods_to_new_plan"] > 0, rec
     assert "throttle to new trees in force" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(bool(ssh_unavailable()), reason=ssh_unavailable() or "sshd is available")
+def test_pipeline_zvc_quick_compares_compression_on_and_off_between_hosts(tmp_path: Path) -> None:
+    out = tmp_path / "pipeline_zvc.json"
+    result = run_script(["bench/pipeline_zvc.py", "--quick", "--json", str(out)], timeout=110)
+    (rec,) = _check_records(out, 1)
+    assert rec["compression_ratio"] > 1.5, rec  # ReLU activations: about half zeros
+    assert str(rec["case"]) in result.stdout
