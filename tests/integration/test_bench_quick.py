@@ -16,7 +16,7 @@ from tests.bench_runs import run_script
 @pytest.mark.parametrize("script", ["bench/push_pull.py", "bench/train_throughput.py", "bench/transport_rate.py",
                                     "bench/allreduce.py", "bench/coordinator.py", "bench/fusion.py",
                                     "bench/plan_quality.py", "bench/timeline_cost.py", "bench/recovery.py",
-                                    "bench/zvc.py", "bench/offload.py",
+                                    "bench/zvc.py", "bench/offload.py", "bench/pipeline.py",
                                     pytest.param("bench/train_throughput.py --framework keras --workers 2 --servers 1",
                                                  marks=pytest.mark.skipif(importlib.util.find_spec("keras") is None,
                                                                           reason="needs the tensorflow extra"))])

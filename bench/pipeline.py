@@ -1,0 +1,271 @@
+"""Sluice's pipeline schedules (GPipe, 1F1B): idle time against the bubble bound, samples/s against torch's.
+
+Sluice's pipeline parallelism (sluice.worker.torch.pipelining under `sluice launch -w P -s 0`) for P
+stages and M micro-batches a step, by GPipe and 1F1B; every process runs bench/pipeline_job.py with
+one torch thread.
+
+  idle     stages of fixed compute: each stage's forward takes COMPUTE_MS and its backward as long.
+           They sleep rather than compute, so that P processes sharing two cores measure the schedule,
+           not the cores. Per stage and timed step: idle = 1 - busy / wall, busy the seconds its
+           forwards and backwards took, wall its step's seconds (in the steady state every stage's
+           step lasts the pipeline's period); each stage's median over IDLE_STEPS steps after WARMUP.
+           ours = the worst stage's median, against (P-1)/(M+P-1); met within 3 points. The bound
+           assumes nothing but compute; what each of a step's 2(M+P-1) slots costs beyond it (Python,
+           passing the result on, waking up) is overhead_ms_per_slot, and raises idle by about
+           (1 - bound) o / (T + o) for o ms of it on T ms stages. torch's idle on the same stages is
+           recorded too (torch_idle, torch_overhead_ms_per_slot).
+  samples  an MLP of LAYERS Linear(WIDTH, WIDTH)+ReLU blocks (the last to 10 classes), split evenly,
+           BATCH samples a step, SGD: samples/s against torch.distributed.pipelining's ScheduleGPipe /
+           Schedule1F1B over gloo on 127.0.0.1, the same stages, batches and schedule. Each side times
+           REPEATS repetitions of STEPS steps (between barriers, on the first stage) after WARMUP;
+           the sides alternate, ROUNDS launches each. The first step's loss must agree within 1e-5,
+           so both compute the same thing. met at a speedup of 1.2. cpu_ms_per_step: the CPU time
+           of all processes' threads a step (the libraries' own threads included).
+
+torch's Schedule1F1B refuses M < P; there (1F1B's order then being GPipe's on all but the last
+stage) torch runs ScheduleGPipe, and the record says so (peer_schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/pipeline.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, Stats, add_common_options, free_port, print_table, progress, record, stats, write_json
+from sluice.scheduler.pipeline_schedule import bubble
+
+JOB = ROOT / "bench" / "pipeline_job.py"
+TORCH = "torch.distributed.pipelining (gloo)"
+BOUND = "bubble bound (P-1)/(M+P-1)"
+TARGET_POINTS = 0.03
+TARGET_SPEEDUP = 1.2
+LOSS_TOLERANCE = 1e-5
+#: torch's Schedule1F1B refuses fewer micro-batches than stages; then 1F1B's order is GPipe's on all
+#: but the last stage, and torch's ScheduleGPipe stands in for it
+GPIPE_INSTEAD = " ScheduleGPipe (its Schedule1F1B needs M >= P)"
+RESULT = re.compile(r"PIPELINE_BENCH (\{.*\})$", re.M)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], metavar="P",
+                        help="pipeline stages, one process each (default: %(default)s)")
+    parser.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8], metavar="M",
+                        help="micro-batches per step (default: %(default)s)")
+    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["1f1b", "gpipe"],
+                        help="schedules to measure (default: %(default)s)")
+    parser.add_argument("--parts", nargs="+", choices=["idle", "samples"], default=["idle", "samples"],
+                        help="idle: fixed-compute stages against the bubble bound; samples: samples/s of an MLP "
+                             "against torch's (default: %(default)s)")
+    parser.add_argument("--compute-ms", type=float, default=50.0,
+                        help="idle: each stage's forward ms, and its backward's (default: %(default)s)")
+    parser.add_argument("--idle-steps", type=int, default=10, help="idle: timed steps (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=512, help="samples: MLP width (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="samples: MLP blocks, a multiple of every P (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=128, help="samples: samples per step (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="samples: steps per timed repetition (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="samples: launches of each side per case, alternating (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="give up on one launch after this long (default: %(default)s)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="samples: cProfile each process's timed steps into DIR/SIDE-case.rankN.prof")
+    add_common_options(parser, "P=2, M=2, 1F1B, 10 ms stages, 3 steps, 1 warm-up, 1 repeat", repeats=5)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.stages, args.micro, args.schedules, args.compute_ms = [2], [2], ["1f1b"], 10.0
+        args.idle_steps, args.steps, args.warmup, args.repeats, args.rounds = 3, 3, 1, 1, 1
+    if min(args.stages) < 2 or min(args.micro) < 1:
+        parser.error("a pipeline needs at least 2 stages and 1 micro-batch")
+    if min(args.idle_steps, args.steps, args.repeats, args.rounds, args.batch, args.warmup + 1) < 1:
+        parser.error("steps, repeats, rounds and batch must be positive, warmup not negative")
+    if any(args.layers % p for p in args.stages) or max(args.micro) > args.batch:
+        parser.error("--layers must be a multiple of every P, and --batch at least every M")
+    return args
+
+
+# ---------------------------------------------------------------------------- launching the two sides
+def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> str:
+    """Run the commands at once, each in its own process group; their output, or RuntimeError naming
+    the first that failed (with its last lines; the others are killed at once rather than left to
+    wait for it) or saying they ran past `timeout`."""
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        processes = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True) for (argv, env), out in zip(commands, files, strict=True)]
+        deadline = time.monotonic() + timeout
+        killed = set()
+        try:
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in processes]  # every one polled: a failure ends the wait at once
+                if all(code == 0 for code in codes) or any(codes):
+                    break
+                time.sleep(0.05)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    killed.add(process.pid)
+        outputs = []
+        for out in files:
+            out.seek(0)
+            outputs.append(out.read())
+    failed = next((i for i, p in enumerate(processes) if p.returncode and p.pid not in killed), None)
+    if failed is not None:
+        raise RuntimeError(f"{' '.join(commands[failed][0])} exited {processes[failed].returncode}:\n"
+                           f"{outputs[failed][-3000:]}")
+    if killed:
+        raise RuntimeError(f"{' '.join(commands[0][0][:6])} ... ran past {timeout:.0f} s: raise --timeout if the "
+                           f"machine is this slow. Its output:\n{outputs[0][-3000:]}")
+    return "\n".join(outputs)
+
+
+def peer_schedule(stages: int, micro: int, schedule: str) -> str:
+    return "gpipe" if schedule == "1f1b" and micro < stages else schedule
+
+
+def launch(side: str, stages: int, micro: int, schedule: str, args: argparse.Namespace,
+           *job: str) -> list[dict[str, Any]]:
+    """One run of the pipeline on `side`: each process's PIPELINE_BENCH record, by stage."""
+    argv = [sys.executable, str(JOB), "--side", side, "--stages", str(stages), "--micro", str(micro),
+            "--schedule", schedule, "--warmup", str(args.warmup), *job]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if side == "sluice":
+        commands = [([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(stages), "-s", "0", "--", *argv],
+                     env)]
+    else:
+        port = str(free_port())
+        commands = [(argv, {**env, "RANK": str(rank), "WORLD_SIZE": str(stages), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}) for rank in range(stages)]
+    output = run_processes(commands, args.timeout)
+    found = sorted((json.loads(m.group(1)) for m in RESULT.finditer(output)), key=lambda r: int(r["stage"]))
+    if [r["stage"] for r in found] != list(range(stages)):
+        raise RuntimeError(f"{side}: expected a result from each of {stages} stages, got:\n{output[-3000:]}")
+    return found
+
+
+# ---------------------------------------------------------------------------- the two parts
+def idle_of(found: list[dict[str, Any]], stages: int, micro: int) -> tuple[Stats, list[float], float]:
+    """The worst stage's idle fraction (median, and its min and max over steps), every stage's median,
+    and the ms by which a step outlasts the schedule's ideal, per slot (2(M+P-1) slots a step): the
+    overhead of each forward or backward beyond the compute, and of passing its result on."""
+    per_stage = [[1 - busy / wall for busy, wall in zip(r["busy"], r["wall"], strict=True)] for r in found]
+    medians = [statistics.median(values) for values in per_stage]
+    index = medians.index(max(medians))
+    worst = per_stage[index]
+    wall, busy = statistics.median(found[index]["wall"]), statistics.median(found[index]["busy"])
+    excess = (wall - busy / (1 - bubble(stages, micro))) / (2 * (micro + stages - 1)) * 1e3
+    return Stats(max(medians), min(worst), max(worst)), medians, excess
+
+
+def idle_case(stages: int, micro: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+    job = ["--model", "sleep", "--compute-ms", str(args.compute_ms), "--steps", str(args.idle_steps),
+           "--batch", str(max(16, micro))]
+    bound = bubble(stages, micro)
+    ours, stage_idle, excess = idle_of(launch("sluice", stages, micro, schedule, args, *job), stages, micro)
+    found = launch("torch", stages, micro, peer_schedule(stages, micro, schedule), args, *job)
+    theirs, torch_stage_idle, torch_excess = idle_of(found, stages, micro)
+    case = f"idle-P{stages}-M{micro}-{schedule}"
+    progress(f"  {case:<22} sluice {ours.median:.3f}  torch {theirs.median:.3f}  bound {bound:.3f}  (overhead per "
+             f"slot: sluice {excess:.2f} ms, torch {torch_excess:.2f} ms)")
+    return record(case, ours, Stats(bound, bound, bound), BOUND, "fraction", "lower", stages=stages, micro=micro,
+                  schedule=schedule, compute_ms=args.compute_ms, steps=args.idle_steps, warmup=args.warmup,
+                  measure="worst stage's median", stage_idle=stage_idle, mean_idle=statistics.mean(stage_idle),
+                  points_over_bound=(ours.median - bound) * 100, met=abs(ours.median - bound) <= TARGET_POINTS,
+                  overhead_ms_per_slot=excess, torch_idle=theirs.median, torch_stage_idle=torch_stage_idle,
+                  torch_overhead_ms_per_slot=torch_excess, torch_schedule=peer_schedule(stages, micro, schedule))
+
+
+def samples_case(stages: int, micro: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+    case = f"samples-P{stages}-M{micro}-{schedule}"
+    rates: dict[str, list[float]] = {"sluice": [], "torch": []}
+    losses: dict[str, list[list[float]]] = {"sluice": [], "torch": []}
+    cpu: dict[str, list[float]] = {"sluice": [], "torch": []}  # ms of CPU a step, all processes together
+    for round_ in range(args.rounds):
+        for side in ("sluice", "torch") if round_ % 2 == 0 else ("torch", "sluice"):  # alternating: drift hits both
+            job = ["--model", "mlp", "--width", str(args.width), "--layers", str(args.layers), "--batch",
+                   str(args.batch), "--steps", str(args.steps), "--repeats", str(args.repeats)]
+            if args.profile:
+                job += ["--profile", str(Path(args.profile) / f"{side}-{case}")]
+            kind = schedule if side == "sluice" else peer_schedule(stages, micro, schedule)
+            found = launch(side, stages, micro, kind, args, *job)
+            rates[side] += [args.steps * args.batch / s for s in found[0]["seconds"]]
+            losses[side].append(found[-1]["losses"])
+            cpu[side].append(sum(r["cpu"] for r in found) / (args.steps * args.repeats) * 1e3)
+            progress(f"  {case:<22} {side:<6} {statistics.median(rates[side][-args.repeats:]):8.0f} samples/s, "
+                     f"{cpu[side][-1]:.1f} CPU ms a step, first loss {found[-1]['losses'][0]:.6f}")
+    first_diff = max(abs(a[0] - b[0]) for a in losses["sluice"] for b in losses["torch"])
+    last_diff = max(abs(a[1] - b[1]) for a in losses["sluice"] for b in losses["torch"])
+    if first_diff > LOSS_TOLERANCE:
+        progress(f"  WARNING {case}: the first step's losses differ by {first_diff:.3g}: the sides compute "
+                 "different things, so the comparison is not fair")
+    ours, peer = stats(rates["sluice"]), stats(rates["torch"])
+    same = first_diff <= LOSS_TOLERANCE
+    theirs = peer_schedule(stages, micro, schedule)
+    return record(case, ours, peer, TORCH + (GPIPE_INSTEAD if theirs != schedule else ""), "samples/s", "higher",
+                  stages=stages, micro=micro, schedule=schedule, peer_schedule=theirs,
+                  width=args.width, layers=args.layers, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                  repeats=args.repeats, rounds=args.rounds, first_loss=losses["sluice"][0][0],
+                  first_loss_diff=first_diff, last_loss_diff=last_diff, same_loss=same,
+                  cpu_ms_per_step=statistics.median(cpu["sluice"]),
+                  peer_cpu_ms_per_step=statistics.median(cpu["torch"]),
+                  met=same and ours.median / peer.median >= TARGET_SPEEDUP)
+
+
+def row(rec: dict[str, Any]) -> list[str]:
+    if rec["unit"] == "fraction":
+        overhead = f"{rec['overhead_ms_per_slot']:.2f} / {rec['torch_overhead_ms_per_slot']:.2f}"
+        return [rec["case"], f"{rec['ours']:.3f} [{rec['ours_min']:.3f}..{rec['ours_max']:.3f}]", f"{rec['peer']:.3f}",
+                f"{rec['torch_idle']:.3f}", overhead, "", f"{rec['points_over_bound']:+.1f} pts",
+                "met" if rec["met"] else "MISSED"]
+    return [rec["case"], f"{rec['ours']:.0f} [{rec['ours_min']:.0f}..{rec['ours_max']:.0f}]",
+            f"{rec['peer']:.0f} [{rec['peer_min']:.0f}..{rec['peer_max']:.0f}]", "", "",
+            f"{rec['cpu_ms_per_step']:.1f} / {rec['peer_cpu_ms_per_step']:.1f}", f"{rec['speedup']:.2f}x",
+            "met" if rec["met"] else "MISSED"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    cases = [(p, m, s) for p in args.stages for m in args.micro for s in args.schedules]
+    progress(f"pipeline: P {args.stages}, M {args.micro}, {', '.join(args.schedules)}; parts {', '.join(args.parts)}")
+    started = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    if "idle" in args.parts:
+        progress(f"idle fraction, stages of {args.compute_ms:g} ms forward + {args.compute_ms:g} ms backward, "
+                 f"median of {args.idle_steps} steps after {args.warmup}:")
+        records += [idle_case(p, m, s, args) for p, m, s in cases]
+    if "samples" in args.parts:
+        progress(f"samples/s, MLP {args.layers} x {args.width}, batch {args.batch}, {args.repeats} x {args.steps} "
+                 f"steps after {args.warmup}, {args.rounds} round(s):")
+        records += [samples_case(p, m, s, args) for p, m, s in cases]
+    progress(f"\nidle: the worst stage's, against {BOUND} (target within {TARGET_POINTS * 100:.0f} points); "
+             f"samples/s: median [min..max] of repeats, against {TORCH} (target {TARGET_SPEEDUP}x); "
+             f"overhead and CPU: sluice / torch; {time.perf_counter() - started:.0f} s in all")
+    print_table(["case", "sluice", "peer", "torch idle", "overhead ms/slot", "CPU ms/step", "vs peer", "target"],
+                [row(rec) for rec in records])
+    write_json(args.json, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
