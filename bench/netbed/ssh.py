@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.netbed import Netbed, NetbedUnavailable, check_available
+from bench.netbed import PREFIX, Netbed, NetbedUnavailable, check_available
 
 ROOT = Path(__file__).resolve().parents[2]
 SSHD = "/usr/sbin/sshd"
@@ -123,17 +123,18 @@ def _keygen(path: Path) -> str:
 
 @contextlib.contextmanager
 def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
-            rates: Sequence[float | None] = (), tos_bands: bool = False) -> Iterator[SshBed]:
+            rates: Sequence[float | None] = (), tos_bands: bool = False, second: bool = False) -> Iterator[SshBed]:
     """A testbed with a `launcher` host and `ssh_hosts` hosts h1, h2, ... running sshd (host hI's link
     shaped to rates[I-1] Mbit/s where given, with the kernel's ToS bands under the shaper if
-    `tos_bands`); `extra_hosts` are more namespaces without sshd."""
+    `tos_bands`); `extra_hosts` are more namespaces without sshd. `second`: another bed of this
+    process is up (its namespaces get other names)."""
     if reason := unavailable():
         raise NetbedUnavailable(reason)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     keys.mkdir(parents=True, exist_ok=True)
     host_public = _keygen(keys / "host_key")
     (keys / "authorized_keys").write_text(_keygen(keys / "user_key") + "\n")
-    with Netbed() as netbed:
+    with (Netbed(tag=f"{PREFIX}{os.getpid()}-2") if second else Netbed()) as netbed:
         bed = SshBed(netbed, keys)
         try:
             netbed.host("launcher")

@@ -260,7 +260,7 @@ def test_ssh_pipeline_on_a_slow_link_delivers_the_last_gradients_before_leaving(
     transport flushes: the stage stays until the stage before confirms it has them (PipelineStage.close).
     One hidden layer 8192 wide: big activations, little compute."""
     try:
-        with ssh_bed(tmp_path / "keys", 2, rates=[16.0, 16.0]) as slow:
+        with ssh_bed(tmp_path / "keys", 2, rates=[16.0, 16.0], second=True) as slow:
             h1, h2 = slow.hosts["h1"], slow.hosts["h2"]
             done = slow.launch(["-H", f"{h1}:1,{h2}:1", "-s", "0", "--", sys.executable,
                                 "tests/integration/scripts/pipeline_train.py", "--stages", "2", "--steps", "1",
