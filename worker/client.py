@@ -124,8 +124,8 @@ class Client:
             self.start_trace(str(part_path(timeline.path, "worker", self.rank)))
         self.size = self.env.workers
         assert self.collectives is not None
-        self.collectives.connect([p.endpoints for p in self._workers()])
-        servers = sorted((p for p in self.control.peers if p.role == "server"), key=lambda p: p.rank)
+        self.collectives.connect([p.endpoints for p in self._by_rank("worker")])
+        servers = self._by_rank("server")
         self._server_names: list[str] = [p.name for p in servers]
         self._server_ids: set[int] = {p.node_id for p in servers}
         #: who may answer a push: the servers, and the aggregators of the trees
@@ -147,8 +147,11 @@ class Client:
 
     def hosts(self, role: str) -> list[str]:
         """The host of each node of `role` ("worker" or "server"), by rank."""
-        nodes = sorted((p for p in self.control.peers if p.role == role), key=lambda p: p.rank)
-        return [endpoint_host(p.endpoints) for p in nodes]
+        return [endpoint_host(p.endpoints) for p in self._by_rank(role)]
+
+    def names(self, role: str) -> list[str]:
+        """The transport name of each node of `role`, by rank."""
+        return [p.name for p in self._by_rank(role)]
 
     def _start_collectives(self) -> None:
         """On the I/O thread, as the address book arrives and before any later message is handled: a
@@ -156,7 +159,7 @@ class Client:
         aggregators = [p for p in self.control.peers if p.role == "aggregator"]  # ROUTES may come next
         self._reply_ids |= {p.node_id for p in aggregators}
         self._aggregator_endpoints.update((p.name, p.endpoints) for p in aggregators)
-        workers = self._workers()
+        workers = self._by_rank("worker")
         names = [p.name for p in workers]
         hosts = [endpoint_host(p.endpoints) for p in workers]
         levels = self.settings.channels
@@ -168,8 +171,8 @@ class Client:
         self._before_welcome.attach(engine.on_message)
         self.collectives = engine
 
-    def _workers(self) -> list[PeerInfo]:
-        return sorted((p for p in self.control.peers if p.role == "worker"), key=lambda p: p.rank)
+    def _by_rank(self, role: str) -> list[PeerInfo]:
+        return sorted((p for p in self.control.peers if p.role == role), key=lambda p: p.rank)
 
     def _calibrate(self) -> None:
         timeout = min(self.control_settings.op_timeout, 60.0)
@@ -508,13 +511,6 @@ class Client:
         self._before_stage.attach(receiver)
         if self._failure is not None:
             on_failure(self._failure)
-
-    def worker_name(self, rank: int) -> str:
-        """The transport name of worker `rank`."""
-        return self._workers()[rank].name
-
-    def worker_host(self, rank: int) -> str:
-        return endpoint_host(self._workers()[rank].endpoints)
 
     def _on_fatal(self, error: str) -> None:
         self._failure = error

@@ -23,6 +23,8 @@ TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 #: gradients go backward more urgently than activations go forward: a backward frees memory and, in
 #: 1F1B, the stage before waits on it; the replicas' gradient averaging comes last
 GRADIENT_PRIORITY, ACTIVATION_PRIORITY, REPLICA_PRIORITY = 0, 1, 2
+#: what an eval step's acknowledgement and a closing stage's last word carry: nothing
+_EMPTY = [(np.zeros(0, np.float32), "float32")]
 
 
 @dataclass
@@ -69,8 +71,7 @@ class PipelineStage:
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in submodule.parameters()), torch.device("cpu"))
         self.offload, self.offload_min_bytes = offload, offload_min_bytes
-        workers = Neighbours([client.worker_name(r) for r in range(client.size)],
-                             [client.worker_host(r) for r in range(client.size)])
+        workers = Neighbours(client.names("worker"), client.hosts("worker"))
         self.exchange = StageExchange(
             client.transport, self.place, workers, timeout or client.control_settings.op_timeout,
             lambda priority: client.settings.channel_for(priority, REPLICA_PRIORITY + 1),
@@ -174,7 +175,7 @@ class PipelineStage:
         if not self.is_last:
             self.exchange.receive(BACKWARD, step, 0)
         if not self.is_first:
-            self.exchange.send(BACKWARD, step, 0, [(np.zeros(0, np.float32), "float32")], GRADIENT_PRIORITY)
+            self.exchange.send(BACKWARD, step, 0, _EMPTY, GRADIENT_PRIORITY)
 
     def close(self) -> None:
         """Leave only once the stage before has everything this one sent it: a process that exits right
@@ -198,7 +199,7 @@ class PipelineStage:
         self.exchange.begin(step, 1)
         try:
             if not self.is_last:
-                self.exchange.send(FORWARD, step, 0, [(np.zeros(0, np.float32), "float32")], ACTIVATION_PRIORITY)
+                self.exchange.send(FORWARD, step, 0, _EMPTY, ACTIVATION_PRIORITY)
             if not self.is_first:
                 self.exchange.receive(FORWARD, step, 0)
         except SluiceError as exc:
