@@ -1,17 +1,25 @@
-"""Offload of saved activations with ZVC (worker/torch/offload.py): activation memory and step time, on a CPU.
+"""Offload of saved activations (worker/torch/offload.py): activation memory and step time, on a CPU or a GPU.
 
-A ReLU CNN (conv-relu-conv-relu-pool twice, 32 then 64 channels, then a linear layer) on BATCH random
-SIZExSIZE images. Memory: the bytes autograd saves for backward that are not parameters, counted once per
-tensor by a counting-only pass of the same hooks (the peer), against the most bytes the offload hooks
-held at once (ours). Step time: forward + backward with the hooks against without, the median of REPEATS
-timings of LOOPS steps each, the two alternating. Records: `memory_saved` = 1 - ours/peer memory and
-`step_cost` = ours/peer step time - 1. Targets (issue 11): memory_saved >= 0.5 at step_cost <= 0.15.
-On a CPU the offload is the compression itself: encode and decode run on the cores the model uses.
+A ReLU CNN (conv-relu-conv-relu-pool twice, WIDTH then 2 x WIDTH channels, then a linear layer) on BATCH
+random SIZExSIZE images. Step time: forward + backward with the hooks against without, the median of
+REPEATS timings of LOOPS steps each, the two alternating. Records: `memory_saved` = 1 - ours/peer memory
+and `step_cost` = ours/peer step time - 1. Targets (issue 11): memory_saved >= 0.5 at step_cost <= 0.15.
+
+On a CPU (`--device cpu`) the offload is ZVC compression in place, on the cores the model uses. Memory:
+the bytes autograd saves for backward that are not parameters, counted once per tensor by a counting-only
+pass of the same hooks (the peer), against the most bytes the offload hooks held at once (ours).
+On a GPU (`--device cuda`) activations go to pinned host memory on a side stream during forward and come
+back on another ahead of backward (ZVC of the host copies with `--compress`). Memory: the GPU memory held
+for backward once forward has ended, with against without (what a pipeline stage holds for each micro-batch
+in flight); field `gpu` adds the peaks during forward and the whole step, and each phase's milliseconds.
+`copy_ms` is what copying the offloaded bytes one way alone takes at the measured pinned bandwidth: where
+it exceeds the forward's compute, the link, not the overlap, sets the step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -24,19 +32,25 @@ import torch
 from torch import nn
 
 from bench.common import add_common_options, print_table, progress, record, stats, write_json
-from sluice.worker.torch.offload import OffloadStats, offloaded
+from sluice.worker.torch.offload import COPIES_AHEAD, OffloadStats, offloaded
 
 TARGET_MEMORY_SAVED = 0.5
 TARGET_STEP_COST = 0.15
 MIB = float(1 << 20)
 
 
-def relu_cnn(size: int) -> nn.Module:
+#: per device: (batch, size, width) when not given; on a GPU, wide layers at a small size, so that compute
+#: per activation byte is high enough for the copies to hide behind it
+DEFAULTS = {"cpu": (32, 64, 32), "cuda": (64, 32, 256)}
+
+
+def relu_cnn(size: int, width: int = 32) -> nn.Module:
     torch.manual_seed(0)
+    wide = 2 * width
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * (size // 4) ** 2, 10))
+        nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Conv2d(width, wide, 3, padding=1), nn.ReLU(), nn.Conv2d(wide, wide, 3, padding=1),
+        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(wide * (size // 4) ** 2, 10))
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hooks: Any) -> OffloadStats | None:
@@ -52,65 +66,157 @@ def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hooks: Any) -> Offl
     return held
 
 
-def check_exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor, prefetch: int) -> None:
-    step(model, x, y, None)
-    plain = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    step(model, x, y, offloaded(prefetch=prefetch))
-    ours = [p.grad for p in model.parameters() if p.grad is not None]
+def check_exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hooks: Any) -> None:
+    deterministic = torch.backends.cudnn.deterministic  # the same algorithms both times, for the bits to match
+    torch.backends.cudnn.deterministic = True
+    try:
+        step(model, x, y, None)
+        plain = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        step(model, x, y, hooks())
+        ours = [p.grad for p in model.parameters() if p.grad is not None]
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
     if len(plain) != len(ours) or not all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True)):
         raise SystemExit("gradients with offload differ from those without: the round trip is not exact")
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_memory(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hooks: Any) -> dict[str, float]:
+    """GPU MiB above what was allocated before the step (the model, its input): `held` once forward has
+    ended (what waits for backward: in a pipeline, for each micro-batch in flight), `forward_peak` and
+    `step_peak` (with the gradients); and the forward's and backward's milliseconds."""
+    model.zero_grad(set_to_none=True)
+    sync(x.device)
+    base = torch.cuda.memory_allocated(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    started = time.perf_counter()
+    with hooks if hooks is not None else contextlib.nullcontext():
+        loss = nn.functional.cross_entropy(model(x), y)
+    sync(x.device)
+    forward_ms = (time.perf_counter() - started) * 1e3
+    forward = torch.cuda.max_memory_allocated(x.device) - base
+    torch.cuda.empty_cache()  # frees the blocks whose copies have ended, which the allocator frees lazily
+    held = torch.cuda.memory_allocated(x.device) - base
+    started = time.perf_counter()
+    loss.backward()  # type: ignore[no-untyped-call]
+    sync(x.device)
+    return {"held": held / MIB, "forward_peak": forward / MIB,
+            "step_peak": (torch.cuda.max_memory_allocated(x.device) - base) / MIB, "forward_ms": forward_ms,
+            "backward_ms": (time.perf_counter() - started) * 1e3}
+
+
+def pinned_copy_ms(nbytes: int, device: torch.device) -> float:
+    """Milliseconds to copy `nbytes` from the GPU to pinned host memory, measured on 256 MiB (median of 5)."""
+    size = 256 << 20
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(5):
+        sync(device)
+        started = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return nbytes / (size / stats(times).median) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32, help="images per step (default: %(default)s)")
-    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default: %(default)s)")
-    parser.add_argument("--loops", type=int, default=3, help="steps timed together (default: %(default)s)")
-    parser.add_argument("--prefetch", type=int, default=0,
-                        help="saved tensors decoded ahead in the background (default: %(default)s)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs "
+                        "(default: %(default)s)")
+    parser.add_argument("--batch", type=int, help="images per step (default: 32 on a CPU, 64 on a GPU)")
+    parser.add_argument("--size", type=int, help="image side in pixels (default: 64 on a CPU, 32 on a GPU)")
+    parser.add_argument("--width", type=int, help="channels of the first block; the second has twice as many "
+                        "(default: 32 on a CPU, 256 on a GPU)")
+    parser.add_argument("--loops", type=int, help="steps timed together (default: 3 on a CPU, 10 on a GPU)")
+    parser.add_argument("--prefetch", type=int, help="offloaded tensors brought back ahead of backward's use "
+                        "(default: the library's, 2 on a GPU, none on a CPU)")
+    parser.add_argument("--copies-ahead", type=int, default=COPIES_AHEAD, help="GPU: copies to the host that "
+                        "forward may run ahead of (default: %(default)s)")
+    parser.add_argument("--keep-last", type=int, default=0, help="GPU: the last saved tensors that also stay "
+                        "on the GPU, for the backward that follows at once (default: %(default)s)")
+    parser.add_argument("--compress", action=argparse.BooleanOptionalAction, help="ZVC-encode what is "
+                        "offloaded (default: on a CPU, where it is the offload, not on a GPU)")
     add_common_options(parser, "batch 4 of 32x32 images, one repetition of 1 step", repeats=5)
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here; run on a machine with one, or use --device cpu")
+    batch, size, width = DEFAULTS[device.type]
+    args.batch, args.size, args.width = args.batch or batch, args.size or size, args.width or width
+    args.loops = args.loops or (10 if device.type == "cuda" else 3)
+    args.compress = device.type == "cpu" if args.compress is None else args.compress
     if args.quick:
-        args.batch, args.size, args.repeats, args.loops = 4, 32, 1, 1
-    model = relu_cnn(args.size)
+        args.batch, args.size, args.width, args.repeats, args.loops = 4, 32, min(args.width, 32), 1, 1
+    model = relu_cnn(args.size, args.width).to(device)
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=generator)
-    y = torch.randint(0, 10, (args.batch,), generator=generator)
-    progress(f"ReLU CNN, batch {args.batch} of {args.size}x{args.size}, torch on {torch.get_num_threads()} threads: "
-             "checking the gradients are exact ...")
-    check_exact(model, x, y, args.prefetch)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=generator).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=generator).to(device)
+
+    def hooks() -> Any:
+        return offloaded(compress=args.compress, prefetch=args.prefetch, copies_ahead=args.copies_ahead,
+                         keep_last=args.keep_last)
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    progress(f"ReLU CNN {args.width}/{2 * args.width} channels, batch {args.batch} of {args.size}x{args.size}, "
+             f"on {where}: checking the gradients are exact ...")
+    check_exact(model, x, y, hooks)
     counted = step(model, x, y, offloaded(min_bytes=1 << 62))  # keeps every tensor: only counts
-    held = step(model, x, y, offloaded(prefetch=args.prefetch))
+    held = step(model, x, y, hooks())
     assert counted is not None and held is not None
     progress(f"{args.repeats} x {args.loops} steps with and without offload ...")
     times: dict[str, list[float]] = {"none": [], "offload": []}
     for _ in range(args.repeats):
         for name in ("none", "offload"):  # alternating, so drifts hit both alike
+            sync(device)
             started = time.perf_counter()
             for _ in range(args.loops):
-                step(model, x, y, None if name == "none" else offloaded(prefetch=args.prefetch))
+                step(model, x, y, None if name == "none" else hooks())
+            sync(device)
             times[name].append((time.perf_counter() - started) / args.loops * 1e3)
     ours, peer = stats(times["offload"]), stats(times["none"])
-    memory_saved = 1 - held.peak_bytes / counted.peak_bytes
+    gpu: dict[str, dict[str, float]] = {}
+    if device.type == "cuda":
+        for name in ("none", "offload"):
+            runs = [gpu_memory(model, x, y, hooks() if name == "offload" else None) for _ in range(args.repeats)]
+            gpu[name] = {key: stats([run[key] for run in runs]).median for key in runs[0]}
+        memory = stats([gpu["offload"]["held"]]), stats([gpu["none"]["held"]])
+        memory_name, kind = "no offload (GPU memory held for backward when forward ends)", "gpu"
+    else:
+        memory = stats([held.peak_bytes / MIB]), stats([counted.peak_bytes / MIB])
+        memory_name, kind = "saved tensors kept (counted)", "zvc"
+    memory_saved = 1 - memory[0].median / memory[1].median
     step_cost = ours.median / peer.median - 1
     common = {"memory_saved": memory_saved, "step_cost": step_cost, "target_memory_saved": TARGET_MEMORY_SAVED,
               "target_step_cost": TARGET_STEP_COST, "met": memory_saved >= TARGET_MEMORY_SAVED
-              and step_cost <= TARGET_STEP_COST, "batch": args.batch, "size": args.size,
-              "threads": torch.get_num_threads(), "prefetch": args.prefetch, "repeats": args.repeats,
+              and step_cost <= TARGET_STEP_COST, "device": where, "batch": args.batch, "size": args.size,
+              "width": args.width, "compress": args.compress, "threads": torch.get_num_threads(),
+              "prefetch": args.prefetch, "prefetched": held.prefetched, "repeats": args.repeats,
               "loops": args.loops, "raw_bytes": held.raw_bytes, "stored_bytes": held.stored_bytes,
-              "zvc_ratio": held.ratio, "packed": held.packed, "kept": held.kept}
-    case = f"offload-zvc-cnn-b{args.batch}-s{args.size}"
+              "zvc_ratio": held.ratio, "packed": held.packed, "kept": held.kept,
+              "copy_ms": pinned_copy_ms(held.raw_bytes, device) if device.type == "cuda" else None,
+              "gpu": gpu or None, "copies_ahead": args.copies_ahead,
+              "keep_last": args.keep_last}
+    case = f"offload-{kind}-cnn-w{args.width}-b{args.batch}-s{args.size}"
     records = [
         record(f"{case}-step", ours, peer, "no offload", "ms", "lower", **common),
-        record(f"{case}-memory", stats([held.peak_bytes / MIB]), stats([counted.peak_bytes / MIB]),
-               "saved tensors kept (counted)", "MiB", "lower", **common),
+        record(f"{case}-memory", memory[0], memory[1], memory_name, "MiB", "lower", **common),
     ]
     print_table(["case", "ours", "peer", "ratio", "memory_saved", "step_cost", "zvc ratio", "target"],
                 [[rec["case"], f"{rec['ours']:.2f} {rec['unit']}", f"{rec['peer']:.2f} {rec['unit']}",
                   f"{rec['ratio']:.3f}", f"{memory_saved:.3f}", f"{step_cost:+.3f}", f"{held.ratio:.3f}",
                   "met" if common["met"] else "MISSED"] for rec in records])
+    copy = "".join(f"\n  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in values.items())
+                   for name, values in gpu.items())
+    if gpu:
+        copy = f"; copying them one way alone takes {common['copy_ms']:.1f} ms; GPU MiB and ms:{copy}"
     print(f"step ms: offload {ours.brief(1)}, none {peer.brief(1)}; activations {counted.peak_bytes / MIB:.1f} MiB "
-          f"-> {held.peak_bytes / MIB:.1f} MiB held ({held.packed} offloaded, {held.kept} kept)", flush=True)
+          f"-> {held.peak_bytes / MIB:.1f} MiB held on the host ({held.packed} offloaded, {held.kept} kept, "
+          f"{held.prefetched} brought back ahead){copy}", flush=True)
     write_json(args.json, records)
     return 0
 

@@ -42,6 +42,8 @@ def test_gradients_are_bit_identical_and_activations_shrink(options: dict[str, A
     else:
         assert stats.stored_bytes == stats.raw_bytes
     assert stats.held_bytes == 0 and stats.peak_bytes > 0  # the graph is gone, and so is what it saved
+    # on a CPU nothing is decoded ahead unless asked: the decode thread competes with the model for cores
+    assert (stats.prefetched > 0) == ("prefetch" in options and options.get("compress", True))
 
 
 def test_parameters_are_never_packed() -> None:
@@ -117,15 +119,61 @@ def test_bad_options_are_refused() -> None:
         pass
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@CUDA
 @pytest.mark.parametrize("compress", [True, False])
-def test_cuda_gradients_are_bit_identical(compress: bool) -> None:
+@pytest.mark.parametrize("prefetch", [None, 0, 5])
+def test_cuda_gradients_are_bit_identical(compress: bool, prefetch: int | None) -> None:
     model, x = cnn().cuda(), torch.randn(8, 3, 32, 32, device="cuda")
     torch.backends.cudnn.deterministic = True
     plain, _ = gradients(model, x, contextlib.nullcontext)
-    ours, stats = gradients(model, x, lambda: offloaded(compress=compress))
+    ours, stats = gradients(model, x, lambda: offloaded(compress=compress, min_bytes=0, prefetch=prefetch))
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
     assert stats.packed >= 5
+    # by default (None) two GPU tensors come back ahead of each one backward unpacks: all but the first
+    assert (stats.prefetched >= stats.packed - 2) if prefetch != 0 else stats.prefetched == 0, stats
     if compress:
         assert stats.stored_bytes < 0.75 * stats.raw_bytes, stats
+
+
+@CUDA
+def test_cuda_offload_moves_activations_off_the_gpu() -> None:
+    """Peak GPU memory above the model's during a step: the activations leave the GPU during forward (the
+    host keeps at most a few copies in flight, so their memory is reused) and come back a couple at a time
+    in backward."""
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(16):
+        layers += [nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()]
+    model, x = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), *layers).cuda(), torch.randn(32, 3, 64, 64, device="cuda")
+
+    def peak(block: Callable[[], Any]) -> int:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        gradients(model, x, block)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    plain, ours = peak(contextlib.nullcontext), peak(lambda: offloaded(compress=False))
+    assert ours < 0.4 * plain, (ours, plain)
+
+
+@CUDA
+def test_cuda_keep_last_leaves_the_last_tensors_on_the_gpu() -> None:
+    model, x = cnn().cuda(), torch.randn(8, 3, 32, 32, device="cuda")
+    torch.backends.cudnn.deterministic = True
+    plain, _ = gradients(model, x, contextlib.nullcontext)
+    offloader = Offloader(compress=False, min_bytes=0, keep_last=2)
+    with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+        loss = model(x).square().sum()
+    offloader.finish()
+    on_gpu = [saved for ref in offloader._order if (saved := ref()) is not None and saved.tensor is not None
+              and saved.tensor.is_cuda and saved.host is None]
+    assert len(on_gpu) >= 2  # the last two offloaded, besides any small tensor kept
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters(), strict=True))

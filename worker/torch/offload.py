@@ -1,17 +1,20 @@
-"""Offload of autograd's saved activations: ZVC-compressed in host memory until backward unpacks them.
+"""Offload of autograd's saved activations: ZVC-compressed in host memory, fetched back ahead of backward.
 
     with offloaded(compress=True) as stats:
         loss = model(x).sum()
-    loss.backward()          # each saved activation is decoded (and copied back to its GPU) on use
+    loss.backward()          # saved activations come back (decoded, copied to their GPU) ahead of use
     print(stats.ratio, stats.peak_bytes)
 
 Every tensor autograd saves for backward passes through `pack`: parameters (leaves that require grad,
 and views of them) stay where they are, as do tensors under `min_bytes`, non-contiguous ones and dtypes
 ZVC has no code for. The rest are activations: on a CPU they are ZVC-encoded (lossless, so gradients are
 bit-identical) and the tensor is released; on a GPU they are copied to a pinned host buffer on a side
-stream (an event marks the copy's end) and, with `compress`, encoded once the copy has landed. A tensor
-saved twice (a ReLU's output is saved by the ReLU and by the pooling after it) is stored once and decoded
-once. Integer tensors are narrowed to the smallest dtype that holds their values first (max-pool indices).
+stream (an event marks the copy's end; the host stays at most `copies_ahead` copies ahead, or the GPU
+memory would not be reused) and, with `compress`, encoded once the copy has landed. When backward unpacks
+a GPU tensor, the copies back of the next `prefetch` ones it will need (those saved just before it) start
+on a second side stream once the GPU has reached that point, so that backward finds them on the GPU. A
+tensor saved twice (a ReLU's output is saved by the ReLU and by the pooling after it) is stored once and
+decoded once. Integer tensors are narrowed to the smallest dtype that holds their values first (max-pool indices).
 Autograd's check that a saved tensor was not modified in place does not see through the hooks.
 """
 
@@ -19,26 +22,26 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from sluice.transport import zvc
+from sluice.worker.torch.tensor_zvc import CODECS, decode_tensor, encode_tensor
 
-#: ZVC's name for each dtype it takes, and the dtype whose bits numpy can hold (bfloat16 as int16)
-_CODECS: dict[torch.dtype, tuple[str, torch.dtype]] = {
-    torch.float32: ("float32", torch.float32), torch.float16: ("float16", torch.float16),
-    torch.float64: ("float64", torch.float64), torch.bfloat16: ("bfloat16", torch.int16),
-    torch.int64: ("int64", torch.int64), torch.int32: ("int32", torch.int32),
-    torch.int16: ("int16", torch.int16), torch.int8: ("int8", torch.int8), torch.uint8: ("uint8", torch.uint8),
-}
 #: one decoding thread for every offloader: prefetch is about overlapping with backward, not parallel decodes
 _EXECUTOR: ThreadPoolExecutor | None = None
+#: GPU tensors whose copy back starts ahead of their use by default: enough to hide one copy behind the
+#: backward of the layer before, little GPU memory held ahead
+CUDA_PREFETCH = 2
+#: copies of GPU tensors to the host that forward may run ahead of (each holds its tensor's GPU memory)
+COPIES_AHEAD = 2
+#: how far back from the tensor unpacked the prefetch looks for offloaded ones (kept tensors are skipped)
+_SCAN = 8
 _EXECUTOR_LOCK = threading.Lock()
 
 
@@ -96,56 +99,27 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
     return bool(base.is_leaf and base.requires_grad)
 
 
-def _narrowest(host: torch.Tensor) -> torch.dtype:
-    """The smallest integer dtype that holds every value of an int64/int32 tensor (max-pool indices fit int16:
-    4x smaller before ZVC, and ZVC cannot shrink them itself: they are rarely zero); others keep theirs."""
-    if host.dtype not in (torch.int64, torch.int32) or not host.numel():
-        return host.dtype
-    low, high = (int(v) for v in torch.aminmax(host))
-    for narrow in (torch.int8, torch.int16):
-        info = torch.iinfo(narrow)
-        if info.min <= low and high <= info.max:
-            return narrow
-    return torch.int32
-
-
-def _encode(host: torch.Tensor, saved: _Saved) -> bytearray:
-    """`host` as a ZVC frame of its narrowest lossless dtype, which `saved` records for the decode."""
-    saved.stored = _narrowest(host)
-    name, view = _CODECS[saved.stored]
-    array = host.detach().to(saved.stored).view(view).numpy()
-    return zvc.encode(array.view(np.uint16) if name == "bfloat16" else array, dtype=name)
-
-
-def _decode(frame: bytearray, shape: torch.Size, stored: torch.dtype, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """The tensor of `shape` and `dtype` in `frame`, whose elements are `stored` (narrowed integers)."""
-    if pin:  # into pinned memory, so the copy back to the GPU can be asynchronous
-        out = torch.empty(shape, dtype=stored, pin_memory=True)
-        array = out.view(_CODECS[stored][1]).numpy().reshape(-1)
-        zvc.decode_into(frame, array.view(np.uint16) if stored == torch.bfloat16 else array)
-    else:  # decode's fresh calloc'd array skips the zero fill decode_into needs (a fifth of the decode time)
-        flat = zvc.decode(frame, shape.numel())
-        out = torch.from_numpy(flat.view(np.int16) if stored == torch.bfloat16 else flat)
-        out = out.view(stored).view(shape)
-    if stored == dtype:
-        return out
-    return torch.empty(shape, dtype=dtype, pin_memory=pin).copy_(out)  # widen narrowed integers
-
-
 class Offloader:
     """The pack and unpack hooks of one `offloaded` block and their bookkeeping (see the module's doc)."""
 
-    def __init__(self, compress: bool = True, min_bytes: int = 1 << 16, prefetch: int = 0) -> None:
-        if min_bytes < 0 or prefetch < 0:
-            raise ValueError(f"min_bytes and prefetch must be >= 0, got {min_bytes} and {prefetch}")
+    def __init__(self, compress: bool = True, min_bytes: int = 1 << 16, prefetch: int | None = None,
+                 copies_ahead: int = COPIES_AHEAD, keep_last: int = 0) -> None:
+        if min_bytes < 0 or (prefetch is not None and prefetch < 0) or copies_ahead < 1 or keep_last < 0:
+            raise ValueError(f"min_bytes, prefetch and keep_last must be >= 0 and copies_ahead >= 1, got "
+                             f"{min_bytes}, {prefetch}, {keep_last} and {copies_ahead}")
         self.compress, self.min_bytes, self.prefetch_depth = compress, min_bytes, prefetch
+        self.copies_ahead, self.keep_last = copies_ahead, keep_last
+        self._recent: deque[tuple[_Saved, torch.Tensor]] = deque()  # the last GPU tensors, while the block runs
         self.stats = OffloadStats()
         #: id of each tensor packed -> (the tensor, its entry), both weakly: a tensor saved twice is stored once
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[_Saved]]] = {}
         self._order: list[weakref.ref[_Saved]] = []
-        self._futures: dict[int, Future[torch.Tensor]] = {}
+        self._futures: dict[int, Future[torch.Tensor]] = {}  # index -> its decode on the background thread
+        self._fetched: dict[int, tuple[torch.Tensor, Any]] = {}  # index -> (on its GPU, event of the copy back)
+        self._fetch_stream: Any = None
         self._pending: list[_Saved] = []  # host copies still to compress (CUDA)
         self._stream: Any = None
+        self._copies: deque[Any] = deque()  # events of the copies to the host not yet waited for
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if _is_parameter(tensor):
@@ -156,18 +130,22 @@ class Offloader:
             return earlier
         saved = _Saved(tensor, len(self._order))
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.min_bytes or tensor.dtype not in _CODECS or not tensor.is_contiguous() \
+        if nbytes < self.min_bytes or tensor.dtype not in CODECS or not tensor.is_contiguous() \
                 or tensor.device.type not in ("cpu", "cuda"):
             saved.tensor, saved.cell[0] = tensor, nbytes
             self.stats.kept += 1
         elif tensor.device.type == "cpu":
-            saved.frame = _encode(tensor, saved) if self.compress else None
+            if self.compress:
+                saved.frame, saved.stored = encode_tensor(tensor)
             saved.tensor = None if self.compress else tensor
             saved.cell[0] = len(saved.frame) if saved.frame is not None else nbytes
             self._count(nbytes, saved.cell[0])
         else:
             self._to_host(tensor, saved)
             self._count(nbytes, nbytes)
+            self._recent.append((saved, tensor))
+            while len(self._recent) > self.keep_last:
+                self._recent.popleft()
         self.stats._hold(saved.cell[0])
         weakref.finalize(saved, self.stats._release, saved.cell)
         key = id(tensor)
@@ -200,6 +178,12 @@ class Offloader:
         saved.cell[0] = tensor.numel() * tensor.element_size()
         if self.compress:
             self._pending.append(saved)
+        # The allocator reuses a tensor's memory once its copy has ended as seen from the host; a host that
+        # ran ahead of the copies would allocate anew for every layer and save no GPU memory at all. So the
+        # host waits for the copy `copies_ahead` before this one: the forward stays that many copies ahead.
+        self._copies.append(saved.event)
+        while len(self._copies) > self.copies_ahead:
+            self._copies.popleft().synchronize()
 
     def _compress_landed(self, wait: bool) -> None:
         """Encode the host copies whose transfer has finished (all of them, waiting, when `wait`)."""
@@ -210,7 +194,7 @@ class Offloader:
                     still.append(saved)
                 continue
             saved.event.synchronize()
-            saved.frame, saved.host = _encode(saved.host, saved), None
+            (saved.frame, saved.stored), saved.host = encode_tensor(saved.host), None
             stored = len(saved.frame)
             self.stats.stored_bytes += stored - saved.cell[0]
             self.stats.held_bytes += stored - saved.cell[0]
@@ -218,7 +202,12 @@ class Offloader:
         self._pending = still
 
     def finish(self) -> None:
-        """Compress every host copy still pending (called when the block ends)."""
+        """Keep the last `keep_last` GPU tensors where they are and compress every host copy still pending
+        (called when the block ends)."""
+        for saved, tensor in self._recent:  # backward, if it follows at once, needs them first
+            saved.tensor, saved.host, saved.frame = tensor, None, None
+        self._recent.clear()
+        self._pending = [saved for saved in self._pending if saved.tensor is None]
         self._compress_landed(wait=True)
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -226,25 +215,56 @@ class Offloader:
             return saved  # type: ignore[no-any-return]  # a parameter, returned as packed
         if saved.tensor is not None:
             return saved.tensor
-        if saved.decoded is not None:  # a tensor saved twice is decoded once, for both unpacks
-            host, saved.left = saved.decoded, saved.left - 1
+        if saved.decoded is not None:  # a tensor saved twice comes back once, for both unpacks
+            tensor, saved.left = saved.decoded, saved.left - 1
             if not saved.left:
                 saved.decoded = None
-        else:
-            future = self._futures.pop(saved.index, None)
-            host = future.result() if future is not None else self._host(saved)
-            self._prefetch_before(saved.index)
-            if saved.users > 1 and saved.frame is not None:
-                saved.decoded, saved.left = host, saved.users - 1
-        if saved.device.type == "cuda":
-            return host.to(saved.device, non_blocking=True)
-        return host
+            return tensor
+        tensor = self._take(saved)
+        self._prefetch_before(saved)
+        if saved.users > 1:
+            saved.decoded, saved.left = tensor, saved.users - 1
+        return tensor
 
-    def _host(self, saved: _Saved) -> torch.Tensor:
-        """The tensor on the host, decoded from its frame (into pinned memory when it goes back to a GPU)."""
+    def _take(self, saved: _Saved) -> torch.Tensor:
+        """The tensor back where it was saved: fetched (or decoded) ahead, else now."""
+        if saved.device.type != "cuda":
+            future = self._futures.pop(saved.index, None)
+            return future.result() if future is not None else self._host(saved)
+        fetched = self._fetched.pop(saved.index, None)
+        tensor, copied = fetched if fetched is not None else self._fetch(saved)
+        stream = torch.cuda.current_stream(saved.device)
+        stream.wait_event(copied)
+        tensor.record_stream(stream)  # its memory may be reused only after this stream's use of it
+        # A prefetched copy started once the GPU's backward had reached the unpack that asked for it (see
+        # _prefetch_before): waiting for it here keeps the host, and the memory it allocates for copies
+        # back, a few layers ahead of the GPU instead of the whole backward.
+        copied.synchronize()
+        return tensor
+
+    def _fetch(self, saved: _Saved, after: Any = None) -> tuple[torch.Tensor, Any]:
+        """Start the copy of an offloaded tensor back to its GPU on the fetch stream, once the GPU has passed
+        event `after` (if given); an event marks the copy's end."""
+        if self._fetch_stream is None:
+            self._fetch_stream = torch.cuda.Stream(saved.device)  # type: ignore[no-untyped-call]
+        stream = self._fetch_stream
+        host = self._host(saved, wait=False)
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            if saved.frame is None and saved.event is not None:
+                stream.wait_event(saved.event)  # the copy to the host has landed
+            tensor = host.to(saved.device, non_blocking=True)  # the pinned allocator keeps `host` until done
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(stream)
+        return tensor, copied
+
+    def _host(self, saved: _Saved, wait: bool = True) -> torch.Tensor:
+        """The tensor on the host, decoded from its frame (into pinned memory when it goes back to a GPU);
+        without `wait`, a host copy may still be landing (the caller orders its use after `saved.event`)."""
         if saved.frame is not None:
-            return _decode(*self._decode_args(saved))
-        if saved.event is not None:
+            return decode_tensor(*self._decode_args(saved))
+        if wait and saved.event is not None:
             saved.event.synchronize()
         assert saved.host is not None, "an offloaded tensor has neither a frame nor a host copy"
         return saved.host
@@ -254,33 +274,57 @@ class Offloader:
         assert saved.frame is not None, "only an encoded entry decodes"
         return saved.frame, saved.shape, saved.stored, saved.dtype, saved.device.type == "cuda"
 
-    def _prefetch_before(self, index: int) -> None:
-        """Decode, in the background, the `prefetch` tensors saved just before `index`: backward needs them next."""
-        if not self.prefetch_depth:
-            return
-        global _EXECUTOR
-        with _EXECUTOR_LOCK:
-            if _EXECUTOR is None:
-                _EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="sluice-offload")
-        for earlier in range(index - 1, max(index - 1 - self.prefetch_depth, -1), -1):
-            saved = self._order[earlier]()
-            if saved is None or saved.frame is None or earlier in self._futures:
+    def _prefetch_before(self, saved: _Saved) -> None:
+        """Bring back ahead the `prefetch` offloaded tensors saved just before `saved`: backward needs them next.
+        A GPU tensor's copy back starts on the fetch stream; a CPU tensor is decoded on a background thread."""
+        depth = self.prefetch_depth if self.prefetch_depth is not None else (
+            CUDA_PREFETCH if saved.device.type == "cuda" else 0)
+        found, reached = 0, None
+        for earlier in range(saved.index - 1, max(saved.index - 1 - _SCAN * depth, -1), -1):
+            if found == depth:
+                break
+            entry = self._order[earlier]()
+            if entry is None or entry.tensor is not None or entry.decoded is not None:
+                continue  # used already, kept where it was, or back already
+            found += 1
+            if earlier in self._fetched or earlier in self._futures:
                 continue
-            # the thread gets the frame, not the entry: it may hold its arguments a moment after it is done
-            self._futures[earlier] = _EXECUTOR.submit(_decode, *self._decode_args(saved))
+            if entry.device.type == "cuda":
+                if reached is None:  # where the GPU's backward is now: copies back start no earlier
+                    reached = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    reached.record(torch.cuda.current_stream(entry.device))
+                self._fetched[earlier] = self._fetch(entry, reached)
+            elif entry.frame is not None:
+                self._futures[earlier] = _decoder().submit(decode_tensor, *self._decode_args(entry))
+            else:
+                continue
             self.stats.prefetched += 1
 
 
+def _decoder() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="sluice-offload")
+        return _EXECUTOR
+
+
 @contextmanager
-def offloaded(compress: bool = True, min_bytes: int = 1 << 16, prefetch: int = 0) -> Iterator[OffloadStats]:
+def offloaded(compress: bool = True, min_bytes: int = 1 << 16, prefetch: int | None = None,
+              copies_ahead: int = COPIES_AHEAD, keep_last: int = 0) -> Iterator[OffloadStats]:
     """Offload the activations autograd saves inside the block (see the module's doc); yields live stats.
 
     `compress`: ZVC-encode them (on a CPU, without it they stay as they are: only counted). `min_bytes`:
-    smaller tensors stay where they are. `prefetch`: when backward unpacks one tensor, decode this many
-    saved before it on a background thread (off by default: on 2 CPU cores, where the model already uses
-    both, it made a ReLU CNN's step slower, bench/offload.py: +114% over no offload instead of +63%).
+    smaller tensors stay where they are. `prefetch`: when backward unpacks one tensor, bring back this many
+    offloaded ones saved before it, which backward needs next. By default `CUDA_PREFETCH` for GPU tensors
+    (their copies back run on a side stream) and none for CPU tensors, whose prefetch is a decode on a
+    background thread: on 2 CPU cores, where the model already uses both, that made a ReLU CNN's step
+    slower (bench/offload.py: +114% over no offload instead of +63%). `copies_ahead`: GPU tensors whose
+    copy to the host may still run while forward goes on (each holds its GPU memory until copied).
+    `keep_last`: the last GPU tensors saved in the block also stay on the GPU, for a backward that follows
+    at once and needs them first (off by default: a pipeline stage's backward comes much later).
     """
-    offloader = Offloader(compress, min_bytes, prefetch)
+    offloader = Offloader(compress, min_bytes, prefetch, copies_ahead, keep_last)
     with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
         try:
             yield offloader.stats

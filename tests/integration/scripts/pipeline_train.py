@@ -56,6 +56,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=WIDTH, help="the hidden layers' width")
     parser.add_argument("--layers", type=int, default=4, help="Linear layers (2: one hidden layer)")
     parser.add_argument("--eval-steps", type=int, default=0, help="forward-only steps after training")
+    parser.add_argument("--device", default="cpu", help="where every stage runs (cuda: all on the one GPU)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -63,7 +64,7 @@ def main() -> int:
     index = hvd.rank() % args.stages
     if index == args.bad_stage:
         parts[index] = nn.Sequential(nn.Linear(args.width + 1, args.width), *parts[index])
-    stage = PipelineStage(parts[index], None, args.stages, compress=args.compress,
+    stage = PipelineStage(parts[index].to(args.device), None, args.stages, compress=args.compress,
                           offload=args.offload, offload_min_bytes=0)
     kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
     schedule = kind(stage, args.micro, loss_fn=nn.functional.cross_entropy)
@@ -73,7 +74,7 @@ def main() -> int:
     peaks = []
     for step in range(args.steps):
         size = args.batch * (2 if 0 <= args.grow_at <= step else 1)
-        x, y = batch(step, size * replicas)
+        x, y = (t.to(args.device) for t in batch(step, size * replicas))
         mine = slice(replica * size, (replica + 1) * size)
         if step == args.stall_at and stage.stage_index == args.stall_stage:
             time.sleep(3600)
@@ -99,7 +100,7 @@ def main() -> int:
             evaluated.append(out.reshape(-1).tolist())
     result = {"rank": hvd.rank(), "evaluated": evaluated, "stage": stage.stage_index, "replica": replica,
               "peaks": peaks,
-              "params": [p.detach().reshape(-1).tolist() for p in stage.submod.parameters()],
+              "params": [p.detach().cpu().reshape(-1).tolist() for p in stage.submod.parameters()],
               "ratio": stage.compression_ratio(), "losses": losses,
               "offloaded": [s.raw_bytes for s in stage.offload_stats]}
     print("PIPELINE_RESULT " + json.dumps(result), flush=True)
