@@ -9,11 +9,12 @@ On a CPU (`--device cpu`) the offload is ZVC compression in place, on the cores 
 the bytes autograd saves for backward that are not parameters, counted once per tensor by a counting-only
 pass of the same hooks (the peer), against the most bytes the offload hooks held at once (ours).
 On a GPU (`--device cuda`) activations go to pinned host memory on a side stream during forward and come
-back on another ahead of backward (ZVC of the host copies with `--compress`). Memory: the GPU memory held
-for backward once forward has ended, with against without (what a pipeline stage holds for each micro-batch
-in flight); field `gpu` adds the peaks during forward and the whole step, and each phase's milliseconds.
-`copy_ms` is what copying the offloaded bytes one way alone takes at the measured pinned bandwidth: where
-it exceeds the forward's compute, the link, not the overlap, sets the step time.
+back on another ahead of backward (with `--compress`, ZVC-packed on the GPU before the copy, as cDMA).
+Memory: the GPU memory held for backward once forward has ended, with against without (what a pipeline
+stage holds for each micro-batch in flight); field `gpu` adds the peaks during forward and the whole
+step, and each phase's milliseconds. `copy_ms` is what copying the offloaded bytes one way alone takes at
+the measured pinned bandwidth: where it exceeds the forward's compute, the link, not the overlap, sets
+the step time.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-last", type=int, default=0, help="GPU: the last saved tensors that also stay "
                         "on the GPU, for the backward that follows at once (default: %(default)s)")
     parser.add_argument("--compress", action=argparse.BooleanOptionalAction, help="ZVC-encode what is "
-                        "offloaded (default: on a CPU, where it is the offload, not on a GPU)")
+                        "offloaded (default: on a CPU, where it is the offload; not on a GPU, where it is "
+                        "packed on the GPU before the copy)")
     add_common_options(parser, "batch 4 of 32x32 images, one repetition of 1 step", repeats=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 from sluice.worker.torch.offload import Offloader, OffloadStats, offloaded  # noqa: E402
+from sluice.worker.torch.tensor_zvc import pack_nonzeros, unpack_nonzeros  # noqa: E402
 
 
 def cnn() -> Any:
@@ -112,6 +113,24 @@ def test_bfloat16_and_integer_tensors_round_trip() -> None:
         picked = values.take(indices)  # take saves its int64 indices
     picked.sum().backward()
     assert values.grad is not None and torch.equal(values.grad, torch.ones(70000))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 1000])
+def test_the_device_packer_round_trips_bit_for_bit(dtype: Any, size: int) -> None:
+    """pack_nonzeros / unpack_nonzeros (what a GPU runs before and after its copies) on CPU tensors: odd
+    sizes, -0.0 and NaN keep their bits; the mask takes ceil(n / 8) bytes and the values only non-zeros."""
+    generator = torch.Generator().manual_seed(size)
+    x = (torch.randn(size, generator=generator) * 50).relu().to(dtype)
+    if size > 4 and dtype.is_floating_point:
+        x[1], x[2] = -0.0, float("nan")
+    bits, values = pack_nonzeros(x)
+    assert bits.dtype == torch.uint8 and bits.numel() == (size + 7) // 8
+    assert values.numel() == int((x != 0).sum()) + (1 if size > 4 and dtype.is_floating_point else 0)  # -0.0
+    back = unpack_nonzeros(bits, values, x.shape, x.dtype)
+    assert back.dtype == dtype and back.shape == x.shape
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    assert torch.equal(back.view(ints), x.view(ints))
 
 
 def test_bad_options_are_refused() -> None:

@@ -7,14 +7,15 @@
 
 Every tensor autograd saves for backward passes through `pack`: parameters (leaves that require grad,
 and views of them) stay where they are, as do tensors under `min_bytes`, non-contiguous ones and dtypes
-ZVC has no code for. The rest are activations: on a CPU they are ZVC-encoded (lossless, so gradients are
-bit-identical) and the tensor is released; on a GPU they are copied to a pinned host buffer on a side
-stream (an event marks the copy's end; the host stays at most `copies_ahead` copies ahead, or the GPU
-memory would not be reused) and, with `compress`, encoded once the copy has landed. When backward unpacks
-a GPU tensor, the copies back of the next `prefetch` ones it will need (those saved just before it) start
-on a second side stream once the GPU has reached that point, so that backward finds them on the GPU. A
-tensor saved twice (a ReLU's output is saved by the ReLU and by the pooling after it) is stored once and
-decoded once. Integer tensors are narrowed to the smallest dtype that holds their values first (max-pool indices).
+ZVC has no code for. The rest are activations. On a CPU they are ZVC-encoded (lossless, so gradients are
+bit-identical; integer tensors narrowed first to the smallest dtype that holds their values, as max-pool
+indices) and the tensor is released. On a GPU they are copied to pinned host buffers on a side stream,
+with `compress` ZVC-packed on the GPU first (a bitmask and the non-zeros, as cDMA); an event marks the
+copy's end, and the host stays at most `copies_ahead` copies ahead, or the GPU memory would not be
+reused. When backward unpacks a GPU tensor, the copies back of the next `prefetch` ones it will need
+(those saved just before it) start on a second side stream once the GPU has reached that point, so that
+backward finds them on the GPU. A tensor saved twice (a ReLU's output is saved by the ReLU and by the
+pooling after it) is stored once and decoded once.
 Autograd's check that a saved tensor was not modified in place does not see through the hooks.
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from sluice.worker.torch.tensor_zvc import CODECS, decode_tensor, encode_tensor
+from sluice.worker.torch.tensor_zvc import CODECS, decode_tensor, encode_tensor, pack_nonzeros, unpack_nonzeros
 
 #: one decoding thread for every offloader: prefetch is about overlapping with backward, not parallel decodes
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -86,8 +87,8 @@ class _Saved:
         self.stored = source.dtype  # the dtype of the frame's elements: integers may be narrowed
         self.tensor: torch.Tensor | None = None
         self.frame: bytearray | None = None
-        self.host: torch.Tensor | None = None
-        self.event: Any = None  # a torch.cuda.Event while the copy to the host may still be running
+        self.host: tuple[torch.Tensor, ...] | None = None  # pinned: the tensor, or ZVC's (bitmask, values)
+        self.event: Any = None  # a torch.cuda.Event that marks the end of the copy to the host
         self.cell = [0]  # bytes this entry holds, shared with its finalizer
         self.users = 1  # saves of the same tensor: the decoded tensor is kept until that many unpacks took it
         self.left = 0
@@ -117,7 +118,6 @@ class Offloader:
         self._futures: dict[int, Future[torch.Tensor]] = {}  # index -> its decode on the background thread
         self._fetched: dict[int, tuple[torch.Tensor, Any]] = {}  # index -> (on its GPU, event of the copy back)
         self._fetch_stream: Any = None
-        self._pending: list[_Saved] = []  # host copies still to compress (CUDA)
         self._stream: Any = None
         self._copies: deque[Any] = deque()  # events of the copies to the host not yet waited for
 
@@ -142,7 +142,7 @@ class Offloader:
             self._count(nbytes, saved.cell[0])
         else:
             self._to_host(tensor, saved)
-            self._count(nbytes, nbytes)
+            self._count(nbytes, saved.cell[0])
             self._recent.append((saved, tensor))
             while len(self._recent) > self.keep_last:
                 self._recent.popleft()
@@ -151,7 +151,6 @@ class Offloader:
         key = id(tensor)
         self._seen[key] = (weakref.ref(tensor, lambda ref: self._forget(key, ref)), weakref.ref(saved))
         self._order.append(weakref.ref(saved))
-        self._compress_landed(wait=False)
         return saved
 
     def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
@@ -164,20 +163,23 @@ class Offloader:
         self.stats.stored_bytes += stored
 
     def _to_host(self, tensor: torch.Tensor, saved: _Saved) -> None:
-        """Start the copy of a CUDA tensor to a pinned host buffer on a side stream; an event marks its end."""
+        """Start the copy of a CUDA tensor (ZVC-packed on the GPU first, with `compress`) to pinned host
+        buffers on a side stream; an event marks its end."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor's producer first
+        # as cDMA does: fewer bytes over the link (integers, such as max-pool indices, are rarely zero)
+        parts = pack_nonzeros(tensor) if self.compress and tensor.is_floating_point() else (tensor,)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the parts' producers first
         with torch.cuda.stream(stream):
-            saved.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            saved.host.copy_(tensor, non_blocking=True)
+            saved.host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts)
+            for host, part in zip(saved.host, parts, strict=True):
+                host.copy_(part, non_blocking=True)
             saved.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             saved.event.record(stream)
-        tensor.record_stream(stream)  # its memory may be reused only after the copy has read it
-        saved.cell[0] = tensor.numel() * tensor.element_size()
-        if self.compress:
-            self._pending.append(saved)
+        for part in parts:
+            part.record_stream(stream)  # its memory may be reused only after the copy has read it
+        saved.cell[0] = sum(p.numel() * p.element_size() for p in parts)
         # The allocator reuses a tensor's memory once its copy has ended as seen from the host; a host that
         # ran ahead of the copies would allocate anew for every layer and save no GPU memory at all. So the
         # host waits for the copy `copies_ahead` before this one: the forward stays that many copies ahead.
@@ -185,30 +187,11 @@ class Offloader:
         while len(self._copies) > self.copies_ahead:
             self._copies.popleft().synchronize()
 
-    def _compress_landed(self, wait: bool) -> None:
-        """Encode the host copies whose transfer has finished (all of them, waiting, when `wait`)."""
-        still: list[_Saved] = []
-        for saved in self._pending:
-            if saved.host is None or not (wait or saved.event.query()):
-                if saved.host is not None:
-                    still.append(saved)
-                continue
-            saved.event.synchronize()
-            (saved.frame, saved.stored), saved.host = encode_tensor(saved.host), None
-            stored = len(saved.frame)
-            self.stats.stored_bytes += stored - saved.cell[0]
-            self.stats.held_bytes += stored - saved.cell[0]
-            saved.cell[0] = stored
-        self._pending = still
-
     def finish(self) -> None:
-        """Keep the last `keep_last` GPU tensors where they are and compress every host copy still pending
-        (called when the block ends)."""
+        """Keep the last `keep_last` GPU tensors where they are (called when the block ends)."""
         for saved, tensor in self._recent:  # backward, if it follows at once, needs them first
-            saved.tensor, saved.host, saved.frame = tensor, None, None
+            saved.tensor, saved.host = tensor, None
         self._recent.clear()
-        self._pending = [saved for saved in self._pending if saved.tensor is None]
-        self._compress_landed(wait=True)
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
@@ -243,36 +226,32 @@ class Offloader:
         return tensor
 
     def _fetch(self, saved: _Saved, after: Any = None) -> tuple[torch.Tensor, Any]:
-        """Start the copy of an offloaded tensor back to its GPU on the fetch stream, once the GPU has passed
-        event `after` (if given); an event marks the copy's end."""
+        """Start the copy of an offloaded tensor back to its GPU (and its unpacking there) on the fetch stream,
+        once the GPU has passed event `after` (if given); an event marks the end."""
         if self._fetch_stream is None:
             self._fetch_stream = torch.cuda.Stream(saved.device)  # type: ignore[no-untyped-call]
         stream = self._fetch_stream
-        host = self._host(saved, wait=False)
+        assert saved.host is not None, "an offloaded GPU tensor has no host copy"
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
-            if saved.frame is None and saved.event is not None:
-                stream.wait_event(saved.event)  # the copy to the host has landed
-            tensor = host.to(saved.device, non_blocking=True)  # the pinned allocator keeps `host` until done
+            stream.wait_event(saved.event)  # the copy to the host has landed
+            # the pinned allocator keeps each host buffer until its copy is done
+            parts = [host.to(saved.device, non_blocking=True) for host in saved.host]
+            tensor = unpack_nonzeros(parts[0], parts[1], saved.shape, saved.dtype) if len(parts) == 2 else parts[0]
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(stream)
         return tensor, copied
 
-    def _host(self, saved: _Saved, wait: bool = True) -> torch.Tensor:
-        """The tensor on the host, decoded from its frame (into pinned memory when it goes back to a GPU);
-        without `wait`, a host copy may still be landing (the caller orders its use after `saved.event`)."""
-        if saved.frame is not None:
-            return decode_tensor(*self._decode_args(saved))
-        if wait and saved.event is not None:
-            saved.event.synchronize()
-        assert saved.host is not None, "an offloaded tensor has neither a frame nor a host copy"
-        return saved.host
+    def _host(self, saved: _Saved) -> torch.Tensor:
+        """A CPU tensor decoded from its frame."""
+        assert saved.frame is not None, "an offloaded CPU tensor has no frame"
+        return decode_tensor(*self._decode_args(saved))
 
     @staticmethod
-    def _decode_args(saved: _Saved) -> tuple[bytearray, torch.Size, torch.dtype, torch.dtype, bool]:
+    def _decode_args(saved: _Saved) -> tuple[bytearray, torch.Size, torch.dtype, torch.dtype]:
         assert saved.frame is not None, "only an encoded entry decodes"
-        return saved.frame, saved.shape, saved.stored, saved.dtype, saved.device.type == "cuda"
+        return saved.frame, saved.shape, saved.stored, saved.dtype
 
     def _prefetch_before(self, saved: _Saved) -> None:
         """Bring back ahead the `prefetch` offloaded tensors saved just before `saved`: backward needs them next.
