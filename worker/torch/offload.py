@@ -1,6 +1,6 @@
 """Offload of autograd's saved activations: ZVC-compressed in host memory, fetched back ahead of backward.
 
-    with offloaded(compress=True) as stats:
+    with offloaded() as stats:
         loss = model(x).sum()
     loss.backward()          # saved activations come back (decoded, copied to their GPU) ahead of use
     print(stats.ratio, stats.peak_bytes)
@@ -103,7 +103,7 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
 class Offloader:
     """The pack and unpack hooks of one `offloaded` block and their bookkeeping (see the module's doc)."""
 
-    def __init__(self, compress: bool = True, min_bytes: int = 1 << 16, prefetch: int | None = None,
+    def __init__(self, compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: int | None = None,
                  copies_ahead: int = COPIES_AHEAD, keep_last: int = 0) -> None:
         if min_bytes < 0 or (prefetch is not None and prefetch < 0) or copies_ahead < 1 or keep_last < 0:
             raise ValueError(f"min_bytes, prefetch and keep_last must be >= 0 and copies_ahead >= 1, got "
@@ -135,9 +135,9 @@ class Offloader:
             saved.tensor, saved.cell[0] = tensor, nbytes
             self.stats.kept += 1
         elif tensor.device.type == "cpu":
-            if self.compress:
+            if self.compress is not False:
                 saved.frame, saved.stored = encode_tensor(tensor)
-            saved.tensor = None if self.compress else tensor
+            saved.tensor = None if self.compress is not False else tensor
             saved.cell[0] = len(saved.frame) if saved.frame is not None else nbytes
             self._count(nbytes, saved.cell[0])
         else:
@@ -169,7 +169,7 @@ class Offloader:
             self._stream = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
         stream = self._stream
         # as cDMA does: fewer bytes over the link (integers, such as max-pool indices, are rarely zero)
-        parts = pack_nonzeros(tensor) if self.compress and tensor.is_floating_point() else (tensor,)
+        parts = pack_nonzeros(tensor) if self.compress is True and tensor.is_floating_point() else (tensor,)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the parts' producers first
         with torch.cuda.stream(stream):
             saved.host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts)
@@ -289,11 +289,13 @@ def _decoder() -> ThreadPoolExecutor:
 
 
 @contextmanager
-def offloaded(compress: bool = True, min_bytes: int = 1 << 16, prefetch: int | None = None,
+def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: int | None = None,
               copies_ahead: int = COPIES_AHEAD, keep_last: int = 0) -> Iterator[OffloadStats]:
     """Offload the activations autograd saves inside the block (see the module's doc); yields live stats.
 
-    `compress`: ZVC-encode them (on a CPU, without it they stay as they are: only counted). `min_bytes`:
+    `compress`: ZVC-encode them. By default (None) on a CPU, where without it they stay as they are (only
+    counted), and not on a GPU, where packing before the copy measured slower than copying the zeros
+    (bench/offload.py on an H200: its count of non-zeros syncs the host each time). `min_bytes`:
     smaller tensors stay where they are. `prefetch`: when backward unpacks one tensor, bring back this many
     offloaded ones saved before it, which backward needs next. By default `CUDA_PREFETCH` for GPU tensors
     (their copies back run on a side stream) and none for CPU tensors, whose prefetch is a decode on a
