@@ -53,6 +53,8 @@ class TransportMetrics:
         self.sent_bytes = [0] * self.channels
         self.received_bytes = [0] * self.channels
         self.sent_messages = [0] * self.channels
+        #: credit acknowledgements this transport sent, per channel (transport.stats() reports them)
+        self.acks_sent = [0] * self.channels
         self._delays: dict[int, list[int]] = {}
 
     def sent(self, channel: int, priority: int, nbytes: int, delay_s: float, peer: str | None = None) -> None:

@@ -4,14 +4,16 @@ Listening nodes bind one ROUTER per channel; connecting nodes open one DEALER pe
 peer, with their node name as identity. All sockets live on a single I/O thread that polls them
 with a zmq Poller (blocking sockets, no asyncio: see ARCHITECTURE.md section 5). Callers hand it
 messages through a lock-free deque and an eventfd. Every received payload is acknowledged back to
-its sender in batches; the sender keeps at most `inflight_bytes` unacknowledged per channel, so the
-backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. What arrives is validated by the
-receiving half (transport/zmq_receive.py); CURVE, ZAP and size caps are transport/zmq_guard.py's.
+its sender (lazily: zmq_receive.py); the sender keeps at most `inflight_bytes` unacknowledged per
+channel, so the backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. What arrives is
+validated by the receiving half (transport/zmq_receive.py); CURVE, ZAP and size caps are zmq_guard.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -33,9 +35,9 @@ from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
 from sluice.transport.sendqueue import ChannelQueue
 from sluice.transport.shm import SharedPayloads
-from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Flag, Kind, Message, encode
+from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Flag, Message, encode
 from sluice.transport.zmq_guard import Guard, make_socket
-from sluice.transport.zmq_receive import Arrived, ReceivePath, Route, _keep_large_buffers_mapped
+from sluice.transport.zmq_receive import Arrived, ReceivePath, Route, _keep_large_buffers_mapped, ack_threshold
 
 log = logging.getLogger("sluice.transport")
 
@@ -58,6 +60,7 @@ class ZmqTransport(ReceivePath):
         self._control = control
         self._tos = config.channel_tos()
         self._inflight = config.inflight_limit
+        self._ack_bytes = ack_threshold(config)
         self._aging = config.aging_ms / 1e3
         _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=1)
@@ -85,6 +88,8 @@ class ZmqTransport(ReceivePath):
         self._shared = SharedPayloads(config.inflight_limit + 2 * config.chunk_limit)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._unacked: defaultdict[Route, int] = defaultdict(int)
+        self._unacked_since: dict[Route, float] = {}
+        self._ack_due: float | None = None
         self.metrics = TransportMetrics(config.channels)
         self._ipc_dir: str | None = None
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -122,6 +127,7 @@ class ZmqTransport(ReceivePath):
             taken = self.metrics.snapshot()
             taken["rejected"] = self.rejects.total
             taken["refused_connections"] = self._guard.refused_handshakes
+            taken["acks_sent"] = list(self.metrics.acks_sent)
             if reset:
                 self.metrics.reset()
             return taken
@@ -136,6 +142,7 @@ class ZmqTransport(ReceivePath):
 
         def apply() -> None:
             self._inflight = nbytes
+            self._ack_bytes = 1  # the senders' bounds may now differ from ours: see ack_threshold
             for queue in self._queues.values():
                 queue.bound = nbytes
 
@@ -262,6 +269,7 @@ class ZmqTransport(ReceivePath):
             del self._queues[route]  # and with the queue, the credit its acknowledgements would have freed
             self._active.discard(route)
             self._unacked.pop(route, None)
+            self._unacked_since.pop(route, None)
         if self._local is not None:
             self._local.discard(peer)
         self._shared.forget(peer)
@@ -270,7 +278,8 @@ class ZmqTransport(ReceivePath):
     def _run(self) -> None:
         try:
             while not self._finished():
-                events = self._poller.poll(5 if self._active else 100)
+                events = self._poller.poll(self._poll_ms())
+                turn = time.monotonic()
                 arrived: Arrived = []
                 for sock, _ in events:
                     if sock == self._wake:
@@ -285,7 +294,7 @@ class ZmqTransport(ReceivePath):
                         self._receive(sock, arrived)
                 self._dispatch(arrived)
                 self._run_commands()
-                self._flush_acks()
+                self._flush_acks(turn, everything=self._stop_at is not None)
                 self._drain_outbox()
                 self._pump()
                 self._announce()
@@ -294,6 +303,13 @@ class ZmqTransport(ReceivePath):
             log.exception("transport %s: I/O thread failed", self.name)
         finally:
             self._shutdown()
+
+    def _poll_ms(self) -> int:
+        """How long the next poll may wait: a delayed acknowledgement leaves on time even when nothing
+        else happens (at least 1 ms: one still due after a full socket does not spin)."""
+        if self._ack_due is None:
+            return 5 if self._active else 100
+        return min(5 if self._active else 100, max(1, math.ceil((self._ack_due - time.monotonic()) * 1e3)))
 
     def _finished(self) -> bool:
         if self._stop_at is None:
@@ -308,14 +324,6 @@ class ZmqTransport(ReceivePath):
                 future.set_result(fn())
             except Exception as exc:
                 future.set_exception(exc)
-
-    def _flush_acks(self) -> None:
-        if not self._unacked:
-            return
-        pending, self._unacked = self._unacked, defaultdict(int)
-        for route, nbytes in pending.items():
-            if not self._send_frames(route, encode(Message(Kind.ACK, key=route[1], round=nbytes))):
-                self._unacked[route] += nbytes
 
     def _drain_outbox(self) -> None:
         while self._outbox:
@@ -391,6 +399,8 @@ class ZmqTransport(ReceivePath):
             raise
 
     def _shutdown(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # what is still unacknowledged leaves with the sockets' linger
+            self._flush_acks(time.monotonic(), everything=True)
         self._shared.close()
         self._guard.close()
         for sock in list(self._socket_channel):
