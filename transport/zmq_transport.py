@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+import zmq.utils.garbage  # its atexit handler now, so that handlers registered later (a close) run before it
 
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import Handler
@@ -382,11 +383,14 @@ class ZmqTransport(ReceivePath):
         """Hand frames to ZeroMQ without blocking; False when the socket is full (retry later)."""
         peer, channel = route
         dealers = self._dealers.get(peer)
+        # A zero-copy send needs pyzmq's garbage-collector thread, which pyzmq's atexit handler stops for
+        # good: sends from a close at exit (a stage's last gradients) then copy, or the I/O thread dies.
+        copy = zmq.utils.garbage.gc._stay_down
         try:
             if dealers is not None:
-                dealers[channel].send_multipart(frames, zmq.NOBLOCK, copy=False)
+                dealers[channel].send_multipart(frames, zmq.NOBLOCK, copy=copy)
             elif (ident := self._route_ident(peer)) is not None and self._routers:
-                self._routers[channel].send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+                self._routers[channel].send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
             else:
                 log.error("no route to peer %r; message dropped", peer)
             return True
