@@ -91,6 +91,7 @@ class ControlClient:
         #: a worker with job priorities on: [level, bytes pushed, rounds], sent with each heartbeat
         #: for the job registry (scheduler/jobs_registry.py)
         self.job_report: Callable[[], list[int]] | None = None
+        transport.on_failure(self._transport_failed)
 
     # ------------------------------------------------------------------ requests
     def register(self, role: str, endpoints: Sequence[str]) -> None:
@@ -196,6 +197,11 @@ class ControlClient:
         self._on_fatal(error)
 
     # ------------------------------------------------------------------ internals
+    def _transport_failed(self, error: str) -> None:
+        """This node's I/O thread died: it is the culprit, not the scheduler its heartbeats stop reaching."""
+        culprit.report(self.role or "node", self.rank, error)
+        self.fail(error)
+
     def _send(self, kind: Kind, **meta: Any) -> None:
         self._transport.send(SCHEDULER_PEER, 0, Message(kind, sender=self.node_id, meta=meta))
 

@@ -74,6 +74,11 @@ class Transport(Protocol):
         """Send what is queued (up to `flush_seconds`), stop the I/O thread, close the sockets."""
         ...
 
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(error)` once if the I/O thread stops on an unexpected error (at once if it has):
+        nothing is sent or received after that, so the owner must fail instead of waiting."""
+        ...
+
 
 def open_transport(name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
                    control: bool = False, members: Iterable[str] = ()) -> Transport:

@@ -98,6 +98,10 @@ class ZmqTransport(ReceivePath):
         self._closed = False
         self._poller.register(self._wake, zmq.POLLIN)
         self._stop_at: float | None = None
+        #: why the I/O thread stopped, if it stopped on an error, and who wants to know (on_failure)
+        self._failure: str | None = None
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._failure_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"sluice-io-{name}", daemon=True)
         self._thread.start()
 
@@ -300,10 +304,28 @@ class ZmqTransport(ReceivePath):
                 self._pump()
                 self._announce()
                 self.rejects.tick(time.monotonic())
-        except Exception:
+        except Exception as exc:
             log.exception("transport %s: I/O thread failed", self.name)
+            self._failed(f"transport {self.name}: its I/O thread stopped on {type(exc).__name__}: {exc}; "
+                         "this process can send and receive nothing more (the log above has the traceback)")
         finally:
             self._shutdown()
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        with self._failure_lock:
+            if self._failure is None:
+                self._failure_listeners.append(listener)
+                return
+        listener(self._failure)
+
+    def _failed(self, error: str) -> None:
+        with self._failure_lock:
+            self._failure, listeners, self._failure_listeners = error, self._failure_listeners, []
+        for listener in listeners:
+            try:
+                listener(error)
+            except Exception:  # one listener's error must not keep the others from hearing
+                log.exception("transport %s: a failure listener failed", self.name)
 
     def _poll_ms(self) -> int:
         """How long the next poll may wait: a delayed acknowledgement leaves on time even when nothing

@@ -549,3 +549,25 @@ def test_a_flood_of_fresh_identities_cannot_push_out_a_members_route(
     assert len(server._strangers) <= 4096 and CLIENT in server._router_idents
     server.send(CLIENT, 0, message(8))
     assert [r.key for r in client_inbox.wait_for(1, timeout=10)] == [8]
+
+
+@pytest.mark.timeout(30)
+def test_an_io_thread_that_dies_tells_its_listeners(transports: Callable[..., ZmqTransport]) -> None:
+    """What kills the I/O thread (here an error injected into one of its steps) reaches every listener,
+    with the cause, at once; a listener that comes later hears it on registering."""
+    transport = transports(CLIENT, TransportConfig(channels=1, curve=False), Inbox())
+    heard: list[str] = []
+    transport.on_failure(heard.append)
+
+    def broken() -> None:
+        raise RuntimeError("an injected fault")
+
+    transport._announce = broken  # type: ignore[method-assign]
+    transport.send("nobody", 0, message(1))  # wakes the I/O thread, which runs its steps
+    deadline = time.monotonic() + 10
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(heard) == 1 and "I/O thread stopped on RuntimeError: an injected fault" in heard[0], heard
+    late: list[str] = []
+    transport.on_failure(late.append)
+    assert late == heard

@@ -412,6 +412,9 @@ class StubTransport:
     def send(self, peer: str, channel: int, msg: Message) -> None:
         self.sent.append(msg)
 
+    def on_failure(self, listener: Any) -> None:
+        self.listener = listener
+
 
 def new_client() -> ControlClient:
     env = NodeEnv(scheduler="tcp://127.0.0.1:1", role="worker", rank=0, workers=2, servers=1, config={})
@@ -466,3 +469,15 @@ def test_a_malformed_address_book_is_reported_not_raised(nodes: Any) -> None:
     with pytest.raises(SluiceError, match="malformed WELCOME"):
         client.register("worker", [])
     assert client.node_id == -1 and client.peers == []
+
+
+def test_a_dead_transport_fails_the_node_naming_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    """The I/O thread's death ends every wait at once with its cause, and this node is the culprit: not
+    the scheduler whose heartbeats it stops hearing 8 s later."""
+    client = new_client()
+    client.rank = 1
+    transport = client._transport
+    assert isinstance(transport, StubTransport)
+    transport.listener("transport worker-1: its I/O thread stopped on RuntimeError: boom")
+    assert client.failure is not None and "I/O thread stopped" in client.failure
+    assert "SLUICE_CULPRIT worker 1" in capsys.readouterr().err
