@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-import zmq.utils.garbage
+import zmq.utils.garbage  # its atexit handler now, so that handlers registered later (a close) run before it
 
 from sluice.transport.sendqueue import ChannelQueue
 from sluice.transport.wire import Flag, Message, encode

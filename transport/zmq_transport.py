@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.utils.garbage  # its atexit handler now, so that handlers registered later (a close) run before it
 
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import Handler

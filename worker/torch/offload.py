@@ -143,9 +143,10 @@ class Offloader:
         else:
             self._to_host(tensor, saved)
             self._count(nbytes, saved.cell[0])
-            self._recent.append((saved, tensor))
-            while len(self._recent) > self.keep_last:
-                self._recent.popleft()
+            if self.keep_last:
+                self._recent.append((saved, tensor))
+                if len(self._recent) > self.keep_last:
+                    self._recent.popleft()
         self.stats._hold(saved.cell[0])
         weakref.finalize(saved, self.stats._release, saved.cell)
         key = id(tensor)
