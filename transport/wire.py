@@ -127,6 +127,8 @@ class Kind(IntEnum):
     #: COLL_DATA and COLL_DONE of a sub-group's data plane (the replicas of one pipeline stage)
     GROUP_DATA = 46
     GROUP_DONE = 47
+    #: between neighbouring stages on one host: "connect to my direct lane" (transport/lane.py)
+    STAGE_LANE = 48
 
 
 class Flag:

@@ -47,7 +47,8 @@ log = logging.getLogger("sluice.worker")
 EARLY_COLLECTIVE = 4096
 #: messages between pipeline stages (worker/pipeline/), kept until this worker's stage attaches: a
 #: neighbour may send its first activations before the stage exists here; at most so many, and bytes
-PIPELINE_KINDS = frozenset((Kind.STAGE_FORWARD, Kind.STAGE_BACKWARD, Kind.GROUP_DATA, Kind.GROUP_DONE))
+PIPELINE_KINDS = frozenset((Kind.STAGE_FORWARD, Kind.STAGE_BACKWARD, Kind.STAGE_LANE, Kind.GROUP_DATA,
+                            Kind.GROUP_DONE))
 EARLY_PIPELINE = 1024
 EARLY_PIPELINE_BYTES = 1 << 30
 

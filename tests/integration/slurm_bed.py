@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -28,6 +29,7 @@ SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/bi
 MIN_CPUS = 8
 UP_DEADLINE_S = 30.0
 STOP_DEADLINE_S = 10.0
+PORT_ATTEMPTS = 3
 
 SLURM_CONF = """\
 ClusterName=sluicetest
@@ -64,10 +66,24 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A port free now below the kernel's ephemeral range: an OS-chosen one may meanwhile become the local
+    port of some test's outgoing connection, and the daemon then fails with "Address already in use"."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _ephemeral_low() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -123,11 +139,23 @@ class SlurmBed:
         """Poll ready() until true; a daemon that exits or a deadline that passes fails the test with the logs."""
         deadline = time.monotonic() + deadline_s
         while not ready():
-            dead = [f"{name} exited {code}" for name, proc in self.daemons.items() if (code := proc.poll()) is not None]
+            dead = self._dead()
             if dead or time.monotonic() > deadline:
                 why = ", ".join(dead) or f"not within {deadline_s:.0f} s"
                 pytest.fail(f"SLURM test bed: {what}: {why}\n{self.logs()}", pytrace=False)
             time.sleep(0.2)
+
+    def up(self, ready: Callable[[], bool], deadline_s: float) -> bool:
+        """Poll ready() until true (True), or until a daemon exits or the deadline passes (False)."""
+        deadline = time.monotonic() + deadline_s
+        while not ready():
+            if self._dead() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def _dead(self) -> list[str]:
+        return [f"{name} exited {code}" for name, proc in self.daemons.items() if (code := proc.poll()) is not None]
 
     def idle(self) -> bool:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -144,8 +172,20 @@ class SlurmBed:
                     if time.monotonic() > deadline:
                         break
                     time.sleep(0.2)
-        for name in ("slurmd", "slurmctld", "munged"):
-            proc = self.daemons.get(name)
+        self.stop_daemons(("slurmd", "slurmctld", "munged"))
+        # slurmstepd, slurmscriptd and the tasks are not our children; all of them carry this bed's SLURM_CONF
+        marker = f"SLURM_CONF={self.conf}".encode() + b"\0"
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                with contextlib.suppress(OSError):
+                    if marker in (entry / "environ").read_bytes():
+                        os.kill(int(entry.name), signal.SIGKILL)
+
+
+    def stop_daemons(self, names: Sequence[str]) -> None:
+        """SIGTERM each of these daemons still running, then SIGKILL it after STOP_DEADLINE_S."""
+        for name in names:
+            proc = self.daemons.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
             proc.terminate()
@@ -154,13 +194,6 @@ class SlurmBed:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(STOP_DEADLINE_S)
-        # slurmstepd, slurmscriptd and the tasks are not our children; all of them carry this bed's SLURM_CONF
-        marker = f"SLURM_CONF={self.conf}".encode() + b"\0"
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                with contextlib.suppress(OSError):
-                    if marker in (entry / "environ").read_bytes():
-                        os.kill(int(entry.name), signal.SIGKILL)
 
 
 def _node_name(slurmd: str) -> str:
@@ -194,13 +227,22 @@ def slurm() -> Iterator[SlurmBed]:
         key = os.open(root / "munge.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         os.write(key, os.urandom(128))
         os.close(key)
-        bed.conf.write_text(SLURM_CONF.format(node=node, cpus=cpus, root=root, ctld_port=_free_port(),
-                                              slurmd_port=_free_port()))
         bed.start("munged", [exe["munged"], "-F", f"--socket={root}/munge.socket", f"--key-file={root}/munge.key",
                              f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed"])
         bed.wait_for("munged's socket", (root / "munge.socket").exists, 10.0)
-        bed.start("slurmctld", [exe["slurmctld"], "-D", "-f", str(bed.conf)])
-        bed.start("slurmd", [exe["slurmd"], "-D", "-f", str(bed.conf)])
+        for attempt in range(PORT_ATTEMPTS):
+            bed.conf.write_text(SLURM_CONF.format(node=node, cpus=cpus, root=root, ctld_port=_free_port(),
+                                                  slurmd_port=_free_port()))
+            bed.start("slurmctld", [exe["slurmctld"], "-D", "-f", str(bed.conf)])
+            bed.start("slurmd", [exe["slurmd"], "-D", "-f", str(bed.conf)])
+            # a port taken between its choice and the daemon's bind: stop both and choose others
+            if attempt + 1 < PORT_ATTEMPTS and not bed.up(bed.idle, UP_DEADLINE_S) and "already in use" in bed.logs():
+                bed.stop_daemons(("slurmd", "slurmctld"))
+                for name in ("slurmctld", "slurmd"):
+                    for log in (root / f"{name}.log", root / f"{name}.out"):
+                        log.unlink(missing_ok=True)
+                continue
+            break
         bed.wait_for(f"node {node} idle in sinfo", bed.idle, UP_DEADLINE_S)
         yield bed
     finally:

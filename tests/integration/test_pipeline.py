@@ -73,25 +73,27 @@ def check_matches(results: list[dict[str, Any]], stages: int, want: list[np.ndar
             assert float(np.abs(a - b).max()) <= tolerance, float(np.abs(a - b).max())
 
 
-CASES = [  # (stages, replicas, micro-batches, schedule, compress, offload)
-    (2, 1, 4, "1f1b", "on", False),
-    (2, 1, 4, "gpipe", "off", True),
-    (4, 1, 8, "1f1b", "on", True),
-    (3, 1, 4, "gpipe", "on", False),
-    (2, 2, 4, "1f1b", "on", False),
-    (2, 2, 2, "gpipe", "off", True),
+CASES = [  # (stages, replicas, micro-batches, schedule, compress, offload, direct lanes)
+    (2, 1, 4, "1f1b", "on", False, True),
+    (2, 1, 4, "gpipe", "off", True, True),
+    (4, 1, 8, "1f1b", "on", True, True),
+    (3, 1, 4, "gpipe", "on", False, False),
+    (2, 2, 4, "1f1b", "on", False, True),
+    (2, 2, 2, "gpipe", "off", True, False),
 ]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("stages", "replicas", "micro", "kind", "compress", "offload"), CASES,
-                         ids=[f"P{c[0]}xR{c[1]}-M{c[2]}-{c[3]}-zvc_{c[4]}{'-offload' if c[5] else ''}" for c in CASES])
+@pytest.mark.parametrize(("stages", "replicas", "micro", "kind", "compress", "offload", "direct"), CASES,
+                         ids=[f"P{c[0]}xR{c[1]}-M{c[2]}-{c[3]}-zvc_{c[4]}{'-offload' if c[5] else ''}"
+                              f"{'' if c[6] else '-transport'}" for c in CASES])
 def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, kind: str, compress: str,
-                                      offload: bool) -> None:
+                                      offload: bool, direct: bool) -> None:
     batch = 16
     _, results = run(stages * replicas, "--stages", str(stages), "--micro", str(micro), "--schedule", kind,
                      "--compress", compress, "--batch", str(batch), "--steps", "10",
-                     *(["--offload"] if offload else []))
+                     *(["--offload"] if offload else []), *([] if direct else ["--no-direct"]))
+    assert all(r["lanes"] == direct for r in results)  # every neighbour is on this host
     check_matches(results, stages, reference(10, batch * replicas))
     orders = schedule(kind, stages, micro)
     for r in results:  # each stage held as many micro-batches' activations as its schedule needs, no more
@@ -153,8 +155,8 @@ def test_a_stalled_stage_is_named_by_its_neighbour_at_the_deadline() -> None:
                     "scheduler.op_timeout=2"), fails=True)
     assert time.monotonic() - started < 60
     assert ("SluiceError: stage 1 (worker 1 on localhost) waited for the gradients of micro-batch 0 of step 2 from "
-            "stage 2 (worker 2 on localhost): not complete after 2 s (nothing came); stage 2 (worker 2 on localhost) "
-            "is slow, stuck or gone") in output, output[-3000:]
+            "stage 2 (worker 2 on localhost): not complete after 2 s (nothing came, over a direct lane); "
+            "stage 2 (worker 2 on localhost) is slow, stuck or gone") in output, output[-3000:]
 
 
 @pytest.mark.timeout(120)

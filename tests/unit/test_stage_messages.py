@@ -197,6 +197,7 @@ class Recorder:
 def exchange(rank: int, size: int = 3, stages: int = 3, **kw: Any) -> tuple[StageExchange, Recorder]:
     wire = Recorder()
     hosts = kw.pop("hosts", ["h0"] * size)
+    kw.setdefault("direct", False)  # the transport's path; direct lanes: tests/unit/test_lanes.py
     ex = StageExchange(wire, StagePlace(rank, size, stages), Neighbours(NAMES[:size], hosts),  # type: ignore[arg-type]
                        kw.pop("timeout", 5.0), lambda priority: priority, **kw)
     return ex, wire

@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 
 from sluice.scheduler.errors import SluiceError
+from sluice.transport import lane as lanes
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message, WireError
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.data import DataPlane
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Assembly, Compression, Received, build, read
 from sluice.worker.pipeline.layout import StagePlace
+from sluice.worker.pipeline.links import Links
 
 GROUP_KINDS = frozenset((Kind.GROUP_DATA, Kind.GROUP_DONE))
 #: micro-batches a step may have before the schedule says how many (messages of a faster neighbour)
@@ -65,10 +67,11 @@ class StageExchange:
     def __init__(self, transport: Transport, place: StagePlace, workers: Neighbours, timeout: float,
                  channel_for: Callable[[int], int], *, compress: str = "auto", chunk_bytes: int = 1 << 20,
                  collective: CollectiveConfig | None = None, max_held_bytes: int = 4 << 30,
-                 max_elements: int = 1 << 31) -> None:
+                 max_elements: int = 1 << 31, direct: bool = True) -> None:
         """`compress`: "on", "off", or "auto" (on towards a neighbour on another host, where the network is
         slower than encoding; off on this host, where shared memory is faster). Tensors travel in pieces
-        of at most `chunk_bytes` (the job's chunk: a data socket refuses larger frames)."""
+        of at most `chunk_bytes` (the job's chunk: a data socket refuses larger frames). `direct`: to a
+        neighbour on this host, over a direct lane (transport/lane.py) instead of the transport."""
         if compress not in ("on", "off", "auto"):
             raise ValueError(f"pipeline compression must be on, off or auto, got {compress!r}")
         if timeout <= 0:
@@ -91,6 +94,11 @@ class StageExchange:
         self._failure: str | None = None
         #: messages refused, and the last reason, per sending peer: a wait that times out says so
         self._refused: dict[str, tuple[int, str]] = {}
+        local = {rank: workers.names[rank] for rank in (place.previous, place.next)
+                 if rank is not None and workers.hosts[rank] == here}
+        #: direct lanes to the neighbours on this host, or None
+        self.links = Links(transport, place.rank, local, place.next if place.next in local else None,
+                           channel_for(0)) if direct and lanes.AVAILABLE and local else None
         #: the replicas of this stage average its gradients over their own data plane
         self.group: DataPlane | None = None
         if place.replicas > 1:
@@ -118,13 +126,18 @@ class StageExchange:
             raise SluiceError(f"stage {self.place.stage} has no stage to send {WHAT[kind]} to")
         compression, name = self.compression[kind], self.workers.names[dest]
         channel = self._channel_for(priority)
+        direct = self.links is not None and dest in self.links
+        piece = min(self._piece, lanes.LANE_PIECE) if direct else self._piece
         for slot, (array, dtype) in enumerate(tensors):
             tried = compression.wanted(slot)
             messages = build(kind, self.place.rank, step, micro, slot, len(tensors), array, dtype, priority, tried,
-                             self._piece)
+                             piece)
             compression.count(slot, array.nbytes, messages, tried)
             for msg in messages:
-                self.transport.send(name, channel, msg)
+                if self.links is not None and direct:
+                    self.links.send(dest, msg)
+                else:
+                    self.transport.send(name, channel, msg)
 
     def receive(self, kind: Kind, step: int, micro: int) -> list[Received]:
         """The tensors of micro-batch `micro` of `step` coming in direction `kind`, in slot order; waits
@@ -134,38 +147,74 @@ class StageExchange:
             raise SluiceError(f"stage {self.place.stage} receives no {WHAT[kind]}")
         key = (kind, step, micro)
         deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while True:
+        links = self.links
+        link = links.links.get(source) if links is not None else None
+        while True:
+            if links is not None:  # the lanes' messages come in here, on this thread
+                links.pump(self._take_direct, self._refuse_direct)
+            with self._cond:
                 entry = self._entries.get(key)
                 if entry is not None and entry.complete():
-                    break
+                    del self._entries[key]
+                    self._taken.add(key)
+                    self._held -= entry.nbytes
+                    return [entry.tensors[slot] for slot in range(entry.of)]
+                waiting = self._waiting(kind, step, micro, source)
                 if entry is not None and entry.error is not None:
-                    raise SluiceError(f"{self._waiting(kind, step, micro, source)}: a tensor of it is malformed: "
-                                      f"{entry.error}")
+                    raise SluiceError(f"{waiting}: a tensor of it is malformed: {entry.error}")
                 if self._failure is not None:
-                    raise SluiceError(f"{self._waiting(kind, step, micro, source)}: the job failed: {self._failure}")
+                    raise SluiceError(f"{waiting}: the job failed: {self._failure}")
+                if link is not None and link.lane is not None and link.lane.closed:
+                    raise SluiceError(f"{waiting}: {link.state()} before sending it")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     count, reason = self._refused.get(self.workers.names[source], (0, ""))
                     refused = f"; {count} of its messages were refused, the last as: {reason}" if count else ""
+                    lane = f", {link.state()}" if link is not None else ""
                     raise SluiceError(
-                        f"{self._waiting(kind, step, micro, source)}: not complete after {self.timeout:g} s "
+                        f"{waiting}: not complete after {self.timeout:g} s "
                         f"({f'{len(entry.tensors)} of {entry.of} tensors came whole' if entry else 'nothing came'}"
-                        f"{refused}); {self.workers.describe(self.place, source)} is slow, stuck or gone. If its "
-                        "step is this slow, raise scheduler.op_timeout")
-                self._cond.wait(min(left, 1.0))
-            del self._entries[key]
-            self._taken.add(key)
-            self._held -= entry.nbytes
-        return [entry.tensors[slot] for slot in range(entry.of)]
+                        f"{refused}{lane}); {self.workers.describe(self.place, source)} is slow, stuck or gone. If "
+                        "its step is this slow, raise scheduler.op_timeout")
+                if links is None:
+                    self._cond.wait(min(left, 1.0))
+                    continue
+            links.wait(min(left, 1.0))
 
     def fail(self, error: str) -> None:
         """The job failed: every wait ends, now and later, with `error`."""
         with self._cond:
             self._failure = self._failure or error
-            self._cond.notify_all()
+            self._changed()
         if self.group is not None:
             self.group.fail(error)
+
+    def close(self, seconds: float) -> None:
+        """Send what still waits for a direct lane (at most `seconds`), then close the lanes."""
+        if self.links is not None:
+            self.links.close(seconds)
+
+    def _changed(self) -> None:
+        """Under the lock: what `receive` waits for may have changed; wake it."""
+        self._cond.notify_all()
+        if self.links is not None:
+            self.links.wake()
+
+    def _take_direct(self, peer: str, msg: Message) -> None:
+        """A message from a direct lane, on the stage's thread: taken, or refused (counted, logged)."""
+        try:
+            problem = self._take(peer, msg)
+        except Exception as exc:  # a bug here must not end the stage with a confusing error
+            problem = f"handling it failed ({type(exc).__name__}: {exc})"
+        if problem:
+            self._refuse_direct(peer, f"stage {self.place.stage} dropped {msg.kind.name} of step {msg.round} "
+                                      f"micro-batch {msg.chunk} slot {msg.key} from {peer!r:.60}: {problem}")
+
+    def _refuse_direct(self, peer: str, text: str) -> None:
+        with self._cond:
+            self._refused[peer] = (self._refused.get(peer, (0, ""))[0] + 1, text)
+        if self.links is not None:
+            self.links.rejects.refuse(peer, text, time.monotonic())
 
     def _waiting(self, kind: Kind, step: int, micro: int, source: int) -> str:
         return (f"{self.workers.describe(self.place, self.place.rank)} waited for the {WHAT[kind]} of micro-batch "
@@ -181,6 +230,12 @@ class StageExchange:
                 else:
                     self.group.on_message(peer, msg)
                     return
+            elif msg.kind == Kind.STAGE_LANE:
+                known = 0 <= msg.sender < len(self.workers.names) and self.workers.names[msg.sender] == peer
+                if not known or self.links is None:
+                    problem = "its sender is not the worker it names" if not known else "this stage takes no lane"
+                else:
+                    problem = self.links.offered(msg.sender, msg.meta)
             else:
                 problem = self._take(peer, msg)
         except Exception as exc:  # a bug here must not end the I/O thread
@@ -225,13 +280,13 @@ class StageExchange:
                 entry.tensors[piece.slot] = assembly.tensor()
             except WireError as exc:
                 entry.error = f"tensor {piece.slot}: {exc}"
-                self._cond.notify_all()
+                self._changed()
                 return str(exc)
             grown = entry.tensors[piece.slot].array.nbytes - piece.size  # a ZVC frame decodes larger
             entry.nbytes += grown
             self._held += grown
             if entry.complete():
-                self._cond.notify_all()
+                self._changed()
         return None
 
     def _out_of_place(self, key: tuple[Kind, int, int], msg: Message) -> str | None:

@@ -25,6 +25,8 @@ TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 GRADIENT_PRIORITY, ACTIVATION_PRIORITY, REPLICA_PRIORITY = 0, 1, 2
 #: what an eval step's acknowledgement and a closing stage's last word carry: nothing
 _EMPTY = [(np.zeros(0, np.float32), "float32")]
+#: how long a closing stage may take to hand its direct lanes what still waits for room in them
+CLOSE_FLUSH_S = 5.0
 
 
 @dataclass
@@ -56,12 +58,13 @@ class PipelineStage:
     `compress`: ZVC for the messages ("auto": towards a neighbour on another host). `offload`: the
     activations each forward saves for its backward go to host memory (compressed on a CPU) until then,
     those of at least `offload_min_bytes` (sluice.worker.torch.offload).
-    `timeout`: how long a receive waits (default: scheduler.op_timeout).
+    `timeout`: how long a receive waits (default: scheduler.op_timeout). `direct`: messages to a neighbour
+    on this host go over a direct lane, written and read by the stages' own threads (transport/lane.py).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int | None, num_stages: int,
                  device: torch.device | str | None = None, *, compress: str = "auto", offload: bool = False,
-                 offload_min_bytes: int = 1 << 16, timeout: float | None = None) -> None:
+                 offload_min_bytes: int = 1 << 16, timeout: float | None = None, direct: bool = True) -> None:
         client = require()
         self.place = StagePlace(client.rank, client.size, num_stages)
         if stage_index is not None and stage_index != self.place.stage:
@@ -75,7 +78,8 @@ class PipelineStage:
         self.exchange = StageExchange(
             client.transport, self.place, workers, timeout or client.control_settings.op_timeout,
             lambda priority: client.settings.channel_for(priority, REPLICA_PRIORITY + 1),
-            compress=compress, chunk_bytes=client.settings.chunk_limit, collective=client.collective_settings)
+            compress=compress, chunk_bytes=client.settings.chunk_limit, collective=client.collective_settings,
+            direct=direct)
         client.attach_pipeline(self.exchange.on_message, self.exchange.fail)
         client.on_close(self.close)
         self._next_step = 0
@@ -204,6 +208,8 @@ class PipelineStage:
                 self.exchange.receive(FORWARD, step, 0)
         except SluiceError as exc:
             log.warning("%s: closing without the stage before's last word: %s", self.describe(), exc)
+        finally:
+            self.exchange.close(CLOSE_FLUSH_S)
 
     def begin(self, step: int, micro_batches: int) -> None:
         self._next_step = step + 1

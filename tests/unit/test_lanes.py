@@ -1,0 +1,304 @@
+"""Direct lanes (transport/lane.py) on real Unix sockets, and a stage's exchange over them (links.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sluice.scheduler.errors import SluiceError
+from sluice.transport import lane as lanes
+from sluice.transport.wire import DATA_HEADER_BYTES, Flag, Kind, Message, WireError, encode
+from sluice.worker.pipeline.exchange import Neighbours, StageExchange
+from sluice.worker.pipeline.frames import BACKWARD, FORWARD
+from sluice.worker.pipeline.layout import StagePlace
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not lanes.AVAILABLE, reason="lanes need Linux")]
+
+
+def accepted(listener: lanes.LaneListener, seconds: float = 5.0) -> lanes.Lane:
+    deadline = time.monotonic() + seconds
+    while (lane := listener.accept()) is None:
+        assert time.monotonic() < deadline, "the listener took no connection"
+        time.sleep(0.001)
+    return lane
+
+
+def pair() -> tuple[lanes.Lane, lanes.Lane]:
+    listener = lanes.LaneListener()
+    dialled = lanes.connect(listener.name, listener.secret)
+    assert dialled is not None
+    return accepted(listener), dialled
+
+
+def received(lane: lanes.Lane, count: int, seconds: float = 5.0) -> list[Message | WireError]:
+    """`count` datagrams from `lane`, their payloads copied (a Message's is valid only until the next read)."""
+    got: list[Message | WireError] = []
+    deadline = time.monotonic() + seconds
+    while len(got) < count and time.monotonic() < deadline:
+        for item in lane.receive():
+            if isinstance(item, Message) and item.payload is not None:
+                item.payload = bytes(item.payload)
+            got.append(item)
+    return got
+
+
+def tensor_message(priority: int = 0, nbytes: int = 4096, fill: int = 1) -> Message:
+    payload = np.full(nbytes, fill, np.uint8)
+    return Message(Kind.STAGE_FORWARD, sender=1, key=2, chunk=3, round=4, priority=priority, dtype="uint8",
+                   shape=(nbytes,), payload=payload, meta={"x": [1, "a"]})
+
+
+def test_messages_cross_a_lane_whole_and_checked() -> None:
+    a, b = pair()
+    sent = [tensor_message(), Message(Kind.STAGE_BACKWARD, sender=0, round=9),
+            Message(Kind.STAGE_FORWARD, dtype="uint8", shape=(0,), payload=np.zeros(0, np.uint8))]
+    for msg in sent:
+        b.send(msg)
+    got = received(a, 3)
+    assert [(m.kind, m.sender, m.round) for m in got if isinstance(m, Message)] == [
+        (Kind.STAGE_FORWARD, 1, 4), (Kind.STAGE_BACKWARD, 0, 9), (Kind.STAGE_FORWARD, -1, 0)]
+    first = got[0]
+    assert isinstance(first, Message) and first.meta == {"x": [1, "a"]} and first.payload == bytes([1]) * 4096
+    last = got[2]
+    assert isinstance(last, Message) and last.payload == b"" and last.shape == (0,)
+    a.send(tensor_message(fill=7))  # and the other way
+    back = received(b, 1)[0]
+    assert isinstance(back, Message) and back.payload == bytes([7]) * 4096
+
+
+def test_a_full_lane_queues_without_blocking_and_sends_the_most_urgent_first() -> None:
+    a, b = pair()
+    started = time.monotonic()
+    for index in range(200):  # 12.5 MiB: far more than the socket holds
+        b.send(tensor_message(priority=1, nbytes=lanes.LANE_PIECE, fill=index % 200))
+    assert time.monotonic() - started < 2.0 and b.pending > 0
+    b.send(tensor_message(priority=0, nbytes=16, fill=255))  # an urgent one queued behind them
+    got: list[Message | WireError] = []
+    while len(got) < 201:
+        b.flush()
+        got += received(a, 1, seconds=1.0)
+    assert b.flush() and b.pending == 0
+    fills = [m.payload[0] for m in got if isinstance(m, Message)]
+    urgent = fills.index(255)
+    assert urgent < 200 - b.pending and fills[:urgent] + fills[urgent + 1:] == [i % 200 for i in range(200)]
+    assert urgent < 199  # it passed the queued bulk: sent as soon as there was room, not last
+
+
+def test_the_listener_takes_only_the_connection_that_knows_its_secret() -> None:
+    listener = lanes.LaneListener()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stranger.connect("\0" + listener.name)
+    stranger.send(b"0" * lanes.SECRET_HEX)
+    deadline = time.monotonic() + 2
+    while listener.refused == 0 and time.monotonic() < deadline:
+        assert listener.accept() is None
+    assert listener.refused == 1
+    assert stranger.recv(10) == b""  # shut out
+    dialled = lanes.connect(listener.name, listener.secret)
+    assert dialled is not None
+    lane = accepted(listener)
+    dialled.send(tensor_message())
+    assert isinstance(received(lane, 1)[0], Message)
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SYSTEM_PYTHON is None,
+                    reason="needs root and a python3 in /usr/bin to run a process as another user")
+def test_a_process_of_another_user_is_refused_even_with_the_secret() -> None:
+    listener = lanes.LaneListener()
+    code = ("import socket,sys; s=socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); "
+            f"s.connect('\\0{listener.name}'); s.send(b'{listener.secret}')\n"
+            "try: print(s.recv(10))\nexcept ConnectionResetError: print(b'')")
+    child = subprocess.Popen([str(SYSTEM_PYTHON), "-c", code], user=65534, stdout=subprocess.PIPE, text=True,
+                             cwd="/")
+    deadline = time.monotonic() + 10
+    while listener.refused == 0 and time.monotonic() < deadline:
+        assert listener.accept() is None
+        time.sleep(0.01)
+    out, _ = child.communicate(timeout=10)
+    assert listener.refused == 1 and out.strip() == "b''"
+
+
+def raw_datagram(header: bytes, count: int, payload: bytes = b"") -> bytes:
+    return len(header).to_bytes(4, "little") + bytes([count]) + header + payload
+
+
+def malformed() -> list[tuple[bytes, str]]:
+    good = encode(tensor_message(nbytes=8))
+    header, payload = bytes(good[0]), bytes(memoryview(good[1]))
+    shm = Message(Kind.STAGE_FORWARD, dtype="uint8", shape=(8,), payload=b"x" * 8, flags=Flag.SHM)
+    shm.shm = ("seg", 0, 8)
+    shm_frames = [bytes(memoryview(f)) for f in encode(shm)]
+    return [
+        (b"abc", "has no header length"),
+        (raw_datagram(header, 3, payload), "declares"),
+        (raw_datagram(header, 1, payload), "declares"),
+        ((10 ** 6).to_bytes(4, "little") + b"\x02" + header, "declares"),
+        (raw_datagram(b"\xc1" * 10, 1), "not valid msgpack"),
+        (raw_datagram(header, 2, payload + b"extra"), "payload bytes"),
+        (raw_datagram(shm_frames[0], 2, shm_frames[1]), "shared memory"),
+        (b"\0" * (5 + DATA_HEADER_BYTES + lanes.LANE_PIECE + 2), "larger than"),
+    ]
+
+
+def test_malformed_datagrams_are_refused_and_the_lane_keeps_serving() -> None:
+    listener = lanes.LaneListener()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    raw.connect("\0" + listener.name)
+    raw.send(listener.secret.encode())
+    lane = accepted(listener)
+    cases = malformed()
+    for datagram, _ in cases:
+        raw.send(datagram)
+    raw.send(raw_datagram(bytes(encode(tensor_message(nbytes=8))[0]), 2, b"\1" * 8))
+    got = received(lane, len(cases) + 1)
+    for (_, problem), item in zip(cases, got, strict=False):
+        assert isinstance(item, WireError) and problem in str(item), (problem, item)
+    assert isinstance(got[-1], Message) and got[-1].payload == b"\1" * 8
+
+
+def test_a_peer_that_closes_reads_as_closed_and_sending_to_it_does_not_raise() -> None:
+    a, b = pair()
+    b.send(tensor_message())
+    b.close()
+    got = received(a, 2, seconds=1.0)
+    assert len(got) == 1 and a.closed  # what it sent first still arrives, then the end
+    c, d = pair()
+    c.close()
+    d.send(tensor_message())
+    assert d.closed
+
+
+def test_connect_checks_the_offer_and_waits_for_a_listener() -> None:
+    with pytest.raises(ValueError, match="lane offer"):
+        lanes.connect("../etc/passwd", "0" * 32)
+    with pytest.raises(ValueError, match="lane offer"):
+        lanes.connect("sluice-lane-" + "0" * 32, "short")
+    assert lanes.connect("sluice-lane-" + "0" * 32, "0" * 32) is None  # nobody listens there
+
+
+# ---------------------------------------------------------------------------- a stage's exchange over lanes
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, Message]] = []
+        self.refused: list[str] = []
+
+    def send(self, peer: str, channel: int, msg: Message) -> None:
+        self.sent.append((peer, channel, msg))
+
+    def refuse(self, peer: str, text: str) -> None:
+        self.refused.append(text)
+
+
+def exchange(rank: int, **kw: Any) -> tuple[StageExchange, Recorder]:
+    wire = Recorder()
+    ex = StageExchange(wire, StagePlace(rank, 2, 2), Neighbours(["worker-0", "worker-1"], ["h", "h"]),  # type: ignore[arg-type]
+                       kw.pop("timeout", 5.0), lambda priority: priority, **kw)
+    return ex, wire
+
+
+def connected() -> tuple[StageExchange, StageExchange, Recorder, Recorder]:
+    first, wire0 = exchange(0)
+    last, wire1 = exchange(1)
+    assert [m.kind for _, _, m in wire0.sent] == [Kind.STAGE_LANE] and wire1.sent == []
+    offer = wire0.sent.pop()[2]
+    last.on_message("worker-0", offer)
+    for ex in (first, last):
+        ex.begin(0, 2)
+    return first, last, wire0, wire1
+
+
+def test_neighbours_on_one_host_exchange_over_a_direct_lane_not_the_transport() -> None:
+    first, last, wire0, wire1 = connected()
+    activations = np.arange(100_000, dtype=np.float32)  # 400 KB: in pieces of a lane's size
+    first.send(FORWARD, 0, 1, [(activations, "float32")], 1)
+    answered: list[Any] = []
+
+    def last_stage() -> None:
+        got = last.receive(FORWARD, 0, 1)
+        last.send(BACKWARD, 0, 1, [(got[0].array * 2, "float32")], 0)
+        answered.append(got)
+
+    thread = threading.Thread(target=last_stage)
+    thread.start()
+    back = first.receive(BACKWARD, 0, 1)  # its waits accept the lane and send what waited for it
+    thread.join(10)
+    assert np.array_equal(answered[0][0].array, activations) and np.array_equal(back[0].array, activations * 2)
+    assert wire0.sent == wire1.sent == [] and wire0.refused == wire1.refused == []
+    first.close(1.0)
+    last.close(1.0)
+
+
+def received_while_pumping(receiver: StageExchange, sender: StageExchange, micro: int) -> Any:
+    """`receiver`'s activations of micro-batch `micro`, while `sender`'s thread (here) pumps its lanes."""
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(receiver.receive(FORWARD, 0, micro)))
+    thread.start()
+    assert sender.links is not None
+    while thread.is_alive():
+        sender.links.pump(lambda peer, msg: None, lambda peer, text: None)
+        thread.join(0.001)
+    return got[0]
+
+
+def test_a_neighbour_whose_lane_closes_is_named_at_once() -> None:
+    first, last, _, _ = connected()
+    first.send(FORWARD, 0, 0, [(np.ones(4, np.float32), "float32")], 1)
+    assert received_while_pumping(last, first, 0)[0].array.tolist() == [1, 1, 1, 1]
+    first.close(1.0)
+    started = time.monotonic()
+    with pytest.raises(SluiceError, match=r"from stage 0 \(worker 0 on h\): its direct lane closed: it exited"):
+        last.receive(FORWARD, 0, 1)
+    assert time.monotonic() - started < 1.0
+
+
+def test_what_a_lane_brings_out_of_place_is_refused_and_counted() -> None:
+    first, last, _, _ = connected()
+    first.send(FORWARD, 0, 0, [(np.ones(4, np.float32), "float32")], 1)
+    received_while_pumping(last, first, 0)
+    assert first.links is not None
+    lane = first.links.links[1].lane
+    assert lane is not None
+    lane.send(Message(Kind.STAGE_BACKWARD, sender=0, dtype="uint8", shape=(1,), payload=b"x"))  # the wrong way
+    lane.send(Message(Kind.GROUP_DATA, sender=0))
+    last.timeout = 0.3
+    with pytest.raises(SluiceError, match=r"2 of its messages were refused, the last as: .*GROUP_DATA"):
+        last.receive(FORWARD, 0, 1)
+    assert last.links is not None and last.links.rejects.total == 2
+
+
+@pytest.mark.parametrize(("sender", "meta", "problem"), [
+    (1, {"lane": "sluice-lane-" + "0" * 32, "secret": "0" * 32}, "not the worker it names"),
+    (0, {"lane": "x", "secret": "0" * 32}, "must name a sluice lane"),
+    (0, {"lane": "sluice-lane-" + "0" * 32}, "meta must be"),
+    (0, "text", "meta must be"),
+])
+def test_lane_offers_are_checked(sender: int, meta: Any, problem: str) -> None:
+    last, wire = exchange(1)
+    last.on_message("worker-0", Message(Kind.STAGE_LANE, sender=sender, meta=meta))
+    assert len(wire.refused) == 1 and problem in wire.refused[0]
+
+
+def test_an_offer_twice_or_to_a_stage_without_lanes_is_refused() -> None:
+    first, wire0 = exchange(0)
+    offer = wire0.sent[0][2]
+    last, wire1 = exchange(1)
+    last.on_message("worker-0", offer)
+    last.on_message("worker-0", offer)
+    assert len(wire1.refused) == 1 and "twice" in wire1.refused[0]
+    plain, wire2 = exchange(1, direct=False)
+    plain.on_message("worker-0", offer)
+    assert "no lane" in wire2.refused[0]
+    first.on_message("worker-1", Message(Kind.STAGE_LANE, sender=1, meta=offer.meta))  # the first stage offers
+    assert "no direct lane from that worker" in wire0.refused[0]

@@ -1,0 +1,205 @@
+"""Direct lanes: a Unix SEQPACKET connection between two processes on one host, used by their own threads.
+
+A message through the transport goes caller -> I/O thread -> ZeroMQ's thread -> socket -> ZeroMQ's thread
+-> I/O thread -> caller: five thread wake-ups, each waiting for a core when processes outnumber cores (a
+pipeline of 4 stages on 2 cores). A lane's sender writes the message into the socket itself, and its
+receiver reads it in the thread that waits for it: one wake-up, no GIL hand-over, no credit messages (the
+kernel's socket buffer is the credit). A full socket never blocks the sender: messages wait in a queue,
+most urgent first, and go whenever its owner next sends or waits (`flush`), so two neighbours sending
+to each other cannot deadlock.
+
+Set-up: one side listens on a random abstract-namespace name and tells the other, through the
+(authenticated) transport, the name and a random secret; the other connects and sends the secret
+first. The listener takes only a connection whose peer runs as our user (SO_PEERCRED) and whose first
+datagram is the secret. Every datagram after it is one wire message (4-byte header length, header,
+payload) that `wire.decode` checks like any other; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import re
+import secrets
+import socket
+import struct
+import sys
+from collections.abc import Iterator
+
+from sluice.transport.wire import DATA_HEADER_BYTES, Message, WireError, decode, encode
+
+#: the largest payload of one lane message: the kernel keeps a whole datagram in the socket buffer,
+#: which an unprivileged process can raise to net.core.wmem_max (about 208 KiB by default)
+LANE_PIECE = 64 << 10
+_WANTED_BUFFER = 4 << 20
+_LENGTH = struct.Struct("<IB")  # header bytes, frames (1 or 2)
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+NAME = re.compile(r"sluice-lane-[0-9a-f]{32}")
+SECRET_HEX = 32
+AVAILABLE = sys.platform.startswith("linux")  # abstract Unix names and SO_PEERCRED
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    uid: int = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+    return uid
+
+
+def _seqpacket() -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # as much as the kernel allows: fewer full-socket waits
+        sock.setsockopt(socket.SOL_SOCKET, option, _WANTED_BUFFER)
+    return sock
+
+
+class LaneListener:
+    """Waits for the one connection that proves it knows `secret`; `name` and `secret` go to the peer."""
+
+    def __init__(self) -> None:
+        self.name = f"sluice-lane-{secrets.token_hex(16)}"
+        self.secret = secrets.token_hex(SECRET_HEX // 2)
+        self._sock = _seqpacket()
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(4)
+        self._candidates: list[socket.socket] = []
+        #: connections refused (another user's, or a wrong secret)
+        self.refused = 0
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def candidates(self) -> list[socket.socket]:
+        """Connections accepted that have not yet sent their secret (poll them for input)."""
+        return self._candidates
+
+    def accept(self) -> Lane | None:
+        """The proven lane, once a connection sent the secret; never blocks."""
+        while len(self._candidates) < 4:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            if _peer_uid(conn) != os.getuid():
+                self.refused += 1
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._candidates.append(conn)
+        for conn in list(self._candidates):
+            try:
+                first = conn.recv(SECRET_HEX + 1)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                first = b""
+            self._candidates.remove(conn)
+            if first == self.secret.encode():
+                self.close()
+                return Lane(conn)
+            self.refused += 1
+            conn.close()
+        return None
+
+    def close(self) -> None:
+        self._sock.close()
+        for conn in self._candidates:
+            conn.close()
+        self._candidates.clear()
+
+
+def connect(name: str, secret: str) -> Lane | None:
+    """A lane to the listener `name`, or None while it does not listen (yet); ValueError for a name or
+    secret out of format, or a listener that runs as another user."""
+    if not NAME.fullmatch(name) or len(secret) != SECRET_HEX or not all(c in "0123456789abcdef" for c in secret):
+        raise ValueError(f"a lane offer names {name!r:.60} with a secret of {len(secret)} characters")
+    sock = _seqpacket()
+    try:
+        sock.connect("\0" + name)
+    except (ConnectionRefusedError, FileNotFoundError, BlockingIOError):
+        sock.close()
+        return None
+    if _peer_uid(sock) != os.getuid():
+        sock.close()
+        raise ValueError(f"lane {name} is held by another user's process")
+    sock.send(secret.encode())
+    return Lane(sock)
+
+
+class Lane:
+    """One connected lane: messages out (queued while the socket is full, most urgent first) and in."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._pending: list[tuple[int, int, list[bytes | memoryview]]] = []
+        self._order = itertools.count()
+        self._buffer = bytearray(_LENGTH.size + DATA_HEADER_BYTES + LANE_PIECE + 1)
+        self._view = memoryview(self._buffer)
+        #: the peer closed its end (it exited): nothing more will come
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def send(self, msg: Message) -> None:
+        """Queue `msg` (a payload of at most LANE_PIECE bytes, not in shared memory) and send what the
+        socket takes now. The payload must not change until it has left (`pending` is 0)."""
+        frames = encode(msg)
+        if len(frames) > 1 and memoryview(frames[1]).nbytes > LANE_PIECE:
+            raise ValueError(f"a lane message carries at most {LANE_PIECE} bytes, got {memoryview(frames[1]).nbytes}")
+        datagram = [_LENGTH.pack(len(frames[0]), len(frames)), *frames]
+        heapq.heappush(self._pending, (msg.priority, next(self._order), datagram))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send queued messages while the socket takes them; True when none is left."""
+        while self._pending and not self.closed:
+            try:
+                self._sock.sendmsg(self._pending[0][2])
+            except (BlockingIOError, InterruptedError):
+                return False
+            except (BrokenPipeError, ConnectionResetError):
+                self.closed = True
+                break
+            heapq.heappop(self._pending)
+        return not self._pending
+
+    def receive(self) -> Iterator[Message | WireError]:
+        """What arrived, without waiting: each datagram decoded (a Message whose payload is valid until
+        the next one is read) or the WireError that refuses it."""
+        while not self.closed:
+            try:
+                size, _, flags, _ = self._sock.recvmsg_into([self._view])
+            except (BlockingIOError, InterruptedError):
+                return
+            except (ConnectionResetError, OSError):
+                size, flags = 0, 0
+            if size == 0:
+                self.closed = True
+                return
+            yield self._parse(size, flags)
+
+    def _parse(self, size: int, flags: int) -> Message | WireError:
+        if flags & socket.MSG_TRUNC:
+            return WireError(f"a lane datagram is larger than {len(self._buffer)} bytes")
+        if size < _LENGTH.size:
+            return WireError(f"a lane datagram of {size} bytes has no header length")
+        header, count = _LENGTH.unpack_from(self._buffer)
+        end = _LENGTH.size + header
+        if not 0 < header <= DATA_HEADER_BYTES or end > size or count not in (1, 2) or (count == 1 and end < size):
+            return WireError(f"a lane datagram of {size} bytes declares a {header}-byte header and {count} frames")
+        frames = [self._view[_LENGTH.size:end]] + ([self._view[end:size]] if count == 2 else [])
+        try:
+            msg = decode(frames)
+        except WireError as exc:
+            return exc
+        if msg.shm is not None:
+            return WireError("a lane message points into shared memory, which lanes do not use")
+        return msg
+
+    def close(self) -> None:
+        self.closed = True
+        self._sock.close()

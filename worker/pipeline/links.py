@@ -1,0 +1,173 @@
+"""A stage's direct lanes (transport/lane.py) to its neighbours on its own host: offered, connected, polled.
+
+The stage before listens and offers (STAGE_LANE through the transport: its name and secret); the stage
+after connects once the offer is in. Messages for a neighbour whose lane is not connected yet wait in
+order. All of it runs on the stage's own thread, inside `send` and the waits of `receive`; the I/O
+thread only hands over offers and wakes a wait (`wake`) when something it delivered changes the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sluice.transport import lane as lanes
+from sluice.transport.base import Transport
+from sluice.transport.rejects import Rejections
+from sluice.transport.wire import Kind, Message, WireError
+
+log = logging.getLogger("sluice.worker")
+
+Deliver = Callable[[str, Message], None]
+Refuse = Callable[[str, str], None]
+
+
+@dataclass
+class Link:
+    """The lane to one neighbour, in whichever state it is."""
+
+    rank: int
+    peer: str
+    listener: lanes.LaneListener | None = None
+    offer: tuple[str, str] | None = None  # (name, secret) the neighbour offered; set on the I/O thread
+    lane: lanes.Lane | None = None
+    waiting: list[Message] = field(default_factory=list)  # sent before the lane connected
+    error: str | None = None
+
+    def state(self) -> str:
+        """For a deadline's message: where the lane stands."""
+        if self.error:
+            return f"a direct lane that failed: {self.error}"
+        if self.lane is not None:
+            return "its direct lane closed: it exited" if self.lane.closed else "over a direct lane"
+        if self.listener is not None or self.offer is not None:
+            return "a direct lane offered and not yet connected"
+        return "no direct lane offered yet"
+
+
+class Links:
+    """Lanes to the neighbours in `ranks` (stage before and after, those on this host)."""
+
+    def __init__(self, transport: Transport, me: int, ranks: dict[int, str], offer_to: int | None,
+                 channel: int) -> None:
+        self.links = {rank: Link(rank, peer) for rank, peer in ranks.items()}
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
+        self._closed = False
+        self._owner: int | None = None  # the stage's thread, once it pumps
+        #: what lanes brought that was refused (counted and logged here, on the stage's thread)
+        self.rejects = Rejections(log)
+        if offer_to is not None:
+            link = self.links[offer_to]
+            link.listener = lanes.LaneListener()
+            offer = Message(Kind.STAGE_LANE, sender=me, meta={"lane": link.listener.name,
+                                                              "secret": link.listener.secret})
+            transport.send(link.peer, channel, offer)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self.links
+
+    # ------------------------------------------------------------------ the I/O thread
+    def offered(self, rank: int, meta: object) -> str | None:
+        """A STAGE_LANE offer from neighbour `rank`; why it is refused, or None."""
+        link = self.links.get(rank)
+        if link is None or link.listener is not None:
+            return "this stage takes no direct lane from that worker"
+        if link.offer is not None:
+            return "it offered a direct lane twice"
+        if type(meta) is not dict or set(meta) != {"lane", "secret"} or not all(
+                type(v) is str for v in meta.values()):
+            return "a lane offer's meta must be {lane, secret} strings"
+        if not lanes.NAME.fullmatch(meta["lane"]) or len(meta["secret"]) != lanes.SECRET_HEX:
+            return "a lane offer must name a sluice lane and a secret of 32 hex digits"
+        link.offer = (meta["lane"], meta["secret"])
+        self.wake()
+        return None
+
+    def wake(self) -> None:
+        """End the stage thread's current wait (any thread; a no-op once closed)."""
+        if threading.get_ident() == self._owner:  # the stage's own thread, which checks before it waits
+            return
+        with self._wake_lock:
+            if not self._closed:
+                os.eventfd_write(self._wake, 1)
+
+    # ------------------------------------------------------------------ the stage's thread
+    def send(self, rank: int, msg: Message) -> None:
+        link = self.links[rank]
+        if link.lane is None:
+            link.waiting.append(msg)
+            self._connect(link)
+        else:
+            link.lane.send(msg)
+
+    def pump(self, deliver: Deliver, refuse: Refuse) -> None:
+        """Connect what can be, send what waits, and hand what arrived to `deliver`; never blocks."""
+        self._owner = threading.get_ident()
+        for link in self.links.values():
+            if link.lane is None:
+                self._connect(link)
+            if link.lane is None:
+                continue
+            link.lane.flush()
+            for got in link.lane.receive():
+                if isinstance(got, WireError):
+                    refuse(link.peer, f"dropped a lane message from {link.peer!r:.60}: {got}")
+                else:
+                    deliver(link.peer, got)
+
+    def _connect(self, link: Link) -> None:
+        try:
+            if link.listener is not None:
+                link.lane = link.listener.accept()
+                if link.listener.refused:
+                    self.rejects.refuse(link.peer, f"refused {link.listener.refused} connection(s) to the lane "
+                                        f"for {link.peer!r:.60}: another user's, or without its secret",
+                                        time.monotonic())
+                    link.listener.refused = 0
+            elif link.offer is not None:
+                link.lane = lanes.connect(*link.offer)
+        except (OSError, ValueError) as exc:
+            link.error, link.offer = f"{type(exc).__name__}: {exc}", None
+        if link.lane is not None:
+            link.listener = None
+            for msg in link.waiting:
+                link.lane.send(msg)
+            link.waiting.clear()
+
+    def wait(self, seconds: float) -> None:
+        """Wait at most `seconds` for input on a lane, room for what waits to go, or a `wake`."""
+        poller = select.poll()
+        poller.register(self._wake, select.POLLIN)
+        for link in self.links.values():
+            if link.lane is not None and not link.lane.closed:
+                poller.register(link.lane, select.POLLIN | (select.POLLOUT if link.lane.pending else 0))
+            elif link.listener is not None:
+                poller.register(link.listener, select.POLLIN)
+                for conn in link.listener.candidates():
+                    poller.register(conn, select.POLLIN)
+        poller.poll(max(0, int(seconds * 1e3)))
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._wake)
+
+    def close(self, seconds: float) -> None:
+        """Send what still waits (at most `seconds`), then close every lane."""
+        deadline = time.monotonic() + seconds
+        lanes_open = [link.lane for link in self.links.values() if link.lane is not None]
+        while time.monotonic() < deadline and any(not lane.closed and not lane.flush() for lane in lanes_open):
+            self.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        for link in self.links.values():
+            if link.lane is not None:
+                link.lane.close()
+            if link.listener is not None:
+                link.listener.close()
+        with self._wake_lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._wake)
