@@ -69,16 +69,19 @@ def test_messages_cross_a_lane_whole_and_checked() -> None:
     assert isinstance(first, Message) and first.meta == {"x": [1, "a"]} and first.payload == bytes([1]) * 4096
     last = got[2]
     assert isinstance(last, Message) and last.payload == b"" and last.shape == (0,)
-    a.send(tensor_message(fill=7))  # and the other way
+    largest = lanes.piece_bytes()  # the accepting end takes it too (its socket's buffers are raised as well)
+    a.send(tensor_message(fill=7, nbytes=largest))
     back = received(b, 1)[0]
-    assert isinstance(back, Message) and back.payload == bytes([7]) * 4096
+    assert isinstance(back, Message) and back.payload == bytes([7]) * largest
+    with pytest.raises(ValueError, match="at most"):
+        a.send(tensor_message(nbytes=largest + 1))
 
 
 def test_a_full_lane_queues_without_blocking_and_sends_the_most_urgent_first() -> None:
     a, b = pair()
     started = time.monotonic()
     for index in range(200):  # 12.5 MiB: far more than the socket holds
-        b.send(tensor_message(priority=1, nbytes=lanes.LANE_PIECE, fill=index % 200))
+        b.send(tensor_message(priority=1, nbytes=lanes.piece_bytes(), fill=index % 200))
     assert time.monotonic() - started < 2.0 and b.pending > 0
     b.send(tensor_message(priority=0, nbytes=16, fill=255))  # an urgent one queued behind them
     got: list[Message | WireError] = []
@@ -147,7 +150,7 @@ def malformed() -> list[tuple[bytes, str]]:
         (raw_datagram(b"\xc1" * 10, 1), "not valid msgpack"),
         (raw_datagram(header, 2, payload + b"extra"), "payload bytes"),
         (raw_datagram(shm_frames[0], 2, shm_frames[1]), "shared memory"),
-        (b"\0" * (5 + DATA_HEADER_BYTES + lanes.LANE_PIECE + 2), "larger than"),
+        (b"\0" * (5 + DATA_HEADER_BYTES + lanes.MAX_PIECE + 2), "larger than"),
     ]
 
 
@@ -180,12 +183,13 @@ def test_a_peer_that_closes_reads_as_closed_and_sending_to_it_does_not_raise() -
     assert d.closed
 
 
-def test_connect_checks_the_offer_and_waits_for_a_listener() -> None:
+def test_connect_checks_the_offer_and_says_when_nobody_listens() -> None:
     with pytest.raises(ValueError, match="lane offer"):
         lanes.connect("../etc/passwd", "0" * 32)
     with pytest.raises(ValueError, match="lane offer"):
         lanes.connect("sluice-lane-" + "0" * 32, "short")
-    assert lanes.connect("sluice-lane-" + "0" * 32, "0" * 32) is None  # nobody listens there
+    with pytest.raises(ConnectionRefusedError):  # nobody listens there (in this network namespace)
+        lanes.connect("sluice-lane-" + "0" * 32, "0" * 32)
 
 
 # ---------------------------------------------------------------------------- a stage's exchange over lanes
@@ -302,3 +306,27 @@ def test_an_offer_twice_or_to_a_stage_without_lanes_is_refused() -> None:
     assert "no lane" in wire2.refused[0]
     first.on_message("worker-1", Message(Kind.STAGE_LANE, sender=1, meta=offer.meta))  # the first stage offers
     assert "no direct lane from that worker" in wire0.refused[0]
+
+
+def test_a_lane_that_cannot_connect_is_declined_and_both_sides_use_the_transport() -> None:
+    first, wire0 = exchange(0)
+    last, wire1 = exchange(1)
+    offer = wire0.sent.pop()[2]
+    assert offer.meta is not None
+    elsewhere = {**offer.meta, "lane": "sluice-lane-" + "0" * 32}  # as if in another network namespace
+    last.on_message("worker-0", Message(Kind.STAGE_LANE, sender=0, meta=elsewhere))
+    for ex in (first, last):
+        ex.begin(0, 2)
+    first.send(FORWARD, 0, 0, [(np.ones(4, np.float32), "float32")], 1)  # waits for a lane, for now
+    assert wire0.sent == []
+    last.send(BACKWARD, 0, 1, [(np.full(4, 2, np.float32), "float32")], 0)  # the connect fails: declined
+    assert [m.kind for _, _, m in wire1.sent] == [Kind.STAGE_LANE, Kind.STAGE_BACKWARD]
+    assert wire1.sent[0][2].meta is not None and "ConnectionRefusedError" in wire1.sent[0][2].meta["declined"]
+    for _, _, msg in wire1.sent:
+        first.on_message("worker-1", msg)
+    assert first.receive(BACKWARD, 0, 1)[0].array.tolist() == [2, 2, 2, 2]  # its wait sends what waited
+    assert [(peer, m.kind) for peer, _, m in wire0.sent] == [("worker-1", Kind.STAGE_FORWARD)]
+    last.on_message("worker-0", wire0.sent[0][2])
+    assert last.receive(FORWARD, 0, 0)[0].array.tolist() == [1, 1, 1, 1]
+    assert wire0.refused == wire1.refused == []
+    assert first.links is not None and "could not connect" in first.links.links[1].state()

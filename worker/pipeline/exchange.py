@@ -127,7 +127,7 @@ class StageExchange:
         compression, name = self.compression[kind], self.workers.names[dest]
         channel = self._channel_for(priority)
         direct = self.links is not None and dest in self.links
-        piece = min(self._piece, lanes.LANE_PIECE) if direct else self._piece
+        piece = min(self._piece, lanes.piece_bytes()) if direct else self._piece
         for slot, (array, dtype) in enumerate(tensors):
             tried = compression.wanted(slot)
             messages = build(kind, self.place.rank, step, micro, slot, len(tensors), array, dtype, priority, tried,
@@ -135,7 +135,7 @@ class StageExchange:
             compression.count(slot, array.nbytes, messages, tried)
             for msg in messages:
                 if self.links is not None and direct:
-                    self.links.send(dest, msg)
+                    self.links.send(dest, channel, msg)
                 else:
                     self.transport.send(name, channel, msg)
 

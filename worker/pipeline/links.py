@@ -2,8 +2,10 @@
 
 The stage before listens and offers (STAGE_LANE through the transport: its name and secret); the stage
 after connects once the offer is in. Messages for a neighbour whose lane is not connected yet wait in
-order. All of it runs on the stage's own thread, inside `send` and the waits of `receive`; the I/O
-thread only hands over offers and wakes a wait (`wake`) when something it delivered changes the answer.
+order. A stage that cannot connect (the name is not in its network namespace: "one host" by name only)
+declines (STAGE_LANE {declined}); both then send through the transport, which delivers as before. All
+of it runs on the stage's own thread, inside `send` and the waits of `receive`; the I/O thread only
+hands over offers and declines, and wakes a wait (`wake`) when something it delivered changes the answer.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ class Link:
     listener: lanes.LaneListener | None = None
     offer: tuple[str, str] | None = None  # (name, secret) the neighbour offered; set on the I/O thread
     lane: lanes.Lane | None = None
-    waiting: list[Message] = field(default_factory=list)  # sent before the lane connected
-    error: str | None = None
+    waiting: list[tuple[int, Message]] = field(default_factory=list)  # (channel, message) before a lane
+    #: why this pair talks through the transport instead (a lane could not connect), set on either side
+    declined: str | None = None
 
     def state(self) -> str:
         """For a deadline's message: where the lane stands."""
-        if self.error:
-            return f"a direct lane that failed: {self.error}"
+        if self.declined:
+            return f"through the transport (no direct lane: {self.declined})"
         if self.lane is not None:
             return "its direct lane closed: it exited" if self.lane.closed else "over a direct lane"
         if self.listener is not None or self.offer is not None:
@@ -57,6 +60,7 @@ class Links:
     def __init__(self, transport: Transport, me: int, ranks: dict[int, str], offer_to: int | None,
                  channel: int) -> None:
         self.links = {rank: Link(rank, peer) for rank, peer in ranks.items()}
+        self._transport, self._me, self._channel = transport, me, channel
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()
         self._closed = False
@@ -75,8 +79,14 @@ class Links:
 
     # ------------------------------------------------------------------ the I/O thread
     def offered(self, rank: int, meta: object) -> str | None:
-        """A STAGE_LANE offer from neighbour `rank`; why it is refused, or None."""
+        """A STAGE_LANE offer (or decline) from neighbour `rank`; why it is refused, or None."""
         link = self.links.get(rank)
+        if link is not None and link.listener is not None and type(meta) is dict and set(meta) == {"declined"}:
+            if type(meta["declined"]) is not str or link.declined is not None:
+                return "a lane decline must say why, once"
+            link.declined = f"{link.peer} could not connect: {meta['declined'][:200]}"
+            self.wake()
+            return None
         if link is None or link.listener is not None:
             return "this stage takes no direct lane from that worker"
         if link.offer is not None:
@@ -99,13 +109,14 @@ class Links:
                 os.eventfd_write(self._wake, 1)
 
     # ------------------------------------------------------------------ the stage's thread
-    def send(self, rank: int, msg: Message) -> None:
+    def send(self, rank: int, channel: int, msg: Message) -> None:
+        """`msg` to neighbour `rank`: over its lane, or on `channel` of the transport if it declined one."""
         link = self.links[rank]
-        if link.lane is None:
-            link.waiting.append(msg)
-            self._connect(link)
-        else:
+        if link.lane is not None:
             link.lane.send(msg)
+            return
+        link.waiting.append((channel, msg))
+        self._connect(link)
 
     def pump(self, deliver: Deliver, refuse: Refuse) -> None:
         """Connect what can be, send what waits, and hand what arrived to `deliver`; never blocks."""
@@ -123,6 +134,9 @@ class Links:
                     deliver(link.peer, got)
 
     def _connect(self, link: Link) -> None:
+        if link.declined is not None:
+            self._through_transport(link)
+            return
         try:
             if link.listener is not None:
                 link.lane = link.listener.accept()
@@ -134,12 +148,29 @@ class Links:
             elif link.offer is not None:
                 link.lane = lanes.connect(*link.offer)
         except (OSError, ValueError) as exc:
-            link.error, link.offer = f"{type(exc).__name__}: {exc}", None
+            self._decline(link, f"{type(exc).__name__}: {exc}")
+            return
         if link.lane is not None:
             link.listener = None
-            for msg in link.waiting:
+            for _, msg in link.waiting:
                 link.lane.send(msg)
             link.waiting.clear()
+
+    def _decline(self, link: Link, why: str) -> None:
+        """This side cannot connect the lane offered: say so, and talk through the transport."""
+        log.warning("no direct lane to %s (%s): its messages go through the transport", link.peer, why)
+        link.declined, link.offer = why, None
+        self._transport.send(link.peer, self._channel, Message(Kind.STAGE_LANE, sender=self._me,
+                                                               meta={"declined": why[:200]}))
+        self._through_transport(link)
+
+    def _through_transport(self, link: Link) -> None:
+        if link.listener is not None:
+            link.listener.close()
+            link.listener = None
+        for channel, msg in link.waiting:
+            self._transport.send(link.peer, channel, msg)
+        link.waiting.clear()
 
     def wait(self, seconds: float) -> None:
         """Wait at most `seconds` for input on a lane, room for what waits to go, or a `wake`."""
