@@ -38,6 +38,8 @@ _LENGTH = struct.Struct("<IB")  # header bytes, frames (1 or 2)
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 NAME = re.compile(r"sluice-lane-[0-9a-f]{32}")
 SECRET_HEX = 32
+_CANDIDATES = 4  # connections held at once until they send the secret (the oldest goes first)
+_ACCEPTS_PER_CALL = 16
 AVAILABLE = sys.platform.startswith("linux")  # abstract Unix names and SO_PEERCRED
 
 
@@ -95,7 +97,7 @@ class LaneListener:
 
     def accept(self) -> Lane | None:
         """The proven lane, once a connection sent the secret; never blocks."""
-        while len(self._candidates) < 4:
+        for _ in range(_ACCEPTS_PER_CALL):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -104,6 +106,9 @@ class LaneListener:
                 self.refused += 1
                 conn.close()
                 continue
+            if len(self._candidates) >= _CANDIDATES:  # connections that never say anything cannot crowd it out
+                self.refused += 1
+                self._candidates.pop(0).close()
             conn.setblocking(False)
             self._candidates.append(_buffered(conn))
         for conn in list(self._candidates):

@@ -115,6 +115,22 @@ def test_the_listener_takes_only_the_connection_that_knows_its_secret() -> None:
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 
 
+def test_silent_connections_cannot_crowd_out_the_one_with_the_secret() -> None:
+    listener = lanes.LaneListener()
+    silent = []
+    for _ in range(10):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect("\0" + listener.name)
+        silent.append(sock)
+        assert listener.accept() is None
+    dialled = lanes.connect(listener.name, listener.secret)
+    assert dialled is not None
+    accepted(listener)
+    assert listener.refused >= 6
+    for sock in silent:
+        sock.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or SYSTEM_PYTHON is None,
                     reason="needs root and a python3 in /usr/bin to run a process as another user")
 def test_a_process_of_another_user_is_refused_even_with_the_secret() -> None:
