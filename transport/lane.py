@@ -198,10 +198,13 @@ class Lane:
             heapq.heappop(self._pending)
         return not self._pending
 
-    def receive(self) -> Iterator[Message | WireError]:
-        """What arrived, without waiting: each datagram decoded (a Message whose payload is valid until
-        the next one is read) or the WireError that refuses it."""
-        while not self.closed:
+    def receive(self, limit: int = 256) -> Iterator[Message | WireError]:
+        """What arrived, without waiting, at most `limit` datagrams (a peer that keeps sending cannot hold
+        the reader here): each decoded (a Message whose payload is valid until the next one is read) or
+        the WireError that refuses it."""
+        for _ in range(limit):
+            if self.closed:
+                return
             try:
                 size, _, flags, _ = self._sock.recvmsg_into([self._view])
             except (BlockingIOError, InterruptedError):

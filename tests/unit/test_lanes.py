@@ -19,6 +19,7 @@ from sluice.transport.wire import DATA_HEADER_BYTES, Flag, Kind, Message, WireEr
 from sluice.worker.pipeline.exchange import Neighbours, StageExchange
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD
 from sluice.worker.pipeline.layout import StagePlace
+from tests.unit.test_stage_messages import Recorder
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not lanes.AVAILABLE, reason="lanes need Linux")]
 
@@ -209,18 +210,6 @@ def test_connect_checks_the_offer_and_says_when_nobody_listens() -> None:
 
 
 # ---------------------------------------------------------------------------- a stage's exchange over lanes
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, int, Message]] = []
-        self.refused: list[str] = []
-
-    def send(self, peer: str, channel: int, msg: Message) -> None:
-        self.sent.append((peer, channel, msg))
-
-    def refuse(self, peer: str, text: str) -> None:
-        self.refused.append(text)
-
-
 def exchange(rank: int, **kw: Any) -> tuple[StageExchange, Recorder]:
     wire = Recorder()
     ex = StageExchange(wire, StagePlace(rank, 2, 2), Neighbours(["worker-0", "worker-1"], ["h", "h"]),  # type: ignore[arg-type]
@@ -346,3 +335,12 @@ def test_a_lane_that_cannot_connect_is_declined_and_both_sides_use_the_transport
     assert last.receive(FORWARD, 0, 0)[0].array.tolist() == [1, 1, 1, 1]
     assert wire0.refused == wire1.refused == []
     assert first.links is not None and "could not connect" in first.links.links[1].state()
+
+
+def test_a_read_takes_at_most_its_limit_so_a_flooding_peer_cannot_hold_the_reader() -> None:
+    a, b = pair()
+    for _ in range(260):
+        b.send(Message(Kind.STAGE_FORWARD, sender=1))
+    assert b.pending == 0
+    assert len(list(a.receive(limit=256))) == 256
+    assert len(list(a.receive(limit=256))) == 4
