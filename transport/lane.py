@@ -167,6 +167,9 @@ class Lane:
         self._view = memoryview(self._buffer)
         #: the peer closed its end (it exited): nothing more will come
         self.closed = False
+        #: datagrams and their bytes sent and received (for the stage's log at the end)
+        self.sent = [0, 0]
+        self.received = [0, 0]
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -189,7 +192,8 @@ class Lane:
         """Send queued messages while the socket takes them; True when none is left."""
         while self._pending and not self.closed:
             try:
-                self._sock.sendmsg(self._pending[0][2])
+                self.sent[1] += self._sock.sendmsg(self._pending[0][2])
+                self.sent[0] += 1
             except (BlockingIOError, InterruptedError):
                 return False
             except (BrokenPipeError, ConnectionResetError):
@@ -214,6 +218,8 @@ class Lane:
             if size == 0:
                 self.closed = True
                 return
+            self.received[0] += 1
+            self.received[1] += size
             yield self._parse(size, flags)
 
     def _parse(self, size: int, flags: int) -> Message | WireError:

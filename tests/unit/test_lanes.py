@@ -76,6 +76,8 @@ def test_messages_cross_a_lane_whole_and_checked() -> None:
     assert isinstance(back, Message) and back.payload == bytes([7]) * largest
     with pytest.raises(ValueError, match="at most"):
         a.send(tensor_message(nbytes=largest + 1))
+    assert b.sent[0] == 3 and a.received[0] == 3 and a.sent == [1, b.received[1]] and b.received[0] == 1
+    assert a.received[1] == b.sent[1] > 4096 + 2
 
 
 def test_a_full_lane_queues_without_blocking_and_sends_the_most_urgent_first() -> None:

@@ -195,6 +195,10 @@ class Links:
             self.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         for link in self.links.values():
             if link.lane is not None:
+                (sent, out), (got, came) = link.lane.sent, link.lane.received
+                log.info("direct lane to %s: %d messages sent (%.1f MiB), %d received (%.1f MiB)%s", link.peer,
+                         sent, out / (1 << 20), got, came / (1 << 20),
+                         f"; {link.lane.pending} not sent in time" if link.lane.pending else "")
                 link.lane.close()
             if link.listener is not None:
                 link.listener.close()
