@@ -69,7 +69,7 @@ class StageExchange:
                  collective: CollectiveConfig | None = None, max_held_bytes: int = 4 << 30,
                  max_elements: int = 1 << 31, direct: bool = True) -> None:
         """`compress`: "on", "off", or "auto" (on towards a neighbour on another host, where the network is
-        slower than encoding; off on this host, where shared memory is faster). Tensors travel in pieces
+        slower than encoding; off on this host, where a lane is faster). Tensors travel in pieces
         of at most `chunk_bytes` (the job's chunk: a data socket refuses larger frames). `direct`: to a
         neighbour on this host, over a direct lane (transport/lane.py) instead of the transport."""
         if compress not in ("on", "off", "auto"):
