@@ -336,7 +336,7 @@ def test_a_lane_that_cannot_connect_is_declined_and_both_sides_use_the_transport
     last.on_message("worker-0", wire0.sent[0][2])
     assert last.receive(FORWARD, 0, 0)[0].array.tolist() == [1, 1, 1, 1]
     assert wire0.refused == wire1.refused == []
-    assert first.links is not None and "could not connect" in first.links.links[1].state()
+    assert first.links is not None and "worker-1 declined it: ConnectionRefusedError" in first.links.links[1].state()
 
 
 def test_a_read_takes_at_most_its_limit_so_a_flooding_peer_cannot_hold_the_reader() -> None:
@@ -346,3 +346,22 @@ def test_a_read_takes_at_most_its_limit_so_a_flooding_peer_cannot_hold_the_reade
     assert b.pending == 0
     assert len(list(a.receive(limit=256))) == 256
     assert len(list(a.receive(limit=256))) == 4
+
+
+def test_a_stage_that_cannot_listen_declines_and_both_sides_use_the_transport(monkeypatch: Any) -> None:
+    def no_listener() -> None:
+        raise OSError(97, "Address family not supported by protocol")
+
+    monkeypatch.setattr(lanes, "LaneListener", no_listener)
+    first, wire0 = exchange(0)
+    last, wire1 = exchange(1)
+    assert [m.kind for _, _, m in wire0.sent] == [Kind.STAGE_LANE]
+    last.on_message("worker-0", wire0.sent.pop()[2])
+    for ex in (first, last):
+        ex.begin(0, 1)
+    first.send(FORWARD, 0, 0, [(np.ones(4, np.float32), "float32")], 1)
+    last.send(BACKWARD, 0, 0, [(np.ones(4, np.float32), "float32")], 0)
+    assert [m.kind for _, _, m in wire0.sent] == [Kind.STAGE_FORWARD]
+    assert [m.kind for _, _, m in wire1.sent] == [Kind.STAGE_BACKWARD]
+    assert wire0.refused == wire1.refused == []
+    assert last.links is not None and "declined it: cannot listen" in last.links.links[0].state()

@@ -69,7 +69,11 @@ class Links:
         self.rejects = Rejections(log)
         if offer_to is not None:
             link = self.links[offer_to]
-            link.listener = lanes.LaneListener()
+            try:
+                link.listener = lanes.LaneListener()
+            except OSError as exc:  # no lane to offer (no Unix sockets here, say): both use the transport
+                self._decline(link, f"cannot listen: {type(exc).__name__}: {exc}")
+                return
             offer = Message(Kind.STAGE_LANE, sender=me, meta={"lane": link.listener.name,
                                                               "secret": link.listener.secret})
             transport.send(link.peer, channel, offer)
@@ -81,10 +85,10 @@ class Links:
     def offered(self, rank: int, meta: object) -> str | None:
         """A STAGE_LANE offer (or decline) from neighbour `rank`; why it is refused, or None."""
         link = self.links.get(rank)
-        if link is not None and link.listener is not None and type(meta) is dict and set(meta) == {"declined"}:
-            if type(meta["declined"]) is not str or link.declined is not None:
-                return "a lane decline must say why, once"
-            link.declined = f"{link.peer} could not connect: {meta['declined'][:200]}"
+        if link is not None and type(meta) is dict and set(meta) == {"declined"}:
+            if type(meta["declined"]) is not str or link.declined is not None or link.lane is not None:
+                return "a lane decline must say why, once, before any lane is up"
+            link.declined = f"{link.peer} declined it: {meta['declined'][:200]}"
             self.wake()
             return None
         if link is None or link.listener is not None:
