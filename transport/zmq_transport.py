@@ -36,6 +36,7 @@ from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
 from sluice.transport.sendqueue import ChannelQueue
 from sluice.transport.shm import SharedPayloads
+from sluice.transport.wakeup import Wakeup
 from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Message
 from sluice.transport.zmq_guard import Guard, make_socket
 from sluice.transport.zmq_receive import Arrived, Route, _keep_large_buffers_mapped, ack_threshold
@@ -91,10 +92,8 @@ class ZmqTransport(SendPath):
         self._ack_due: float | None = None
         self.metrics = TransportMetrics(config.channels)
         self._ipc_dir: str | None = None
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._wake_lock = threading.Lock()
-        self._closed = False
-        self._poller.register(self._wake, zmq.POLLIN)
+        self._wake = Wakeup()
+        self._poller.register(self._wake.fileno(), zmq.POLLIN)
         self._stop_at: float | None = None
         #: why the I/O thread stopped, if it stopped on an error, and who wants to know (on_failure)
         self._failure: str | None = None
@@ -118,7 +117,7 @@ class ZmqTransport(SendPath):
             raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
         self._outbox.append(((peer, channel), msg, time.monotonic()))
         if threading.get_ident() != self._thread.ident:  # the I/O thread drains its outbox anyway
-            self._notify()
+            self._wake.ring()
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         if self._local is None:
@@ -154,32 +153,23 @@ class ZmqTransport(SendPath):
     def close(self, flush_seconds: float = 1.0) -> None:
         if self._stop_at is None:
             self._stop_at = time.monotonic() + flush_seconds
-            self._notify()
+            self._wake.ring()
         self._thread.join(flush_seconds + 5.0)
         if self._thread.is_alive():
             log.error("transport %s: I/O thread did not stop", self.name)
             return
-        with self._wake_lock:
-            if not self._closed:
-                self._closed = True
-                os.close(self._wake)
+        self._wake.close()
 
     def refuse(self, peer: str, text: str) -> None:
         """Count and log (rate-limited) a message the handler refused; call it on the I/O thread."""
         self.rejects.refuse(peer, text, time.monotonic(), member=self._is_member(peer), delivered=True)
-
-    def _notify(self) -> None:
-        """Wake the I/O thread; a no-op once closed, so late senders (heartbeats) cannot fail."""
-        with self._wake_lock:
-            if not self._closed:
-                os.eventfd_write(self._wake, 1)
 
     def _call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
         if threading.get_ident() == self._thread.ident:  # a handler calling back: run it in place
             return fn()
         future: Future[Any] = Future()
         self._commands.append((fn, future))
-        self._notify()
+        self._wake.ring()
         return future.result(timeout)
 
     # ----------------------------------------------------------------- I/O thread
@@ -285,8 +275,8 @@ class ZmqTransport(SendPath):
                 turn = time.monotonic()
                 arrived: Arrived = []
                 for sock, _ in events:
-                    if sock == self._wake:
-                        os.eventfd_read(self._wake)
+                    if sock == self._wake.fileno():
+                        self._wake.clear()
                     elif sock is self._guard.zap:
                         self._guard.answer_zap()
                     elif sock in self._monitors:

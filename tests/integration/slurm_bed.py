@@ -137,13 +137,9 @@ class SlurmBed:
 
     def wait_for(self, what: str, ready: Callable[[], bool], deadline_s: float) -> None:
         """Poll ready() until true; a daemon that exits or a deadline that passes fails the test with the logs."""
-        deadline = time.monotonic() + deadline_s
-        while not ready():
-            dead = self._dead()
-            if dead or time.monotonic() > deadline:
-                why = ", ".join(dead) or f"not within {deadline_s:.0f} s"
-                pytest.fail(f"SLURM test bed: {what}: {why}\n{self.logs()}", pytrace=False)
-            time.sleep(0.2)
+        if not self.up(ready, deadline_s):
+            why = ", ".join(self._dead()) or f"not within {deadline_s:.0f} s"
+            pytest.fail(f"SLURM test bed: {what}: {why}\n{self.logs()}", pytrace=False)
 
     def up(self, ready: Callable[[], bool], deadline_s: float) -> bool:
         """Poll ready() until true (True), or until a daemon exits or the deadline passes (False)."""
@@ -180,7 +176,6 @@ class SlurmBed:
                 with contextlib.suppress(OSError):
                     if marker in (entry / "environ").read_bytes():
                         os.kill(int(entry.name), signal.SIGKILL)
-
 
     def stop_daemons(self, names: Sequence[str]) -> None:
         """SIGTERM each of these daemons still running, then SIGKILL it after STOP_DEADLINE_S."""

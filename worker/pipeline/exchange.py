@@ -126,16 +126,16 @@ class StageExchange:
             raise SluiceError(f"stage {self.place.stage} has no stage to send {WHAT[kind]} to")
         compression, name = self.compression[kind], self.workers.names[dest]
         channel = self._channel_for(priority)
-        direct = self.links is not None and dest in self.links
-        piece = min(self._piece, lanes.piece_bytes()) if direct else self._piece
+        links = self.links if self.links is not None and dest in self.links else None
+        piece = min(self._piece, lanes.piece_bytes()) if links is not None else self._piece
         for slot, (array, dtype) in enumerate(tensors):
             tried = compression.wanted(slot)
             messages = build(kind, self.place.rank, step, micro, slot, len(tensors), array, dtype, priority, tried,
                              piece)
             compression.count(slot, array.nbytes, messages, tried)
             for msg in messages:
-                if self.links is not None and direct:
-                    self.links.send(dest, channel, msg)
+                if links is not None:
+                    links.send(dest, channel, msg)
                 else:
                     self.transport.send(name, channel, msg)
 
@@ -211,10 +211,14 @@ class StageExchange:
                                       f"micro-batch {msg.chunk} slot {msg.key} from {peer!r:.60}: {problem}")
 
     def _refuse_direct(self, peer: str, text: str) -> None:
-        with self._cond:
-            self._refused[peer] = (self._refused.get(peer, (0, ""))[0] + 1, text)
+        self._count_refused(peer, text)
         if self.links is not None:
             self.links.rejects.refuse(peer, text, time.monotonic())
+
+    def _count_refused(self, peer: str, reason: str) -> None:
+        """One more message from `peer` refused, for the wait that times out on it to say so."""
+        with self._cond:
+            self._refused[peer] = (self._refused.get(peer, (0, ""))[0] + 1, reason)
 
     def _waiting(self, kind: Kind, step: int, micro: int, source: int) -> str:
         return (f"{self.workers.describe(self.place, self.place.rank)} waited for the {WHAT[kind]} of micro-batch "
@@ -241,8 +245,7 @@ class StageExchange:
         except Exception as exc:  # a bug here must not end the I/O thread
             problem = f"handling it failed ({type(exc).__name__}: {exc})"
         if problem:
-            with self._cond:
-                self._refused[peer] = (self._refused.get(peer, (0, ""))[0] + 1, problem)
+            self._count_refused(peer, problem)
             self.transport.refuse(peer, f"stage {self.place.stage} dropped {msg.kind.name} of step {msg.round} "
                                         f"micro-batch {msg.chunk} slot {msg.key} from {peer!r:.60}: {problem}")
 

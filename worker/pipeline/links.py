@@ -10,9 +10,7 @@ hands over offers and declines, and wakes a wait (`wake`) when something it deli
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import select
 import threading
 import time
@@ -22,6 +20,7 @@ from dataclasses import dataclass, field
 from sluice.transport import lane as lanes
 from sluice.transport.base import Transport
 from sluice.transport.rejects import Rejections
+from sluice.transport.wakeup import Wakeup
 from sluice.transport.wire import Kind, Message, WireError
 
 log = logging.getLogger("sluice.worker")
@@ -34,7 +33,6 @@ Refuse = Callable[[str, str], None]
 class Link:
     """The lane to one neighbour, in whichever state it is."""
 
-    rank: int
     peer: str
     listener: lanes.LaneListener | None = None
     offer: tuple[str, str] | None = None  # (name, secret) the neighbour offered; set on the I/O thread
@@ -59,11 +57,9 @@ class Links:
 
     def __init__(self, transport: Transport, me: int, ranks: dict[int, str], offer_to: int | None,
                  channel: int) -> None:
-        self.links = {rank: Link(rank, peer) for rank, peer in ranks.items()}
+        self.links = {rank: Link(peer) for rank, peer in ranks.items()}
         self._transport, self._me, self._channel = transport, me, channel
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._wake_lock = threading.Lock()
-        self._closed = False
+        self._wake = Wakeup()
         self._owner: int | None = None  # the stage's thread, once it pumps
         #: what lanes brought that was refused (counted and logged here, on the stage's thread)
         self.rejects = Rejections(log)
@@ -106,11 +102,8 @@ class Links:
 
     def wake(self) -> None:
         """End the stage thread's current wait (any thread; a no-op once closed)."""
-        if threading.get_ident() == self._owner:  # the stage's own thread, which checks before it waits
-            return
-        with self._wake_lock:
-            if not self._closed:
-                os.eventfd_write(self._wake, 1)
+        if threading.get_ident() != self._owner:  # the stage's own thread checks anyway before it waits
+            self._wake.ring()
 
     # ------------------------------------------------------------------ the stage's thread
     def send(self, rank: int, channel: int, msg: Message) -> None:
@@ -179,7 +172,7 @@ class Links:
     def wait(self, seconds: float) -> None:
         """Wait at most `seconds` for input on a lane, room for what waits to go, or a `wake`."""
         poller = select.poll()
-        poller.register(self._wake, select.POLLIN)
+        poller.register(self._wake.fileno(), select.POLLIN)
         for link in self.links.values():
             if link.lane is not None and not link.lane.closed:
                 poller.register(link.lane, select.POLLIN | (select.POLLOUT if link.lane.pending else 0))
@@ -188,8 +181,7 @@ class Links:
                 for conn in link.listener.candidates():
                     poller.register(conn, select.POLLIN)
         poller.poll(max(0, int(seconds * 1e3)))
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self._wake)
+        self._wake.clear()
 
     def close(self, seconds: float) -> None:
         """Send what still waits (at most `seconds`), then close every lane."""
@@ -206,7 +198,4 @@ class Links:
                 link.lane.close()
             if link.listener is not None:
                 link.listener.close()
-        with self._wake_lock:
-            if not self._closed:
-                self._closed = True
-                os.close(self._wake)
+        self._wake.close()
