@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from bench.common import add_common_options, print_table, progress, record, stats, write_json
-from sluice.worker.torch.offload import COPIES_AHEAD, OffloadStats, offloaded
+from sluice.worker.torch.offload import COPIES_AHEAD, MIN_SAVING, OffloadStats, offloaded
 
 TARGET_MEMORY_SAVED = 0.5
 TARGET_STEP_COST = 0.15
@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compress", action=argparse.BooleanOptionalAction, help="ZVC-encode what is "
                         "offloaded (default: on a CPU, where it is the offload; not on a GPU, where it is "
                         "packed on the GPU before the copy)")
+    parser.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True, help="ReLUs and max-pools "
+                        "save a bitmask and indices instead of tensors, as Gist (default: on)")
+    parser.add_argument("--min-saving", type=float, default=MIN_SAVING, help="CPU: ZVC-encode a tensor only "
+                        "when that saves at least this fraction of its bytes (default: %(default)s)")
     add_common_options(parser, "batch 4 of 32x32 images, one repetition of 1 step", repeats=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -161,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def hooks() -> Any:
         return offloaded(compress=args.compress, prefetch=args.prefetch, copies_ahead=args.copies_ahead,
-                         keep_last=args.keep_last)
+                         keep_last=args.keep_last, lean=args.lean, min_saving=args.min_saving)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     progress(f"ReLU CNN {args.width}/{2 * args.width} channels, batch {args.batch} of {args.size}x{args.size}, "
              f"on {where}: checking the gradients are exact ...")
     check_exact(model, x, y, hooks)
-    counted = step(model, x, y, offloaded(min_bytes=1 << 62))  # keeps every tensor: only counts
+    counted = step(model, x, y, offloaded(min_bytes=1 << 62, lean=False))  # torch's saves, kept: only counts
     held = step(model, x, y, hooks())
     assert counted is not None and held is not None
     progress(f"{args.repeats} x {args.loops} steps with and without offload ...")
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
               "zvc_ratio": held.ratio, "packed": held.packed, "kept": held.kept,
               "copy_ms": pinned_copy_ms(held.raw_bytes, device) if device.type == "cuda" else None,
               "gpu": gpu or None, "copies_ahead": args.copies_ahead,
-              "keep_last": args.keep_last}
+              "keep_last": args.keep_last, "lean": held.lean, "min_saving": args.min_saving}
     case = f"offload-{kind}-cnn-w{args.width}-b{args.batch}-s{args.size}"
     records = [
         record(f"{case}-step", ours, peer, "no offload", "ms", "lower", **common),

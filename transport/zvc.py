@@ -21,9 +21,13 @@ mask's popcount and trailing bits, non-zero packed values) before it allocates o
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -97,17 +101,25 @@ def _dtype_name(array: np.ndarray[Any, Any], dtype: str | None) -> str:
     return dtype
 
 
-def encode(array: np.ndarray[Any, Any], dtype: str | None = None) -> bytearray:
+def encode(array: np.ndarray[Any, Any], dtype: str | None = None, threads: int = 1) -> bytearray:
     """`array` (any shape; flattened in C order) as one zvc or raw frame. `dtype` names the wire dtype
-    when the array's own does not (bfloat16 as uint16 bits, float8 as uint8); by default, its own."""
+    when the array's own does not (bfloat16 as uint16 bits, float8 as uint8); by default, its own.
+    `threads` > 1 splits the work into that many ranges run at once (numpy releases the GIL): for a
+    caller whose cores are idle meanwhile, such as a saved-tensor hook between torch's ops."""
     if array.dtype.byteorder == ">":  # frames are little-endian, like the rest of the wire
         array = array.astype(array.dtype.newbyteorder("<"))
     name = _dtype_name(array, dtype)
     flat = np.ascontiguousarray(array).reshape(-1)  # a view unless the array was not contiguous
     bits = flat.view(_BITS[flat.itemsize])
     n, itemsize = bits.size, bits.itemsize
-    mask = bits != 0
-    nnz = int(np.count_nonzero(mask))
+    ranges = _ranges(n, threads)
+
+    def survey(span: tuple[int, int]) -> tuple[np.ndarray[Any, np.dtype[np.bool_]], int]:
+        mask = bits[span[0]:span[1]] != 0
+        return mask, int(np.count_nonzero(mask))
+
+    surveys = _each(survey, ranges)
+    nnz = sum(count for _, count in surveys)
     raw = compressed_size(n, nnz, itemsize) >= HEADER_BYTES + itemsize * n
     out = bytearray(encoded_size(n, nnz, itemsize))
     _HEADER.pack_into(out, 0, MAGIC, VERSION, CODES[name], RAW if raw else ZVC, 0, n, nnz)
@@ -116,16 +128,54 @@ def encode(array: np.ndarray[Any, Any], dtype: str | None = None) -> bytearray:
         body[:] = bits.view(np.uint8)
         return out
     mask_bytes = (n + 7) // 8
-    body[:mask_bytes] = np.packbits(mask, bitorder="little")
     values = np.frombuffer(out, bits.dtype, count=nnz, offset=HEADER_BYTES + mask_bytes)
-    done = 0
-    for start in range(0, n, CHUNK):
-        # positions then a gather: bits[mask] branches per element (4x slower at d 0.35), np.compress is
-        # slower too; take's out= into the frame is slower than a small fresh array and one copy
-        gathered = bits[start:start + CHUNK].take(np.flatnonzero(mask[start:start + CHUNK]), mode="clip")
-        values[done:done + gathered.size] = gathered
-        done += gathered.size
+    offsets = np.cumsum([0] + [count for _, count in surveys]).tolist()
+
+    def write(part: int) -> None:
+        (start, stop), mask, done = ranges[part], surveys[part][0], offsets[part]
+        body[start // 8:(stop + 7) // 8] = np.packbits(mask, bitorder="little")
+        for first in range(start, stop, CHUNK):
+            # positions then a gather: bits[mask] branches per element (4x slower at d 0.35), np.compress is
+            # slower too; take's out= into the frame is slower than a small fresh array and one copy
+            gathered = bits[first:min(first + CHUNK, stop)].take(
+                np.flatnonzero(mask[first - start:first - start + CHUNK]), mode="clip")
+            values[done:done + gathered.size] = gathered
+            done += gathered.size
+
+    _each(write, range(len(ranges)))
     return out
+
+
+def _ranges(n: int, threads: int) -> list[tuple[int, int]]:
+    """`n` elements cut into at most `threads` ranges of whole CHUNKs (so whole mask bytes); one for a small n."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    chunks = max(1, -(-n // CHUNK))
+    per = -(-chunks // min(threads, chunks)) * CHUNK
+    return [(start, min(start + per, n)) for start in range(0, n, per)] or [(0, 0)]
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _each(work: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """`work` on every item, the first on this thread and the others at once on the shared pool."""
+    global _POOL
+    if len(items) == 1:
+        return [work(items[0])]
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="sluice-zvc")
+        pool = _POOL
+    futures = [pool.submit(work, item) for item in items[1:]]
+    try:
+        first = work(items[0])
+    finally:
+        rest = [future.result() for future in futures]  # every range done (or failed) before the caller goes on
+    return [first, *rest]
 
 
 def _bytes_of(data: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -165,28 +215,31 @@ def read_header(data: Any, limit_elements: int) -> Header:
     return Header(name, mode == RAW, n, nnz)
 
 
-def decode_into(data: Any, out: np.ndarray[Any, Any]) -> Header:
+def decode_into(data: Any, out: np.ndarray[Any, Any], threads: int = 1) -> Header:
     """Decode frame `data` into `out` (C-contiguous, writeable, of the frame's storage dtype, exactly n
-    elements: e.g. a reused or pinned buffer); its header. Nothing is written unless the frame is valid."""
+    elements: e.g. a reused or pinned buffer); its header. Nothing is written unless the frame is valid.
+    `threads` as for `encode`."""
     if not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("decode_into needs a C-contiguous, writeable output array")
     header = read_header(data, out.size)
     if out.dtype != header.storage or out.size != header.n:
         raise WireError(f"zvc frame holds {header.n} {header.dtype}, the output is {out.size} {out.dtype.name}")
-    _fill(_bytes_of(data), header, out.reshape(-1), zeroed=False)
+    _fill(_bytes_of(data), header, out.reshape(-1), zeroed=False, threads=threads)
     return header
 
 
-def decode(data: Any, limit_elements: int) -> np.ndarray[Any, Any]:
+def decode(data: Any, limit_elements: int, threads: int = 1) -> np.ndarray[Any, Any]:
     """The flat array in frame `data` (its storage dtype: uint16 bits for bfloat16; `read_header` names
-    the wire dtype); raises WireError for any malformed frame or one of more than `limit_elements`."""
+    the wire dtype); raises WireError for any malformed frame or one of more than `limit_elements`.
+    `threads` as for `encode`."""
     header = read_header(data, limit_elements)
     out = np.zeros(header.n, header.storage)  # calloc: fresh pages come zeroed, no fill pass
-    _fill(_bytes_of(data), header, out, zeroed=True)
+    _fill(_bytes_of(data), header, out, zeroed=True, threads=threads)
     return out
 
 
-def _fill(frame: np.ndarray[Any, np.dtype[np.uint8]], header: Header, out: np.ndarray[Any, Any], zeroed: bool) -> None:
+def _fill(frame: np.ndarray[Any, np.dtype[np.uint8]], header: Header, out: np.ndarray[Any, Any], zeroed: bool,
+          threads: int) -> None:
     """Check the body of a frame whose header and length `read_header` checked, then write it to `out`."""
     bits = _BITS[out.itemsize]
     target = out.view(bits)
@@ -202,17 +255,32 @@ def _fill(frame: np.ndarray[Any, np.dtype[np.uint8]], header: Header, out: np.nd
     if header.n % 8 and mask[-1] >> (header.n % 8):
         raise WireError(f"zvc mask has bits set past its {header.n} elements")
     packed = np.frombuffer(frame, bits, count=header.nnz, offset=HEADER_BYTES + mask_bytes)
-    if np.count_nonzero(packed) != header.nnz:
+    ranges = _ranges(header.n, threads)
+    share = -(-header.nnz // len(ranges))
+
+    def survey(part: int) -> tuple[np.ndarray[Any, np.dtype[np.bool_]], int, int]:
+        start, stop = ranges[part]
+        # positions then a scatter (below): faster than out[mask] = values or np.place, which branch on
+        # every element; unpacked to bools first: flatnonzero of uint8 is 6x slower
+        marks = np.unpackbits(mask[start // 8:(stop + 7) // 8], count=stop - start, bitorder="little").view(np.bool_)
+        values = packed[part * share:(part + 1) * share]
+        return marks, int(np.count_nonzero(marks)), values.size - int(np.count_nonzero(values))
+
+    surveys = _each(survey, range(len(ranges)))
+    if any(zeros for _, _, zeros in surveys):
         raise WireError("zvc frame packs a zero value, which its mask should have marked as zero")
-    # positions then a scatter: faster than out[mask] = values or np.place, which branch on every element
-    marks = np.unpackbits(mask, count=header.n, bitorder="little").view(np.bool_)  # flatnonzero of uint8: 6x slower
-    found = int(np.count_nonzero(marks))
+    found = sum(count for _, count, _ in surveys)
     if found != header.nnz:
         raise WireError(f"zvc mask marks {found} non-zeros, the header declares {header.nnz}")
-    if not zeroed:
-        target.fill(0)
-    done = 0
-    for start in range(0, header.n, CHUNK):
-        where = np.flatnonzero(marks[start:start + CHUNK])
-        target[start:start + CHUNK][where] = packed[done:done + where.size]
-        done += where.size
+    offsets = np.cumsum([0] + [count for _, count, _ in surveys]).tolist()
+
+    def scatter(part: int) -> None:
+        (start, stop), marks, done = ranges[part], surveys[part][0], offsets[part]
+        if not zeroed:
+            target[start:stop].fill(0)
+        for first in range(start, stop, CHUNK):
+            where = np.flatnonzero(marks[first - start:first - start + CHUNK])
+            target[first:first + CHUNK][where] = packed[done:done + where.size]
+            done += where.size
+
+    _each(scatter, range(len(ranges)))

@@ -104,7 +104,9 @@ def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, ki
             assert r["ratio"] == {"forward": 1.0, "backward": 1.0}
         assert bool(r["offloaded"]) == offload
     # a stage's received inputs are held for its backward anyway; what its layers save inside is offloaded
-    assert (sum(n for r in results for n in r["offloaded"]) > 0) == offload
+    # (ZVC-encoded on this CPU), or is a ReLU's bitmask (lean saves: a ReLU that ends a stage keeps only that)
+    assert (sum(n for r in results for n in r["offloaded"]) > 0) == (offload and stages < 4)
+    assert (sum(n for r in results for n in r["lean"]) > 0) == offload
     last = [r for r in results if r["stage"] == stages - 1]
     assert all(len(r["losses"]) == 10 for r in last)
 

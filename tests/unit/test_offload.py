@@ -12,7 +12,13 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 from sluice.worker.torch.offload import Offloader, OffloadStats, offloaded  # noqa: E402
-from sluice.worker.torch.tensor_zvc import pack_nonzeros, unpack_nonzeros  # noqa: E402
+from sluice.worker.torch.tensor_zvc import (  # noqa: E402
+    decode_tensor,
+    encode_tensor,
+    estimated_saving,
+    pack_nonzeros,
+    unpack_nonzeros,
+)
 
 
 def cnn() -> Any:
@@ -32,9 +38,10 @@ def gradients(model: Any, x: Any, block: Callable[[], Any]) -> tuple[list[Any], 
 
 @pytest.mark.parametrize("options", [{}, {"prefetch": 2}, {"compress": False}, {"min_bytes": 0}])
 def test_gradients_are_bit_identical_and_activations_shrink(options: dict[str, Any]) -> None:
+    """ZVC alone (no lean saves, every tensor encoded): ReLU outputs are about half zeros."""
     model, x = cnn(), torch.randn(8, 3, 32, 32)
     plain, _ = gradients(model, x, contextlib.nullcontext)
-    ours, stats = gradients(model, x, lambda: offloaded(**options))
+    ours, stats = gradients(model, x, lambda: offloaded(**options, lean=False, min_saving=0))
     assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
     assert isinstance(stats, OffloadStats) and stats.packed >= 5
     if options.get("compress", True):
@@ -45,6 +52,20 @@ def test_gradients_are_bit_identical_and_activations_shrink(options: dict[str, A
     assert stats.held_bytes == 0 and stats.peak_bytes > 0  # the graph is gone, and so is what it saved
     # on a CPU nothing is decoded ahead unless asked: the decode thread competes with the model for cores
     assert (stats.prefetched > 0) == ("prefetch" in options and options.get("compress", True))
+
+
+def test_lean_saves_and_skipped_dense_tensors_keep_gradients_exact_and_hold_less() -> None:
+    """The defaults: ReLUs and max-pools save bits and indices (lean), and the max-pools' outputs, about 94%
+    non-zero, stay as they are (min_saving): less held at peak than ZVC on everything torch saves."""
+    model, x = cnn(), torch.randn(8, 3, 32, 32)
+    plain, _ = gradients(model, x, contextlib.nullcontext)
+    ours, stats = gradients(model, x, offloaded)
+    _, zvc_only = gradients(model, x, lambda: offloaded(lean=False, min_saving=0))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    assert stats.lean == 4 and zvc_only.lean == 0
+    assert stats.peak_bytes < 0.8 * zvc_only.peak_bytes, (stats, zvc_only)
+    assert stats.kept > zvc_only.kept  # the dense ones
+    assert stats.held_bytes == 0
 
 
 def test_parameters_are_never_packed() -> None:
@@ -136,6 +157,23 @@ def test_the_device_packer_round_trips_bit_for_bit(dtype: Any, size: int) -> Non
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="min_bytes"), offloaded(min_bytes=-1):
         pass
+    with pytest.raises(ValueError, match="min_saving"), offloaded(min_saving=1.5):
+        pass
+
+
+def test_the_saving_estimate_decides_what_is_encoded() -> None:
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(100_000, generator=generator)
+    half = dense.relu()
+    indices = torch.randint(0, 1000, (100_000,), generator=generator)  # narrowed to int16: 3/4 saved
+    assert estimated_saving(dense, dense.dtype) == 0
+    assert abs(estimated_saving(half, half.dtype) - (1 - 1 / 32 - 0.5)) < 0.03
+    assert estimated_saving(indices, torch.int16) == 0.75
+    assert encode_tensor(dense, min_saving=0.2) is None and encode_tensor(half, min_saving=0.2) is not None
+    assert encode_tensor(dense) is not None  # without a floor, always a frame (here a raw one)
+    encoded = encode_tensor(indices, threads=2, min_saving=0.5)
+    assert encoded is not None and encoded[1] == torch.int16
+    assert torch.equal(decode_tensor(*encoded[:1], indices.shape, encoded[1], torch.int64, threads=2), indices)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

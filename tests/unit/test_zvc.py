@@ -216,6 +216,41 @@ def test_mask_and_values_must_agree() -> None:
     rejects(zero_value, "packs a zero value")
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("n", [0, 9, zvc.CHUNK - 3, 2 * zvc.CHUNK, 5 * zvc.CHUNK + 11])
+@pytest.mark.parametrize("density", [0, 0.35, 1])
+def test_threads_write_and_read_the_same_frames(threads: int, n: int, density: float) -> None:
+    """Ranges cut on whole chunks: the frame is byte for byte the one a single thread writes, and decodes
+    (fresh or into a dirty buffer) to the same bits."""
+    array = sample("float32", n, density, seed=n)
+    frame = zvc.encode(array)
+    assert zvc.encode(array, threads=threads) == frame
+    assert same_bits(zvc.decode(frame, n, threads=threads), array)
+    dirty = np.full(n, 7, np.float32)
+    zvc.decode_into(frame, dirty, threads=threads)
+    assert same_bits(dirty, array)
+
+
+def test_threads_reject_what_one_thread_rejects() -> None:
+    array = sample("float32", 3 * zvc.CHUNK, 0.5, seed=3)
+    frame = zvc.encode(array)
+    values_at = zvc.HEADER_BYTES + (array.size + 7) // 8
+    nnz = HEADER.unpack_from(frame)[6]
+    zero_last = bytearray(frame)
+    zero_last[values_at + 4 * (nnz - 1):] = bytes(4)  # in the last thread's share of the values
+    moved = bytearray(frame)
+    moved[values_at - 1] ^= 0b1  # a mark more or fewer in the last range: the total no longer matches
+    out = np.full(array.size, 7, np.float32)
+    for bad, match in ((zero_last, "packs a zero value"), (moved, "the header declares")):
+        with pytest.raises(WireError, match=match):
+            zvc.decode(bad, array.size, threads=3)
+        with pytest.raises(WireError, match=match):
+            zvc.decode_into(bad, out, threads=3)
+        assert (out == 7).all()  # nothing written
+    with pytest.raises(ValueError, match="threads"):
+        zvc.encode(array, threads=0)
+
+
 def test_a_huge_element_count_allocates_nothing() -> None:
     good = small_frames()[0]
     huge = patched(good, n=1 << 60, nnz=3)

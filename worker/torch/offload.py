@@ -21,6 +21,7 @@ Autograd's check that a saved tensor was not modified in place does not see thro
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from sluice.worker.torch.lean import lean_saves
 from sluice.worker.torch.tensor_zvc import CODECS, decode_tensor, encode_tensor, pack_nonzeros, unpack_nonzeros
 
 #: one decoding thread for every offloader: prefetch is about overlapping with backward, not parallel decodes
@@ -41,6 +43,9 @@ _EXECUTOR: ThreadPoolExecutor | None = None
 CUDA_PREFETCH = 2
 #: copies of GPU tensors to the host that forward may run ahead of (each holds its tensor's GPU memory)
 COPIES_AHEAD = 2
+#: a CPU tensor whose ZVC frame would save less than this fraction of its bytes is kept as it is: encoding
+#: and decoding it would cost nearly as much as one that saves half (see `offloaded`)
+MIN_SAVING = 0.2
 #: how far back from the tensor unpacked the prefetch looks for offloaded ones (kept tensors are skipped)
 _SCAN = 8
 _EXECUTOR_LOCK = threading.Lock()
@@ -48,7 +53,8 @@ _EXECUTOR_LOCK = threading.Lock()
 
 @dataclass
 class OffloadStats:
-    """What the hooks did: tensors offloaded or kept, their bytes raw and stored, bytes held now and at peak."""
+    """What the hooks did: tensors offloaded or kept, their bytes raw and stored, bytes held now and at peak;
+    `lean`: ReLUs and max-pools that saved a bitmask or indices instead of a tensor (worker/torch/lean.py)."""
 
     packed: int = 0
     kept: int = 0
@@ -57,6 +63,7 @@ class OffloadStats:
     held_bytes: int = 0
     peak_bytes: int = 0
     prefetched: int = 0
+    lean: int = 0
 
     @property
     def ratio(self) -> float:
@@ -104,12 +111,16 @@ class Offloader:
     """The pack and unpack hooks of one `offloaded` block and their bookkeeping (see the module's doc)."""
 
     def __init__(self, compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: int | None = None,
-                 copies_ahead: int = COPIES_AHEAD, keep_last: int = 0) -> None:
+                 copies_ahead: int = COPIES_AHEAD, keep_last: int = 0, min_saving: float = MIN_SAVING) -> None:
         if min_bytes < 0 or (prefetch is not None and prefetch < 0) or copies_ahead < 1 or keep_last < 0:
             raise ValueError(f"min_bytes, prefetch and keep_last must be >= 0 and copies_ahead >= 1, got "
                              f"{min_bytes}, {prefetch}, {keep_last} and {copies_ahead}")
+        if not 0 <= min_saving <= 1:
+            raise ValueError(f"min_saving is a fraction of a tensor's bytes, from 0 to 1; got {min_saving}")
         self.compress, self.min_bytes, self.prefetch_depth = compress, min_bytes, prefetch
-        self.copies_ahead, self.keep_last = copies_ahead, keep_last
+        self.copies_ahead, self.keep_last, self.min_saving = copies_ahead, keep_last, min_saving
+        # the hooks run between torch's operations, while its intra-op threads are idle: ZVC may use them all
+        self.threads = max(1, torch.get_num_threads())
         self._recent: deque[tuple[_Saved, torch.Tensor]] = deque()  # the last GPU tensors, while the block runs
         self.stats = OffloadStats()
         #: id of each tensor packed -> (the tensor, its entry), both weakly: a tensor saved twice is stored once
@@ -135,11 +146,15 @@ class Offloader:
             saved.tensor, saved.cell[0] = tensor, nbytes
             self.stats.kept += 1
         elif tensor.device.type == "cpu":
-            if self.compress is not False:
-                saved.frame, saved.stored = encode_tensor(tensor)
-            saved.tensor = None if self.compress is not False else tensor
+            encoded = encode_tensor(tensor, self.threads, self.min_saving) if self.compress is not False else None
+            if encoded is not None:
+                saved.frame, saved.stored = encoded
+            saved.tensor = None if encoded is not None else tensor
             saved.cell[0] = len(saved.frame) if saved.frame is not None else nbytes
-            self._count(nbytes, saved.cell[0])
+            if encoded is None and self.compress is not False:
+                self.stats.kept += 1  # ZVC would barely shrink it: a copy for nothing
+            else:
+                self._count(nbytes, saved.cell[0])
         else:
             self._to_host(tensor, saved)
             self._count(nbytes, saved.cell[0])
@@ -247,7 +262,7 @@ class Offloader:
     def _host(self, saved: _Saved) -> torch.Tensor:
         """A CPU tensor decoded from its frame."""
         assert saved.frame is not None, "an offloaded CPU tensor has no frame"
-        return decode_tensor(*self._decode_args(saved))
+        return decode_tensor(*self._decode_args(saved), self.threads)
 
     @staticmethod
     def _decode_args(saved: _Saved) -> tuple[bytearray, torch.Size, torch.dtype, torch.dtype]:
@@ -291,7 +306,8 @@ def _decoder() -> ThreadPoolExecutor:
 
 @contextmanager
 def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: int | None = None,
-              copies_ahead: int = COPIES_AHEAD, keep_last: int = 0) -> Iterator[OffloadStats]:
+              copies_ahead: int = COPIES_AHEAD, keep_last: int = 0, lean: bool = True,
+              min_saving: float = MIN_SAVING) -> Iterator[OffloadStats]:
     """Offload the activations autograd saves inside the block (see the module's doc); yields live stats.
 
     `compress`: ZVC-encode them. By default (None) on a CPU, where without it they stay as they are (only
@@ -305,10 +321,16 @@ def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: 
     copy to the host may still run while forward goes on (each holds its GPU memory until copied).
     `keep_last`: the last GPU tensors saved in the block also stay on the GPU, for a backward that follows
     at once and needs them first (off by default: a pipeline stage's backward comes much later).
+    `lean`: ReLUs and 2-D max-pools in the block save a bitmask and indices instead of tensors (`lean_saves`).
+    `min_saving`: a CPU tensor is ZVC-encoded only when that saves at least this fraction of its bytes,
+    estimated from a sample (dense tensors, such as a max-pool's output, stay as they are).
     """
-    offloader = Offloader(compress, min_bytes, prefetch, copies_ahead, keep_last)
-    with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+    offloader = Offloader(compress, min_bytes, prefetch, copies_ahead, keep_last, min_saving)
+    mode = lean_saves() if lean else None
+    with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack), \
+            mode if mode is not None else contextlib.nullcontext():
         try:
             yield offloader.stats
         finally:
             offloader.finish()
+            offloader.stats.lean = mode.replaced if mode is not None else 0

@@ -103,7 +103,7 @@ def main() -> int:
               "peaks": peaks,
               "params": [p.detach().cpu().reshape(-1).tolist() for p in stage.submod.parameters()],
               "ratio": stage.compression_ratio(), "losses": losses,
-              "offloaded": [s.raw_bytes for s in stage.offload_stats],
+              "offloaded": [s.raw_bytes for s in stage.offload_stats], "lean": [s.lean for s in stage.offload_stats],
               "lanes": stage.exchange.links is not None and all(
                   link.lane is not None for link in stage.exchange.links.links.values())}
     print("PIPELINE_RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,136 @@
+"""Lean saves (worker/torch/lean.py): ReLUs and max-pools save a bitmask and indices, with torch's gradients bit
+for bit (NaN, -0.0 and infinite gradients included), and everything else runs unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from sluice.worker.torch.lean import lean_saves  # noqa: E402
+from sluice.worker.torch.tensor_zvc import pack_bits, shift_pack, shift_unpack, unpack_bits  # noqa: E402
+
+
+def grads(run: Callable[[Any], Any], x: Any, upstream: Any, lean: bool) -> tuple[Any, Any, int, int]:
+    """The output, the input's gradient, the lean calls, and the bytes autograd saved (counted by hooks)."""
+    source = x.detach().clone().requires_grad_(True)
+    saved: list[int] = []
+
+    def pack(tensor: Any) -> Any:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    mode = lean_saves() if lean else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), mode or contextlib.nullcontext():
+        out = run(source)
+    out.backward(upstream)
+    return out.detach(), source.grad, mode.replaced if mode is not None else 0, sum(saved)
+
+
+def special(shape: tuple[int, ...], seed: int) -> Any:
+    """Random values with zeros, -0.0, NaN and infinities among them."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator)
+    flat = values.view(-1)
+    flat[::7] = 0.0
+    flat[1::11] = -0.0
+    flat[2::13] = float("nan")
+    flat[3::17] = float("inf")
+    flat[4::19] = -float("inf")
+    return values
+
+
+def same(a: Any, b: Any) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("call", [F.relu, torch.relu, torch.Tensor.relu, lambda x: F.relu(x, False),
+                                  lambda x: F.relu(x, inplace=False), torch.nn.ReLU()])
+def test_relu_saves_one_bit_per_element_and_gradients_match(call: Any) -> None:
+    x, upstream = special((4, 6, 9, 11), 0), special((4, 6, 9, 11), 1)
+    out, grad, _, torch_bytes = grads(call, x, upstream, lean=False)
+    lean_out, lean_grad, replaced, lean_bytes = grads(call, x, upstream, lean=True)
+    assert replaced == 1 and same(out, lean_out) and same(grad, lean_grad)
+    assert torch_bytes == 4 * x.numel() and lean_bytes == (x.numel() + 7) // 8
+
+
+@pytest.mark.parametrize("shape, options", [
+    ((2, 3, 8, 8), {"kernel_size": 2}),
+    ((2, 3, 9, 7), {"kernel_size": 3, "stride": 2, "padding": 1}),
+    ((2, 3, 11, 10), {"kernel_size": (3, 2), "stride": (2, 1), "dilation": 2, "ceil_mode": True}),
+    ((3, 10, 10), {"kernel_size": 3, "stride": 1}),  # no batch dimension; overlapping windows add up
+])
+def test_max_pool_saves_only_indices_and_gradients_match(shape: tuple[int, ...], options: dict[str, Any]) -> None:
+    x = special(shape, 2).nan_to_num(posinf=3.0, neginf=-3.0)  # NaN windows are torch's own business
+    upstream = torch.randn(F.max_pool2d(x, **options).shape, generator=torch.Generator().manual_seed(3))
+
+    def pool(source: Any) -> Any:
+        return F.max_pool2d(source, **options)
+
+    out, grad, _, torch_bytes = grads(pool, x, upstream, lean=False)
+    lean_out, lean_grad, replaced, lean_bytes = grads(pool, x, upstream, lean=True)
+    assert replaced == 1 and same(out, lean_out) and same(grad, lean_grad)
+    indices = 8 * out.numel()
+    assert torch_bytes == 4 * x.numel() + indices and lean_bytes == indices
+
+
+def test_channels_last_pooling_keeps_its_layout() -> None:
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    upstream = torch.randn(2, 4, 4, 4)
+    _, grad, _, _ = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=False)
+    _, lean_grad, replaced, _ = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=True)
+    assert replaced == 1 and torch.equal(grad, lean_grad)
+    assert lean_grad.is_contiguous(memory_format=torch.channels_last) == grad.is_contiguous(
+        memory_format=torch.channels_last)
+
+
+def test_a_cnn_trains_identically_and_keeps_less() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                                torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 16, 3))
+    x = torch.randn(5, 3, 20, 20)
+    results = []
+    for lean in (False, True):
+        model.zero_grad(set_to_none=True)
+        _, _, replaced, saved = grads(model, x, torch.ones(5, 3), lean)
+        results.append(([p.grad.clone() for p in model.parameters()], replaced, saved))
+    (plain, _, plain_bytes), (ours, replaced, lean_bytes) = results
+    assert replaced == 5 and all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    assert lean_bytes < 0.7 * plain_bytes, (lean_bytes, plain_bytes)
+
+
+def test_what_is_not_lean_runs_unchanged() -> None:
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with lean_saves() as mode:
+        F.relu(x.clone(), inplace=True)  # in place: torch's own
+        torch.relu_(x.clone())
+        F.max_pool2d(x, 2, return_indices=True)  # the caller wants the indices
+        F.max_pool1d(x[0], 2)
+        with torch.no_grad():
+            F.relu(x)
+        F.relu(x.detach())  # nothing to save
+        F.leaky_relu(x)
+    assert mode.replaced == 0
+
+
+def test_second_derivatives_match() -> None:
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    with lean_saves():
+        assert torch.autograd.gradgradcheck(lambda s: F.max_pool2d(F.relu(s), 2) ** 2, (x,))
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1001])
+def test_bits_pack_alike_with_numpy_and_torch(count: int) -> None:
+    mask = torch.rand(count, generator=torch.Generator().manual_seed(count)) > 0.5
+    bits = pack_bits(mask)
+    assert bits.dtype == torch.uint8 and bits.numel() == (count + 7) // 8
+    assert torch.equal(bits, shift_pack(mask))  # a GPU's path, run here on the CPU
+    shape = torch.Size([count])
+    assert torch.equal(unpack_bits(bits, shape), mask.to(torch.uint8))
+    assert torch.equal(shift_unpack(bits, shape), mask.to(torch.uint8))
