@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from sluice.worker.torch.lean import lean_saves  # noqa: E402
+from sluice.worker.torch.lean import _index_dtype, lean_saves  # noqa: E402
 from sluice.worker.torch.tensor_zvc import pack_bits, shift_pack, shift_unpack, unpack_bits  # noqa: E402
 
 
@@ -75,8 +75,18 @@ def test_max_pool_saves_only_indices_and_gradients_match(shape: tuple[int, ...],
     out, grad, _, torch_bytes = grads(pool, x, upstream, lean=False)
     lean_out, lean_grad, replaced, lean_bytes = grads(pool, x, upstream, lean=True)
     assert replaced == 1 and same(out, lean_out) and same(grad, lean_grad)
-    indices = 8 * out.numel()
-    assert torch_bytes == 4 * x.numel() + indices and lean_bytes == indices
+    assert torch_bytes == 4 * x.numel() + 8 * out.numel()  # the input and int64 indices
+    assert lean_bytes == 2 * out.numel()  # int16 indices: planes here are far below 32768 elements
+
+
+def test_indices_narrow_as_far_as_the_plane_allows() -> None:
+    assert [_index_dtype(plane) for plane in (1, 32768, 32769, 1 << 31, (1 << 31) + 1)] == [
+        torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
+    x = torch.randn(1, 1, 2, 20000)  # 40000 elements: indices up to 39999 need int32
+    upstream = torch.randn(1, 1, 1, 10000)
+    _, grad, _, _ = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=False)
+    _, lean_grad, _, lean_bytes = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=True)
+    assert torch.equal(grad, lean_grad) and lean_bytes == 4 * 10000
 
 
 def test_channels_last_pooling_keeps_its_layout() -> None:
