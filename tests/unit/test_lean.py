@@ -3,7 +3,6 @@ for bit (NaN, -0.0 and infinite gradients included), and everything else runs un
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,23 +12,18 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from sluice.worker.torch.lean import _index_dtype, lean_saves  # noqa: E402
+from sluice.worker.torch.offload import offloaded  # noqa: E402
 from sluice.worker.torch.tensor_zvc import pack_bits, shift_pack, shift_unpack, unpack_bits  # noqa: E402
 
 
 def grads(run: Callable[[Any], Any], x: Any, upstream: Any, lean: bool) -> tuple[Any, Any, int, int]:
-    """The output, the input's gradient, the lean calls, and the bytes autograd saved (counted by hooks)."""
+    """The output, the input's gradient, the lean calls, and the bytes kept for backward (by an offloader that
+    only counts: each tensor once, however many operations saved it)."""
     source = x.detach().clone().requires_grad_(True)
-    saved: list[int] = []
-
-    def pack(tensor: Any) -> Any:
-        saved.append(tensor.numel() * tensor.element_size())
-        return tensor
-
-    mode = lean_saves() if lean else None
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), mode or contextlib.nullcontext():
-        out = run(source)
+    with offloaded(compress=False, min_bytes=0, lean=lean) as stats:
+        out = run(source.clone())  # not a leaf: the offloader leaves leaves that need gradients alone
     out.backward(upstream)
-    return out.detach(), source.grad, mode.replaced if mode is not None else 0, sum(saved)
+    return out.detach(), source.grad, stats.lean, stats.raw_bytes
 
 
 def special(shape: tuple[int, ...], seed: int) -> Any:
@@ -87,6 +81,22 @@ def test_indices_narrow_as_far_as_the_plane_allows() -> None:
     _, grad, _, _ = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=False)
     _, lean_grad, _, lean_bytes = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=True)
     assert torch.equal(grad, lean_grad) and lean_bytes == 4 * 10000
+
+
+@pytest.mark.parametrize("after, tensors, bitmask", [
+    (lambda r, conv: conv(r), 1, 0),  # the convolution saves the output: the ReLU shares it, no bitmask
+    (lambda r, conv: conv(r) if r.dim() == 4 and r.shape[1] == 3 else None, 1, 0),  # .dim(), .shape: no call
+    (lambda r, conv: conv(r + 0), 2, 1),  # the first call that takes it does not save it: a bitmask
+])
+def test_a_relu_shares_an_output_that_the_next_call_saves(after: Any, tensors: int, bitmask: int) -> None:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3)
+    x, upstream = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 6, 6)
+    out, grad, _, torch_bytes = grads(lambda s: after(F.relu(s), conv), x, upstream, lean=False)
+    lean_out, lean_grad, replaced, lean_bytes = grads(lambda s: after(F.relu(s), conv), x, upstream, lean=True)
+    assert replaced == 1 and same(out, lean_out) and same(grad, lean_grad)
+    assert torch_bytes == tensors * 4 * x.numel()  # torch: the ReLU's output, saved by the ReLU and the conv
+    assert lean_bytes == 4 * x.numel() + bitmask * (x.numel() + 7) // 8  # what the conv saves, and a bitmask
 
 
 def test_channels_last_pooling_keeps_its_layout() -> None:

@@ -5,9 +5,10 @@ max-pool's input, whose backward only needs its shape (the gradient goes where t
 `lean_saves()` (which `offloaded` enters by default) `F.relu`, `torch.relu`, `Tensor.relu` and
 `F.max_pool2d` on tensors that need gradients run as autograd Functions that save just that: a bitmask
 (1/32 of float32) and the indices, in the smallest integer type the input's plane allows (int16 up to
-181x181: a quarter of torch's int64). A ReLU followed by a max-pool, the commonest pattern in CNNs, then keeps
-no float activation at all; a ReLU before a convolution still has its output kept (and ZVC-coded), by
-the convolution. Gradients are bit-identical to torch's: the same masking as `threshold_backward` (NaN
+181x181: a quarter of torch's int64). A ReLU followed by a max-pool, the commonest pattern in CNNs, then
+keeps no float activation at all. A ReLU's choice waits for the first call that takes its output: where
+that call saved the output too (a convolution's input), the ReLU shares it (stored and decoded once) and
+no bitmask is made. Gradients are bit-identical to torch's: the same masking as `threshold_backward` (NaN
 passes, as there) and torch's own max-pool backward kernel.
 In-place ReLUs (`inplace=True`, `relu_`), other dimensions of pooling and everything else run unchanged.
 """
@@ -27,24 +28,55 @@ from sluice.worker.torch.tensor_zvc import pack_bits, unpack_bits
 _RELUS = (F.relu, torch.relu, torch.Tensor.relu)
 
 
+def _identity(value: Any) -> Any:
+    return value
+
+
+class _ReluSaved:
+    """What one lean ReLU keeps for its backward: its output until the mode settles it (at the first call that
+    takes it), then a handle on the output that call saved as well, or on the ReLU's bitmask."""
+
+    __slots__ = ("bits", "handle", "output", "shape", "unpack")
+
+    def __init__(self, unpack: Callable[[Any], Any]) -> None:
+        self.output: torch.Tensor | None = None
+        self.handle: Any = None
+        self.bits = False
+        self.shape = torch.Size()
+        self.unpack = unpack
+
+    def settle(self, pack: Callable[[torch.Tensor], Any], share: Callable[[torch.Tensor], Any]) -> None:
+        """Keep the output where another operation saved it too (stored once), else only the bitmask."""
+        output, self.output = self.output, None
+        assert output is not None, "a lean ReLU is settled once"
+        self.handle = share(output)
+        if self.handle is None:
+            # torch's backward passes the gradient where not (output <= 0): NaN passes too. Inverting the
+            # packed bytes is 8x less work than inverting the elements (bits past the end are never unpacked)
+            self.handle, self.bits = pack(torch.bitwise_not(pack_bits(output <= 0))), True
+
+    def passing(self) -> torch.Tensor:
+        """What threshold_backward compares with 0: the output, or 0/1 bytes where it passes the gradient."""
+        if self.output is not None:  # backward before the mode settled it: torch's own choice
+            return self.output
+        kept: torch.Tensor = self.unpack(self.handle)
+        return unpack_bits(kept, self.shape) if self.bits else kept
+
+
 class _MaskedRelu(torch.autograd.Function):
-    """ReLU that saves which outputs pass the gradient, one bit each, instead of the output."""
+    """ReLU whose backward reads what its `_ReluSaved` kept: the output, or a bitmask instead of it."""
 
     @staticmethod
-    def forward(ctx: Any, source: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, source: torch.Tensor, saved: _ReluSaved) -> torch.Tensor:
         out = torch.relu(source)
-        ctx.shape = out.shape
-        # torch's backward passes the gradient where not (output <= 0): NaN passes too. Inverting the packed
-        # bytes is 8x less work than inverting the elements (the bits past the end are never unpacked)
-        ctx.save_for_backward(torch.bitwise_not(pack_bits(out <= 0)))
+        saved.shape, ctx.saved = out.shape, saved
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (bits,) = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # torch's own kernel, with 0/1 bytes for the output: exact, and 6x faster than masked_fill or where
-        passed: torch.Tensor = torch.ops.aten.threshold_backward(grad, unpack_bits(bits, ctx.shape), 0)
-        return passed
+        passed: torch.Tensor = torch.ops.aten.threshold_backward(grad, ctx.saved.passing(), 0)
+        return passed, None
 
 
 class _IndexedMaxPool2d(torch.autograd.Function):
@@ -93,22 +125,54 @@ def _pool_options(kernel_size: Any, stride: Any = None, padding: Any = 0, dilati
         bool(ceil_mode)
 
 
+def _takes(tensor: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments hold `tensor` (directly or in a list, as torch.cat's)."""
+    for arg in (*args, *kwargs.values()):
+        if arg is tensor or (isinstance(arg, list | tuple) and any(item is tensor for item in arg)):
+            return True
+    return False
+
+
+def _made_tensors(result: Any) -> bool:
+    """Whether a call's result is a tensor or holds some (a torch.Size, a tuple too, is no operation's output)."""
+    return isinstance(result, torch.Tensor) or (
+        isinstance(result, list | tuple) and any(isinstance(item, torch.Tensor) for item in result))
+
+
 class LeanSaves(TorchFunctionMode):
     """The mode `lean_saves` enters; `replaced` counts the calls it ran as lean Functions."""
 
-    def __init__(self) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor], Any] = _identity, unpack: Callable[[Any], Any] = _identity,
+                 share: Callable[[torch.Tensor], Any] = lambda tensor: None) -> None:
         super().__init__()
         self.replaced = 0
+        self.pack, self.unpack, self.share = pack, unpack, share
+        self._pending: list[_ReluSaved] = []  # ReLUs whose output no call has taken yet
 
     def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        takers = [saved for saved in self._pending if saved.output is not None
+                  and _takes(saved.output, args, kwargs)] if self._pending else []
+        result = self._call(func, args, kwargs)
+        # a call that made tensors of a ReLU's output has saved it for its backward by now, or never will
+        # (.dim() or .shape make none: they settle nothing)
+        if takers and _made_tensors(result):
+            for saved in takers:
+                self._pending.remove(saved)
+                saved.settle(self.pack, self.share)
+        return result
+
+    def _call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         source = args[0] if args else None
         if isinstance(source, torch.Tensor) and source.requires_grad and torch.is_grad_enabled():
             inplace = args[1] if len(args) > 1 else kwargs.get("inplace", False)
             if func in _RELUS and len(args) <= 2 and not inplace:
                 self.replaced += 1
-                return _MaskedRelu.apply(source)  # type: ignore[no-untyped-call]
+                saved = _ReluSaved(self.unpack)
+                saved.output = _MaskedRelu.apply(source, saved)  # type: ignore[no-untyped-call]
+                self._pending.append(saved)
+                return saved.output
             if func is F.max_pool2d and source.dim() in (3, 4):
                 options = _pool_options(*args[1:], **kwargs)
                 if options is not None:
@@ -116,7 +180,16 @@ class LeanSaves(TorchFunctionMode):
                     return _IndexedMaxPool2d.apply(source, *options)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
+    def __exit__(self, *exc: object) -> None:
+        for saved in self._pending:  # outputs no call took inside the block (a stage's last ReLU)
+            saved.settle(self.pack, self.share)
+        self._pending.clear()
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
-def lean_saves() -> LeanSaves:
-    """A context manager in which ReLUs and 2-D max-pools save only what their backward reads (see above)."""
-    return LeanSaves()
+
+def lean_saves(pack: Callable[[torch.Tensor], Any] = _identity, unpack: Callable[[Any], Any] = _identity,
+               share: Callable[[torch.Tensor], Any] = lambda tensor: None) -> LeanSaves:
+    """A context manager in which ReLUs and 2-D max-pools save only what their backward reads (see above).
+    `pack` and `unpack` store and return a ReLU's bitmask (by default it is kept as it is); `share(t)` gives
+    a handle that `unpack` turns into `t` where `t` has been saved already (an offloader's entry), else None."""
+    return LeanSaves(pack, unpack, share)

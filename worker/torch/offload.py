@@ -132,12 +132,20 @@ class Offloader:
         self._stream: Any = None
         self._copies: deque[Any] = deque()  # events of the copies to the host not yet waited for
 
-    def pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter(tensor):
-            return tensor
+    def share(self, tensor: torch.Tensor) -> _Saved | None:
+        """The entry of `tensor` if it was packed already (now with one more user: `unpack` gives it back to
+        each), else None."""
         seen = self._seen.get(id(tensor))
         if seen is not None and seen[0]() is tensor and (earlier := seen[1]()) is not None:
             earlier.users += 1
+            return earlier
+        return None
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if _is_parameter(tensor):
+            return tensor
+        earlier = self.share(tensor)
+        if earlier is not None:
             return earlier
         saved = _Saved(tensor, len(self._order))
         nbytes = tensor.numel() * tensor.element_size()
@@ -326,7 +334,7 @@ def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: 
     estimated from a sample (dense tensors, such as a max-pool's output, stay as they are).
     """
     offloader = Offloader(compress, min_bytes, prefetch, copies_ahead, keep_last, min_saving)
-    mode = lean_saves() if lean else None
+    mode = lean_saves(offloader.pack, offloader.unpack, offloader.share) if lean else None
     with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack), \
             mode if mode is not None else contextlib.nullcontext():
         try:
