@@ -136,6 +136,7 @@ def test_what_is_not_lean_runs_unchanged() -> None:
             F.relu(x)
         F.relu(x.detach())  # nothing to save
         F.leaky_relu(x)
+        F.relu(x.to_sparse())  # not a dense tensor
     assert mode.replaced == 0
 
 

@@ -10,7 +10,8 @@ keeps no float activation at all. A ReLU's choice waits for the first call that 
 that call saved the output too (a convolution's input), the ReLU shares it (stored and decoded once) and
 no bitmask is made. Gradients are bit-identical to torch's: the same masking as `threshold_backward` (NaN
 passes, as there) and torch's own max-pool backward kernel.
-In-place ReLUs (`inplace=True`, `relu_`), other dimensions of pooling and everything else run unchanged.
+In-place ReLUs (`inplace=True`, `relu_`), other dimensions of pooling, tensor subclasses and sparse
+tensors, and everything else run unchanged.
 """
 
 from __future__ import annotations
@@ -165,7 +166,10 @@ class LeanSaves(TorchFunctionMode):
 
     def _call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         source = args[0] if args else None
-        if isinstance(source, torch.Tensor) and source.requires_grad and torch.is_grad_enabled():
+        # plain dense tensors only: subclasses (DTensor, fakes) and sparse layouts keep torch's own ops
+        if isinstance(source, torch.Tensor) and type(source) in (torch.Tensor, torch.nn.Parameter) \
+                and source.layout == torch.strided \
+                and source.requires_grad and torch.is_grad_enabled():
             inplace = args[1] if len(args) > 1 else kwargs.get("inplace", False)
             if func in _RELUS and len(args) <= 2 and not inplace:
                 self.replaced += 1
