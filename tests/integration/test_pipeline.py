@@ -111,6 +111,15 @@ def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, ki
     assert all(len(r["losses"]) == 10 for r in last)
 
 
+@pytest.mark.timeout(120)
+def test_offload_without_lean_saves_matches_one_process() -> None:
+    """`offload_lean=False`: the ReLUs' outputs themselves are saved, and ZVC-encoded, on every stage."""
+    _, results = run(2, "--stages", "2", "--micro", "2", "--schedule", "1f1b", "--compress", "off", "--offload",
+                     "--no-lean", "--steps", "10")
+    check_matches(results, 2, reference(10, 16))
+    assert all(sum(r["offloaded"]) > 0 and sum(r["lean"]) == 0 for r in results)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])

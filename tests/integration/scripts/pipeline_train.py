@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="samples per replica per step")
     parser.add_argument("--compress", choices=["on", "off", "auto"], default="auto")
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--no-lean", action="store_true", help="with --offload: ReLUs keep their outputs, as torch's")
     parser.add_argument("--no-direct", action="store_true", help="no direct lanes: through the transport")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--grow-at", type=int, default=-1, help="from this step on, batches are twice as large")
@@ -66,7 +67,8 @@ def main() -> int:
     if index == args.bad_stage:
         parts[index] = nn.Sequential(nn.Linear(args.width + 1, args.width), *parts[index])
     stage = PipelineStage(parts[index].to(args.device), None, args.stages, compress=args.compress,
-                          offload=args.offload, offload_min_bytes=0, direct=not args.no_direct)
+                          offload=args.offload, offload_min_bytes=0,
+                          offload_lean=not args.no_lean, direct=not args.no_direct)
     kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
     schedule = kind(stage, args.micro, loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=args.lr)
