@@ -3,6 +3,7 @@ for bit (NaN, -0.0 and infinite gradients included), and everything else runs un
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +139,19 @@ def test_what_is_not_lean_runs_unchanged() -> None:
         F.leaky_relu(x)
         F.relu(x.to_sparse())  # not a dense tensor
     assert mode.replaced == 0
+
+
+@pytest.mark.parametrize("change", [lambda r: r.mul_(-1), lambda r: F.dropout(r, 0.5, True, True)])
+def test_an_output_changed_in_place_is_refused_as_torch_refuses_it(change: Any) -> None:
+    """Torch refuses a backward through a ReLU whose output changed in place (its version counter moved);
+    so does a lean ReLU, whatever its choice would have been."""
+    for block in (contextlib.nullcontext, lean_saves, offloaded):
+        source = torch.randn(4, 8, requires_grad=True)
+        with block():
+            out = F.relu(source * 1)
+            change(out)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
 
 
 def test_second_derivatives_match() -> None:

@@ -37,10 +37,12 @@ class _ReluSaved:
     """What one lean ReLU keeps for its backward: its output until the mode settles it (at the first call that
     takes it), then a handle on the output that call saved as well, or on the ReLU's bitmask."""
 
-    __slots__ = ("bits", "handle", "output", "shape", "unpack")
+    __slots__ = ("bits", "handle", "modified", "output", "shape", "unpack", "version")
 
     def __init__(self, unpack: Callable[[Any], Any]) -> None:
         self.output: torch.Tensor | None = None
+        self.version = 0  # the output's version counter when the ReLU made it
+        self.modified = False
         self.handle: Any = None
         self.bits = False
         self.shape = torch.Size()
@@ -50,6 +52,9 @@ class _ReluSaved:
         """Keep the output where another operation saved it too (stored once), else only the bitmask."""
         output, self.output = self.output, None
         assert output is not None, "a lean ReLU is settled once"
+        if output._version != self.version:  # changed in place: torch's backward would refuse it, so does ours
+            self.modified = True
+            return
         self.handle = share(output)
         if self.handle is None:
             # torch's backward passes the gradient where not (output <= 0): NaN passes too. Inverting the
@@ -58,6 +63,10 @@ class _ReluSaved:
 
     def passing(self) -> torch.Tensor:
         """What threshold_backward compares with 0: the output, or 0/1 bytes where it passes the gradient."""
+        if self.modified or (self.output is not None and self.output._version != self.version):
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               "inplace operation: the output of a ReLU (lean saves, sluice.worker.torch.lean), "
+                               "changed after the ReLU made it; make that operation out of place")
         if self.output is not None:  # backward before the mode settled it: torch's own choice
             return self.output
         kept: torch.Tensor = self.unpack(self.handle)
@@ -175,6 +184,7 @@ class LeanSaves(TorchFunctionMode):
                 self.replaced += 1
                 saved = _ReluSaved(self.unpack)
                 saved.output = _MaskedRelu.apply(source, saved)  # type: ignore[no-untyped-call]
+                saved.version = saved.output._version
                 self._pending.append(saved)
                 return saved.output
             if func is F.max_pool2d and source.dim() in (3, 4):
