@@ -179,8 +179,7 @@ class LeanSaves(TorchFunctionMode):
         if isinstance(source, torch.Tensor) and type(source) in (torch.Tensor, torch.nn.Parameter) \
                 and source.layout == torch.strided \
                 and source.requires_grad and torch.is_grad_enabled():
-            inplace = args[1] if len(args) > 1 else kwargs.get("inplace", False)
-            if func in _RELUS and len(args) <= 2 and not inplace:
+            if func in _RELUS and len(args) <= 2 and not (args[1] if len(args) == 2 else kwargs.get("inplace")):
                 self.replaced += 1
                 saved = _ReluSaved(self.unpack)
                 saved.output = _MaskedRelu.apply(source, saved)  # type: ignore[no-untyped-call]
