@@ -21,6 +21,7 @@ mask's popcount and trailing bits, non-zero packed values) before it allocates o
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import threading
@@ -129,7 +130,7 @@ def encode(array: np.ndarray[Any, Any], dtype: str | None = None, threads: int =
         return out
     mask_bytes = (n + 7) // 8
     values = np.frombuffer(out, bits.dtype, count=nnz, offset=HEADER_BYTES + mask_bytes)
-    offsets = np.cumsum([0] + [count for _, count in surveys]).tolist()
+    offsets = list(itertools.accumulate((count for _, count in surveys), initial=0))
 
     def write(part: int) -> None:
         (start, stop), mask, done = ranges[part], surveys[part][0], offsets[part]
@@ -272,7 +273,7 @@ def _fill(frame: np.ndarray[Any, np.dtype[np.uint8]], header: Header, out: np.nd
     found = sum(count for _, count, _ in surveys)
     if found != header.nnz:
         raise WireError(f"zvc mask marks {found} non-zeros, the header declares {header.nnz}")
-    offsets = np.cumsum([0] + [count for _, count, _ in surveys]).tolist()
+    offsets = list(itertools.accumulate((count for _, count, _ in surveys), initial=0))
 
     def scatter(part: int) -> None:
         (start, stop), marks, done = ranges[part], surveys[part][0], offsets[part]

@@ -149,20 +149,22 @@ class Offloader:
             return earlier
         saved = _Saved(tensor, len(self._order))
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.min_bytes or tensor.dtype not in CODECS or not tensor.is_contiguous() \
-                or tensor.device.type not in ("cpu", "cuda"):
+        cpu = tensor.device.type == "cpu"
+        keep = nbytes < self.min_bytes or tensor.dtype not in CODECS or not tensor.is_contiguous() \
+            or not (cpu or tensor.device.type == "cuda")
+        encoded = None
+        if not keep and cpu and self.compress is not False:
+            encoded = encode_tensor(tensor, self.threads, self.min_saving)
+            keep = encoded is None  # ZVC would barely shrink it: a copy for nothing
+        if keep:
             saved.tensor, saved.cell[0] = tensor, nbytes
             self.stats.kept += 1
-        elif tensor.device.type == "cpu":
-            encoded = encode_tensor(tensor, self.threads, self.min_saving) if self.compress is not False else None
-            if encoded is not None:
-                saved.frame, saved.stored = encoded
-            saved.tensor = None if encoded is not None else tensor
-            saved.cell[0] = len(saved.frame) if saved.frame is not None else nbytes
-            if encoded is None and self.compress is not False:
-                self.stats.kept += 1  # ZVC would barely shrink it: a copy for nothing
+        elif cpu:
+            if encoded is None:  # compress=False: counted only
+                saved.tensor, saved.cell[0] = tensor, nbytes
             else:
-                self._count(nbytes, saved.cell[0])
+                (saved.frame, saved.stored), saved.cell[0] = encoded, len(encoded[0])
+            self._count(nbytes, saved.cell[0])
         else:
             self._to_host(tensor, saved)
             self._count(nbytes, saved.cell[0])

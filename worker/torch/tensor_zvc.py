@@ -41,8 +41,7 @@ def estimated_saving(host: torch.Tensor, stored: torch.dtype) -> float:
         return 0.0
     sample = flat[::max(1, flat.numel() // SAMPLE)]
     density = int(torch.count_nonzero(sample.view(_BITS[sample.element_size()]))) / sample.numel()
-    width = torch.empty((), dtype=stored).element_size()
-    return 1 - min(width, 1 / 8 + width * density) / host.element_size()
+    return 1 - min(stored.itemsize, 1 / 8 + stored.itemsize * density) / host.element_size()
 
 
 def encode_tensor(host: torch.Tensor, threads: int = 1,
