@@ -2,10 +2,13 @@
 
 A ReLU CNN (conv-relu-conv-relu-pool twice, WIDTH then 2 x WIDTH channels, then a linear layer) on BATCH
 random SIZExSIZE images. Step time: forward + backward with the hooks against without, the median of
-REPEATS timings of LOOPS steps each, the two alternating. Records: `memory_saved` = 1 - ours/peer memory
+REPEATS timings of LOOPS steps each, all alternating. Records: `memory_saved` = 1 - ours/peer memory
 and `step_cost` = ours/peer step time - 1. Targets (issue 11): memory_saved >= 0.5 at step_cost <= 0.15.
+Cases are named by what runs: `lean` (ReLUs and max-pools save bits and window offsets), `zvc`, `gpu`.
 
-On a CPU (`--device cpu`) the offload is ZVC compression in place, on the cores the model uses. Memory:
+On a CPU (`--device cpu`) the offload is compression in place, on the cores the model uses: without
+--compress/--no-compress, two configurations in one run, the defaults (lean saves alone) and ZVC on top
+(`--compress`: what a ReLU CNN's convolutions save, their inputs, ZVC-encoded as well). Memory:
 the bytes autograd saves for backward that are not parameters, counted once per tensor by a counting-only
 pass of the same hooks (the peer), against the most bytes the offload hooks held at once (ours).
 On a GPU (`--device cuda`) activations go to pinned host memory on a side stream during forward and come
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
@@ -141,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-last", type=int, default=0, help="GPU: the last saved tensors that also stay "
                         "on the GPU, for the backward that follows at once (default: %(default)s)")
     parser.add_argument("--compress", action=argparse.BooleanOptionalAction, help="ZVC-encode what is "
-                        "offloaded (default: on a CPU, where it is the offload; not on a GPU, where it is "
-                        "packed on the GPU before the copy)")
+                        "offloaded (ZVC-packed on the GPU before the copy, on a GPU). Default: on a CPU, both "
+                        "the library's default (ZVC only without lean saves) and --compress; on a GPU, off")
     parser.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True, help="ReLUs and max-pools "
-                        "save a bitmask and indices instead of tensors, as Gist (default: on)")
+                        "save a bitmask and window offsets instead of tensors, as Gist (default: on)")
     parser.add_argument("--min-saving", type=float, default=MIN_SAVING, help="CPU: ZVC-encode a tensor only "
                         "when that saves at least this fraction of its bytes (default: %(default)s)")
     add_common_options(parser, "batch 4 of 32x32 images, one repetition of 1 step", repeats=5)
@@ -155,78 +159,93 @@ def main(argv: list[str] | None = None) -> int:
     batch, size, width = DEFAULTS[device.type]
     args.batch, args.size, args.width = args.batch or batch, args.size or size, args.width or width
     args.loops = args.loops or (10 if device.type == "cuda" else 3)
-    args.compress = device.type == "cpu" if args.compress is None else args.compress
     if args.quick:
         args.batch, args.size, args.width, args.repeats, args.loops = 4, 32, min(args.width, 32), 1, 1
     model = relu_cnn(args.size, args.width).to(device)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=generator).to(device)
     y = torch.randint(0, 10, (args.batch,), generator=generator).to(device)
-
-    def hooks() -> Any:
-        return offloaded(compress=args.compress, prefetch=args.prefetch, copies_ahead=args.copies_ahead,
-                         keep_last=args.keep_last, lean=args.lean, min_saving=args.min_saving)
+    # on a CPU without --compress/--no-compress: the defaults (lean saves alone) and ZVC on top, in one run
+    choices = [args.compress] if args.compress is not None or device.type == "cuda" or not args.lean else [None, True]
+    configs = {label(device, args.lean, compress): functools.partial(
+        offloaded, compress=compress, prefetch=args.prefetch, copies_ahead=args.copies_ahead,
+        keep_last=args.keep_last, lean=args.lean, min_saving=args.min_saving) for compress in choices}
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     progress(f"ReLU CNN {args.width}/{2 * args.width} channels, batch {args.batch} of {args.size}x{args.size}, "
              f"on {where}: checking the gradients are exact ...")
-    check_exact(model, x, y, hooks)
+    for hooks in configs.values():
+        check_exact(model, x, y, hooks)
     counted = step(model, x, y, offloaded(min_bytes=1 << 62, lean=False))  # torch's saves, kept: only counts
-    held = step(model, x, y, hooks())
-    assert counted is not None and held is not None
-    progress(f"{args.repeats} x {args.loops} steps with and without offload ...")
-    times: dict[str, list[float]] = {"none": [], "offload": []}
+    assert counted is not None
+    held = {name: step(model, x, y, hooks()) for name, hooks in configs.items()}
+    progress(f"{args.repeats} x {args.loops} steps without offload and with {', '.join(configs)} ...")
+    times: dict[str, list[float]] = {name: [] for name in ("none", *configs)}
     for _ in range(args.repeats):
-        for name in ("none", "offload"):  # alternating, so drifts hit both alike
+        for name in times:  # alternating, so drifts hit all alike
             sync(device)
             started = time.perf_counter()
             for _ in range(args.loops):
-                step(model, x, y, None if name == "none" else hooks())
+                step(model, x, y, configs[name]() if name in configs else None)
             sync(device)
             times[name].append((time.perf_counter() - started) / args.loops * 1e3)
-    ours, peer = stats(times["offload"]), stats(times["none"])
-    gpu: dict[str, dict[str, float]] = {}
-    if device.type == "cuda":
-        for name in ("none", "offload"):
-            runs = [gpu_memory(model, x, y, hooks() if name == "offload" else None) for _ in range(args.repeats)]
-            gpu[name] = {key: stats([run[key] for run in runs]).median for key in runs[0]}
-        memory = stats([gpu["offload"]["held"]]), stats([gpu["none"]["held"]])
-        memory_name, kind = "no offload (GPU memory held for backward when forward ends)", "gpu"
-    else:
-        memory = stats([held.peak_bytes / MIB]), stats([counted.peak_bytes / MIB])
-        memory_name, kind = "saved tensors kept (counted)", "zvc"
-    memory_saved = 1 - memory[0].median / memory[1].median
-    step_cost = ours.median / peer.median - 1
-    common = {"memory_saved": memory_saved, "step_cost": step_cost, "target_memory_saved": TARGET_MEMORY_SAVED,
-              "target_step_cost": TARGET_STEP_COST, "met": memory_saved >= TARGET_MEMORY_SAVED
-              and step_cost <= TARGET_STEP_COST, "device": where, "batch": args.batch, "size": args.size,
-              "width": args.width, "compress": args.compress, "threads": torch.get_num_threads(),
-              "prefetch": args.prefetch, "prefetched": held.prefetched, "repeats": args.repeats,
-              "loops": args.loops, "raw_bytes": held.raw_bytes, "stored_bytes": held.stored_bytes,
-              "zvc_ratio": held.ratio, "packed": held.packed, "kept": held.kept,
-              "copy_ms": pinned_copy_ms(held.raw_bytes, device) if device.type == "cuda" else None,
-              "gpu": gpu or None, "copies_ahead": args.copies_ahead,
-              "keep_last": args.keep_last, "lean": held.lean, "min_saving": args.min_saving}
-    case = f"offload-{kind}-cnn-w{args.width}-b{args.batch}-s{args.size}"
-    records = [
-        record(f"{case}-step", ours, peer, "no offload", "ms", "lower", **common),
-        record(f"{case}-memory", memory[0], memory[1], memory_name, "MiB", "lower", **common),
-    ]
-    verdict = (f"memory {'met' if memory_saved >= TARGET_MEMORY_SAVED else 'MISSED'}, "
-               f"step {'met' if step_cost <= TARGET_STEP_COST else 'MISSED'}")
-    print_table(["case", "ours", "peer", "ratio", "memory_saved", "step_cost", "zvc ratio", "targets"],
-                [[rec["case"], f"{rec['ours']:.2f} {rec['unit']}", f"{rec['peer']:.2f} {rec['unit']}",
-                  f"{rec['ratio']:.3f}", f"{memory_saved:.3f}", f"{step_cost:+.3f}", f"{held.ratio:.3f}",
-                  verdict] for rec in records])
-    copy = "".join(f"\n  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in values.items())
-                   for name, values in gpu.items())
-    if gpu:
-        copy = f"; copying them one way alone takes {common['copy_ms']:.1f} ms; GPU MiB and ms:{copy}"
-    print(f"step ms: offload {ours.brief(1)}, none {peer.brief(1)}; activations {counted.peak_bytes / MIB:.1f} MiB "
-          f"-> {held.peak_bytes / MIB:.1f} MiB held on the host ({held.packed} offloaded, {held.kept} kept, "
-          f"{held.prefetched} brought back ahead, {held.lean} lean ReLUs and max-pools){copy}", flush=True)
+    peer = stats(times["none"])
+    records, rows = [], []
+    for name, hooks in configs.items():
+        ours, kept = stats(times[name]), held[name]
+        assert kept is not None
+        gpu: dict[str, dict[str, float]] = {}
+        if device.type == "cuda":
+            for run_name in ("none", "offload"):
+                runs = [gpu_memory(model, x, y, hooks() if run_name == "offload" else None)
+                        for _ in range(args.repeats)]
+                gpu[run_name] = {key: stats([run[key] for run in runs]).median for key in runs[0]}
+            memory = stats([gpu["offload"]["held"]]), stats([gpu["none"]["held"]])
+            memory_name = "no offload (GPU memory held for backward when forward ends)"
+        else:
+            memory = stats([kept.peak_bytes / MIB]), stats([counted.peak_bytes / MIB])
+            memory_name = "saved tensors kept (counted)"
+        memory_saved = 1 - memory[0].median / memory[1].median
+        step_cost = ours.median / peer.median - 1
+        common = {"memory_saved": memory_saved, "step_cost": step_cost, "target_memory_saved": TARGET_MEMORY_SAVED,
+                  "target_step_cost": TARGET_STEP_COST, "met": memory_saved >= TARGET_MEMORY_SAVED
+                  and step_cost <= TARGET_STEP_COST, "device": where, "batch": args.batch, "size": args.size,
+                  "width": args.width, "compress": hooks.keywords["compress"], "defaults": name == label(
+                      device, True, None), "threads": torch.get_num_threads(), "prefetch": args.prefetch,
+                  "prefetched": kept.prefetched, "repeats": args.repeats, "loops": args.loops,
+                  "raw_bytes": kept.raw_bytes, "stored_bytes": kept.stored_bytes, "zvc_ratio": kept.ratio,
+                  "packed": kept.packed, "kept": kept.kept,
+                  "copy_ms": pinned_copy_ms(kept.raw_bytes, device) if device.type == "cuda" else None,
+                  "gpu": gpu or None, "copies_ahead": args.copies_ahead, "keep_last": args.keep_last,
+                  "lean": kept.lean, "min_saving": args.min_saving}
+        case = f"offload-{name}-cnn-w{args.width}-b{args.batch}-s{args.size}"
+        these = [record(f"{case}-step", ours, peer, "no offload", "ms", "lower", **common),
+                 record(f"{case}-memory", memory[0], memory[1], memory_name, "MiB", "lower", **common)]
+        verdict = (f"memory {'met' if memory_saved >= TARGET_MEMORY_SAVED else 'MISSED'}, "
+                   f"step {'met' if step_cost <= TARGET_STEP_COST else 'MISSED'}")
+        rows += [[rec["case"], f"{rec['ours']:.2f} {rec['unit']}", f"{rec['peer']:.2f} {rec['unit']}",
+                  f"{rec['ratio']:.3f}", f"{memory_saved:.3f}", f"{step_cost:+.3f}", f"{kept.ratio:.3f}", verdict]
+                 for rec in these]
+        records += these
+        copy = "".join(f"\n  {gpu_name}: " + ", ".join(f"{key} {value:.1f}" for key, value in values.items())
+                       for gpu_name, values in gpu.items())
+        if gpu:
+            copy = f"; copying them one way alone takes {common['copy_ms']:.1f} ms; GPU MiB and ms:{copy}"
+        print(f"{name}: step ms {ours.brief(1)} against {peer.brief(1)} without; activations "
+              f"{counted.peak_bytes / MIB:.1f} MiB -> {kept.peak_bytes / MIB:.1f} MiB ({kept.packed} offloaded, "
+              f"{kept.kept} kept, {kept.prefetched} brought back ahead, {kept.lean} lean ReLUs and max-pools){copy}",
+              flush=True)
+    print_table(["case", "ours", "peer", "ratio", "memory_saved", "step_cost", "zvc ratio", "targets"], rows)
     write_json(args.json, records)
     return 0
+
+
+def label(device: torch.device, lean: bool, compress: bool | None) -> str:
+    """The case's name for these options: what runs on `device` with them (ZVC by default on a CPU only
+    without lean saves, never on a GPU)."""
+    zvc = compress if compress is not None else (device.type == "cpu" and not lean)
+    parts = ["gpu"] * (device.type == "cuda") + ["lean"] * lean + ["zvc"] * zvc
+    return "-".join(parts) or "kept"
 
 
 if __name__ == "__main__":

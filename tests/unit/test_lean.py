@@ -71,17 +71,79 @@ def test_max_pool_saves_only_indices_and_gradients_match(shape: tuple[int, ...],
     lean_out, lean_grad, replaced, lean_bytes = grads(pool, x, upstream, lean=True)
     assert replaced == 1 and same(out, lean_out) and same(grad, lean_grad)
     assert torch_bytes == 4 * x.numel() + 8 * out.numel()  # the input and int64 indices
-    assert lean_bytes == 2 * out.numel()  # int16 indices: planes here are far below 32768 elements
+    assert lean_bytes == out.numel()  # where in its window each maximum was: one byte
 
 
-def test_indices_narrow_as_far_as_the_plane_allows() -> None:
+@pytest.mark.parametrize("width, kernel, itemsize", [
+    (20000, 2, 2),  # a window spans 20002 elements of the plane: int16 offsets
+    (20000, 3, 4),  # 40003: int32, no narrower than indices into the 60000-element plane
+    (127, 2, 1),  # the last width whose 2x2 windows fit a byte
+    (255, 2, 2),
+])
+def test_indices_narrow_as_far_as_the_plane_and_window_allow(width: int, kernel: int, itemsize: int) -> None:
     assert [_index_dtype(plane) for plane in (1, 32768, 32769, 1 << 31, (1 << 31) + 1)] == [
         torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
-    x = torch.randn(1, 1, 2, 20000)  # 40000 elements: indices up to 39999 need int32
-    upstream = torch.randn(1, 1, 1, 10000)
-    _, grad, _, _ = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=False)
-    _, lean_grad, _, lean_bytes = grads(lambda s: F.max_pool2d(s, 2), x, upstream, lean=True)
-    assert torch.equal(grad, lean_grad) and lean_bytes == 4 * 10000
+    x = torch.randn(1, 2, kernel, width)
+    upstream = torch.randn(F.max_pool2d(x, kernel).shape)
+    _, grad, _, _ = grads(lambda s: F.max_pool2d(s, kernel), x, upstream, lean=False)
+    _, lean_grad, _, lean_bytes = grads(lambda s: F.max_pool2d(s, kernel), x, upstream, lean=True)
+    assert torch.equal(grad, lean_grad) and lean_bytes == itemsize * upstream.numel()
+
+
+@pytest.mark.parametrize("options", [{"kernel_size": 2}, {"kernel_size": 3, "stride": 1, "padding": 1},
+                                     {"kernel_size": (3, 2), "stride": 2, "dilation": 2, "ceil_mode": True}])
+def test_a_relu_before_a_max_pool_keeps_nothing_and_gradients_match(options: dict[str, Any]) -> None:
+    """The max-pool masks the gradient where its output is not positive; the ReLU keeps nothing."""
+    x = special((3, 4, 11, 12), 4)
+    upstream = special(F.max_pool2d(x, **options).shape, 5)
+
+    def block(source: Any) -> Any:
+        return F.max_pool2d(F.relu(source), **options)
+
+    out, grad, _, _ = grads(block, x, upstream, lean=False)
+    lean_out, lean_grad, replaced, lean_bytes = grads(block, x, upstream, lean=True)
+    assert replaced == 2 and same(out, lean_out) and same(grad, lean_grad)
+    assert lean_bytes == out.numel() + (out.numel() + 7) // 8  # byte offsets, a bitmask of the pooled output
+
+
+@pytest.mark.parametrize("after", [
+    lambda r, p: torch.cat([p.flatten(), r.flatten()]),  # a second call takes the ReLU's output
+    lambda r, p: torch.cat([p.flatten(), (r * 2).flatten()]),  # one that saves it too
+])
+def test_a_relu_output_taken_after_its_max_pool_is_masked_again(after: Any) -> None:
+    x = special((2, 3, 8, 8), 6)
+    upstream = special((2 * 3 * 4 * 4 + x.numel(),), 7)
+
+    def block(source: Any) -> Any:
+        relu = F.relu(source)
+        return after(relu, F.max_pool2d(relu, 2))
+
+    out, grad, _, _ = grads(block, x, upstream, lean=False)
+    lean_out, lean_grad, _, _ = grads(block, x, upstream, lean=True)
+    assert same(out, lean_out) and same(grad, lean_grad)
+
+
+def test_a_relu_output_alive_after_the_block_keeps_its_bitmask() -> None:
+    """What takes the output next, outside the block, is not watched: the ReLU masks its gradient too."""
+    x, expected = special((2, 3, 8, 8), 8), []
+    for block in (contextlib.nullcontext, lean_saves, offloaded):
+        source = x.clone().requires_grad_(True)
+        with block():
+            relu = F.relu(source * 1)
+            pooled = F.max_pool2d(relu, 2)
+        (pooled.sum() + (relu * relu).sum()).backward()
+        expected.append(source.grad)
+    assert same(expected[0], expected[1]) and same(expected[0], expected[2])
+
+
+def test_a_relu_output_changed_in_place_after_its_max_pool_is_refused() -> None:
+    source = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with lean_saves():
+        relu = F.relu(source * 1)
+        pooled = F.max_pool2d(relu, 2)
+        relu.mul_(-1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (pooled.sum() + relu.sum()).backward()
 
 
 @pytest.mark.parametrize("after, tensors, bitmask", [
@@ -169,3 +231,21 @@ def test_bits_pack_alike_with_numpy_and_torch(count: int) -> None:
     shape = torch.Size([count])
     assert torch.equal(unpack_bits(bits, shape), mask.to(torch.uint8))
     assert torch.equal(shift_unpack(bits, shape), mask.to(torch.uint8))
+
+
+@pytest.mark.parametrize("compress", [False, None])
+def test_what_lean_saves_share_is_freed_with_the_graph_without_the_garbage_collector(compress: Any) -> None:
+    """A ReLU or max-pool sharing its output's entry must not make a cycle through the graph."""
+    import gc
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                torch.nn.Conv2d(8, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    gc.disable()
+    try:
+        with offloaded(compress=compress, min_bytes=0) as stats:
+            loss = model(torch.randn(2, 3, 20, 20)).sum()
+        loss.backward()
+        del loss
+        assert stats.peak_bytes > 0 and stats.held_bytes == 0, stats
+    finally:
+        gc.enable()

@@ -1,21 +1,28 @@
-"""Lean saves for backward, as Gist: a ReLU keeps one bit per element, a 2-D max-pool only its narrowed indices.
+"""Lean saves for backward, as Gist: a ReLU keeps one bit per element or nothing, a 2-D max-pool window offsets.
 
 Autograd keeps a ReLU's output for its backward, which only asks which elements were not positive, and a
 max-pool's input, whose backward only needs its shape (the gradient goes where the indices say). Inside
 `lean_saves()` (which `offloaded` enters by default) `F.relu`, `torch.relu`, `Tensor.relu` and
-`F.max_pool2d` on tensors that need gradients run as autograd Functions that save just that: a bitmask
-(1/32 of float32) and the indices, in the smallest integer type the input's plane allows (int16 up to
-181x181: a quarter of torch's int64). A ReLU followed by a max-pool, the commonest pattern in CNNs, then
-keeps no float activation at all. A ReLU's choice waits for the first call that takes its output: where
-that call saved the output too (a convolution's input), the ReLU shares it (stored and decoded once) and
-no bitmask is made. Gradients are bit-identical to torch's: the same masking as `threshold_backward` (NaN
-passes, as there) and torch's own max-pool backward kernel.
-In-place ReLUs (`inplace=True`, `relu_`), other dimensions of pooling, tensor subclasses and sparse
-tensors, and everything else run unchanged.
+`F.max_pool2d` on tensors that need gradients run as autograd Functions that save just that:
+- a max-pool keeps where in its window each maximum was: one byte for windows of up to 256 elements' span
+  in the plane (2x2 windows on rows up to 254 wide), else the smallest integer type that holds the offset
+  or the index, from the shape alone (int16 indices up to 181x181 planes); torch keeps int64 indices;
+- a ReLU's choice waits for the first call that takes its output. Where that call saved the output too (a
+  convolution's input), the ReLU shares it (stored and decoded once) and makes nothing. Where it is a
+  lean max-pool, the max-pool masks its gradient where its own output is not positive (the same elements
+  the ReLU would mask: a maximum is positive exactly where the ReLU passed it), settled as a ReLU's output
+  is, and the ReLU keeps nothing: a ReLU followed by a max-pool, the commonest pattern in CNNs, keeps one
+  byte per pooled element. The mode watches that output while it lives: a later call that takes it too
+  gives the ReLU back its own bitmask. Elsewhere the ReLU keeps a bitmask (1/32 of float32).
+Gradients are bit-identical to torch's: the same masking as `threshold_backward` (NaN passes, as there)
+and torch's own max-pool backward kernel. In-place ReLUs (`inplace=True`, `relu_`), other dimensions of
+pooling, tensor subclasses and sparse tensors, and everything else run unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,10 +44,13 @@ class _ReluSaved:
     """What one lean ReLU keeps for its backward: its output until the mode settles it (at the first call that
     takes it), then a handle on the output that call saved as well, or on the ReLU's bitmask."""
 
-    __slots__ = ("bits", "handle", "modified", "output", "shape", "unpack", "version")
+    __slots__ = ("bits", "fused", "handle", "modified", "output", "shape", "unpack", "version")
 
     def __init__(self, unpack: Callable[[Any], Any]) -> None:
         self.output: torch.Tensor | None = None
+        #: a lean max-pool took the output first and masks its own gradient: while no other call takes it
+        #: (the mode watches it, weakly), the ReLU's backward passes the gradient through and keeps nothing
+        self.fused: weakref.ref[torch.Tensor] | None = None
         self.version = 0  # the output's version counter when the ReLU made it
         self.modified = False
         self.handle: Any = None
@@ -61,14 +71,18 @@ class _ReluSaved:
             # packed bytes is 8x less work than inverting the elements (bits past the end are never unpacked)
             self.handle, self.bits = pack(torch.bitwise_not(pack_bits(output <= 0))), True
 
-    def passing(self) -> torch.Tensor:
-        """What threshold_backward compares with 0: the output, or 0/1 bytes where it passes the gradient."""
+    def passing(self) -> torch.Tensor | None:
+        """What threshold_backward compares with 0: the output, or 0/1 bytes where it passes the gradient;
+        None where a max-pool after it has masked the gradient already."""
         if self.modified or (self.output is not None and self.output._version != self.version):
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
-                               "inplace operation: the output of a ReLU (lean saves, sluice.worker.torch.lean), "
-                               "changed after the ReLU made it; make that operation out of place")
+                               "inplace operation: the output of a ReLU or max-pool (lean saves, "
+                               "sluice.worker.torch.lean), changed after it was made; make that operation "
+                               "out of place")
         if self.output is not None:  # backward before the mode settled it: torch's own choice
             return self.output
+        if self.fused is not None:
+            return None
         kept: torch.Tensor = self.unpack(self.handle)
         return unpack_bits(kept, self.shape) if self.bits else kept
 
@@ -84,36 +98,72 @@ class _MaskedRelu(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # torch's own kernel, with 0/1 bytes for the output: exact, and 6x faster than masked_fill or where
-        passed: torch.Tensor = torch.ops.aten.threshold_backward(grad, ctx.saved.passing(), 0)
-        return passed, None
+        passing = ctx.saved.passing()
+        if passing is None:  # the max-pool that alone took the output masked the gradient (see _IndexedMaxPool2d)
+            return grad, None
+        return _masked(grad, passing), None
+
+
+def _masked(grad: torch.Tensor, passing: torch.Tensor) -> torch.Tensor:
+    # torch's own kernel, with 0/1 bytes for the output: exact, and 6x faster than masked_fill or where
+    passed: torch.Tensor = torch.ops.aten.threshold_backward(grad, passing, 0)
+    return passed
 
 
 class _IndexedMaxPool2d(torch.autograd.Function):
-    """2-D max-pool that saves its indices and its input's shape, not the input."""
+    """2-D max-pool that saves where in its window each maximum was and its input's shape, not the input.
+    With `mask` (a ReLU's output is its input), its backward first masks the gradient where its output is not
+    positive, as that ReLU's backward would have at the same elements: the ReLU then keeps nothing, and the
+    mask is on the pooled tensor (4x smaller with 2x2 windows, and often saved by the next layer anyway)."""
 
     @staticmethod
-    def forward(ctx: Any, source: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
-                padding: tuple[int, int], dilation: tuple[int, int], ceil_mode: bool) -> torch.Tensor:
+    def forward(ctx: Any, source: torch.Tensor, mask: _ReluSaved | None, kernel: tuple[int, int],
+                stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                ceil_mode: bool) -> torch.Tensor:
         out, indices = F.max_pool2d(source, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
         channels_last = source.dim() == 4 and source.is_contiguous(memory_format=torch.channels_last) \
             and not source.is_contiguous()
         ctx.like = (source.shape, source.dtype, source.device,
                     torch.channels_last if channels_last else torch.contiguous_format)
         ctx.options = (kernel, stride, padding, dilation, ceil_mode)
-        ctx.save_for_backward(indices.to(_index_dtype(source.shape[-2] * source.shape[-1])))
+        ctx.mask = mask
+        if mask is not None:
+            mask.shape = out.shape
+        starts = _window_starts(tuple(out.shape[-2:]), source.shape[-1], stride, padding, source.device)
+        span = (kernel[0] - 1) * dilation[0] * source.shape[-1] + (kernel[1] - 1) * dilation[1]
+        narrow = _index_dtype(source.shape[-2] * source.shape[-1])
+        offset = torch.uint8 if span <= torch.iinfo(torch.uint8).max else _index_dtype(span + 1)
+        ctx.starts = starts if offset.itemsize < narrow.itemsize else None
+        if ctx.starts is not None:  # where in its window: 0-3 for 2x2 windows, one byte whatever the plane
+            ctx.save_for_backward(torch.sub(indices, starts, out=torch.empty_like(indices, dtype=offset)))
+        else:
+            ctx.save_for_backward(indices.to(narrow))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (indices,) = ctx.saved_tensors
+        (kept,) = ctx.saved_tensors
+        indices = kept.to(torch.int64) if ctx.starts is None else torch.add(ctx.starts, kept)
+        if ctx.mask is not None:
+            passing = ctx.mask.passing()
+            grad = grad if passing is None else _masked(grad, passing)
         shape, dtype, device, memory_format = ctx.like
         # the kernel reads only the input's shape and layout: an empty tensor of both, never filled
         like = torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format)
         kernel, stride, padding, dilation, ceil_mode = ctx.options
         grad_input = torch.ops.aten.max_pool2d_with_indices_backward(
-            grad, like, kernel, stride, padding, dilation, ceil_mode, indices.to(torch.int64))
-        return grad_input, None, None, None, None, None
+            grad, like, kernel, stride, padding, dilation, ceil_mode, indices)
+        return grad_input, None, None, None, None, None, None
+
+
+@functools.lru_cache(maxsize=64)
+def _window_starts(out: tuple[int, int], width: int, stride: tuple[int, int], padding: tuple[int, int],
+                   device: torch.device) -> torch.Tensor:
+    """Each window's first element as an index into its plane (a row `width` long): an index less that is
+    where in its window the maximum was, a small number."""
+    rows = torch.arange(out[0], device=device) * stride[0] - padding[0]
+    columns = torch.arange(out[1], device=device) * stride[1] - padding[1]
+    return rows[:, None] * width + columns[None, :]
 
 
 def _index_dtype(plane: int) -> torch.dtype:
@@ -158,22 +208,47 @@ class LeanSaves(TorchFunctionMode):
         self.replaced = 0
         self.pack, self.unpack, self.share = pack, unpack, share
         self._pending: list[_ReluSaved] = []  # ReLUs whose output no call has taken yet
+        self._fused: list[_ReluSaved] = []  # ReLUs whose output only a lean max-pool took, while it lives
 
     def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         takers = [saved for saved in self._pending if saved.output is not None
                   and _takes(saved.output, args, kwargs)] if self._pending else []
-        result = self._call(func, args, kwargs)
+        if self._fused:
+            takers += self._unfuse(args, kwargs)
+        result = self._call(func, args, kwargs, takers)
         # a call that made tensors of a ReLU's output has saved it for its backward by now, or never will
         # (.dim() or .shape make none: they settle nothing)
         if takers and _made_tensors(result):
             for saved in takers:
                 self._pending.remove(saved)
-                saved.settle(self.pack, self.share)
+                if saved.fused is not None:  # the max-pool masks for it: watch the output, do not hold it
+                    saved.output = None
+                    self._fused.append(saved)
+                else:
+                    saved.settle(self.pack, self.share)
         return result
 
-    def _call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def _unfuse(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[_ReluSaved]:
+        """Fused ReLUs whose output this call takes too, back to pending: their backward will see that call's
+        gradient as well, which no max-pool masked. Outputs that died are forgotten: fused for good."""
+        taken, watched = [], []
+        for saved in self._fused:
+            output = saved.fused() if saved.fused is not None else None
+            if output is None:
+                continue
+            if _takes(output, args, kwargs):
+                saved.output, saved.fused = output, None
+                self._pending.append(saved)
+                taken.append(saved)
+            else:
+                watched.append(saved)
+        self._fused = watched
+        return taken
+
+    def _call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+              takers: list[_ReluSaved]) -> Any:
         source = args[0] if args else None
         # plain dense tensors only: subclasses (DTensor, fakes) and sparse layouts keep torch's own ops
         if isinstance(source, torch.Tensor) and type(source) in (torch.Tensor, torch.nn.Parameter) \
@@ -182,21 +257,35 @@ class LeanSaves(TorchFunctionMode):
             if func in _RELUS and len(args) <= 2 and not (args[1] if len(args) == 2 else kwargs.get("inplace")):
                 self.replaced += 1
                 saved = _ReluSaved(self.unpack)
-                saved.output = _MaskedRelu.apply(source, saved)  # type: ignore[no-untyped-call]
-                saved.version = saved.output._version
-                self._pending.append(saved)
-                return saved.output
+                return self._watch(saved, _MaskedRelu.apply(source, saved))  # type: ignore[no-untyped-call]
             if func is F.max_pool2d and source.dim() in (3, 4):
                 options = _pool_options(*args[1:], **kwargs)
                 if options is not None:
                     self.replaced += 1
-                    return _IndexedMaxPool2d.apply(source, *options)  # type: ignore[no-untyped-call]
+                    relu = next((saved for saved in takers if saved.output is source), None)
+                    if relu is None:  # not a ReLU's output, or another call took it first
+                        return _IndexedMaxPool2d.apply(source, None, *options)  # type: ignore[no-untyped-call]
+                    relu.fused = weakref.ref(source)
+                    mask = _ReluSaved(self.unpack)  # settled as a ReLU's output is: shared, or a bitmask
+                    return self._watch(mask, _IndexedMaxPool2d.apply(source, mask, *options))  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
+    def _watch(self, saved: _ReluSaved, output: torch.Tensor) -> torch.Tensor:
+        """Settle `saved` at the first call that takes `output` (see `_ReluSaved`)."""
+        saved.output, saved.version = output, output._version
+        self._pending.append(saved)
+        return output
+
     def __exit__(self, *exc: object) -> None:
+        for saved in self._fused:  # outputs alive after the block: what takes them next is not watched
+            output = saved.fused() if saved.fused is not None else None
+            if output is not None:
+                saved.output, saved.fused = output, None
+                self._pending.append(saved)
         for saved in self._pending:  # outputs no call took inside the block (a stage's last ReLU)
             saved.settle(self.pack, self.share)
         self._pending.clear()
+        self._fused.clear()
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
 

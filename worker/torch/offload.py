@@ -7,15 +7,17 @@
 
 Every tensor autograd saves for backward passes through `pack`: parameters (leaves that require grad,
 and views of them) stay where they are, as do tensors under `min_bytes`, non-contiguous ones and dtypes
-ZVC has no code for. The rest are activations. On a CPU they are ZVC-encoded (lossless, so gradients are
-bit-identical; integer tensors narrowed first to the smallest dtype that holds their values, as max-pool
-indices) and the tensor is released. On a GPU they are copied to pinned host buffers on a side stream,
-with `compress` ZVC-packed on the GPU first (a bitmask and the non-zeros, as cDMA); an event marks the
-copy's end, and the host stays at most `copies_ahead` copies ahead, or the GPU memory would not be
-reused. When backward unpacks a GPU tensor, the copies back of the next `prefetch` ones it will need
-(those saved just before it) start on a second side stream once the GPU has reached that point, so that
-backward finds them on the GPU. A tensor saved twice (a ReLU's output is saved by the ReLU and by the
-pooling after it) is stored once and decoded once.
+ZVC has no code for. The rest are activations. By default ReLUs and 2-D max-pools save a bitmask and
+window offsets instead (worker/torch/lean.py). On a CPU, the rest stay as they are unless `compress`, or
+without lean saves: then they are ZVC-encoded (lossless, so gradients are bit-identical; integer tensors
+narrowed first to the smallest dtype that holds their values) and the tensor is released. On a GPU they
+are copied to pinned host buffers on a side stream, with `compress` ZVC-packed on the GPU first (a
+bitmask and the non-zeros, as cDMA); an event marks the copy's end, and the host stays at most
+`copies_ahead` copies ahead, or the GPU memory would not be reused. When backward unpacks a GPU tensor,
+the copies back of the next `prefetch` ones it will need (those saved just before it) start on a second
+side stream once the GPU has reached that point, so that backward finds them on the GPU. A tensor saved
+twice (a ReLU's output is saved by the ReLU and by the convolution after it) is stored once and decoded
+once.
 Autograd's check that a saved tensor was not modified in place does not see through the hooks.
 """
 
@@ -132,7 +134,14 @@ class Offloader:
         self._stream: Any = None
         self._copies: deque[Any] = deque()  # events of the copies to the host not yet waited for
 
-    def share(self, tensor: torch.Tensor) -> _Saved | None:
+    def share(self, tensor: torch.Tensor) -> Any:
+        """A handle that `unpack` turns into `tensor` if it was packed already, else None: its entry, or where
+        it is kept as it is, the tensor without its graph (a lean ReLU's backward, holding its own output's
+        entry, would hold the graph that holds it: a cycle only the garbage collector frees)."""
+        earlier = self._earlier(tensor)
+        return earlier.tensor.detach() if earlier is not None and earlier.tensor is not None else earlier
+
+    def _earlier(self, tensor: torch.Tensor) -> _Saved | None:
         """The entry of `tensor` if it was packed already (now with one more user: `unpack` gives it back to
         each), else None."""
         seen = self._seen.get(id(tensor))
@@ -144,7 +153,7 @@ class Offloader:
     def pack(self, tensor: torch.Tensor) -> Any:
         if _is_parameter(tensor):
             return tensor
-        earlier = self.share(tensor)
+        earlier = self._earlier(tensor)
         if earlier is not None:
             return earlier
         saved = _Saved(tensor, len(self._order))
@@ -320,9 +329,12 @@ def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: 
               min_saving: float = MIN_SAVING) -> Iterator[OffloadStats]:
     """Offload the activations autograd saves inside the block (see the module's doc); yields live stats.
 
-    `compress`: ZVC-encode them. By default (None) on a CPU, where without it they stay as they are (only
-    counted), and not on a GPU, where packing before the copy measured slower than copying the zeros
-    (bench/offload.py on an H200: its count of non-zeros syncs the host each time). `min_bytes`:
+    `compress`: ZVC-encode them. By default (None) on a CPU only without lean saves, and never on a GPU.
+    With lean saves, what a ReLU CNN leaves on a CPU is mostly its convolutions' inputs, half non-zero: ZVC
+    saves more but costs more time than it saves memory (bench/offload.py, 2 cores: 51% of the activation
+    memory saved at +5% step time with lean saves alone, 68% at +40% with ZVC too). On a GPU, packing
+    before the copy measured slower than copying the zeros (an H200: its count of non-zeros syncs the host
+    each time). Without it, CPU tensors stay as they are (only counted). `min_bytes`:
     smaller tensors stay where they are. `prefetch`: when backward unpacks one tensor, bring back this many
     offloaded ones saved before it, which backward needs next. By default `CUDA_PREFETCH` for GPU tensors
     (their copies back run on a side stream) and none for CPU tensors, whose prefetch is a decode on a
@@ -335,7 +347,8 @@ def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: 
     `min_saving`: a CPU tensor is ZVC-encoded only when that saves at least this fraction of its bytes,
     estimated from a sample (dense tensors, such as a max-pool's output, stay as they are).
     """
-    offloader = Offloader(compress, min_bytes, prefetch, copies_ahead, keep_last, min_saving)
+    offloader = Offloader(False if compress is None and lean else compress, min_bytes, prefetch, copies_ahead,
+                          keep_last, min_saving)
     mode = lean_saves(offloader.pack, offloader.unpack, offloader.share) if lean else None
     with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack), \
             mode if mode is not None else contextlib.nullcontext():

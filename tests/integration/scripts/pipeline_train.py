@@ -49,6 +49,7 @@ def main() -> int:
     parser.add_argument("--compress", choices=["on", "off", "auto"], default="auto")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--no-lean", action="store_true", help="with --offload: ReLUs keep their outputs, as torch's")
+    parser.add_argument("--offload-zvc", action="store_true", help="with --offload: ZVC-encode what is offloaded")
     parser.add_argument("--no-direct", action="store_true", help="no direct lanes: through the transport")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--grow-at", type=int, default=-1, help="from this step on, batches are twice as large")
@@ -68,7 +69,8 @@ def main() -> int:
         parts[index] = nn.Sequential(nn.Linear(args.width + 1, args.width), *parts[index])
     stage = PipelineStage(parts[index].to(args.device), None, args.stages, compress=args.compress,
                           offload=args.offload, offload_min_bytes=0,
-                          offload_lean=not args.no_lean, direct=not args.no_direct)
+                          offload_lean=not args.no_lean, offload_compress=args.offload_zvc or None,
+                          direct=not args.no_direct)
     kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
     schedule = kind(stage, args.micro, loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=args.lr)
@@ -106,6 +108,7 @@ def main() -> int:
               "params": [p.detach().cpu().reshape(-1).tolist() for p in stage.submod.parameters()],
               "ratio": stage.compression_ratio(), "losses": losses,
               "offloaded": [s.raw_bytes for s in stage.offload_stats], "lean": [s.lean for s in stage.offload_stats],
+              "offload_ratio": [s.ratio for s in stage.offload_stats],
               "lanes": stage.exchange.links is not None and all(
                   link.lane is not None for link in stage.exchange.links.links.values())}
     print("PIPELINE_RESULT " + json.dumps(result), flush=True)

@@ -57,16 +57,17 @@ class PipelineStage:
     workers than stages, each stage's replicas average its gradients at the end of every step.
     `compress`: ZVC for the messages ("auto": towards a neighbour on another host). `offload`: the
     activations each forward saves for its backward go to host memory (compressed on a CPU) until then,
-    those of at least `offload_min_bytes`, and ReLUs and max-pools keep a bitmask and indices instead
-    unless `offload_lean` is False (sluice.worker.torch.offload, sluice.worker.torch.lean).
+    those of at least `offload_min_bytes`, and ReLUs and max-pools keep a bitmask and window offsets
+    instead unless `offload_lean` is False; `offload_compress` ZVC-encodes the rest too (by default on a
+    CPU only without lean saves: sluice.worker.torch.offload, sluice.worker.torch.lean).
     `timeout`: how long a receive waits (default: scheduler.op_timeout). `direct`: messages to a neighbour
     on this host go over a direct lane, written and read by the stages' own threads (transport/lane.py).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int | None, num_stages: int,
                  device: torch.device | str | None = None, *, compress: str = "auto", offload: bool = False,
-                 offload_min_bytes: int = 1 << 16, offload_lean: bool = True, timeout: float | None = None,
-                 direct: bool = True) -> None:
+                 offload_min_bytes: int = 1 << 16, offload_lean: bool = True, offload_compress: bool | None = None,
+                 timeout: float | None = None, direct: bool = True) -> None:
         client = require()
         self.place = StagePlace(client.rank, client.size, num_stages)
         if stage_index is not None and stage_index != self.place.stage:
@@ -76,6 +77,7 @@ class PipelineStage:
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in submodule.parameters()), torch.device("cpu"))
         self.offload, self.offload_min_bytes, self.offload_lean = offload, offload_min_bytes, offload_lean
+        self.offload_compress = offload_compress
         workers = Neighbours(client.names("worker"), client.hosts("worker"))
         self.exchange = StageExchange(
             client.transport, self.place, workers, timeout or client.control_settings.op_timeout,
@@ -124,7 +126,7 @@ class PipelineStage:
             inputs = tuple(self._tensor(r, keep) for r in self.exchange.receive(FORWARD, step, micro))
         try:
             if self.offload and keep:
-                with offloaded(min_bytes=self.offload_min_bytes, lean=self.offload_lean) as stats:
+                with offloaded(self.offload_compress, self.offload_min_bytes, lean=self.offload_lean) as stats:
                     outputs = _as_tuple(self.submod(*inputs))
                 self.offload_stats.append(stats)
             else:
