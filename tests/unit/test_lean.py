@@ -123,6 +123,28 @@ def test_a_relu_output_taken_after_its_max_pool_is_masked_again(after: Any) -> N
     assert same(out, lean_out) and same(grad, lean_grad)
 
 
+@pytest.mark.parametrize("after, kept", [
+    # the max-pool's byte offsets (96) and the bitmask of its output (12), which flatten does not save
+    (lambda r, p: p if r.dim() == 4 and r.shape[1] == 3 else None, 96 + 12),  # .dim(), .shape: no call
+    # a second lean max-pool masks too (offsets 216, bitmask 27): the ReLU still keeps nothing
+    (lambda r, p: torch.cat([p.flatten(), F.max_pool2d(r, 3, 1).flatten()]), 96 + 12 + 216 + 27),
+    # an addition takes the output: the ReLU keeps its bitmask (48); the max-pool after it has no mask
+    (lambda r, p: torch.cat([p.flatten(), F.max_pool2d(r + 0, 3, 1).flatten()]), 96 + 12 + 48 + 216),
+])
+def test_what_else_takes_a_relu_output_after_its_max_pool(after: Any, kept: int) -> None:
+    x = special((2, 3, 8, 8), 9)
+
+    def block(source: Any) -> Any:
+        relu = F.relu(source)
+        return after(relu, F.max_pool2d(relu, 2))
+
+    upstream = special(block(x).shape, 10)
+    out, grad, _, _ = grads(block, x, upstream, lean=False)
+    lean_out, lean_grad, _, lean_bytes = grads(block, x, upstream, lean=True)
+    assert same(out, lean_out) and same(grad, lean_grad)
+    assert lean_bytes == kept
+
+
 def test_a_relu_output_alive_after_the_block_keeps_its_bitmask() -> None:
     """What takes the output next, outside the block, is not watched: the ReLU masks its gradient too."""
     x, expected = special((2, 3, 8, 8), 8), []

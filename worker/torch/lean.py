@@ -208,19 +208,20 @@ class LeanSaves(TorchFunctionMode):
         self.replaced = 0
         self.pack, self.unpack, self.share = pack, unpack, share
         self._pending: list[_ReluSaved] = []  # ReLUs whose output no call has taken yet
-        self._fused: list[_ReluSaved] = []  # ReLUs whose output only a lean max-pool took, while it lives
+        self._fused: list[_ReluSaved] = []  # ReLUs whose output only lean max-pools took, while it lives
+        self._pooled: _ReluSaved | None = None  # the ReLU the current call, a lean max-pool, masks for
 
     def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         takers = [saved for saved in self._pending if saved.output is not None
                   and _takes(saved.output, args, kwargs)] if self._pending else []
-        if self._fused:
-            takers += self._unfuse(args, kwargs)
-        result = self._call(func, args, kwargs, takers)
+        watched = self._watched_in(args, kwargs) if self._fused else []
+        self._pooled = None
+        result = self._call(func, args, kwargs, takers, watched)
         # a call that made tensors of a ReLU's output has saved it for its backward by now, or never will
         # (.dim() or .shape make none: they settle nothing)
-        if takers and _made_tensors(result):
+        if (takers or watched) and _made_tensors(result):
             for saved in takers:
                 self._pending.remove(saved)
                 if saved.fused is not None:  # the max-pool masks for it: watch the output, do not hold it
@@ -228,27 +229,28 @@ class LeanSaves(TorchFunctionMode):
                     self._fused.append(saved)
                 else:
                     saved.settle(self.pack, self.share)
+            for saved, output in watched:
+                if saved is not self._pooled:  # its gradient from this call is not masked: the ReLU masks it
+                    self._fused.remove(saved)
+                    saved.output, saved.fused = output, None
+                    saved.settle(self.pack, self.share)
         return result
 
-    def _unfuse(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[_ReluSaved]:
-        """Fused ReLUs whose output this call takes too, back to pending: their backward will see that call's
-        gradient as well, which no max-pool masked. Outputs that died are forgotten: fused for good."""
-        taken, watched = [], []
+    def _watched_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[_ReluSaved, torch.Tensor]]:
+        """The fused ReLUs whose output this call takes, with it; those whose output died are forgotten (fused
+        for good: nothing else can take it now)."""
+        alive, taken = [], []
         for saved in self._fused:
             output = saved.fused() if saved.fused is not None else None
-            if output is None:
-                continue
-            if _takes(output, args, kwargs):
-                saved.output, saved.fused = output, None
-                self._pending.append(saved)
-                taken.append(saved)
-            else:
-                watched.append(saved)
-        self._fused = watched
+            if output is not None:
+                alive.append(saved)
+                if _takes(output, args, kwargs):
+                    taken.append((saved, output))
+        self._fused = alive
         return taken
 
     def _call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-              takers: list[_ReluSaved]) -> Any:
+              takers: list[_ReluSaved], watched: list[tuple[_ReluSaved, torch.Tensor]]) -> Any:
         source = args[0] if args else None
         # plain dense tensors only: subclasses (DTensor, fakes) and sparse layouts keep torch's own ops
         if isinstance(source, torch.Tensor) and type(source) in (torch.Tensor, torch.nn.Parameter) \
@@ -262,10 +264,12 @@ class LeanSaves(TorchFunctionMode):
                 options = _pool_options(*args[1:], **kwargs)
                 if options is not None:
                     self.replaced += 1
-                    relu = next((saved for saved in takers if saved.output is source), None)
-                    if relu is None:  # not a ReLU's output, or another call took it first
+                    # a ReLU's output that no other call took first (another max-pool may have: both mask)
+                    relu = next((saved for saved in takers if saved.output is source), None) or next(
+                        (saved for saved, output in watched if output is source), None)
+                    if relu is None:
                         return _IndexedMaxPool2d.apply(source, None, *options)  # type: ignore[no-untyped-call]
-                    relu.fused = weakref.ref(source)
+                    relu.fused, self._pooled = weakref.ref(source), relu
                     mask = _ReluSaved(self.unpack)  # settled as a ReLU's output is: shared, or a bitmask
                     return self._watch(mask, _IndexedMaxPool2d.apply(source, mask, *options))  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
