@@ -30,13 +30,15 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sluice.worker.torch.lean import lean_saves
+from sluice.worker.torch.offload_entries import OffloadStats, SavedEntry, is_parameter
 from sluice.worker.torch.tensor_zvc import CODECS, decode_tensor, encode_tensor, pack_nonzeros, unpack_nonzeros
+
+__all__ = ["COPIES_AHEAD", "CUDA_PREFETCH", "MIN_SAVING", "OffloadStats", "Offloader", "offloaded"]
 
 #: one decoding thread for every offloader: prefetch is about overlapping with backward, not parallel decodes
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -53,62 +55,6 @@ _SCAN = 8
 _EXECUTOR_LOCK = threading.Lock()
 
 
-@dataclass
-class OffloadStats:
-    """What the hooks did: tensors offloaded or kept, their bytes raw and stored, bytes held now and at peak;
-    `lean`: ReLUs and max-pools that saved a bitmask or indices instead of a tensor (worker/torch/lean.py)."""
-
-    packed: int = 0
-    kept: int = 0
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    held_bytes: int = 0
-    peak_bytes: int = 0
-    prefetched: int = 0
-    lean: int = 0
-
-    @property
-    def ratio(self) -> float:
-        """Raw bytes of the offloaded tensors over the bytes stored for them (1.0 when none were)."""
-        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
-
-    @property
-    def memory_saved(self) -> float:
-        """1 - stored / raw for the offloaded tensors."""
-        return 1 - self.stored_bytes / self.raw_bytes if self.raw_bytes else 0.0
-
-    def _hold(self, nbytes: int) -> None:
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-
-    def _release(self, cell: list[int]) -> None:
-        self.held_bytes -= cell[0]
-
-
-class _Saved:
-    """One saved tensor: kept as is, or a ZVC frame / pinned host copy with what rebuilds it."""
-
-    __slots__ = ("__weakref__", "cell", "decoded", "device", "dtype", "event", "frame", "host", "index", "left",
-                 "shape", "stored", "tensor", "users")
-
-    def __init__(self, source: torch.Tensor, index: int) -> None:
-        self.shape, self.dtype, self.device, self.index = source.shape, source.dtype, source.device, index
-        self.stored = source.dtype  # the dtype of the frame's elements: integers may be narrowed
-        self.tensor: torch.Tensor | None = None
-        self.frame: bytearray | None = None
-        self.host: tuple[torch.Tensor, ...] | None = None  # pinned: the tensor, or ZVC's (bitmask, values)
-        self.event: Any = None  # a torch.cuda.Event that marks the end of the copy to the host
-        self.cell = [0]  # bytes this entry holds, shared with its finalizer
-        self.users = 1  # saves of the same tensor: the decoded tensor is kept until that many unpacks took it
-        self.left = 0
-        self.decoded: torch.Tensor | None = None
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    base = tensor._base if tensor._base is not None else tensor
-    return bool(base.is_leaf and base.requires_grad)
-
-
 class Offloader:
     """The pack and unpack hooks of one `offloaded` block and their bookkeeping (see the module's doc)."""
 
@@ -123,11 +69,11 @@ class Offloader:
         self.copies_ahead, self.keep_last, self.min_saving = copies_ahead, keep_last, min_saving
         # the hooks run between torch's operations, while its intra-op threads are idle: ZVC may use them all
         self.threads = max(1, torch.get_num_threads())
-        self._recent: deque[tuple[_Saved, torch.Tensor]] = deque()  # the last GPU tensors, while the block runs
+        self._recent: deque[tuple[SavedEntry, torch.Tensor]] = deque()  # the last GPU tensors, while the block runs
         self.stats = OffloadStats()
         #: id of each tensor packed -> (the tensor, its entry), both weakly: a tensor saved twice is stored once
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[_Saved]]] = {}
-        self._order: list[weakref.ref[_Saved]] = []
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[SavedEntry]]] = {}
+        self._order: list[weakref.ref[SavedEntry]] = []
         self._futures: dict[int, Future[torch.Tensor]] = {}  # index -> its decode on the background thread
         self._fetched: dict[int, tuple[torch.Tensor, Any]] = {}  # index -> (on its GPU, event of the copy back)
         self._fetch_stream: Any = None
@@ -141,7 +87,7 @@ class Offloader:
         earlier = self._earlier(tensor)
         return earlier.tensor.detach() if earlier is not None and earlier.tensor is not None else earlier
 
-    def _earlier(self, tensor: torch.Tensor) -> _Saved | None:
+    def _earlier(self, tensor: torch.Tensor) -> SavedEntry | None:
         """The entry of `tensor` if it was packed already (now with one more user: `unpack` gives it back to
         each), else None."""
         seen = self._seen.get(id(tensor))
@@ -151,12 +97,12 @@ class Offloader:
         return None
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if _is_parameter(tensor):
+        if is_parameter(tensor):
             return tensor
         earlier = self._earlier(tensor)
         if earlier is not None:
             return earlier
-        saved = _Saved(tensor, len(self._order))
+        saved = SavedEntry(tensor, len(self._order))
         nbytes = tensor.numel() * tensor.element_size()
         cpu = tensor.device.type == "cpu"
         keep = nbytes < self.min_bytes or tensor.dtype not in CODECS or not tensor.is_contiguous() \
@@ -197,7 +143,7 @@ class Offloader:
         self.stats.raw_bytes += raw
         self.stats.stored_bytes += stored
 
-    def _to_host(self, tensor: torch.Tensor, saved: _Saved) -> None:
+    def _to_host(self, tensor: torch.Tensor, saved: SavedEntry) -> None:
         """Start the copy of a CUDA tensor (ZVC-packed on the GPU first, with `compress`) to pinned host
         buffers on a side stream; an event marks its end."""
         if self._stream is None:
@@ -229,7 +175,7 @@ class Offloader:
         self._recent.clear()
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _Saved):
+        if not isinstance(saved, SavedEntry):
             return saved  # type: ignore[no-any-return]  # a parameter, returned as packed
         if saved.tensor is not None:
             return saved.tensor
@@ -244,7 +190,7 @@ class Offloader:
             saved.decoded, saved.left = tensor, saved.users - 1
         return tensor
 
-    def _take(self, saved: _Saved) -> torch.Tensor:
+    def _take(self, saved: SavedEntry) -> torch.Tensor:
         """The tensor back where it was saved: fetched (or decoded) ahead, else now."""
         if saved.device.type != "cuda":
             future = self._futures.pop(saved.index, None)
@@ -260,7 +206,7 @@ class Offloader:
         copied.synchronize()
         return tensor
 
-    def _fetch(self, saved: _Saved, after: Any = None) -> tuple[torch.Tensor, Any]:
+    def _fetch(self, saved: SavedEntry, after: Any = None) -> tuple[torch.Tensor, Any]:
         """Start the copy of an offloaded tensor back to its GPU (and its unpacking there) on the fetch stream,
         once the GPU has passed event `after` (if given); an event marks the end."""
         if self._fetch_stream is None:
@@ -278,17 +224,17 @@ class Offloader:
             copied.record(stream)
         return tensor, copied
 
-    def _host(self, saved: _Saved) -> torch.Tensor:
+    def _host(self, saved: SavedEntry) -> torch.Tensor:
         """A CPU tensor decoded from its frame."""
         assert saved.frame is not None, "an offloaded CPU tensor has no frame"
         return decode_tensor(*self._decode_args(saved), self.threads)
 
     @staticmethod
-    def _decode_args(saved: _Saved) -> tuple[bytearray, torch.Size, torch.dtype, torch.dtype]:
+    def _decode_args(saved: SavedEntry) -> tuple[bytearray, torch.Size, torch.dtype, torch.dtype]:
         assert saved.frame is not None, "only an encoded entry decodes"
         return saved.frame, saved.shape, saved.stored, saved.dtype
 
-    def _prefetch_before(self, saved: _Saved) -> None:
+    def _prefetch_before(self, saved: SavedEntry) -> None:
         """Bring back ahead the `prefetch` offloaded tensors saved just before `saved`: backward needs them next.
         A GPU tensor's copy back starts on the fetch stream; a CPU tensor is decoded on a background thread."""
         depth = self.prefetch_depth if self.prefetch_depth is not None else (
