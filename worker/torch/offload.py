@@ -289,7 +289,8 @@ def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: 
     copy to the host may still run while forward goes on (each holds its GPU memory until copied).
     `keep_last`: the last GPU tensors saved in the block also stay on the GPU, for a backward that follows
     at once and needs them first (off by default: a pipeline stage's backward comes much later).
-    `lean`: ReLUs and 2-D max-pools in the block save a bitmask and indices instead of tensors (`lean_saves`).
+    `lean`: ReLUs and 2-D max-pools in the block save a bitmask (or nothing) and window offsets instead of
+    tensors (`lean_saves`).
     `min_saving`: a CPU tensor is ZVC-encoded only when that saves at least this fraction of its bytes,
     estimated from a sample (dense tensors, such as a max-pool's output, stay as they are).
     """

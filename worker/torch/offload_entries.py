@@ -11,7 +11,8 @@ import torch
 @dataclass
 class OffloadStats:
     """What the hooks did: tensors offloaded or kept, their bytes raw and stored, bytes held now and at peak;
-    `lean`: ReLUs and max-pools that saved a bitmask or indices instead of a tensor (worker/torch/lean.py)."""
+    `lean`: ReLUs and max-pools that saved a bitmask, nothing or window offsets instead of a tensor
+    (worker/torch/lean.py)."""
 
     packed: int = 0
     kept: int = 0
