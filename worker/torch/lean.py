@@ -41,8 +41,9 @@ def _identity(value: Any) -> Any:
 
 
 class _ReluSaved:
-    """What one lean ReLU keeps for its backward: its output until the mode settles it (at the first call that
-    takes it), then a handle on the output that call saved as well, or on the ReLU's bitmask."""
+    """What one lean ReLU keeps for its backward (or a lean max-pool after a ReLU, for its own output): the
+    output until the mode settles it (at the first call that takes it), then a handle on the output that
+    call saved as well, or on a bitmask."""
 
     __slots__ = ("bits", "fused", "handle", "modified", "output", "shape", "unpack", "version")
 
@@ -71,6 +72,23 @@ class _ReluSaved:
             # packed bytes is 8x less work than inverting the elements (bits past the end are never unpacked)
             self.handle, self.bits = pack(torch.bitwise_not(pack_bits(output <= 0))), True
 
+    def unfuse(self, output: torch.Tensor, pack: Callable[[torch.Tensor], Any],
+               share: Callable[[torch.Tensor], Any]) -> None:
+        """A fused output that a call other than a lean max-pool takes too (or that outlives the block): the
+        gradient from there is not masked, so the ReLU keeps what it would have kept."""
+        self.output, self.fused = output, None
+        self.settle(pack, share)
+
+    def mask(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` where the output passed it, 0 elsewhere; `grad` itself where the max-pools that alone took the
+        output masked it already."""
+        passing = self.passing()
+        if passing is None:
+            return grad
+        # torch's own kernel, with 0/1 bytes for the output: exact, and 6x faster than masked_fill or where
+        passed: torch.Tensor = torch.ops.aten.threshold_backward(grad, passing, 0)
+        return passed
+
     def passing(self) -> torch.Tensor | None:
         """What threshold_backward compares with 0: the output, or 0/1 bytes where it passes the gradient;
         None where a max-pool after it has masked the gradient already."""
@@ -98,16 +116,7 @@ class _MaskedRelu(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        passing = ctx.saved.passing()
-        if passing is None:  # the max-pool that alone took the output masked the gradient (see _IndexedMaxPool2d)
-            return grad, None
-        return _masked(grad, passing), None
-
-
-def _masked(grad: torch.Tensor, passing: torch.Tensor) -> torch.Tensor:
-    # torch's own kernel, with 0/1 bytes for the output: exact, and 6x faster than masked_fill or where
-    passed: torch.Tensor = torch.ops.aten.threshold_backward(grad, passing, 0)
-    return passed
+        return ctx.saved.mask(grad), None
 
 
 class _IndexedMaxPool2d(torch.autograd.Function):
@@ -145,8 +154,7 @@ class _IndexedMaxPool2d(torch.autograd.Function):
         (kept,) = ctx.saved_tensors
         indices = kept.to(torch.int64) if ctx.starts is None else torch.add(ctx.starts, kept)
         if ctx.mask is not None:
-            passing = ctx.mask.passing()
-            grad = grad if passing is None else _masked(grad, passing)
+            grad = ctx.mask.mask(grad)
         shape, dtype, device, memory_format = ctx.like
         # the kernel reads only the input's shape and layout: an empty tensor of both, never filled
         like = torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format)
@@ -232,8 +240,7 @@ class LeanSaves(TorchFunctionMode):
             for saved, output in watched:
                 if saved is not self._pooled:  # its gradient from this call is not masked: the ReLU masks it
                     self._fused.remove(saved)
-                    saved.output, saved.fused = output, None
-                    saved.settle(self.pack, self.share)
+                    saved.unfuse(output, self.pack, self.share)
         return result
 
     def _watched_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[_ReluSaved, torch.Tensor]]:
@@ -281,11 +288,10 @@ class LeanSaves(TorchFunctionMode):
         return output
 
     def __exit__(self, *exc: object) -> None:
-        for saved in self._fused:  # outputs alive after the block: what takes them next is not watched
+        for saved in self._fused:
             output = saved.fused() if saved.fused is not None else None
-            if output is not None:
-                saved.output, saved.fused = output, None
-                self._pending.append(saved)
+            if output is not None:  # alive after the block: what takes it next is not watched
+                saved.unfuse(output, self.pack, self.share)
         for saved in self._pending:  # outputs no call took inside the block (a stage's last ReLU)
             saved.settle(self.pack, self.share)
         self._pending.clear()

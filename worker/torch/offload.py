@@ -278,7 +278,7 @@ def offloaded(compress: bool | None = None, min_bytes: int = 1 << 16, prefetch: 
     `compress`: ZVC-encode them. By default (None) on a CPU only without lean saves, and never on a GPU.
     With lean saves, what a ReLU CNN leaves on a CPU is mostly its convolutions' inputs, half non-zero: ZVC
     saves more but costs more time than it saves memory (bench/offload.py, 2 cores: 51% of the activation
-    memory saved at +5% step time with lean saves alone, 68% at +40% with ZVC too). On a GPU, packing
+    memory saved at +8% step time with lean saves alone, 68% at +46% with ZVC too). On a GPU, packing
     before the copy measured slower than copying the zeros (an H200: its count of non-zeros syncs the host
     each time). Without it, CPU tensors stay as they are (only counted). `min_bytes`:
     smaller tensors stay where they are. `prefetch`: when backward unpacks one tensor, bring back this many
