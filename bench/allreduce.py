@@ -27,8 +27,8 @@ from bench.common import (
     write_json,
 )
 from bench.push_pull import bandwidth, measure_gloo
+from sluice.errors import SluiceError
 from sluice.scheduler.bootstrap import new_secret
-from sluice.scheduler.errors import SluiceError
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.config import TransportConfig

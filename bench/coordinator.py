@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as `python bench/coordinator.py`: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
-from sluice.scheduler.tree import build_tree
+from sluice.worker.collective.tree import build_tree
 from tests.integration.light_ranks import Plan, latencies, run
 
 PEER = "flat rank-0 coordinator"
@@ -26,7 +26,7 @@ over that many milliseconds, like a backward pass), and waits for the step's dec
 next. Step 1 builds the operation table (names and shapes travel); the steps after it are the
 steady state measured here (bit-vectors only).
 
-  tree  the coordinator tree, fan-out --arity (scheduler/tree.py, scheduler/negotiation.py)
+  tree  the coordinator tree, fan-out --arity (worker/collective/tree.py, worker/collective/negotiation.py)
   flat  the same protocol with arity 0: every rank a child of rank 0 (Horovod's coordinator)
 
 Per steady step, at the root: bytes received (headers + payloads, as encoded) and messages received;

@@ -22,7 +22,7 @@ from torch import nn
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.netbed import Netbed, ready_for
 from bench.netbed.job import emit_result, run_sluice_job
-from sluice.scheduler.fusion import ALIGN
+from sluice.worker.plan.fusion import ALIGN
 from tests.cluster import LocalCluster
 
 BALANCED, NONE, GREEDY = "balanced", "none", "greedy"

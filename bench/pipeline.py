@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as `python bench/pipeline.py`: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, Stats, add_common_options, free_port, print_table, progress, record, stats, write_json
-from sluice.scheduler.pipeline_schedule import bubble
+from sluice.worker.pipeline.schedule import bubble
 
 JOB = ROOT / "bench" / "pipeline_job.py"
 TORCH = "torch.distributed.pipelining (gloo)"

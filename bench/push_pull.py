@@ -30,8 +30,8 @@ from bench.common import (
     timed_push_pull,
     write_json,
 )
-from sluice.scheduler.fusion import FusionPlan, plan_fusion
 from sluice.transport.config import TransportConfig
+from sluice.worker.plan.fusion import FusionPlan, plan_fusion
 from tests.cluster import LocalCluster
 
 MIB = 1 << 20
@@ -48,7 +48,7 @@ Algorithm bandwidth (bytes of the tensor per worker / time of one round) of one 
   bucket  the same bytes laid out as torch gradients will be (issue 7): a BERT-like table of
           about 150 tensors (big weights, small biases and norms) whose sizes sum to the size,
           given slots in backward order in one flat buffer from Client.alloc, cut by
-          scheduler.fusion.plan_fusion with a 16 MiB fusion buffer; each group is declared as a
+          worker.plan.fusion.plan_fusion with a 16 MiB fusion buffer; each group is declared as a
           tensor and push_pulled in place from its view of the buffer (client.push_pull(name,
           view, view)), every group at once, then all are waited for
   zmq     W processes each send the tensor as 1 MiB zero-copy PUSH messages over tcp 127.0.0.1 to

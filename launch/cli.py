@@ -12,13 +12,13 @@ import sys
 import textwrap
 from types import FrameType
 
+from sluice.errors import SluiceError
 from sluice.launch import kubernetes, node
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import ConfigError, SluiceConfig, help_epilog, load_config
 from sluice.launch.elastic import ElasticSettings
 from sluice.launch.hosts import Host
 from sluice.scheduler.bootstrap import ENV_ROLE, from_environ
-from sluice.scheduler.errors import SluiceError
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 

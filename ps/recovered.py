@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
 from sluice.ps.snapshot import STATE_DIR, StateFile, state_tag
 from sluice.scheduler.bootstrap import NodeEnv
-from sluice.scheduler.errors import SluiceError
 from sluice.transport.wire import Flag, Message
 
 if TYPE_CHECKING:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
 from sluice.ps.recovered import open_recovery
 from sluice.ps.role import Reply, Role
@@ -9,7 +10,6 @@ from sluice.ps.store import ShardStore
 from sluice.ps.trace import ServerTrace
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
-from sluice.scheduler.errors import SluiceError
 from sluice.scheduler.rendezvous import parse_limits
 from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sluice.errors import SluiceError
 from sluice.ps import optim
 from sluice.ps.ranked_sum import FLOAT_DTYPES
-from sluice.scheduler.errors import SluiceError
 from sluice.transport.dtypes import STORAGE
 
 if TYPE_CHECKING:

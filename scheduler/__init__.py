@@ -1,1 +1,1 @@
-"""Sluice scheduler: rendezvous, planners and the control plane."""
+"""Sluice scheduler: the scheduler process (rendezvous, partitioning, trees) and the control-plane client."""

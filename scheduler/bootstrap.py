@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport.auth import MIN_SECRET_BYTES, JobKeys
 from sluice.transport.config import TransportConfig
 

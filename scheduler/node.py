@@ -10,11 +10,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.errors import SluiceError
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.config import SchedulerConfig
-from sluice.scheduler.errors import SluiceError
 from sluice.scheduler.hierarchy.agent import NodeAgent
 from sluice.scheduler.rendezvous import parse_limits
 from sluice.transport.base import Transport

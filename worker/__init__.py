@@ -1,1 +1,1 @@
-"""Sluice workers: the push/pull client and the framework shims."""
+"""Sluice workers: the worker node, the push/pull client, the collective engine, pipeline stages and framework shims."""

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from sluice.errors import SluiceError
 from sluice.scheduler.calibration import (
     MAX_CHUNK,
     MAX_INFLIGHT,
@@ -23,7 +24,6 @@ from sluice.scheduler.calibration import (
     choose_inflight,
     inflight_candidates,
 )
-from sluice.scheduler.errors import SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message
 

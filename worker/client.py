@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from sluice.errors import SluiceError
 from sluice.scheduler.bootstrap import NodeEnv, from_environ
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.config import SchedulerConfig
-from sluice.scheduler.errors import SluiceError
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 
 
 class Handle:

@@ -1,4 +1,4 @@
-"""Priority probe: finds when the forward pass first needs each parameter, for scheduler/priority.py.
+"""Priority probe: finds when the forward pass first needs each parameter, for worker/plan/priority.py.
 
 Two ways, both giving name -> first-use time for `priority_map`:
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from sluice.scheduler.priority import Op, first_use_times
+from sluice.worker.plan.priority import Op, first_use_times
 
 log = logging.getLogger("sluice.worker")
 

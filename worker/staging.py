@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 
 DTYPES = {
     torch.float32: "float32",

@@ -57,7 +57,7 @@ def autograd_and_queries() -> dict[str, Any]:
     """Gradients through the collectives (Horovod's own test cases), the topology and build queries,
     what is refused, and shutdown then init."""
     import sluice.torch as hvd
-    from sluice.scheduler.errors import SluiceError
+    from sluice.errors import SluiceError
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

@@ -2,7 +2,7 @@
 
 `run(plan)` forks plan.ranks processes. Each opens a transport (`worker-R`, one channel, no CURVE, no
 shared memory), listens, sends its endpoints to the parent, gets the address book, dials the neighbours
-that `scheduler.tree.dials` gives it, runs a Coordinator and submits `plan.ops` allreduce requests per
+that `collective.tree.dials` gives it, runs a Coordinator and submits `plan.ops` allreduce requests per
 step (in its own random order, or in one order spread over `spread_ms` like a backward pass), waiting for
 the step's decisions before the next step. Each reports what it saw (decisions in order, times, errors,
 its coordinator's counters), then waits until every rank has reported before it closes, so no rank goes
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import Children
-from sluice.scheduler.negotiation import Decision, Request
-from sluice.scheduler.tree import build_tree, dials
 from sluice.transport.base import open_transport
 from sluice.transport.config import TransportConfig
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.coordinator import Coordinator
 from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.collective.negotiation import Decision, Request
+from sluice.worker.collective.tree import build_tree, dials
 
 _ctx = mp.get_context("fork")
 

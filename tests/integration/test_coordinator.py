@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from sluice.scheduler.negotiation import Decision, Request, Up
-from sluice.scheduler.negotiation_codec import encode_up
-from sluice.scheduler.tree import build_tree, dials
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.coordinator import Coordinator
 from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.collective.negotiation import Decision, Request, Up
+from sluice.worker.collective.negotiation_codec import encode_up
+from sluice.worker.collective.tree import build_tree, dials
 from tests.integration.light_ranks import Plan, Report, latencies, run
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.allreduce import Ranks
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message

@@ -16,7 +16,7 @@ HEARTBEAT_TIMEOUT = 3.0
 
 
 def _train_until_stopped(stop_rank: int, stop_after: int) -> dict[str, Any]:
-    from sluice.scheduler.errors import SluiceError
+    from sluice.errors import SluiceError
     from sluice.worker.client import Client
 
     client = Client()
@@ -50,7 +50,7 @@ def test_silent_worker_is_detected_and_named() -> None:
 
 
 def _declare(shape: tuple[int, ...]) -> str:
-    from sluice.scheduler.errors import SluiceError
+    from sluice.errors import SluiceError
     from sluice.worker.client import Client
 
     client = Client()
@@ -70,7 +70,7 @@ def test_mismatched_declaration_names_worker_and_tensor() -> None:
 
 
 def _uneven_steps(steps_by_rank: dict[int, int]) -> dict[str, Any]:
-    from sluice.scheduler.errors import SluiceError
+    from sluice.errors import SluiceError
     from sluice.worker.client import Client
 
     client = Client()

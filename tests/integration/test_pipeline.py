@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from sluice.scheduler.pipeline_schedule import peak_activations, schedule
+from sluice.worker.pipeline.schedule import peak_activations, schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/integration/scripts/pipeline_train.py"

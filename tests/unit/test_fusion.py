@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sluice.scheduler.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
+from sluice.worker.plan.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
 
 MIB = 1 << 20
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport import lane as lanes
 from sluice.transport.wire import DATA_HEADER_BYTES, Flag, Kind, Message, WireError, encode
 from sluice.worker.pipeline.exchange import Neighbours, StageExchange

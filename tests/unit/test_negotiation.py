@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.scheduler.negotiation import Controller, Decision, Down, Request, Up
-from sluice.scheduler.negotiation_census import Census
-from sluice.scheduler.negotiation_codec import (
+from sluice.transport.wire import DATA_HEADER_BYTES, Kind, Message, WireError, decode, encode
+from sluice.worker.collective.negotiation import Controller, Decision, Down, Request, Up
+from sluice.worker.collective.negotiation_census import Census
+from sluice.worker.collective.negotiation_codec import (
     META_BUDGET,
     Answer,
     decode_down,
@@ -22,9 +23,8 @@ from sluice.scheduler.negotiation_codec import (
     hello,
     is_hello,
 )
-from sluice.scheduler.negotiation_request import ranks_text
-from sluice.scheduler.tree import build_tree
-from sluice.transport.wire import DATA_HEADER_BYTES, Kind, Message, WireError, decode, encode
+from sluice.worker.collective.negotiation_request import ranks_text
+from sluice.worker.collective.tree import build_tree
 
 Sent = tuple[int, int, Up | Down]
 

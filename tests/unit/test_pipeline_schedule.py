@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.scheduler.pipeline_schedule import (
+from sluice.worker.pipeline.schedule import (
     Action,
     balanced_split,
     bubble,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.scheduler.priority import Assigned, Op, describe, first_use_times, parse_overrides, priority_map, to_json
+from sluice.worker.plan.priority import Assigned, Op, describe, first_use_times, parse_overrides, priority_map, to_json
 from sluice.worker.priority_probe import ForwardRecorder, first_use_from_model, graph_ops, names_by_id
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sluice.errors import SluiceError
 from sluice.ps.store import ShardStore
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.config import SchedulerConfig
-from sluice.scheduler.errors import SluiceError
 from sluice.scheduler.node import ControlClient
 from sluice.scheduler.rendezvous import Rendezvous, parse_limits, parse_tensor_table
 from sluice.transport.wire import CONTROL_HEADER_BYTES, DTYPES, VERSION, Flag, Kind, Message, WireError, decode, encode

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sluice.errors import SluiceError
 from sluice.ps.optim import SGD, Adam
 from sluice.ps.ranked_sum import f32_to_bf16
 from sluice.ps.snapshot import StateFile, _Record, _record_size, remove_state_files, state_path, state_tag
 from sluice.ps.store import Chunk, ShardStore
-from sluice.scheduler.errors import SluiceError
 
 TAG = state_tag(b"k" * 32)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport import zvc
 from sluice.transport.wire import Kind, Message, WireError, decode, encode
 from sluice.worker.pipeline.exchange import OVERHEAD_BYTES, Neighbours, StageExchange

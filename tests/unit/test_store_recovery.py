@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
 from sluice.ps.recovered import Recovery, open_recovery
 from sluice.ps.snapshot import StateFile, state_tag
 from sluice.ps.store import Chunk, ShardStore
 from sluice.scheduler.bootstrap import NodeEnv
-from sluice.scheduler.errors import SluiceError
 from sluice.transport.wire import Flag, Kind, Message, WireError
 
 TAG = state_tag(b"s" * 32)

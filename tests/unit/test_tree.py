@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from sluice.scheduler.tree import Tree, build_tree, dials, ring_order
+from sluice.worker.collective.tree import Tree, build_tree, dials, ring_order
 
 # height of the tree of n = 1..64 ranks on one host: the optimal k-ary heap's
 HEIGHTS = {

@@ -1,4 +1,4 @@
-"""The coordinator tree's executor: a Controller (scheduler/negotiation.py) on its own thread, over the transport.
+"""The coordinator tree's executor: a Controller (negotiation.py) on its own thread, over the transport.
 
 Messages arrive on the transport's I/O thread (`on_message`): their sender must be this rank's parent or
 a child, and their format is checked there (refused through `transport.refuse` otherwise); what passes is
@@ -9,7 +9,7 @@ message up per cycle, and its parent takes at most one per child per tick. Every
 with priority 0 (control is the most urgent traffic). Decisions are handed to `on_decided` in order on
 the coordinator thread; a failure to `on_error`, once.
 
-Connections (see scheduler.tree.dials): each pair of neighbours is dialled once, by the higher rank. Each
+Connections (see collective.tree.dials): each pair of neighbours is dialled once, by the higher rank. Each
 rank sends a hello to the neighbours it dialled, so that they learn a route back; what it has for a
 neighbour that dialled it waits until that neighbour has been heard from (at most `stall_timeout`).
 """
@@ -21,14 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from sluice.scheduler.negotiation import Controller, Decision, Down, Request, Up
-from sluice.scheduler.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
-from sluice.scheduler.negotiation_request import check_request
-from sluice.scheduler.tree import Tree, dials
 from sluice.transport.base import Transport
 from sluice.transport.rejects import Rejections
 from sluice.transport.wire import Kind, Message, WireError, encode
 from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.negotiation import Controller, Decision, Down, Request, Up
+from sluice.worker.collective.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
+from sluice.worker.collective.negotiation_request import check_request
+from sluice.worker.collective.tree import Tree, dials
 
 log = logging.getLogger("sluice.coordinator")
 

@@ -27,8 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.tree import dials
+from sluice.errors import SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Kind, Message
@@ -39,6 +38,7 @@ from sluice.worker.collective.ops import COPY_BELOW, HELLO, CollectiveHandle, Li
 from sluice.worker.collective.reduce import check_reducible, storage
 from sluice.worker.collective.ring import ChainBroadcast, RingAllreduce
 from sluice.worker.collective.schedule import heap_tree
+from sluice.worker.collective.tree import dials
 from sluice.worker.collective.tree_reduce import TreeAllreduce
 
 __all__ = ["CollectiveHandle", "DataPlane"]
@@ -89,7 +89,7 @@ class DataPlane:
 
     # ------------------------------------------------------------------ connection set-up
     def connect(self, endpoints: Sequence[Sequence[str]], timeout: float = 30.0) -> None:
-        """Connect every pair of ranks once, the way scheduler.tree.dials says (the higher rank dials: a
+        """Connect every pair of ranks once, the way collective.tree.dials says (the higher rank dials: a
         transport drops what arrives on its listening side from a peer it dialled itself), say HELLO
         on every channel of the ranks dialled, and wait for the HELLOs of the ranks that dial here: a
         listening side can route a message to a peer only once it has heard from it on that channel.

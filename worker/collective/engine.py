@@ -19,9 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.negotiation import Decision, Request
-from sluice.scheduler.tree import build_tree, ring_order
+from sluice.errors import SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Kind, Message
@@ -30,8 +28,10 @@ from sluice.worker.collective.coordinator import Coordinator
 from sluice.worker.collective.data import DataPlane
 from sluice.worker.collective.greedy import GreedyFusion
 from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.collective.negotiation import Decision, Request
 from sluice.worker.collective.ops import CollectiveHandle, Completion
 from sluice.worker.collective.reduce import identity
+from sluice.worker.collective.tree import build_tree, ring_order
 
 #: coordinator messages kept until this rank's coordinator starts (neighbours send a few each at start)
 EARLY_COORDINATION = 4096

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message
 

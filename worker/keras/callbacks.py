@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.tensorflow.collectives import broadcast_variables, grouped_allreduce
 from sluice.worker.tensorflow.state import require
 

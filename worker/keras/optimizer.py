@@ -15,7 +15,7 @@ from typing import Any
 
 import keras
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.tensorflow.collectives import Average
 from sluice.worker.tensorflow.compression import Compression, Compressor
 from sluice.worker.tensorflow.gradients import GradientAverager, variable_names

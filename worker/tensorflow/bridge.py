@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 
 #: TF dtype -> the wire dtype its values travel as (bfloat16 as its raw 16-bit patterns)
 WIRE = {tf.float32: "float32", tf.float64: "float64", tf.float16: "float16", tf.bfloat16: "bfloat16",

@@ -2,7 +2,7 @@
 
 Built on the first step from the gradients' names, shapes and dtypes, the same on every rank. For
 each route ("ps" or "allreduce", chosen as the PyTorch shim chooses: `choose_routes`) and dtype, the
-gradients get slots in one registered buffer (scheduler/fusion.py), in backward order (the reverse
+gradients get slots in one registered buffer (worker/plan/fusion.py), in backward order (the reverse
 of the variables' order, whose first layers are the most urgent: priority 0). Each step copies the
 gradients into their slots (the one copy: TF tensors are immutable), sends every group at once,
 most urgent first, through the collective engine's allreduce or the servers' push_pull, and writes
@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.fusion import FusionPlan, plan_fusion, unfused_plan
-from sluice.scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
+from sluice.errors import SluiceError
 from sluice.transport.dtypes import STORAGE
 from sluice.worker.client import Client
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.config import WorkerConfig
+from sluice.worker.plan.fusion import FusionPlan, plan_fusion, unfused_plan
+from sluice.worker.plan.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 
 log = logging.getLogger("sluice.worker")
 

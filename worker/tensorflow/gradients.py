@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.tensorflow.bridge import run_numpy, wire_dtype
 from sluice.worker.tensorflow.collectives import Average, Sum
 from sluice.worker.tensorflow.compression import Compression, Compressor

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport.metrics import summary_lines
 from sluice.worker.client import Client
 from sluice.worker.collective.engine import CollectiveEngine

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.client import Client
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.collective.engine import CollectiveEngine, OpHandle
 from sluice.worker.collective.reduce import REDUCIBLE, scaled
 from sluice.worker.staging import Staging, tensor_of, wire_dtype

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.torch.collectives import broadcast_parameters
 from sluice.worker.torch.elastic_host import (
     ENV_DIR,

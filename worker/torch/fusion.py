@@ -1,7 +1,7 @@
 """Gradients as views of registered fusion buffers, sent in balanced groups through the servers or allreduce.
 
 For each route ("ps" or "allreduce") and dtype, the parameters' gradients are laid out in one flat
-buffer in backward order (scheduler/fusion.py), allocated by the client in registered memory, and
+buffer in backward order (worker/plan/fusion.py), allocated by the client in registered memory, and
 every `param.grad` is made a view of it (DDP's gradient_as_bucket_view): autograd accumulates into
 the buffer, and a fused group leaves with no copy. Two buffers alternate between steps, so the next
 backward pass can fill one while the updates of the last step still read the other. A group is sent
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.fusion import Group, OnlineFusion, grouped_plan, plan_fusion, unfused_plan
+from sluice.errors import SluiceError
 from sluice.worker.client import Client
 from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.plan.fusion import Group, OnlineFusion, grouped_plan, plan_fusion, unfused_plan
 from sluice.worker.staging import wire_dtype
 from sluice.worker.torch.state import require as require_client
 

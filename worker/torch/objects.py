@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.torch.collectives import allgather_async, broadcast_, broadcast_parameters, synchronize
 from sluice.worker.torch.state import NAMES
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.staging import Staging
 from sluice.worker.torch.collectives import Average, allgather_async, synchronize
 from sluice.worker.torch.compression import Compression, Compressor

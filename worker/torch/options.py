@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.torch.collectives import Adasum, Average, Sum, check_process_set
 from sluice.worker.torch.compression import Compressor
 from sluice.worker.torch.fusion import Reduction

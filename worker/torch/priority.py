@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
+from sluice.errors import SluiceError
 from sluice.worker.client import Client
 from sluice.worker.config import WorkerConfig
+from sluice.worker.plan.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 from sluice.worker.priority_probe import ForwardRecorder, first_use_from_model, names_by_id
 
 log = logging.getLogger("sluice.worker")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.staging import Staging
 from sluice.worker.torch.state import require
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.transport.metrics import summary_lines
 from sluice.worker.client import Client
 from sluice.worker.config import WorkerConfig

@@ -1,6 +1,6 @@
 """Pipeline schedules that run a stage's micro-batches: ScheduleGPipe (fill-drain) and Schedule1F1B.
 
-Each stage runs its own order of forwards and backwards (scheduler/pipeline_schedule.py); stages meet
+Each stage runs its own order of forwards and backwards (worker/pipeline/schedule.py); stages meet
 only through the activations and gradients they send each other, so no clock is shared and a slow
 stage delays only those that wait on it. The call mirrors
 torch.distributed.pipelining: `step(x)` on the first stage, `step(target=y, losses=losses)` on the
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from sluice.scheduler.errors import SluiceError
-from sluice.scheduler.pipeline_schedule import Action, schedule
+from sluice.errors import SluiceError
+from sluice.worker.pipeline.schedule import Action, schedule
 from sluice.worker.torch.pipelining.replicas import ReplicaAverager
 from sluice.worker.torch.pipelining.stage import REPLICA_PRIORITY, PipelineStage
 

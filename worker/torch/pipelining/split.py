@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sluice.scheduler.pipeline_schedule import balanced_split
+from sluice.worker.pipeline.schedule import balanced_split
 
 BALANCE = ("params", "time")
 

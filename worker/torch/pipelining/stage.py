@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sluice.scheduler.errors import SluiceError
+from sluice.errors import SluiceError
 from sluice.worker.pipeline.exchange import Neighbours, StageExchange
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Received
 from sluice.worker.pipeline.layout import StagePlace

@@ -1,4 +1,4 @@
-"""The coordinator tree's messages (scheduler/negotiation.py): their wire encoding, and their checks.
+"""The coordinator tree's messages (worker/collective/negotiation.py): their wire encoding, and their checks.
 
 Both directions are one `Message` each: header fields carry the counters, meta (omitted when empty)
 plain msgpack values, and a uint8 payload the bit-vector, so the steady-state message is a header of
@@ -32,8 +32,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.scheduler.negotiation_request import MAX_NAME, MAX_TENSORS, Request, problem
 from sluice.transport.wire import MAX_DIMS, Kind, Message, WireError, brief
+from sluice.worker.collective.negotiation_request import MAX_NAME, MAX_TENSORS, Request, problem
 
 MAX_RANKS = 1 << 20
 MAX_TEXT = 8192

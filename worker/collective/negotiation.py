@@ -36,7 +36,7 @@ the child sends afterwards can be mistaken for what was consumed).
   reports it up (slow path), and no node counts it ready on the fast path while a description of it,
   or a conflict, waits there.
 - Stall: a rank whose own op has waited `stall_timeout` reports its name up (`stalled`); the root then
-  runs a census (scheduler/negotiation_census.py): a query down the tree, each node answering once its
+  runs a census (worker/collective/negotiation_census.py): a query down the tree, each node answering once its
   children have (or at a deadline), with which ranks below submitted the queried ops and what else
   waits. The root names, for each stalled op, the exact ranks that did not submit it (and the mismatch,
   if those that did disagree: no node may have seen both descriptions), unless the op was decided
@@ -50,8 +50,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sluice.scheduler.negotiation_census import Census, bit_list, mismatch_text
-from sluice.scheduler.negotiation_codec import (
+from sluice.transport.wire import WireError
+from sluice.worker.collective.negotiation_census import Census, bit_list, mismatch_text
+from sluice.worker.collective.negotiation_codec import (
     MAX_OTHERS,
     MAX_TABLE,
     META_BUDGET,
@@ -63,9 +64,8 @@ from sluice.scheduler.negotiation_codec import (
     pack_decisions,
     up_size,
 )
-from sluice.scheduler.negotiation_request import Request, check_request, describe, signature
-from sluice.scheduler.tree import Tree
-from sluice.transport.wire import WireError
+from sluice.worker.collective.negotiation_request import Request, check_request, describe, signature
+from sluice.worker.collective.tree import Tree
 
 __all__ = ["Controller", "Decision", "Down", "Request", "Up"]
 

@@ -1,6 +1,6 @@
 """The stall census of the coordinator tree (pure): who below submitted the ops some rank has waited on too long.
 
-A rank whose own op has waited `stall_timeout` tells the root (scheduler/negotiation.py); the root waits a
+A rank whose own op has waited `stall_timeout` tells the root (worker/collective/negotiation.py); the root waits a
 little for the other ranks' alerts of the same stall (min(stall_timeout / 2, 2 s)), then sends a query
 down naming the suspect ops, in name order. Each node starts a Census with its own rank's pending
 requests, merges its children's answers, and answers up once every child has (or at its deadline: a
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sluice.scheduler.negotiation_codec import MAX_OTHERS, Answer
-from sluice.scheduler.negotiation_request import Request, describe, ranks_text, signature
+from sluice.worker.collective.negotiation_codec import MAX_OTHERS, Answer
+from sluice.worker.collective.negotiation_request import Request, describe, ranks_text, signature
 
 
 def mismatch_text(name: str, a: tuple[int, Request], b: tuple[int, Request]) -> str:
