@@ -26,12 +26,12 @@ from bench.aggregation_setup import (
     predicted_seconds,
 )
 from bench.common import Stats, add_common_options, print_table, progress, stats, write_json
-from bench.netbed import Netbed, ready_for
-from bench.netbed.job import emit_result, run_sluice_job
 from bench.plot import bar_chart
+from testbed.job import emit_result, run_sluice_job
+from testbed.netbed import Netbed, ready_for
 
 DESCRIPTION = """\
-Racks of workers behind oversubscribed uplinks (bench/netbed racks: every host link and every rack
+Racks of workers behind oversubscribed uplinks (testbed/racks.py: every host link and every rack
 uplink shaped separately), parameter servers in a rack of their own (their links as wide as a
 rack's hosts together, so that the servers do not pace flat PS), compute stubbed out: every
 worker push_pulls one float32 gradient of --mib MiB per round (numpy client, chunks of --chunk-kib).
@@ -69,10 +69,11 @@ class Work:
 
 
 def worker_main(spec: str) -> int:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
     work = Work(**json.loads(spec))
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("grad", (work.floats,), "float32", None), ("ready", (1,), "int32", None)])
     data = client.alloc((work.floats,), "float32")
     data[:] = client.rank + 1
@@ -85,7 +86,7 @@ def worker_main(spec: str) -> int:
         vote = client._router.epoch >= 1 or time.monotonic() > deadline  # (run_case names a plan that never came)
         client.push_pull("ready", np.array([vote], np.int32), ready).wait()
         done += 1
-    client.barrier("timed")
+    node.barrier("timed")
     seconds = []
     for _ in range(work.rounds):
         started = time.perf_counter()
@@ -95,7 +96,7 @@ def worker_main(spec: str) -> int:
     if not np.all(out == want):
         raise SystemExit(f"worker {client.rank}: the round summed {out[0]}, not {want}")
     epoch, routed = client._router.epoch, client._router.routed
-    client.close()
+    node.close()
     emit_result({"rank": client.rank, "seconds": seconds, "epoch": epoch, "routed": routed})
     return 0
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.netbed import Netbed
 from sluice.scheduler.hierarchy.loads import bottleneck, flat_plan
 from sluice.scheduler.hierarchy.planner import plan_trees
 from sluice.scheduler.hierarchy.topology import Host, Rack, Topology, TreeSpec, round_seconds
+from testbed.netbed import Netbed
 
 FLAT, ONE_PER_RACK, PLANNED, AUX = "flat PS", "one per rack", "planned", "planned+aux"
 #: TCP payload per byte on the wire with 1500-byte frames (headers count against the shaper's rate)

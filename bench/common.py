@@ -1,26 +1,19 @@
-"""Shared benchmark helpers: options, medians, tables, JSON records and forked child processes."""
+"""Shared benchmark helpers: options, medians, tables, JSON records, keep_alive, a timed push_pull."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import queue
-import signal
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice import close_at_exit
 from sluice.launch.supervisor import free_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-_ctx = mp.get_context("fork")
 
 #: Objects a child keeps until os._exit ends it without running their destructors (see keep_alive).
 _kept: list[Any] = []
@@ -108,92 +101,15 @@ def keep_alive(*objects: Any) -> None:
     _kept.extend(objects)
 
 
-def _child_main(key: str, target: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
-    code = 0
-    try:
-        value = target(*args)
-        close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
-        results.put((key, "ok", value))
-    except BaseException as exc:  # report every failure to the parent, then exit non-zero
-        results.put((key, "error", f"{type(exc).__name__}: {exc}"))
-        code = 1
-    results.close()
-    results.join_thread()
-    os._exit(code)
-
-
-class Children:
-    """Processes forked from this one that report `target(*args)` by key; all are reaped on exit."""
-
-    def __init__(self) -> None:
-        self._processes: dict[str, Any] = {}
-        self._results: Any = _ctx.Queue()
-        self._early: dict[str, Any] = {}
-
-    def queue(self) -> Any:
-        """A fresh queue a child can use to talk to the parent before it returns."""
-        return _ctx.Queue()
-
-    def barrier(self, parties: int) -> Any:
-        """A barrier for `parties` children (their `wait(timeout)` raises if one of them is missing)."""
-        return _ctx.Barrier(parties)
-
-    def start(self, key: str, target: Callable[..., Any], *args: Any) -> None:
-        process = _ctx.Process(target=_child_main, args=(key, target, args, self._results), daemon=True)
-        process.start()
-        self._processes[key] = process
-
-    def collect(self, keys: Sequence[str], timeout: float) -> dict[str, Any]:
-        """The return values of the children named by `keys`; raises on a failure or after `timeout` s."""
-        deadline = time.monotonic() + timeout
-        out: dict[str, Any] = {k: self._early.pop(k) for k in keys if k in self._early}
-        while len(out) < len(keys):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(keys) - set(out))
-                raise TimeoutError(f"no result after {timeout:.0f} s from {', '.join(missing)}")
-            try:
-                key, status, value = self._results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [k for k, p in self._processes.items() if k not in out and p.exitcode not in (None, 0)]
-                if dead:
-                    codes = ", ".join(f"{k} (exit {self._processes[k].exitcode})" for k in dead)
-                    raise RuntimeError(f"died without a result: {codes}") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"{key} failed: {value}")
-            if key in keys:
-                out[key] = value
-            else:  # another child finished first: keep its result for whoever asks for it
-                self._early[key] = value
-        return out
-
-    def close(self, grace: float = 2.0) -> None:
-        """Give the children `grace` seconds in all to exit by themselves, then kill the rest."""
-        deadline = time.monotonic() + grace
-        for process in self._processes.values():
-            process.join(max(deadline - time.monotonic(), 0.0))
-        for process in self._processes.values():
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGKILL)
-            process.join(5.0)
-        self._processes.clear()
-
-    def __enter__(self) -> Children:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = True) -> tuple[int, list[float]]:
     """In a Sluice worker: check one push_pull of `nbytes` of float32 sums right, then time `rounds`
     rounds per repetition between two barriers; (this worker's rank, seconds per round of each)."""
     import numpy as np
 
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     n = nbytes // 4
     data = client.alloc((n,), "float32") if registered else np.empty(n, np.float32)
     data[:] = 1.0
@@ -204,11 +120,11 @@ def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = T
         raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
     seconds = []
     for rep in range(repeats):
-        client.barrier(f"start.{rep}")
+        node.barrier(f"start.{rep}")
         started = time.perf_counter()
         for _ in range(rounds):
             client.push_pull("bench", data, out).wait()
-        client.barrier(f"end.{rep}")
+        node.barrier(f"end.{rep}")
         seconds.append((time.perf_counter() - started) / rounds)
-    client.close()
+    node.close()
     return client.rank, seconds

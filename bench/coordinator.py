@@ -13,13 +13,13 @@ if __package__ in (None, ""):  # run as `python bench/coordinator.py`: make the 
 
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
 from sluice.worker.collective.tree import build_tree
-from tests.integration.light_ranks import Plan, latencies, run
+from testbed.light_ranks import Plan, latencies, run
 
 PEER = "flat rank-0 coordinator"
 UNIT = "bytes/step at root"
 
 DESCRIPTION = """\
-N light processes (tests/integration/light_ranks.py: a bare transport and a Coordinator each, no
+N light processes (testbed/light_ranks.py: a bare transport and a Coordinator each, no
 torch, 8 ranks per host label) negotiate OPS allreduce requests per step for STEPS steps: each rank
 submits a step's requests in its own random order (or, with --spread-ms, all in one order spread
 over that many milliseconds, like a backward pass), and waits for the step's decisions before the

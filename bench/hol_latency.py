@@ -18,12 +18,13 @@ if __package__ in (None, ""):  # run as `python bench/hol_latency.py`: make the 
 import numpy as np
 import zmq
 
-from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed import Netbed, ready_for
-from bench.netbed.forked import Delays, announced, start_in
+from bench.common import add_common_options, print_table, progress, record, stats, write_json
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message
+from testbed.children import Children
+from testbed.forked import Delays, announced, start_in
+from testbed.netbed import Netbed, ready_for
 
 KIB, MIB = 1 << 10, 1 << 20
 URGENT_BYTES = 64 * KIB

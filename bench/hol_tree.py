@@ -17,8 +17,8 @@ if __package__ in (None, ""):  # run as `python bench/hol_tree.py`: make the rep
 import numpy as np
 
 from bench.common import add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed import Netbed, ready_for
-from bench.netbed.job import emit_result, run_sluice_job
+from testbed.job import emit_result, run_sluice_job
+from testbed.netbed import Netbed, ready_for
 
 KIB, MIB = 1 << 10, 1 << 20
 URGENT_BYTES = 64 * KIB
@@ -50,10 +50,11 @@ class Work:
 
 
 def worker_main(spec: str) -> int:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
     work = Work(**json.loads(spec))
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     names = [f"urgent{i}" for i in range(work.samples)]
     client.declare([("bulk", (work.total // 4,), "float32", None),
                     *((name, (URGENT_BYTES // 4,), "float32", None) for name in names)])
@@ -86,7 +87,7 @@ def worker_main(spec: str) -> int:
     handle.wait()
     elapsed = time.perf_counter() - started
     routed, epoch = client._router.routed, client._router.epoch
-    client.close()
+    node.close()
     emit_result({"delays_ms": delays, "bulk_s": elapsed, "during": during, "routed": routed, "epoch": epoch})
     return 0
 

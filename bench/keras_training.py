@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import Children
-from tests.cluster import LocalCluster
+from testbed.children import Children
+from testbed.cluster import LocalCluster
 
 ALONE = "Keras alone x W (no exchange)"
 

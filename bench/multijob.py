@@ -16,10 +16,10 @@ if __package__ in (None, ""):  # run as `python bench/multijob.py`: make the rep
 import numpy as np
 
 from bench.common import add_common_options, print_table, progress, write_json
-from bench.netbed import Netbed, ready_for
-from bench.netbed.job import emit_result, run_sluice_job
 from sluice.transport.config import TransportConfig
 from sluice.worker.job_priority import JobLevel, JobsConfig
+from testbed.job import emit_result, run_sluice_job
+from testbed.netbed import Netbed, ready_for
 
 DESCRIPTION = """\
 Six jobs (one worker and one server each, compute stubbed out) arrive one after another and share
@@ -52,10 +52,11 @@ class Work:
 
 
 def worker_main(spec: str) -> int:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
     work = Work(**json.loads(spec))
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("grad", (work.floats,), "float32", None)])
     data, out = np.ones(work.floats, np.float32), np.empty(work.floats, np.float32)
     starts, ends = [], []
@@ -67,7 +68,7 @@ def worker_main(spec: str) -> int:
         raise SystemExit(f"the round summed {out[0]}, not {client.size}")
     job = client.job_level
     level, promotions = (job.level, job.promotions) if job is not None else (None, 0)
-    client.close()
+    node.close()
     emit_result({"starts": starts, "ends": ends, "level": level, "promotions": promotions})
     return 0
 

@@ -17,13 +17,14 @@ if __package__ in (None, ""):  # run as `python bench/network_marks.py`: make th
 
 import numpy as np
 
-from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import add_common_options, print_table, progress, record, stats, write_json
 from bench.hol_latency import DONE_KEY, WARMUP_KEY, connected_sender, wait_event, warm_up
-from bench.netbed import Netbed, ready_for
-from bench.netbed.forked import Delays, announced, start_in
 from sluice.transport.base import Handler, Transport, open_transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message
+from testbed.children import Children
+from testbed.forked import Delays, announced, start_in
+from testbed.netbed import Netbed, ready_for
 
 KIB, MIB = 1 << 10, 1 << 20
 URGENT_CHANNEL, BULK_CHANNEL = 0, 2

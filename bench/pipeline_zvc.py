@@ -1,6 +1,6 @@
 """Does ZVC pay between pipeline stages on other hosts? Samples/s of a 2-stage pipeline, compression on and off.
 
-Two testbed hosts (network namespaces with sshd, bench/netbed/ssh.py), each link shaped to RATE
+Two testbed hosts (network namespaces with sshd, testbed/ssh.py), each link shaped to RATE
 Mbit/s; `sluice launch -H h1:1,h2:1 -s 0` runs stage 0 on h1 and stage 1 on h2, so every micro-batch's
 activations and gradients cross the shaped link. The model is an MLP of Linear + ReLU blocks cut in
 two, its activations ReLU outputs (about half zeros); 1F1B with M micro-batches. Ours: `compress="on"`
@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # run as `python bench/pipeline_zvc.py`: make the
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed.ssh import ssh_bed
-from bench.netbed.ssh import unavailable as ssh_unavailable
+from testbed.ssh import ssh_bed
+from testbed.ssh import unavailable as ssh_unavailable
 
 RESULT = "PIPELINE_ZVC"
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.common import ROOT, Stats, add_common_options, print_table, progress, record, stats, write_json
-from bench.netbed import Netbed, ready_for
-from bench.netbed.job import emit_result, run_gloo_job, run_sluice_job
 from bench.plot import bar_chart, write_svg
+from testbed.job import emit_result, run_gloo_job, run_sluice_job
+from testbed.netbed import Netbed, ready_for
 
 KIB = 1 << 10
 PRIORITY, CHUNKED, FIFO, DDP = "priority", "chunked", "fifo", "ddp"

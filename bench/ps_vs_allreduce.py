@@ -24,8 +24,8 @@ from bench.common import (
     timed_push_pull,
     write_json,
 )
-from bench.netbed import Netbed, ready_for
-from bench.netbed.job import emit_result, run_gloo_job, run_sluice_job
+from testbed.job import emit_result, run_gloo_job, run_sluice_job
+from testbed.netbed import Netbed, ready_for
 
 MIB = 1 << 20
 GLOO = "torch.distributed gloo all_reduce (ring)"

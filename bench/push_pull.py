@@ -18,7 +18,6 @@ import torch.distributed as dist
 import zmq
 
 from bench.common import (
-    Children,
     Stats,
     add_common_options,
     free_port,
@@ -32,7 +31,8 @@ from bench.common import (
 )
 from sluice.transport.config import TransportConfig
 from sluice.worker.plan.fusion import FusionPlan, plan_fusion
-from tests.cluster import LocalCluster
+from testbed.children import Children
+from testbed.cluster import LocalCluster
 
 MIB = 1 << 20
 CHUNK = MIB  # the raw pyzmq peer sends 1 MiB messages, like Sluice's default chunk size
@@ -145,10 +145,11 @@ def bucket_plan(nbytes: int) -> tuple[list[tuple[str, int]], FusionPlan]:
 
 def _bucket_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
     """In each Sluice worker: push_pull every fusion group in place from one registered flat buffer."""
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
     _, plan = bucket_plan(nbytes)
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     flat = client.alloc((plan.total_bytes // 4,), "float32")
     grads = [flat[s.offset // 4 : (s.offset + s.nbytes) // 4] for s in plan.slots]  # what torch's .grad would be
     groups = [(f"bucket.{g.index}", flat[g.start // 4 : g.end // 4]) for g in plan.groups]
@@ -169,13 +170,13 @@ def _bucket_worker(nbytes: int, rounds: int, repeats: int) -> list[float]:
     flat[:] = 0.0  # in place, sums of ones would grow without bound; sums of zeros stay finite
     seconds = []
     for rep in range(repeats):
-        client.barrier(f"start.{rep}")
+        node.barrier(f"start.{rep}")
         started = time.perf_counter()
         for _ in range(rounds):
             one_round()
-        client.barrier(f"end.{rep}")
+        node.barrier(f"end.{rep}")
         seconds.append((time.perf_counter() - started) / rounds)
-    client.close()
+    node.close()
     return seconds
 
 

@@ -23,7 +23,7 @@ from bench.common import Stats, add_common_options, print_table, progress, recor
 from bench.recovery_kill import kill_record
 from bench.train_throughput import demo, timed_repeats, worker_batches
 from sluice.ps.snapshot import STATE_DIR, remove_state_files, state_tag
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 COST_CASES = ("digits-sum", "digits-server-momentum", "digits-server-adam", "large-adam")
 KILL_CASE = "resume-after-kill"

@@ -18,8 +18,8 @@ import numpy as np
 
 from bench.aggregation_setup import PLANNED, Layout, build_testbed, job_config
 from bench.common import add_common_options, print_table, progress, write_json
-from bench.netbed import Netbed, ready_for
-from bench.netbed.job import emit_result, run_sluice_job
+from testbed.job import emit_result, run_sluice_job
+from testbed.netbed import Netbed, ready_for
 
 DESCRIPTION = """\
 The aggregation testbed (bench/aggregation.py's racks, planned weighted trees, aggregation.mode =
@@ -48,10 +48,11 @@ class Work:
 
 
 def worker_main(spec: str) -> int:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
     work = Work(**json.loads(spec))
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("grad", (work.floats,), "float32", None), ("go", (1,), "int32", None)])
     data, out, go = client.alloc((work.floats,), "float32"), np.empty(work.floats, np.float32), np.zeros(1, np.int32)
     data[:] = client.rank + 1
@@ -66,7 +67,7 @@ def worker_main(spec: str) -> int:
         client.push_pull("go", np.array([time.time() < work.stop_at], np.int32), go).wait()
         if go[0] < client.size:  # every worker sees the same votes: all stop after the same round
             break
-    client.close()
+    node.close()
     emit_result({"rank": client.rank, "rounds": rounds})
     return 0
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.common import (
-    Children,
     Stats,
     add_common_options,
     free_port,
@@ -34,7 +33,8 @@ from bench.common import (
 )
 from bench.keras_training import ALONE, measure_keras_alone, measure_sluice_keras
 from sluice.launch.config import ConfigError, load_config
-from tests.cluster import LocalCluster
+from testbed.children import Children
+from testbed.cluster import LocalCluster
 
 DDP = "torch DDP (gloo)"
 Batches = tuple[torch.Tensor, torch.Tensor]  # (steps, batch, 1, 8, 8) images and (steps, batch) labels

@@ -18,10 +18,11 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from bench.common import Children, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import add_common_options, print_table, progress, record, stats, write_json
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message, decode, encode
 from sluice.transport.zmq_transport import ZmqTransport
+from testbed.children import Children
 
 DESCRIPTION = """\
 Why the data path is a thread with a zmq Poller and not asyncio (docs/architecture.md). Two processes

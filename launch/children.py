@@ -1,5 +1,8 @@
-"""One child process of a local job: its output relayed line by line with a [role rank] prefix, its
-last lines kept for the failure report, its readiness and culprit lines noticed, its group signalled."""
+"""One child process of a local job: its output relayed with a [role rank] prefix, its process group signalled.
+
+Its output is relayed line by line, its last lines kept for the failure report, and its readiness
+and culprit lines noticed.
+"""
 
 from __future__ import annotations
 

@@ -23,13 +23,11 @@ from sluice.launch.elastic import (
     REFORM_EXIT,
     ElasticSettings,
     Reform,
-    discover,
     grown,
-    remove_state_dir,
     slots,
-    state_dir,
     without,
 )
+from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.supervisor import SETTLE_SECONDS, Job, run_on_loop, supervise
 

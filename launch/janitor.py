@@ -93,7 +93,7 @@ def clean_up(children: dict[int, int | None], settle: float = SETTLE_SECONDS) ->
 def remove_job_state(items: list[str]) -> None:
     """The job's state in /dev/shm on this host: servers' state files (ps.recover; a tag) and an
     elastic job's committed-state directory (a path)."""
-    from sluice.launch.elastic import remove_state_dir
+    from sluice.launch.elastic_io import remove_state_dir
     from sluice.ps.snapshot import remove_state_files
 
     for item in items:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from sluice.ps.relay import Relay
 from sluice.ps.role import Reply, Role
 from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.hierarchy.routes import parse_routing
-from sluice.scheduler.rendezvous import parse_limits
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 
@@ -17,8 +17,8 @@ class Aggregator(Role):
         super().__init__(env)
         self.relay = Relay(env.name, env.workers, alloc=self.transport.alloc)
 
-    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
-        return self.relay.handle(peer, channel, msg)
+    def handle(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
+        return self.relay.handle(peer, channel, msg, now)
 
     def on_welcome(self) -> None:
         """Who may push here, and the servers to forward to."""

@@ -1,18 +1,17 @@
-"""An aggregator's rounds: sum the children's pushes of a chunk, forward one push up, fan the reply down; no sockets.
+"""An aggregator's rounds: sum the children's pushes of a chunk, forward one push up, fan the reply down.
 
-`Relay.handle` takes one validated wire message and returns the messages to send, like the shard
-store. A push from a child names its routing epoch and tree (meta `route`); the tree says which
-workers' ranks reach this aggregator, so the round of that chunk is complete here when pushes
-covering exactly those ranks are in (a child aggregator's push lists its ranks). The sum is taken in
-rank order (ps/ranked_sum.py) and forwarded at once to the parent: an aggregator of a higher level,
-or the server that owns the chunk. Each chunk travels alone, so while chunk k's reply is fanned
-down, chunk k+1 is still being gathered: the tree is pipelined chunk by chunk. Forwarded pushes and
-replies keep the children's priority and channel.
+`Relay.handle` takes one validated wire message and the caller's `now`, and returns the messages to
+send, like the shard store: no sockets, no clocks. A push from a child names its routing epoch and
+tree (meta `route`); the tree says which workers' ranks reach this aggregator, so the round of that
+chunk is complete here when pushes covering exactly those ranks are in (a child aggregator's push
+lists its ranks). The sum is taken in rank order (ps/ranked_sum.py) and forwarded at once to the
+parent: an aggregator of a higher level, or the server that owns the chunk. Each chunk travels
+alone, so while chunk k's reply is fanned down, chunk k+1 is still being gathered: the tree is
+pipelined chunk by chunk. Forwarded pushes and replies keep the children's priority and channel.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,14 +65,15 @@ class Relay:
         self.departed: list[int] = []
 
     # ------------------------------------------------------------------ messages
-    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+    def handle(self, peer: str, channel: int, msg: Message, now: float = 0.0) -> list[Reply]:
+        """One peer's message at `now` (the caller's clock, seconds; only `stalled` reads it): the messages to send."""
         if msg.kind == Kind.PUSH:
-            return self._push(peer, channel, msg)
+            return self._push(peer, channel, msg, now)
         if msg.kind in (Kind.REPLY, Kind.ERROR):
             return self._reply(peer, msg)
         raise WireError(f"an aggregator does not take {msg.kind.name} messages")
 
-    def _push(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+    def _push(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
         tables = self.tables
         child = tables.sender(peer, msg.sender)
         route = tables.route_of(msg)
@@ -104,7 +104,7 @@ class Relay:
         # valid: from here on the push is taken
         buffers = buffers or self._new_buffers(at, length, dtype)
         if state is None:
-            state = self._rounds[at] = _Round(msg.round, route, view, time.monotonic())
+            state = self._rounds[at] = _Round(msg.round, route, view, now)
             buffers.sum.expect(view.ranks)
         departed = [r for r in self.departed if r in view.ranks and r not in state.pushed]
         state.children.append(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY)))

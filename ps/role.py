@@ -36,8 +36,9 @@ class Role:
         )
 
     # ------------------------------------------------------------------ what a role fills in
-    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
-        """A peer's message, validated by the transport; the replies, or WireError (refused, nothing changed)."""
+    def handle(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
+        """A peer's message, validated by the transport, at `now` (time.monotonic()); the replies, or WireError
+        (refused, nothing changed)."""
         raise NotImplementedError
 
     def on_welcome(self) -> None:
@@ -94,7 +95,7 @@ class Role:
             self.control.receive(msg)
             return
         try:
-            replies = self.handle(peer, channel, msg)
+            replies = self.handle(peer, channel, msg, time.monotonic())
         except WireError as exc:
             self.transport.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: {exc}")
             return

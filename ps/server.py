@@ -10,7 +10,7 @@ from sluice.ps.store import ShardStore
 from sluice.ps.trace import ServerTrace
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
-from sluice.scheduler.rendezvous import parse_limits
+from sluice.scheduler.declaration import parse_limits
 from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 
@@ -35,13 +35,13 @@ class Server(Role):
         self.trace = ServerTrace(str(part_path(timeline.path, "server", env.rank)), "server", env.rank,
                                  self.store.chunks) if timeline.path else None
 
-    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+    def handle(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
         if msg.kind == Kind.PROBE:  # a worker's calibration: answer at once, no payload
             self.store.check_worker(peer, msg.sender)
             return [(peer, channel, Message(Kind.PROBE_REPLY, sender=self.store.node_id, round=msg.round,
                                             priority=msg.priority))]
         try:
-            replies = self.store.handle(peer, channel, msg)
+            replies = self.store.handle(peer, channel, msg, now)
         except SluiceError as exc:  # the state file could not take a commit: this server cannot go on safely
             self.control.fail(str(exc))
             return []

@@ -1,8 +1,9 @@
-"""A server's shard: per-chunk values, synchronous rounds, broadcasts and pending pulls; no sockets.
+"""A server's shard: per-chunk values, synchronous rounds, broadcasts and pending pulls; no sockets, no clocks.
 
-`ShardStore.handle` takes one validated wire message and returns the replies to send, so the whole
-server protocol is testable with plain arrays. Arithmetic is numpy, in place; bfloat16 is summed
-and updated in float32 and rounded back to nearest-even.
+`ShardStore.handle` takes one validated wire message and the caller's `now` (ps/role.py reads the
+clock) and returns the replies to send, so the whole server protocol is testable with plain arrays.
+Arithmetic is numpy, in place; bfloat16 is summed and updated in float32 and rounded back to
+nearest-even.
 
 A round's floating-point sum is taken in worker rank order, whatever order the pushes arrive in
 (ps/ranked_sum.py). A push comes from a worker (its own rank) or from an aggregator (the sum of the
@@ -13,7 +14,6 @@ rank is in.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +52,7 @@ class Chunk:
     round: int = 0
     #: ranks of this round's pushes so far (summed, or stashed until their turn)
     pushed: set[int] = field(default_factory=set)
+    #: the caller's clock at this round's first push (for `ShardStore.stalled`)
     round_started: float = 0.0
     waiting: list[Waiter] = field(default_factory=list)
     bcast: np.ndarray | None = None
@@ -144,7 +145,8 @@ class ShardStore:
         return self.recovery.restore(added, recovering) if self.recovery is not None else []
 
     # ------------------------------------------------------------------ messages
-    def handle(self, peer: str, channel: int, msg: Message) -> list[Reply]:
+    def handle(self, peer: str, channel: int, msg: Message, now: float = 0.0) -> list[Reply]:
+        """One peer's message at `now` (the caller's clock, seconds; only `stalled` reads it): the replies."""
         if self.aggregator_ids.get(msg.sender) == peer and msg.kind == Kind.PUSH:
             ranks = push_ranks(msg, self.workers)
         else:
@@ -153,7 +155,7 @@ class ShardStore:
         if chunk is None:
             raise WireError(f"unknown key {msg.key} chunk {msg.chunk}")
         if msg.kind == Kind.PUSH:
-            return self._push(chunk, ranks, peer, channel, msg)
+            return self._push(chunk, ranks, peer, channel, msg, now)
         if msg.kind == Kind.PULL:
             return self._pull(chunk, Waiter(peer, channel, msg.round, msg.priority))
         if msg.kind == Kind.BCAST_PUSH:
@@ -183,7 +185,8 @@ class ShardStore:
             )
         return np.frombuffer(msg.payload, STORAGE[chunk.dtype])
 
-    def _push(self, chunk: Chunk, ranks: tuple[int, ...], peer: str, channel: int, msg: Message) -> list[Reply]:
+    def _push(self, chunk: Chunk, ranks: tuple[int, ...], peer: str, channel: int, msg: Message,
+              now: float) -> list[Reply]:
         data = self._payload(chunk, msg)
         optimizer = chunk.optimizer
         if msg.meta and "opt" in msg.meta:
@@ -210,7 +213,7 @@ class ShardStore:
             return [(peer, channel, self._orphaned(chunk, msg.round, msg.priority))]
         chunk.optimizer = optimizer  # only a push that is taken may change the settings
         if not chunk.pushed:
-            chunk.round_started = time.monotonic()
+            chunk.round_started = now
         chunk.sum.take(ranks, data, self._spare)
         chunk.pushed.update(ranks)
         replies: list[Reply] = []

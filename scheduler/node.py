@@ -15,8 +15,8 @@ from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.hierarchy.agent import NodeAgent
-from sluice.scheduler.rendezvous import parse_limits
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 

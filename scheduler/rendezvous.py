@@ -1,110 +1,36 @@
 """The scheduler's protocol as a state machine: messages and clock ticks in, messages out.
 
 No sockets and no clocks of its own: the executor in scheduler/service.py feeds it (peer, message,
-now) and sends what it returns, so every rule here is testable with plain data. Node ids: the
-scheduler is 0, servers 1..S, workers S+1..S+W, ranks counted per role from 0.
+now) and sends what it returns, so every rule here is testable with plain data. The members, their
+ranks and ids are scheduler/members.py's; a tensor declaration's rules scheduler/declaration.py's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.scheduler.bootstrap import node_name
-from sluice.scheduler.calibration import Limits, agree
+from sluice.scheduler.calibration import Limits
 from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.declaration import (
+    Declaration,
+    declaration_problem,
+    parse_limits,
+    parse_tensor_table,
+    server_shard,
+    settle_limits,
+    worker_table,
+)
 from sluice.scheduler.hierarchy.agent import Report, parse_report
 from sluice.scheduler.hierarchy.routes import Route, check_trees
 from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
-from sluice.scheduler.partition import TensorPlan, TensorSpec, plan_tensors
+from sluice.scheduler.members import ROLES, Node, address_book, assign
+from sluice.scheduler.partition import TensorPlan, plan_tensors
 from sluice.scheduler.recovery import ServerRecovery
 from sluice.transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
-from sluice.transport.wire import DTYPES, Kind, Message, WireError, brief, meta_field
+from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 
 Out = tuple[str, Message]
-ROLES = ("server", "worker", "aggregator")
-#: dimensions of a declared tensor (the bound keeps error messages and size arithmetic small)
-MAX_TENSOR_DIMS = 64
-#: chunks one declaration may be cut into: its PLANs (about 17 bytes a chunk) must fit CONTROL_HEADER_BYTES
-MAX_PLAN_CHUNKS = 1 << 17
-
-
-@dataclass
-class Node:
-    name: str
-    role: str
-    rank_hint: int
-    endpoints: list[str]
-    pid: int
-    arrival: int
-    node_id: int = -1
-    rank: int = -1
-
-    def describe(self) -> str:
-        return f"{self.role} {self.rank} (node {self.node_id}, pid {self.pid})"
-
-
-@dataclass
-class _Declaration:
-    by_rank: dict[int, list[Any]] = field(default_factory=dict)
-    proposals: dict[int, Limits] = field(default_factory=dict)
-    plans: list[TensorPlan] = field(default_factory=list)
-    #: the plan as workers get it: [[key, name, shape, dtype, priority, [[chunk, offset, length, server]]]]
-    table: list[Any] = field(default_factory=list)
-    acks: set[str] = field(default_factory=set)
-
-
-def parse_limits(raw: object) -> Limits:
-    """[chunk_bytes, inflight_bytes] from a DECLARE or PLAN message, validated."""
-    if (
-        not isinstance(raw, list) or len(raw) != 2 or not all(type(v) is int for v in raw)
-        or not 4096 <= raw[0] <= 1 << 30 or not 1 <= raw[1] <= 1 << 34
-    ):
-        raise WireError(f"limits must be [chunk bytes 4096..2**30, in-flight bytes 1..2**34], got {brief(raw)}")
-    return Limits(raw[0], raw[1])
-
-
-def parse_tensor_table(raw: object) -> list[tuple[TensorSpec, Any]]:
-    """[[name, shape, dtype, optimizer-or-nil], ...] from a DECLARE message, validated."""
-    if not isinstance(raw, list):
-        raise WireError(f"tensors must be a list, got {brief(raw)}")
-    table = []
-    for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)):
-            raise WireError(f"each tensor entry must be [name, shape, dtype, optimizer], got {brief(entry)}")
-        name, shape, dtype, opt = entry
-        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
-                or not all(type(d) is int and d >= 0 for d in shape)):
-            raise WireError(f"tensor {brief(name)}: shape must be a list of at most {MAX_TENSOR_DIMS} "
-                            f"non-negative ints, got {brief(shape)}")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise WireError(f"tensor {brief(name)}: dtype {brief(dtype)} is not one of {sorted(DTYPES)}")
-        if opt is not None and not isinstance(opt, dict):
-            raise WireError(f"tensor {brief(name)}: optimizer settings must be a map or nil, got {brief(opt)}")
-        table.append((TensorSpec(name, tuple(shape), dtype), opt))
-    return table
-
-
-def table_mismatch(reference: Sequence[TensorSpec], other: Sequence[TensorSpec], rank: int) -> str | None:
-    """The first difference between worker 0's table and worker `rank`'s, in words; None if equal."""
-    mine = {s.name: s for s in reference}
-    theirs = {s.name: s for s in other}
-    if len(theirs) != len(other):
-        return f"worker {rank} declares a tensor name twice"
-    for spec in reference:
-        got = theirs.get(spec.name)
-        if got is None:
-            return f"worker {rank} does not declare tensor {brief(spec.name)} that worker 0 declares"
-        if (got.shape, got.dtype) != (spec.shape, spec.dtype):
-            return (
-                f"worker {rank} declares tensor {brief(spec.name)} as {got.dtype}{list(got.shape)} "
-                f"but worker 0 as {spec.dtype}{list(spec.shape)}"
-            )
-    extra = [name for name in theirs if name not in mine]
-    if extra:
-        return f"worker {rank} declares tensor {brief(extra[0])} that worker 0 does not"
-    return None
 
 
 class Rendezvous:
@@ -148,7 +74,7 @@ class Rendezvous:
         self.byes: set[str] = set()
         #: the node declared lost (no heartbeat), once the job failed for that reason
         self.lost: Node | None = None
-        self._declarations: dict[int, _Declaration] = {}
+        self._declarations: dict[int, Declaration] = {}
         self._planned: dict[str, TensorPlan] = {}
         self._loads = [0] * servers
         self._barriers: dict[str, set[int]] = {}
@@ -265,7 +191,7 @@ class Rendezvous:
             raise WireError("REGISTER endpoints must be a non-empty list of strings for a server")
         node.endpoints, node.pid = endpoints, meta_field(msg, "pid", int)
         self.last_seen[node.name] = now
-        book = [[n.node_id, n.role, n.rank, n.name, n.endpoints] for n in self.nodes.values()]
+        book = address_book(self.nodes.values())
         outs = [(node.name, self._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role,
                                       nodes=book))]
         plans = self.recovery.replaced(node.name)
@@ -283,20 +209,12 @@ class Rendezvous:
         return [(n.name, back) for n in self._of_role("worker") + self._of_role("aggregator")]
 
     def _assign(self, now: float) -> list[Out]:
-        next_id = 1
-        for role in ("server", "worker", "aggregator"):
-            members = [n for n in self.nodes.values() if n.role == role]
-            hinted = sorted(n.rank_hint for n in members if n.rank_hint >= 0)
-            if len(set(hinted)) != len(hinted) or any(r >= len(members) for r in hinted):
-                return self._fail(f"{role} ranks {hinted} are duplicated or out of range 0..{len(members) - 1}")
-            free = iter(r for r in range(len(members)) if r not in hinted)
-            for node in sorted(members, key=lambda n: n.arrival):
-                node.rank = node.rank_hint if node.rank_hint >= 0 else next(free)
-            for node in sorted(members, key=lambda n: n.rank):
-                node.node_id, next_id = next_id, next_id + 1
+        error = assign(self.nodes.values())
+        if error is not None:
+            return self._fail(error)
         self.phase = "running"
         self.last_seen = dict.fromkeys(self.nodes, now)
-        book = [[n.node_id, n.role, n.rank, n.name, n.endpoints] for n in self.nodes.values()]
+        book = address_book(self.nodes.values())
         welcomes = [
             (n.name, self._msg(Kind.WELCOME, node_id=n.node_id, rank=n.rank, role=n.role, nodes=book))
             for n in self.nodes.values()
@@ -315,34 +233,21 @@ class Rendezvous:
         table = parse_tensor_table(meta_field(msg, "tensors", list))
         proposal = (msg.meta or {}).get("limits")
         limits_proposed = parse_limits(proposal) if proposal is not None else None  # all checked before any change
-        decl = self._declarations.setdefault(seq, _Declaration())
+        decl = self._declarations.setdefault(seq, Declaration())
         decl.by_rank[node.rank] = table
         if limits_proposed is not None:
             decl.proposals[node.rank] = limits_proposed
         if len(decl.by_rank) < self.workers:
             return []
-        limits = self.limits or self._settle_limits(decl)
+        if self.limits is None:  # at the first declaration
+            self.limits, note = settle_limits(self.chunk_bytes, self.inflight_bytes, decl.proposals)
+            self.notes.append(note)
+        limits = self.limits
+        problem = declaration_problem(seq, decl, self.workers, self._planned, limits.chunk_bytes)
+        if problem is not None:
+            return self._fail(problem)
         reference = [spec for spec, _ in decl.by_rank[0]]
-        if len({spec.name for spec in reference}) != len(reference):  # the others are compared with it
-            return self._fail(f"tensor declaration {seq} rejected: worker 0 declares a tensor name twice")
-        for rank in range(1, self.workers):
-            problem = table_mismatch(reference, [spec for spec, _ in decl.by_rank[rank]], rank)
-            if problem:
-                return self._fail(f"tensor declaration {seq} rejected: {problem}")
-        for spec in reference:
-            old = self._planned.get(spec.name)
-            if old is not None and old.spec != spec:
-                return self._fail(
-                    f"tensor {brief(spec.name)} was declared before as {old.spec.dtype}{list(old.spec.shape)}, "
-                    f"now as {spec.dtype}{list(spec.shape)}"
-                )
         new = [spec for spec in reference if spec.name not in self._planned]
-        pieces = sum(max(1, -(-spec.nbytes // limits.chunk_bytes)) for spec in new)
-        if pieces > MAX_PLAN_CHUNKS:
-            return self._fail(
-                f"tensor declaration {seq} rejected: its tensors need {pieces} chunks of {limits.chunk_bytes} bytes, "
-                f"more than the {MAX_PLAN_CHUNKS} one declaration may have (declare them in several parts)"
-            )
         plans, self._loads = plan_tensors(
             new, len(self._planned), self.servers, limits.chunk_bytes, self._loads
         )
@@ -351,38 +256,15 @@ class Rendezvous:
         options = {spec.name: opt for spec, opt in decl.by_rank[0]}
         outs = []
         for server in self._of_role("server"):
-            shard = [
-                [p.key, p.spec.name, p.spec.dtype, options[p.spec.name],
-                 [[c.chunk, c.length] for c in p.chunks if c.server == server.rank]]
-                for p in plans
-            ]
-            plan = self._msg(Kind.PLAN, seq=seq, tensors=shard, limits=limits.as_list())
+            plan = self._msg(Kind.PLAN, seq=seq, tensors=server_shard(plans, server.rank, options),
+                             limits=limits.as_list())
             self.recovery.sent(server.name, plan)
             outs.append((server.name, plan))
-        decl.table = [
-            [p.key, p.spec.name, list(p.spec.shape), p.spec.dtype, p.priority,
-             [[c.chunk, c.offset, c.length, c.server] for c in p.chunks]]
-            for p in decl.plans
-        ]
+        decl.table = worker_table(decl.plans)
         # aggregators learn every chunk (its size and server) before any worker may push one to them
         outs += [(a.name, self._msg(Kind.PLAN, seq=seq, tensors=decl.table, limits=limits.as_list()))
                  for a in self._of_role("aggregator")]
         return outs
-
-    def _settle_limits(self, decl: _Declaration) -> Limits:
-        """Fix the job's chunk size and in-flight bound: as configured, else from the calibrations."""
-        proposed = agree(list(decl.proposals.values())) if decl.proposals else None
-        chunk = self.chunk_bytes or (proposed.chunk_bytes if proposed else DEFAULT_CHUNK_BYTES)
-        inflight = self.inflight_bytes or (proposed.inflight_bytes if proposed else DEFAULT_INFLIGHT_BYTES)
-        self.limits = Limits(chunk, inflight)
-        how = {True: "configured", False: "calibrated" if proposed else "default"}
-        self.notes.append(
-            f"chunk size {chunk >> 10} KiB ({how[bool(self.chunk_bytes)]}), in-flight bound {inflight >> 10} KiB "
-            f"({how[bool(self.inflight_bytes)]})"
-            + (f"; workers proposed {', '.join(f'{r}: {p.describe()}' for r, p in sorted(decl.proposals.items()))}"
-               if decl.proposals else "")
-        )
-        return self.limits
 
     def _on_plan_ack(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)

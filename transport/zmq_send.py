@@ -1,4 +1,4 @@
-"""The send side of ZmqTransport: its outbox into per-route priority queues, and queued messages to sockets."""
+"""The ZeroMQ transport's sending half (Sender): its outbox into per-route priority queues, and those to sockets."""
 
 from __future__ import annotations
 
@@ -6,60 +6,102 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 import zmq.utils.garbage  # its atexit handler now, so that handlers registered later (a close) run before it
 
+from sluice.transport.config import TransportConfig
+from sluice.transport.metrics import TransportMetrics
 from sluice.transport.sendqueue import ChannelQueue
+from sluice.transport.shm import SharedPayloads
 from sluice.transport.wire import Flag, Message, encode
-from sluice.transport.zmq_receive import ReceivePath, Route
+from sluice.transport.zmq_receive import Frames, Route
 
 log = logging.getLogger("sluice.transport")
 
-Frames = list[Any]
 
+class Sender:
+    """The sending half of ZmqTransport: callers append to its outbox (any thread); the rest runs on the
+    transport's I/O thread, which owns the sockets this half sends on."""
 
-class SendPath(ReceivePath):
-    """The send side of ZmqTransport (its base class, over the receive side); the state is ZmqTransport's."""
+    def __init__(self, config: TransportConfig, metrics: TransportMetrics, *,
+                 dealers: dict[str, list[zmq.Socket[bytes]]], routers: list[zmq.Socket[bytes]],
+                 ident: Callable[[str], bytes | None], local: set[str] | None, shared: SharedPayloads) -> None:
+        #: (route, message, queued at): appended by any thread, drained into the queues by the I/O thread
+        self.outbox: deque[tuple[Route, Message, float]] = deque()
+        self.queues: dict[Route, ChannelQueue[Message]] = {}
+        #: the routes whose queues hold messages
+        self.active: set[Route] = set()
+        #: called (message, queued at, sent at; monotonic seconds) as each message goes to its socket, on the I/O thread
+        self.tracer: Callable[[Message, float, float], None] | None = None
+        self._inflight = config.inflight_limit
+        self._aging = config.aging_ms / 1e3
+        self._last_pump = time.monotonic()
+        self._metrics = metrics
+        #: the transport's sockets (DEALERs by peer, ROUTERs by channel; not ours to change), a ROUTER peer's identity
+        self._dealers = dealers
+        self._routers = routers
+        self._ident = ident
+        #: peers on this host that read our shared memory (None: shared memory is off), and that memory
+        self._local = local
+        self._shared = shared
 
-    #: called (message, queued at, sent at; monotonic seconds) as each message goes to its socket, on the I/O thread
-    tracer: Callable[[Message, float, float], None] | None = None
-    _outbox: deque[tuple[Route, Message, float]]
-    _routers: list[zmq.Socket[bytes]]
-    _inflight: int
-    _aging: float
-    _last_pump: float
+    def idle(self) -> bool:
+        """Nothing waits to be sent."""
+        return not self.outbox and not any(len(self.queues[r]) for r in self.active)
 
-    def _drain_outbox(self) -> None:
-        while self._outbox:
-            (peer, channel), msg, enqueued = self._outbox.popleft()
+    def set_inflight(self, nbytes: int) -> None:
+        """Bound every route's unacknowledged bytes by `nbytes`, the queues to come too."""
+        self._inflight = nbytes
+        for queue in self.queues.values():
+            queue.bound = nbytes
+
+    def credit(self, route: Route, nbytes: int) -> None:
+        """The peer acknowledged `nbytes` sent on `route`: they no longer count against its bound."""
+        queue = self.queues.get(route)
+        if queue is not None:
+            queue.ack(nbytes)
+            self._shared.acked(route, nbytes)
+            self.active.add(route)
+
+    def forget(self, peer: str) -> list[Route]:
+        """Drop what is queued for `peer` (replaced), and with the queues the credit its acknowledgements
+        would have freed; return the routes dropped."""
+        routes = [r for r in self.queues if r[0] == peer]
+        for route in routes:
+            del self.queues[route]
+            self.active.discard(route)
+        return routes
+
+    def drain_outbox(self) -> None:
+        while self.outbox:
+            (peer, channel), msg, enqueued = self.outbox.popleft()
             dealers = self._dealers.get(peer)
             route = (peer, min(channel, len(dealers) - 1)) if dealers else (peer, channel)
-            queue = self._queues.get(route)
+            queue = self.queues.get(route)
             if queue is None:
-                queue = self._queues[route] = ChannelQueue(self._inflight, self._aging)
+                queue = self.queues[route] = ChannelQueue(self._inflight, self._aging)
             queue.push(msg.priority, msg.nbytes, msg, enqueued)
-            self._active.add(route)
+            self.active.add(route)
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         now = time.monotonic()
-        if self._active:  # what waited since the last pump (the network agent's measure of a path)
-            self.metrics.backlogged({peer for peer, _ in self._active}, now - self._last_pump)
+        if self.active:  # what waited since the last pump (the network agent's measure of a path)
+            self._metrics.backlogged({peer for peer, _ in self.active}, now - self._last_pump)
         self._last_pump = now
-        for route in list(self._active):
-            queue = self._queues[route]
+        for route in list(self.active):
+            queue = self.queues[route]
             ready = queue.pop_ready(now)
             for index, (priority, nbytes, msg, enqueued) in enumerate(ready):
                 if not self._send_message(route, msg, nbytes):
                     for later_priority, later_bytes, later, later_enqueued in reversed(ready[index:]):
                         queue.push_front(later_priority, later_bytes, later, later_enqueued)
                     break
-                self.metrics.sent(route[1], priority, nbytes, now - enqueued, route[0])
+                self._metrics.sent(route[1], priority, nbytes, now - enqueued, route[0])
                 if self.tracer is not None:  # the timeline (worker/trace.py): off unless asked for
                     self.tracer(msg, enqueued, now)
             if not len(queue):
-                self._active.discard(route)
+                self.active.discard(route)
 
     def _send_message(self, route: Route, msg: Message, nbytes: int) -> bool:
         """Encode and send one queued message (`nbytes` of payload, counted when it was queued),
@@ -75,7 +117,7 @@ class SendPath(ReceivePath):
             descriptor = placed
         msg.shm = descriptor
         try:
-            sent = self._send_frames(route, encode(msg))
+            sent = self.send_frames(route, encode(msg))
         finally:
             msg.shm = None
         if not sent:
@@ -84,7 +126,7 @@ class SendPath(ReceivePath):
             self._shared.sent(route, nbytes, descriptor)
         return sent
 
-    def _send_frames(self, route: Route, frames: Frames) -> bool:
+    def send_frames(self, route: Route, frames: Frames) -> bool:
         """Hand frames to ZeroMQ without blocking; False when the socket is full (retry later)."""
         peer, channel = route
         dealers = self._dealers.get(peer)
@@ -94,7 +136,7 @@ class SendPath(ReceivePath):
         try:
             if dealers is not None:
                 dealers[channel].send_multipart(frames, zmq.NOBLOCK, copy=copy)
-            elif (ident := self._route_ident(peer)) is not None and self._routers:
+            elif (ident := self._ident(peer)) is not None and self._routers:
                 self._routers[channel].send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
             else:
                 log.error("no route to peer %r; message dropped", peer)

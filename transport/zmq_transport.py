@@ -5,9 +5,9 @@ peer, with their node name as identity. All sockets live on a single I/O thread 
 with a zmq Poller (blocking sockets, no asyncio: see ARCHITECTURE.md section 5). Callers hand it
 messages through a lock-free deque and an eventfd. Every received payload is acknowledged back to
 its sender (lazily: zmq_receive.py); the sender keeps at most `inflight_bytes` unacknowledged per
-channel, so the backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. What arrives is
-validated by the receiving half (transport/zmq_receive.py), sent by the sending half (zmq_send.py);
-CURVE, ZAP and size caps are zmq_guard.py's.
+channel, so the backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. ZmqTransport owns
+the sockets, the I/O thread and its loop, and two halves it runs there: a Receiver (zmq_receive.py)
+validates what arrives, a Sender (zmq_send.py) queues and sends; CURVE, ZAP and size caps are zmq_guard.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from errno import EADDRINUSE
@@ -34,34 +34,32 @@ from sluice.transport.base import Handler
 from sluice.transport.config import LOCAL_ENDPOINTS, TransportConfig
 from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
-from sluice.transport.sendqueue import ChannelQueue
 from sluice.transport.shm import SharedPayloads
 from sluice.transport.wakeup import Wakeup
 from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Message
 from sluice.transport.zmq_guard import Guard, make_socket
-from sluice.transport.zmq_receive import Arrived, Route, _keep_large_buffers_mapped, ack_threshold
-from sluice.transport.zmq_send import SendPath
+from sluice.transport.zmq_receive import Arrived, Receiver, RouterPeers, _keep_large_buffers_mapped
+from sluice.transport.zmq_send import Sender
 
 log = logging.getLogger("sluice.transport")
 
 _LINGER_MS = 2000
 
 
-class ZmqTransport(SendPath):
+class ZmqTransport:
+    """The sockets, the I/O thread that polls them and runs callers' commands, and the two halves it calls:
+    `_receiver` for what a socket brings in, `_sender` for what callers send."""
+
     def __init__(self, name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
                  control: bool = False, members: Iterable[str] = ()) -> None:
         if config.curve and keys is None:
             raise ValueError("transport.curve is on but no job keys were given; pass them, or set curve=False")
         self.name = name
         self.config = config
-        self._handler = handler
         self._keys = keys if config.curve else None
         #: a control-plane transport (the scheduler's) takes control-size headers on every socket
         self._control = control
         self._tos = config.channel_tos()
-        self._inflight = config.inflight_limit
-        self._ack_bytes = ack_threshold(config)
-        self._aging = config.aging_ms / 1e3
         _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=1)
         self._poller = zmq.Poller()
@@ -73,24 +71,23 @@ class ZmqTransport(SendPath):
         self.rejects = Rejections(log)
         self._routers: list[zmq.Socket[bytes]] = []
         self._dealers: dict[str, list[zmq.Socket[bytes]]] = {}
-        self._router_idents: dict[str, bytes] = {}  # members' (see _remember)
-        self._strangers: dict[str, bytes] = {}
-        self._members = frozenset(members) | (self._keys.names if self._keys is not None else frozenset())
-        self._heard_on: dict[str, int] = {}
         self._socket_channel: dict[zmq.Socket[bytes], tuple[str | None, int]] = {}
-        self._queues: dict[Route, ChannelQueue[Message]] = {}
-        self._active: set[Route] = set()
-        self._last_pump = time.monotonic()
-        self._outbox: deque[tuple[Route, Message, float]] = deque()
         #: peers on this host that read our shared memory (None: shared memory is off)
         self._local: set[str] | None = set() if config.shm else None
         # the live part of a ring is at most the in-flight bound, plus what a wrap-around leaves unused
         self._shared = SharedPayloads(config.inflight_limit + 2 * config.chunk_limit)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._unacked: defaultdict[Route, int] = defaultdict(int)
-        self._unacked_since: dict[Route, float] = {}
-        self._ack_due: float | None = None
         self.metrics = TransportMetrics(config.channels)
+        # the halves share the socket tables and shared memory above; each keeps its own state
+        job = frozenset(members) | (self._keys.names if self._keys is not None else frozenset())
+        peers = RouterPeers(job)
+        self._sender = Sender(config, self.metrics, dealers=self._dealers, routers=self._routers, ident=peers.ident,
+                              local=self._local, shared=self._shared)
+        self._receiver = Receiver(name, config, handler, curve=self._keys is not None, members=job, peers=peers,
+                                  dealers=self._dealers, local=self._local, shared=self._shared, metrics=self.metrics,
+                                  rejects=self.rejects, cut=self._guard.cut, send_frames=self._sender.send_frames,
+                                  credit=self._sender.credit)
+        self._enqueue = self._sender.outbox.append  # send()'s one step, bound once
         self._ipc_dir: str | None = None
         self._wake = Wakeup()
         self._poller.register(self._wake.fileno(), zmq.POLLIN)
@@ -115,7 +112,7 @@ class ZmqTransport(SendPath):
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
             raise ValueError(f"channel {channel} out of range 0..{self.config.channels - 1}")
-        self._outbox.append(((peer, channel), msg, time.monotonic()))
+        self._enqueue(((peer, channel), msg, time.monotonic()))
         if threading.get_ident() != self._thread.ident:  # the I/O thread drains its outbox anyway
             self._wake.ring()
 
@@ -123,6 +120,15 @@ class ZmqTransport(SendPath):
         if self._local is None:
             return np.zeros(count, dtype)
         return self._shared.registry.alloc(count, dtype)
+
+    @property
+    def tracer(self) -> Callable[[Message, float, float], None] | None:
+        """Called (message, queued at, sent at; monotonic seconds) as each message goes to its socket (I/O thread)."""
+        return self._sender.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Callable[[Message, float, float], None] | None) -> None:
+        self._sender.tracer = tracer
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         def snapshot() -> dict[str, Any]:
@@ -143,10 +149,8 @@ class ZmqTransport(SendPath):
             raise ValueError(f"in-flight bound must be positive, got {nbytes}")
 
         def apply() -> None:
-            self._inflight = nbytes
-            self._ack_bytes = 1  # the senders' bounds may now differ from ours: see ack_threshold
-            for queue in self._queues.values():
-                queue.bound = nbytes
+            self._sender.set_inflight(nbytes)
+            self._receiver.ack_bytes = 1  # the senders' bounds may now differ from ours: see ack_threshold
 
         self._call(apply)
 
@@ -162,7 +166,7 @@ class ZmqTransport(SendPath):
 
     def refuse(self, peer: str, text: str) -> None:
         """Count and log (rate-limited) a message the handler refused; call it on the I/O thread."""
-        self.rejects.refuse(peer, text, time.monotonic(), member=self._is_member(peer), delivered=True)
+        self.rejects.refuse(peer, text, time.monotonic(), member=self._receiver.is_member(peer), delivered=True)
 
     def _call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
         if threading.get_ident() == self._thread.ident:  # a handler calling back: run it in place
@@ -258,17 +262,14 @@ class ZmqTransport(SendPath):
             self._socket_channel.pop(sock, None)
             self._max_header.pop(sock, None)
             sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
-        for route in [r for r in self._queues if r[0] == peer]:
-            del self._queues[route]  # and with the queue, the credit its acknowledgements would have freed
-            self._active.discard(route)
-            self._unacked.pop(route, None)
-            self._unacked_since.pop(route, None)
+        self._receiver.forget(self._sender.forget(peer))  # the queues, the credit, the acknowledgements owed
         if self._local is not None:
             self._local.discard(peer)
         self._shared.forget(peer)
         self._connect(peer, endpoints, control=False)
 
     def _run(self) -> None:
+        receiver, sender = self._receiver, self._sender
         try:
             while not self._finished():
                 events = self._poller.poll(self._poll_ms())
@@ -284,13 +285,14 @@ class ZmqTransport(SendPath):
                             self.rejects.refuse("a stranger", "refused a connection whose CURVE handshake failed "
                                                 "(no job secret, or a key that is no member's)", time.monotonic())
                     else:
-                        self._receive(sock, arrived)
-                self._dispatch(arrived)
+                        peer, channel = self._socket_channel[sock]
+                        receiver.receive(sock, peer, channel, self._max_header[sock], arrived)
+                receiver.dispatch(arrived)
                 self._run_commands()
-                self._flush_acks(turn, everything=self._stop_at is not None)
-                self._drain_outbox()
-                self._pump()
-                self._announce()
+                receiver.flush_acks(turn, everything=self._stop_at is not None)
+                sender.drain_outbox()
+                sender.pump()
+                receiver.announce()
                 self.rejects.tick(time.monotonic())
         except Exception as exc:
             log.exception("transport %s: I/O thread failed", self.name)
@@ -318,15 +320,15 @@ class ZmqTransport(SendPath):
     def _poll_ms(self) -> int:
         """How long the next poll may wait: a delayed acknowledgement leaves on time even when nothing
         else happens (at least 1 ms: one still due after a full socket does not spin)."""
-        if self._ack_due is None:
-            return 5 if self._active else 100
-        return min(5 if self._active else 100, max(1, math.ceil((self._ack_due - time.monotonic()) * 1e3)))
+        ack_due, busy = self._receiver.ack_due, bool(self._sender.active)
+        if ack_due is None:
+            return 5 if busy else 100
+        return min(5 if busy else 100, max(1, math.ceil((ack_due - time.monotonic()) * 1e3)))
 
     def _finished(self) -> bool:
         if self._stop_at is None:
             return False
-        idle = not self._outbox and not any(len(self._queues[r]) for r in self._active)
-        return idle or time.monotonic() > self._stop_at
+        return self._sender.idle() or time.monotonic() > self._stop_at
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -338,7 +340,7 @@ class ZmqTransport(SendPath):
 
     def _shutdown(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # what is still unacknowledged leaves with the sockets' linger
-            self._flush_acks(time.monotonic(), everything=True)
+            self._receiver.flush_acks(time.monotonic(), everything=True)
         self._shared.close()
         self._guard.close()
         for sock in list(self._socket_channel):

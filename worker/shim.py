@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from sluice.worker.client import Client
 from sluice.worker.config import WorkerConfig
+from sluice.worker.node import WorkerNode
 
 
 def show_our_logs() -> None:
@@ -18,9 +18,9 @@ def show_our_logs() -> None:
         ours.setLevel(logging.INFO)
 
 
-def worker_settings(client: Client) -> WorkerConfig:
-    """The job's [worker] settings, as the client received them."""
-    section = dict(client.env.section("worker"))
+def worker_settings(node: WorkerNode) -> WorkerConfig:
+    """The job's [worker] settings, as the node received them."""
+    section = dict(node.env.section("worker"))
     if "priority_overrides" in section:  # a list in JSON, a tuple in the settings
         section["priority_overrides"] = tuple(section["priority_overrides"])
     return WorkerConfig(**section)

@@ -1,5 +1,7 @@
-"""Where a job's nodes sit: the planner's topology from the configured racks and the address book, and a
-host-level plan turned into node-level routes."""
+"""Where a job's nodes sit: the planner's topology, and a host-level plan turned into node-level routes.
+
+The topology comes from the configured racks and the address book.
+"""
 
 from __future__ import annotations
 

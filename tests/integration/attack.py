@@ -169,9 +169,9 @@ class Attacker(threading.Thread):
     """Sends every attack to every server endpoint once per `attack()` call, on its own thread, so each
     round overlaps the training step that asked for it; `finish()` waits for the rounds asked for."""
 
-    def __init__(self, client: Any, forge_opt: bool = False, seed: int = 0) -> None:
+    def __init__(self, node: Any, forge_opt: bool = False, seed: int = 0) -> None:
         super().__init__(name="attacker", daemon=True)
-        self.client, self.forge_opt, self.rng = client, forge_opt, random.Random(seed)
+        self.node, self.forge_opt, self.rng = node, forge_opt, random.Random(seed)
         self._asked = threading.Semaphore(0)
         self._finishing = threading.Event()
         self.sent: Counter[str] = Counter()
@@ -199,7 +199,7 @@ class Attacker(threading.Thread):
         """One DEALER per server endpoint and one to the scheduler: strangers with CURVE off; with it on,
         a compromised member (another server's key and name, or for the `big` attacks the scheduler's),
         plus strangers that must be refused at the door."""
-        env = self.client.env
+        env = self.node.env
         keys = env.job_keys()
         names = member_names(env.workers, env.servers)
         sockets = []
@@ -250,16 +250,16 @@ class Attacker(threading.Thread):
         segment = Segment(4096)
         files = HostileFiles(segment)
         try:
-            servers = sorted((p for p in self.client.control.peers if p.role == "server"), key=lambda p: p.rank)
+            servers = sorted((p for p in self.node.control.peers if p.role == "server"), key=lambda p: p.rank)
             assert servers, "the address book lists no server"
             sockets = self._sockets(ctx, servers)
             deadline = time.monotonic() + 30  # fused gradients are declared at the first backward pass
-            while not self.client._tensors and time.monotonic() < deadline:
+            while not self.node.ps._tensors and time.monotonic() < deadline:
                 time.sleep(0.01)
-            tensor = min(self.client._tensors.values(), key=lambda t: t.key)  # a real key, its first chunk
+            tensor = min(self.node.ps._tensors.values(), key=lambda t: t.key)  # a real key, its first chunk
             chunk, _offset, length, _server = tensor.chunks[0]
-            node_id = self.client.control.node_id
-            big = big_attacks(self.client.settings.largest_payload)
+            node_id = self.node.control.node_id
+            big = big_attacks(self.node.settings.largest_payload)
             while True:
                 self._asked.acquire()
                 if self._finishing.is_set() and self.rounds >= self.asked:  # every round asked for is done
@@ -283,7 +283,7 @@ class Attacker(threading.Thread):
                             self.stranger_blocked += 1
                 for name, msg in own_connection_attacks(tensor.key, chunk, length, node_id, self.forge_opt).items():
                     for server in servers:
-                        self.client.transport.send(server.name, tensor.channel, msg)
+                        self.node.transport.send(server.name, tensor.channel, msg)
                         self.sent[name] += 1
                 self.rounds += 1
         except BaseException as exc:  # reported to the test through the worker's result

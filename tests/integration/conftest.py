@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from sluice.transport.shm_peers import SEGMENT_NAME, SHM_DIR
+from testbed.launch import Launch
 from tests.integration.slurm_bed import slurm  # noqa: F401 - the one-node SLURM bed, one per session
-from tests.integration.test_launch import Launch
 
 #: how long the processes that clean up after a dead one (its launcher, the remote stub, a janitor) get
 SEGMENT_DEADLINE_S = 10.0

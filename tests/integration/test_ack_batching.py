@@ -18,7 +18,7 @@ from sluice.transport import zmq_receive
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message
 from sluice.transport.zmq_transport import ZmqTransport
-from tests.integration.test_transport import CLIENT, SERVER, Inbox, message, warm_up
+from tests.integration.transport_helpers import CLIENT, SERVER, Inbox, message, warm_up
 
 CHANNEL = 1
 LONG_DELAY_S = 60.0
@@ -41,7 +41,7 @@ def test_threshold_leaves_a_chunk_of_credit(inflight: int, chunk: int, expected:
 def inflight(sender: ZmqTransport, to: str, channel: int = CHANNEL) -> int:
     """Payload bytes `sender` sent to `to` on `channel` that are not acknowledged yet (asked on its I/O thread)."""
     def read() -> int:
-        queue = sender._queues.get((to, channel))
+        queue = sender._sender.queues.get((to, channel))
         return 0 if queue is None else queue.inflight
 
     return int(sender._call(read))

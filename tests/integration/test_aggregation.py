@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 from tests.integration.training import train_distributed, train_single
 
 STEPS, BATCH = 20, 32
@@ -43,8 +43,8 @@ class CountRoutedPushes:
     def finish(self) -> Any:
         from sluice.worker.torch.state import STATE
 
-        assert STATE.client is not None
-        return {"routed": STATE.client._router.routed, "epoch": STATE.client._router.epoch}
+        assert STATE.node is not None
+        return {"routed": STATE.node.ps._router.routed, "epoch": STATE.node.ps._router.epoch}
 
 
 def _aggregation(trees: list[str], replan_s: float = 0.0) -> dict[str, Any]:
@@ -81,9 +81,10 @@ def test_training_through_aggregation_trees_matches_single_process(
 
 
 def _push_pull_rounds(rounds: int, pause: float) -> list[float]:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("grad", (50_000,), "float32", None)])
     sums = []
     try:
@@ -93,7 +94,7 @@ def _push_pull_rounds(rounds: int, pause: float) -> list[float]:
             sums.append(float(out[0]))
             time.sleep(pause)
     finally:
-        client.close()
+        node.close()
     return sums
 
 
@@ -131,15 +132,16 @@ def test_sluice_launch_starts_aggregators_and_the_job_trains_through_them(tmp_pa
     script = tmp_path / "job.py"
     script.write_text(
         "import numpy as np\n"
-        "from worker.client import Client\n"
-        "c = Client()\n"
+        "from sluice.worker.node import WorkerNode\n"
+        "node = WorkerNode()\n"
+        "c = node.ps\n"
         "c.declare([('g', (1000,), 'float32', None)])\n"
         "for step in range(5):\n"
         "    out = np.zeros(1000, np.float32)\n"
         "    c.push_pull('g', np.ones(1000, np.float32), out).wait()\n"
         "    assert out[0] == 2.0, out[0]\n"
         "print('routed', c._router.routed, flush=True)\n"
-        "c.close()\n"
+        "node.close()\n"
     )
     trees = "1: worker-0>aggregator-0 worker-1>aggregator-0"
     done = subprocess.run(
@@ -154,9 +156,10 @@ def test_sluice_launch_starts_aggregators_and_the_job_trains_through_them(tmp_pa
 
 
 def _rounds_once_planned(rounds: int) -> dict[str, Any]:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("grad", (20_000,), "float32", None), ("planned", (1,), "int32", None)])
     deadline = time.monotonic() + 30
     sums: list[float] = []
@@ -172,7 +175,7 @@ def _rounds_once_planned(rounds: int) -> dict[str, Any]:
         client.push_pull("grad", np.full(20_000, client.rank + 1, np.float32), out).wait()
         sums.append(float(out[0]))
     routed, epoch = client._router.routed, client._router.epoch
-    client.close()
+    node.close()
     return {"sums": sums, "routed": routed, "epoch": epoch}
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.netbed import Netbed
-from bench.netbed.job import run_sluice_job
-from tests.bench_runs import requires_testbed
+from testbed.bench_runs import requires_testbed
+from testbed.job import run_sluice_job
+from testbed.netbed import Netbed
 
 pytestmark = requires_testbed
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import time
 import numpy as np
-from bench.netbed.job import emit_result
-from sluice.worker.client import Client
-client = Client()
+from testbed.job import emit_result
+from sluice.worker.node import WorkerNode
+node = WorkerNode()
+client = node.ps
 client.declare([("grad", (65536,), "float32", None), ("vote", (1,), "int32", None)])
 data, out, votes = np.ones(65536, np.float32), np.empty(65536, np.float32), np.zeros(1, np.int32)
 epochs, routed, deadline = [], [], time.monotonic() + 60
@@ -36,7 +37,7 @@ for _ in range(5):  # the new trees in force on every worker
     client.push_pull("grad", data, out).wait()
 emit_result({"epochs": epochs, "up_a_round_first": sum(first) / max(len(first), 1),
              "up_a_round_last": (client._router.routed - last) / 5})
-client.close()
+node.close()
 """
 #: another job: as much traffic as the auxiliary host's link carries, to the scheduler's host
 SENDER = """

@@ -1,4 +1,4 @@
-"""Jobs across testbed hosts (bench/netbed/job.py) and quick runs of the shaped-network benchmarks."""
+"""Jobs across testbed hosts (testbed/job.py) and quick runs of the shaped-network benchmarks."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from bench.netbed import Netbed
-from bench.netbed.job import JobError, run_gloo_job, run_sluice_job
-from bench.netbed.ssh import unavailable as ssh_unavailable
-from tests.bench_runs import requires_testbed, run_script
+from testbed.bench_runs import requires_testbed, run_script
+from testbed.job import JobError, run_gloo_job, run_sluice_job
+from testbed.netbed import Netbed
+from testbed.ssh import unavailable as ssh_unavailable
 
 pytestmark = requires_testbed
 
@@ -31,7 +31,7 @@ time.sleep(120)
 """
 GLOO_LIKE = """
 import os
-from bench.netbed.job import emit_result
+from testbed.job import emit_result
 emit_result({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
              "master": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"])})
 """

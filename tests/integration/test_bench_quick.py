@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_runs import run_script
+from testbed.bench_runs import run_script
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_launch import Launch, _alive, _children, _cmdline, _worker_rank
+from testbed.launch import Launch, _alive, _children, _cmdline, _worker_rank
 
 # A worker of a real Sluice job: push_pull until the job fails, or for as many steps as its rank is
 # given in argv ("1=3": worker 1 stops after 3 steps and leaves the job); "grandchild" starts a
@@ -20,13 +20,14 @@ from tests.integration.test_launch import Launch, _alive, _children, _cmdline, _
 STEPPER = """
 import os, subprocess, sys, time
 import numpy as np
-from sluice.worker.client import Client
+from sluice.worker.node import WorkerNode
 args = sys.argv[1:]
 if "grandchild" in args:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     print("grandchild", child.pid, flush=True)
 limits = dict(tuple(map(int, a.split("="))) for a in args if "=" in a)
-client = Client()
+node = WorkerNode()
+client = node.ps
 client.declare([("w", (50000,), "float32", None)])
 data, out = np.ones(50000, np.float32), np.zeros(50000, np.float32)
 step = 0
@@ -36,7 +37,7 @@ while step < limits.get(client.rank, 1 << 30):
     if step == 2:
         print("stepping", os.getpid(), flush=True)
     time.sleep(0.01)  # the machine may have two cores: leave some for the others
-client.close()
+node.close()
 """
 FAST_HEARTBEATS = ["--set", "scheduler.heartbeat_interval=0.5", "--set", "scheduler.heartbeat_timeout=3"]
 

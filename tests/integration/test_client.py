@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 
 def _sum_both_ways(n: int) -> list[float]:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("r", (n,), "float32", None), ("p", (n,), "float32", None)])
     registered = client.alloc((n,), "float32")
     plain = np.empty(n, np.float32)
@@ -25,7 +26,7 @@ def _sum_both_ways(n: int) -> list[float]:
             handle.wait()
         np.testing.assert_array_equal(out_r, out_p)
         sums.append(float(out_r[-1]))
-    client.close()
+    node.close()
     return sums
 
 
@@ -39,9 +40,10 @@ def test_registered_and_plain_arrays_sum_alike() -> None:
 
 
 def _push_then_pull(n: int) -> list[float]:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("g", (n,), "float32", None), ("b", (n,), "float64", None)])
     out = np.empty(n, np.float32)
     seen = []
@@ -54,7 +56,7 @@ def _push_then_pull(n: int) -> list[float]:
     shared = np.full(n, 7.0 if client.rank == 1 else -1.0)
     client.broadcast("b", shared, root=1).wait()
     seen.append(float(shared[-1]))
-    client.close()
+    node.close()
     return seen
 
 

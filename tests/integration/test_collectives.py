@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 from tests.integration.collective_jobs import horovod_api, mismatches, stall, train_uneven_then_join
 
 

@@ -1,4 +1,4 @@
-"""The coordinator tree over real transports: light processes (tests/integration/light_ranks.py), up to 64 ranks."""
+"""The coordinator tree over real transports: light processes (testbed/light_ranks.py), up to 64 ranks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.collective.negotiation import Decision, Request, Up
 from sluice.worker.collective.negotiation_codec import encode_up
 from sluice.worker.collective.tree import build_tree, dials
-from tests.integration.light_ranks import Plan, Report, latencies, run
+from testbed.light_ranks import Plan, Report, latencies, run
 
 
 def check_same_order(reports: list[Report], steps: int, ops: int) -> None:

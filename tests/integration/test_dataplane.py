@@ -14,7 +14,6 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from bench.allreduce import Ranks
 from sluice.errors import SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.config import TransportConfig
@@ -22,6 +21,7 @@ from sluice.transport.wire import Kind, Message
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.data import CollectiveHandle, DataPlane
 from sluice.worker.collective.reduce import bf16_to_f32, f32_to_bf16
+from testbed.ranks import Ranks
 
 CASES = [("float32", "sum"), ("float32", "average"), ("float16", "sum"), ("float16", "average"),
          ("bfloat16", "sum"), ("bfloat16", "average"), ("float64", "sum"), ("int32", "average"), ("int64", "sum")]

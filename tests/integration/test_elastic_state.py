@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sluice.worker.torch.elastic_host import ENV_DIR, ENV_GENERATION, REFORM, read_commit
 from sluice.worker.torch.elastic_sampler import ElasticSampler
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.common import Children
 from sluice.transport.base import open_transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Message
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import CollectiveEngine
+from testbed.children import Children
 
 RANKS, ARITY, STEPS, OPS = 64, 4, 4, 20
 _ctx = mp.get_context("fork")

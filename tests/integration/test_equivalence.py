@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 from tests.integration.training import record_pushes, train_distributed, train_scheduled, train_single
 
 STEPS, BATCH = 20, 32

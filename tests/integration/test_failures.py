@@ -10,16 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 HEARTBEAT_TIMEOUT = 3.0
 
 
 def _train_until_stopped(stop_rank: int, stop_after: int) -> dict[str, Any]:
     from sluice.errors import SluiceError
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("w", (1000,), "float32", None)])
     data, out = np.ones(1000, np.float32), np.zeros(1000, np.float32)
     started = time.monotonic()
@@ -51,9 +52,10 @@ def test_silent_worker_is_detected_and_named() -> None:
 
 def _declare(shape: tuple[int, ...]) -> str:
     from sluice.errors import SluiceError
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     try:
         client.declare([("a", (4,), "float32", None), ("b", shape if client.rank == 2 else (3, 3), "float32", None)])
     except SluiceError as exc:
@@ -71,9 +73,10 @@ def test_mismatched_declaration_names_worker_and_tensor() -> None:
 
 def _uneven_steps(steps_by_rank: dict[int, int]) -> dict[str, Any]:
     from sluice.errors import SluiceError
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("w", (5000,), "float32", None)])
     data, out = np.ones(5000, np.float32), np.zeros(5000, np.float32)
     done = 0
@@ -84,7 +87,7 @@ def _uneven_steps(steps_by_rank: dict[int, int]) -> dict[str, Any]:
     except SluiceError as exc:
         return {"steps": done, "error": str(exc), "at": time.monotonic()}
     finally:
-        client.close()
+        node.close()
     return {"steps": done, "error": None, "at": time.monotonic()}
 
 

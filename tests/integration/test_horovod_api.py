@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 from tests.integration.horovod_jobs import (
     FLOAT8,
     FLOAT_DTYPES,

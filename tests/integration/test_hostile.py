@@ -11,18 +11,15 @@ configures a stderr handler before the cluster starts and reads the process-leve
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
-import sys
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 from tests.integration.attack import train_under_attack
+from tests.integration.logging_helpers import warnings_to_stderr
 from tests.integration.training import train_single
 
 STEPS, BATCH = 20, 32
@@ -61,31 +58,6 @@ LOGGED_FROM_A_MEMBER = {
 }
 #: without CURVE, a stranger's announcement is refused for what it is: not from a member
 LOGGED_FROM_A_STRANGER = {"announced by a stranger": "announced: not a member of this job"}
-
-
-@contextlib.contextmanager
-def warnings_to_stderr() -> Iterator[None]:
-    """Warnings (and the servers' and scheduler's exit summaries) to this process's stderr, for forked
-    children to inherit.
-
-    A handler of our own rather than logging.basicConfig(force=True): that would close pytest's own
-    logging handlers for the rest of the session. Entered inside the test, where sys.stderr is capfd's.
-    """
-    root = logging.getLogger()
-    summaries = [logging.getLogger("sluice.server"), logging.getLogger("sluice.scheduler")]
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
-    saved = [root.level, *(log.level for log in summaries)]
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING)
-    for log in summaries:
-        log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        for log, level in zip([root, *summaries], saved, strict=True):
-            log.setLevel(level)
 
 
 @pytest.mark.timeout(90)
@@ -162,9 +134,10 @@ def _impersonate_the_scheduler() -> list[str]:
     import zmq
 
     from sluice.transport.wire import Kind, Message, encode
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("w", (8,), "float32", None)])
     out = np.zeros(8, np.float32)
     client.push_pull("w", np.ones(8, np.float32), out).wait()
@@ -179,7 +152,7 @@ def _impersonate_the_scheduler() -> list[str]:
     sock.close(linger=1000)
     ctx.term()
     client.push_pull("w", np.ones(8, np.float32), out).wait(10)
-    client.close()
+    node.close()
     return [str(v) for v in out[:2]]
 
 

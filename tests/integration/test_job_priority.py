@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = """
 import json
 import numpy as np
-from sluice.worker.client import Client
-c = Client()
+from sluice.worker.node import WorkerNode
+node = WorkerNode()
+c = node.ps
 c.declare([("g", (65536,), "float32", None)])  # 256 KiB a push
 levels = []
 for step in range(12):
@@ -24,10 +25,10 @@ for step in range(12):
     c.push_pull("g", np.full(65536, c.rank + 1, np.float32), out).wait()
     assert out[0] == 3.0 and out[-1] == 3.0, out[0]
     levels.append(c.job_level.level)
-stats = c.transport.stats()
+stats = node.stats()
 print("RESULT " + json.dumps({"levels": levels, "sent": stats["sent_bytes"], "received": stats["received_bytes"]}),
       flush=True)
-c.close()
+node.close()
 """
 
 
@@ -56,7 +57,7 @@ def test_a_jobs_pushes_move_down_the_channels_as_its_bytes_pass_the_thresholds(t
 
 def test_more_levels_than_channels_fails_at_start_saying_what_to_set(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
-    script.write_text("from worker.client import Client\nClient()\n")
+    script.write_text("from sluice.worker.node import WorkerNode\nWorkerNode()\n")
     done = subprocess.run(
         [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "1", "-s", "1", "--set", "transport.channels=2",
          "--set", "jobs.priorities=true", "--set", "jobs.thresholds_mib=1,2", "--", sys.executable, str(script)],
@@ -69,9 +70,10 @@ SEES_THE_OTHER = """
 import json, time
 import numpy as np
 from sluice.scheduler.jobs_registry import read_all, registry_dir
-from sluice.worker.client import Client
-c = Client()
-where = registry_dir(c.env.section("jobs").get("registry_dir", ""))  # the job's config names it
+from sluice.worker.node import WorkerNode
+node = WorkerNode()
+c = node.ps
+where = registry_dir(node.env.section("jobs").get("registry_dir", ""))  # the job's config names it
 c.declare([("g", (1024,), "float32", None)])
 deadline, seen = time.monotonic() + 30, []
 while time.monotonic() < deadline:  # push rounds until the registry shows both jobs with rounds done
@@ -85,7 +87,7 @@ linger = time.monotonic() + 4  # stay listed (registry entries follow heartbeats
 while time.monotonic() < linger:
     c.push_pull("g", np.ones(1024, np.float32), np.zeros(1024, np.float32)).wait()
     time.sleep(0.2)
-c.close()
+node.close()
 """
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 #: oversized frames are dropped unread: the server may grow by little more than allocator noise
 MAX_OVERSIZED_GROWTH_MIB = 16
@@ -35,9 +35,10 @@ def rss_mib(pid: int) -> float:
 
 
 def _flood_and_measure(server_pid: int) -> dict[str, Any]:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("w", (1024,), "float32", None)])
     out = np.zeros(1024, np.float32)
     client.push_pull("w", np.ones(1024, np.float32), out).wait(30)
@@ -68,7 +69,7 @@ def _flood_and_measure(server_pid: int) -> dict[str, Any]:
         client.push_pull("w", np.ones(1024, np.float32), out).wait(30)  # the server still serves
     finally:
         ctx.term()
-        client.close()
+        node.close()
     return {"growth": growth, "sent": sent, "sum": float(out[0])}
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from bench.netbed import PREFIX, Netbed, _namespaces
-from tests.bench_runs import requires_testbed
+from testbed.bench_runs import requires_testbed
+from testbed.netbed import PREFIX, Netbed, _namespaces
 
 pytestmark = requires_testbed
 

@@ -28,11 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import os, sys
 import numpy as np
-from sluice.worker.client import Client
+from sluice.worker.node import WorkerNode
 print("pid", os.getpid(), flush=True)
 print("torchrun", *(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")), flush=True)
 print("master", os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), flush=True)
-client = Client()
+node = WorkerNode()
+client = node.ps
 fd = int(os.environ["SLUICE_SECRET_FD"])
 try:
     what = os.readlink(f"/proc/self/fd/{fd}")
@@ -48,7 +49,7 @@ out = np.zeros(1000, np.float32)
 for _ in range(3):
     client.push_pull("w", np.full(1000, client.rank + 1, np.float32), out).wait(30)
 print("sum", out[0], flush=True)
-client.close()
+node.close()
 """
 
 

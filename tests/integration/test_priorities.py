@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,30 +39,30 @@ def _train(steps: int, give_model: bool) -> dict[str, Any]:
     from sluice.worker.torch.state import require
 
     hvd.init()
-    client = require()
+    node = require()
     model = Backwards()
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
         model=model if give_model else None,
     )
     pushed: list[tuple[str, int, int]] = []
-    send = client.transport.send
+    send = node.transport.send
 
     def spy(peer: str, channel: int, msg: Any) -> None:
         if msg.kind.name == "PUSH":  # unfused, each gradient is its own group, declared at the first backward
-            keys = {t.key: name for name, t in client._tensors.items()}
+            keys = {t.key: name for name, t in node.ps._tensors.items()}
             pushed.append((_param_of(opt, keys[msg.key]), msg.priority, channel))
         send(peer, channel, msg)
 
-    client.transport.send = spy  # type: ignore[method-assign]
+    node.transport.send = spy  # type: ignore[method-assign]
     x = torch.randn(8, 4)
     for _ in range(steps):
         opt.zero_grad()
         F.mse_loss(model(x), torch.zeros(8, 2)).backward()
         opt.step()
     return {
-        "priorities": {_param_of(opt, name): t.priority for name, t in client._tensors.items()},
-        "channels": {_param_of(opt, name): t.channel for name, t in client._tensors.items()},
+        "priorities": {_param_of(opt, name): t.priority for name, t in node.ps._tensors.items()},
+        "channels": {_param_of(opt, name): t.channel for name, t in node.ps._tensors.items()},
         "pushed": pushed,
         "metrics": hvd.metrics(),
     }

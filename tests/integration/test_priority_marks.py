@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.common import Children
-from bench.netbed import Direction, Netbed
-from bench.netbed.forked import announced, percentile, start_in
-from bench.netbed.qdisc import ClassCounters, parse_class_stats
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message
-from tests.bench_runs import requires_testbed, run_script
+from testbed.bench_runs import requires_testbed, run_script
+from testbed.children import Children
+from testbed.forked import announced, percentile, start_in
+from testbed.netbed import Direction, Netbed
+from testbed.qdisc import ClassCounters, parse_class_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 

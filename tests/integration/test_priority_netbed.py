@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.common import Children
-from bench.netbed import Netbed
-from bench.netbed.forked import announced, start_in
 from sluice.scheduler.bootstrap import NodeEnv, new_secret
-from tests.bench_runs import requires_testbed
+from testbed.bench_runs import requires_testbed
+from testbed.children import Children
+from testbed.forked import announced, start_in
+from testbed.netbed import Netbed
 
 pytestmark = requires_testbed
 
@@ -40,9 +40,10 @@ def _server(env: NodeEnv) -> None:
 
 
 def _worker(env: NodeEnv, priorities: dict[str, int]) -> dict[str, float]:
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client(env)
+    node = WorkerNode(env)
+    client = node.ps
     try:
         client.declare([("bulk", (BULK,), "float32", None), ("small", (SMALL,), "float32", None)])
         client.set_priorities(priorities)
@@ -58,7 +59,7 @@ def _worker(env: NodeEnv, priorities: dict[str, int]) -> dict[str, float]:
         bulk_done = time.monotonic() - started
         return {"small": small_done, "bulk": bulk_done}
     finally:
-        client.close()
+        node.close()
 
 
 def _run(transport: dict[str, Any], priorities: dict[str, int]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""`sluice launch -H` over real OpenSSH: hosts are testbed namespaces running sshd (bench/netbed/ssh.py).
+"""`sluice launch -H` over real OpenSSH: hosts are testbed namespaces running sshd (testbed/ssh.py).
 
 The launcher runs in its own testbed host and starts every server and worker on h1 and h2 through
 ssh. Checked: the job trains to the parameters of the same job on one machine; Horovod's local and
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from bench.netbed import NetbedUnavailable
-from bench.netbed.ssh import ROOT, SshBed, ssh_bed
+from testbed.netbed import NetbedUnavailable
+from testbed.ssh import ROOT, SshBed, ssh_bed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 #: what a role started over ssh looks like in `ps` on its host
@@ -240,7 +240,7 @@ def test_ssh_elastic_job_drops_a_worker_of_another_host(bed: SshBed) -> None:
 def test_ssh_pipeline_compresses_activations_only_between_hosts(bed: SshBed) -> None:
     """A 2-stage pipeline, each stage on its own host: `compress=auto` encodes what
     crosses between hosts (ReLU activations: about half zeros) and the job trains as one process."""
-    from tests.integration.test_pipeline import check_matches, reference
+    from tests.integration.pipeline_helpers import check_matches, reference
 
     h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
     done = bed.launch(["-H", f"{h1}:1,{h2}:1", "-s", "0", "--", sys.executable,

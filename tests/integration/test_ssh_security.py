@@ -1,4 +1,4 @@
-"""Security across hosts, over real OpenSSH (bench/netbed/ssh.py): strangers, sniffers and the files a job leaves.
+"""Security across hosts, over real OpenSSH (testbed/ssh.py): strangers, sniffers and the files a job leaves.
 
 A job runs on h1 and h2, launched over ssh from the `launcher` host. Checked: a stranger on another
 testbed host (no job secret) that registers as worker 0, pushes to the servers or only listens, with
@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -28,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from bench.netbed import NetbedUnavailable
-from bench.netbed.ssh import ROOT, SshBed, ssh_bed
 from sluice.scheduler.jobs_registry import registry_dir
+from testbed.netbed import NetbedUnavailable
+from testbed.ssh import ROOT, SshBed, ssh_bed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 #: the tensors cluster_train.py declares: plaintext that travels in every job (broadcasts, tables)
@@ -113,60 +112,8 @@ def _job_args(bed: SshBed, steps: int, *extra: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the stranger
-def probe(scheduler: str, servers: list[str], seconds: float) -> dict[str, Any]:
-    """Run in the stranger's host: register as worker 0, push to every server endpoint and only listen,
-    each with random CURVE keys and without CURVE; what all of it heard in `seconds`."""
-    import numpy as np
-    import zmq
-
-    from sluice.transport.wire import Kind, Message
-    from tests.integration.test_strangers import _heard, _register, _send, _stranger
-
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-
-    def dealer(endpoint: str, name: str, curve: bool) -> zmq.Socket[bytes]:
-        if curve:  # a guessed server key: the real ones derive from the job secret
-            return _stranger(ctx, endpoint, name, zmq.curve_keypair()[0])
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, name.encode())
-        sock.connect(endpoint)
-        return sock
-
-    push = Message(Kind.PUSH, sender=0, key=0, chunk=0, round=1, dtype="float32", shape=(16,),
-                   payload=np.full(16, 1e6, np.float32))
-    sockets, raw = [], []
-    try:
-        for curve in (True, False):
-            sockets.append(registering := dealer(scheduler, "worker-0", curve))
-            _send(registering, _register("worker", 0))
-            for endpoint in servers:
-                sockets.append(pushing := dealer(endpoint, "worker-0", curve))
-                _send(pushing, push)
-            sockets += [dealer(endpoint, "listener", curve) for endpoint in (scheduler, *servers)]
-        for endpoint in (scheduler, *servers):  # no ZeroMQ at all: connect and read
-            host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-            raw.append(socket.create_connection((host, int(port)), timeout=5))
-        heard = _heard(sockets, seconds)
-        raw_bytes = []
-        for conn in raw:
-            conn.settimeout(0.05)
-            got = b""
-            with contextlib.suppress(OSError):
-                while chunk := conn.recv(4096):
-                    got += chunk
-            raw_bytes.append(len(got))
-        return {"heard": heard, "sockets": len(sockets), "raw_bytes": raw_bytes}
-    finally:
-        for sock in sockets:
-            sock.close()
-        for conn in raw:
-            conn.close()
-        ctx.term()
-
-
 def _run_probe(bed: SshBed, scheduler: str, servers: list[str]) -> dict[str, Any]:
-    code = ("import json, sys; from tests.integration.test_ssh_security import probe; "
+    code = ("import json, sys; from tests.integration.stranger_helpers import probe; "
             "print('PROBE', json.dumps(probe(sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]))))")
     done = bed.run("stranger", [sys.executable, "-c", code, scheduler, json.dumps(servers), str(PROBE_SECONDS)],
                    timeout=60)

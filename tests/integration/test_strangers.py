@@ -9,7 +9,6 @@ connection proved with its key is bound to it.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from typing import Any
@@ -19,60 +18,22 @@ import pytest
 import zmq
 
 from sluice.transport.auth import JobKeys
-from sluice.transport.wire import Kind, Message, encode
-from tests.cluster import LocalCluster
-from tests.integration.test_hostile import warnings_to_stderr
+from sluice.transport.wire import Kind, Message
+from testbed.cluster import LocalCluster
+from tests.integration.logging_helpers import warnings_to_stderr
+from tests.integration.stranger_helpers import _heard, _register, _send, _stranger
 
 LISTEN_SECONDS = 1.5
-
-
-def _stranger(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, name: str, server_key: bytes,
-              member: tuple[JobKeys, str] | None = None) -> zmq.Socket[bytes]:
-    """A DEALER calling itself `name`: with random keys, or (`member`) with that member's real keys."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, name.encode())
-    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-    if member is None:
-        public, secret = zmq.curve_keypair()
-    else:
-        keys, who = member
-        public, secret = keys.public_key(who), keys.secret_key(who)
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.connect(endpoint)
-    return sock
-
-
-def _send(sock: zmq.Socket[bytes], msg: Message) -> None:
-    with contextlib.suppress(zmq.Again):  # a socket whose handshake never succeeds has nowhere to put it
-        sock.send_multipart(encode(msg), zmq.NOBLOCK)
-
-
-def _heard(sockets: list[zmq.Socket[bytes]], seconds: float) -> int:
-    """How many messages all of `sockets` received within `seconds`."""
-    poller = zmq.Poller()
-    for sock in sockets:
-        poller.register(sock, zmq.POLLIN)
-    got, deadline = 0, time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        for sock, _ in poller.poll(left * 1000):
-            sock.recv_multipart()
-            got += 1
-    return got
-
-
-def _register(role: str, rank: int) -> Message:
-    return Message(Kind.REGISTER, meta={"role": role, "rank": rank, "endpoints": [], "pid": 1, "fingerprint": "x"})
 
 
 def _train_then_watch_takeovers(steps: int, secret: bytes, names: list[str]) -> dict[str, Any]:
     """Both workers train; worker 1 then sends strangers at the servers while training goes on, and
     after worker 0 has left, tries to take over its name: with random keys, and as a member (worker 1's
     real key) claiming worker 0's name."""
-    from sluice.worker.client import Client
+    from sluice.worker.node import WorkerNode
 
-    client = Client()
+    node = WorkerNode()
+    client = node.ps
     client.declare([("w", (1024,), "float32", None)])
     data, out = np.full(1024, client.rank + 1, np.float32), np.zeros(1024, np.float32)
     keys = JobKeys(secret, names)
@@ -93,7 +54,7 @@ def _train_then_watch_takeovers(steps: int, secret: bytes, names: list[str]) -> 
                             strangers.append(sock)
             client.push_pull("w", data, out).wait(30)
         report["sum"] = float(out[0])
-        client.barrier("trained")
+        node.barrier("trained")
         if client.rank == 1:
             time.sleep(1.0)  # worker 0 has said goodbye: its name is free to be taken
             latest = steps
@@ -109,7 +70,7 @@ def _train_then_watch_takeovers(steps: int, secret: bytes, names: list[str]) -> 
         for sock in strangers:
             sock.close()
         ctx.term()
-        client.close()
+        node.close()
     return report
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 from tests.integration.tf_jobs import tape_training_only, tensorflow_api
 
 # the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import LocalCluster
+from testbed.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

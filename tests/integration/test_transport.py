@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -21,48 +20,10 @@ from sluice.transport.config import TransportConfig
 from sluice.transport.shm import SHM_MIN_BYTES, Segment
 from sluice.transport.wire import Flag, Kind, Message, encode
 from sluice.transport.zmq_transport import ZmqTransport
+from tests.integration.transport_helpers import CLIENT, SERVER, Inbox, message, warm_up
 
-SERVER, CLIENT = "server-t", "client-t"
 #: the tests' "job": raw ZeroMQ sockets hold no key of it, so tests that use them turn CURVE off
 KEYS = JobKeys(b"a test secret of 32 bytes, fixed", [SERVER, CLIENT])
-
-
-@dataclass
-class Received:
-    peer: str
-    channel: int
-    kind: Kind
-    key: int
-    priority: int
-    data: bytes | None
-    flags: int = 0
-
-
-class Inbox:
-    """Collects what a transport's handler is given; the payload is copied out of the zero-copy view."""
-
-    def __init__(self, delay: Callable[[str, int, Message], None] | None = None) -> None:
-        self.items: list[Received] = []
-        self._cond = threading.Condition()
-        self._delay = delay
-
-    def __call__(self, peer: str, channel: int, msg: Message) -> None:
-        if self._delay is not None:
-            self._delay(peer, channel, msg)
-        data = None if msg.payload is None else bytes(msg.payload)
-        with self._cond:
-            self.items.append(Received(peer, channel, msg.kind, msg.key, msg.priority, data, msg.flags))
-            self._cond.notify_all()
-
-    def wait_for(self, count: int, timeout: float = 15.0) -> list[Received]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self.items) >= count, timeout):
-                raise AssertionError(f"received {len(self.items)} of {count} messages within {timeout} s")
-            return list(self.items)
-
-    def snapshot(self) -> list[Received]:
-        with self._cond:
-            return list(self.items)
 
 
 @pytest.fixture
@@ -97,22 +58,6 @@ def raw_sockets() -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
     for sock in made:
         sock.close(linger=0)
     ctx.term()
-
-
-def message(key: int, channel_priority: int = 1, payload: np.ndarray | None = None) -> Message:
-    if payload is None:
-        return Message(Kind.PUSH, sender=1, key=key, priority=channel_priority)
-    return Message(
-        Kind.PUSH, sender=1, key=key, priority=channel_priority, dtype="uint8", shape=payload.shape, payload=payload
-    )
-
-
-def warm_up(sender: ZmqTransport, to: str, inbox: Inbox, channels: int, key: int = 1 << 30) -> None:
-    """One message per channel, waited for: the connections are up and the receiver knows the sender."""
-    before = len(inbox.snapshot())
-    for channel in range(channels):
-        sender.send(to, channel, message(key + channel))
-    inbox.wait_for(before + channels)
 
 
 # ------------------------------------------------------------------------------------------ (a) ordering
@@ -546,7 +491,7 @@ def test_a_flood_of_fresh_identities_cannot_push_out_a_members_route(
         for sock in sockets:
             sock.close(linger=0)
         sockets.clear()
-    assert len(server._strangers) <= 4096 and CLIENT in server._router_idents
+    assert len(server._receiver.peers.strangers) <= 4096 and CLIENT in server._receiver.peers.router_idents
     server.send(CLIENT, 0, message(8))
     assert [r.key for r in client_inbox.wait_for(1, timeout=10)] == [8]
 
@@ -562,7 +507,7 @@ def test_an_io_thread_that_dies_tells_its_listeners(transports: Callable[..., Zm
     def broken() -> None:
         raise RuntimeError("an injected fault")
 
-    transport._announce = broken  # type: ignore[method-assign]
+    transport._receiver.announce = broken  # type: ignore[method-assign]
     transport.send("nobody", 0, message(1))  # wakes the I/O thread, which runs its steps
     deadline = time.monotonic() + 10
     while not heard and time.monotonic() < deadline:

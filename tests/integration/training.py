@@ -127,12 +127,12 @@ def record_pushes(steps: int) -> list[tuple[str, bool]]:
     hvd.init()
     model = make_model()
     opt = hvd.DistributedOptimizer(make_optimizer(model, "sgd"), named_parameters=model.named_parameters())
-    client = require()
+    node = require()
     pushes: list[tuple[str, bool]] = []
     in_backward = False
-    engine = client.collectives
+    engine = node.collectives
     assert engine is not None
-    original_push, original_allreduce = client.push_pull, engine.allreduce
+    original_push, original_allreduce = node.ps.push_pull, engine.allreduce
 
     def recording(name: str, *args: Any, **kwargs: Any) -> Any:
         pushes.append((name, in_backward))
@@ -142,7 +142,7 @@ def record_pushes(steps: int) -> list[tuple[str, bool]]:
         pushes.append((name, in_backward))
         return original_allreduce(name, *args, **kwargs)
 
-    client.push_pull = recording  # type: ignore[method-assign]
+    node.ps.push_pull = recording  # type: ignore[method-assign]
     engine.allreduce = recording_allreduce  # type: ignore[method-assign]
     x, y = global_batches(steps, 8)
     for step in range(steps):

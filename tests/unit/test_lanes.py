@@ -19,7 +19,7 @@ from sluice.transport.wire import DATA_HEADER_BYTES, Flag, Kind, Message, WireEr
 from sluice.worker.pipeline.exchange import Neighbours, StageExchange
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD
 from sluice.worker.pipeline.layout import StagePlace
-from tests.unit.test_stage_messages import Recorder
+from tests.unit.stage_helpers import Recorder
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not lanes.AVAILABLE, reason="lanes need Linux")]
 

@@ -34,7 +34,7 @@ def test_the_wheel_holds_only_the_sluice_package(tmp_path: Path) -> None:
 
 def test_no_module_imports_a_folder_by_its_bare_name() -> None:
     offenders = []
-    for folder in (*FOLDERS, "bench", "tests", "examples", "sluice"):
+    for folder in (*FOLDERS, "bench", "testbed", "tests", "examples", "sluice"):
         for path in (ROOT / folder).rglob("*.py"):
             if any((ROOT / p).is_symlink() for p in path.relative_to(ROOT).parents if str(p) != "."):
                 continue

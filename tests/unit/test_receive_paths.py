@@ -19,8 +19,9 @@ from sluice.errors import SluiceError
 from sluice.ps.store import ShardStore
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.declaration import parse_limits, parse_tensor_table
 from sluice.scheduler.node import ControlClient
-from sluice.scheduler.rendezvous import Rendezvous, parse_limits, parse_tensor_table
+from sluice.scheduler.rendezvous import Rendezvous
 from sluice.transport.wire import CONTROL_HEADER_BYTES, DTYPES, VERSION, Flag, Kind, Message, WireError, decode, encode
 
 pytestmark = pytest.mark.timeout(60)

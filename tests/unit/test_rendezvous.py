@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.declaration import table_mismatch
 from sluice.scheduler.partition import TensorSpec
-from sluice.scheduler.rendezvous import Rendezvous, table_mismatch
+from sluice.scheduler.rendezvous import Rendezvous
 from sluice.transport.wire import Kind, Message, WireError
 
 CONFIG = SchedulerConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, rendezvous_timeout=30.0)

@@ -29,6 +29,7 @@ from sluice.worker.pipeline.frames import (
     read,
 )
 from sluice.worker.pipeline.layout import StagePlace
+from tests.unit.stage_helpers import Recorder
 
 NAMES = ["worker-0", "worker-1", "worker-2"]
 
@@ -180,20 +181,6 @@ def test_a_zvc_frame_of_another_dtype_fails_when_decoded() -> None:
 
 
 # ---------------------------------------------------------------------------- the exchange
-class Recorder:
-    """What a transport is asked to do, kept (the exchange's only I/O)."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, int, Message]] = []
-        self.refused: list[str] = []
-
-    def send(self, peer: str, channel: int, msg: Message) -> None:
-        self.sent.append((peer, channel, msg))
-
-    def refuse(self, peer: str, text: str) -> None:
-        self.refused.append(text)
-
-
 def exchange(rank: int, size: int = 3, stages: int = 3, **kw: Any) -> tuple[StageExchange, Recorder]:
     wire = Recorder()
     hosts = kw.pop("hosts", ["h0"] * size)

@@ -1,7 +1,7 @@
-"""Horovod's greedy fusion, kept as the baseline of bench/fusion.py: what one coordinator message decides
-is copied into fusion buffers of up to `collective.fusion_bytes`, one allreduce each.
+"""Horovod's greedy fusion (`collective.fusion = "greedy"`, bench/fusion.py's baseline): one message's ops fused.
 
-Each gradient is negotiated alone; the root's decisions of one message (the operations every rank
+What one coordinator message decides is copied into fusion buffers of up to `collective.fusion_bytes`,
+one allreduce each. Each gradient is negotiated alone; the root's decisions of one message (the operations every rank
 had ready when it decided, Horovod's cycle) are fused in decision order, a new buffer started when
 the dtype, the op or the size limit says so. Every rank sees the same messages with the same
 decisions, so every rank fuses alike. The sizes of the fused buffers are kept for the benchmark.

@@ -44,101 +44,28 @@ the child sends afterwards can be mistaken for what was consumed).
   is on its way up).
 - Errors go up to the root and down from it, so every rank's `failure` ends up set; nothing is decided
   after it. Everything received is checked against this state first (WireError, and nothing changes).
+
+The controller's state and how decisions consume it are worker/collective/negotiation_state.py's, the
+way up (children's reports, the slow path, readiness, the next Up) negotiation_up.py's; here are the
+inputs, the way down (applying the root's messages, the root's decisions) and stall alerts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from sluice.transport.wire import WireError
-from sluice.worker.collective.negotiation_census import Census, bit_list, mismatch_text
-from sluice.worker.collective.negotiation_codec import (
-    MAX_OTHERS,
-    MAX_TABLE,
-    META_BUDGET,
-    Answer,
-    Down,
-    Up,
-    check_down,
-    check_up,
-    pack_decisions,
-    up_size,
-)
-from sluice.worker.collective.negotiation_request import Request, check_request, describe, signature
-from sluice.worker.collective.tree import Tree
+from sluice.worker.collective.negotiation_census import Census, bit_list
+from sluice.worker.collective.negotiation_codec import MAX_OTHERS, Down, Up, check_down, check_up, pack_decisions
+from sluice.worker.collective.negotiation_request import Request, check_request, signature
+from sluice.worker.collective.negotiation_state import Decision
+from sluice.worker.collective.negotiation_up import UpPath
 
 __all__ = ["Controller", "Decision", "Down", "Request", "Up"]
 
-#: distinct names the table holds; an op beyond it fails the job (name collectives the same every step)
-DEFAULT_CAPACITY = 1 << 16
 
-
-@dataclass(frozen=True)
-class Decision:
-    index: int  # position in the operation order table; -1 for the join
-    request: Request
-    joined: frozenset[int]  # ranks that had called join when this was decided (they contribute zeros)
-    #: which of the root's decision messages decided it (the same count on every rank: greedy fusion
-    #: fuses what one message decided, as Horovod fuses what one cycle found ready)
-    batch: int = 0
-    #: the op failed on every rank (its ranks disagree: index -2, request = this rank's own); None: run it
-    error: str | None = None
-
-
-class Controller:
-    def __init__(self, rank: int, tree: Tree, stall_timeout: float, capacity: int = DEFAULT_CAPACITY) -> None:
-        if not 0 <= rank < tree.size:
-            raise ValueError(f"rank {rank} is not in a tree of {tree.size} ranks")
-        if not 0 < capacity <= MAX_TABLE:
-            raise ValueError(f"a table holds 1 to {MAX_TABLE} entries, not {capacity}")
-        self.rank, self.size, self.stall_timeout, self.capacity = rank, tree.size, stall_timeout, capacity
-        self.parent, self.children = tree.parent[rank], tree.children[rank]
-        self.failure: str | None = None
-        self.table: list[Request] = []
-        self._index: dict[str, int] = {}
-        self._below = {c: frozenset(tree.subtree(c)) for c in self.children}
-        self._height = Tree(tree.parent, tree.children, rank).height()  # of this subtree
-        # this rank's own pending requests; _own is in submit order, so its first keys are the oldest
-        self._own_bits = 0
-        self._own_new: dict[str, Request] = {}
-        self._own: dict[str, tuple[Request, float]] = {}  # every pending request of this rank, submit time
-        self._alerted: set[str] = set()
-        self._joined_self = False
-        # each child's reports (mirrored at the child), and the sequence numbers taken from it
-        self._child_bits = dict.fromkeys(self.children, 0)
-        self._child_new: dict[int, dict[str, tuple[Request, int]]] = {c: {} for c in self.children}
-        self._child_wild = dict.fromkeys(self.children, False)
-        self._child_conflict: dict[int, dict[str, str]] = {c: {} for c in self.children}
-        # names whose descriptions disagree here or below (with the text), those every rank below has
-        # submitted (to report up; at the root: to fail), and those reported up (mirrored at the parent)
-        self._conflicts: dict[str, str] = {}
-        self._complete_conflicts: dict[str, str] = {}
-        self._sent_conflicts: set[str] = set()
-        self._seq_in = dict.fromkeys(self.children, 0)
-        self._ack_due: dict[int, int] = {}
-        self._joined_below: dict[int, None] = {}  # ranks of this subtree that joined, this epoch, in order
-        self._dirty: dict[str, None] = {}  # slow-path names to look at
-        self._complete: dict[str, tuple[Request, int]] = {}  # complete below, not yet reported or decided
-        # what this node has reported up (mirrored at the parent), and what it has still to report
-        self._sent_bits, self._sent_new, self._sent_wild = 0, set[str](), False
-        self._seq_out = self._acked = self._epoch = 0
-        self._up_joined: list[int] = []
-        self._up_stalled: dict[str, None] = {}
-        self._stalled_sent: set[str] = set()
-        self._up_answer: Answer | None = None
-        self._up_error: str | None = None
-        # the way down
-        self._forward: list[Down] = []
-        self._decisions: list[Decision] = []
-        self._batches = 0  # decision messages applied (see Decision.batch)
-        self._joined_view: list[int] = []
-        self._census: Census | None = None
-        # the root's own
-        self._joined_unsent: list[int] = []
-        self._suspects: dict[str, None] = {}
-        self._queries = 0
-        self._census_at: float | None = None
-        self._error_sent = False
+class Controller(UpPath):
+    """One rank's controller: `submit` and `receive` in, `tick` out, `take_decisions` what was decided."""
 
     # ------------------------------------------------------------------ inputs
     def submit(self, request: Request, now: float) -> None:
@@ -225,32 +152,7 @@ class Controller:
             due.append(oldest + self.stall_timeout)
         return min(due, default=None)
 
-    # ------------------------------------------------------------------ applying
-    def _take_up(self, child: int, up: Up) -> None:
-        self._seq_in[child] = self._ack_due[child] = up.seq
-        if up.error is not None:
-            self._fail(up.error)
-        if up.epoch == self._epoch and self.failure is None:
-            fresh = up.ready & ~self._child_bits[child]
-            self._child_bits[child] |= up.ready
-            if fresh and self._new_names():
-                self._dirty.update((self.table[i].name, None) for i in bit_list(fresh))
-            for request, rep in up.new:
-                self._child_new[child][request.name] = (request, rep)
-                self._dirty[request.name] = None
-            for rank in up.joined:
-                self._note_joined(rank)
-            if up.wild:
-                self._child_wild[child] = True
-                self._dirty.update(dict.fromkeys(self._new_names()))
-            for name in up.stalled:
-                self._alert(name)
-            for name, text in up.conflicts:
-                self._child_conflict[child][name] = text
-                self._dirty[name] = None
-        if up.answer is not None and self._census is not None:
-            self._census.take(child, up.answer)
-
+    # ------------------------------------------------------------------ the way down
     def _apply_down(self, down: Down, now: float) -> None:
         if down.ack:
             self._acked = down.ack
@@ -279,205 +181,6 @@ class Controller:
             own = [request for request, _ in self._own.values()]
             self._census = Census.start(down.query, self.rank, self.children,
                                         now + self.stall_timeout * (1 + self._height), own)
-
-    def _consume(self, index: int, decided: Request) -> None:
-        mask, name = 1 << index, decided.name
-        own = self._own_new.pop(name, None) if not self._own_bits & mask else None
-        if self._own_bits & mask or own is not None:
-            self._own_bits &= ~mask
-            self._own.pop(name, None)
-            self._alerted.discard(name)
-        if own is not None and signature(own) != signature(decided):
-            self._fail(f"collective {name!r} mismatch: rank {self.rank} submitted {describe(own)}, "
-                       f"the other ranks {describe(decided)}")
-        for child in self.children:
-            self._child_bits[child] &= ~mask
-            self._child_new[child].pop(name, None)
-        self._sent_bits &= ~mask
-        self._sent_new.discard(name)
-        self._complete.pop(name, None)
-        self._dirty.pop(name, None)
-        self._suspects.pop(name, None)
-        self._stalled_sent.discard(name)
-
-    def _consume_failed(self, name: str, text: str, joined: frozenset[int]) -> None:
-        """A conflicted op is over: forget it everywhere here; this rank's own request ends with `text`."""
-        index = self._index.get(name)
-        mask = 0 if index is None else 1 << index
-        own = self._own.pop(name, None)
-        self._own_new.pop(name, None)
-        self._own_bits &= ~mask
-        self._alerted.discard(name)
-        for child in self.children:
-            self._child_bits[child] &= ~mask
-            self._child_new[child].pop(name, None)
-            self._child_conflict[child].pop(name, None)
-        self._sent_bits &= ~mask
-        self._sent_new.discard(name)
-        self._sent_conflicts.discard(name)
-        for pending in (self._complete, self._complete_conflicts, self._conflicts, self._dirty, self._suspects):
-            pending.pop(name, None)
-        self._stalled_sent.discard(name)
-        if own is not None:  # a rank that joined has none: it takes no part in a failed op
-            self._decisions.append(Decision(-2, own[0], joined, self._batches, text))
-
-    def _new_epoch(self) -> None:
-        """Everyone has joined: forget joins and everything reported, and report this rank's state afresh."""
-        self._epoch += 1
-        self._joined_self, self._sent_wild = False, False
-        self._joined_below.clear()
-        self._joined_view.clear()
-        self._joined_unsent.clear()
-        self._up_joined.clear()
-        for child in self.children:
-            self._child_bits[child], self._child_wild[child] = 0, False
-            self._child_new[child].clear()
-            self._child_conflict[child].clear()
-        self._conflicts.clear()
-        self._complete_conflicts.clear()
-        self._sent_conflicts.clear()
-        self._sent_bits = 0
-        self._sent_new.clear()
-        self._complete.clear()
-        self._dirty.update(dict.fromkeys(self._own_new))
-
-    def _note_joined(self, rank: int) -> None:
-        self._joined_below[rank] = None
-        (self._joined_unsent if self.parent is None else self._up_joined).append(rank)
-
-    def _alert(self, name: str) -> None:
-        if self.parent is None:
-            self._suspects[name] = None
-        elif name not in self._stalled_sent:
-            self._stalled_sent.add(name)
-            self._up_stalled[name] = None
-
-    def _fail(self, text: str, from_parent: bool = False) -> None:
-        if self.failure is None:
-            self.failure = text
-            if self.parent is not None and not from_parent:
-                self._up_error = text
-        if self.parent is None and not self._error_sent:
-            self._error_sent = True
-            self._forward.append(Down(error=self.failure))
-
-    # ------------------------------------------------------------------ the slow path and readiness
-    def _new_names(self) -> set[str]:
-        names = set(self._own_new) | set(self._conflicts)
-        for child in self.children:
-            names.update(self._child_new[child])
-            names.update(self._child_conflict[child])
-        return names
-
-    def _has_new(self, name: str) -> bool:
-        return name in self._own_new or name in self._conflicts or any(
-            name in self._child_new[c] or name in self._child_conflict[c] for c in self.children)
-
-    def _submitted_below(self, name: str, index: int | None) -> bool:
-        """Has every rank of this subtree submitted `name`, in any description (or joined)?"""
-        mask = 0 if index is None else 1 << index
-        return (name in self._own_new or self._joined_self or bool(self._own_bits & mask)) and all(
-            self._child_wild[c] or name in self._child_new[c] or name in self._child_conflict[c]
-            or bool(self._child_bits[c] & mask) for c in self.children)
-
-    def _wild(self) -> bool:
-        return self._joined_self and all(self._child_wild.values())
-
-    def _ready(self) -> int:
-        mask = (1 << len(self.table)) - 1 if self._joined_self else self._own_bits
-        for child, bits in self._child_bits.items():
-            if not self._child_wild[child]:
-                mask &= bits
-        # a rank that submitted an op before it joined still has its own description of it: not ready
-        # on the fast path while that (or a conflict) waits here, whatever a join says for the rest
-        # (with no join here or in a child's report, the AND above has left such entries out already)
-        joins = self._joined_self or any(self._child_wild.values())
-        for name in self._new_names() if mask and joins else ():
-            index = self._index.get(name)
-            if index is not None:
-                mask &= ~(1 << index)
-        return mask
-
-    def _scan_new(self) -> None:
-        """Find slow-path names complete below (and mismatches among what is pending here)."""
-        for name in self._dirty:
-            if name in self._complete or name in self._sent_new or name in self._complete_conflicts or (
-                    name in self._sent_conflicts):
-                continue
-            present: list[tuple[Request, int]] = []
-            own = self._own_new.get(name)
-            if own is not None:
-                present.append((own, self.rank))
-            present += [pending[name] for pending in self._child_new.values() if name in pending]
-            reported = [pending[name] for pending in self._child_conflict.values() if name in pending]
-            if not present and not reported:
-                continue
-            index = self._index.get(name)
-            holders = list(present)
-            if index is not None:
-                if self._own_bits >> index & 1:
-                    holders.append((self._own[name][0], self.rank))
-                for child, bits in self._child_bits.items():
-                    reps = self._below[child] - set(self._joined_below)
-                    if bits >> index & 1 and reps:
-                        holders.append((self.table[index], min(reps)))
-            firsts: dict[tuple[object, ...], tuple[int, Request]] = {}
-            for request, rep in sorted(holders, key=lambda h: h[1]):
-                firsts.setdefault(signature(request), (rep, request))
-            if len(firsts) > 1 and name not in self._conflicts:
-                a, b = sorted(firsts.values(), key=lambda f: f[0])[:2]
-                self._conflicts[name] = mismatch_text(name, a, b)
-            elif reported and name not in self._conflicts:
-                self._conflicts[name] = reported[0]
-            if name in self._conflicts:
-                if self._submitted_below(name, index):
-                    self._complete_conflicts[name] = self._conflicts[name]
-                continue
-            if (own is not None or self._joined_self) and all(
-                    self._child_wild[c] or name in self._child_new[c] for c in self.children):
-                self._complete[name] = min(present, key=lambda p: p[1])
-        self._dirty.clear()
-
-    def _compose_up(self) -> Up | None:
-        if self._seq_out != self._acked:
-            return None  # the previous message is not acknowledged yet
-        if self.failure is not None:
-            if self._up_error is None:
-                return None
-            self._seq_out += 1
-            up = Up(self._seq_out, self._epoch, error=self._up_error)
-            self._up_error = None
-            return up
-        wild = self._wild() and not self._sent_wild
-        ready = 0 if self._wild() else self._ready() & ~self._sent_bits
-        new: list[tuple[Request, int]] = []
-        budget = META_BUDGET
-        for name, item in self._complete.items():
-            if budget < up_size(item):  # even a joined subtree reports what it submitted before joining
-                break
-            budget -= up_size(item)
-            new.append(item)
-            self._sent_new.add(name)
-        for request, _ in new:
-            del self._complete[request.name]
-        conflicts = tuple(self._complete_conflicts.items())[:MAX_OTHERS]
-        for name, _ in conflicts:
-            del self._complete_conflicts[name]
-            self._sent_conflicts.add(name)
-        stalled = tuple(self._up_stalled)[:MAX_OTHERS * 4]
-        if not (wild or ready or new or conflicts or self._up_joined or stalled or self._up_answer
-                or self._up_error):
-            return None
-        self._seq_out += 1
-        self._sent_bits |= ready
-        self._sent_wild |= wild
-        up = Up(self._seq_out, self._epoch, ready, tuple(new), wild, tuple(self._up_joined), stalled,
-                self._up_answer, self._up_error, conflicts)
-        for name in stalled:
-            del self._up_stalled[name]
-        self._up_joined.clear()
-        self._up_answer = self._up_error = None
-        return up
 
     def _decide(self, now: float) -> None:
         """The root: decide what every rank is ready for, and send it down."""

@@ -34,7 +34,7 @@ __all__ = [
 
 
 def is_initialized() -> bool:
-    return STATE.client is not None
+    return STATE.node is not None
 
 
 def rank() -> int:

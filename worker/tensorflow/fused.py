@@ -22,9 +22,9 @@ import numpy as np
 
 from sluice.errors import SluiceError
 from sluice.transport.dtypes import STORAGE
-from sluice.worker.client import Client
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.config import WorkerConfig
+from sluice.worker.node import WorkerNode
 from sluice.worker.plan.fusion import FusionPlan, plan_fusion, unfused_plan
 from sluice.worker.plan.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 
@@ -42,7 +42,7 @@ class Spec:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(STORAGE[self.dtype]).itemsize
 
 
-def priorities(client: Client, settings: WorkerConfig, specs: Sequence[Spec]) -> list[Assigned]:
+def priorities(node: WorkerNode, settings: WorkerConfig, specs: Sequence[Spec]) -> list[Assigned]:
     """The priority of each gradient: its variable's place in the list (first layers first), all
     equal with worker.priority = none, worker.priority_overrides on top; rank 0 logs the map."""
     names = [s.name for s in specs]
@@ -56,7 +56,7 @@ def priorities(client: Client, settings: WorkerConfig, specs: Sequence[Spec]) ->
             assigned, how = priority_map(names, None, overrides), "the order of the variables"
     except ValueError as exc:
         raise SluiceError(f"worker.priority_overrides: {exc}") from None
-    if client.rank == 0:
+    if node.rank == 0:
         log.info("gradient priorities from %s (0 is the most urgent):", how)
         for line in describe(assigned, {s.name: s.nbytes for s in specs}):
             log.info("  %s", line)
@@ -65,15 +65,15 @@ def priorities(client: Client, settings: WorkerConfig, specs: Sequence[Spec]) ->
     return assigned
 
 
-def choose_routes(client: Client, specs: Sequence[Spec]) -> dict[str, str]:
+def choose_routes(node: WorkerNode, specs: Sequence[Spec]) -> dict[str, str]:
     """name -> "ps" or "allreduce", decided as the PyTorch shim decides (worker/torch/fusion.py)."""
-    servers = client.hosts("server")
+    servers = node.hosts("server")
     if not servers:  # the common case needs no torch import: everything goes by allreduce
         return {s.name: "allreduce" for s in specs}
     from sluice.worker.torch.fusion import choose_routes as torch_routes
 
     sized: list[tuple[str, Any]] = [(s.name, _Bytes(s.nbytes)) for s in specs]
-    return torch_routes(sized, client.collective_settings, client.hosts("worker"), servers)
+    return torch_routes(sized, node.collective_settings, node.hosts("worker"), servers)
 
 
 @dataclass(frozen=True)
@@ -92,26 +92,26 @@ class _Bytes:
 class _FusedSet:
     """The gradients of one route and dtype in one registered buffer, cut into the planned groups."""
 
-    def __init__(self, client: Client, label: str, route: str, dtype: str, members: list[int],
+    def __init__(self, node: WorkerNode, label: str, route: str, dtype: str, members: list[int],
                  specs: Sequence[Spec], priority: dict[str, int]) -> None:
-        self.client, self.route, self.dtype, self.members = client, route, dtype, members
+        self.node, self.route, self.dtype, self.members = node, route, dtype, members
         sizes = [specs[i].nbytes for i in members]
-        settings = client.collective_settings
+        settings = node.collective_settings
         greedy = route == "allreduce" and settings.fusion == "greedy"  # the engine fuses what a cycle decides
         fusion = settings.fusion_bytes
         self.plan: FusionPlan = plan_fusion(sizes, range(len(members)), fusion) if fusion and not greedy \
             else unfused_plan(sizes)
         self.item = np.dtype(STORAGE[dtype]).itemsize
-        self.buffer = client.alloc((self.plan.total_bytes // self.item,), dtype)
+        self.buffer = node.ps.alloc((self.plan.total_bytes // self.item,), dtype)
         self.slots = [(slot.offset // self.item, specs[members[slot.tensor]]) for slot in self.plan.slots]
         self.names = [f"{label}.{route}.{dtype}.{g.index}" for g in self.plan.groups]
         self.priorities = [min((priority[specs[members[t]].name] for t in g.tensors), default=0)
                            for g in self.plan.groups]
         if route == "ps":
-            client.declare([(name, ((g.end - g.start) // self.item,), dtype, None)
+            node.ps.declare([(name, ((g.end - g.start) // self.item,), dtype, None)
                             for name, g in zip(self.names, self.plan.groups, strict=True)])
-            client.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
-        elif client.collectives is None:
+            node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
+        elif node.collectives is None:
             raise SluiceError("allreduce is not available: the collective engine did not start")
 
     def load(self, arrays: Sequence[np.ndarray], prescale: float) -> None:
@@ -126,8 +126,8 @@ class _FusedSet:
         g = self.plan.groups[group]
         array = self.buffer[g.start // self.item: g.end // self.item]
         if self.route == "ps":
-            return self.client.push_pull(self.names[group], array, array)
-        engine = self.client.collectives
+            return self.node.ps.push_pull(self.names[group], array, array)
+        engine = self.node.collectives
         assert engine is not None
         return engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group])
 
@@ -140,18 +140,18 @@ class _FusedSet:
 class FusedReducer:
     """Sums (or averages) one fixed list of gradients over the workers, every step."""
 
-    def __init__(self, client: Client, settings: WorkerConfig, specs: Sequence[Spec], label: str) -> None:
+    def __init__(self, node: WorkerNode, settings: WorkerConfig, specs: Sequence[Spec], label: str) -> None:
         if len({s.name for s in specs}) != len(specs):
             raise SluiceError("gradient names must be unique")
-        self.client, self.specs = client, list(specs)
-        assigned = {a.name: a.priority for a in priorities(client, settings, specs)}
-        routes = choose_routes(client, specs)
+        self.node, self.specs = node, list(specs)
+        assigned = {a.name: a.priority for a in priorities(node, settings, specs)}
+        routes = choose_routes(node, specs)
         declared = {s.name: i for i, s in enumerate(specs)}
         backward = sorted(range(len(specs)), key=lambda i: (-assigned[specs[i].name], -declared[specs[i].name]))
         members: dict[tuple[str, str], list[int]] = {}
         for i in backward:
             members.setdefault((routes[specs[i].name], specs[i].dtype), []).append(i)
-        self.sets = [_FusedSet(client, label, route, dtype, indices, specs, assigned)
+        self.sets = [_FusedSet(node, label, route, dtype, indices, specs, assigned)
                      for (route, dtype), indices in sorted(members.items())]
         #: every group of every set, most urgent first (ties: backward order)
         self.order = sorted(((s.priorities[g], n, g) for n, s in enumerate(self.sets) for g in range(len(s.names))))
@@ -168,7 +168,7 @@ class FusedReducer:
         for handle in handles:
             handle.wait()
         out: list[np.ndarray | None] = [None] * len(arrays)
-        scale = postscale / self.client.size if average else postscale
+        scale = postscale / self.node.size if average else postscale
         for fused in self.sets:
             fused.unload(out, scale)
         return [a for a in out if a is not None]

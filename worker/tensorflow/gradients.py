@@ -40,18 +40,18 @@ def variable_names(sources: Sequence[Any]) -> list[str]:
     return names
 
 
-#: the fused reducer of each list of gradients, with the client it was made for; one step at a time each
+#: the fused reducer of each list of gradients, with the node it was made for; one step at a time each
 _REDUCERS: dict[tuple[Spec, ...], tuple[FusedReducer, threading.Lock]] = {}
 _REDUCERS_LOCK = threading.Lock()
 
 
 def reducer_for(specs: tuple[Spec, ...]) -> tuple[FusedReducer, threading.Lock]:
     """The reducer of this list of gradients, made (on every rank alike) the first time it is seen."""
-    client = require()
+    node = require()
     with _REDUCERS_LOCK:
         entry = _REDUCERS.get(specs)
-        if entry is None or entry[0].client is not client:  # new, or made before a shutdown() and init()
-            entry = _REDUCERS[specs] = (FusedReducer(client, STATE.settings, specs, f"tf.grads{next(NAMES)}"),
+        if entry is None or entry[0].node is not node:  # new, or made before a shutdown() and init()
+            entry = _REDUCERS[specs] = (FusedReducer(node, STATE.settings, specs, f"tf.grads{next(NAMES)}"),
                                         threading.Lock())
         return entry
 

@@ -1,4 +1,4 @@
-"""The TensorFlow and Keras shims' process-wide state: the client, the worker settings, where this worker runs."""
+"""The TensorFlow and Keras shims' process-wide state: the node, the worker settings, where this worker runs."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from sluice.errors import SluiceError
 from sluice.transport.metrics import summary_lines
-from sluice.worker.client import Client
 from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.config import WorkerConfig
+from sluice.worker.node import WorkerNode
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
 
@@ -21,7 +21,7 @@ log = logging.getLogger("sluice.worker")
 
 @dataclass
 class State:
-    client: Client | None = None
+    node: WorkerNode | None = None
     settings: WorkerConfig = field(default_factory=WorkerConfig)
     placement: Placement | None = None
 
@@ -31,43 +31,43 @@ STATE = State()
 NAMES = itertools.count()
 
 
-def require() -> Client:
-    if STATE.client is None:
+def require() -> WorkerNode:
+    if STATE.node is None:
         raise SluiceError("call init() first")
-    return STATE.client
+    return STATE.node
 
 
 def engine() -> CollectiveEngine:
-    client = require()
-    if client.collectives is None:
+    node = require()
+    if node.collectives is None:
         raise SluiceError("the collective engine is not running (init() did not finish)")
-    return client.collectives
+    return node.collectives
 
 
 def init() -> None:
     """Join the job this process was launched into (by `sluice launch`); a second call does nothing."""
-    if STATE.client is not None:
+    if STATE.node is not None:
         return
     show_our_logs()
-    client = Client()
-    settings = worker_settings(client)
+    node = WorkerNode()
+    settings = worker_settings(node)
     if settings.optimizer_on != "worker":
-        client.close()
+        node.close()
         raise SluiceError("the TensorFlow and Keras shims run the optimizer on the workers: "
                           "set worker.optimizer_on = 'worker' (the servers then only sum gradients)")
-    STATE.settings, STATE.client = settings, client
-    STATE.placement = placement(client.hosts("worker"), client.rank)
+    STATE.settings, STATE.node = settings, node
+    STATE.placement = placement(node.hosts("worker"), node.rank)
     atexit.register(shutdown)
 
 
 def shutdown() -> None:
     """Leave the job (at exit by itself); init() may join a new one afterwards."""
-    client = STATE.client
-    if client is not None:
-        if client.rank == 0:
-            log_metrics(client.transport.stats(), "at the end")
-        client.close()
-        STATE.client, STATE.placement = None, None
+    node = STATE.node
+    if node is not None:
+        if node.rank == 0:
+            log_metrics(node.stats(), "at the end")
+        node.close()
+        STATE.node, STATE.placement = None, None
 
 
 def log_metrics(snapshot: dict[str, Any], when: str) -> None:

@@ -1,1 +1,1 @@
-"""PyTorch shim: Horovod's API (api.py) over the Sluice client, its collectives, optimizer and state."""
+"""PyTorch shim: Horovod's API (api.py) over the Sluice node, its collectives, optimizer and state."""

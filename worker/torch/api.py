@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from sluice.errors import SluiceError
-from sluice.worker.client import Client
+from sluice.worker.node import WorkerNode
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
 from sluice.worker.torch import elastic, offload, pipelining
@@ -142,38 +142,38 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                           "and choose the workers with sluice launch -w N")
     if process_sets is not None:
         add_process_set(process_sets)  # raises, saying what to do instead
-    if STATE.client is not None:
+    if STATE.node is not None:
         return
     if PARKED:
-        STATE.client = PARKED.pop()
+        STATE.node = PARKED.pop()
         return
     show_our_logs()
-    client = Client()
-    STATE.settings = worker_settings(client)
-    STATE.client = client
+    node = WorkerNode()
+    STATE.settings = worker_settings(node)
+    STATE.node = node
     torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
     atexit.register(_close)
 
 
 def shutdown() -> None:
     """Finish this rank's updates in flight and leave: calls but init() raise until init() again."""
-    client = STATE.client
-    if client is None:
+    node = STATE.node
+    if node is None:
         return
     synchronize_parameters()
     stop_timeline()
-    STATE.client = None
-    PARKED.append(client)
+    STATE.node = None
+    PARKED.append(node)
 
 
 def _close() -> None:
     """At exit: close the connection for good (parked or not)."""
     shutdown()
     while PARKED:
-        client = PARKED.pop()
-        if client.rank == 0:
-            log_metrics(client.transport.stats(), "at the end", client.rank)
-        client.close()
+        node = PARKED.pop()
+        if node.rank == 0:
+            log_metrics(node.stats(), "at the end", node.rank)
+        node.close()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -182,22 +182,22 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     priority and channel. Each rank that calls it writes its own file (rank r > 0: `file_path` with
     `.rank<r>` before the extension); `sluice launch --timeline PATH` records every process, servers
     included, into one file. `mark_cycles` is accepted for Horovod's sake (Sluice has no cycles)."""
-    client = require()
+    node = require()
     path = Path(file_path)
-    if client.rank:
-        path = path.with_name(f"{path.stem}.rank{client.rank}{path.suffix}")
-    client.start_trace(str(path))
+    if node.rank:
+        path = path.with_name(f"{path.stem}.rank{node.rank}{path.suffix}")
+    node.start_trace(str(path))
 
 
 def stop_timeline() -> None:
     """Stop recording and close the file (it is valid JSON from then on)."""
-    client = STATE.client
-    if client is not None:
-        client.stop_trace()
+    node = STATE.node
+    if node is not None:
+        node.stop_trace()
 
 
 def is_initialized() -> bool:
-    return STATE.client is not None
+    return STATE.node is not None
 
 
 def metrics(reset: bool = False) -> dict[str, Any]:
@@ -208,8 +208,8 @@ def metrics(reset: bool = False) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- where this worker is
 def _placement() -> Placement:
-    client = require()
-    return placement(client.hosts("worker"), client.rank)
+    node = require()
+    return placement(node.hosts("worker"), node.rank)
 
 
 def rank() -> int:

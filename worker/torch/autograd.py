@@ -155,7 +155,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
     first ones one row longer, as Horovod splits). Built on allreduce: it moves the whole tensor, not a
     1/size share of it; differentiable."""
     reduced = allreduce(tensor, None, name, compression, op, prescale_factor, postscale_factor, process_set)
-    client = require()
-    rows, size = tensor.shape[0], client.size
+    node = require()
+    rows, size = tensor.shape[0], node.size
     starts = [r * (rows // size) + min(r, rows % size) for r in range(size + 1)]
-    return reduced[starts[client.rank]: starts[client.rank + 1]]
+    return reduced[starts[node.rank]: starts[node.rank + 1]]

@@ -67,10 +67,10 @@ _handles_lock = threading.Lock()
 
 
 def engine() -> CollectiveEngine:
-    client = require()
-    if client.collectives is None:
+    node = require()
+    if node.collectives is None:
         raise SluiceError("the collective engine is not running (init() did not finish)")
-    return client.collectives
+    return node.collectives
 
 
 def resolve_op(average: bool | None, op: str | None) -> str:

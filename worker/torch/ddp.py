@@ -39,7 +39,7 @@ _DEFAULT = DDPHookState()
 
 
 def _init() -> None:
-    if STATE.client is None:
+    if STATE.node is None:
         from sluice.worker.torch.api import init
 
         init()
@@ -49,7 +49,7 @@ def ddp_hook(state: DDPHookState | None, bucket: dist.GradBucket) -> torch.futur
     """DDP's communication hook: the bucket averaged over every worker through Sluice."""
     _init()
     hook_state = state if isinstance(state, DDPHookState) else _DEFAULT
-    client = require()
+    node = require()
     buffer: torch.Tensor = bucket.buffer()
     index = int(bucket.index())
     hook_state._seen = max(hook_state._seen, index + 1)
@@ -62,13 +62,13 @@ def ddp_hook(state: DDPHookState | None, bucket: dist.GradBucket) -> torch.futur
     if route is None:
         route = hook_state.route
         if route == "auto":
-            route = choose_routes([(name, buffer)], client.collective_settings, client.hosts("worker"),
-                                  client.hosts("server"))[name]
+            route = choose_routes([(name, buffer)], node.collective_settings, node.hosts("worker"),
+                                  node.hosts("server"))[name]
         hook_state._routes[name] = route
     stage = Staging(buffer)
     array = stage.load(buffer)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    size = client.size
+    size = node.size
 
     def settle(error: str | None) -> None:
         if error is not None:
@@ -81,14 +81,14 @@ def ddp_hook(state: DDPHookState | None, bucket: dist.GradBucket) -> torch.futur
 
     if route == "ps":
         if name not in hook_state._declared:
-            client.declare([(name, tuple(array.shape), wire_dtype(buffer), None)])
+            node.ps.declare([(name, tuple(array.shape), wire_dtype(buffer), None)])
             hook_state._declared.add(name)
         if hook_state._priorities.get(name) != priority:
-            client.set_priorities({name: priority})
+            node.ps.set_priorities({name: priority})
             hook_state._priorities[name] = priority
-        client.push_pull(name, array, array).add_done_callback(lambda h: settle(h.error))
+        node.ps.push_pull(name, array, array).add_done_callback(lambda h: settle(h.error))
     else:
-        engine = client.collectives
+        engine = node.collectives
         assert engine is not None
         engine.allreduce(name, [array], wire_dtype(buffer), "average", priority).add_done_callback(
             lambda h: settle(h.error))

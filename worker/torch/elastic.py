@@ -251,7 +251,7 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         env = elastic_env()
         if env is None:  # plain sluice launch: a failure ends the job; rank 0's state first, as in Horovod
-            if STATE.client is not None and not state._restored:
+            if STATE.node is not None and not state._restored:
                 state.sync()
                 state._restored = True
             return func(state, *args, **kwargs)

@@ -83,9 +83,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         """Partition what is left of the epoch over the current size and rank."""
         replicas, rank = self._fixed
         if replicas is None or rank is None:
-            client = require()
-            replicas = client.size if replicas is None else replicas
-            rank = client.rank if rank is None else rank
+            node = require()
+            replicas = node.size if replicas is None else replicas
+            rank = node.rank if rank is None else rank
         if not 0 <= rank < replicas:
             raise ValueError(f"ElasticSampler: rank {rank} is not below num_replicas {replicas}")
         self.num_replicas, self.rank = replicas, rank

@@ -1,7 +1,7 @@
 """Gradients as views of registered fusion buffers, sent in balanced groups through the servers or allreduce.
 
 For each route ("ps" or "allreduce") and dtype, the parameters' gradients are laid out in one flat
-buffer in backward order (worker/plan/fusion.py), allocated by the client in registered memory, and
+buffer in backward order (worker/plan/fusion.py), allocated by the node in registered memory, and
 every `param.grad` is made a view of it (DDP's gradient_as_bucket_view): autograd accumulates into
 the buffer, and a fused group leaves with no copy. Two buffers alternate between steps, so the next
 backward pass can fill one while the updates of the last step still read the other. A group is sent
@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from sluice.errors import SluiceError
-from sluice.worker.client import Client
 from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.node import WorkerNode
 from sluice.worker.plan.fusion import Group, OnlineFusion, grouped_plan, plan_fusion, unfused_plan
 from sluice.worker.staging import wire_dtype
-from sluice.worker.torch.state import require as require_client
+from sluice.worker.torch.state import require as require_node
 
 _TORCH_STORAGE = {torch.bfloat16: torch.int16}
 
@@ -114,10 +114,10 @@ class GroupWait:
 class FusedGradients:
     """One route and dtype: its parameters' gradients in a double registered buffer, sent in groups."""
 
-    def __init__(self, client: Client, route: str, params: Sequence[tuple[int, str, torch.Tensor]],
+    def __init__(self, node: WorkerNode, route: str, params: Sequence[tuple[int, str, torch.Tensor]],
                  priorities: dict[int, int], fusion_bytes: int, reduction: Reduction = Reduction(),
                  groups: Sequence[Sequence[int]] | None = None) -> None:
-        self.client, self.route, self.reduction = client, route, reduction
+        self.node, self.route, self.reduction = node, route, reduction
         torch_dtype = params[0][2].dtype
         wire = reduction.wire if reduction.wire is not None and torch_dtype.is_floating_point else torch_dtype
         self.dtype = wire_dtype(torch.empty(0, dtype=wire))
@@ -126,7 +126,7 @@ class FusedGradients:
         item = params[0][2].element_size()
         order = list(range(len(params)))  # the caller gives them in backward order already
         # greedy fusion (allreduce only) negotiates each gradient alone and fuses what a cycle decides
-        greedy = route == "allreduce" and client.collective_settings.fusion == "greedy"
+        greedy = route == "allreduce" and node.collective_settings.fusion == "greedy"
         if groups is not None:
             self.plan = grouped_plan(sizes, groups)
         elif fusion_bytes and not greedy:
@@ -137,7 +137,7 @@ class FusedGradients:
         self._index = {key: i for i, key in enumerate(self.keys)}
         offsets = {slot.tensor: slot.offset for slot in self.plan.slots}
         count = self.plan.total_bytes // item
-        self._arrays = [client.alloc((count,), self.dtype) for _ in range(2)]
+        self._arrays = [node.ps.alloc((count,), self.dtype) for _ in range(2)]
         hosts = [torch.from_numpy(a) for a in self._arrays]
         if wire in _TORCH_STORAGE:
             hosts = [f.view(wire) for f in hosts]
@@ -164,10 +164,10 @@ class FusedGradients:
                            for g in self.plan.groups]
         self.step = self._new_step()
         if route == "ps":
-            client.declare([(name, ((g.end - g.start) // item,), self.dtype, None)
+            node.ps.declare([(name, ((g.end - g.start) // item,), self.dtype, None)
                             for name, g in zip(self.names, self.plan.groups, strict=True)])
-            client.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
-        elif client.collectives is None:
+            node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
+        elif node.collectives is None:
             raise SluiceError("allreduce is not available: the collective engine did not start")
 
     def view(self, key: int) -> torch.Tensor:
@@ -207,7 +207,7 @@ class FusedGradients:
         with torch.no_grad():
             if self._on_device:
                 part.copy_(self._hosts[step.buffer][span])
-            post = self.reduction.postscale(self.client.size)
+            post = self.reduction.postscale(self.node.size)
             if post != 1.0:
                 part.mul_(post)
         group.averaged = True
@@ -236,13 +236,13 @@ class FusedGradients:
                 self._hosts[self.active][span].copy_(self._flats[self.active][span])
         array: np.ndarray = self._arrays[self.active][span]
         if self.route == "ps":
-            handle: Any = self.client.push_pull(self.names[index], array, array)
+            handle: Any = self.node.ps.push_pull(self.names[index], array, array)
         else:
-            engine = self.client.collectives
+            engine = self.node.collectives
             assert engine is not None
             handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index])
-            if self.client.trace is not None:
-                self.client.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes,
+            if self.node.trace is not None:
+                self.node.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes,
                                              handle, self.members[index])
         self.step.groups[index].handle = handle
 
@@ -255,7 +255,7 @@ def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes:
     priority map; ties: the reverse of declaration order). The same on every rank, every step.
     `groups` (Horovod's): an int splits each set into that many balanced groups; lists of parameter
     ids are fused messages of their own (within each set), every other gradient goes alone."""
-    client = require_client()
+    node = require_node()
     priority = {a.name: a.priority for a in assigned}
     declared = {key: i for i, key in enumerate(params)}
     trained = [key for key, p in params.items() if p.requires_grad]
@@ -265,7 +265,7 @@ def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes:
         p = params[key]
         sets.setdefault((routes[names[key]], p.dtype, str(p.device)), []).append((key, names[key], p))
     by_key: dict[int, FusedGradients] = {}
-    fusion_bytes = client.collective_settings.fusion_bytes
+    fusion_bytes = node.collective_settings.fusion_bytes
     for (route, _, _), members in sorted(sets.items(), key=lambda item: (item[0][0], str(item[0][1]), item[0][2])):
         explicit = None
         if isinstance(groups, int):
@@ -273,7 +273,7 @@ def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes:
             fusion_bytes = max(-(-total // groups), 64)
         elif groups is not None:
             members, explicit = _user_groups(members, groups)
-        fused = FusedGradients(client, route, members, {k: priority.get(names[k], 0) for k, _, _ in members},
+        fused = FusedGradients(node, route, members, {k: priority.get(names[k], 0) for k, _, _ in members},
                                fusion_bytes, reduction, explicit)
         for key, _, _ in members:
             by_key[key] = fused

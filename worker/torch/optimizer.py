@@ -57,9 +57,9 @@ class _DistributedMixin:
         self._sluice_handles: dict[int, tuple[Waitable, Callable[[], Any]]] = {}
         self._sluice_stages: dict[int, Staging] = {}
         in_order = [(self._sluice_names[id(p)], p) for p in params]
-        client = require()
+        node = require()
         if self._sluice_on_server:
-            if not client.servers:
+            if not node.ps.servers:
                 raise SluiceError("worker.optimizer_on = 'server' needs parameter servers; this job has none (-s 0)")
             options = {self._sluice_names[id(p)]: server_options(kind, group)
                        for group in self.param_groups for p in group["params"]}
@@ -71,8 +71,8 @@ class _DistributedMixin:
         self._sluice_fused: dict[int, FusedGradients] | None = None
         self._sluice_flushed = False
         self._sluice_routes = choose_routes([(n, p) for n, p in in_order if p.requires_grad],
-                                            client.collective_settings, client.hosts("worker"), client.hosts("server"))
-        self._sluice_priorities = ParameterPriorities(client, STATE.settings, in_order, model)
+                                            node.collective_settings, node.hosts("worker"), node.hosts("server"))
+        self._sluice_priorities = ParameterPriorities(node, STATE.settings, in_order, model)
         if self._sluice_on_server:
             seed_servers(in_order)
         self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
@@ -109,12 +109,12 @@ class _DistributedMixin:
             return
         grad = param.grad
         assert grad is not None
-        client, name = require(), self._sluice_names[key]
+        node, name = require(), self._sluice_names[key]
         grad_stage = self._sluice_staging(key, grad)
         data = grad_stage.load(grad)
         options = server_options(self._sluice_kind, self._sluice_group[key])
         param_stage = Staging(param) if grad_stage.direct else grad_stage
-        handle = client.push_pull(name, data, param_stage.array(), opt=options)
+        handle = node.ps.push_pull(name, data, param_stage.array(), opt=options)
         self._sluice_handles[key] = (handle, lambda: param_stage.store(param))
 
     def _sluice_sparse(self, key: int, param: torch.Tensor) -> None:

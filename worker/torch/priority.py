@@ -1,4 +1,4 @@
-"""Keeps one DistributedOptimizer's parameter -> priority map in force on the client.
+"""Keeps one DistributedOptimizer's parameter -> priority map in force on the node.
 
 `worker.priority` picks the source: "forward" derives the map from the torch.fx graph when the model
 is given and traceable, else from the first forward pass, recorded as it runs (the first gradient
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from sluice.errors import SluiceError
-from sluice.worker.client import Client
 from sluice.worker.config import WorkerConfig
+from sluice.worker.node import WorkerNode
 from sluice.worker.plan.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 from sluice.worker.priority_probe import ForwardRecorder, first_use_from_model, names_by_id
 
@@ -27,12 +27,12 @@ log = logging.getLogger("sluice.worker")
 class ParameterPriorities:
     def __init__(
         self,
-        client: Client,
+        node: WorkerNode,
         settings: WorkerConfig,
         named: list[tuple[str, torch.Tensor]],
         model: torch.nn.Module | None = None,
     ) -> None:
-        self._client, self._settings = client, settings
+        self._node, self._settings = node, settings
         self._names = [name for name, _ in named]
         self._named = named
         self._by_id: dict[int, int] = {}
@@ -95,8 +95,8 @@ class ParameterPriorities:
         by_name = {a.name: a.priority for a in assigned}
         self._by_id = {id(p): by_name.get(name, 0) for name, p in self._named}
         # tensors the servers know by name (optimizer on the servers); fused gradients take theirs per group
-        self._client.set_priorities({a.name: a.priority for a in assigned if self._client.declared(a.name)})
-        if self._client.rank != 0:
+        self._node.ps.set_priorities({a.name: a.priority for a in assigned if self._node.ps.declared(a.name)})
+        if self._node.rank != 0:
             return
         log.info("parameter priorities from %s (0 is the most urgent):", how)
         for line in describe(assigned, self._sizes):

@@ -37,11 +37,11 @@ def as_float(options: Mapping[str, Any]) -> dict[str, Any]:
 def seed_servers(named: list[tuple[str, torch.Tensor]]) -> None:
     """Give every worker rank 0's parameters through the servers, which keep them as the values their
     optimizer updates."""
-    client = require()
+    node = require()
     started = []
     for name, tensor in named:
         staging = Staging(tensor)
-        started.append((client.broadcast(name, staging.load(tensor), 0), staging, tensor))
+        started.append((node.ps.broadcast(name, staging.load(tensor), 0), staging, tensor))
     for handle, staging, tensor in started:
         handle.wait()
         staging.store(tensor)

@@ -1,4 +1,4 @@
-"""The PyTorch shim's process-wide state: the client, the worker settings, updates still in flight."""
+"""The PyTorch shim's process-wide state: the node, the worker settings, updates still in flight."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from sluice.errors import SluiceError
 from sluice.transport.metrics import summary_lines
-from sluice.worker.client import Client
 from sluice.worker.config import WorkerConfig
+from sluice.worker.node import WorkerNode
 from sluice.worker.staging import wire_dtype
 
 log = logging.getLogger("sluice.worker")
@@ -21,13 +21,13 @@ log = logging.getLogger("sluice.worker")
 
 @dataclass
 class State:
-    client: Client | None = None
+    node: WorkerNode | None = None
     settings: WorkerConfig = field(default_factory=WorkerConfig)
 
 
 STATE = State()
-#: the client after shutdown(): init() takes it back (its connection lasts until the process exits)
-PARKED: list[Client] = []
+#: the node after shutdown(): init() takes it back (its connection lasts until the process exits)
+PARKED: list[WorkerNode] = []
 #: names for unnamed collectives, the same sequence on every worker
 NAMES = itertools.count()
 class Waitable(Protocol):
@@ -38,20 +38,20 @@ class Waitable(Protocol):
 PENDING: dict[int, tuple[Waitable, Callable[[], Any]]] = {}
 
 
-def require() -> Client:
-    if STATE.client is None:
+def require() -> WorkerNode:
+    if STATE.node is None:
         raise SluiceError("call init() first")
-    return STATE.client
+    return STATE.node
 
 
 def declare_missing(named: Iterable[tuple[str, torch.Tensor]], options: Mapping[str, Any] | None = None) -> None:
-    client = require()
+    node = require()
     table = [
         (name, tuple(t.shape), wire_dtype(t), (options or {}).get(name))
         for name, t in named
-        if not client.declared(name)
+        if not node.ps.declared(name)
     ]
-    client.declare(table)
+    node.ps.declare(table)
 
 
 def log_metrics(snapshot: Mapping[str, Any], when: str, rank: int | None = None) -> None:

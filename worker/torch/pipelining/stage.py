@@ -68,24 +68,24 @@ class PipelineStage:
                  device: torch.device | str | None = None, *, compress: str = "auto", offload: bool = False,
                  offload_min_bytes: int = 1 << 16, offload_lean: bool = True, offload_compress: bool | None = None,
                  timeout: float | None = None, direct: bool = True) -> None:
-        client = require()
-        self.place = StagePlace(client.rank, client.size, num_stages)
+        node = require()
+        self.place = StagePlace(node.rank, node.size, num_stages)
         if stage_index is not None and stage_index != self.place.stage:
-            raise SluiceError(f"worker {client.rank} runs stage {self.place.stage} of {num_stages} (stage = rank % "
+            raise SluiceError(f"worker {node.rank} runs stage {self.place.stage} of {num_stages} (stage = rank % "
                               f"stages), not stage {stage_index}: pass stage_index=None, or hvd.rank() % {num_stages}")
         self.submod = submodule
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in submodule.parameters()), torch.device("cpu"))
         self.offload, self.offload_min_bytes, self.offload_lean = offload, offload_min_bytes, offload_lean
         self.offload_compress = offload_compress
-        workers = Neighbours(client.names("worker"), client.hosts("worker"))
+        workers = Neighbours(node.names("worker"), node.hosts("worker"))
         self.exchange = StageExchange(
-            client.transport, self.place, workers, timeout or client.control_settings.op_timeout,
-            lambda priority: client.settings.channel_for(priority, REPLICA_PRIORITY + 1),
-            compress=compress, chunk_bytes=client.settings.chunk_limit, collective=client.collective_settings,
+            node.transport, self.place, workers, timeout or node.control_settings.op_timeout,
+            lambda priority: node.settings.channel_for(priority, REPLICA_PRIORITY + 1),
+            compress=compress, chunk_bytes=node.settings.chunk_limit, collective=node.collective_settings,
             direct=direct)
-        client.attach_pipeline(self.exchange.on_message, self.exchange.fail)
-        client.on_close(self.close)
+        node.attach_pipeline(self.exchange.on_message, self.exchange.fail)
+        node.on_close(self.close)
         self._next_step = 0
         self._closed = False
         #: a step began and has not ended (it raised, or is still running)
@@ -189,7 +189,7 @@ class PipelineStage:
         """Leave only once the stage before has everything this one sent it: a process that exits right
         after queueing its last gradients would lose them on a slow link. Every stage runs one more,
         empty step: it sends an empty activation on, then waits for the one from the stage before, which
-        that stage sends only when it has finished (consumed every gradient from here). The client calls
+        that stage sends only when it has finished (consumed every gradient from here). The node calls
         it as it closes; a missing neighbour is logged after the deadline, not raised, at exit. After a step
         that failed here, it does not wait: the job is ending, and the stage before may wait on this one."""
         if self._closed:

@@ -1,4 +1,4 @@
-"""Test harness: a real local cluster of forked scheduler, server and worker processes on 127.0.0.1."""
+"""A real local cluster for tests and benchmarks: forked scheduler, server and worker processes on 127.0.0.1."""
 
 from __future__ import annotations
 

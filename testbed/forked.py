@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.common import Children
-from bench.netbed import Netbed
+from testbed.children import Children
+from testbed.netbed import Netbed
 
 
 def _in_host(bed: Netbed, host: str, target: Callable[..., Any], *args: Any) -> Any:

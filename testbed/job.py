@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.netbed import Netbed
 from sluice.launch.config import SluiceConfig
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from sluice.transport.shm import remove_segments_of
+from testbed.netbed import Netbed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_PREFIX = "NETBED_RESULT "
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 15

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import Children
 from sluice.transport.base import open_transport
 from sluice.transport.config import TransportConfig
 from sluice.worker.collective.config import CollectiveConfig
@@ -28,6 +27,7 @@ from sluice.worker.collective.coordinator import Coordinator
 from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.collective.negotiation import Decision, Request
 from sluice.worker.collective.tree import build_tree, dials
+from testbed.children import Children
 
 _ctx = mp.get_context("fork")
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bench.netbed.qdisc import ClassCounters, change_rate, check_tos_classes, leaf_ids, parse_class_stats, shape
-from bench.netbed.racks import CORE, Rack, UplinkDirection, build_rack
+from testbed.qdisc import ClassCounters, change_rate, check_tos_classes, leaf_ids, parse_class_stats, shape
+from testbed.racks import CORE, Rack, UplinkDirection, build_rack
 
 __all__ = ["PREFIX", "ClassCounters", "Direction", "Host", "Netbed", "NetbedUnavailable", "Rack", "UplinkDirection",
            "check_available", "remove_stale", "shape"]

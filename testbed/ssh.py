@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.netbed import PREFIX, Netbed, NetbedUnavailable, check_available
+from testbed.netbed import PREFIX, Netbed, NetbedUnavailable, check_available
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SSHD = "/usr/sbin/sshd"
 _NOT_HERE = "install them with `apt-get install openssh-server openssh-client` or `make test-system-deps` as root"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netbed import NetbedUnavailable, check_available
+from testbed.netbed import NetbedUnavailable, check_available
 
 ROOT = Path(__file__).resolve().parents[1]
 

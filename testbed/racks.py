@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from bench.netbed.qdisc import shape
+from testbed.qdisc import shape
 
 #: "up": rack -> core (the uplink's rack-side end's egress); "down": core -> rack (its core-side end's egress)
 UplinkDirection = Literal["up", "down"]
