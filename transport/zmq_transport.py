@@ -2,7 +2,7 @@
 
 Listening nodes bind one ROUTER per channel; connecting nodes open one DEALER per channel to each
 peer, with their node name as identity. All sockets live on a single I/O thread that polls them
-with a zmq Poller (blocking sockets, no asyncio: see ARCHITECTURE.md section 5). Callers hand it
+with a zmq Poller (blocking sockets, no asyncio: see docs/architecture.md). Callers hand it
 messages through a lock-free deque and an eventfd. Every received payload is acknowledged back to
 its sender (lazily: zmq_receive.py); the sender keeps at most `inflight_bytes` unacknowledged per
 channel, so the backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. ZmqTransport owns
