@@ -138,12 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", metavar="SVG", help="write a bar chart of the round times to SVG")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, ratio 4:1, 1 MiB, 3 rounds",
-                       repeats=1)
+    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, ratio 4:1, 1 MiB, 1 warm-up + 3 "
+                       "rounds", repeats=1)
     args = parser.parse_args(argv)
     if args.quick:
         args.racks, args.per_rack, args.servers, args.ratios, args.mib, args.rounds = 2, 2, 2, "4", 1, 3
-        args.link_mbit = 40.0
+        args.link_mbit, args.warmup = 40.0, 1
     return args
 
 

@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="testbed-pushpull: transport.inflight_bytes (default: %(default)s)")
     parser.add_argument("--global-batch", type=int, default=128, metavar="B",
                         help="testbed-train, ssh-train: samples per step over all workers (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=2048, metavar="H",
+                        help="testbed-train, ssh-train: width of the VGG-like model's fully connected layers "
+                             "(default: %(default)s, bench/priority_training.py's)")
     parser.add_argument("--testbed-steps", type=int, default=20, metavar="N",
                         help="testbed-train, ssh-train: timed steps per repetition (default: %(default)s)")
     parser.add_argument("--testbed-warmup", type=int, default=5, metavar="N",
@@ -106,13 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="testbed: show every process's output, prefixed")
-    add_common_options(parser, quick="16 MiB (8 MiB on the testbed), 1 pair of jobs, 2 timed repetitions "
-                                     "each, 30 training steps (4 on the testbed) (overrides those options)",
-                       repeats=6)
+    add_common_options(parser, quick="8 MiB in 2 rounds, 1 pair of jobs, 2 timed repetitions each, 2 warm-up + "
+                                     "10 training steps (1 + 2 on the testbed, hidden 512, global batch 32) "
+                                     "(overrides those options)", repeats=6)
     args = parser.parse_args(argv)
     if args.quick:
-        args.size, args.repeats, args.inner, args.steps, args.warmup = 16, 1, 2, 30, 5
-        args.testbed_steps, args.testbed_warmup = 4, 2
+        args.size, args.rounds, args.repeats, args.inner, args.steps, args.warmup = 8, 2, 1, 2, 10, 2
+        args.testbed_steps, args.testbed_warmup, args.hidden, args.global_batch = 2, 1, 512, 32
     if min(args.workers, args.servers, args.size, args.inner, args.repeats, args.batch_size, args.steps,
            args.testbed_steps, args.testbed_warmup) < 1 or args.rounds < 0 or args.warmup < 0:
         parser.error("workers, servers, size, inner, repeats, batch size, steps and testbed warm-up must be "
@@ -210,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet = logging.StreamHandler()
     quiet.setLevel(logging.WARNING)
     logging.getLogger("sluice").addHandler(quiet)
-    # The first optimizer a process builds imports torch._dynamo (1.3 s here); do it once before forking.
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
+    if any(name in LOOPBACK for name in args.cases):  # the first optimizer a process builds imports
+        # torch._dynamo (1.3 s here): do it once before forking (the testbed's workers are processes of their own)
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
     progress(f"curve_cost: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs (CURVE on, off), "
              f"{args.inner} timed repetitions in each")
     started = time.perf_counter()

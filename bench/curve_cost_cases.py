@@ -106,7 +106,7 @@ def _training_job(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[s
     job = priority_training.parse_args([
         "--workers", str(args.workers), "--servers", str(args.servers), "--global-batch", str(args.global_batch),
         "--steps", str(args.testbed_steps), "--warmup", str(args.testbed_warmup), "--repeats", str(args.inner),
-        "--rate-mbit", str(args.rate_mbit),
+        "--rate-mbit", str(args.rate_mbit), "--hidden", str(args.hidden),
     ])
     argv = [sys.executable, "-m", "bench.priority_training", "--worker", "sluice",
             "--batch", str(job.global_batch // args.workers), "--width", str(job.width), "--hidden", str(job.hidden),

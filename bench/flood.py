@@ -127,11 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "directory, removed)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
-    add_common_options(parser, quick="30 timed steps after 5 warm-up steps, 1 repeat, deadline 10 s, op-timeout "
+    add_common_options(parser, quick="10 timed steps after 2 warm-up steps, 1 repeat, deadline 10 s, op-timeout "
                                      "5 s (overrides those options)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.repeats, args.deadline, args.op_timeout = 30, 5, 1, 10.0, 5.0
+        args.steps, args.warmup, args.repeats, args.deadline, args.op_timeout = 10, 2, 1, 10.0, 5.0
     if min(args.workers, args.servers, args.batch_size, args.steps, args.repeats, args.sockets, args.rotate) < 1:
         parser.error("workers, servers, batch size, steps, repeats, sockets and rotate must be positive")
     if args.warmup < 0 or args.op_timeout <= 0 or args.deadline <= 0 or args.rate < 0:

@@ -102,12 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="show the workers' INFO logs (and, on the testbed, every process's output)")
     # the program each testbed worker runs (this module, started inside a testbed host)
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    add_common_options(parser, quick="loopback only, width 32, batch 8, 2 warm-up + 4 timed steps, 1 job, "
-                                     "2 repeats (overrides those options)", repeats=5)
+    add_common_options(parser, quick="loopback only, 2 workers, width 32, batch 8, 2 warm-up + 2 timed steps, "
+                                     "1 job, 2 repeats (overrides those options)", repeats=5)
     args = parser.parse_args(argv)
     if args.quick:
-        args.cases, args.width, args.batch_size = ["loopback"], 32, 8
-        args.warmup, args.steps, args.jobs, args.repeats = 2, 4, 1, 2
+        args.cases, args.workers, args.width, args.batch_size = ["loopback"], 2, 32, 8
+        args.warmup, args.steps, args.jobs, args.repeats = 2, 2, 1, 2
     if min(args.workers, args.width, args.blocks, args.batch_size, args.steps, args.jobs, args.repeats) < 1:
         parser.error("workers, width, blocks, batch size, steps, jobs and repeats must be positive")
     if args.warmup < 2:

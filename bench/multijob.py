@@ -207,10 +207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a job may take (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    add_common_options(parser, "1 long and 2 short jobs of 3 and 6 rounds, 40 Mbit/s, 1 s apart", repeats=1)
+    add_common_options(parser, "1 long and 2 short jobs of 3 and 6 rounds, 40 Mbit/s, 0.5 s apart", repeats=1)
     args = parser.parse_args(argv)
     if args.quick:
-        args.short, args.long, args.short_rounds, args.long_factor, args.gap, args.mbit = 2, 1, 3, 2, 1.0, 40.0
+        args.short, args.long, args.short_rounds, args.long_factor, args.gap, args.mbit = 2, 1, 3, 2, 0.5, 40.0
         args.early = 1
     if args.thresholds is None:
         short_mib = args.short_rounds * args.mib

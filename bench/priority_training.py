@@ -89,11 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
     parser.add_argument("--worker", choices=["sluice", "ddp"], help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
-    add_common_options(parser, quick="2 workers, 2 warm-up + 4 timed steps, 1 repeat (overrides those options)",
-                       repeats=3)
+    add_common_options(parser, quick="2 workers, hidden 512, global batch 32, 1 warm-up + 2 timed steps, 1 repeat "
+                                     "(overrides those options)", repeats=3)
     args = parser.parse_args(argv)
     if args.quick:
-        args.workers, args.warmup, args.steps, args.repeats = [2], 2, 4, 1
+        args.workers, args.hidden, args.global_batch, args.warmup, args.steps, args.repeats = [2], 512, 32, 1, 2, 1
     if min(args.workers) < 1 or min(args.servers, args.steps, args.repeats, args.width, args.hidden) < 1:
         parser.error("workers, servers, steps, repeats, width and hidden must be positive")
     if args.warmup < 1:

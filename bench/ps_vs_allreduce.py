@@ -72,10 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the program each job's workers run (this module, started inside a testbed host)
     parser.add_argument("--worker", choices=["sluice", "gloo"], help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
-    add_common_options(parser, quick="8 MiB, 2 rounds, 2 repeats (overrides those options)")
+    add_common_options(parser, quick="2 workers, 8 MiB, 2 rounds, 2 repeats (overrides those options)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.rounds, args.repeats = [8], 2, 2
+        args.workers, args.sizes, args.rounds, args.repeats = 2, [8], 2, 2
     if min(args.sizes) < 1 or args.workers < 2 or args.repeats < 1 or args.servers < 0 or args.rounds < 0:
         parser.error("sizes and repeats must be positive, workers at least 2, servers and rounds not negative")
     if args.rate_mbit <= 0:

@@ -76,10 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rounds timed per repetition; 0 picks max(2, 256 MiB / size) (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one measurement after this long (default: %(default)s)")
-    add_common_options(parser, quick="16 MiB, 2 workers, 2 repeats (overrides those options)")
+    add_common_options(parser, quick="16 MiB, 2 workers, 2 repeats of 2 rounds (overrides those options)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.workers, args.repeats = [16], [2], 2
+        args.sizes, args.workers, args.repeats, args.rounds = [16], [2], 2, 2
     if min(args.sizes) < 1 or min(args.workers) < 1 or args.repeats < 1 or args.servers < 0 or args.rounds < 0:
         parser.error("sizes, workers and repeats must be positive; servers and rounds not negative")
     return args

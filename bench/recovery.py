@@ -95,12 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"{KILL_CASE}: the step at whose start server 0 is killed (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
-    add_common_options(parser, quick="1 pair of jobs, 1 timed repetition of 20 digits steps (3 large-adam "
-                                     "steps), one killed job of 12 steps (overrides those options)", repeats=5)
+    add_common_options(parser, quick="1 pair of jobs, 2 digits workers, 1 timed repetition of 2 warm-up + 5 digits "
+                                     "steps (1 + 2 large-adam steps), one killed job of 7 steps, killed at step 3 "
+                                     "(overrides those options)", repeats=5)
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats, args.inner, args.steps, args.warmup = 1, 1, 20, 5
-        args.large_steps, args.large_warmup, args.kill_steps, args.kill_at = 3, 2, 12, 6
+        args.repeats, args.inner, args.workers, args.steps, args.warmup = 1, 1, 2, 5, 2
+        args.large_steps, args.large_warmup, args.kill_steps, args.kill_at = 2, 1, 7, 3
     if min(args.workers, args.servers, args.batch_size, args.steps, args.inner, args.repeats, args.large_workers,
            args.large_steps, args.kill_workers) < 1 or min(args.warmup, args.large_warmup) < 0:
         parser.error("workers, servers, batch size, steps, inner and repeats must be positive; warm-ups not negative")

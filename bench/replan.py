@@ -116,11 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, 20 s jobs", repeats=1)
+    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, the uplink cut after 6 s of a "
+                       "13 s job, an 11 s fresh job", repeats=1)
     args = parser.parse_args(argv)
+    #: how long the fresh job runs rounds: as long as the re-plan job's rounds after the cut, and 10 s to settle
+    args.fresh_seconds = args.seconds - args.throttle_after + 10
     if args.quick:
         args.racks, args.per_rack, args.servers, args.link_mbit = 2, 2, 2, 40.0
-        args.throttle_after, args.seconds = 9.0, 20.0
+        args.throttle_after, args.seconds, args.fresh_seconds = 6.0, 13.0, 11.0
     return args
 
 
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             uplinks = [u for u in config["aggregation"]["uplinks"] if not u.startswith("r0:")]
             config["aggregation"] = {**config["aggregation"], "uplinks": [*uplinks, f"r0: {layout.uplink_mbit / 4}"]}
             bed.set_uplink("r0", layout.uplink_mbit / 4)
-            workers, _ = run_job(bed, layout, config, args.seconds - args.throttle_after + 10, args)
+            workers, _ = run_job(bed, layout, config, args.fresh_seconds, args)
             rounds = round_times(workers)
             if not any(e > 0 for *_, e in rounds):
                 raise RuntimeError("the fresh job's trees never came into force")

@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=6, help="steps per iteration (default: %(default)s)")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES),
                         help="which jobs (default: all)")
-    add_common_options(parser, "one repeat of the allreduce case, 2 short iterations", repeats=5)
+    add_common_options(parser, "one repeat of the allreduce case, 1 iteration of 2 steps of batch 8", repeats=5)
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats, args.iters, args.batches, args.cases = 1, 2, 2, ["allreduce"]
+        args.repeats, args.iters, args.batches, args.batch_size, args.cases = 1, 1, 2, 8, ["allreduce"]
     records, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:

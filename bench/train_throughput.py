@@ -84,10 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="untimed steps before the first repetition (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one measurement after this long (default: %(default)s)")
-    add_common_options(parser, quick="30 timed steps, 1 repeat (overrides those options)")
+    add_common_options(parser, quick="2 warm-up + 10 timed steps, 1 repeat (overrides those options)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.repeats = 30, 1
+        args.warmup, args.steps, args.repeats = 2, 10, 1
     if min(args.workers, args.batch_size, args.steps, args.repeats) < 1 or min(args.warmup, args.servers) < 0:
         parser.error("workers, batch size, steps and repeats must be positive; servers and warmup not negative")
     try:

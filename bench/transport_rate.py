@@ -89,6 +89,10 @@ def _sluice_sender(endpoints: Any, stop: Any, mode: str, count: int, size: int) 
     elapsed = time.perf_counter() - started
     transport.close(0.5)
     stop.put(True)
+    # the child ends with os._exit, which would kill the queue's feeder thread before it wrote the message:
+    # the receiver then waited for it until its 300 s ran out (seen once in ten quick runs)
+    stop.close()
+    stop.join_thread()
     return elapsed
 
 

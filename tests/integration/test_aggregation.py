@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -14,10 +16,14 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
 from tests.integration.training import train_distributed, train_single
 
 STEPS, BATCH = 20, 32
+#: with small chunks, the in-flight bound is set too: calibrating it with probes of a few KiB takes seconds
+INFLIGHT = 4 << 20
 ROOT = Path(__file__).resolve().parents[2]
+prefork.torch_optimizers()  # once here, not in every forked worker
 
 #: two weighted trees over 4 workers: racks {0, 1} and {2, 3}, each aggregating in one tree and
 #: pushing straight to the servers in the other
@@ -35,10 +41,13 @@ ROTATING = [f"@0 {tree}" for tree in TWO_LEVEL] + [f"@1 {THREE_LEVEL[0]}"]
 class CountRoutedPushes:
     """Hooks for train_distributed: how many pushes this worker sent up a tree."""
 
+    def __init__(self, pause: float = 0.02) -> None:
+        self.pause = pause
+
     def before_broadcast(self) -> None: ...
 
     def before_step(self) -> None:
-        time.sleep(0.02)  # with the rotating trees: let several switches land inside the run
+        time.sleep(self.pause)  # with the rotating trees: let several switches land inside the run
 
     def finish(self) -> Any:
         from sluice.worker.torch.state import STATE
@@ -67,9 +76,12 @@ def test_training_through_aggregation_trees_matches_single_process(
 ) -> None:
     reference = train_single(STEPS, BATCH, optimizer)
     config = {"worker": {"optimizer_on": optimizer_on}, "collective": {"mode": "ps", "fusion_bytes": 256},
-              "transport": {"chunk_bytes": 4096}, "aggregation": _aggregation(trees, replan_s)}
+              "transport": {"chunk_bytes": 4096, "inflight_bytes": INFLIGHT},
+              "aggregation": _aggregation(trees, replan_s)}
     with LocalCluster(4, 2, config, aggregators=2) as cluster:
-        results = cluster.run(train_distributed, STEPS, BATCH, optimizer, CountRoutedPushes, timeout=120)
+        # rotating trees: 20 steps of 0.05 s or more, about 7 re-plans (a switch every 0.15 s) while training
+        hooks = functools.partial(CountRoutedPushes, 0.05 if replan_s else 0.02)
+        results = cluster.run(train_distributed, STEPS, BATCH, optimizer, hooks, timeout=120)
         assert cluster.wait() == [0] * (1 + 2 + 2 + 4)
     for other in results[1:]:
         assert other["digests"] == results[0]["digests"], "workers diverged after some step"
@@ -80,7 +92,8 @@ def test_training_through_aggregation_trees_matches_single_process(
         assert all(r["extra"]["epoch"] >= 3 for r in results), [r["extra"] for r in results]
 
 
-def _push_pull_rounds(rounds: int, pause: float) -> list[float]:
+def _push_pull_rounds(rounds: int, pause: float, progress: Any = None) -> list[float]:
+    """`progress`: a shared counter (multiprocessing.Value) of the rounds every worker completed."""
     from sluice.worker.node import WorkerNode
 
     node = WorkerNode()
@@ -92,6 +105,9 @@ def _push_pull_rounds(rounds: int, pause: float) -> list[float]:
             out = np.zeros(50_000, np.float32)
             client.push_pull("grad", np.full(50_000, client.rank + step, np.float32), out).wait()
             sums.append(float(out[0]))
+            if progress is not None:
+                with progress.get_lock():
+                    progress.value += 1
             time.sleep(pause)
     finally:
         node.close()
@@ -100,7 +116,8 @@ def _push_pull_rounds(rounds: int, pause: float) -> list[float]:
 
 @pytest.mark.timeout(90)
 def test_numpy_rounds_through_a_three_level_tree_sum_every_worker_once() -> None:
-    config = {"transport": {"chunk_bytes": 16384}, "aggregation": _aggregation(ROTATING, 0.05)}
+    config = {"transport": {"chunk_bytes": 16384, "inflight_bytes": INFLIGHT},
+              "aggregation": _aggregation(ROTATING, 0.05)}
     with LocalCluster(4, 1, config, aggregators=2) as cluster:
         results = cluster.run(_push_pull_rounds, 40, 0.01, timeout=60)
         assert cluster.wait() == [0] * (1 + 1 + 2 + 4)
@@ -112,9 +129,13 @@ def test_numpy_rounds_through_a_three_level_tree_sum_every_worker_once() -> None
 def test_a_killed_aggregator_fails_the_job_naming_it_within_the_heartbeat_bound() -> None:
     config = {"scheduler": {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0},
               "aggregation": _aggregation(TWO_LEVEL)}
+    progress = mp.get_context("fork").Value("i", 0)
     with LocalCluster(4, 1, config, aggregators=2) as cluster:
-        reports = cluster.start_workers(_push_pull_rounds, 10_000, 0.01)
-        time.sleep(3.0)  # training through the trees
+        reports = cluster.start_workers(_push_pull_rounds, 10_000, 0.01, progress)
+        deadline = time.monotonic() + 30
+        while progress.value < 4 * 25 and time.monotonic() < deadline:  # training through the trees
+            time.sleep(0.05)
+        assert progress.value >= 4 * 25, f"{progress.value} rounds in 30 s"
         victim = cluster.aggregator_processes[1]
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)

@@ -73,7 +73,7 @@ def test_another_jobs_traffic_on_the_auxiliary_host_moves_weight_off_it() -> Non
         sink = bed.run("sched", [sys.executable, "-c", SINK, address["sched"]], stdout=subprocess.PIPE, text=True)
         assert sink.stdout is not None
         port = sink.stdout.readline().strip()
-        bed.run("ax", [sys.executable, "-c", SENDER, address["sched"], port, "8"])  # starts 8 s from now
+        bed.run("ax", [sys.executable, "-c", SENDER, address["sched"], port, "6"])  # starts 6 s from now
         config = {"transport": {"chunk_bytes": 16384, "inflight_bytes": 16384}, "aggregation": {
             "mode": "plan", "racks": [f"r0: {address['w0']} {address['w1']} {address['ax']}",
                                       f"srv: {address['s0']}"],

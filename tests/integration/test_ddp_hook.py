@@ -1,15 +1,22 @@
 """DDP in one line: a plain DDP script under `sluice launch`, with `register_comm_hook(None, sluice.torch.ddp_hook)`
-added, trains to the same parameters as plain DDP (gloo), by allreduce and through the servers."""
+added, trains to the same parameters as plain DDP (gloo), by allreduce and through the servers. Plain DDP, the
+reference, runs the script in two processes forked from the test with torchrun's variables (no Sluice in it)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from sluice.launch.supervisor import free_port
+from tests.integration.script_workers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "integration" / "scripts" / "ddp_train.py"
@@ -20,17 +27,46 @@ pytestmark = pytest.mark.slow
 def _launch(tmp_path: Path, name: str, servers: int, *extra: str) -> list[float]:
     out = tmp_path / f"{name}.json"
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", str(servers), *extra, "--",
-            sys.executable, str(SCRIPT), "--out", str(out)]
-    if name != "plain":
-        argv.append("--sluice")
+            sys.executable, str(SCRIPT), "--out", str(out), "--sluice"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return list(json.loads(out.read_text()))
 
 
+def _plain_rank(rank: int, port: int, out: str) -> None:
+    """A forked process: rank `rank` of plain DDP, as torchrun would start it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)  # as the launcher's OMP_NUM_THREADS for two workers on this machine
+    code = 0
+    try:
+        run_script(str(SCRIPT), "--out", out)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+def _plain(tmp_path: Path) -> list[float]:
+    out = tmp_path / "plain.json"
+    port = free_port()
+    ranks = [mp.get_context("fork").Process(target=_plain_rank, args=(rank, port, str(out))) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(100)
+        if process.exitcode is None:
+            process.kill()
+            process.join(5)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    return list(json.loads(out.read_text()))
+
+
 @pytest.mark.timeout(300)
 def test_ddp_with_sluices_hook_matches_plain_ddp(tmp_path: Path) -> None:
-    plain = _launch(tmp_path, "plain", 0)
+    plain = _plain(tmp_path)
     by_allreduce = _launch(tmp_path, "allreduce", 0)
     through_servers = _launch(tmp_path, "servers", 1, "--set", "collective.mode=ps")
     np.testing.assert_allclose(by_allreduce, plain, rtol=1e-5, atol=1e-6)

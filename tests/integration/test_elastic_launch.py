@@ -3,7 +3,8 @@
 Real processes and `sluice launch`; the script is tests/integration/scripts/elastic_train.py
 (Horovod's elastic shape, a learning rate that follows the size). The equivalence: a job that loses
 worker 2 after step 10 ends with exactly the parameters of a job of 3 workers stopped after step 10
-and continued by 2 workers from its state.
+and continued by 2 workers from its state. Those two reference jobs run the same script in workers
+forked from the test (script_workers.py): nothing in them is the launcher's to do.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from typing import Any
 
 import pytest
 
+from tests.integration.script_workers import script_outputs
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/integration/scripts/elastic_train.py"
 LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch"]
+#: the growing job's steps (it grows a few steps in)
+GROW_STEPS = 100
 
 
 def _run(argv: list[str], timeout: float = 150) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
@@ -33,10 +38,12 @@ def _run(argv: list[str], timeout: float = 150) -> tuple[str, list[dict[str, Any
 
 def _reference(tmp_path: Path, first: int, then: int, switch: int, steps: int, servers: str) -> list[float]:
     saved = tmp_path / "state.pt"
-    _run([*LAUNCH, "-w", str(first), "-s", servers, "--", sys.executable, SCRIPT, "--steps", str(steps),
-          "--stop-at", str(switch - 1), "--save", str(saved)])
-    _, _, results = _run([*LAUNCH, "-w", str(then), "-s", servers, "--", sys.executable, SCRIPT, "--steps",
-                          str(steps), "--load", str(saved)])
+    script_outputs(first, int(servers), {}, ROOT / SCRIPT, "--steps", str(steps), "--stop-at", str(switch - 1),
+                   "--save", str(saved))
+    printed = "".join(script_outputs(then, int(servers), {}, ROOT / SCRIPT, "--steps", str(steps), "--load",
+                                     str(saved)))
+    results = sorted((json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", printed, re.M)),
+                     key=lambda r: r["rank"])
     return list(results[0]["params"])
 
 
@@ -61,9 +68,12 @@ def test_elastic_job_grows_when_discovery_finds_a_slot(tmp_path: Path) -> None:
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
+    # generation 0's steps pause, so that it still trains when discovery finds the slot, and generation 1
+    # has fewer steps left to train
     job = subprocess.Popen([*LAUNCH, "--elastic", "-w", "2", "--max-workers", "3", "--host-discovery-script",
                             str(script), "--discovery-interval", "0.5", "-s", "0", "--", sys.executable, SCRIPT,
-                            "--steps", "400"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            "--steps", str(GROW_STEPS), "--pause", "0.05"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     try:
         assert job.stdout is not None
         for line in job.stdout:
@@ -80,8 +90,8 @@ def test_elastic_job_grows_when_discovery_finds_a_slot(tmp_path: Path) -> None:
     assert "[launch] re-forming the job: generation 1 with 3 workers" in out
     starts = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_START (.*)$", out, re.M)]
     switch = {s["step"] for s in starts if s["generation"] == 1}
-    assert len(switch) == 1 and 0 < min(switch) < 400
+    assert len(switch) == 1 and 0 < min(switch) < GROW_STEPS
     results = sorted((json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", out, re.M)),
                      key=lambda r: r["rank"])
     assert [r["size"] for r in results] == [3, 3, 3]
-    assert results[0]["params"] == _reference(tmp_path, 2, 3, switch.pop(), 400, "0")
+    assert results[0]["params"] == _reference(tmp_path, 2, 3, switch.pop(), GROW_STEPS, "0")

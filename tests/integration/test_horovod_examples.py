@@ -35,7 +35,8 @@ def _launch(servers: int, script: str, *args: str) -> str:
 
 @pytest.mark.timeout(200)
 def test_synthetic_resnet_benchmark_with_sync_batch_norm_and_fp16() -> None:
-    out = _launch(0, "pytorch_synthetic_benchmark.py", "--sync-bn", "--fp16-allreduce", "--num-iters", "2")
+    out = _launch(0, "pytorch_synthetic_benchmark.py", "--sync-bn", "--fp16-allreduce", "--num-warmup-batches", "1",
+                  "--num-iters", "1", "--num-batches-per-iter", "2")
     assert "[worker 0] Total img/sec on 2 CPU(s):" in out
     assert "sync BN: True" in out
 

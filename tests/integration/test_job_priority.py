@@ -67,7 +67,8 @@ def test_more_levels_than_channels_fails_at_start_saying_what_to_set(tmp_path: P
     assert "transport.channels = 3" in done.stdout + done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
 
 SEES_THE_OTHER = """
-import json, time
+import json, os, sys, time
+from pathlib import Path
 import numpy as np
 from sluice.scheduler.jobs_registry import read_all, registry_dir
 from sluice.worker.node import WorkerNode
@@ -83,8 +84,10 @@ while time.monotonic() < deadline:  # push rounds until the registry shows both 
         break
     time.sleep(0.2)
 print("SEEN " + json.dumps(seen), flush=True)
-linger = time.monotonic() + 4  # stay listed (registry entries follow heartbeats) while the other job looks
-while time.monotonic() < linger:
+looked = Path(sys.argv[1])  # each job marks there that it has looked
+(looked / str(os.getpid())).touch()
+linger = time.monotonic() + 30  # stay listed (registry entries follow heartbeats) while the other job looks
+while len(list(looked.iterdir())) < 2 and time.monotonic() < linger:
     c.push_pull("g", np.ones(1024, np.float32), np.zeros(1024, np.float32)).wait()
     time.sleep(0.2)
 node.close()
@@ -96,8 +99,10 @@ def test_two_jobs_on_one_host_find_each_other_in_the_job_registry(tmp_path: Path
     script = tmp_path / "job.py"
     script.write_text(SEES_THE_OTHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SLUICE_JOBS_REGISTRY_DIR": str(tmp_path / "registry")}
+    looked = tmp_path / "looked"
+    looked.mkdir()
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "1", "-s", "1", "--set", "jobs.priorities=true",
-            "--", sys.executable, str(script)]
+            "--", sys.executable, str(script), str(looked)]
     jobs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             for _ in range(2)]
     outputs = [job.communicate(timeout=100)[0] for job in jobs]

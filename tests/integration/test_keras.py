@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
 from tests.integration.keras_jobs import keras_api
 
 # the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,

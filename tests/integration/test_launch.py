@@ -178,7 +178,7 @@ def test_role_without_environment_fails_clearly() -> None:
 @pytest.mark.timeout(90)
 def test_worker_killed_mid_training_ends_the_job_within_15_s(launch: type[Launch]) -> None:
     demo = str(ROOT / "examples" / "train_digits.py")
-    job = launch([*_job(4, 2), "--", sys.executable, demo, "--epochs", "200"])
+    job = launch([*_job(3, 2), "--", sys.executable, demo, "--epochs", "200"])
     job.wait_line(r"^\[worker 0\] epoch  1 ", timeout=60)
     pids = job.snapshot()
     victim = next(p for p in pids if "train_digits.py" in _cmdline(p) and _worker_rank(p) == 2)

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
 
 #: oversized frames are dropped unread: the server may grow by little more than allocator noise
 MAX_OVERSIZED_GROWTH_MIB = 16
@@ -34,6 +35,33 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def _cpu(pid: int) -> tuple[int, bool]:
+    """Process `pid`'s CPU clock ticks so far, and whether any of its threads is running (or runnable)."""
+    ticks, running = 0, False
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that just ended
+            continue
+        running |= fields[0] == "R"
+        ticks += int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks, running
+
+
+def _settled(pid: int, quiet: float, limit: float) -> None:
+    """Until process `pid` has run nothing for `quiet` seconds (it has read all that reached it), at most `limit`."""
+    deadline = time.monotonic() + limit
+    last, since = _cpu(pid)[0], time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        ticks, running = _cpu(pid)
+        if ticks != last or running:
+            last, since = ticks, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+
+
 def _flood_and_measure(server_pid: int) -> dict[str, Any]:
     from sluice.worker.node import WorkerNode
 
@@ -43,7 +71,6 @@ def _flood_and_measure(server_pid: int) -> dict[str, Any]:
     out = np.zeros(1024, np.float32)
     client.push_pull("w", np.ones(1024, np.float32), out).wait(30)
     endpoints = [e for p in client.control.peers if p.role == "server" for e in p.endpoints]
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sent = 0
     oversized = [b"\xdc\xff\xff" + bytes(31 << 20)]  # a 31 MiB header: over every frame limit
     big_payload = [b"\x9c" + bytes(11), bytes(8 << 20)]  # a frame 8x the largest chunk
@@ -53,22 +80,25 @@ def _flood_and_measure(server_pid: int) -> dict[str, Any]:
         for phase, attacks in (("oversized", [oversized, big_payload] * 10), ("in-limit", [in_limit] * 20)):
             before = peak = rss_mib(server_pid)
             for round_ in range(10):
-                for endpoint in endpoints:
-                    for frames in attacks:
-                        sock = ctx.socket(zmq.DEALER)  # a fresh connection: an oversized frame ends its connection
-                        sock.setsockopt(zmq.LINGER, 5000)  # closed at once, but what it holds is still sent
-                        sock.setsockopt(zmq.IDENTITY, f"flood-{round_}-{sent}".encode())
-                        sock.connect(endpoint)
-                        sock.send_multipart(frames, copy=False)
-                        sent += 1
-                        sock.close()
-                time.sleep(0.2)
+                ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+                try:
+                    for endpoint in endpoints:
+                        for frames in attacks:
+                            sock = ctx.socket(zmq.DEALER)  # a fresh connection: an oversized frame ends it
+                            sock.setsockopt(zmq.LINGER, 5000)  # closed at once, but what it holds is still sent
+                            sock.setsockopt(zmq.IDENTITY, f"flood-{round_}-{sent}".encode())
+                            sock.connect(endpoint)
+                            sock.send_multipart(frames, copy=False)
+                            sent += 1
+                            sock.close()
+                finally:
+                    ctx.term()  # returns once the closed sockets have sent what they held
+                _settled(server_pid, quiet=0.05, limit=2.0)  # the server has read the round
                 peak = max(peak, rss_mib(server_pid))
-            time.sleep(1.0)
+            _settled(server_pid, quiet=0.2, limit=5.0)
             growth[phase] = max(peak, rss_mib(server_pid)) - before
         client.push_pull("w", np.ones(1024, np.float32), out).wait(30)  # the server still serves
     finally:
-        ctx.term()
         node.close()
     return {"growth": growth, "sent": sent, "sum": float(out[0])}
 

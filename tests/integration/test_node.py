@@ -226,12 +226,15 @@ def test_a_worker_with_another_secret_cannot_join(nodes: list[Node], tmp_path: P
     port = free_port()
     secret, stranger = _secret(tmp_path / "secret"), _secret(tmp_path / "other")
 
-    def job(secret_file: Path) -> list[str]:
+    def job(secret_file: Path, rendezvous_s: int = 4) -> list[str]:
         return ["-w", "2", "-s", "1", "--scheduler", f"127.0.0.1:{port}", "--secret-file", str(secret_file),
-                "--set", "scheduler.rendezvous_timeout=4", "--", sys.executable, str(script), str(secret_file)]
+                "--set", f"scheduler.rendezvous_timeout={rendezvous_s}", "--", sys.executable, str(script),
+                str(secret_file)]
 
     members = [_start(nodes, index, job(secret)) for index in (0, 1, 2)]
-    intruder = _start(nodes, 3, job(stranger))
+    # a worker waits for its admission rendezvous_timeout + 5 s: the intruder's ends 3 s sooner than the
+    # members' would, still after the scheduler's rendezvous timed out
+    intruder = _start(nodes, 3, job(stranger, rendezvous_s=1))
     codes = [node.finish(40) for node in (*members, intruder)]
     scheduler = members[0].output()
     assert all(code != 0 for code in codes), (codes, scheduler)

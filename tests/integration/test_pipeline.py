@@ -1,9 +1,11 @@
-"""Pipeline-parallel training under `sluice launch` trains as one process does on the same batches.
+"""Pipeline-parallel training trains as one process does on the same batches.
 
 Real processes; the script is tests/integration/scripts/pipeline_train.py (an MLP of ReLU blocks cut
 into stages, SGD, seeded batches). After 10 steps every stage's parameters are within 1e-6 of the
 single-process model's, for GPipe and 1F1B, with and without ZVC and offload, and with several
-replicas of the pipeline (pipeline + data parallel).
+replicas of the pipeline (pipeline + data parallel). Jobs the launcher matters to (a failing stage, the
+example, the GPU) run under `sluice launch`; the others run the script's `train` in workers forked from
+this process (testbed/cluster.py), which start in a fraction of the time a fresh Python importing torch takes.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import numpy as np
 import pytest
 import torch
 
+from sluice.launch.config import SluiceConfig
 from sluice.worker.pipeline.schedule import peak_activations, schedule
+from testbed.cluster import LocalCluster
+from tests.integration import prefork
 from tests.integration.pipeline_helpers import SCRIPT, check_matches, job, reference, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
+prefork.torch_optimizers()  # once here, not in every forked worker
 LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch", "-s", "0"]
 
 
@@ -39,6 +45,24 @@ def run(workers: int, *args: str, settings: tuple[str, ...] = (), fails: bool = 
     results = [json.loads(m.group(1)) for m in re.finditer(r"PIPELINE_RESULT (.*)$", done.stdout, re.M)]
     assert len(results) == workers, output[-4000:]
     return output, sorted(results, key=lambda r: r["rank"])
+
+
+def _stage(argv: list[str]) -> dict[str, Any]:
+    """A forked worker: the script's training, then its result as the script prints it (JSON)."""
+    result = job.train(argv)
+    job.hvd.shutdown()
+    return json.loads(json.dumps(result))
+
+
+def forked(workers: int, *args: str, config: dict[str, Any] | None = None,
+           timeout: float = 90) -> list[dict[str, Any]]:
+    """The script in `workers` forked workers of a LocalCluster without servers (as `sluice launch -s 0`), with
+    every section of the config, defaults filled in, as the launcher hands it over."""
+    with LocalCluster(workers, 0, SluiceConfig.from_sections(config or {}).to_sections()) as cluster:
+        results = cluster.run(_stage, list(args), timeout=timeout)
+        assert cluster.wait() == [0] * (1 + workers)
+    assert len(results) == workers
+    return sorted(results, key=lambda r: r["rank"])
 
 
 CASES = [  # (stages, replicas, micro-batches, schedule, compress, offload, direct lanes)
@@ -58,7 +82,7 @@ CASES = [  # (stages, replicas, micro-batches, schedule, compress, offload, dire
 def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, kind: str, compress: str,
                                       offload: bool, direct: bool) -> None:
     batch = 16
-    _, results = run(stages * replicas, "--stages", str(stages), "--micro", str(micro), "--schedule", kind,
+    results = forked(stages * replicas, "--stages", str(stages), "--micro", str(micro), "--schedule", kind,
                      "--compress", compress, "--batch", str(batch), "--steps", "10",
                      *(["--offload"] if offload else []), *([] if direct else ["--no-direct"]))
     assert all(r["lanes"] == direct for r in results)  # every neighbour is on this host
@@ -85,7 +109,7 @@ def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, ki
 def test_offload_with_zvc_matches_one_process(options: list[str]) -> None:
     """ZVC on what is offloaded: the ReLUs' outputs themselves (`offload_lean=False`) or, with lean saves,
     what the Linear layers save (`offload_compress=True`), on every stage."""
-    _, results = run(2, "--stages", "2", "--micro", "2", "--schedule", "1f1b", "--compress", "off", "--offload",
+    results = forked(2, "--stages", "2", "--micro", "2", "--schedule", "1f1b", "--compress", "off", "--offload",
                      *options, "--steps", "10")
     check_matches(results, 2, reference(10, 16))
     assert all(sum(r["offloaded"]) > 0 and max(r["offload_ratio"]) > 1.2 for r in results)
@@ -106,7 +130,7 @@ def test_pipeline_on_cuda_with_offload_matches_one_process(kind: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_batch_shape_that_changes_between_steps_needs_nothing_agreed() -> None:
-    _, results = run(2, "--stages", "2", "--micro", "4", "--compress", "on", "--grow-at", "4", "--steps", "8")
+    results = forked(2, "--stages", "2", "--micro", "4", "--compress", "on", "--grow-at", "4", "--steps", "8")
     check_matches(results, 2, reference(8, 16, grow_at=4))
 
 
@@ -115,7 +139,7 @@ def test_a_batch_shape_that_changes_between_steps_needs_nothing_agreed() -> None
 def test_activations_larger_than_a_chunk_travel_in_pieces(compress: str) -> None:
     """2 MiB activations per micro-batch (8192 samples x 64), twice the job's 1 MiB chunk: a data socket
     refuses a larger frame, so each tensor goes in pieces."""
-    _, results = run(2, "--stages", "2", "--micro", "1", "--width", "64", "--batch", "8192", "--steps", "3",
+    results = forked(2, "--stages", "2", "--micro", "1", "--width", "64", "--batch", "8192", "--steps", "3",
                      "--compress", compress)
     check_matches(results, 2, reference(3, 8192, width=64))
 
@@ -134,9 +158,15 @@ def test_a_stage_that_cannot_take_its_inputs_fails_the_job_naming_itself() -> No
 @pytest.mark.timeout(120)
 def test_a_stalled_stage_is_named_by_its_neighbour_at_the_deadline() -> None:
     started = time.monotonic()
-    output, _ = run(3, "--stages", "3", "--stall-stage", "2", "--stall-at", "2", settings=("--set",
-                    "scheduler.op_timeout=2"), fails=True)
+    config = SluiceConfig.from_sections({"scheduler": {"op_timeout": 2}}).to_sections()
+    with LocalCluster(3, 0, config) as cluster:  # stage 2 stalls: closing kills it
+        reports = cluster.start_workers(_stage, ["--stages", "3", "--stall-stage", "2", "--stall-at", "2"])
+        failed: dict[int, tuple[str, Any]] = {}
+        while 1 not in failed:  # the neighbour's report; the job fails (a worker's error)
+            failed.update(cluster.collect(reports, 1, timeout=max(0.1, started + 60 - time.monotonic())))
     assert time.monotonic() - started < 60
+    assert all(status == "error" for status, _ in failed.values()), failed
+    output = "\n".join(str(value) for _, value in failed.values())
     assert ("SluiceError: stage 1 (worker 1 on localhost) waited for the gradients of micro-batch 0 of step 2 from "
             "stage 2 (worker 2 on localhost): not complete after 2 s (nothing came, over a direct lane); "
             "stage 2 (worker 2 on localhost) is slow, stuck or gone") in output, output[-3000:]
@@ -146,7 +176,7 @@ def test_a_stalled_stage_is_named_by_its_neighbour_at_the_deadline() -> None:
 def test_eval_steps_give_the_models_outputs_and_keep_the_stages_in_step() -> None:
     """Forward-only steps, many in a row (the first stage waits for no gradient in them), then the outputs
     equal the single-process model's on the same inputs."""
-    _, results = run(6, "--stages", "3", "--micro", "2", "--steps", "3", "--eval-steps", "12", "--batch", "8")
+    results = forked(6, "--stages", "3", "--micro", "2", "--steps", "3", "--eval-steps", "12", "--batch", "8")
     model = reference_model(3, 16)
     for r in results:
         if r["stage"] != 2:

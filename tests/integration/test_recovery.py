@@ -4,7 +4,8 @@ Worker 0 kills server 0 in step 10, right after its backward pass (pushes in fli
 committed on the server, some not). The launcher restarts the server; it restores its committed
 state (ps/snapshot.py); the workers send it again what it had not answered (worker/resend.py). The
 job must end with exactly the parameters of the same job without the kill, in sum mode (the
-optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments).
+optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments). That job,
+the reference, runs the same script and settings in workers forked from the test (script_workers.py).
 """
 
 from __future__ import annotations
@@ -17,17 +18,25 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.script_workers import script_outputs
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/integration/scripts/cluster_train.py"
+INFLIGHT = 4 << 20
+
+
+def _script_args(optimizer: str, kill_at: int) -> list[str]:
+    return ["--steps", "20", "--optimizer", optimizer, "--hidden", "256", "--kill-server-at", str(kill_at)]
 
 
 def _train(optimizer: str, where: str, kill_at: int, *sets: str) -> tuple[list[float], str]:
     # every tensor through the servers (collective.mode = auto would allreduce small ones among the
-    # workers), in chunks of 4 KiB: every tensor, fused or not, has chunks on both servers
+    # workers), in chunks of 4 KiB: every tensor, fused or not, has chunks on both servers. The in-flight
+    # bound is set as well (what calibration chooses here): calibrating it with 4 KiB probes takes seconds
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "collective.mode=ps",
             "--set", "ps.recover=true", "--set", f"worker.optimizer_on={where}", "--set", "transport.chunk_bytes=4096",
-            *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, "--steps", "20", "--optimizer", optimizer,
-            "--hidden", "256", "--kill-server-at", str(kill_at)]
+            "--set", f"transport.inflight_bytes={INFLIGHT}", *(f"--set={s}" for s in sets), "--", sys.executable,
+            SCRIPT, *_script_args(optimizer, kill_at)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
@@ -36,11 +45,21 @@ def _train(optimizer: str, where: str, kill_at: int, *sets: str) -> tuple[list[f
     return list(results[0]["params"]), output
 
 
+def _reference(optimizer: str, where: str) -> list[float]:
+    """The same job (script, settings) without the kill, in forked workers: nothing in it for the launcher to do."""
+    config = {"collective": {"mode": "ps"}, "ps": {"recover": True}, "worker": {"optimizer_on": where},
+              "transport": {"chunk_bytes": 4096, "inflight_bytes": INFLIGHT}}
+    printed = "".join(script_outputs(2, 2, config, ROOT / SCRIPT, *_script_args(optimizer, -1), timeout=120))
+    results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"], printed[-3000:]
+    return list(results[0]["params"])
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("optimizer", "where"), [("sgd", "worker"), ("sgd", "server"), ("adam", "server")],
                          ids=["sum-mode", "server-momentum", "server-adam"])
 def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimizer: str, where: str) -> None:
-    reference, _ = _train(optimizer, where, -1)
+    reference = _reference(optimizer, where)
     recovered, output = _train(optimizer, where, 10)
     assert "killed server 0" in output
     assert re.search(r"sluice launch: server 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at most 3 "

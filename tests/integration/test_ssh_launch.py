@@ -9,11 +9,13 @@ secret is in no command line or environment; a stranger on another testbed host 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,9 @@ from typing import Any
 import pytest
 
 from testbed.netbed import NetbedUnavailable
+from testbed.qdisc import shape
 from testbed.ssh import ROOT, SshBed, ssh_bed
+from tests.integration.cluster_reference import cluster_train_params
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 #: what a role started over ssh looks like in `ps` on its host
@@ -76,23 +80,35 @@ def _left_on(bed: SshBed, host: str) -> list[str]:
     return left
 
 
+def _lines_until(job: subprocess.Popen[str], pattern: str, timeout: float) -> str:
+    """`job`'s output up to and with its first line that matches `pattern` (the rest is left to read);
+    fails when the output ends first or at `timeout`."""
+    regex, seen, found = re.compile(pattern), [], threading.Event()
+
+    def read() -> None:
+        assert job.stdout is not None
+        for line in iter(job.stdout.readline, ""):
+            seen.append(line)
+            if regex.search(line):
+                found.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found.is_set():
+        job.kill()
+        reader.join(10)
+        pytest.fail(f"no line matching {pattern!r} within {timeout:g} s:\n{''.join(seen)[-3000:]}")
+    return "".join(seen)
+
+
 def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
     deadline = time.monotonic() + within
     while any(left := [p for host in bed.hosts for p in _left_on(bed, host)]):
         if time.monotonic() > deadline:
             pytest.fail(f"processes of the job still run {within:g} s after the launcher ended: {left}")
         time.sleep(0.2)
-
-
-def _reference(steps: int, optimizer: str) -> list[float]:
-    """The same job on this machine alone (no ssh, no namespaces)."""
-    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "4", "-s", "2", "--",
-                           sys.executable, SCRIPT, "--steps", str(steps), "--optimizer", optimizer],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = _results(done.stdout)
-    assert len(results) == 4
-    return list(results[0]["params"])
 
 
 @pytest.mark.timeout(240)
@@ -114,7 +130,7 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine(bed: SshBed) -> None:
                             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": h1}
         assert not r["secret_in_env"]
         assert r["params"] == results[0]["params"]
-    reference = _reference(12, "adam")
+    reference = cluster_train_params(12, "adam", workers=4)  # the same job on one machine
     assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
     _nothing_left(bed)
 
@@ -135,17 +151,22 @@ def test_ssh_refused_host_is_named_with_what_to_do(bed: SshBed) -> None:
 
 @pytest.mark.timeout(150)
 def test_ssh_lost_host_is_named_and_the_rest_stopped(bed: SshBed) -> None:
-    """h2's link goes down mid-run: the launcher names what was lost and stops the job; nothing is left."""
+    """h2's link goes down mid-run: the launcher names what was lost and stops the job; nothing is left.
+    Heartbeats every 0.5 s, missed for 3 (1 and 8 by default), name the silent worker sooner."""
     job = bed.netbed.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(),
-                                      "-H", _hosts(bed, 1), "-s", "1", "--", sys.executable, SCRIPT,
+                                      "-H", _hosts(bed, 1), "-s", "1", "--set", "worker.metrics_every=10",
+                                      "--set", "scheduler.heartbeat_interval=0.5",
+                                      "--set", "scheduler.heartbeat_timeout=3", "--", sys.executable, SCRIPT,
                                       "--steps", "100000"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     h2 = bed.netbed.hosts["h2"]
     try:
-        time.sleep(8)  # registered and training
-        assert job.poll() is None, job.communicate()[0][-3000:]
+        # registered and training: worker 0 reports its first steps
+        seen = _lines_until(job, r"^\[worker 0\] .*transport, steps \d+-\d+:", timeout=60)
+        assert job.poll() is None, seen[-3000:]
         subprocess.run(["ip", "netns", "exec", h2.netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
         out, _ = job.communicate(timeout=60)
+        out = seen + out
     finally:
         subprocess.run(["ip", "netns", "exec", h2.netns, "ip", "link", "set", "eth0", "up"], timeout=10)
         if job.poll() is None:
@@ -203,10 +224,13 @@ def test_ssh_bad_hostfile_line_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_ssh_recovery_restarts_a_killed_server_on_its_host(bed: SshBed) -> None:
-    """ps.recover across hosts: server 0 (on h1) is killed in step 5 and restarted there over ssh."""
+    """ps.recover across hosts: server 0 (on h1) is killed in step 5 and restarted there over ssh.
+    The in-flight bound is set (to what a calibration chooses here), so no calibration runs: in 4 KiB
+    chunks it takes seconds."""
     started = time.time()
     done = bed.launch(["-H", _hosts(bed, 1), "-s", "2", "--set", "ps.recover=true", "--set", "collective.mode=ps",
-                       "--set", "worker.optimizer_on=server", "--set", "transport.chunk_bytes=4096", "--",
+                       "--set", "worker.optimizer_on=server", "--set", "transport.chunk_bytes=4096",
+                       "--set", "transport.inflight_bytes=16777216", "--",
                        sys.executable, SCRIPT, "--steps", "12", "--hidden", "256", "--kill-server-at", "5"],
                       timeout=200)
     assert done.returncode == 0, done.stdout[-5000:]
@@ -254,20 +278,29 @@ def test_ssh_pipeline_compresses_activations_only_between_hosts(bed: SshBed) -> 
     _nothing_left(bed)
 
 
+@contextlib.contextmanager
+def _slow_egress(bed: SshBed, host: str, mbit: float) -> Iterator[None]:
+    """`host`'s outgoing traffic shaped to `mbit` Mbit/s (tbf, as a netbed link's) until the block ends."""
+    netns = bed.netbed.hosts[host].netns
+    shape(netns, "eth0", mbit)
+    try:
+        yield
+    finally:
+        subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", "eth0", "root"], timeout=20)
+
+
 @pytest.mark.timeout(150)
-def test_ssh_pipeline_on_a_slow_link_delivers_the_last_gradients_before_leaving(tmp_path: Path) -> None:
+def test_ssh_pipeline_on_a_slow_link_delivers_the_last_gradients_before_leaving(bed: SshBed) -> None:
     """The last stage's final gradients (8 MiB) take 4 s on a 16 Mbit/s link, longer than a closing
     transport flushes: the stage stays until the stage before confirms it has them (PipelineStage.close).
-    One hidden layer 8192 wide: big activations, little compute."""
-    try:
-        with ssh_bed(tmp_path / "keys", 2, rates=[16.0, 16.0], second=True) as slow:
-            h1, h2 = slow.hosts["h1"], slow.hosts["h2"]
-            done = slow.launch(["-H", f"{h1}:1,{h2}:1", "-s", "0", "--", sys.executable,
-                                "tests/integration/scripts/pipeline_train.py", "--stages", "2", "--steps", "1",
-                                "--micro", "1", "--layers", "2", "--width", "8192", "--batch", "256",
-                                "--compress", "off"], timeout=120)
-            assert done.returncode == 0, done.stdout[-5000:]
-            assert len(re.findall(r"^\[worker \d\] PIPELINE_RESULT", done.stdout, re.M)) == 2
-            _nothing_left(slow)
-    except NetbedUnavailable as exc:
-        pytest.skip(str(exc))
+    One hidden layer 8192 wide: big activations, little compute. The last stage runs on h2, whose
+    outgoing traffic (those gradients) is shaped; the activations come to it at full speed."""
+    h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
+    with _slow_egress(bed, "h2", 16.0):
+        done = bed.launch(["-H", f"{h1}:1,{h2}:1", "-s", "0", "--", sys.executable,
+                           "tests/integration/scripts/pipeline_train.py", "--stages", "2", "--steps", "1",
+                           "--micro", "1", "--layers", "2", "--width", "8192", "--batch", "256",
+                           "--compress", "off"], timeout=120)
+        assert done.returncode == 0, done.stdout[-5000:]
+        assert len(re.findall(r"^\[worker \d\] PIPELINE_RESULT", done.stdout, re.M)) == 2
+        _nothing_left(bed)

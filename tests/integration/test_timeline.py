@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
+
+prefork.torch_workers()  # once here, not in each forked worker
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

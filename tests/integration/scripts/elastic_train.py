@@ -7,12 +7,14 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --die-at S --die-rank R: worker R SIGKILLs itself right after its commit of step S (a worker lost).
 --stop-at S --save PATH: stop after step S and save the state (rank 0), for a reference run;
 --load PATH: start from such a state.
+--pause S: each step of generation 0 sleeps S seconds after its commit (time for the launcher to find a slot).
 """
 
 import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ parser.add_argument("--die-rank", type=int, default=-1)
 parser.add_argument("--stop-at", type=int, default=-1)
 parser.add_argument("--save", default="")
 parser.add_argument("--load", default="")
+parser.add_argument("--pause", type=float, default=0.0)
 args = parser.parse_args()
 
 hvd.init()
@@ -56,8 +59,8 @@ state.register_reset_callbacks([set_lr])
 @hvd.elastic.run
 def train(state: hvd.elastic.TorchState) -> None:
     rank, size = hvd.rank(), hvd.size()
-    print("ELASTIC_START " + json.dumps({"generation": int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0")),
-                                         "size": size, "step": state.batch}), flush=True)
+    generation = int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0"))
+    print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch}), flush=True)
     while state.batch < args.steps:
         step = state.batch
         start = (step * size + rank) * 8
@@ -70,6 +73,8 @@ def train(state: hvd.elastic.TorchState) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.stop_at:
             break
+        if args.pause and generation == 0:
+            time.sleep(args.pause)
 
 
 train(state)

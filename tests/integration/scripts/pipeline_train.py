@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -39,7 +40,9 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, INPUTS, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
 
 
-def main() -> int:
+def train(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train as the command line `argv` says (sys.argv when None); this worker's result, before hvd.shutdown().
+    The tests also call it in workers they fork themselves (testbed/cluster.py)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
@@ -60,7 +63,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4, help="Linear layers (2: one hidden layer)")
     parser.add_argument("--eval-steps", type=int, default=0, help="forward-only steps after training")
     parser.add_argument("--device", default="cpu", help="where every stage runs (cuda: all on the one GPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
     parts = split_model(make_model(args.layers, args.width), args.stages)
@@ -111,7 +114,11 @@ def main() -> int:
               "offload_ratio": [s.ratio for s in stage.offload_stats],
               "lanes": stage.exchange.links is not None and all(
                   link.lane is not None for link in stage.exchange.links.links.values())}
-    print("PIPELINE_RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def main() -> int:
+    print("PIPELINE_RESULT " + json.dumps(train()), flush=True)
     hvd.shutdown()
     return 0
 
