@@ -40,7 +40,8 @@ test-system-deps:
 test: $(STAMP) test-system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 -m 'not serial' tests
+	$(PY) -m pytest -q -m serial tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

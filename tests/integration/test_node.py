@@ -200,6 +200,7 @@ def _free_run(count: int) -> int:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.serial
 def test_a_transport_listens_on_a_fixed_port_or_releases_it() -> None:
     config = TransportConfig(channels=3)
     transport = open_transport("scheduler", config, lambda *_: None, keys=JobKeys(b"k" * 32, ["scheduler"]))

@@ -80,6 +80,7 @@ def test_messages_cross_a_lane_whole_and_checked() -> None:
     assert a.received[1] == b.sent[1] > 4096 + 2
 
 
+@pytest.mark.serial
 def test_a_full_lane_queues_without_blocking_and_sends_the_most_urgent_first() -> None:
     a, b = pair()
     started = time.monotonic()

@@ -48,6 +48,7 @@ class Sleep(nn.Module):
         return x * self.scale
 
 
+@pytest.mark.serial
 def test_time_balance_measures_each_layer() -> None:
     layers = [Sleep(0.04), Sleep(0.04), Sleep(0.002), Sleep(0.002)]
     assert split_points(layers, 2, "params") == [0, 2]  # equal parameters
