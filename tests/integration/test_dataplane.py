@@ -423,9 +423,11 @@ def test_forked_allgather_broadcast_alltoall() -> None:
 
 
 def _late_rank(plane: DataPlane, transport: Transport, rank: int, size: int) -> tuple[int, bool]:
-    """Rank 0 starts at once, the others 0.3 s later: its eager chunks wait for them, the rest for their READY."""
-    if rank:
-        time.sleep(0.3)
+    """Rank 0 starts at once, the others once its first messages have come (not a fixed delay, which a
+    loaded machine can outlast): its eager chunks wait for them, the rest for their READY."""
+    deadline = time.monotonic() + 10.0
+    while rank and plane.early_kept == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
     big = np.full(300_000, rank + 1, np.float32)
     small = np.full(10, rank + 1, np.int64)
     handles = [plane.allreduce(0, big, "float32", "sum", 1), plane.allreduce(1, small, "int64", "sum", 0, "tree")]
