@@ -66,10 +66,10 @@ def test_mismatched_collectives_raise_on_every_rank_and_the_job_goes_on(fusion: 
     for out in results:
         for case, (one, other) in described.items():
             error = out[case]  # rank 1 and one of the others, whichever the two descriptions met at
-            assert error.startswith("SluiceError") and "mismatch" in error, (case, error)
+            assert error.startswith("CollectiveError") and "mismatch" in error, (case, error)
             assert "rank 1 " in error and ("rank 0 " in error or "rank 2 " in error), (case, error)
             assert one in error and other in error, (case, error)
             assert out[f"{case}.after"] == [6.0] * 4  # the same name, agreed: the job went on
         error = out["fused.2"]
-        assert error.startswith("SluiceError") and "'f2' mismatch" in error and "[[6]]" in error, error
+        assert error.startswith("CollectiveError") and "'f2' mismatch" in error and "[[6]]" in error, error
         assert [out[f"fused.{i}"] for i in (0, 1, 3)] == [[3.0 + 3 * i] * 4 for i in (0, 1, 3)]

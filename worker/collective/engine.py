@@ -11,6 +11,7 @@ no data and takes no sequence number; the engine goes on.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import SluiceError
+from sluice.errors import CollectiveError, InvalidCallError, SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Kind, Message
@@ -29,12 +30,15 @@ from sluice.worker.collective.data import DataPlane
 from sluice.worker.collective.greedy import GreedyFusion
 from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.collective.negotiation import Decision, Request
+from sluice.worker.collective.negotiation_request import MAX_REASON, data_op, ranks_text, scaled_op
 from sluice.worker.collective.ops import CollectiveHandle, Completion
 from sluice.worker.collective.reduce import identity
 from sluice.worker.collective.tree import build_tree, ring_order
 
 #: coordinator messages kept until this rank's coordinator starts (neighbours send a few each at start)
 EARLY_COORDINATION = 4096
+#: kinds that fail while a rank has joined (as Horovod's): a joined rank has no rows or root to give
+_NOT_WITH_JOIN = ("allgather", "alltoall", "broadcast")
 COLLECTIVE_KINDS = frozenset((Kind.COORD_UP, Kind.COORD_DOWN, Kind.COLL_DATA, Kind.COLL_DONE))
 
 
@@ -52,7 +56,8 @@ class OpHandle(Completion):
         if not self._event.wait(limit):
             raise SluiceError(f"{self.what}: not finished after {limit:.0f} s (see collective.stall_timeout "
                               "for operations some ranks never submit)")
-        self._raise_failure()
+        if self.error is not None:
+            raise CollectiveError(f"{self.what} failed: {self.error}")
 
     def result(self) -> Any:
         self.wait()
@@ -93,11 +98,15 @@ class CollectiveEngine:
         self._coordination = Mailbox(EARLY_COORDINATION, transport.refuse)
 
     # ------------------------------------------------------------------ requests (any thread)
-    def allreduce(self, name: str, arrays: Sequence[np.ndarray], dtype: str, op: str, priority: int = 0) -> OpHandle:
+    def allreduce(self, name: str, arrays: Sequence[np.ndarray], dtype: str, op: str, priority: int = 0,
+                  scale: tuple[float, float] | None = None) -> OpHandle:
         """Reduce each array over all ranks by `op` (reduce.OPS), in place; several arrays
-        make one grouped request, decided when every one of them is ready everywhere."""
+        make one grouped request, decided when every one of them is ready everywhere. With `scale`
+        (Horovod's prescale and postscale factors) the caller scales, and divides an average: here it
+        is a sum, and the ranks must agree on the factors."""
         shapes = tuple(tuple(a.shape) for a in arrays)
-        return self._enqueue(Request(name, "allreduce", dtype, shapes, op, -1, priority), list(arrays))
+        described = op if scale is None else scaled_op(op, *scale)
+        return self._enqueue(Request(name, "allreduce", dtype, shapes, described, -1, priority), list(arrays))
 
     def allgather(self, name: str, array: np.ndarray, dtype: str, priority: int = 0) -> OpHandle:
         """Rows of every rank's array, concatenated in rank order (the first dimension may differ)."""
@@ -109,12 +118,19 @@ class CollectiveEngine:
 
     def alltoall(self, name: str, array: np.ndarray, splits: Sequence[int], dtype: str, priority: int = 0) -> OpHandle:
         """Row block i of `array` (rows per block in `splits`) goes to rank i; the result is what each
-        rank sent here, in rank order, and `handle.splits` how many rows came from each."""
-        if len(splits) != self.size or sum(splits) != (array.shape[0] if array.ndim else 0) or min(splits) < 0:
-            raise SluiceError(f"alltoall {name!r}: splits must be {self.size} non-negative row counts summing to "
-                              f"the {array.shape[0] if array.ndim else 0} rows, got {list(splits)}")
+        rank sent here, in rank order, and `handle.splits` how many rows came from each. Rows past the
+        splits' sum are not sent (as in Horovod)."""
+        rows = array.shape[0] if array.ndim else 0
+        if len(splits) != self.size:
+            raise InvalidCallError(f"alltoall {name!r}: Number of entries in splits does not equal number of "
+                                   f"workers ({len(splits)} for {self.size})")
+        if min(splits) < 0:
+            raise InvalidCallError(f"alltoall {name!r}: splits must not be negative, got {list(splits)}")
+        if sum(splits) > rows:
+            raise InvalidCallError(f"alltoall {name!r}: Sum of splits entries is greater than the first dimension "
+                                   f"of tensor ({sum(splits)} > {rows})")
         request = Request(name, "alltoall", dtype, (tuple(array.shape),), "sum", -1, priority)
-        return self._enqueue(request, [array], tuple(splits))
+        return self._enqueue(request, [array[:sum(splits)] if array.ndim else array], tuple(splits))
 
     def barrier(self, name: str) -> OpHandle:
         return self._enqueue(Request(name, "barrier"), [])
@@ -148,7 +164,7 @@ class CollectiveEngine:
     # ------------------------------------------------------------------ internals
     def _check_rank(self, rank: int, what: str) -> None:
         if not 0 <= rank < self.size:
-            raise SluiceError(f"{what} {rank} is not a rank of this job (0..{self.size - 1})")
+            raise InvalidCallError(f"{what} {rank} is not a rank of this job (0..{self.size - 1})")
 
     def _enqueue(self, request: Request, arrays: list[np.ndarray], splits: tuple[int, ...] = ()) -> OpHandle:
         for array in arrays:
@@ -160,8 +176,9 @@ class CollectiveEngine:
             if self._failure is not None:
                 raise SluiceError(self._failure)
             if request.name in self._waiting:
-                raise SluiceError(f"a collective named {request.name!r} is already in flight on rank {self.rank}; "
-                                  "names must be unique among unfinished operations")
+                raise InvalidCallError(
+                    f"Requested to {request.kind} a tensor with the same name as another tensor that is currently "
+                    f"being processed ({request.name!r}, on rank {self.rank}); use another name")
             self._waiting[request.name] = _Entry(request, arrays, handle, splits)
         if self.coordinator is None:
             raise SluiceError("the collective engine is not connected yet (Client.__init__ connects it)")
@@ -170,16 +187,34 @@ class CollectiveEngine:
         except ValueError as exc:
             with self._lock:
                 self._waiting.pop(request.name, None)
-            raise SluiceError(str(exc)) from None
+            raise InvalidCallError(str(exc)) from None
         return handle
+
+    def refuse(self, name: str, reason: str) -> None:
+        """This rank cannot run its call `name` (its arguments are invalid here): the same call fails on
+        every other rank too, so that every rank raises at that call and the ranks stay in step. Returns
+        once the call is decided (a cycle of the coordinator tree), so the name is free again; does
+        nothing where the call reached the coordinator or the job failed."""
+        with self._lock:
+            if self._failure is not None or name in self._waiting or self.coordinator is None:
+                return
+        handle = self._enqueue(Request(name, "refused", op=reason[:MAX_REASON] or "refused"), [])
+        with contextlib.suppress(SluiceError):
+            handle.wait()
 
     def _on_decided(self, decision: Decision) -> None:
         """On the coordinator's thread, for every decision in order."""
         with self._lock:
             entry = self._waiting.pop(decision.request.name, None)
-        if decision.error is not None:  # its ranks disagree: it fails here and everywhere; the job goes on
+        if decision.error is not None or decision.request.kind == "refused":
+            # its ranks disagree, or every one refused it: it fails here and everywhere; the job goes on
             if entry is not None:
-                entry.handle.finish(error=decision.error)
+                entry.handle.finish(error=decision.error or f"every rank refused it: {decision.request.op}")
+            return
+        if decision.joined and decision.request.kind in _NOT_WITH_JOIN:  # Horovod's rule: it fails everywhere
+            if entry is not None:
+                entry.handle.finish(error=f"{decision.request.kind.capitalize()} is not supported with Join at this "
+                                          f"time ({ranks_text(sorted(decision.joined))} joined)")
             return
         if entry is None:  # we joined, or someone else's join: take part with zeros
             entry = self._stand_in(decision)
@@ -240,7 +275,7 @@ class CollectiveEngine:
         if request.kind == "allgather" or request.kind == "alltoall":
             arrays = [np.zeros((0, *request.shapes[0][1:]), storage)]
         else:
-            fill = identity(request.dtype, request.op) if request.kind == "allreduce" else 0
+            fill = identity(request.dtype, data_op(request.op)) if request.kind == "allreduce" else 0
             arrays = [np.full(shape, fill, storage) for shape in request.shapes]
         splits = (0,) * self.size if request.kind == "alltoall" else ()
         return _Entry(request, arrays, OpHandle(f"{request.kind} {request.name!r} (joined)", self._timeout), splits)
@@ -281,7 +316,8 @@ class CollectiveEngine:
         if algorithm == "auto":
             algorithm = "tree" if flat.nbytes < self.settings.tree_below_bytes else "ring"
         parent, children = self.tree.parent[self.rank], self.tree.children[self.rank]
-        data = self.data.allreduce(seq, flat, request.dtype, request.op, request.priority, algorithm, parent, children)
+        data = self.data.allreduce(seq, flat, request.dtype, data_op(request.op), request.priority, algorithm, parent,
+                                   children)
 
         def scatter() -> None:
             if not single:

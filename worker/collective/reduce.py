@@ -99,7 +99,7 @@ def divide(dst: np.ndarray, count: int, dtype: str) -> None:
 
 
 def scaled(array: np.ndarray, factor: float, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
-    """array * factor in the storage of `dtype` (bfloat16 patterns through float32, rounded once; integers
+    """array * factor in the storage of `dtype` (bfloat16 and float16 through float32, rounded once; integers
     in float64, truncated toward zero, as Horovod scales them), written into `out` (may be `array`
     itself; a new array when None). Horovod's prescale_factor and postscale_factor."""
     target = np.empty(array.shape, array.dtype) if out is None else out
@@ -108,6 +108,8 @@ def scaled(array: np.ndarray, factor: float, dtype: str, out: np.ndarray | None 
             f32_to_bf16(bf16_to_f32(array.reshape(-1)) * np.float32(factor), target.reshape(-1))
         elif np.issubdtype(array.dtype, np.integer):
             np.copyto(target, np.trunc(array * factor), casting="unsafe")
+        elif array.dtype == np.float16:  # in float32, rounded once (as Horovod scales half floats on a CPU)
+            np.copyto(target, array.astype(np.float32) * np.float32(factor), casting="unsafe")
         else:
             np.multiply(array, array.dtype.type(factor), out=target)
     return target

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sluice.errors import SluiceError
+from sluice.errors import CollectiveError, SluiceError
 from sluice.worker.node import WorkerNode
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
@@ -61,12 +61,16 @@ from sluice.worker.torch.optimizer import DistributedOptimizer, synchronize_para
 from sluice.worker.torch.state import PARKED, STATE, log_metrics, require
 from sluice.worker.torch.sync_batch_norm import SyncBatchNorm
 
+#: Horovod's error for a collective that failed on every rank (the ranks disagreed, or one refused the call)
+HorovodInternalError = CollectiveError
+
 __all__ = [
     "Adasum",
     "Average",
     "Compression",
     "DDPHookState",
     "DistributedOptimizer",
+    "HorovodInternalError",
     "Max",
     "Min",
     "ProcessSet",

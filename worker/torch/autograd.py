@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from sluice.errors import InvalidCallError
+from sluice.worker.torch.calls import op_name, refusing
 from sluice.worker.torch.collectives import (
     Average,
     Max,
@@ -23,6 +25,7 @@ from sluice.worker.torch.collectives import (
     Sum,
     allgather_async,
     alltoall_async,
+    alltoall_splits,
     broadcast_async_,
     check_process_set,
     grouped_allreduce_async_,
@@ -68,10 +71,14 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None) -> list[torch.Tensor]:
     """Reduce every tensor of the group over all ranks as one request; differentiable."""
-    check_process_set(process_set)
-    reduce_op = resolve_op(average, op)
-    packed = [compression.compress(t) for t in tensors]
-    outputs = _Allreduce.apply(name, reduce_op, prescale_factor, postscale_factor, *(c for c, _ in packed))  # type: ignore[no-untyped-call]
+    call = op_name(name, "allreduce")
+    with refusing(call):
+        check_process_set(process_set)
+        reduce_op = resolve_op(average, op)
+        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise InvalidCallError(f"allreduce takes torch tensors, got {type(tensors).__name__}")
+        packed = [compression.compress(t) for t in tensors]
+    outputs = _Allreduce.apply(call, reduce_op, prescale_factor, postscale_factor, *(c for c, _ in packed))  # type: ignore[no-untyped-call]
     return [compression.decompress(out, context) for out, (_, context) in zip(outputs, packed, strict=True)]
 
 
@@ -80,7 +87,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """The tensor reduced over all ranks by `op` (Average by default), as a new tensor; differentiable.
     `compression` casts it for the wire (Compression.fp16, bf16) and back."""
-    return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
+    group = [tensor] if isinstance(tensor, torch.Tensor) else tensor  # anything else: the group's checks refuse it
+    return grouped_allreduce(group, average, name, compression, op, prescale_factor, postscale_factor,
                              process_set)[0]
 
 
@@ -100,8 +108,12 @@ class _Allgather(torch.autograd.Function):
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Every rank's tensor concatenated along the first dimension (which may differ per rank); differentiable."""
-    check_process_set(process_set)
-    return _Allgather.apply(tensor, name)  # type: ignore[no-untyped-call, no-any-return]
+    call = op_name(name, "allgather")
+    with refusing(call):
+        check_process_set(process_set)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidCallError(f"allgather takes a torch tensor, got {type(tensor).__name__}")
+    return _Allgather.apply(tensor, call)  # type: ignore[no-untyped-call, no-any-return]
 
 
 class _Broadcast(torch.autograd.Function):
@@ -118,8 +130,12 @@ class _Broadcast(torch.autograd.Function):
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """`root_rank`'s tensor on every rank, as a new tensor; differentiable."""
-    check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)  # type: ignore[no-untyped-call, no-any-return]
+    call = op_name(name, "broadcast")
+    with refusing(call):
+        check_process_set(process_set)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidCallError(f"broadcast takes a torch tensor, got {type(tensor).__name__}")
+    return _Broadcast.apply(tensor, root_rank, call)  # type: ignore[no-untyped-call, no-any-return]
 
 
 class _Alltoall(torch.autograd.Function):
@@ -141,21 +157,51 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
              process_set: Any = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Row block i of `tensor` (sizes `splits`; None: equal blocks) goes to rank i; differentiable. With
     `splits` given, also the rows received from each rank (as Horovod)."""
-    check_process_set(process_set)
-    split_list = None if splits is None else [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
-                                                                 else splits)]
-    output, received = _Alltoall.apply(tensor, split_list, name)  # type: ignore[no-untyped-call]
+    call = op_name(name, "alltoall")
+    with refusing(call):
+        check_process_set(process_set)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidCallError(f"alltoall takes a torch tensor, got {type(tensor).__name__}")
+        split_list = alltoall_splits(splits, tensor.shape[0] if tensor.dim() else 0, require().size)
+    output, received = _Alltoall.apply(tensor, split_list, call)  # type: ignore[no-untyped-call]
     return (output, received) if splits is not None else output
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, op: str, pre: float, post: float) -> Any:
+        ctx.op, ctx.scale = op, pre * post
+        node = require()
+        reduced = _reduced([tensor], op, pre, post, name)[0]
+        rows, size = tensor.shape[0], node.size
+        starts = [r * (rows // size) + min(r, rows % size) for r in range(size + 1)]
+        return reduced[starts[node.rank]: starts[node.rank + 1]]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        # Horovod's: the allgather of the blocks' gradients, times the size for a sum, times both factors
+        scale = ctx.scale * (require().size if ctx.op == Sum else 1)
+        scaled = grad.contiguous() * scale if scale != 1 else grad.contiguous()
+        return synchronize(allgather_async(scaled, None)), None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
                   op: str | None = Average, process_set: Any = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """This rank's block of the first dimension of the reduced tensor (blocks as even as they can be, the
-    first ones one row longer, as Horovod splits). Built on allreduce: it moves the whole tensor, not a
-    1/size share of it; differentiable."""
-    reduced = allreduce(tensor, None, name, compression, op, prescale_factor, postscale_factor, process_set)
-    node = require()
-    rows, size = tensor.shape[0], node.size
-    starts = [r * (rows // size) + min(r, rows % size) for r in range(size + 1)]
-    return reduced[starts[node.rank]: starts[node.rank + 1]]
+    first ones one row longer, as Horovod splits); Sum or Average only, as Horovod. Built on allreduce:
+    it moves the whole tensor, not a 1/size share of it; differentiable (Horovod's gradient: the
+    allgather of the blocks' gradients)."""
+    call = op_name(name, "reducescatter")
+    with refusing(call):
+        check_process_set(process_set)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidCallError(f"reducescatter takes a torch tensor, got {type(tensor).__name__}")
+        if tensor.dim() == 0:
+            raise InvalidCallError("Reducescatter does not support scalar inputs")
+        reduce_op = resolve_op(None, op)
+        if reduce_op not in (Sum, Average):
+            raise InvalidCallError("Reducescatter currently only supports AVERAGE and SUM.")
+        compressed, context = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, call, reduce_op, prescale_factor, postscale_factor)  # type: ignore[no-untyped-call]
+    return compression.decompress(out, context)

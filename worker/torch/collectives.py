@@ -11,19 +11,19 @@ autograd.py.
 
 from __future__ import annotations
 
-import itertools
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from sluice.errors import SluiceError
-from sluice.worker.collective.engine import CollectiveEngine, OpHandle
+from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.collective.reduce import REDUCIBLE, scaled
 from sluice.worker.staging import Staging, tensor_of, wire_dtype
-from sluice.worker.torch.state import NAMES, require
+from sluice.worker.torch.calls import engine, op_name, refusing, register, rewrap
+from sluice.worker.torch.calls import poll as poll
+from sluice.worker.torch.calls import synchronize as synchronize
+from sluice.worker.torch.state import require
 
 #: Horovod's reduction ops (horovod.torch.Average, Sum, Min, Max, Product; Adasum is refused)
 Average, Sum, Min, Max, Product, Adasum = "average", "sum", "min", "max", "product", "adasum"
@@ -61,60 +61,24 @@ def check_process_set(process_set: Any) -> None:
         raise SluiceError(_NO_PROCESS_SETS)
 
 
-_handles: dict[int, tuple[OpHandle, Callable[[], Any]]] = {}
-_handle_ids = itertools.count(1)
-_handles_lock = threading.Lock()
-
-
-def engine() -> CollectiveEngine:
-    node = require()
-    if node.collectives is None:
-        raise SluiceError("the collective engine is not running (init() did not finish)")
-    return node.collectives
-
-
 def resolve_op(average: bool | None, op: str | None) -> str:
     """Horovod's rules: average= (deprecated) or op=, Average by default."""
     if average is not None and op is not None:
-        raise SluiceError("give either average= (deprecated in Horovod) or op=, not both")
+        raise InvalidCallError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         return Sum if average is False else Average
     if op == Adasum:
         raise SluiceError("op=Adasum is not offered by Sluice: use op=hvd.Average (the default) or hvd.Sum; "
                           "with DistributedOptimizer, gradient_predivide_factor scales as Adasum users often need")
     if op not in _OPS:
-        raise SluiceError(f"op must be one of hvd.Average, Sum, Min, Max, Product; got {op!r}")
+        raise InvalidCallError(f"op must be one of hvd.Average, Sum, Min, Max, Product; got {op!r}")
     return op
 
 
-def _name(name: str | None, kind: str) -> str:
-    return name if name is not None else f"{kind}.noname.{next(NAMES)}"
-
-
-def _register(handle: OpHandle, finish: Callable[[], Any]) -> int:
-    with _handles_lock:
-        number = next(_handle_ids)
-        _handles[number] = (handle, finish)
-    return number
-
-
-def poll(handle: int) -> bool:
-    """True when the operation of `handle` has finished (synchronize then returns at once)."""
-    with _handles_lock:
-        entry = _handles.get(handle)
-    if entry is None:
-        raise SluiceError(f"unknown or already synchronized handle {handle}")
-    return entry[0].done()
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation of `handle` and return its output."""
-    with _handles_lock:
-        entry = _handles.pop(handle, None)
-    if entry is None:
-        raise SluiceError(f"unknown or already synchronized handle {handle}")
-    entry[0].wait()
-    return entry[1]()
+def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidCallError(f"{what} takes torch tensors, got {type(tensor).__name__}")
+    return tensor
 
 
 # ---------------------------------------------------------------------------- allreduce
@@ -127,33 +91,38 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None, priority: int = 0) -> int:
     """One request for all of `tensors` (decided when every one is ready on every rank), in place:
-    each is multiplied by `prescale_factor`, reduced by `op`, then multiplied by `postscale_factor`."""
-    check_process_set(process_set)
-    reduce_op = resolve_op(average, op)
-    if not tensors:
-        raise SluiceError("grouped_allreduce needs at least one tensor")
-    if any(t.dtype != tensors[0].dtype for t in tensors):
-        raise SluiceError("grouped_allreduce: every tensor of a group must have the same dtype")
-    wider = _WIDER.get(tensors[0].dtype)
-    work = [t.detach().to(wider) for t in tensors] if wider is not None else list(tensors)
-    dtype = wire_dtype(work[0])
-    if dtype not in REDUCIBLE:
-        raise SluiceError(f"allreduce of {tensors[0].dtype} is not supported")
-    stages = [Staging(t) for t in work]
-    arrays = [s.load(t) for s, t in zip(stages, work, strict=True)]
+    each is multiplied by `prescale_factor`, reduced by `op`, then multiplied by `postscale_factor`.
+    Average is Horovod's: a sum, then one multiplication by postscale_factor / size (integers truncated)."""
+    call = op_name(name, "allreduce")
+    with refusing(call):
+        check_process_set(process_set)
+        reduce_op = resolve_op(average, op)
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise InvalidCallError("grouped_allreduce needs a list of at least one tensor")
+        tensors = [_check_tensor(t, "allreduce") for t in tensors]
+        if any(t.dtype != tensors[0].dtype for t in tensors):
+            raise InvalidCallError("grouped_allreduce: every tensor of a group must have the same dtype")
+        wider = _WIDER.get(tensors[0].dtype)
+        work = [t.detach().to(wider) for t in tensors] if wider is not None else list(tensors)
+        dtype = wire_dtype(work[0])
+        if dtype not in REDUCIBLE:
+            raise InvalidCallError(f"Tensor type {tensors[0].dtype} is not supported by allreduce.")
+        # Horovod's average: the sum, then one multiplication by postscale / size (no second rounding)
+        after = postscale_factor / require().size if reduce_op == Average else postscale_factor
+        stages = [Staging(t) for t in work]
+        arrays = [s.load(t) for s, t in zip(stages, work, strict=True)]
     for array in arrays:
         if prescale_factor != 1.0:
             scaled(array, prescale_factor, dtype, array)
-    op_name = _name(name, "allreduce")
-    handle = engine().allreduce(op_name, arrays, dtype, reduce_op, priority)
+    handle = engine().allreduce(call, arrays, dtype, reduce_op, priority, scale=(prescale_factor, postscale_factor))
     trace = require().trace
     if trace is not None:
-        trace.collective(op_name, "allreduce", priority, sum(a.nbytes for a in arrays), handle)
+        trace.collective(call, "allreduce", priority, sum(a.nbytes for a in arrays), handle)
 
     def finish() -> list[torch.Tensor]:
         for array in arrays:
-            if postscale_factor != 1.0:
-                scaled(array, postscale_factor, dtype, array)
+            if after != 1.0:
+                scaled(array, after, dtype, array)
         for stage, part, tensor in zip(stages, work, tensors, strict=True):
             stage.store(part)
             if part is not tensor:
@@ -161,23 +130,21 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                     tensor.copy_(part != 0 if tensor.dtype == torch.bool else part)
         return list(tensors)
 
-    return _register(handle, finish)
+    return register(handle, finish)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = None) -> int:
     number = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    handle, finish = _handles[number]
-    _handles[number] = (handle, lambda: finish()[0])
+    rewrap(number, lambda outputs: outputs[0])
     return number
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = None) -> int:
-    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
-                            process_set)
+    return allreduce_async_(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -197,8 +164,13 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = None) -> int:
-    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op, prescale_factor,
-                                    postscale_factor, process_set)
+    copies = [_copy(t) for t in tensors] if isinstance(tensors, (list, tuple)) else tensors
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def _copy(tensor: Any) -> Any:
+    """A detached copy of a tensor (anything else as it is, for the call's checks to refuse)."""
+    return tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
 
 
 # ---------------------------------------------------------------------------- gather, broadcast, alltoall
@@ -208,55 +180,77 @@ def _as_tensor(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     """Every rank's tensor concatenated along the first dimension, which may differ per rank."""
-    check_process_set(process_set)
-    if tensor.dim() == 0:
-        raise SluiceError("allgather needs a tensor of at least one dimension")
-    array = Staging(tensor).load(tensor).copy()
-    handle = engine().allgather(_name(name, "allgather"), array, wire_dtype(tensor))
-    return _register(handle, lambda: _as_tensor(handle.result(), tensor))
+    call = op_name(name, "allgather")
+    with refusing(call):
+        check_process_set(process_set)
+        if _check_tensor(tensor, "allgather").dim() == 0:
+            raise InvalidCallError("allgather needs a tensor of at least one dimension")
+        array = Staging(tensor).load(tensor).copy()
+    handle = engine().allgather(call, array, wire_dtype(tensor))
+    return register(handle, lambda: _as_tensor(handle.result(), tensor))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
-    check_process_set(process_set)
-    stage = Staging(tensor)
-    array = stage.load(tensor)
-    handle = engine().broadcast(_name(name, "broadcast"), array, root_rank, wire_dtype(tensor))
+    call = op_name(name, "broadcast")
+    with refusing(call):
+        check_process_set(process_set)
+        size = require().size
+        if type(root_rank) is not int or not 0 <= root_rank < size:
+            raise InvalidCallError(f"broadcast received invalid root rank {root_rank} for provided process set "
+                                   f"(ranks 0..{size - 1})")
+        stage = Staging(_check_tensor(tensor, "broadcast"))
+        array = stage.load(tensor)
+    handle = engine().broadcast(call, array, root_rank, wire_dtype(tensor))
 
     def finish() -> torch.Tensor:
         stage.store(tensor)
         return tensor
 
-    return _register(handle, finish)
+    return register(handle, finish)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
-    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+    return broadcast_async_(_copy(tensor), root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
 
 
+def alltoall_splits(splits: Sequence[int] | torch.Tensor | None, rows: int, size: int) -> list[int]:
+    """Horovod's alltoall splits: None means equal blocks; a tensor of integers or a sequence of ints."""
+    if splits is None:
+        if rows % size:
+            raise InvalidCallError("splits not provided, but first dimension of tensor is not an even multiple "
+                                   f"of the number of workers ({rows} rows, {size} workers).")
+        return [rows // size] * size
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() > 1:
+            raise InvalidCallError("alltoall expects a 1D splits tensor")
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise InvalidCallError("alltoall expects splits to contain 32-bit integer elements.")
+        return [int(s) for s in splits.tolist()]
+    if not all(isinstance(s, (int, np.integer)) for s in splits):
+        raise InvalidCallError(f"alltoall expects splits to be integers, got {list(splits)!r:.80}")
+    return [int(s) for s in splits]
+
+
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
                    name: str | None = None, process_set: Any = None) -> int:
     """Row block i of `tensor` (sizes `splits`; None: equal blocks) goes to rank i."""
-    check_process_set(process_set)
-    size = require().size
-    rows = tensor.shape[0] if tensor.dim() else 0
-    if splits is None:
-        if rows % size:
-            raise SluiceError(f"alltoall without splits needs a first dimension divisible by {size}, got {rows}")
-        split_list = [rows // size] * size
-    else:
-        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    array = Staging(tensor).load(tensor).copy()
-    handle = engine().alltoall(_name(name, "alltoall"), array, split_list, wire_dtype(tensor))
+    call = op_name(name, "alltoall")
+    with refusing(call):
+        check_process_set(process_set)
+        rows = _check_tensor(tensor, "alltoall").shape[0] if tensor.dim() else 0
+        split_list = alltoall_splits(splits, rows, require().size)
+        array = Staging(tensor).load(tensor).copy()
+        handle = engine().alltoall(call, array, split_list, wire_dtype(tensor))
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
         output, received = handle.result()
         return _as_tensor(output, tensor), torch.tensor(list(received), dtype=torch.int32)
 
-    return _register(handle, finish)
+    return register(handle, finish)
 
 
 def join(device: Any = None) -> int:
@@ -267,8 +261,10 @@ def join(device: Any = None) -> int:
 
 def barrier(name: str | None = None, process_set: Any = None) -> None:
     """Wait until every rank has called barrier (the same number of times: unnamed ones are numbered)."""
-    check_process_set(process_set)
-    engine().barrier(_name(name, "barrier")).wait()
+    call = op_name(name, "barrier")
+    with refusing(call):
+        check_process_set(process_set)
+    engine().barrier(call).wait()
 
 
 # ---------------------------------------------------------------------------- parameters and optimizer state

@@ -1,0 +1,106 @@
+"""How a Horovod-style call keeps the ranks in step: its name, the refusal of a call this rank cannot run, its handle.
+
+Every collective call draws its name first (an unnamed call takes the next number of one sequence,
+the same on every rank whatever fails later), and checks its arguments inside `refusing(name)`:
+where this rank cannot run the call, the same call fails on every other rank too (the engine's
+`refuse`), so every rank raises at that call and the next collectives run. The exception types are
+Horovod's: InvalidCallError (a ValueError) for arguments no rank could run, CollectiveError (Horovod's
+HorovodInternalError) where the ranks disagreed or another rank refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from sluice.errors import CollectiveError, InvalidCallError, SluiceError
+from sluice.worker.collective.engine import CollectiveEngine, OpHandle
+from sluice.worker.torch.state import NAMES, STATE, require
+
+#: set on an exception this module has handled (refused, or raised after the call reached every rank)
+_HANDLED = "_sluice_refusal_handled"
+
+
+def engine() -> CollectiveEngine:
+    node = require()
+    if node.collectives is None:
+        raise SluiceError("the collective engine is not running (init() did not finish)")
+    return node.collectives
+
+
+def op_name(name: str | None, kind: str) -> str:
+    """The engine's name of a call: the user's, or `<kind>.noname.<n>` from one sequence for every kind."""
+    return name if name is not None else f"{kind}.noname.{next(NAMES)}"
+
+
+@contextmanager
+def refusing(name: str) -> Iterator[None]:
+    """Run a call's checks: where they fail here, the call `name` fails on every rank (then re-raise)."""
+    try:
+        yield
+    except Exception as exc:
+        refuse(name, exc)
+        raise
+
+
+def refuse(name: str, exc: Exception) -> None:
+    """This rank cannot run the call `name` because of `exc`: fail it on every rank (once)."""
+    if getattr(exc, _HANDLED, False) or isinstance(exc, CollectiveError) or (
+            isinstance(exc, SluiceError) and not isinstance(exc, InvalidCallError)):
+        return  # the call reached every rank already, or the job failed: nothing to keep in step
+    _mark(exc)
+    node = STATE.node
+    if node is not None and node.collectives is not None:
+        node.collectives.refuse(name, f"{type(exc).__name__}: {exc}")
+
+
+def _mark(exc: BaseException) -> None:
+    with suppress(AttributeError):  # an exception type without a __dict__: it is raised all the same
+        setattr(exc, _HANDLED, True)
+
+
+# ---------------------------------------------------------------------------- handles
+_handles: dict[int, tuple[OpHandle, Callable[[], Any]]] = {}
+_handle_ids = itertools.count(1)
+_handles_lock = threading.Lock()
+
+
+def register(handle: OpHandle, finish: Callable[[], Any]) -> int:
+    """An int handle for `poll` and `synchronize`; `finish()` makes the call's output once it is done."""
+    with _handles_lock:
+        number = next(_handle_ids)
+        _handles[number] = (handle, finish)
+    return number
+
+
+def rewrap(number: int, result: Callable[[Any], Any]) -> None:
+    """Make `synchronize(number)` return `result(what it returned)`."""
+    with _handles_lock:
+        handle, finish = _handles[number]
+        _handles[number] = (handle, lambda: result(finish()))
+
+
+def poll(handle: int) -> bool:
+    """True when the operation of `handle` has finished (synchronize then returns at once)."""
+    with _handles_lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        raise InvalidCallError(f"Handle {handle} was not created or has been cleared.")
+    return entry[0].done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of `handle` and return its output (None for an unknown handle, as Horovod)."""
+    with _handles_lock:
+        entry = _handles.pop(handle, None)
+    if entry is None:
+        return None
+    try:
+        entry[0].wait()
+        return entry[1]()
+    except Exception as exc:  # the call reached every rank: no refusal of it now
+        _mark(exc)
+        raise
