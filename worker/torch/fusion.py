@@ -116,7 +116,7 @@ class FusedGradients:
 
     def __init__(self, node: WorkerNode, route: str, params: Sequence[tuple[int, str, torch.Tensor]],
                  priorities: dict[int, int], fusion_bytes: int, reduction: Reduction = Reduction(),
-                 groups: Sequence[Sequence[int]] | None = None) -> None:
+                 groups: Sequence[Sequence[int]] | None = None, prefix: str = "") -> None:
         self.node, self.route, self.reduction = node, route, reduction
         torch_dtype = params[0][2].dtype
         wire = reduction.wire if reduction.wire is not None and torch_dtype.is_floating_point else torch_dtype
@@ -157,7 +157,7 @@ class FusedGradients:
         self._item = item
         self.active = 0
         self._groups_of = {key: [g.index for g in self.plan.groups if i in g.tensors] for key, i in self._index.items()}
-        self.names = [f"fusion.{route}.{self.dtype}.{g.index}" for g in self.plan.groups]
+        self.names = [f"{prefix}fusion.{route}.{self.dtype}.{g.index}" for g in self.plan.groups]
         #: each group's gradients, for the timeline
         self.members = [" ".join(params[t][1] for t in g.tensors) for g in self.plan.groups]
         self.priorities = [min((priorities.get(self.keys[t], 0) for t in g.tensors), default=0)
@@ -249,16 +249,20 @@ class FusedGradients:
 
 def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes: dict[str, str],
                  assigned: Sequence[Any], reduction: Reduction = Reduction(),
-                 groups: int | Sequence[Sequence[int]] | None = None) -> dict[int, FusedGradients]:
+                 groups: int | Sequence[Sequence[int]] | None = None, prefix: str = "",
+                 trained: Sequence[int] | None = None) -> dict[int, FusedGradients]:
     """The fused gradient sets of one optimizer, one per route, dtype and device: slots in backward
     order, which is the reverse of the order the forward pass first uses the parameters (the
     priority map; ties: the reverse of declaration order). The same on every rank, every step.
     `groups` (Horovod's): an int splits each set into that many balanced groups; lists of parameter
-    ids are fused messages of their own (within each set), every other gradient goes alone."""
+    ids are fused messages of their own (within each set), every other gradient goes alone. `prefix`
+    starts the groups' names (one optimizer's apart from another's); `trained`: the parameters that get
+    gradients (default: those that require them now)."""
     node = require_node()
     priority = {a.name: a.priority for a in assigned}
     declared = {key: i for i, key in enumerate(params)}
-    trained = [key for key, p in params.items() if p.requires_grad]
+    if trained is None:
+        trained = [key for key, p in params.items() if p.requires_grad]
     backward = sorted(trained, key=lambda k: (-priority.get(names[k], 0), -declared[k]))
     sets: dict[tuple[str, torch.dtype, str], list[tuple[int, str, torch.Tensor]]] = {}
     for key in backward:
@@ -274,7 +278,7 @@ def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes:
         elif groups is not None:
             members, explicit = _user_groups(members, groups)
         fused = FusedGradients(node, route, members, {k: priority.get(names[k], 0) for k, _, _ in members},
-                               fusion_bytes, reduction, explicit)
+                               fusion_bytes, reduction, explicit, prefix)
         for key, _, _ in members:
             by_key[key] = fused
     return by_key

@@ -22,10 +22,10 @@ from sluice.worker.staging import Staging
 from sluice.worker.torch.collectives import Average, allgather_async, synchronize
 from sluice.worker.torch.compression import Compression, Compressor
 from sluice.worker.torch.fusion import FusedGradients, GroupWait, Reduction, build_fusion, choose_routes
-from sluice.worker.torch.options import Done, Options, parse_options
+from sluice.worker.torch.options import Done, Options, named_parameters_of, parse_options
 from sluice.worker.torch.priority import ParameterPriorities
 from sluice.worker.torch.server_side import seed_servers, server_options
-from sluice.worker.torch.state import PENDING, STATE, Waitable, declare_missing, log_metrics, require
+from sluice.worker.torch.state import OPTIMIZERS, PENDING, STATE, Waitable, declare_missing, log_metrics, require
 
 
 class _DistributedMixin:
@@ -35,24 +35,21 @@ class _DistributedMixin:
 
     def _sluice_setup(
         self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None,
-        horovod: Options,
+        horovod: Options, prefix: str,
     ) -> None:
+        """`prefix` keeps this optimizer's names on the servers and in the collectives apart from other
+        optimizers' of the process ('' for the first, then 'opt1.', ...: the same on every rank)."""
         self._sluice_kind = kind
         self._sluice_steps = 0
         self._sluice_options = horovod
         #: id(param) -> backward passes since its gradient was last sent (backward_passes_per_step)
         self._sluice_passes: dict[int, int] = {}
         params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(params)]
-        else:
-            named = list(named_parameters)
-        self._sluice_names = {id(p): name for name, p in named}
-        if len(self._sluice_names) != len(named):
-            raise SluiceError("named_parameters lists a parameter twice")
-        unnamed = [i for i, p in enumerate(params) if id(p) not in self._sluice_names]
-        if unnamed:
-            raise SluiceError(f"parameters {unnamed[:5]} of the optimizer are missing from named_parameters")
+        named = named_parameters_of(self.param_groups, named_parameters)
+        #: Horovod's attribute: each parameter's name
+        self._parameter_names = {p: name for name, p in named}
+        self._sluice_names = {id(p): prefix + name for name, p in named}
+        self._sluice_prefix = prefix
         self._sluice_on_server = STATE.settings.optimizer_on == "server"
         self._sluice_handles: dict[int, tuple[Waitable, Callable[[], Any]]] = {}
         self._sluice_stages: dict[int, Staging] = {}
@@ -77,11 +74,17 @@ class _DistributedMixin:
             seed_servers(in_order)
         self._sluice_group = {id(p): group for group in self.param_groups for p in group["params"]}
         self._sluice_params = {id(p): p for p in params}
+        #: the parameters that required gradients when this optimizer was made: hooked, and fused, for good
+        #: (a requires_grad switched off later leaves a zero in its slot; Horovod's hooks are made once too)
+        self._sluice_hooked = [id(p) for p in params if p.requires_grad]
+        #: this step's gradients are all sent (those never computed here too); a hook or zero_grad starts a step
+        self._sluice_completed = False
         for p in params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._sluice_hook)
 
     def _sluice_hook(self, param: torch.Tensor) -> None:
+        self._sluice_completed = False
         self._sluice_priorities.forward_seen()  # a gradient is ready, so the forward pass is over
         key = id(param)
         passes = self._sluice_passes.get(key, 0) + 1
@@ -149,7 +152,7 @@ class _DistributedMixin:
         if self._sluice_fused is None:
             self._sluice_fused = build_fusion(self._sluice_params, self._sluice_names, self._sluice_routes,
                                               self._sluice_priorities.assigned, self._sluice_options.reduction,
-                                              self._sluice_options.groups)
+                                              self._sluice_options.groups, self._sluice_prefix, self._sluice_hooked)
         elif self._sluice_flushed:
             self._sluice_next_step()
         fused = self._sluice_fused[key]
@@ -158,7 +161,18 @@ class _DistributedMixin:
         self._sluice_handles[key] = (fused.waits_for(key), lambda: view)
 
     def _sluice_flush(self) -> None:
-        """Backward is over: every group not sent yet (gradients unused this step) goes now."""
+        """Backward is over: a gradient this rank never computed (its loss did not reach the parameter)
+        goes as zeros, as Horovod's, so the others' still count and every rank steps it alike; then
+        every group not sent yet goes."""
+        if not self._sluice_completed:
+            self._sluice_completed = True
+            for key in self._sluice_hooked:
+                param = self._sluice_params[key]
+                if key not in self._sluice_handles and param.requires_grad:  # frozen now: not stepped, as torch
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    self._sluice_passes[key] = self._sluice_options.backward_passes_per_step - 1
+                    self._sluice_hook(param)
         if self._sluice_fused is not None and not self._sluice_flushed:
             for fused in {id(f): f for f in self._sluice_fused.values()}.values():
                 fused.flush()
@@ -274,6 +288,7 @@ class _DistributedMixin:
         """With the optimizer on the workers, gradients stay views of the fusion buffers (as DDP's
         gradient_as_bucket_view): this points them at the other buffer, zeroed, whatever set_to_none
         says, while the updates of the last step may still read the first."""
+        self._sluice_completed = False
         if self._sluice_fused is not None:
             if not self._sluice_flushed:  # in the middle of a step: finish it first
                 self.synchronize()
@@ -308,6 +323,7 @@ def DistributedOptimizer(
     `model` when it is given and traceable, else from the first forward pass.
     """
     require()
+    index = next(OPTIMIZERS)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     options = parse_options(compression, backward_passes_per_step, op, gradient_predivide_factor,
                        groups if groups is not None else (num_groups or None), sparse_as_dense, process_set, params)
@@ -315,7 +331,7 @@ def DistributedOptimizer(
     cls: Any = type(base.__name__, (_DistributedMixin, base), {})
     wrapped: Any = cls.__new__(cls)
     base.__init__(wrapped, optimizer.param_groups)
-    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options)
+    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options, f"opt{index}." if index else "")
     return wrapped  # type: ignore[no-any-return]
 
 

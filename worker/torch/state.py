@@ -30,6 +30,8 @@ STATE = State()
 PARKED: list[WorkerNode] = []
 #: names for unnamed collectives, the same sequence on every worker
 NAMES = itertools.count()
+#: DistributedOptimizers made in this process, numbered alike on every worker (their names stay apart)
+OPTIMIZERS = itertools.count()
 class Waitable(Protocol):
     def wait(self) -> None: ...
 
