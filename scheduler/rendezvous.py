@@ -302,8 +302,11 @@ class Rendezvous:
         if not all(w.name in self.byes for w in self._of_role("worker")):
             if node.role != "worker":
                 return []
-            # servers and aggregators fail at once any round that now waits for this worker, instead of stalling
-            return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in serving] + self.switch.gone(node.name)
+            # servers and aggregators fail at once any round that now waits for this worker, instead of
+            # stalling, and so do the other workers' collectives (worker/collective/engine.py)
+            staying = [w for w in self._of_role("worker") if w.name not in self.byes]
+            return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in serving + staying] + self.switch.gone(
+                node.name)
         self.phase, self.exit_code = "done", 0
         return [(s.name, self._msg(Kind.SHUTDOWN)) for s in serving]
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sluice.errors import SluiceError
+from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv, from_environ
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host
 from sluice.transport.base import open_transport
 from sluice.transport.timeline import TimelineConfig, part_path
-from sluice.transport.wire import Kind, Message, WireError
+from sluice.transport.wire import Kind, Message, WireError, meta_field
 from sluice.worker.client import Client
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
@@ -189,6 +190,7 @@ class WorkerNode:
             self.collective_settings, self.settings.chunk_limit, self.control_settings.op_timeout,
             lambda priority: self.settings.channel_for(priority, levels),
         )
+        engine.on_first_orphan = lambda rank, error: culprit.report("worker", rank, error)
         self._early_collective.attach(engine.on_message)
         self.collectives = engine
         self.add_handler(engine)
@@ -207,10 +209,21 @@ class WorkerNode:
 
     def _on_control(self, msg: Message) -> None:
         """A scheduler message the control client does not take itself, to the handler that owns its kind."""
+        if msg.kind == Kind.BYE:  # another worker ended its process: collectives still waiting for it fail
+            self._on_worker_left(meta_field(msg, "rank", int))
+            return
         handler = self.control_routes.get(msg.kind)
         if handler is None:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
         handler(msg)
+
+    def _on_worker_left(self, rank: int) -> None:
+        workers = self.by_rank("worker")
+        if not 0 <= rank < len(workers):
+            raise WireError(f"the scheduler says worker {rank} left; the job has workers 0..{len(workers) - 1}")
+        if self.collectives is not None:
+            host = endpoint_host(workers[rank].endpoints)
+            self.collectives.worker_left(rank, f"worker {rank} (on {host})")
 
     def _on_fatal(self, error: str) -> None:
         self.failure = error

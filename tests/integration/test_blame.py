@@ -28,11 +28,15 @@ if "grandchild" in args:
 limits = dict(tuple(map(int, a.split("="))) for a in args if "=" in a)
 node = WorkerNode()
 client = node.ps
-client.declare([("w", (50000,), "float32", None)])
+if "allreduce" not in args:
+    client.declare([("w", (50000,), "float32", None)])
 data, out = np.ones(50000, np.float32), np.zeros(50000, np.float32)
 step = 0
 while step < limits.get(client.rank, 1 << 30):
-    client.push_pull("w", data, out).wait()
+    if "allreduce" in args:
+        node.collectives.allreduce(f"w.{step}", [data], "float32", "sum").wait()
+    else:
+        client.push_pull("w", data, out).wait()
     step += 1
     if step == 2:
         print("stepping", os.getpid(), flush=True)
@@ -49,9 +53,11 @@ def stepper(tmp_path: Path) -> str:
     return str(path)
 
 
-def _start(launch: type[Launch], stepper: str, *worker_args: str, workers: int = 2) -> tuple[Launch, dict[str, int]]:
-    """A running job of `workers` workers and 2 servers; its processes by label ('server 0', 'scheduler')."""
-    job = launch(["-w", str(workers), "-s", "2", *FAST_HEARTBEATS, "--", sys.executable, stepper, *worker_args])
+def _start(launch: type[Launch], stepper: str, *worker_args: str, workers: int = 2,
+           servers: int = 2) -> tuple[Launch, dict[str, int]]:
+    """A running job of `workers` workers and `servers` servers; its processes by label ('server 0', 'scheduler')."""
+    job = launch(["-w", str(workers), "-s", str(servers), *FAST_HEARTBEATS, "--", sys.executable, stepper,
+                  *worker_args])
     for rank in range(workers):
         job.wait_line(rf"^\[worker {rank}\] stepping \d+$", timeout=45)
     found = {}
@@ -61,7 +67,7 @@ def _start(launch: type[Launch], stepper: str, *worker_args: str, workers: int =
             found["scheduler"] = pid
         elif "sluice.launch.cli server" in cmdline:
             found[f"server {_worker_rank(pid)}"] = pid
-    assert len(found) == 3, found
+    assert len(found) == 1 + servers, found
     return job, found
 
 
@@ -106,6 +112,18 @@ def test_worker_that_left_early_is_named_not_the_one_it_failed(launch: type[Laun
     # the tail shows the worker that failed because of it
     assert re.search(r"^sluice launch: then worker [02] \(pid \d+\) exited with code 1$", job.stderr(), re.M)
     assert "can never complete" in job.stderr().split("last lines of worker", 1)[1]
+    job.assert_none_left()
+
+
+@pytest.mark.timeout(90)
+def test_worker_that_left_an_allreduce_job_early_is_named(launch: type[Launch], stepper: str) -> None:
+    job, _ = _start(launch, stepper, "1=3", "allreduce", workers=3, servers=0)
+    early = int(job.wait_line(r"^\[worker 1\] stepping (\d+)$").group(1))
+    assert job.finish(30) == 1
+    headline = _headline(job)
+    assert re.match(rf"sluice launch: worker 1 \(pid {early}\) (exited with code 0|is still running); worker [02] ",
+                    headline), job.stderr()
+    assert "allreduce 'w.3' waited for it" in headline and "has left the job" in headline, headline
     job.assert_none_left()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -103,4 +104,38 @@ def test_a_worker_that_left_early_fails_the_others_at_once() -> None:
         # worker 0 may leave too before worker 2's last push lands; worker 1 is named first either way
         named = "worker 1 has left the job" in error or "(worker 1 first)" in error
         assert error and named and "round 4" in error, error
+        assert results[rank]["at"] - started < 20  # long before the 120 s operation timeout
+
+
+def _uneven_allreduces(steps_by_rank: dict[int, int]) -> dict[str, Any]:
+    """As _uneven_steps, through the collective engine (the default route on one host): sluice.torch's
+    allreduce, each step named."""
+    import torch
+
+    import sluice.torch as hvd
+
+    hvd.init()
+    done = 0
+    try:
+        for step in range(steps_by_rank[hvd.rank()]):
+            hvd.allreduce(torch.ones(5000), name=f"w.{step}")
+            done += 1
+    except hvd.HorovodInternalError as exc:
+        return {"steps": done, "error": str(exc), "at": time.monotonic()}
+    finally:
+        hvd.shutdown()
+    return {"steps": done, "error": None, "at": time.monotonic()}
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_left_early_fails_the_others_collectives_at_once_naming_it() -> None:
+    with LocalCluster(3, 0) as cluster:
+        started = time.monotonic()
+        results = cluster.run(_uneven_allreduces, {0: 5, 1: 3, 2: 5})
+    assert [r["steps"] for r in results] == [3, 3, 3]
+    assert results[1]["error"] is None
+    for rank in (0, 2):
+        error = results[rank]["error"]
+        assert error and "allreduce 'w.3'" in error and re.search(r"worker 1 \(on \S+\) has left the job", error), error
+        assert "hvd.join()" in error, error  # what to do about it
         assert results[rank]["at"] - started < 20  # long before the 120 s operation timeout

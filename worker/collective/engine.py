@@ -91,6 +91,11 @@ class CollectiveEngine:
         self.greedy = GreedyFusion(settings.fusion_bytes, self._launch_fused) if settings.fusion == "greedy" else None
         self._joined = False
         self._failure: str | None = None
+        #: why every later call fails: a worker ended its process while this one runs on (worker_left)
+        self._departed: str | None = None
+        self._departed_rank = -1
+        #: called (rank, error) the first time an operation fails because a worker left (the launcher's culprit)
+        self.on_first_orphan: Callable[[int, str], None] | None = None
         self.data = DataPlane(transport, rank, peers, self.ring, chunk_bytes, settings, timeout, channel_for)
         self._transport, self._peers = transport, list(peers)
         #: made once this rank has dialled its neighbours (`connect`); what they send before is kept here
@@ -175,11 +180,16 @@ class CollectiveEngine:
         with self._lock:
             if self._failure is not None:
                 raise SluiceError(self._failure)
-            if request.name in self._waiting:
-                raise InvalidCallError(
-                    f"Requested to {request.kind} a tensor with the same name as another tensor that is currently "
-                    f"being processed ({request.name!r}, on rank {self.rank}); use another name")
-            self._waiting[request.name] = _Entry(request, arrays, handle, splits)
+            departed = self._departed
+            if departed is None:
+                if request.name in self._waiting:
+                    raise InvalidCallError(
+                        f"Requested to {request.kind} a tensor with the same name as another tensor that is "
+                        f"currently being processed ({request.name!r}, on rank {self.rank}); use another name")
+                self._waiting[request.name] = _Entry(request, arrays, handle, splits)
+        if departed is not None:
+            self._report_orphan(f"{handle.what} waited for it: {departed}")
+            raise CollectiveError(f"{handle.what} cannot run: {departed}")
         if self.coordinator is None:
             raise SluiceError("the collective engine is not connected yet (Client.__init__ connects it)")
         try:
@@ -198,9 +208,8 @@ class CollectiveEngine:
         with self._lock:
             if self._failure is not None or name in self._waiting or self.coordinator is None:
                 return
-        handle = self._enqueue(Request(name, "refused", op=reason[:MAX_REASON] or "refused"), [])
-        with contextlib.suppress(SluiceError):
-            handle.wait()
+        with contextlib.suppress(SluiceError):  # the job failed, or a worker left: nobody is left to tell
+            self._enqueue(Request(name, "refused", op=reason[:MAX_REASON] or "refused"), []).wait()
 
     def _on_decided(self, decision: Decision) -> None:
         """On the coordinator's thread, for every decision in order."""
@@ -327,6 +336,33 @@ class CollectiveEngine:
                     offset += a.size
 
         data.add_done_callback(lambda h: _settle(handle, h, scatter))
+
+    def worker_left(self, rank: int, who: str) -> None:
+        """Worker `rank` (`who`) ended its process while this one runs on: every operation not decided
+        yet can never be (it waits for that worker's call), so it fails now, naming the worker, and so
+        does every later call. Operations decided already finish (their data has a deadline)."""
+        if rank == self.rank or not 0 <= rank < self.size:
+            return
+        with self._lock:
+            if self._departed is None:
+                self._departed_rank = rank
+                self._departed = (f"{who} has left the job (its process ended) after {self._seq} collectives here; "
+                                  "a worker with fewer batches than the others must call hvd.join() before it "
+                                  "ends (join returns once every rank has joined)")
+            waiting, self._waiting = list(self._waiting.values()), {}
+            reason = self._departed
+        assert reason is not None
+        if waiting:
+            self._report_orphan(f"{waiting[0].handle.what} waited for it: {reason}")
+        for entry in waiting:
+            entry.handle.finish(error=f"it waited for {reason}")
+
+    def _report_orphan(self, error: str) -> None:
+        """The first operation that fails because a worker left names that worker, once."""
+        with self._lock:
+            report, self.on_first_orphan = self.on_first_orphan, None
+        if report is not None:
+            report(self._departed_rank, error)
 
     def fail(self, error: str) -> None:
         """End every operation with `error` (a coordinator failure, or the job failing); later ones raise it."""

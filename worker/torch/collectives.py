@@ -268,10 +268,13 @@ def barrier(name: str | None = None, process_set: Any = None) -> None:
 
 
 # ---------------------------------------------------------------------------- parameters and optimizer state
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | torch.Tensor],
                          root_rank: int) -> None:
-    """Overwrite every worker's tensors with `root_rank`'s (a state_dict or named_parameters)."""
-    named = list(params.items()) if isinstance(params, Mapping) else list(params)
-    handles = [broadcast_async_(tensor.data, root_rank, f"broadcast.{name}") for name, tensor in named]
+    """Overwrite every worker's tensors with `root_rank`'s: a state_dict (by sorted key, as Horovod), or
+    (name, tensor) pairs such as named_parameters(), or bare tensors (numbered alike on every rank)."""
+    named = sorted(params.items()) if isinstance(params, Mapping) else [
+        p if isinstance(p, tuple) else (None, p) for p in params]
+    handles = [broadcast_async_(tensor.data, root_rank, None if name is None else f"broadcast.{name}")
+               for name, tensor in named]
     for number in handles:
         synchronize(number)

@@ -5,6 +5,8 @@ is msgpack: None, bool, int, float, str, bytes, lists and dicts, plus extension 
 (code 1), a numpy array (2) and a torch tensor (3), the latter two as [dtype name, shape, raw bytes]
 with the dtype from a fixed list. Anything else (a class instance, a function) is refused at the
 sender with TypeError, saying what is allowed. Decoding builds only those types: no code runs.
+broadcast_optimizer_state sends an optimizer's layout and plain values this way, its tensors by
+broadcast.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import msgpack
 import numpy as np
 import torch
 
-from sluice.errors import SluiceError
+from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.torch.collectives import allgather_async, broadcast_, broadcast_parameters, synchronize
+from sluice.worker.torch.optimizer import synchronize_parameters
 from sluice.worker.torch.state import NAMES
 
 _TUPLE, _ARRAY, _TENSOR = 1, 2, 3
@@ -118,46 +121,117 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return objects
 
 
-_PLAIN = (type(None), bool, int, float, str, tuple, list)
+def _dtype(name: Any) -> torch.dtype | None:
+    """The torch dtype called `name` (a peer's string: only attributes that are dtypes count)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every worker `root_rank`'s optimizer state and hyper-parameters. The root's layout (which
-    state each parameter has, its shapes and dtypes, its plain values) goes first, as an object, so a
-    rank with no state yet (a checkpoint loaded on the root only) takes it in full, as Horovod's does."""
+def _lazy_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Horovod's side effect on an optimizer with no state yet: every parameter that requires a
+    gradient gets a zero one (sparse for SparseAdam, and for SGD on a sparse embedding of `model`);
+    the others keep theirs (None). Horovod then takes a local step on them to create the state, which
+    counts a step and changes the state (horovod#2805), and with weight decay the parameters too:
+    here the state comes from the root instead."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ()) if isinstance(m, torch.nn.Embedding)
+              and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+
+
+def _layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, Any]:
+    """The root's hyper-parameters, the size of each group, and its state: per parameter and key,
+    a tensor's dtype, shape and place (CPU or the parameter's device) or a plain value."""
+    groups, state = [], []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for key, value in settings.items():
+            try:
+                dumps(value)
+            except TypeError as exc:
+                return {"error": f"hyper-parameter {key!r}: {exc}"}
+        groups.append(settings)
+    for index, param in enumerate(params):
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value):
+                name = str(value.dtype).removeprefix("torch.")
+                place = "cpu" if value.device.type == "cpu" else "param"
+                state.append([index, key, "tensor", name, list(value.shape), place])
+                continue
+            try:
+                dumps(value)
+            except TypeError as exc:
+                return {"error": f"state {key!r} of parameter {index}: {exc}"}
+            state.append([index, key, "value", value, [], ""])
+    return {"groups": groups, "sizes": [len(g["params"]) for g in optimizer.param_groups], "state": state}
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None) -> None:
+    """Give every worker `root_rank`'s optimizer state and hyper-parameters, as Horovod's does: after
+    it, every rank's `optimizer.state_dict()` equals the root's, tensors and plain values alike (types
+    kept: a step count stays an int or a tensor, betas a tuple). The root's layout goes first, as an
+    object, so a rank with no state yet (a checkpoint loaded on the root only) takes it in full, and
+    state the root lacks is dropped. As in Horovod, a rank whose state is empty gives each parameter
+    that requires a gradient a zero one (parameters that do not keep None); LBFGS raises ValueError.
+    `model` is Horovod's argument (it marks sparse embeddings, whose zero gradients are sparse)."""
     from sluice.worker.torch.state import require
 
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise InvalidCallError("cannot broadcast torch.optim.LBFGS state")
+    synchronize_parameters()  # updates still in flight (worker.overlap_step) land in the state first
+    if len(optimizer.state) == 0:
+        _lazy_gradients(optimizer, model)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    layout = None
-    if require().rank == root_rank:
-        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, _PLAIN)}
-                  for g in optimizer.param_groups]
-        state = []
-        for index, param in enumerate(params):
-            for key, value in sorted(optimizer.state.get(param, {}).items()):
-                if torch.is_tensor(value):
-                    state.append([index, key, "tensor", str(value.dtype).removeprefix("torch."), list(value.shape)])
-                elif isinstance(value, _PLAIN):
-                    state.append([index, key, "value", value, []])
-        layout = {"groups": groups, "state": state}
-    layout = broadcast_object(layout, root_rank, "optimizer.layout")
-    if len(layout["groups"]) != len(optimizer.param_groups):
-        raise SluiceError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer has {len(layout['groups'])} "
-                          f"parameter groups, this one {len(optimizer.param_groups)}")
+    root = require().rank == root_rank
+    layout = broadcast_object(_layout(optimizer, params) if root else None, root_rank, "optimizer.layout")
+    if "error" in layout:
+        raise InvalidCallError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer cannot be sent: "
+                               f"{layout['error']}")
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    problem = None if sizes == layout["sizes"] else (f"rank {require().rank}'s optimizer has parameter groups of "
+                                                     f"sizes {sizes}, rank {root_rank}'s {layout['sizes']}")
+    unknown = [value for _, _, kind, value, *_ in layout["state"] if kind == "tensor" and _dtype(value) is None]
+    if unknown and problem is None:
+        problem = f"rank {require().rank}'s torch has no dtype {str(unknown[0])[:40]!r}"
+    problems = [p for p in allgather_object(problem, "optimizer.layout.check") if p is not None]
+    if problems:  # every rank raises, so none is left waiting in the broadcasts below
+        raise InvalidCallError(f"broadcast_optimizer_state: {problems[0]}")
+    if root:  # the root's own objects stay as they are
+        broadcast_parameters([(f"optimizer.state{i}.{k}", optimizer.state[params[i]][k])
+                              for i, k, kind, *_ in layout["state"] if kind == "tensor"], root_rank)
+        return
     for group, settings in zip(optimizer.param_groups, layout["groups"], strict=True):
-        group.update(settings)
+        for key, value in settings.items():
+            current = group.get(key)
+            if torch.is_tensor(value) and torch.is_tensor(current):
+                value = value.to(current.device)
+            group[key] = value
+    wanted: dict[int, set[Any]] = {}
     tensors: list[tuple[str, torch.Tensor]] = []
-    for index, key, kind, value, shape in layout["state"]:
+    for index, key, kind, value, shape, place in layout["state"]:
         param = params[index]
+        wanted.setdefault(index, set()).add(key)
         state = optimizer.state[param]
         if kind == "value":
             state[key] = value
             continue
-        dtype = _TORCH_DTYPES.get(value)
-        if dtype is None:
-            raise SluiceError(f"broadcast_optimizer_state: state {key!r} has dtype {value!r}, which cannot travel")
+        dtype = _dtype(value)
+        device = torch.device("cpu") if place == "cpu" else param.device
         held = state.get(key)
-        if not torch.is_tensor(held) or held.dtype != dtype or list(held.shape) != shape:
-            held = state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+        if not (torch.is_tensor(held) and held.dtype == dtype and list(held.shape) == shape
+                and held.device == device):
+            held = state[key] = torch.zeros(shape, dtype=dtype, device=device)
         tensors.append((f"optimizer.state{index}.{key}", held))
+    for index, param in enumerate(params):  # state the root does not have
+        if index not in wanted:
+            optimizer.state.pop(param, None)
+            continue
+        for key in [k for k in optimizer.state[param] if k not in wanted[index]]:
+            del optimizer.state[param][key]
     broadcast_parameters(tensors, root_rank)
