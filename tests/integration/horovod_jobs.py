@@ -255,3 +255,29 @@ def sparse_reference(size: int, steps: int) -> list[float]:
         (loss * (step + 1) / size).backward()  # type: ignore[operator]
         opt.step()
     return embed.weight.detach().reshape(-1).tolist()
+
+
+def async_forms() -> dict[str, Any]:
+    """Horovod's async reducescatter, grouped allgather and reducescatter, sparse allreduce, and the
+    gradient of reducescatter (test_horovod_reducescatter_grad, _grad_average), on 3 ranks."""
+    import sluice.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    rows = torch.arange(7.0).unsqueeze(1) * (rank + 1)  # summed over 3 ranks: 6 * row index
+    handle = hvd.reducescatter_async(rows, op=hvd.Sum)
+    out: dict[str, Any] = {"poll_at_once": hvd.poll(handle)}
+    out["reducescatter"] = hvd.synchronize(handle).reshape(-1).tolist()
+    grouped = hvd.synchronize(hvd.grouped_reducescatter_async([rows, torch.ones(3, 2) * rank]))
+    out["grouped_reducescatter"] = [t.tolist() for t in grouped]
+    gathered = hvd.synchronize(hvd.grouped_allgather_async([torch.full((rank + 1,), float(rank)),
+                                                             torch.ones(1, 2) * rank]))
+    out["grouped_allgather"] = [t.tolist() for t in gathered]
+    sparse = torch.sparse_coo_tensor([[rank, 3]], [1.0 + rank, 2.0], (5,))
+    out["sparse"] = hvd.sparse_allreduce_async(sparse, name="sp", op=hvd.Average)().to_dense().tolist()
+    for op, label in ((hvd.Sum, "grad.sum"), (hvd.Average, "grad.average")):
+        x = torch.ones(6, 2, requires_grad=True)
+        hvd.reducescatter(x, op=op).backward(torch.ones(2, 2))
+        out[label] = x.grad.tolist() if x.grad is not None else None
+    hvd.shutdown()
+    return out

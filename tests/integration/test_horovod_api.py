@@ -14,6 +14,7 @@ from tests.integration.horovod_jobs import (
     FLOAT8,
     FLOAT_DTYPES,
     INT_DTYPES,
+    async_forms,
     autograd_and_queries,
     batch_norm_reference,
     optimizer_options,
@@ -116,3 +117,19 @@ def test_sync_batch_norm_matches_batch_norm_over_the_whole_batch() -> None:
         np.testing.assert_allclose(out["var"], reference["var"], rtol=1e-10)
         assert math.isclose(out["eval"], reference["eval"][rank], rel_tol=1e-9)
         start += count
+
+
+def test_async_reducescatter_grouped_allgather_sparse_allreduce_and_reducescatters_gradient() -> None:
+    with LocalCluster(3, 0) as cluster:
+        results = cluster.run(async_forms)
+    summed = [6.0 * i for i in range(7)]  # 7 rows over 3 ranks: 3, 2, 2 as Horovod splits
+    blocks = [summed[:3], summed[3:5], summed[5:]]
+    for rank, out in enumerate(results):
+        assert out["poll_at_once"] is False  # the call returns before the ranks have agreed (Horovod's test)
+        assert out["reducescatter"] == blocks[rank]
+        assert out["grouped_reducescatter"][0] == [[v / 3] for v in blocks[rank]]  # Average
+        assert out["grouped_reducescatter"][1] == [[1.0, 1.0]]  # (0 + 1 + 2) / 3, one row each
+        assert out["grouped_allgather"] == [[0.0, 1.0, 1.0, 2.0, 2.0, 2.0], [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]]
+        assert out["sparse"] == pytest.approx([1 / 3, 2 / 3, 1.0, 2.0, 0.0])  # values / 3, duplicates summed
+        # Horovod's gradient: the allgather of the blocks' gradients, times the size for a sum
+        assert out["grad.sum"] == [[3.0, 3.0]] * 6 and out["grad.average"] == [[1.0, 1.0]] * 6

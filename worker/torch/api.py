@@ -58,6 +58,12 @@ from sluice.worker.torch.compression import Compression
 from sluice.worker.torch.ddp import DDPHookState, ddp_hook
 from sluice.worker.torch.objects import allgather_object, broadcast_object, broadcast_optimizer_state
 from sluice.worker.torch.optimizer import DistributedOptimizer, synchronize_parameters, wait_for_parameters
+from sluice.worker.torch.scatter import (
+    grouped_allgather_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
 from sluice.worker.torch.state import PARKED, STATE, log_metrics, require
 from sluice.worker.torch.sync_batch_norm import SyncBatchNorm
 
@@ -96,6 +102,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "ccl_built",
+    "check_extension",
     "cross_rank",
     "cross_size",
     "cuda_built",
@@ -106,11 +113,13 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
     "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -127,10 +136,12 @@ __all__ = [
     "poll",
     "rank",
     "reducescatter",
+    "reducescatter_async",
     "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",
@@ -273,6 +284,10 @@ def gloo_enabled() -> bool:
 def nccl_built() -> bool:
     """No NCCL: CUDA tensors travel through pinned host memory."""
     return False
+
+
+def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) -> None:
+    """Horovod's check that its compiled extension loaded: Sluice has none to check."""
 
 
 def ddl_built() -> bool:

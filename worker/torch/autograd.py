@@ -33,6 +33,7 @@ from sluice.worker.torch.collectives import (
     synchronize,
 )
 from sluice.worker.torch.compression import Compression, Compressor
+from sluice.worker.torch.scatter import block, check_reducescatter
 from sluice.worker.torch.state import require
 
 
@@ -173,9 +174,7 @@ class _Reducescatter(torch.autograd.Function):
         ctx.op, ctx.scale = op, pre * post
         node = require()
         reduced = _reduced([tensor], op, pre, post, name)[0]
-        rows, size = tensor.shape[0], node.size
-        starts = [r * (rows // size) + min(r, rows % size) for r in range(size + 1)]
-        return reduced[starts[node.rank]: starts[node.rank + 1]]
+        return reduced[block(tensor.shape[0], node.rank, node.size)]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -195,13 +194,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
     call = op_name(name, "reducescatter")
     with refusing(call):
         check_process_set(process_set)
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidCallError(f"reducescatter takes a torch tensor, got {type(tensor).__name__}")
-        if tensor.dim() == 0:
-            raise InvalidCallError("Reducescatter does not support scalar inputs")
-        reduce_op = resolve_op(None, op)
-        if reduce_op not in (Sum, Average):
-            raise InvalidCallError("Reducescatter currently only supports AVERAGE and SUM.")
+        reduce_op = check_reducescatter([tensor], op)
         compressed, context = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, call, reduce_op, prescale_factor, postscale_factor)  # type: ignore[no-untyped-call]
     return compression.decompress(out, context)

@@ -14,10 +14,10 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, Protocol
 
 from sluice.errors import CollectiveError, InvalidCallError, SluiceError
-from sluice.worker.collective.engine import CollectiveEngine, OpHandle
+from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.torch.state import NAMES, STATE, require
 
 #: set on an exception this module has handled (refused, or raised after the call reached every rank)
@@ -63,17 +63,45 @@ def _mark(exc: BaseException) -> None:
 
 
 # ---------------------------------------------------------------------------- handles
-_handles: dict[int, tuple[OpHandle, Callable[[], Any]]] = {}
+class Pending(Protocol):
+    """What a handle stands for: one engine operation, or several (AllOf)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class AllOf:
+    """Several operations as one handle (a grouped call made of one operation per tensor)."""
+
+    def __init__(self, handles: list[Pending]) -> None:
+        self._handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+
+
+_handles: dict[int, tuple[Pending, Callable[[], Any]]] = {}
 _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
 
 
-def register(handle: OpHandle, finish: Callable[[], Any]) -> int:
+def register(handle: Pending, finish: Callable[[], Any]) -> int:
     """An int handle for `poll` and `synchronize`; `finish()` makes the call's output once it is done."""
     with _handles_lock:
         number = next(_handle_ids)
         _handles[number] = (handle, finish)
     return number
+
+
+def unregister(number: int) -> tuple[Pending, Callable[[], Any]]:
+    """Take a handle out of the table (to put it under another, e.g. several under one)."""
+    with _handles_lock:
+        return _handles.pop(number)
 
 
 def rewrap(number: int, result: Callable[[Any], Any]) -> None:
