@@ -78,9 +78,10 @@ def autograd_and_queries() -> dict[str, Any]:
     out["queries"] = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous(),
                       hvd.mpi_built(), hvd.gloo_built(), hvd.nccl_built(), hvd.ccl_built(), hvd.cuda_built(),
                       hvd.rocm_built(), hvd.mpi_enabled(), hvd.is_initialized()]
+    # parallel vectors: Adasum gives their mean, pair by pair: A(A(1, 2), 3) = A(1.5, 3) = 2.25
+    out["adasum"] = hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Adasum).tolist()
     refused = []
-    for call in (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
-                 lambda: hvd.add_process_set([0, 1]),
+    for call in (lambda: hvd.add_process_set([0, 1]),
                  lambda: hvd.allreduce(torch.ones(2), process_set=object()),
                  lambda: hvd.init(comm=[0, 1]),
                  lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1),
@@ -279,5 +280,32 @@ def async_forms() -> dict[str, Any]:
         x = torch.ones(6, 2, requires_grad=True)
         hvd.reducescatter(x, op=op).backward(torch.ones(2, 2))
         out[label] = x.grad.tolist() if x.grad is not None else None
+    hvd.shutdown()
+    return out
+
+
+def adasum_vectors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Rank `rank`'s two tensors for the Adasum test: random, partly aligned across ranks."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    shared = torch.randn(33, generator=torch.Generator().manual_seed(99))
+    return [(shared + torch.randn(33, generator=generator)).to(dtype),
+            torch.randn(4, 5, generator=generator).to(dtype)]
+
+
+def adasum_job() -> dict[str, Any]:
+    """A grouped allreduce with op=hvd.Adasum (prescale 0.5, postscale 2) of two tensors per dtype, and the
+    gradient of an Adasum allreduce (Horovod's: the Adasum of the output's gradients)."""
+    import sluice.torch as hvd
+
+    hvd.init()
+    out: dict[str, Any] = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        tensors = adasum_vectors(hvd.rank(), dtype)
+        reduced = hvd.grouped_allreduce(tensors, op=hvd.Adasum, prescale_factor=0.5, postscale_factor=2.0)
+        out[str(dtype)] = [t.double().reshape(-1).tolist() for t in reduced]
+        out[f"{dtype}.dtype"] = [str(t.dtype) for t in reduced]
+    x = torch.ones(3, requires_grad=True)
+    hvd.allreduce(x, op=hvd.Adasum).backward(torch.ones(3) * (hvd.rank() + 1))
+    out["grad"] = x.grad.tolist() if x.grad is not None else None
     hvd.shutdown()
     return out

@@ -14,6 +14,8 @@ from tests.integration.horovod_jobs import (
     FLOAT8,
     FLOAT_DTYPES,
     INT_DTYPES,
+    adasum_job,
+    adasum_vectors,
     async_forms,
     autograd_and_queries,
     batch_norm_reference,
@@ -67,9 +69,9 @@ def test_gradients_flow_through_collectives_and_queries_answer_truthfully() -> N
         assert out["grad.broadcast"] == ([1.0] * 3 if rank == 1 else [0.0] * 3)  # the root's, zero elsewhere
         # one host: local rank is the rank; no MPI, Gloo, NCCL, CCL or ROCm; CUDA tensors are accepted
         assert out["queries"] == [rank, 3, 0, 1, True, False, False, False, False, True, False, False, True]
-        adasum, process_set, foreign_set, comm, optimizer_adasum, partial = out["refused"]
+        process_set, foreign_set, comm, optimizer_adasum, partial = out["refused"]
+        assert out["adasum"] == [2.25, 2.25]
         assert "PartialDistributedOptimizer is not offered" in partial
-        assert "Adasum is not offered" in adasum and "hvd.Average" in adasum
         assert "process sets are not offered" in process_set and "separate jobs" in process_set
         assert "process sets are not offered" in foreign_set
         assert "MPI" in comm and "sluice launch" in comm
@@ -133,3 +135,36 @@ def test_async_reducescatter_grouped_allgather_sparse_allreduce_and_reducescatte
         assert out["sparse"] == pytest.approx([1 / 3, 2 / 3, 1.0, 2.0, 0.0])  # values / 3, duplicates summed
         # Horovod's gradient: the allgather of the blocks' gradients, times the size for a sum
         assert out["grad.sum"] == [[3.0, 3.0]] * 6 and out["grad.average"] == [[1.0, 1.0]] * 6
+
+
+def _adasum_formula(vectors: list[np.ndarray]) -> np.ndarray:
+    """Horovod's reference tree of A(a, b) = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b over adjacent ranks,
+    in float64; an odd rank out is carried to the next level."""
+    level = [v.astype(np.float64) for v in vectors]
+    while len(level) > 1:
+        pairs = []
+        for a, b in zip(level[::2], level[1::2], strict=False):
+            dot, aa, bb = a @ b, a @ a, b @ b
+            pairs.append((1 - dot / (2 * aa)) * a + (1 - dot / (2 * bb)) * b)
+        level = pairs + ([level[-1]] if len(level) % 2 else [])
+    return level[0]
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_adasum_matches_the_formula(workers: int) -> None:
+    import torch
+
+    with LocalCluster(workers, 0) as cluster:
+        results = cluster.run(adasum_job)
+    tolerance = {"torch.float16": 2e-2, "torch.bfloat16": 2e-2, "torch.float32": 1e-5, "torch.float64": 1e-12}
+    for dtype, rtol in tolerance.items():
+        parts = [[t.double().numpy().reshape(-1) * 0.5 for t in adasum_vectors(r, getattr(torch, dtype[6:]))]
+                 for r in range(workers)]
+        for index in range(2):
+            want = _adasum_formula([p[index] for p in parts]) * 2.0
+            for rank, out in enumerate(results):
+                assert np.allclose(out[dtype][index], want, rtol=rtol, atol=rtol), (dtype, index, rank)
+                assert out[f"{dtype}.dtype"][index] == dtype
+    grads = [np.ones(3) * (r + 1) for r in range(workers)]  # parallel: every level halves their sum
+    for out in results:
+        assert out["grad"] == pytest.approx(_adasum_formula(grads).tolist())

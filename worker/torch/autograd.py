@@ -18,6 +18,7 @@ import torch
 from sluice.errors import InvalidCallError
 from sluice.worker.torch.calls import op_name, refusing
 from sluice.worker.torch.collectives import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -44,7 +45,7 @@ def _reduced(tensors: Sequence[torch.Tensor], op: str, pre: float, post: float, 
 
 def _reduced_grads(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients of the inputs of a (grouped) allreduce, from those of its outputs."""
-    if ctx.op in (Average, Sum):
+    if ctx.op in (Average, Sum, Adasum):  # Horovod's: the same op and factors
         return _reduced(grads, ctx.op, ctx.pre, ctx.post, None)
     inputs, outputs = ctx.saved_tensors[: len(grads)], ctx.saved_tensors[len(grads):]
     summed = _reduced(grads, Sum, 1.0, 1.0, None)

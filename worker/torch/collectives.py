@@ -20,14 +20,15 @@ import torch
 from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.collective.reduce import REDUCIBLE, scaled
 from sluice.worker.staging import Staging, tensor_of, wire_dtype
+from sluice.worker.torch.adasum import adasum_async_, check_adasum
 from sluice.worker.torch.calls import engine, op_name, refusing, register, rewrap
 from sluice.worker.torch.calls import poll as poll
 from sluice.worker.torch.calls import synchronize as synchronize
 from sluice.worker.torch.state import require
 
-#: Horovod's reduction ops (horovod.torch.Average, Sum, Min, Max, Product; Adasum is refused)
+#: Horovod's reduction ops (horovod.torch.Average, Sum, Min, Max, Product, Adasum)
 Average, Sum, Min, Max, Product, Adasum = "average", "sum", "min", "max", "product", "adasum"
-_OPS = (Average, Sum, Min, Max, Product)
+_OPS = (Average, Sum, Min, Max, Product, Adasum)
 
 
 class ProcessSet:
@@ -67,11 +68,8 @@ def resolve_op(average: bool | None, op: str | None) -> str:
         raise InvalidCallError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         return Sum if average is False else Average
-    if op == Adasum:
-        raise SluiceError("op=Adasum is not offered by Sluice: use op=hvd.Average (the default) or hvd.Sum; "
-                          "with DistributedOptimizer, gradient_predivide_factor scales as Adasum users often need")
     if op not in _OPS:
-        raise InvalidCallError(f"op must be one of hvd.Average, Sum, Min, Max, Product; got {op!r}")
+        raise InvalidCallError(f"op must be one of hvd.Average, Sum, Min, Max, Product, Adasum; got {op!r}")
     return op
 
 
@@ -102,6 +100,11 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         tensors = [_check_tensor(t, "allreduce") for t in tensors]
         if any(t.dtype != tensors[0].dtype for t in tensors):
             raise InvalidCallError("grouped_allreduce: every tensor of a group must have the same dtype")
+        if reduce_op == Adasum:
+            check_adasum(tensors)
+    if reduce_op == Adasum:
+        return adasum_async_(call, tensors, prescale_factor, postscale_factor)
+    with refusing(call):
         wider = _WIDER.get(tensors[0].dtype)
         work = [t.detach().to(wider) for t in tensors] if wider is not None else list(tensors)
         dtype = wire_dtype(work[0])
