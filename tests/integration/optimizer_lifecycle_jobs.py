@@ -143,3 +143,45 @@ def reference(size: int) -> dict[str, Any]:
         opt.step()
     out["force"] = _flat(model)
     return out
+
+
+def adasum_training() -> list[float]:
+    """DistributedOptimizer(op=hvd.Adasum) with plain SGD: Horovod's delta optimizer; parameters at the end."""
+    import sluice.torch as hvd
+
+    hvd.init()
+    model = _model(8)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum,
+                                   named_parameters=model.named_parameters())
+    _plain_steps(model, opt, _shard(hvd.rank(), hvd.size(), _data(8)))  # type: ignore[arg-type]
+    raised = ""
+    try:
+        with opt.skip_synchronize():  # type: ignore[attr-defined]
+            pass
+    except AssertionError as exc:
+        raised = str(exc)
+    hvd.shutdown()
+    return [*_flat(model), raised]  # type: ignore[list-item]
+
+
+def adasum_reference(size: int) -> list[float]:
+    """Each worker's SGD step on its own shard from the same parameters, the steps combined by Adasum's
+    formula (a tree of adjacent ranks, written out here), added to the parameters."""
+    model = _model(8)
+    x, y = _data(8)
+    for _ in range(STEPS):
+        deltas = []
+        for rank in range(size):
+            model.zero_grad()
+            xs, ys = _shard(rank, size, (x, y))
+            F.mse_loss(model(xs), ys).backward()
+            deltas.append([-0.1 * p.grad.double() for p in model.parameters()])  # type: ignore[union-attr]
+        with torch.no_grad():
+            for index, p in enumerate(model.parameters()):
+                level = [d[index].reshape(-1) for d in deltas]
+                while len(level) > 1:
+                    pairs = [(1 - (a @ b) / (2 * (a @ a))) * a + (1 - (a @ b) / (2 * (b @ b))) * b
+                             for a, b in zip(level[::2], level[1::2], strict=False)]
+                    level = pairs + ([level[-1]] if len(level) % 2 else [])
+                p += level[0].reshape(p.shape).to(p.dtype)
+    return _flat(model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from testbed.cluster import LocalCluster
-from tests.integration.optimizer_lifecycle_jobs import lifecycle, reference
+from tests.integration.optimizer_lifecycle_jobs import adasum_reference, adasum_training, lifecycle, reference
 
 pytestmark = pytest.mark.slow
 
@@ -27,3 +27,14 @@ def test_optimizer_lifecycle_matches_one_process(workers: int, servers: int, opt
         assert out["default_names"] == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
                                         "allreduce.noname.1.1"]
         assert [text[:10] for text in out["bad_named"]] == ["ValueError"] * 3, out["bad_named"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_adasum_optimizer_combines_the_workers_steps_as_horovods(workers: int) -> None:
+    with LocalCluster(workers, 0) as cluster:
+        results = cluster.run(adasum_training, timeout=100)
+    want = adasum_reference(workers)
+    for out in results:
+        assert out[:-1] == pytest.approx(want, rel=1e-4, abs=1e-6)
+        assert out[-1] == "Skipping synchronization is not supported when using Adasum optimizer."

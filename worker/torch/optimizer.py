@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from sluice.errors import SluiceError
+from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.staging import Staging
-from sluice.worker.torch.collectives import Average, allgather_async, synchronize
+from sluice.worker.torch.adasum_optimizer import adasum_optimizer
+from sluice.worker.torch.collectives import Adasum, Average, allgather_async, check_process_set, synchronize
 from sluice.worker.torch.compression import Compression, Compressor
 from sluice.worker.torch.fusion import FusedGradients, GroupWait, Reduction, build_fusion, choose_routes
 from sluice.worker.torch.options import Done, Options, named_parameters_of, parse_options
@@ -315,15 +316,22 @@ def DistributedOptimizer(
     """Wrap `optimizer` so its gradients (or updates) go through the parameter servers or allreduce.
 
     Horovod's arguments: `compression` (Compression.none, fp16, bf16: the wire dtype of the fused
-    gradients), `op` (Average or Sum), `gradient_predivide_factor`, `backward_passes_per_step`
-    (gradients accumulate locally over that many backward passes, then one reduction), `groups` (an
+    gradients), `op` (Average or Sum; Adasum: Horovod's delta optimizer, adasum_optimizer.py),
+    `gradient_predivide_factor`, `backward_passes_per_step` (gradients accumulate locally over that
+    many backward passes, then one reduction), `groups` (an
     int: that many balanced fused groups; lists of parameters: each list one fused message),
     `num_groups` (Horovod's older name for an int `groups`), `sparse_as_dense`. Parameters get
     priorities by how soon the forward pass needs them (`worker.priority`): from the torch.fx graph of
     `model` when it is given and traceable, else from the first forward pass.
     """
-    require()
+    node = require()
     index = next(OPTIMIZERS)
+    prefix = f"opt{index}." if index else ""
+    if op == Adasum and node.size > 1:  # Horovod's delta optimizer (at size 1 it is the plain one, as there)
+        check_process_set(process_set)
+        if gradient_predivide_factor != 1.0:
+            raise InvalidCallError("gradient_predivide_factor not supported with op != Average")
+        return adasum_optimizer(optimizer, named_parameters, prefix)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     options = parse_options(compression, backward_passes_per_step, op, gradient_predivide_factor,
                        groups if groups is not None else (num_groups or None), sparse_as_dense, process_set, params)
@@ -331,7 +339,7 @@ def DistributedOptimizer(
     cls: Any = type(base.__name__, (_DistributedMixin, base), {})
     wrapped: Any = cls.__new__(cls)
     base.__init__(wrapped, optimizer.param_groups)
-    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options, f"opt{index}." if index else "")
+    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options, prefix)
     return wrapped  # type: ignore[no-any-return]
 
 

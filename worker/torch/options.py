@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from sluice.errors import InvalidCallError, SluiceError
+from sluice.errors import InvalidCallError
 from sluice.worker.torch.collectives import Adasum, Average, Sum, check_process_set
 from sluice.worker.torch.compression import Compressor
 from sluice.worker.torch.fusion import Reduction
@@ -35,8 +35,8 @@ def parse_options(compression: type[Compressor], backward_passes_per_step: int, 
                   params: list[torch.Tensor]) -> Options:
     """Horovod's arguments, checked as Horovod checks them, with what to do instead in each error."""
     check_process_set(process_set)
-    if op == Adasum:
-        raise SluiceError("op=Adasum is not offered by Sluice: use op=hvd.Average (the default) or hvd.Sum")
+    if op == Adasum:  # one worker (more take adasum_optimizer.py): Adasum of one gradient is that gradient
+        op = Sum
     if op not in (Average, Sum):
         raise InvalidCallError(f"DistributedOptimizer reduces gradients by hvd.Average or hvd.Sum, not {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
