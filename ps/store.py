@@ -24,7 +24,7 @@ from sluice.ps.optim import Optimizer, make_optimizer
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
 from sluice.ps.recovered import APPLIED, IGNORED, Recovery
 from sluice.transport.dtypes import STORAGE, SUMMABLE
-from sluice.transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief
+from sluice.transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief, meta_field
 
 __all__ = ["FLOAT_DTYPES", "Reply", "ShardStore", "bf16_to_f32", "f32_to_bf16", "push_ranks"]
 
@@ -117,6 +117,8 @@ class ShardStore:
         #: ranks of workers that have left the job (rounds that need them can never complete)
         self.departed: set[int] = set()
         self.departure_order: list[int] = []  # the first to leave is the likely cause; name it first
+        #: ranks of workers inside join(): every round counts them as pushing zeros until they are back
+        self.joined: set[int] = set()
         #: called once, with the first worker to leave and the error, when a round is first found orphaned
         self.on_first_orphan: Callable[[int, str], None] | None = None
         #: aggregator node id -> its transport peer name: their pushes carry the ranks they sum
@@ -151,6 +153,8 @@ class ShardStore:
             ranks = push_ranks(msg, self.workers)
         else:
             ranks = (self._worker_rank(peer, msg.sender),)
+        if msg.kind == Kind.JOIN and len(ranks) == 1:
+            return self._join(ranks[0], meta_field(msg, "joined", bool), peer, channel, msg)
         chunk = self.chunks.get((msg.key, msg.chunk))
         if chunk is None:
             raise WireError(f"unknown key {msg.key} chunk {msg.chunk}")
@@ -221,9 +225,23 @@ class ShardStore:
             chunk.waiting.append(Waiter(peer, channel, msg.round, msg.priority))
         else:
             replies.append((peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority)))
-        if len(chunk.pushed) == self.workers:
+        if len(chunk.pushed | self.joined) == self.workers:
             self._complete(chunk)
             replies += self._serve(chunk)
+        return replies
+
+    def _join(self, rank: int, joined: bool, peer: str, channel: int, msg: Message) -> list[Reply]:
+        """A worker called join() (it pushes zeros from now on: rounds the others have all pushed complete
+        now), or is back from it (the echo tells it every round from now on waits for it again)."""
+        if not joined:
+            self.joined.discard(rank)
+            return [(peer, channel, Message(Kind.JOIN, sender=self.node_id, round=msg.round, meta={"joined": False}))]
+        self.joined.add(rank)
+        replies: list[Reply] = []
+        for chunk in self.chunks.values():
+            if chunk.pushed and len(chunk.pushed | self.joined) == self.workers:
+                self._complete(chunk)
+                replies += self._serve(chunk)
         return replies
 
     def _complete(self, chunk: Chunk) -> None:

@@ -115,6 +115,9 @@ class Kind(IntEnum):
     SHM_MAPPED = 29
     ACK = 30
     ERROR = 31
+    #: worker -> server: meta joined=true: "I called join(): count me as pushing zeros"; joined=false:
+    #: "I am back" (the server echoes it, so the worker knows before it pushes again)
+    JOIN = 32
     #: between workers: the coordinator tree (requests and ready bits up, decisions down)
     COORD_UP = 40
     COORD_DOWN = 41

@@ -106,6 +106,18 @@ class Client:
     def servers(self) -> int:
         return len(self._server_names)
 
+    @property
+    def server_names(self) -> list[str]:
+        return list(self._server_names)
+
+    def rounds(self) -> dict[str, int]:
+        """The last round of every declared tensor (join's catch-up: worker/ps_join.py)."""
+        return {name: tensor.round for name, tensor in self._tensors.items()}
+
+    def set_rounds(self, rounds: dict[str, int]) -> None:
+        for name, round_ in rounds.items():
+            self._tensors[name].round = round_
+
     def _calibrate(self, local: bool) -> None:
         timeout = min(self._op_timeout, 60.0)
         self._calibrator = Calibrator(

@@ -29,6 +29,7 @@ from sluice.worker.client import Client
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.ps_join import ServerJoin
 from sluice.worker.trace import WorkerTrace
 
 log = logging.getLogger("sluice.worker")
@@ -89,6 +90,7 @@ class WorkerNode:
                                      on_welcome=self._start_collectives, on_message=self._on_control)
         #: the parameter-server client: its kinds are routed before any server can answer
         self.ps = Client(self)
+        self.ps_join = ServerJoin(self, self.ps)
         self.control.register("worker", self.transport.listen())
         self.rank = self.control.rank
         self.size = self.env.workers

@@ -129,3 +129,67 @@ def join_cases() -> dict[str, Any]:
     out["after"] = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()
     hvd.shutdown()
     return out
+
+
+STEPS = {0: 5, 1: 3}  # worker 1 runs out of batches two steps early, then both run an epoch of 2 steps
+
+
+def _join_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def _join_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+
+
+def _grads(model: torch.nn.Module, rank: int) -> list[torch.Tensor]:
+    model.zero_grad()
+    x, y = _join_data(rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def uneven_epochs() -> dict[str, Any]:
+    """Horovod's uneven-data idiom: train on what this rank has, hvd.join(), then the next epoch."""
+    import sluice.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    model = _join_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = _join_data(rank)
+    lasts = []
+    for steps in (STEPS[rank], 2):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        hvd.synchronize_parameters()
+        lasts.append(hvd.join())
+    out = {"lasts": lasts, "params": [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]}
+    hvd.shutdown()
+    return out
+
+
+def uneven_reference(optimizer_on: str) -> list[list[float]]:
+    """Each rank's parameters after uneven_epochs, simulated in one process: a joined rank's gradient
+    counts as zeros in the average over both; with the optimizer on the servers every rank that pushed
+    gets the servers' values, on the workers each rank that stepped applies the average itself."""
+    models = [_join_model(), _join_model()]
+    server = _join_model()
+    schedule = [(0, 1)] * 3 + [(0,)] * 2 + [(0, 1)] * 2  # who pushes at each round
+    for pushing in schedule:
+        grads = {r: _grads(models[r], r) for r in pushing}
+        mean = [sum(grads[r][i] for r in pushing) / 2 for i in range(2)]
+        with torch.no_grad():
+            targets = [server] if optimizer_on == "server" else [models[r] for r in pushing]
+            for target in targets:
+                for p, g in zip(target.parameters(), mean, strict=True):
+                    p -= 0.1 * g
+            if optimizer_on == "server":
+                for r in pushing:
+                    models[r].load_state_dict(server.state_dict())
+    return [[v for p in m.parameters() for v in p.detach().reshape(-1).tolist()] for m in models]

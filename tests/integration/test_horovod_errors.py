@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
-from tests.integration.horovod_error_jobs import error_cases, join_cases
+from tests.integration.horovod_error_jobs import error_cases, join_cases, uneven_epochs, uneven_reference
 
 pytestmark = pytest.mark.slow
 
@@ -63,3 +63,16 @@ def test_join_gives_horovods_results_and_errors(workers: int, servers: int) -> N
                                    "HorovodInternalError"], f"rank {rank}, rank {first} joined first"
         assert len(lasts) == 1 and lasts != {first}, f"rank {first} joined first; last joiners {lasts}"
     assert [out["after"] for out in results] == [[float(workers)] * 2] * workers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("servers", "optimizer_on", "mode"), [(0, "worker", "auto"), (1, "worker", "ps"),
+                                                               (1, "server", "auto")])
+def test_join_lets_uneven_workers_finish_and_train_on_every_route(servers: int, optimizer_on: str, mode: str) -> None:
+    config = {"worker": {"optimizer_on": optimizer_on}, "collective": {"mode": mode, "stall_timeout": 10.0}}
+    with LocalCluster(2, servers, config) as cluster:
+        results = cluster.run(uneven_epochs, timeout=100)
+    want = uneven_reference(optimizer_on)
+    for rank, out in enumerate(results):
+        assert out["lasts"] == [0, results[0]["lasts"][1]]  # worker 0 joined last after the uneven epoch
+        assert out["params"] == pytest.approx(want[rank], rel=1e-5, abs=1e-6), rank

@@ -244,3 +244,26 @@ def test_a_refused_push_leaves_the_stash_alone() -> None:
     assert sorted(shard.chunks[(3, 0)].sum.stash) == [2]
     replies = run_round(shard, [3, 1, 0], ORDER_SENSITIVE)
     assert np.frombuffer(replies[0].payload, np.float32).tobytes() == in_rank_order(ORDER_SENSITIVE).tobytes()
+
+
+def join(sender: int, joined: bool, epoch: int = 0) -> Message:
+    return Message(Kind.JOIN, sender=sender, round=epoch, meta={"joined": joined})
+
+
+def test_a_joined_worker_counts_as_pushing_zeros_until_it_is_back() -> None:
+    shard = store(opt={"name": "sgd", "lr": 1.0})
+    assert shard.handle("w0", 2, push(10, 1, [2, 2, 2, 2])) == []  # waits for worker 1
+    replies = shard.handle("w1", 0, join(11, True))  # worker 1 joins: round 1 completes with its zeros
+    assert [(peer, m.kind, m.round) for peer, _, m in replies] == [("w0", Kind.REPLY, 1)]
+    assert values(replies[0][2]) == [-1.0] * 4  # 0 - (2 + 0) / 2: the average still divides by both
+    replies = shard.handle("w0", 2, push(10, 2, [4, 4, 4, 4]))  # round 2 needs no push of worker 1
+    assert [(peer, values(m)) for peer, _, m in replies] == [("w0", [-3.0] * 4)]
+    replies = shard.handle("w1", 0, join(11, False, epoch=1))  # back: the echo, and rounds wait for it again
+    assert [(peer, m.kind, m.round, m.meta) for peer, _, m in replies] == [("w1", Kind.JOIN, 1, {"joined": False})]
+    assert shard.handle("w0", 2, push(10, 3, [2, 2, 2, 2])) == []
+    assert [peer for peer, _, _ in shard.handle("w1", 2, push(11, 3, [0, 0, 0, 0]))] == ["w0", "w1"]
+
+
+def test_a_join_from_a_stranger_is_refused() -> None:
+    with pytest.raises(WireError, match="not a worker"):
+        store().handle("w9", 0, join(99, True))

@@ -257,9 +257,20 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 
 
 def join(device: Any = None) -> int:
-    """This rank has no more batches: take part in the others' collectives with zeros until every
-    rank has joined; returns the rank that joined last."""
-    return int(engine().join().result())
+    """This rank has no more batches: take part in the others' collectives, and in their rounds on the
+    parameter servers, with zeros until every rank has joined; returns the rank that joined last."""
+    from sluice.worker.torch.optimizer import synchronize_parameters  # (it imports this module)
+
+    node = require()
+    synchronize_parameters()  # this worker's last pushes are answered before the servers count it out
+    joining = engine().join()  # on its way to the coordinators before the servers let the others go on
+    if node.ps.servers:
+        node.ps_join.enter()
+    last = int(joining.result())
+    if node.ps.servers:
+        node.ps_join.leave(node.control_settings.op_timeout)
+        node.ps_join.catch_up(engine(), op_name(None, "join_rounds"))
+    return last
 
 
 def barrier(name: str | None = None, process_set: Any = None) -> None:
