@@ -11,6 +11,7 @@ import pytest
 
 from testbed.cluster import LocalCluster
 from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
+from tests.integration.tf_error_jobs import tf_error_cases
 from tests.integration.tf_jobs import tape_training_only, tensorflow_api
 
 # the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,
@@ -67,3 +68,22 @@ def test_gradient_tape_through_the_servers() -> None:
         assert out["routes"] == ["ps"]
         _assert_trains_like_one_process(out, "graph")
     assert results[0]["graph"] == results[1]["graph"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_errors_raise_on_every_rank_with_horovods_tf_errors_and_the_ranks_stay_in_step(workers: int) -> None:
+    with LocalCluster(workers, 0, {"collective": {"stall_timeout": 10.0}}) as cluster:
+        results = cluster.run(tf_error_cases, timeout=110)
+    disagree = ("allreduce_shape", "allreduce_ndim", "allreduce_dtype", "allreduce_op", "allgather_shape",
+                "allgather_dtype", "broadcast_shape", "broadcast_root_mismatch")
+    for rank, out in enumerate(results):
+        expected = {case: "FailedPreconditionError" for case in disagree}
+        expected["broadcast_invalid_root"] = "ValueError"  # every rank's own check (Horovod's ValueError)
+        expected["one_rank_scalar_allgather"] = "ValueError" if rank == 0 else "FailedPreconditionError"
+        expected["graph_allreduce_shape"] = "UnknownError"  # a py_function's code for anything but ValueError
+        assert {case: value[0] for case, value in out.items()} == expected, rank
+        for case, (_, unnamed, traced) in out.items():
+            assert unnamed == [float(sum(range(1, workers + 1)))] * 3, (rank, case)
+            assert traced == [float(workers)] * 2, (rank, case)

@@ -37,6 +37,8 @@ from sluice.worker.collective.tree import build_tree, ring_order
 
 #: coordinator messages kept until this rank's coordinator starts (neighbours send a few each at start)
 EARLY_COORDINATION = 4096
+#: how long after a worker left the operations still undecided fail (their decisions may be on their way)
+LEFT_GRACE_S = 5.0
 #: kinds that fail while a rank has joined (as Horovod's): a joined rank has no rows or root to give
 _NOT_WITH_JOIN = ("allgather", "alltoall", "broadcast")
 COLLECTIVE_KINDS = frozenset((Kind.COORD_UP, Kind.COORD_DOWN, Kind.COLL_DATA, Kind.COLL_DONE))
@@ -338,17 +340,24 @@ class CollectiveEngine:
         data.add_done_callback(lambda h: _settle(handle, h, scatter))
 
     def worker_left(self, rank: int, who: str) -> None:
-        """Worker `rank` (`who`) ended its process while this one runs on: every operation not decided
-        yet can never be (it waits for that worker's call), so it fails now, naming the worker, and so
-        does every later call. Operations decided already finish (their data has a deadline)."""
+        """Worker `rank` (`who`) ended its process: later calls fail at once, naming it, and so do the
+        operations still undecided LEFT_GRACE_S later (the scheduler's word can overtake the decisions
+        of those it took part in); decided ones finish (their data has a deadline)."""
         if rank == self.rank or not 0 <= rank < self.size:
             return
         with self._lock:
-            if self._departed is None:
-                self._departed_rank = rank
-                self._departed = (f"{who} has left the job (its process ended) after {self._seq} collectives here; "
-                                  "a worker with fewer batches than the others must call hvd.join() before it "
-                                  "ends (join returns once every rank has joined)")
+            if self._departed is not None:
+                return
+            self._departed_rank = rank
+            self._departed = (f"{who} has left the job (its process ended) after {self._seq} collectives here; "
+                              "a worker with fewer batches than the others must call hvd.join() before it "
+                              "ends (join returns once every rank has joined)")
+        timer = threading.Timer(LEFT_GRACE_S, self._fail_undecided)
+        timer.daemon = True
+        timer.start()
+
+    def _fail_undecided(self) -> None:
+        with self._lock:
             waiting, self._waiting = list(self._waiting.values()), {}
             reason = self._departed
         assert reason is not None

@@ -3,7 +3,10 @@
 Reading is zero-copy where TF allows it: `np.asarray` of a CPU eager tensor is a read-only view of
 its buffer (`.numpy()` would copy), so collectives copy a tensor once, into the array they send.
 Inside a tf.function the numpy work runs in one `tf.py_function`, which XLA cannot compile: under
-`jit_compile=True` the trace fails at once with a SluiceError that says what to set.
+`jit_compile=True` the trace fails at once with a SluiceError that says what to set. A collective
+whose ranks disagreed raises tf.errors.FailedPreconditionError when eager, as Horovod's ops do; inside
+a graph a py_function can only raise InvalidArgumentError (for a ValueError, such as an invalid call)
+or UnknownError (anything else, a disagreement too).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from sluice.errors import SluiceError
+from sluice.errors import CollectiveError, SluiceError
 
 #: TF dtype -> the wire dtype its values travel as (bfloat16 as its raw 16-bit patterns)
 WIRE = {tf.float32: "float32", tf.float64: "float64", tf.float16: "float16", tf.bfloat16: "bfloat16",
@@ -70,7 +73,10 @@ def run_numpy(fn: NumpyFn, tensors: Sequence[Any], out_dtypes: Sequence[Any], ou
         return [to_tensor(a, d) for a, d in zip(outputs, out_dtypes, strict=True)]
 
     if tf.executing_eagerly():
-        return body(*tensors)
+        try:
+            return body(*tensors)
+        except CollectiveError as exc:  # the ranks disagreed: Horovod's TF ops fail with this code
+            raise tf.errors.FailedPreconditionError(None, None, str(exc)) from exc
     if xla_compiling():
         raise SluiceError(f"sluice {what} runs in Python (tf.py_function), which XLA cannot compile: {XLA_HELP}")
     outputs = tf.py_function(body, list(tensors), Tout=list(out_dtypes), name=what.replace(" ", "_"))

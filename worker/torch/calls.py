@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from sluice.errors import CollectiveError, InvalidCallError, SluiceError
+from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.collective.engine import CollectiveEngine
+from sluice.worker.collective.refusal import mark_handled
+from sluice.worker.collective.refusal import refusing as collective_refusing
 from sluice.worker.torch.state import NAMES, STATE, require
-
-#: set on an exception this module has handled (refused, or raised after the call reached every rank)
-_HANDLED = "_sluice_refusal_handled"
 
 
 def engine() -> CollectiveEngine:
@@ -36,30 +35,13 @@ def op_name(name: str | None, kind: str) -> str:
     return name if name is not None else f"{kind}.noname.{next(NAMES)}"
 
 
-@contextmanager
-def refusing(name: str) -> Iterator[None]:
+def refusing(name: str) -> AbstractContextManager[None]:
     """Run a call's checks: where they fail here, the call `name` fails on every rank (then re-raise)."""
-    try:
-        yield
-    except Exception as exc:
-        refuse(name, exc)
-        raise
+    return collective_refusing(name, _running_engine)
 
 
-def refuse(name: str, exc: Exception) -> None:
-    """This rank cannot run the call `name` because of `exc`: fail it on every rank (once)."""
-    if getattr(exc, _HANDLED, False) or isinstance(exc, CollectiveError) or (
-            isinstance(exc, SluiceError) and not isinstance(exc, InvalidCallError)):
-        return  # the call reached every rank already, or the job failed: nothing to keep in step
-    _mark(exc)
-    node = STATE.node
-    if node is not None and node.collectives is not None:
-        node.collectives.refuse(name, f"{type(exc).__name__}: {exc}")
-
-
-def _mark(exc: BaseException) -> None:
-    with suppress(AttributeError):  # an exception type without a __dict__: it is raised all the same
-        setattr(exc, _HANDLED, True)
+def _running_engine() -> CollectiveEngine | None:
+    return STATE.node.collectives if STATE.node is not None else None
 
 
 # ---------------------------------------------------------------------------- handles
@@ -130,5 +112,5 @@ def synchronize(handle: int) -> Any:
         entry[0].wait()
         return entry[1]()
     except Exception as exc:  # the call reached every rank: no refusal of it now
-        _mark(exc)
+        mark_handled(exc)
         raise
