@@ -225,7 +225,7 @@ class ShardStore:
             chunk.waiting.append(Waiter(peer, channel, msg.round, msg.priority))
         else:
             replies.append((peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority)))
-        if len(chunk.pushed | self.joined) == self.workers:
+        if len(chunk.pushed) == self.workers or (self.joined and len(chunk.pushed | self.joined) == self.workers):
             self._complete(chunk)
             replies += self._serve(chunk)
         return replies
