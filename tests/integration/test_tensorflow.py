@@ -11,7 +11,7 @@ import pytest
 
 from testbed.cluster import LocalCluster
 from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
-from tests.integration.tf_error_jobs import tf_error_cases
+from tests.integration.tf_error_jobs import tf_api_extras, tf_error_cases
 from tests.integration.tf_jobs import tape_training_only, tensorflow_api
 
 # the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,
@@ -87,3 +87,18 @@ def test_errors_raise_on_every_rank_with_horovods_tf_errors_and_the_ranks_stay_i
         for case, (_, unnamed, traced) in out.items():
             assert unnamed == [float(sum(range(1, workers + 1)))] * 3, (rank, case)
             assert traced == [float(workers)] * 2, (rank, case)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_horovods_smaller_tf_names() -> None:
+    with LocalCluster(2, 0) as cluster:
+        results = cluster.run(tf_api_extras, timeout=110)
+    for rank, out in enumerate(results):
+        assert out["Min"] == [1.0, 3.0, -1.0] and out["Max"] == [2.0, 4.0, 0.0] and out["Product"] == [2.0, 12.0, 0.0]
+        assert out["queries"] == [False, False, False, False, 0, False, False, False, False]
+        assert out["ops"] == out["ops_traced"] == [rank, 2, rank, 2]  # one host: local rank is the rank
+        assert out["broadcast_"] == [[1.0, 1.0], [1.0, 1.0]]  # the value returned, and the variable itself
+        assert out["global_variables"].startswith("RuntimeError: hvd.broadcast_global_variables() does not support")
+        assert out["mpi_threads"] == "ValueError"
+    assert results[0]["join"] == results[1]["join"] in (0, 1)

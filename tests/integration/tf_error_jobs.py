@@ -59,3 +59,30 @@ def tf_error_cases() -> dict[str, Any]:
         out[case] = [raised, unnamed, traced]
     hvd.shutdown()
     return out
+
+
+def tf_api_extras() -> dict[str, Any]:
+    """Horovod's smaller TF names: Min, Max, Product; the build queries; rank/size as ops, eager and traced;
+    join; broadcast_ in place; broadcast_global_variables' eager error; mpi_threads_supported's error."""
+    import tensorflow as tf
+
+    import sluice.tensorflow as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    values = tf.constant([rank + 1.0, 4.0 - rank, -1.0 * rank])
+    out: dict[str, Any] = {op: hvd.allreduce(values, op=getattr(hvd, op)).numpy().tolist()
+                           for op in ("Min", "Max", "Product")}
+    out["queries"] = [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built(),
+                      hvd.ddl_built(), hvd.ccl_built(), hvd.cuda_built(), hvd.rocm_built()]
+    traced = tf.function(lambda: [hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(), hvd.local_size_op()])
+    out["ops"] = [int(t) for t in (hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(), hvd.local_size_op())]
+    out["ops_traced"] = [int(t) for t in traced()]
+    variable = tf.Variable([float(rank)] * 2)
+    out["broadcast_"] = [v.numpy().tolist() for v in hvd.broadcast_([variable], root_rank=1)] + [
+        variable.numpy().tolist()]
+    out["global_variables"] = _raised(lambda: hvd.broadcast_global_variables(0))
+    out["mpi_threads"] = _raised(hvd.mpi_threads_supported)
+    out["join"] = int(hvd.join())
+    hvd.shutdown()
+    return out

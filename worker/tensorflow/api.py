@@ -14,6 +14,9 @@ from typing import Any
 
 from sluice.worker.tensorflow.collectives import (
     Average,
+    Max,
+    Min,
+    Product,
     Sum,
     allgather,
     allreduce,
@@ -23,13 +26,35 @@ from sluice.worker.tensorflow.collectives import (
     grouped_allreduce,
 )
 from sluice.worker.tensorflow.compression import Compression
+from sluice.worker.tensorflow.extras import (
+    broadcast_,
+    broadcast_global_variables,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    join,
+    local_rank_op,
+    local_size_op,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank_op,
+    rocm_built,
+    size_op,
+)
 from sluice.worker.tensorflow.gradients import DistributedGradientTape
 from sluice.worker.tensorflow.state import STATE, current_placement, init, require, shutdown
 
 __all__ = [
-    "Average", "Compression", "DistributedGradientTape", "Sum", "allgather", "allreduce", "barrier", "broadcast",
-    "broadcast_variables", "cross_rank", "cross_size", "grouped_allreduce", "init", "is_homogeneous",
-    "is_initialized", "local_rank", "local_size", "metrics", "rank", "shutdown", "size",
+    "Average", "Compression", "DistributedGradientTape", "Max", "Min", "Product", "Sum", "allgather", "allreduce",
+    "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_variables", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "init",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op",
+    "metrics", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op", "rocm_built",
+    "shutdown", "size", "size_op",
 ]
 
 

@@ -24,8 +24,8 @@ from sluice.worker.tensorflow.bridge import run_numpy, wire_dtype
 from sluice.worker.tensorflow.compression import Compression, Compressor
 from sluice.worker.tensorflow.state import NAMES, STATE, engine, require
 
-#: Horovod's reduction ops (horovod.tensorflow.Average, Sum)
-Average, Sum = "average", "sum"
+#: Horovod's reduction ops (horovod.tensorflow.Average, Sum, Min, Max, Product)
+Average, Sum, Min, Max, Product = "average", "sum", "min", "max", "product"
 
 
 def resolve_op(average: bool | None, op: str | None) -> str:
@@ -33,8 +33,8 @@ def resolve_op(average: bool | None, op: str | None) -> str:
         raise InvalidCallError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         return Sum if average is False else Average
-    if op not in (Average, Sum):
-        raise InvalidCallError(f"op must be Average or Sum, got {op!r}")
+    if op not in (Average, Sum, Min, Max, Product):
+        raise InvalidCallError(f"op must be Average, Sum, Min, Max or Product, got {op!r}")
     return op
 
 
