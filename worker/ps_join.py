@@ -56,10 +56,11 @@ class ServerJoin:
 
     def catch_up(self, engine: CollectiveEngine, name: str) -> None:
         """Every worker takes the highest round any of them reached, tensor by tensor (all must call it)."""
-        names = sorted(self._client.rounds())
+        current = self._client.rounds()
+        names = sorted(current)
         if not names:
             return
-        rounds = np.array([self._client.rounds()[n] for n in names], np.int64)
+        rounds = np.array([current[n] for n in names], np.int64)
         engine.allreduce(name, [rounds], "int64", "max").wait()
         self._client.set_rounds(dict(zip(names, rounds.tolist(), strict=True)))
 

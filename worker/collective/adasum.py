@@ -20,8 +20,6 @@ import numpy as np
 
 #: sqrt(DBL_MIN): below it a squared norm counts as zero (Horovod's guard)
 _TINY = float(np.sqrt(np.finfo(np.float64).tiny))
-#: dtypes Adasum combines (Horovod's: the floating ones; a framework widens bfloat16 to float32 first)
-ADASUM_DTYPES = ("float16", "float32", "float64")
 
 
 def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:

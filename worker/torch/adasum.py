@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from sluice.errors import InvalidCallError
-from sluice.worker.collective.adasum import ADASUM_DTYPES, tree
+from sluice.worker.collective.adasum import tree
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.staging import Staging, tensor_of, wire_dtype
 from sluice.worker.torch.calls import AllOf, engine, register
@@ -26,6 +26,7 @@ def adasum_async_(call: str, tensors: Sequence[torch.Tensor], prescale: float, p
     """Combine each of `tensors` over the ranks by Adasum, in place; an int handle (run the checks
     inside the caller's `refusing(call)`: `check_adasum` first)."""
     work = [t.detach().to(torch.float32) if t.dtype == torch.bfloat16 else t.detach() for t in tensors]
+    work_dtype = work[0].dtype
     dtype = wire_dtype(work[0])
     rows = [Staging(t).load(t).copy().reshape(1, -1) for t in work]
     for row in rows:
@@ -40,20 +41,19 @@ def adasum_async_(call: str, tensors: Sequence[torch.Tensor], prescale: float, p
             if postscale != 1.0:
                 scaled(combined, postscale, dtype, combined)
             with torch.no_grad():
-                tensor.copy_(tensor_of(combined, combined_dtype(tensor)).reshape(tensor.shape))
+                tensor.copy_(tensor_of(combined, work_dtype).reshape(tensor.shape))
         return list(tensors)
 
     return register(AllOf(list(handles)), finish)
 
 
-def combined_dtype(tensor: torch.Tensor) -> torch.dtype:
-    return torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
+#: the torch dtypes Adasum combines (bfloat16 in float32)
+_ADASUM_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_adasum(tensors: Sequence[torch.Tensor]) -> None:
     """Horovod's Adasum takes floating tensors only."""
     for tensor in tensors:
-        dtype = wire_dtype(tensor.to(torch.float32) if tensor.dtype == torch.bfloat16 else tensor)
-        if dtype not in ADASUM_DTYPES:
+        if tensor.dtype not in _ADASUM_TORCH:
             raise InvalidCallError(f"Adasum combines floating tensors (float16, bfloat16, float32, float64), "
                                    f"not {tensor.dtype}")

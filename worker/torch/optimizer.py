@@ -167,7 +167,9 @@ class _DistributedMixin:
         every group not sent yet goes."""
         if not self._sluice_completed:
             self._sluice_completed = True
-            for key in self._sluice_hooked:
+            # every hook fired (the usual step): nothing is missing, and no loop over the parameters
+            missing = self._sluice_hooked if len(self._sluice_handles) < len(self._sluice_hooked) else ()
+            for key in missing:
                 param = self._sluice_params[key]
                 if key not in self._sluice_handles and param.requires_grad:  # frozen now: not stepped, as torch
                     if param.grad is None:
