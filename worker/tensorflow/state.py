@@ -37,11 +37,15 @@ def require() -> WorkerNode:
     return STATE.node
 
 
-def engine() -> CollectiveEngine:
+def engine(process_set: Any = None) -> CollectiveEngine:
+    """The engine that runs collectives over `process_set` (None or hvd.global_process_set: every worker).
+    Its `rank` and `size` are this worker's within the set."""
     node = require()
     if node.collectives is None:
         raise SluiceError("the collective engine is not running (init() did not finish)")
-    return node.collectives
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return node.collectives
+    raise SluiceError("process sets are not offered yet: pass process_set=None (hvd.global_process_set)")
 
 
 def init() -> None:
