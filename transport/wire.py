@@ -132,6 +132,12 @@ class Kind(IntEnum):
     GROUP_DONE = 47
     #: between neighbouring stages on one host: "connect to my direct lane" (transport/lane.py)
     STAGE_LANE = 48
+    #: COORD_UP, COORD_DOWN, COLL_DATA and COLL_DONE of a process set's engine, meta["set"] its id
+    #: (worker/collective/sets.py)
+    SET_UP = 49
+    SET_DOWN = 50
+    SET_DATA = 51
+    SET_DONE = 52
 
 
 class Flag:

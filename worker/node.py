@@ -29,6 +29,7 @@ from sluice.worker.client import Client
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.collective.sets import SET_KINDS, ProcessSets, set_engine_factory
 from sluice.worker.ps_join import ServerJoin
 from sluice.worker.trace import WorkerTrace
 
@@ -82,6 +83,8 @@ class WorkerNode:
         self._closing: list[Callable[[], None]] = []
         #: the collective engine (allreduce and the rest among workers), made when the scheduler welcomes us
         self.collectives: CollectiveEngine | None = None
+        #: process sets (Horovod's): their ranks, and an engine for each this worker is in
+        self.process_sets: ProcessSets | None = None
         self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
                                         members=self.env.members)
         self._early_collective = self._mailbox(COLLECTIVE_KINDS, "a worker's collective", EARLY_COLLECTIVE)
@@ -168,6 +171,8 @@ class WorkerNode:
         closing, self._closing = self._closing, []
         for fn in closing:
             fn()
+        if self.process_sets is not None:
+            self.process_sets.close()
         if self.collectives is not None:
             self.collectives.close()
         self.control.bye()
@@ -196,6 +201,13 @@ class WorkerNode:
         self._early_collective.attach(engine.on_message)
         self.collectives = engine
         self.add_handler(engine)
+        make = set_engine_factory(self.transport, self.collective_settings, self.settings.chunk_limit,
+                                  self.control_settings.op_timeout,
+                                  lambda priority: self.settings.channel_for(priority, levels), self.control.rank)
+        self.process_sets = ProcessSets(engine, self.transport, [p.name for p in workers],
+                                        [endpoint_host(p.endpoints) for p in workers], make)
+        self.route(SET_KINDS, self.process_sets.on_message, workers_only=True, what="a worker's process set")
+        self.add_handler(self.process_sets)
 
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:
         if peer == SCHEDULER_PEER:
@@ -223,9 +235,11 @@ class WorkerNode:
         workers = self.by_rank("worker")
         if not 0 <= rank < len(workers):
             raise WireError(f"the scheduler says worker {rank} left; the job has workers 0..{len(workers) - 1}")
+        who = f"worker {rank} (on {endpoint_host(workers[rank].endpoints)})"
         if self.collectives is not None:
-            host = endpoint_host(workers[rank].endpoints)
-            self.collectives.worker_left(rank, f"worker {rank} (on {host})")
+            self.collectives.worker_left(rank, who)
+        if self.process_sets is not None:
+            self.process_sets.worker_left(rank, who)
 
     def _on_fatal(self, error: str) -> None:
         self.failure = error

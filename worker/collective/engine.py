@@ -31,7 +31,7 @@ from sluice.worker.collective.greedy import GreedyFusion
 from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.collective.negotiation import Decision, Request
 from sluice.worker.collective.negotiation_request import MAX_REASON, data_op, ranks_text, scaled_op
-from sluice.worker.collective.ops import CollectiveHandle, Completion
+from sluice.worker.collective.ops import CollectiveHandle, OpHandle
 from sluice.worker.collective.reduce import identity
 from sluice.worker.collective.tree import build_tree, ring_order
 
@@ -42,28 +42,6 @@ LEFT_GRACE_S = 5.0
 #: kinds that fail while a rank has joined (as Horovod's): a joined rank has no rows or root to give
 _NOT_WITH_JOIN = ("allgather", "alltoall", "broadcast")
 COLLECTIVE_KINDS = frozenset((Kind.COORD_UP, Kind.COORD_DOWN, Kind.COLL_DATA, Kind.COLL_DONE))
-
-
-class OpHandle(Completion):
-    """Completion of one collective as its caller sees it: negotiated, then run; `wait` has a deadline."""
-
-    def __init__(self, what: str, timeout: float) -> None:
-        super().__init__(what)
-        self._timeout = timeout
-        #: when the coordinator's decision launched it (monotonic seconds; the timeline's NEGOTIATE ends here)
-        self.started: float | None = None
-
-    def wait(self, timeout: float | None = None) -> None:
-        limit = self._timeout if timeout is None else timeout
-        if not self._event.wait(limit):
-            raise SluiceError(f"{self.what}: not finished after {limit:.0f} s (see collective.stall_timeout "
-                              "for operations some ranks never submit)")
-        if self.error is not None:
-            raise CollectiveError(f"{self.what} failed: {self.error}")
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result
 
 
 @dataclass
@@ -79,10 +57,13 @@ class CollectiveEngine:
 
     def __init__(self, transport: Transport, rank: int, peers: Sequence[str], hosts: Sequence[str],
                  settings: CollectiveConfig, chunk_bytes: int, timeout: float,
-                 channel_for: Callable[[int], int]) -> None:
+                 channel_for: Callable[[int], int], *, members: Sequence[int] | None = None, label: str = "") -> None:
         """Ready to take messages at once (made on the I/O thread as the address book arrives);
-        `connect` must follow before any operation."""
+        `connect` must follow before any operation. A process set's engine has the set's `members` (their
+        job ranks: broadcast roots are job ranks, as in Horovod) and a `label` its errors carry."""
         self.rank, self.size, self.settings = rank, len(peers), settings
+        self.members = list(members) if members is not None else list(range(len(peers)))
+        self.label = label
         self._timeout = timeout
         self.tree = build_tree(hosts, settings.arity)
         self.ring = ring_order(hosts)
@@ -120,8 +101,14 @@ class CollectiveEngine:
         return self._enqueue(Request(name, "allgather", dtype, (tuple(array.shape),), "sum", -1, priority), [array])
 
     def broadcast(self, name: str, array: np.ndarray, root: int, dtype: str, priority: int = 0) -> OpHandle:
-        self._check_rank(root, "broadcast root")
-        return self._enqueue(Request(name, "broadcast", dtype, (tuple(array.shape),), "sum", root, priority), [array])
+        """`root`: the job rank whose array every member gets."""
+        if root not in self.members:
+            if self.label:
+                raise CollectiveError(f"broadcast received invalid root rank {root} for provided process set"
+                                      f"{self.label}")
+            self._check_rank(root, "broadcast root")
+        local = self.members.index(root)
+        return self._enqueue(Request(name, "broadcast", dtype, (tuple(array.shape),), "sum", local, priority), [array])
 
     def alltoall(self, name: str, array: np.ndarray, splits: Sequence[int], dtype: str, priority: int = 0) -> OpHandle:
         """Row block i of `array` (rows per block in `splits`) goes to rank i; the result is what each
@@ -178,7 +165,7 @@ class CollectiveEngine:
             if request.dtype and array.dtype != STORAGE[request.dtype]:
                 raise SluiceError(f"{request.kind} {request.name!r}: array of {array.dtype} "
                                   f"for a {request.dtype} tensor")
-        handle = OpHandle(f"{request.kind} {request.name!r}", self._timeout)
+        handle = OpHandle(f"{request.kind} {request.name!r}{self.label}", self._timeout)
         with self._lock:
             if self._failure is not None:
                 raise SluiceError(self._failure)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import SluiceError
+from sluice.errors import CollectiveError, SluiceError
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message
 
@@ -77,6 +77,28 @@ class Completion:
     def _raise_failure(self) -> None:
         if self._error is not None:
             raise SluiceError(f"{self.what} failed: {self._error}")
+
+
+class OpHandle(Completion):
+    """Completion of one collective as its caller sees it: negotiated, then run; `wait` has a deadline."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        super().__init__(what)
+        self._timeout = timeout
+        #: when the coordinator's decision launched it (monotonic seconds; the timeline's NEGOTIATE ends here)
+        self.started: float | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        if not self._event.wait(limit):
+            raise SluiceError(f"{self.what}: not finished after {limit:.0f} s (see collective.stall_timeout "
+                              "for operations some ranks never submit)")
+        if self.error is not None:
+            raise CollectiveError(f"{self.what} failed: {self.error}")
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
 
 
 class CollectiveHandle(Completion):

@@ -1,9 +1,14 @@
-"""Horovod's ProcessSet object: the ranks of a group of workers that run collectives among themselves."""
+"""Horovod's ProcessSet object and its registration (init, add, remove), for every framework's shim."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from sluice.errors import InvalidCallError
+
+if TYPE_CHECKING:
+    from sluice.worker.collective.sets import ProcessSets
 
 
 class ProcessSet:
@@ -57,3 +62,49 @@ class ProcessSet:
 #: every worker of the job; its ranks are filled in at init()
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
+
+
+def set_id(process_set: Any) -> int | None:
+    """The id a collective's `process_set=` names (0 for None: every worker); None for a set not registered."""
+    if process_set is None:
+        return 0
+    if not isinstance(process_set, ProcessSet):
+        raise InvalidCallError(f"process_set must be a ProcessSet (hvd.ProcessSet, hvd.global_process_set), "
+                               f"got {type(process_set).__name__}")
+    return process_set.process_set_id
+
+
+def register_sets(sets: ProcessSets, rank: int, process_sets: Sequence[ProcessSet] | str | None) -> None:
+    """hvd.init(process_sets=...): the global set's ranks, then each listed set added in order (every worker
+    lists the same); a set listed twice, or the global set's ranks, leaves the later object unregistered, as in
+    Horovod. "dynamic" (Horovod's switch for add/remove later) needs nothing: they always work here."""
+    global_process_set.ranks, global_process_set._own_rank = list(range(sets.job.size)), rank
+    if process_sets is None or process_sets == "dynamic":
+        return
+    if isinstance(process_sets, str) or not all(isinstance(p, ProcessSet) for p in process_sets):
+        raise ValueError(f"process_sets must be a list of hvd.ProcessSet or 'dynamic', got {process_sets!r:.80}")
+    for listed in process_sets:
+        listed._own_rank = rank
+        assert listed.ranks is not None
+        listed.process_set_id = sets.add(listed.ranks)
+
+
+def add_process_set(sets: ProcessSets, rank: int, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Horovod's add_process_set: every worker calls it alike; ValueError for a set that exists already."""
+    listed = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    assert listed.ranks is not None
+    listed._own_rank = rank
+    added = sets.add(listed.ranks)
+    if added is None:
+        raise ValueError(f"Attempted to add a duplicate process set: {listed}")
+    listed.process_set_id = added
+    return listed
+
+
+def remove_process_set(sets: ProcessSets, process_set: ProcessSet) -> bool:
+    """Horovod's remove_process_set: every worker calls it alike; False for the global set or one not registered."""
+    registered = process_set.process_set_id
+    if registered is None or registered == 0:
+        return False
+    process_set._invalidate()
+    return sets.remove(registered)

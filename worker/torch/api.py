@@ -15,12 +15,14 @@ kept until the process exits (the job counts a worker as gone when its process e
 from __future__ import annotations
 
 import atexit
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sluice.errors import CollectiveError, SluiceError
+from sluice.worker.collective.process_set import register_sets
 from sluice.worker.node import WorkerNode
 from sluice.worker.shim import show_our_logs, worker_settings
 from sluice.worker.topology import Placement, placement
@@ -150,24 +152,25 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- process set-up
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the job this process was launched into (by `sluice launch`); again after shutdown()."""
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Join the job this process was launched into (by `sluice launch`); again after shutdown().
+    `process_sets` (Horovod's): sets to register at once, in the same order on every worker, or "dynamic"."""
     if comm is not None:
         raise SluiceError("init(comm=...) takes an MPI communicator, and Sluice does not use MPI: call hvd.init() "
                           "and choose the workers with sluice launch -w N")
-    if process_sets is not None:
-        add_process_set(process_sets)  # raises, saying what to do instead
     if STATE.node is not None:
         return
     if PARKED:
         STATE.node = PARKED.pop()
-        return
-    show_our_logs()
-    node = WorkerNode()
-    STATE.settings = worker_settings(node)
-    STATE.node = node
-    torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
-    atexit.register(_close)
+    else:
+        show_our_logs()
+        node = WorkerNode()
+        STATE.settings = worker_settings(node)
+        STATE.node = node
+        torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
+        atexit.register(_close)
+    assert STATE.node.process_sets is not None
+    register_sets(STATE.node.process_sets, STATE.node.rank, process_sets)
 
 
 def shutdown() -> None:

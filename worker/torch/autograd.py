@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from sluice.errors import InvalidCallError
-from sluice.worker.torch.calls import op_name, refusing
+from sluice.worker.collective.blocks import block
+from sluice.worker.torch.calls import engine, op_name, refusing
 from sluice.worker.torch.collectives import (
     Adasum,
     Average,
@@ -28,27 +29,28 @@ from sluice.worker.torch.collectives import (
     alltoall_async,
     alltoall_splits,
     broadcast_async_,
-    check_process_set,
     grouped_allreduce_async_,
     resolve_op,
     synchronize,
 )
 from sluice.worker.torch.compression import Compression, Compressor
-from sluice.worker.torch.scatter import block, check_reducescatter
+from sluice.worker.torch.scatter import check_reducescatter
 from sluice.worker.torch.state import require
 
 
-def _reduced(tensors: Sequence[torch.Tensor], op: str, pre: float, post: float, name: str | None) -> list[torch.Tensor]:
+def _reduced(tensors: Sequence[torch.Tensor], op: str, pre: float, post: float, name: str | None,
+             process_set: Any = None) -> list[torch.Tensor]:
     outputs = [t.detach().clone() for t in tensors]
-    return synchronize(grouped_allreduce_async_(outputs, None, name, op, pre, post))  # type: ignore[no-any-return]
+    return synchronize(grouped_allreduce_async_(outputs, None, name, op, pre, post,  # type: ignore[no-any-return]
+                                                process_set))
 
 
 def _reduced_grads(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients of the inputs of a (grouped) allreduce, from those of its outputs."""
-    if ctx.op in (Average, Sum, Adasum):  # Horovod's: the same op and factors
-        return _reduced(grads, ctx.op, ctx.pre, ctx.post, None)
+    if ctx.op in (Average, Sum, Adasum):  # Horovod's: the same op and factors, the same process set
+        return _reduced(grads, ctx.op, ctx.pre, ctx.post, None, ctx.process_set)
     inputs, outputs = ctx.saved_tensors[: len(grads)], ctx.saved_tensors[len(grads):]
-    summed = _reduced(grads, Sum, 1.0, 1.0, None)
+    summed = _reduced(grads, Sum, 1.0, 1.0, None, ctx.process_set)
     if ctx.op in (Min, Max):
         return [g * (x == y) for g, x, y in zip(summed, inputs, outputs, strict=True)]
     return [g * y / x for g, x, y in zip(summed, inputs, outputs, strict=True)]  # Product: d(prod)/dx = prod / x
@@ -56,16 +58,17 @@ def _reduced_grads(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: str, pre: float, post: float, *tensors: torch.Tensor) -> Any:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        outputs = _reduced(tensors, op, pre, post, name)
+    def forward(ctx: Any, name: str | None, op: str, pre: float, post: float, process_set: Any,
+                *tensors: torch.Tensor) -> Any:
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        outputs = _reduced(tensors, op, pre, post, name, process_set)
         if op in (Min, Max, Product):
             ctx.save_for_backward(*tensors, *outputs)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return (None, None, None, None, *_reduced_grads(ctx, grads))
+        return (None, None, None, None, None, *_reduced_grads(ctx, grads))
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -73,14 +76,15 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None) -> list[torch.Tensor]:
     """Reduce every tensor of the group over all ranks as one request; differentiable."""
-    call = op_name(name, "allreduce")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "allreduce", on)
+    with refusing(call, on):
         reduce_op = resolve_op(average, op)
         if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise InvalidCallError(f"allreduce takes torch tensors, got {type(tensors).__name__}")
         packed = [compression.compress(t) for t in tensors]
-    outputs = _Allreduce.apply(call, reduce_op, prescale_factor, postscale_factor, *(c for c, _ in packed))  # type: ignore[no-untyped-call]
+    outputs = _Allreduce.apply(call, reduce_op, prescale_factor, postscale_factor, process_set,  # type: ignore[no-untyped-call]
+                               *(c for c, _ in packed))
     return [compression.decompress(out, context) for out, (_, context) in zip(outputs, packed, strict=True)]
 
 
@@ -96,93 +100,93 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> Any:
-        ctx.rows = tensor.shape[0]
-        return synchronize(allgather_async(tensor, name))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> Any:
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = _reduced([grad], Average, 1.0, 1.0, None)[0]
-        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64), None))
-        offset = int(rows[: require().rank].sum())
-        return reduced.narrow(0, offset, ctx.rows), None
+        reduced = _reduced([grad], Average, 1.0, 1.0, None, ctx.process_set)[0]
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64), None, ctx.process_set))
+        offset = int(rows[: engine(ctx.process_set).rank].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Every rank's tensor concatenated along the first dimension (which may differ per rank); differentiable."""
-    call = op_name(name, "allgather")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "allgather", on)
+    with refusing(call, on):
         if not isinstance(tensor, torch.Tensor):
             raise InvalidCallError(f"allgather takes a torch tensor, got {type(tensor).__name__}")
-    return _Allgather.apply(tensor, call)  # type: ignore[no-untyped-call, no-any-return]
+    return _Allgather.apply(tensor, call, process_set)  # type: ignore[no-untyped-call, no-any-return]
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> Any:
-        ctx.root = root_rank
-        return synchronize(broadcast_async_(tensor.detach().clone(), root_rank, name))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any) -> Any:
+        ctx.root, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async_(tensor.detach().clone(), root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = _reduced([grad], Average, 1.0, 1.0, None)[0]
-        return (reduced if require().rank == ctx.root else torch.zeros_like(reduced)), None, None
+        reduced = _reduced([grad], Average, 1.0, 1.0, None, ctx.process_set)[0]
+        return (reduced if require().rank == ctx.root else torch.zeros_like(reduced)), None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """`root_rank`'s tensor on every rank, as a new tensor; differentiable."""
-    call = op_name(name, "broadcast")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "broadcast", on)
+    with refusing(call, on):
         if not isinstance(tensor, torch.Tensor):
             raise InvalidCallError(f"broadcast takes a torch tensor, got {type(tensor).__name__}")
-    return _Broadcast.apply(tensor, root_rank, call)  # type: ignore[no-untyped-call, no-any-return]
+    return _Broadcast.apply(tensor, root_rank, call, process_set)  # type: ignore[no-untyped-call, no-any-return]
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: list[int] | None, name: str | None) -> Any:
-        output, received = synchronize(alltoall_async(tensor, splits, name))
-        ctx.received = received.tolist()
+    def forward(ctx: Any, tensor: torch.Tensor, splits: list[int] | None, name: str | None, process_set: Any) -> Any:
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received.tolist(), process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _received: Any) -> Any:
         # the rows this rank received from rank i go back to rank i: an alltoall with the received splits
-        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, None))
-        return back, None, None
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, None, ctx.process_set))
+        return back, None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
              process_set: Any = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Row block i of `tensor` (sizes `splits`; None: equal blocks) goes to rank i; differentiable. With
     `splits` given, also the rows received from each rank (as Horovod)."""
-    call = op_name(name, "alltoall")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "alltoall", on)
+    with refusing(call, on):
         if not isinstance(tensor, torch.Tensor):
             raise InvalidCallError(f"alltoall takes a torch tensor, got {type(tensor).__name__}")
-        split_list = alltoall_splits(splits, tensor.shape[0] if tensor.dim() else 0, require().size)
-    output, received = _Alltoall.apply(tensor, split_list, call)  # type: ignore[no-untyped-call]
+        split_list = alltoall_splits(splits, tensor.shape[0] if tensor.dim() else 0, on.size)
+    output, received = _Alltoall.apply(tensor, split_list, call, process_set)  # type: ignore[no-untyped-call]
     return (output, received) if splits is not None else output
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str, op: str, pre: float, post: float) -> Any:
-        ctx.op, ctx.scale = op, pre * post
-        node = require()
-        reduced = _reduced([tensor], op, pre, post, name)[0]
-        return reduced[block(tensor.shape[0], node.rank, node.size)]
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, op: str, pre: float, post: float, process_set: Any) -> Any:
+        ctx.op, ctx.scale, ctx.process_set = op, pre * post, process_set
+        on = engine(process_set)
+        reduced = _reduced([tensor], op, pre, post, name, process_set)[0]
+        return reduced[block(tensor.shape[0], on.rank, on.size)]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         # Horovod's: the allgather of the blocks' gradients, times the size for a sum, times both factors
-        scale = ctx.scale * (require().size if ctx.op == Sum else 1)
+        scale = ctx.scale * (engine(ctx.process_set).size if ctx.op == Sum else 1)
         scaled = grad.contiguous() * scale if scale != 1 else grad.contiguous()
-        return synchronize(allgather_async(scaled, None)), None, None, None, None
+        return synchronize(allgather_async(scaled, None, ctx.process_set)), None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
@@ -192,10 +196,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
     first ones one row longer, as Horovod splits); Sum or Average only, as Horovod. Built on allreduce:
     it moves the whole tensor, not a 1/size share of it; differentiable (Horovod's gradient: the
     allgather of the blocks' gradients)."""
-    call = op_name(name, "reducescatter")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "reducescatter", on)
+    with refusing(call, on):
         reduce_op = check_reducescatter([tensor], op)
         compressed, context = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, call, reduce_op, prescale_factor, postscale_factor)  # type: ignore[no-untyped-call]
+    out = _Reducescatter.apply(compressed, call, reduce_op, prescale_factor, postscale_factor, process_set)  # type: ignore[no-untyped-call]
     return compression.decompress(out, context)

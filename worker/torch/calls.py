@@ -12,32 +12,56 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.collective.engine import CollectiveEngine
+from sluice.worker.collective.process_set import set_id
 from sluice.worker.collective.refusal import mark_handled
 from sluice.worker.collective.refusal import refusing as collective_refusing
 from sluice.worker.torch.state import NAMES, STATE, require
 
 
-def engine() -> CollectiveEngine:
+def engine(process_set: Any = None) -> CollectiveEngine:
+    """The engine of `process_set` (None: every worker); CollectiveError (HorovodInternalError) for a set
+    not registered or one this worker is not in, raised here only, as Horovod does at the call."""
     node = require()
-    if node.collectives is None:
+    if node.collectives is None or node.process_sets is None:
         raise SluiceError("the collective engine is not running (init() did not finish)")
-    return node.collectives
+    if process_set is None:
+        return node.collectives
+    return node.process_sets.engine(set_id(process_set), "collective")
 
 
-def op_name(name: str | None, kind: str) -> str:
-    """The engine's name of a call: the user's, or `<kind>.noname.<n>` from one sequence for every kind."""
-    return name if name is not None else f"{kind}.noname.{next(NAMES)}"
+def member_engine(process_set: Any) -> CollectiveEngine | None:
+    """The engine of `process_set`, or None where this worker is not in the set (Horovod then leaves it out:
+    a DistributedOptimizer steps on local gradients); CollectiveError for a set not registered."""
+    node = require()
+    registered = set_id(process_set)
+    ranks = node.process_sets.ranks.get(registered) if node.process_sets and registered is not None else None
+    if ranks is not None and node.rank not in ranks:
+        return None
+    return engine(process_set)
 
 
-def refusing(name: str) -> AbstractContextManager[None]:
-    """Run a call's checks: where they fail here, the call `name` fails on every rank (then re-raise)."""
-    return collective_refusing(name, _running_engine)
+def op_name(name: str | None, kind: str, on: CollectiveEngine | None = None) -> str:
+    """The engine's name of a call: the user's, or `<kind>.noname.<n>` from one sequence for every kind, per
+    process set (`on`'s): only a set's members call on it, so the others' numbers must not move."""
+    if name is not None:
+        return name
+    if on is None or not on.label:
+        return f"{kind}.noname.{next(NAMES)}"
+    with _handles_lock:
+        counter = _SET_NAMES.setdefault(on.label, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
+
+
+def refusing(name: str, on: CollectiveEngine | None = None) -> AbstractContextManager[None]:
+    """Run a call's checks: where they fail here, the call `name` fails on every rank of `on` (the process
+    set's engine; None: the job's) too (then re-raise)."""
+    return collective_refusing(name, _running_engine if on is None else lambda: on)
 
 
 def _running_engine() -> CollectiveEngine | None:
@@ -68,6 +92,8 @@ class AllOf:
 
 
 _handles: dict[int, tuple[Pending, Callable[[], Any]]] = {}
+#: numbers for unnamed calls on each process set, by the set engine's label
+_SET_NAMES: dict[str, Iterator[int]] = {}
 _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
 

@@ -18,7 +18,11 @@ import numpy as np
 import torch
 
 from sluice.errors import InvalidCallError, SluiceError
+from sluice.worker.collective import process_set as process_set_api
+from sluice.worker.collective.process_set import ProcessSet as ProcessSet
+from sluice.worker.collective.process_set import global_process_set as global_process_set
 from sluice.worker.collective.reduce import REDUCIBLE, scaled
+from sluice.worker.collective.sets import ProcessSets
 from sluice.worker.staging import Staging, tensor_of, wire_dtype
 from sluice.worker.torch.adasum import adasum_async_, check_adasum
 from sluice.worker.torch.calls import engine, op_name, refusing, register, rewrap
@@ -31,35 +35,22 @@ Average, Sum, Min, Max, Product, Adasum = "average", "sum", "min", "max", "produ
 _OPS = (Average, Sum, Min, Max, Product, Adasum)
 
 
-class ProcessSet:
-    """Horovod's process set: Sluice offers the global one only (every worker of the job)."""
-
-    def __init__(self, ranks: Sequence[int] | None = None) -> None:
-        if ranks is not None:
-            raise SluiceError(_NO_PROCESS_SETS)
-        self.ranks = None
-        self.process_set_id = 0
-
-    def included(self) -> bool:
-        return True
+def _sets() -> ProcessSets:
+    node = require()
+    if node.process_sets is None:
+        raise SluiceError("the collective engine is not running (init() did not finish)")
+    return node.process_sets
 
 
-_NO_PROCESS_SETS = ("process sets are not offered by Sluice: every collective runs over all workers of the job "
-                    "(hvd.global_process_set). Run groups that must reduce apart as separate jobs (sluice launch)")
-global_process_set = ProcessSet()
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Horovod's: a set of ranks that runs collectives on its own (`process_set=`); every worker calls it alike,
+    in the same order. ValueError where a set of the same ranks exists."""
+    return process_set_api.add_process_set(_sets(), require().rank, process_set)
 
 
-def add_process_set(process_set: Any) -> ProcessSet:
-    raise SluiceError(_NO_PROCESS_SETS)
-
-
-def remove_process_set(process_set: Any) -> bool:
-    raise SluiceError(_NO_PROCESS_SETS)
-
-
-def check_process_set(process_set: Any) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        raise SluiceError(_NO_PROCESS_SETS)
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Horovod's: every worker calls it alike; False for the global set or a set not registered."""
+    return process_set_api.remove_process_set(_sets(), process_set)
 
 
 def resolve_op(average: bool | None, op: str | None) -> str:
@@ -91,10 +82,12 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     """One request for all of `tensors` (decided when every one is ready on every rank), in place:
     each is multiplied by `prescale_factor`, reduced by `op`, then multiplied by `postscale_factor`.
     Average is Horovod's: a sum, then one multiplication by postscale_factor / size (integers truncated)."""
-    call = op_name(name, "allreduce")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "allreduce", on)
+    with refusing(call, on):
         reduce_op = resolve_op(average, op)
+        if reduce_op == Adasum and on.label:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
         if not isinstance(tensors, (list, tuple)) or not tensors:
             raise InvalidCallError("grouped_allreduce needs a list of at least one tensor")
         tensors = [_check_tensor(t, "allreduce") for t in tensors]
@@ -104,20 +97,20 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
             check_adasum(tensors)
     if reduce_op == Adasum:
         return adasum_async_(call, tensors, prescale_factor, postscale_factor)
-    with refusing(call):
+    with refusing(call, on):
         wider = _WIDER.get(tensors[0].dtype)
         work = [t.detach().to(wider) for t in tensors] if wider is not None else list(tensors)
         dtype = wire_dtype(work[0])
         if dtype not in REDUCIBLE:
             raise InvalidCallError(f"Tensor type {tensors[0].dtype} is not supported by allreduce.")
         # Horovod's average: the sum, then one multiplication by postscale / size (no second rounding)
-        after = postscale_factor / require().size if reduce_op == Average else postscale_factor
+        after = postscale_factor / on.size if reduce_op == Average else postscale_factor
         stages = [Staging(t) for t in work]
         arrays = [s.load(t) for s, t in zip(stages, work, strict=True)]
     for array in arrays:
         if prescale_factor != 1.0:
             scaled(array, prescale_factor, dtype, array)
-    handle = engine().allreduce(call, arrays, dtype, reduce_op, priority, scale=(prescale_factor, postscale_factor))
+    handle = on.allreduce(call, arrays, dtype, reduce_op, priority, scale=(prescale_factor, postscale_factor))
     trace = require().trace
     if trace is not None:
         trace.collective(call, "allreduce", priority, sum(a.nbytes for a in arrays), handle)
@@ -177,33 +170,36 @@ def _copy(tensor: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- gather, broadcast, alltoall
+def _ranks_text(members: list[int]) -> str:
+    return f"0..{members[-1]}" if members == list(range(len(members))) else str(members)
+
+
 def _as_tensor(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return tensor_of(array, like.dtype).to(like.device)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     """Every rank's tensor concatenated along the first dimension, which may differ per rank."""
-    call = op_name(name, "allgather")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "allgather", on)
+    with refusing(call, on):
         if _check_tensor(tensor, "allgather").dim() == 0:
             raise InvalidCallError("allgather needs a tensor of at least one dimension")
         array = Staging(tensor).load(tensor).copy()
-    handle = engine().allgather(call, array, wire_dtype(tensor))
+    handle = on.allgather(call, array, wire_dtype(tensor))
     return register(handle, lambda: _as_tensor(handle.result(), tensor))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
-    call = op_name(name, "broadcast")
-    with refusing(call):
-        check_process_set(process_set)
-        size = require().size
-        if type(root_rank) is not int or not 0 <= root_rank < size:
+    on = engine(process_set)
+    call = op_name(name, "broadcast", on)
+    with refusing(call, on):
+        if type(root_rank) is not int or root_rank not in on.members:
             raise InvalidCallError(f"broadcast received invalid root rank {root_rank} for provided process set "
-                                   f"(ranks 0..{size - 1})")
+                                   f"(ranks {_ranks_text(on.members)})")
         stage = Staging(_check_tensor(tensor, "broadcast"))
         array = stage.load(tensor)
-    handle = engine().broadcast(call, array, root_rank, wire_dtype(tensor))
+    handle = on.broadcast(call, array, root_rank, wire_dtype(tensor))
 
     def finish() -> torch.Tensor:
         stage.store(tensor)
@@ -241,13 +237,13 @@ def alltoall_splits(splits: Sequence[int] | torch.Tensor | None, rows: int, size
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
                    name: str | None = None, process_set: Any = None) -> int:
     """Row block i of `tensor` (sizes `splits`; None: equal blocks) goes to rank i."""
-    call = op_name(name, "alltoall")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "alltoall", on)
+    with refusing(call, on):
         rows = _check_tensor(tensor, "alltoall").shape[0] if tensor.dim() else 0
-        split_list = alltoall_splits(splits, rows, require().size)
+        split_list = alltoall_splits(splits, rows, on.size)
         array = Staging(tensor).load(tensor).copy()
-        handle = engine().alltoall(call, array, split_list, wire_dtype(tensor))
+        handle = on.alltoall(call, array, split_list, wire_dtype(tensor))
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
         output, received = handle.result()
@@ -275,10 +271,9 @@ def join(device: Any = None) -> int:
 
 def barrier(name: str | None = None, process_set: Any = None) -> None:
     """Wait until every rank has called barrier (the same number of times: unnamed ones are numbered)."""
-    call = op_name(name, "barrier")
-    with refusing(call):
-        check_process_set(process_set)
-    engine().barrier(call).wait()
+    on = engine(process_set)
+    call = op_name(name, "barrier", on)
+    on.barrier(call).wait()
 
 
 # ---------------------------------------------------------------------------- parameters and optimizer state

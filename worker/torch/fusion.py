@@ -21,6 +21,7 @@ import torch
 
 from sluice.errors import SluiceError
 from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.node import WorkerNode
 from sluice.worker.plan.fusion import Group, OnlineFusion, grouped_plan, plan_fusion, unfused_plan
 from sluice.worker.staging import wire_dtype
@@ -116,8 +117,13 @@ class FusedGradients:
 
     def __init__(self, node: WorkerNode, route: str, params: Sequence[tuple[int, str, torch.Tensor]],
                  priorities: dict[int, int], fusion_bytes: int, reduction: Reduction = Reduction(),
-                 groups: Sequence[Sequence[int]] | None = None, prefix: str = "") -> None:
+                 groups: Sequence[Sequence[int]] | None = None, prefix: str = "",
+                 engine: CollectiveEngine | None = None) -> None:
+        """`engine`: the process set's (default: the job's) that takes the allreduce route."""
         self.node, self.route, self.reduction = node, route, reduction
+        self.engine = engine if engine is not None else node.collectives
+        #: the ranks a group is summed over: the servers' rounds take every worker; allreduce, the set's
+        self.size = self.engine.size if route == "allreduce" and self.engine is not None else node.size
         torch_dtype = params[0][2].dtype
         wire = reduction.wire if reduction.wire is not None and torch_dtype.is_floating_point else torch_dtype
         self.dtype = wire_dtype(torch.empty(0, dtype=wire))
@@ -167,7 +173,7 @@ class FusedGradients:
             node.ps.declare([(name, ((g.end - g.start) // item,), self.dtype, None)
                             for name, g in zip(self.names, self.plan.groups, strict=True)])
             node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
-        elif node.collectives is None:
+        elif self.engine is None:
             raise SluiceError("allreduce is not available: the collective engine did not start")
 
     def view(self, key: int) -> torch.Tensor:
@@ -207,7 +213,7 @@ class FusedGradients:
         with torch.no_grad():
             if self._on_device:
                 part.copy_(self._hosts[step.buffer][span])
-            post = self.reduction.postscale(self.node.size)
+            post = self.reduction.postscale(self.size)
             if post != 1.0:
                 part.mul_(post)
         group.averaged = True
@@ -238,7 +244,7 @@ class FusedGradients:
         if self.route == "ps":
             handle: Any = self.node.ps.push_pull(self.names[index], array, array)
         else:
-            engine = self.node.collectives
+            engine = self.engine
             assert engine is not None
             handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index])
             if self.node.trace is not None:
@@ -250,7 +256,8 @@ class FusedGradients:
 def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes: dict[str, str],
                  assigned: Sequence[Any], reduction: Reduction = Reduction(),
                  groups: int | Sequence[Sequence[int]] | None = None, prefix: str = "",
-                 trained: Sequence[int] | None = None) -> dict[int, FusedGradients]:
+                 trained: Sequence[int] | None = None, engine: CollectiveEngine | None = None
+                 ) -> dict[int, FusedGradients]:
     """The fused gradient sets of one optimizer, one per route, dtype and device: slots in backward
     order, which is the reverse of the order the forward pass first uses the parameters (the
     priority map; ties: the reverse of declaration order). The same on every rank, every step.
@@ -278,7 +285,7 @@ def build_fusion(params: dict[int, torch.Tensor], names: dict[int, str], routes:
         elif groups is not None:
             members, explicit = _user_groups(members, groups)
         fused = FusedGradients(node, route, members, {k: priority.get(names[k], 0) for k, _, _ in members},
-                               fusion_bytes, reduction, explicit, prefix)
+                               fusion_bytes, reduction, explicit, prefix, engine)
         for key, _, _ in members:
             by_key[key] = fused
     return by_key

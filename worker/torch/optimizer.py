@@ -9,8 +9,8 @@ still arriving.
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -18,29 +18,33 @@ from typing import Any
 import torch
 
 from sluice.errors import InvalidCallError, SluiceError
+from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.staging import Staging
 from sluice.worker.torch.adasum_optimizer import adasum_optimizer
-from sluice.worker.torch.collectives import Adasum, Average, allgather_async, check_process_set, synchronize
+from sluice.worker.torch.calls import member_engine
+from sluice.worker.torch.collectives import Adasum, Average, allgather_async, synchronize
 from sluice.worker.torch.compression import Compression, Compressor
 from sluice.worker.torch.fusion import FusedGradients, GroupWait, Reduction, build_fusion, choose_routes
-from sluice.worker.torch.options import Done, Options, named_parameters_of, parse_options
+from sluice.worker.torch.options import Done, LocalMixin, Options, local_only, named_parameters_of, parse_options
 from sluice.worker.torch.priority import ParameterPriorities
 from sluice.worker.torch.server_side import seed_servers, server_options
 from sluice.worker.torch.state import OPTIMIZERS, PENDING, STATE, Waitable, declare_missing, log_metrics, require
 
 
-class _DistributedMixin:
+class _DistributedMixin(LocalMixin):
     """Mixed in front of the user's optimizer class, so isinstance and LR schedulers keep working."""
 
     param_groups: list[dict[str, Any]]
 
     def _sluice_setup(
         self, kind: type, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, model: torch.nn.Module | None,
-        horovod: Options, prefix: str,
+        horovod: Options, prefix: str, on: CollectiveEngine, process_set: Any,
     ) -> None:
         """`prefix` keeps this optimizer's names on the servers and in the collectives apart from other
-        optimizers' of the process ('' for the first, then 'opt1.', ...: the same on every rank)."""
+        optimizers' of the process ('' for the first, then 'opt1.', ...: the same on every rank); `on`
+        is the engine of its process set (a set's gradients all take allreduce among its workers)."""
         self._sluice_kind = kind
+        self._sluice_engine, self._sluice_process_set = on, process_set
         self._sluice_steps = 0
         self._sluice_options = horovod
         #: id(param) -> backward passes since its gradient was last sent (backward_passes_per_step)
@@ -57,6 +61,9 @@ class _DistributedMixin:
         in_order = [(self._sluice_names[id(p)], p) for p in params]
         node = require()
         if self._sluice_on_server:
+            if on.label:
+                raise SluiceError("worker.optimizer_on = 'server' steps the job's one copy of each parameter: a "
+                                  "DistributedOptimizer of a process set runs its optimizer on the workers")
             if not node.ps.servers:
                 raise SluiceError("worker.optimizer_on = 'server' needs parameter servers; this job has none (-s 0)")
             options = {self._sluice_names[id(p)]: server_options(kind, group)
@@ -70,6 +77,8 @@ class _DistributedMixin:
         self._sluice_flushed = False
         self._sluice_routes = choose_routes([(n, p) for n, p in in_order if p.requires_grad],
                                             node.collective_settings, node.hosts("worker"), node.hosts("server"))
+        if on.label:  # the servers' rounds count every worker of the job: a set's gradients take allreduce
+            self._sluice_routes = dict.fromkeys(self._sluice_routes, "allreduce")
         self._sluice_priorities = ParameterPriorities(node, STATE.settings, in_order, model)
         if self._sluice_on_server:
             seed_servers(in_order)
@@ -135,9 +144,10 @@ class _DistributedMixin:
                               "pass sparse_as_dense=True")
         grad = grad.coalesce()
         name = self._sluice_names[key]
-        indices = allgather_async(grad.indices().t().contiguous(), f"sparse.{name}.indices")
-        values = allgather_async(grad.values().contiguous(), f"sparse.{name}.values")
-        scale = self._sluice_options.reduction.postscale(require().size)
+        on = self._sluice_process_set
+        indices = allgather_async(grad.indices().t().contiguous(), f"sparse.{name}.indices", on)
+        values = allgather_async(grad.values().contiguous(), f"sparse.{name}.values", on)
+        scale = self._sluice_options.reduction.postscale(self._sluice_engine.size)
         shape = grad.shape
 
         def finish() -> torch.Tensor:
@@ -153,7 +163,8 @@ class _DistributedMixin:
         if self._sluice_fused is None:
             self._sluice_fused = build_fusion(self._sluice_params, self._sluice_names, self._sluice_routes,
                                               self._sluice_priorities.assigned, self._sluice_options.reduction,
-                                              self._sluice_options.groups, self._sluice_prefix, self._sluice_hooked)
+                                              self._sluice_options.groups, self._sluice_prefix, self._sluice_hooked,
+                                              self._sluice_engine)
         elif self._sluice_flushed:
             self._sluice_next_step()
         fused = self._sluice_fused[key]
@@ -276,12 +287,6 @@ class _DistributedMixin:
                 for (param, _), previous in zip(pairs, current, strict=True):
                     param.grad = previous
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Horovod's idiom `synchronize(); clip...; with skip_synchronize(): step()`: after
-        synchronize() nothing is left to wait for, so step() updates every parameter at once."""
-        yield
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, then the map from each parameter to its group again: torch makes new group dicts."""
         super().load_state_dict(state_dict)  # type: ignore[misc]
@@ -324,27 +329,35 @@ def DistributedOptimizer(
     int: that many balanced fused groups; lists of parameters: each list one fused message),
     `num_groups` (Horovod's older name for an int `groups`), `sparse_as_dense`. Parameters get
     priorities by how soon the forward pass needs them (`worker.priority`): from the torch.fx graph of
-    `model` when it is given and traceable, else from the first forward pass.
+    `model` when it is given and traceable, else from the first forward pass. `process_set`: its
+    workers reduce among themselves (allreduce); on a worker outside it, the optimizer steps on the
+    local gradients, as Horovod's.
     """
     node = require()
-    index = next(OPTIMIZERS)
+    on = member_engine(process_set)
+    if on is None:  # this worker is not in the set: Horovod's optimizer then steps on the local gradients
+        return local_only(optimizer)
+    index = next(OPTIMIZERS if not on.label else _SET_OPTIMIZERS.setdefault(on.label, itertools.count()))
     prefix = f"opt{index}." if index else ""
     if op == Adasum and node.size > 1:  # Horovod's delta optimizer (at size 1 it is the plain one, as there)
-        check_process_set(process_set)
+        if on.label:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
         if gradient_predivide_factor != 1.0:
             raise InvalidCallError("gradient_predivide_factor not supported with op != Average")
         return adasum_optimizer(optimizer, named_parameters, prefix)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     options = parse_options(compression, backward_passes_per_step, op, gradient_predivide_factor,
-                       groups if groups is not None else (num_groups or None), sparse_as_dense, process_set, params)
+                       groups if groups is not None else (num_groups or None), sparse_as_dense, params)
     base: Any = optimizer.__class__
     cls: Any = type(base.__name__, (_DistributedMixin, base), {})
     wrapped: Any = cls.__new__(cls)
     base.__init__(wrapped, optimizer.param_groups)
-    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options, prefix)
+    wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options, prefix, on, process_set)
     return wrapped  # type: ignore[no-any-return]
 
 
+#: DistributedOptimizers of each process set made in this process (by its engine's label), numbered alike
+_SET_OPTIMIZERS: dict[str, Iterator[int]] = {}
 #: (optimizer, parameter id, averaged gradient, settings at step()): updates waiting for step_ready()
 _READY: list[tuple[_DistributedMixin, int, torch.Tensor, dict[str, Any]]] = []
 

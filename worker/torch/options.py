@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sluice.errors import InvalidCallError
-from sluice.worker.torch.collectives import Adasum, Average, Sum, check_process_set
+from sluice.worker.torch.collectives import Adasum, Average, Sum
 from sluice.worker.torch.compression import Compressor
 from sluice.worker.torch.fusion import Reduction
 
@@ -31,10 +32,9 @@ class Done:
 
 
 def parse_options(compression: type[Compressor], backward_passes_per_step: int, op: str,
-                  gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool, process_set: Any,
+                  gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
                   params: list[torch.Tensor]) -> Options:
     """Horovod's arguments, checked as Horovod checks them, with what to do instead in each error."""
-    check_process_set(process_set)
     if op == Adasum:  # one worker (more take adasum_optimizer.py): Adasum of one gradient is that gradient
         op = Sum
     if op not in (Average, Sum):
@@ -60,6 +60,28 @@ def parse_options(compression: type[Compressor], backward_passes_per_step: int, 
             raise InvalidCallError("groups must list parameters of this optimizer, each at most once")
     return Options(Reduction(op, float(gradient_predivide_factor), compression.wire_dtype),
                     backward_passes_per_step, plan, bool(sparse_as_dense))
+
+
+class LocalMixin:
+    """A DistributedOptimizer on a worker outside its process set, as Horovod's: it steps on local gradients."""
+
+    def synchronize(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's idiom `synchronize(); clip...; with skip_synchronize(): step()`: after
+        synchronize() nothing is left to wait for, so step() updates every parameter at once."""
+        yield
+
+
+def local_only(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` as a DistributedOptimizer of a process set this worker is not in."""
+    base: Any = optimizer.__class__
+    cls: Any = type(base.__name__, (LocalMixin, base), {})
+    wrapped: Any = cls.__new__(cls)
+    base.__init__(wrapped, optimizer.param_groups)
+    return wrapped  # type: ignore[no-any-return]
 
 
 def named_parameters_of(groups: list[dict[str, Any]], named_parameters: Iterable[tuple[str, torch.Tensor]] | None

@@ -15,22 +15,15 @@ from typing import Any
 import torch
 
 from sluice.errors import InvalidCallError
+from sluice.worker.collective.blocks import block
 from sluice.worker.torch.calls import AllOf, engine, op_name, refusing, register, rewrap, synchronize, unregister
 from sluice.worker.torch.collectives import (
     Average,
     Sum,
     allgather_async,
-    check_process_set,
     grouped_allreduce_async_,
     resolve_op,
 )
-from sluice.worker.torch.state import require
-
-
-def block(rows: int, rank: int, size: int) -> slice:
-    """Rank `rank`'s rows of `rows` split over `size` ranks as Horovod splits them."""
-    starts = [r * (rows // size) + min(r, rows % size) for r in range(size + 1)]
-    return slice(starts[rank], starts[rank + 1])
 
 
 def check_reducescatter(tensors: Sequence[Any], op: str | None) -> str:
@@ -49,14 +42,13 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: Any = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     """Each tensor reduced over the ranks; this rank's block of each, from `synchronize`."""
-    call = op_name(name, "reducescatter")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "reducescatter", on)
+    with refusing(call, on):
         reduce_op = check_reducescatter(tensors, op)
-    node = require()
     number = grouped_allreduce_async_([t.detach().clone() for t in tensors], None, call, reduce_op, prescale_factor,
-                                      postscale_factor)
-    rewrap(number, lambda outs: [o[block(o.shape[0], node.rank, node.size)] for o in outs])
+                                      postscale_factor, process_set)
+    rewrap(number, lambda outs: [o[block(o.shape[0], on.rank, on.size)] for o in outs])
     return number
 
 
@@ -71,12 +63,12 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str |
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None) -> int:
     """Every rank's tensors, each concatenated along its first dimension, from `synchronize`."""
-    call = op_name(name, "allgather")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "allgather", on)
+    with refusing(call, on):
         if not isinstance(tensors, (list, tuple)) or not tensors:
             raise InvalidCallError("grouped_allgather needs a list of at least one tensor")
-    numbers = [allgather_async(t, f"{call}.{i}") for i, t in enumerate(tensors)]
+    numbers = [allgather_async(t, f"{call}.{i}", process_set) for i, t in enumerate(tensors)]
     with_handles = [unregister(n) for n in numbers]
     return register(AllOf([h for h, _ in with_handles]), lambda: [finish() for _, finish in with_handles])
 
@@ -85,17 +77,17 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: st
                            process_set: Any = None) -> Callable[[], torch.Tensor]:
     """Horovod's sparse allreduce of a sparse COO tensor: every rank's indices and values gathered (the
     values divided by the size for Average); the callable waits and gives the uncoalesced sum."""
-    call = op_name(name, "sparse_allreduce")
-    with refusing(call):
-        check_process_set(process_set)
+    on = engine(process_set)
+    call = op_name(name, "sparse_allreduce", on)
+    with refusing(call, on):
         if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
             raise InvalidCallError("sparse_allreduce_async takes a sparse COO torch tensor")
         reduce_op = resolve_op(None, op)
         if reduce_op not in (Sum, Average):
             raise InvalidCallError("sparse_allreduce_async reduces by Sum or Average")
-    size = engine().size
-    indices = allgather_async(tensor._indices().t().contiguous(), f"{call}.indices")
-    values = allgather_async(tensor._values().contiguous(), f"{call}.values")
+    size = on.size
+    indices = allgather_async(tensor._indices().t().contiguous(), f"{call}.indices", process_set)
+    values = allgather_async(tensor._values().contiguous(), f"{call}.values", process_set)
 
     def result() -> torch.Tensor:
         gathered = synchronize(values)
