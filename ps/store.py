@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from sluice.ps.optim import Optimizer, make_optimizer
+from sluice.ps.optim import Optimizer
+from sluice.ps.plan import optimizer_of, parse_plan
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
 from sluice.ps.recovered import APPLIED, IGNORED, Recovery
-from sluice.transport.dtypes import STORAGE, SUMMABLE
-from sluice.transport.wire import MAX_PAYLOAD_BYTES, Flag, Kind, Message, WireError, brief, meta_field
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import Flag, Kind, Message, WireError, brief, meta_field
 
 __all__ = ["FLOAT_DTYPES", "Reply", "ShardStore", "bf16_to_f32", "f32_to_bf16", "push_ranks"]
 
@@ -56,52 +57,13 @@ class Chunk:
     round_started: float = 0.0
     waiting: list[Waiter] = field(default_factory=list)
     bcast: np.ndarray | None = None
+    #: the ranks that push it: a process set's (None: every worker of the job)
+    members: frozenset[int] | None = None
     bcast_version: int = 0
     bcast_waiting: list[Waiter] = field(default_factory=list)
 
     def describe(self) -> str:
         return f"{brief(self.name)} (key {self.key}) chunk {self.chunk}"
-
-
-def _optimizer(opt: Any, dtype: str, what: str) -> Optimizer | None:
-    """The optimizer of settings from a PLAN or a PUSH (nil or empty: none), or WireError."""
-    if opt is None or opt == {}:
-        return None
-    if type(opt) is not dict:
-        raise WireError(f"optimizer settings for {what} must be a map or nil, got {brief(opt)}")
-    if dtype not in FLOAT_DTYPES:
-        raise WireError(f"{what} holds {dtype}: an optimizer updates floating-point tensors only")
-    try:
-        return make_optimizer(opt)
-    except (ValueError, TypeError, AttributeError, ArithmeticError) as exc:
-        raise WireError(f"bad optimizer settings for {what}: {exc}") from None
-
-
-def _parse_plan(tensors: Any) -> list[tuple[int, str, str, Optimizer | None, list[tuple[int, int]]]]:
-    """[[key, name, dtype, optimizer, [[chunk, length], ...]], ...] of a PLAN, validated (WireError)."""
-    if type(tensors) is not list:
-        raise WireError(f"a plan must be a list of tensors, got {brief(tensors)}")
-    parsed = []
-    for entry in tensors:
-        if type(entry) is not list or len(entry) != 5:
-            raise WireError(f"a plan entry must be [key, name, dtype, optimizer, chunks], got {brief(entry)}")
-        key, name, dtype, opt, chunks = entry
-        if type(key) is not int or not 0 <= key < 1 << 31 or type(name) is not str:
-            raise WireError(f"a plan entry needs a key in [0, 2**31) and a name: got {brief(key)}, {brief(name)}")
-        if type(dtype) is not str or dtype not in SUMMABLE:
-            raise WireError(f"tensor {brief(name)} of the plan has dtype {brief(dtype)}")
-        optimizer = _optimizer(opt, dtype, f"tensor {brief(name)}")
-        if type(chunks) is not list:
-            raise WireError(f"the chunks of tensor {brief(name)} must be a list, got {brief(chunks)}")
-        itemsize = np.dtype(STORAGE[dtype]).itemsize
-        pairs = []
-        for pair in chunks:
-            if (type(pair) is not list or len(pair) != 2 or not all(type(v) is int for v in pair)
-                    or not 0 <= pair[0] < 1 << 31 or not 0 <= pair[1] * itemsize < MAX_PAYLOAD_BYTES):
-                raise WireError(f"a chunk of tensor {brief(name)} must be [index, length] in range, got {brief(pair)}")
-            pairs.append((pair[0], pair[1]))
-        parsed.append((key, name, dtype, optimizer, pairs))
-    return parsed
 
 
 class ShardStore:
@@ -132,7 +94,7 @@ class ShardStore:
         malformed plan raises WireError and changes nothing. With ps.recover, the new chunks restored from
         the state file (`recovering`: a PLAN sent again to a replacement server) are returned."""
         added = []
-        for key, name, dtype, optimizer, chunks in _parse_plan(tensors):
+        for key, name, dtype, optimizer, chunks, members in parse_plan(tensors, self.workers):
             for chunk, length in chunks:
                 if (key, chunk) in self.chunks:
                     continue
@@ -143,6 +105,7 @@ class ShardStore:
                     value=self._alloc(length, storage),
                     sum=RankedSum(self._alloc(length, compute), dtype),
                     optimizer=optimizer,
+                    members=members,
                 )))
         return self.recovery.restore(added, recovering) if self.recovery is not None else []
 
@@ -194,7 +157,7 @@ class ShardStore:
         data = self._payload(chunk, msg)
         optimizer = chunk.optimizer
         if msg.meta and "opt" in msg.meta:
-            optimizer = _optimizer(msg.meta["opt"], chunk.dtype, chunk.describe())
+            optimizer = optimizer_of(msg.meta["opt"], chunk.dtype, chunk.describe())
         if not self.sync and optimizer is not None:
             if len(ranks) > 1:
                 raise WireError(f"{chunk.describe()} is updated asynchronously: it takes no aggregated pushes")
@@ -213,7 +176,9 @@ class ShardStore:
         twice = chunk.pushed.intersection(ranks)
         if twice:
             raise WireError(f"worker {min(twice)} pushed {chunk.describe()} twice in round {msg.round}")
-        if not self.departed <= chunk.pushed:
+        if chunk.members is not None and not chunk.members.issuperset(ranks):
+            raise WireError(f"worker {min(set(ranks) - chunk.members)} is not in the process set of {chunk.describe()}")
+        if not self._departed(chunk) <= chunk.pushed:
             return [(peer, channel, self._orphaned(chunk, msg.round, msg.priority))]
         chunk.optimizer = optimizer  # only a push that is taken may change the settings
         if not chunk.pushed:
@@ -225,10 +190,23 @@ class ShardStore:
             chunk.waiting.append(Waiter(peer, channel, msg.round, msg.priority))
         else:
             replies.append((peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority)))
-        if len(chunk.pushed) == self.workers or (self.joined and len(chunk.pushed | self.joined) == self.workers):
+        if self._all_in(chunk):
             self._complete(chunk)
             replies += self._serve(chunk)
         return replies
+
+    def _all_in(self, chunk: Chunk) -> bool:
+        """Every worker that pushes the chunk has, this round (those inside join() count as zeros)."""
+        members = chunk.members
+        if members is None:
+            return len(chunk.pushed) == self.workers or (
+                bool(self.joined) and len(chunk.pushed | self.joined) == self.workers)
+        return len(chunk.pushed) == len(members) or (
+            bool(self.joined) and len(chunk.pushed | (self.joined & members)) == len(members))
+
+    def _departed(self, chunk: Chunk) -> set[int]:
+        """The workers that left the job of those that push the chunk."""
+        return self.departed if chunk.members is None else self.departed & chunk.members
 
     def _join(self, rank: int, joined: bool, peer: str, channel: int, msg: Message) -> list[Reply]:
         """A worker called join() (it pushes zeros from now on: rounds the others have all pushed complete
@@ -239,7 +217,7 @@ class ShardStore:
         self.joined.add(rank)
         replies: list[Reply] = []
         for chunk in self.chunks.values():
-            if chunk.pushed and len(chunk.pushed | self.joined) == self.workers:
+            if chunk.pushed and self._all_in(chunk):
                 self._complete(chunk)
                 replies += self._serve(chunk)
         return replies
@@ -252,7 +230,8 @@ class ShardStore:
             else:  # swap: the old value's replies have all been received by now (see docs/architecture.md)
                 chunk.value, total.accum = total.accum, chunk.value
         else:
-            total.accum *= np.asarray(1.0 / self.workers, total.accum.dtype)
+            pushers = self.workers if chunk.members is None else len(chunk.members)
+            total.accum *= np.asarray(1.0 / pushers, total.accum.dtype)
             self._step(chunk, total.accum)
         chunk.round += 1
         chunk.pushed.clear()
@@ -337,7 +316,7 @@ class ShardStore:
             self.departure_order.append(rank)
         replies = []
         for chunk in self.chunks.values():
-            if not chunk.pushed or chunk.pushed >= self.departed:
+            if not chunk.pushed or chunk.pushed >= self._departed(chunk):
                 continue
             for waiter in chunk.waiting:
                 replies.append((waiter.peer, waiter.channel, self._orphaned(chunk, waiter.round, waiter.priority)))
@@ -345,7 +324,8 @@ class ShardStore:
         return replies
 
     def _orphaned(self, chunk: Chunk, round_: int, priority: int) -> Message:
-        gone = [r for r in self.departure_order if r not in chunk.pushed] or self.departure_order
+        pushers = self._departed(chunk)
+        gone = [r for r in self.departure_order if r not in chunk.pushed and r in pushers] or self.departure_order
         who = (f"worker {gone[0]} has left the job" if len(gone) == 1
                else f"workers {', '.join(map(str, gone))} have left the job (worker {gone[0]} first)")
         error = (
@@ -364,7 +344,7 @@ class ShardStore:
         ranks = {rank for _, rank in self.worker_ids.values()}
         return [
             f"round {c.round + 1} of {c.describe()} has waited {now - c.round_started:.0f} s for workers "
-            f"{sorted(ranks - c.pushed)}"
+            f"{sorted((ranks if c.members is None else set(c.members)) - c.pushed)}"
             for c in self.chunks.values()
             if c.pushed and now - c.round_started > limit
         ]

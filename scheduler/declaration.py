@@ -31,6 +31,10 @@ class Declaration:
     #: the plan as workers get it: [[key, name, shape, dtype, priority, [[chunk, offset, length, server]]]]
     table: list[Any] = field(default_factory=list)
     acks: set[str] = field(default_factory=set)
+    #: the workers that declare it: every worker, or a process set's (its tensors' rounds count only them)
+    members: list[int] = field(default_factory=list)
+    #: the seq the declaring workers numbered it with (a process set's declarations are numbered apart)
+    reply_seq: int = 0
 
 
 def parse_limits(raw: object) -> Limits:
@@ -64,8 +68,18 @@ def parse_tensor_table(raw: object) -> list[tuple[TensorSpec, Any]]:
     return table
 
 
-def table_mismatch(reference: Sequence[TensorSpec], other: Sequence[TensorSpec], rank: int) -> str | None:
-    """The first difference between worker 0's table and worker `rank`'s, in words; None if equal."""
+def parse_members(raw: object, workers: int, rank: int) -> list[int]:
+    """A process set's ranks from a DECLARE (sorted, distinct, in range, the sender's among them), validated."""
+    if (not isinstance(raw, list) or not raw or not all(type(r) is int and 0 <= r < workers for r in raw)
+            or raw != sorted(set(raw)) or rank not in raw):
+        raise WireError(f"a declaration's ranks must be the sorted, distinct ranks of a set of workers with worker "
+                        f"{rank} among them, got {brief(raw)}")
+    return list(raw)
+
+
+def table_mismatch(reference: Sequence[TensorSpec], other: Sequence[TensorSpec], rank: int,
+                   first: int = 0) -> str | None:
+    """The first difference between worker `first`'s table and worker `rank`'s, in words; None if equal."""
     mine = {s.name: s for s in reference}
     theirs = {s.name: s for s in other}
     if len(theirs) != len(other):
@@ -73,26 +87,28 @@ def table_mismatch(reference: Sequence[TensorSpec], other: Sequence[TensorSpec],
     for spec in reference:
         got = theirs.get(spec.name)
         if got is None:
-            return f"worker {rank} does not declare tensor {brief(spec.name)} that worker 0 declares"
+            return f"worker {rank} does not declare tensor {brief(spec.name)} that worker {first} declares"
         if (got.shape, got.dtype) != (spec.shape, spec.dtype):
             return (
                 f"worker {rank} declares tensor {brief(spec.name)} as {got.dtype}{list(got.shape)} "
-                f"but worker 0 as {spec.dtype}{list(spec.shape)}"
+                f"but worker {first} as {spec.dtype}{list(spec.shape)}"
             )
     extra = [name for name in theirs if name not in mine]
     if extra:
-        return f"worker {rank} declares tensor {brief(extra[0])} that worker 0 does not"
+        return f"worker {rank} declares tensor {brief(extra[0])} that worker {first} does not"
     return None
 
 
-def declaration_problem(seq: int, decl: Declaration, workers: int, planned: Mapping[str, TensorPlan],
+def declaration_problem(seq: int, decl: Declaration, planned: Mapping[str, TensorPlan],
                         chunk_bytes: int) -> str | None:
-    """Why declaration `seq`, now in from every worker, fails the job (the first reason); None if it may be planned."""
-    reference = [spec for spec, _ in decl.by_rank[0]]
+    """Why declaration `seq`, now in from every one of its members, fails the job (the first reason); None if
+    it may be planned."""
+    first = decl.members[0]
+    reference = [spec for spec, _ in decl.by_rank[first]]
     if len({spec.name for spec in reference}) != len(reference):  # the others are compared with it
-        return f"tensor declaration {seq} rejected: worker 0 declares a tensor name twice"
-    for rank in range(1, workers):
-        problem = table_mismatch(reference, [spec for spec, _ in decl.by_rank[rank]], rank)
+        return f"tensor declaration {seq} rejected: worker {first} declares a tensor name twice"
+    for rank in decl.members[1:]:
+        problem = table_mismatch(reference, [spec for spec, _ in decl.by_rank[rank]], rank, first)
         if problem:
             return f"tensor declaration {seq} rejected: {problem}"
     for spec in reference:
@@ -128,11 +144,13 @@ def settle_limits(chunk_bytes: int, inflight_bytes: int, proposals: Mapping[int,
     return Limits(chunk, inflight), note
 
 
-def server_shard(plans: Sequence[TensorPlan], server: int, options: Mapping[str, Any]) -> list[Any]:
-    """Server `server`'s part of new plans, as its PLAN carries it: [[key, name, dtype, opt, [[chunk, length]]]]."""
+def server_shard(plans: Sequence[TensorPlan], server: int, options: Mapping[str, Any],
+                 members: list[int] | None = None) -> list[Any]:
+    """Server `server`'s part of new plans, as its PLAN carries it: [[key, name, dtype, opt, [[chunk, length]]]],
+    each with the process set's `members` last where only they push it."""
     return [
         [p.key, p.spec.name, p.spec.dtype, options[p.spec.name],
-         [[c.chunk, c.length] for c in p.chunks if c.server == server]]
+         [[c.chunk, c.length] for c in p.chunks if c.server == server], *([members] if members else [])]
         for p in plans
     ]
 

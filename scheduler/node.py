@@ -79,6 +79,8 @@ class ControlClient:
         self._cond = threading.Condition()
         self._replies: dict[Hashable, Message] = {}
         self._declare_seq = 0
+        #: declarations of each process set's tensors (by its ranks) so far: numbered apart from the job's
+        self._set_declare_seqs: dict[tuple[int, ...], int] = {}
         self._last_ack = time.monotonic()
         self._stop = threading.Event()
         self.failure: str | None = None
@@ -120,13 +122,21 @@ class ControlClient:
         self._last_ack = time.monotonic()
         threading.Thread(target=self._heartbeats, name="sluice-heartbeat", daemon=True).start()
 
-    def declare(self, tensors: list[list[Any]], limits: Limits | None = None) -> tuple[list[Any], Limits]:
-        """Declare [[name, shape, dtype, optimizer], ...] collectively, proposing this worker's calibrated
-        limits; the plan table for them and the job's chunk size and in-flight bound."""
-        seq, self._declare_seq = self._declare_seq, self._declare_seq + 1
-        extra = {"limits": limits.as_list()} if limits is not None else {}
+    def declare(self, tensors: list[list[Any]], limits: Limits | None = None,
+                ranks: list[int] | None = None) -> tuple[list[Any], Limits]:
+        """Declare [[name, shape, dtype, optimizer], ...] collectively (with every worker, or with the other
+        workers of a process set's `ranks`), proposing this worker's calibrated limits; the plan table for
+        them and the job's chunk size and in-flight bound."""
+        extra: dict[str, Any] = {"limits": limits.as_list()} if limits is not None else {}
+        if ranks is None:
+            seq, self._declare_seq = self._declare_seq, self._declare_seq + 1
+            key: tuple[Any, ...] = (Kind.PLAN, seq)
+        else:
+            seq = self._set_declare_seqs.get(tuple(ranks), 0)
+            self._set_declare_seqs[tuple(ranks)] = seq + 1
+            key, extra["ranks"] = (Kind.PLAN, tuple(ranks), seq), list(ranks)
         self._send(Kind.DECLARE, seq=seq, tensors=tensors, **extra)
-        plan = self._wait((Kind.PLAN, seq), self._config.op_timeout, f"the plan of tensor declaration {seq}")
+        plan = self._wait(key, self._config.op_timeout, f"the plan of tensor declaration {seq}")
         table: list[Any] = meta_field(plan, "tensors", list)
         try:
             settled = parse_limits(meta_field(plan, "limits", list))
@@ -166,7 +176,13 @@ class ControlClient:
         elif msg.kind == Kind.WELCOME:
             self._welcome(msg)
         elif msg.kind == Kind.PLAN and self.role == "worker":
-            self._put((Kind.PLAN, meta_field(msg, "seq", int)), msg)
+            ranks = (msg.meta or {}).get("ranks")
+            if ranks is None:
+                self._put((Kind.PLAN, meta_field(msg, "seq", int)), msg)
+            elif type(ranks) is list and all(type(r) is int for r in ranks):
+                self._put((Kind.PLAN, tuple(ranks), meta_field(msg, "seq", int)), msg)
+            else:
+                raise WireError(f"a PLAN's ranks must be a list of ints, got {brief(ranks)}")
         elif msg.kind == Kind.RELEASE:
             self._put((Kind.RELEASE, meta_field(msg, "name", str)), msg)
         else:

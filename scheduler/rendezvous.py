@@ -16,6 +16,7 @@ from sluice.scheduler.declaration import (
     Declaration,
     declaration_problem,
     parse_limits,
+    parse_members,
     parse_tensor_table,
     server_shard,
     settle_limits,
@@ -75,6 +76,8 @@ class Rendezvous:
         #: the node declared lost (no heartbeat), once the job failed for that reason
         self.lost: Node | None = None
         self._declarations: dict[int, Declaration] = {}
+        #: (a process set's ranks, its declaration's seq) -> the negative seq it is known by here and on the servers
+        self._set_seqs: dict[tuple[tuple[int, ...], int], int] = {}
         self._planned: dict[str, TensorPlan] = {}
         self._loads = [0] * servers
         self._barriers: dict[str, set[int]] = {}
@@ -229,34 +232,46 @@ class Rendezvous:
         return self.switch.propose(trees) if self.phase in ("registering", "running") else []
 
     def _on_declare(self, node: Node, msg: Message) -> list[Out]:
+        """A worker's DECLARE: planned once every worker (or every one of a process set's `ranks`) declared it.
+        A process set's declarations are numbered apart and keyed, here and on the servers, by a negative seq."""
         seq = meta_field(msg, "seq", int)
         table = parse_tensor_table(meta_field(msg, "tensors", list))
         proposal = (msg.meta or {}).get("limits")
         limits_proposed = parse_limits(proposal) if proposal is not None else None  # all checked before any change
-        decl = self._declarations.setdefault(seq, Declaration())
+        raw_ranks = (msg.meta or {}).get("ranks")
+        members = list(range(self.workers)) if raw_ranks is None else parse_members(raw_ranks, self.workers, node.rank)
+        if raw_ranks is not None:
+            if self.aggregators:
+                raise WireError("a process set's tensors cannot go through aggregators: its workers use allreduce")
+            seq = self._set_seqs.setdefault((tuple(members), seq), -1 - len(self._set_seqs))
+        decl = self._declarations.setdefault(seq, Declaration(members=members, reply_seq=meta_field(msg, "seq", int)))
+        if decl.members != members:
+            raise WireError(f"worker {node.rank} declares set {members}'s tensors under declaration {seq} of "
+                            f"workers {decl.members}")
         decl.by_rank[node.rank] = table
         if limits_proposed is not None:
             decl.proposals[node.rank] = limits_proposed
-        if len(decl.by_rank) < self.workers:
+        if len(decl.by_rank) < len(members):
             return []
         if self.limits is None:  # at the first declaration
             self.limits, note = settle_limits(self.chunk_bytes, self.inflight_bytes, decl.proposals)
             self.notes.append(note)
         limits = self.limits
-        problem = declaration_problem(seq, decl, self.workers, self._planned, limits.chunk_bytes)
+        problem = declaration_problem(seq, decl, self._planned, limits.chunk_bytes)
         if problem is not None:
             return self._fail(problem)
-        reference = [spec for spec, _ in decl.by_rank[0]]
+        reference = [spec for spec, _ in decl.by_rank[members[0]]]
         new = [spec for spec in reference if spec.name not in self._planned]
         plans, self._loads = plan_tensors(
             new, len(self._planned), self.servers, limits.chunk_bytes, self._loads
         )
         self._planned.update((p.spec.name, p) for p in plans)
         decl.plans = [self._planned[spec.name] for spec in reference]
-        options = {spec.name: opt for spec, opt in decl.by_rank[0]}
+        options = {spec.name: opt for spec, opt in decl.by_rank[members[0]]}
         outs = []
+        shared = members if raw_ranks is not None else None
         for server in self._of_role("server"):
-            plan = self._msg(Kind.PLAN, seq=seq, tensors=server_shard(plans, server.rank, options),
+            plan = self._msg(Kind.PLAN, seq=seq, tensors=server_shard(plans, server.rank, options, shared),
                              limits=limits.as_list())
             self.recovery.sent(server.name, plan)
             outs.append((server.name, plan))
@@ -275,7 +290,7 @@ class Rendezvous:
 
     def _on_plan_ack_of(self, node: Node, seq: int) -> list[Out]:
         decl = self._declarations.get(seq)
-        if decl is None or len(decl.by_rank) < self.workers:  # not yet planned: no server has been sent it
+        if decl is None or len(decl.by_rank) < len(decl.members):  # not yet planned: no server has been sent it
             raise WireError(f"PLAN_ACK for unknown declaration {seq}")
         decl.acks.add(node.name)
         if len(decl.acks) < self.servers + self.aggregators:
@@ -283,9 +298,11 @@ class Rendezvous:
         table = decl.table
         del self._declarations[seq]
         limits = (self.limits or Limits(DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES)).as_list()
-        return [
-            (w.name, self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits)) for w in self._of_role("worker")
-        ]
+        if seq >= 0:
+            return [(w.name, self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits))
+                    for w in self._of_role("worker")]
+        return [(w.name, self._msg(Kind.PLAN, seq=decl.reply_seq, tensors=table, limits=limits, ranks=decl.members))
+                for w in self._of_role("worker") if w.rank in decl.members]
 
     def _on_barrier(self, node: Node, msg: Message) -> list[Out]:
         name = meta_field(msg, "name", str)

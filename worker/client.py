@@ -132,13 +132,14 @@ class Client:
         log.info("worker %d calibration: %s -> %s", self.rank, measured, self.proposal.describe())
 
     # ------------------------------------------------------------------ collective set-up
-    def declare(self, tensors: Sequence[TensorDecl]) -> None:
-        """Declare tensors on every worker at once (same names, shapes, dtypes; any order)."""
+    def declare(self, tensors: Sequence[TensorDecl], ranks: list[int] | None = None) -> None:
+        """Declare tensors on every worker at once (same names, shapes, dtypes; any order), or on every worker
+        of a process set's `ranks` (the servers' rounds of those tensors count only them; no aggregators)."""
         if not self._server_names:
             raise SluiceError("this job has no parameter servers (-s 0): tensors cannot be declared for them; "
                               "use the allreduce collectives (worker.collective) instead")
         table = [[name, list(shape), dtype, opt] for name, shape, dtype, opt in tensors]
-        plan, limits = self.control.declare(table, self.proposal if self.limits is None else None)
+        plan, limits = self.control.declare(table, self.proposal if self.limits is None else None, ranks)
         if self.limits is None:
             self.limits = limits
             self.transport.set_inflight(limits.inflight_bytes)
@@ -146,7 +147,8 @@ class Client:
         sizes = chunk_sizes(new)
         with self._lock:  # the I/O thread reads both when a switch of the aggregation trees begins
             self._tensors.update(new)
-            self._router.declare(sizes)
+            if ranks is None:  # a process set's tensors go straight to the servers: no aggregation tree
+                self._router.declare(sizes)
 
     def set_priorities(self, priorities: dict[str, int]) -> None:
         """Give declared tensors new priorities (0 most urgent) and the channels that carry them.

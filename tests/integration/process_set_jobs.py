@@ -83,6 +83,9 @@ def process_set_cases() -> dict[str, Any]:
     out["overlap_job"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist()
     out["overlap_set"] = hvd.synchronize(handle).tolist()
     out["trained"] = _train(hvd, first, rank)
+    from sluice.worker.torch.state import require  # which route the set's gradients took
+
+    out["through_servers"] = require().ps.declared("set1.fusion.ps.float32.0")
     out["reference_alone"] = _local_reference(rank, [rank])
     out["reference_01"] = _local_reference(rank, [0, 1])
     out["removed"] = [hvd.remove_process_set(even), even.process_set_id, hvd.remove_process_set(even),

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("servers", [0, 1])
 def test_process_sets_as_horovods(servers: int) -> None:
-    with LocalCluster(3, servers, {"collective": {"stall_timeout": 10.0}}) as cluster:
+    # with a server, gradients go through it: a set's rounds there count only the set's workers
+    config = {"collective": {"stall_timeout": 10.0, **({"mode": "ps"} if servers else {})}}
+    with LocalCluster(3, servers, config) as cluster:
         results = cluster.run(process_set_cases, timeout=120)
     for rank, out in enumerate(results):
         assert out["static"][:4] == [1, 2, None, [1, 2]], rank  # the clone of [0, 1] is left unregistered
@@ -42,6 +44,7 @@ def test_process_sets_as_horovods(servers: int) -> None:
         assert out["overlap_job"] == [3.0] and out["overlap_set"] == [float(sum(members))] * 4, rank
         want = out["reference_01"] if rank < 2 else out["reference_alone"]
         np.testing.assert_allclose(out["trained"], want, rtol=1e-6, err_msg=f"rank {rank}")
+        assert out["through_servers"] == (servers == 1 and rank < 2), rank
         assert out["removed"] == [True, None, False, False], rank
         assert "does not exist" in out["after_remove"], out["after_remove"]
         assert out["last"] == [3.0], rank

@@ -57,13 +57,14 @@ class CollectiveEngine:
 
     def __init__(self, transport: Transport, rank: int, peers: Sequence[str], hosts: Sequence[str],
                  settings: CollectiveConfig, chunk_bytes: int, timeout: float,
-                 channel_for: Callable[[int], int], *, members: Sequence[int] | None = None, label: str = "") -> None:
+                 channel_for: Callable[[int], int], *, members: Sequence[int] | None = None, label: str = "",
+                 set_id: int = 0) -> None:
         """Ready to take messages at once (made on the I/O thread as the address book arrives);
         `connect` must follow before any operation. A process set's engine has the set's `members` (their
         job ranks: broadcast roots are job ranks, as in Horovod) and a `label` its errors carry."""
         self.rank, self.size, self.settings = rank, len(peers), settings
         self.members = list(members) if members is not None else list(range(len(peers)))
-        self.label = label
+        self.label, self.set_id = label, set_id
         self._timeout = timeout
         self.tree = build_tree(hosts, settings.arity)
         self.ring = ring_order(hosts)

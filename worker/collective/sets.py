@@ -98,8 +98,8 @@ class ProcessSets:
     """This worker's process sets: their ranks by id, and an engine for each set it belongs to."""
 
     def __init__(self, job: CollectiveEngine, transport: Transport, names: Sequence[str], hosts: Sequence[str],
-                 make_engine: Callable[[Transport, list[int], list[str], list[str], str], CollectiveEngine]) -> None:
-        """`make_engine(transport, members, peer names, hosts, label)` makes this worker's engine of a set of
+                 make_engine: Callable[[Transport, int, list[int], list[str], list[str]], CollectiveEngine]) -> None:
+        """`make_engine(transport, set id, members, peer names, hosts)` makes this worker's engine of a set of
         `members` (global ranks), with the job's settings."""
         self.job, self._transport = job, transport
         self._names, self._hosts, self._make_engine = list(names), list(hosts), make_engine
@@ -221,9 +221,8 @@ class ProcessSets:
     def _start(self, set_id: int, members: list[int]) -> None:
         """This worker's engine for the set: made, connected to the other members (their hellos), its early
         messages replayed."""
-        label = f" in process set {set_id} (ranks {members})"
-        engine = self._make_engine(SetTransport(self._transport, set_id), members, [self._names[r] for r in members],
-                                   [self._hosts[r] for r in members], label)
+        engine = self._make_engine(SetTransport(self._transport, set_id), set_id, members,
+                                   [self._names[r] for r in members], [self._hosts[r] for r in members])
         with self._lock:
             self._engines[set_id] = engine
             box = self._boxes[set_id]
@@ -236,10 +235,12 @@ class ProcessSets:
 
 def set_engine_factory(transport: Transport, settings: CollectiveConfig, chunk_bytes: int, timeout: float,
                        channel_for: Callable[[int], int], rank: int
-                       ) -> Callable[[Transport, list[int], list[str], list[str], str], CollectiveEngine]:
-    """What ProcessSets calls to make the engine of worker `rank` in a set: the job engine's settings."""
-    def make(set_transport: Transport, members: list[int], names: list[str], hosts: list[str],
-             label: str) -> CollectiveEngine:
+                       ) -> Callable[[Transport, int, list[int], list[str], list[str]], CollectiveEngine]:
+    """What ProcessSets calls to make the engine of worker `rank` in a set: the job engine's settings; its
+    errors name the set."""
+    def make(set_transport: Transport, set_id: int, members: list[int], names: list[str],
+             hosts: list[str]) -> CollectiveEngine:
         return CollectiveEngine(set_transport, members.index(rank), names, hosts, settings, chunk_bytes, timeout,
-                                channel_for, members=members, label=label)
+                                channel_for, members=members, label=f" in process set {set_id} (ranks {members})",
+                                set_id=set_id)
     return make

@@ -122,8 +122,8 @@ class FusedGradients:
         """`engine`: the process set's (default: the job's) that takes the allreduce route."""
         self.node, self.route, self.reduction = node, route, reduction
         self.engine = engine if engine is not None else node.collectives
-        #: the ranks a group is summed over: the servers' rounds take every worker; allreduce, the set's
-        self.size = self.engine.size if route == "allreduce" and self.engine is not None else node.size
+        #: the workers a group is summed over (a process set's, or every worker), on either route
+        self.size = self.engine.size if self.engine is not None else node.size
         torch_dtype = params[0][2].dtype
         wire = reduction.wire if reduction.wire is not None and torch_dtype.is_floating_point else torch_dtype
         self.dtype = wire_dtype(torch.empty(0, dtype=wire))
@@ -170,8 +170,9 @@ class FusedGradients:
                            for g in self.plan.groups]
         self.step = self._new_step()
         if route == "ps":
+            members = self.engine.members if self.engine is not None and self.engine.set_id else None
             node.ps.declare([(name, ((g.end - g.start) // item,), self.dtype, None)
-                            for name, g in zip(self.names, self.plan.groups, strict=True)])
+                            for name, g in zip(self.names, self.plan.groups, strict=True)], members)
             node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
         elif self.engine is None:
             raise SluiceError("allreduce is not available: the collective engine did not start")

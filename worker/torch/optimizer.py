@@ -42,7 +42,8 @@ class _DistributedMixin(LocalMixin):
     ) -> None:
         """`prefix` keeps this optimizer's names on the servers and in the collectives apart from other
         optimizers' of the process ('' for the first, then 'opt1.', ...: the same on every rank); `on`
-        is the engine of its process set (a set's gradients all take allreduce among its workers)."""
+        is the engine of its process set (its gradients are summed over its workers only, by allreduce or on
+        the servers)."""
         self._sluice_kind = kind
         self._sluice_engine, self._sluice_process_set = on, process_set
         self._sluice_steps = 0
@@ -77,7 +78,7 @@ class _DistributedMixin(LocalMixin):
         self._sluice_flushed = False
         self._sluice_routes = choose_routes([(n, p) for n, p in in_order if p.requires_grad],
                                             node.collective_settings, node.hosts("worker"), node.hosts("server"))
-        if on.label:  # the servers' rounds count every worker of the job: a set's gradients take allreduce
+        if on.set_id and node.by_rank("aggregator"):  # an aggregator sums its whole rack: a set takes allreduce
             self._sluice_routes = dict.fromkeys(self._sluice_routes, "allreduce")
         self._sluice_priorities = ParameterPriorities(node, STATE.settings, in_order, model)
         if self._sluice_on_server:
@@ -338,7 +339,7 @@ def DistributedOptimizer(
     if on is None:  # this worker is not in the set: Horovod's optimizer then steps on the local gradients
         return local_only(optimizer)
     index = next(OPTIMIZERS if not on.label else _SET_OPTIMIZERS.setdefault(on.label, itertools.count()))
-    prefix = f"opt{index}." if index else ""
+    prefix = (f"set{on.set_id}." if on.set_id else "") + (f"opt{index}." if index else "")
     if op == Adasum and node.size > 1:  # Horovod's delta optimizer (at size 1 it is the plain one, as there)
         if on.label:
             raise NotImplementedError("Adasum does not support non-global process sets yet.")
