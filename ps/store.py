@@ -107,6 +107,8 @@ class ShardStore:
                     optimizer=optimizer,
                     members=members,
                 )))
+                if members is not None:  # the sum's rank order runs over the set's ranks only
+                    added[-1].sum.expect(tuple(sorted(members)))
         return self.recovery.restore(added, recovering) if self.recovery is not None else []
 
     # ------------------------------------------------------------------ messages

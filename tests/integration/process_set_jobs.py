@@ -82,12 +82,12 @@ def process_set_cases() -> dict[str, Any]:
     handle = hvd.allreduce_async(torch.ones(4) * rank, op=hvd.Sum, process_set=mine)
     out["overlap_job"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist()
     out["overlap_set"] = hvd.synchronize(handle).tolist()
-    out["trained"] = _train(hvd, first, rank)
+    out["trained"] = _train(hvd, even, rank)  # ranks 0 and 2: not adjacent, so the servers' sum skips rank 1
     from sluice.worker.torch.state import require  # which route the set's gradients took
 
-    out["through_servers"] = require().ps.declared("set1.fusion.ps.float32.0")
+    out["through_servers"] = require().ps.declared("set3.fusion.ps.float32.0")
     out["reference_alone"] = _local_reference(rank, [rank])
-    out["reference_01"] = _local_reference(rank, [0, 1])
+    out["reference_02"] = _local_reference(rank, [0, 2])
     out["removed"] = [hvd.remove_process_set(even), even.process_set_id, hvd.remove_process_set(even),
                       hvd.remove_process_set(hvd.global_process_set)]
     out["after_remove"] = _raised(lambda: hvd.allreduce(torch.ones(1), process_set=even))

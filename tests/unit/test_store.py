@@ -267,3 +267,41 @@ def test_a_joined_worker_counts_as_pushing_zeros_until_it_is_back() -> None:
 def test_a_join_from_a_stranger_is_refused() -> None:
     with pytest.raises(WireError, match="not a worker"):
         store().handle("w9", 0, join(99, True))
+
+
+def set_store() -> ShardStore:
+    """Three workers; tensor 3 is pushed by the process set of workers 0 and 2 only."""
+    shard = ShardStore(node_id=1, workers=3, sync=True)
+    shard.worker_ids = {10: ("w0", 0), 11: ("w1", 1), 12: ("w2", 2)}
+    shard.add_plan([[3, "set1.fusion", "float32", None, [[0, 4]], [0, 2]]])
+    return shard
+
+
+def test_a_process_sets_round_completes_with_its_workers_and_refuses_the_others() -> None:
+    shard = set_store()
+    assert shard.handle("w0", 1, push(10, 1, [1, 1, 1, 1])) == []
+    with pytest.raises(WireError, match="worker 1 is not in the process set"):
+        shard.handle("w1", 1, push(11, 1, [5, 5, 5, 5]))
+    replies = shard.handle("w2", 1, push(12, 1, [2, 2, 2, 2]))
+    assert [(peer, m.kind) for peer, _, m in replies] == [("w0", Kind.REPLY), ("w2", Kind.REPLY)]
+    assert values(replies[0][2]) == [3] * 4
+    assert shard.worker_left(1) == []  # a worker outside the set leaving fails none of its rounds
+    assert shard.handle("w0", 1, push(10, 2, [1, 1, 1, 1])) == []
+    failed = shard.worker_left(2)
+    assert [m.kind for _, _, m in failed] == [Kind.ERROR] and "worker 2 has left" in failed[0][2].meta["error"]
+
+
+def test_a_process_sets_round_counts_its_joined_workers_only() -> None:
+    shard = set_store()
+    shard.handle("w1", 1, Message(Kind.JOIN, sender=11, meta={"joined": True}))  # outside the set: no effect
+    assert shard.handle("w0", 1, push(10, 1, [1, 1, 1, 1])) == []
+    replies = shard.handle("w2", 1, Message(Kind.JOIN, sender=12, meta={"joined": True}))
+    assert [m.kind for _, _, m in replies] == [Kind.REPLY] and values(replies[0][2]) == [1] * 4
+
+
+@pytest.mark.parametrize("ranks", [[], [2, 0], [0, 0], [0, 3], ["0"], 1])
+def test_a_plan_with_bad_ranks_is_refused(ranks: object) -> None:
+    shard = ShardStore(node_id=1, workers=3, sync=True)
+    with pytest.raises(WireError, match="must be sorted distinct workers"):
+        shard.add_plan([[3, "t", "float32", None, [[0, 4]], ranks]])
+    assert shard.chunks == {}
