@@ -105,6 +105,22 @@ def test_declare_plans_on_servers_before_workers() -> None:
     assert [(k, name, priority) for k, name, _, _, priority, _ in plan] == [(0, "a", 0), (1, "b", 1)]
 
 
+def test_a_process_sets_declaration_waits_for_its_workers_only_and_is_numbered_apart() -> None:
+    machine = formed(workers=3, servers=1)  # w2 is rank 0, w1 rank 1, w0 rank 2
+    table = [["set1.g", [4], "float32", None]]
+    assert machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=table, ranks=[0, 2]), 1.0) == []
+    job = machine.on_message("w1", msg(Kind.DECLARE, seq=0, tensors=[["g", [2], "float32", None]]), 1.0)
+    assert job == []  # the job's declaration 0 waits for every worker; the set's is another one
+    outs = machine.on_message("w2", msg(Kind.DECLARE, seq=0, tensors=table, ranks=[0, 2]), 1.0)
+    assert [(p, m.kind, m.meta["seq"]) for p, m in outs] == [("s0", Kind.PLAN, -1)]
+    assert outs[0][1].meta["tensors"][0][5] == [0, 2]  # the server counts only the set's ranks
+    outs = machine.on_message("s0", msg(Kind.PLAN_ACK, seq=-1), 1.0)
+    assert sorted((p, m.meta["seq"], tuple(m.meta["ranks"])) for p, m in outs) == [("w0", 0, (0, 2)),
+                                                                                   ("w2", 0, (0, 2))]
+    with pytest.raises(WireError, match="ranks must be the sorted, distinct ranks"):
+        machine.on_message("w1", msg(Kind.DECLARE, seq=1, tensors=table, ranks=[0, 2]), 1.0)  # not a member
+
+
 def test_table_mismatch_in_words() -> None:
     ref = [TensorSpec("a", (2,), "float32"), TensorSpec("b", (3,), "float32")]
     assert table_mismatch(ref, list(reversed(ref)), 1) is None
