@@ -65,7 +65,7 @@ class Report(keras.callbacks.Callback):
         elapsed = time.perf_counter() - self.started
         mine = np.arange(hvd.rank(), len(self.y_test), hvd.size())
         predicted = self.model.predict(self.x_test[mine], verbose=0).argmax(1)
-        correct = hvd.allreduce(np.float32((predicted == self.y_test[mine]).sum()), name="test.correct", op=hvd.Sum)
+        correct = hvd.allreduce(np.float32((predicted == self.y_test[mine]).sum()), name="test.correct", average=False)
         self.accuracy = float(correct) / len(self.y_test)
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1:2d}  loss {(logs or {})['loss']:.4f}  test accuracy {self.accuracy:6.2%}  "

@@ -71,8 +71,26 @@ def rank_op(name: str | None = None) -> Any:
     return _run_time(lambda: require().rank)
 
 
+#: Horovod's error code of a process set that is not registered (its set ops return it)
+UNKNOWN_SET = -3
+
+
+def _set_ranks(process_set_id: int) -> list[int] | None:
+    sets = require().process_sets
+    return sets.ranks.get(process_set_id) if sets is not None else None
+
+
 def size_op(process_set_id: int = 0, name: str | None = None) -> Any:
-    return _run_time(lambda: require().size)
+    """The number of workers in the process set (0: the job), or UNKNOWN_SET, read at run time."""
+    return _run_time(lambda: len(_set_ranks(process_set_id) or ()) or UNKNOWN_SET)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> Any:
+    """1 where this worker is in the process set, else 0 (UNKNOWN_SET for a set not registered), at run time."""
+    def included() -> int:
+        ranks = _set_ranks(process_set_id)
+        return UNKNOWN_SET if ranks is None else int(require().rank in ranks)
+    return _run_time(included)
 
 
 def local_rank_op(name: str | None = None) -> Any:
@@ -101,5 +119,4 @@ def broadcast_global_variables(root_rank: int) -> Any:
     if tf.executing_eagerly():
         raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
                            "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
-    broadcast_variables(tf.compat.v1.global_variables(), root_rank)
-    return tf.no_op()
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)

@@ -6,13 +6,15 @@ gradients get slots in one registered buffer (worker/plan/fusion.py), in backwar
 of the variables' order, whose first layers are the most urgent: priority 0). Each step copies the
 gradients into their slots (the one copy: TF tensors are immutable), sends every group at once,
 most urgent first, through the collective engine's allreduce or the servers' push_pull, and writes
-each averaged gradient into a fresh array. TF's tape gives all gradients at once, so unlike the
-PyTorch shim nothing overlaps with the backward pass; the groups still travel concurrently.
+each averaged gradient into a fresh array (`reduce`, eager). Inside a tf.function the step is split
+(`start` per group, `finish` once: worker/tensorflow/overlap.py), so that each group leaves as soon as
+its gradients exist while the backward pass goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +124,22 @@ class _FusedSet:
             else:
                 scaled(arrays[index].reshape(-1), prescale, spec.dtype, view)
 
+    def load_group(self, group: int, arrays: dict[int, np.ndarray], prescale: float) -> None:
+        """The parts of `arrays` (by table index) that lie in the group's byte range, into the buffer."""
+        g = self.plan.groups[group]
+        first, last = g.start // self.item, g.end // self.item
+        for t in g.tensors:
+            offset, spec = self.slots[t]
+            flat = arrays[self.members[t]].reshape(-1)
+            lo, hi = max(offset, first), min(offset + flat.size, last)
+            if hi <= lo:
+                continue
+            part, view = flat[lo - offset: hi - offset], self.buffer[lo:hi]
+            if prescale == 1.0:
+                np.copyto(view, part)
+            else:
+                scaled(part, prescale, spec.dtype, view)
+
     def send(self, group: int) -> Any:
         g = self.plan.groups[group]
         array = self.buffer[g.start // self.item: g.end // self.item]
@@ -155,6 +173,10 @@ class FusedReducer:
                      for (route, dtype), indices in sorted(members.items())]
         #: every group of every set, most urgent first (ties: backward order)
         self.order = sorted(((s.priorities[g], n, g) for n, s in enumerate(self.sets) for g in range(len(s.names))))
+        #: (set, group) in the order backward completes them: the least urgent first
+        self.ready_order = [(n, g) for _, n, g in sorted(((-p, n, g) for p, n, g in self.order))]
+        self._pending: dict[tuple[int, int], Any] = {}  # the handles of the split step in flight
+        self._pending_lock = threading.Lock()
 
     def reduce(self, arrays: Sequence[np.ndarray], average: bool, prescale: float = 1.0,
                postscale: float = 1.0) -> list[np.ndarray]:
@@ -172,3 +194,44 @@ class FusedReducer:
         for fused in self.sets:
             fused.unload(out, scale)
         return [a for a in out if a is not None]
+
+    # ------------------------------------------------------------------ the split step (traced: overlap.py)
+    def inputs_of(self, fused: int, group: int) -> list[int]:
+        """The indices (in the list of gradients) of the gradients that group `group` of set `fused` carries."""
+        found = self.sets[fused]
+        return [found.members[t] for t in found.plan.groups[group].tensors]
+
+    def start(self, fused: int, group: int, arrays: dict[int, np.ndarray], prescale: float = 1.0) -> None:
+        """Send one group now, its gradients (`arrays` by index, see inputs_of) copied in. The first
+        group of a step first waits out what a failed step left in flight, so the names are free."""
+        key = (fused, group)
+        if key == self.ready_order[0]:
+            self._drain()
+        found = self.sets[fused]
+        found.load_group(group, arrays, prescale)
+        handle = found.send(group)
+        with self._pending_lock:
+            self._pending[key] = handle
+
+    def finish(self, average: bool, postscale: float = 1.0) -> list[np.ndarray]:
+        """Wait for every group `start` sent, then each gradient's sum (times postscale, over the
+        workers where `average`) in a new array; every group is waited for before an error is raised."""
+        errors = self._drain()
+        if errors:
+            raise errors[0]
+        out: list[np.ndarray | None] = [None] * len(self.specs)
+        scale = postscale / self.node.size if average else postscale
+        for fused in self.sets:
+            fused.unload(out, scale)
+        return [a for a in out if a is not None]
+
+    def _drain(self) -> list[Exception]:
+        with self._pending_lock:
+            handles, self._pending = list(self._pending.values()), {}
+        errors: list[Exception] = []
+        for handle in handles:
+            try:
+                handle.wait()
+            except Exception as exc:  # every group is waited for; the first failure is raised
+                errors.append(exc)
+        return errors

@@ -1,9 +1,10 @@
-"""Averaging gradients for TF: the shared step of DistributedGradientTape and Keras's DistributedOptimizer.
+"""Averaging gradients for TF: the shared step of the distributed tapes and of both DistributedOptimizers (TF1, Keras).
 
 `GradientAverager` reduces one list of gradients (None stays None; tf.IndexedSlices are made dense,
 as Horovod's sparse_as_dense) through the FusedReducer of that list of names, shapes and dtypes,
 made the first time it is seen and kept for the process (a custom loop wraps a new tape every
-step), in one tf.py_function inside a tf.function. Compression casts before and after.
+step); inside a tf.function each fused group leaves as soon as backward has made it (overlap.py).
+Compression casts before and after.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from sluice.errors import SluiceError
+from sluice.errors import InvalidCallError, SluiceError
+from sluice.worker.collective.process_set import global_process_set
 from sluice.worker.tensorflow.bridge import run_numpy, wire_dtype
 from sluice.worker.tensorflow.collectives import Average, Sum
 from sluice.worker.tensorflow.compression import Compression, Compressor
 from sluice.worker.tensorflow.fused import FusedReducer, Spec
+from sluice.worker.tensorflow.local import LocalSources, check_reduction_args
+from sluice.worker.tensorflow.overlap import specs_of, traceable, traced_reduce
+from sluice.worker.tensorflow.sparse import SparseGradients
 from sluice.worker.tensorflow.state import NAMES, STATE, require
 
 
@@ -43,6 +48,9 @@ def variable_names(sources: Sequence[Any]) -> list[str]:
 #: the fused reducer of each list of gradients, with the node it was made for; one step at a time each
 _REDUCERS: dict[tuple[Spec, ...], tuple[FusedReducer, threading.Lock]] = {}
 _REDUCERS_LOCK = threading.Lock()
+#: the label of each list of gradient names, drawn once per node: ranks whose shapes disagree under the
+#: same names then meet under the same collective names and fail there together, and stay in step
+_LABELS: dict[tuple[str, ...], tuple[Any, str]] = {}
 
 
 def reducer_for(specs: tuple[Spec, ...]) -> tuple[FusedReducer, threading.Lock]:
@@ -51,8 +59,11 @@ def reducer_for(specs: tuple[Spec, ...]) -> tuple[FusedReducer, threading.Lock]:
     with _REDUCERS_LOCK:
         entry = _REDUCERS.get(specs)
         if entry is None or entry[0].node is not node:  # new, or made before a shutdown() and init()
-            entry = _REDUCERS[specs] = (FusedReducer(node, STATE.settings, specs, f"tf.grads{next(NAMES)}"),
-                                        threading.Lock())
+            names = tuple(s.name for s in specs)
+            known = _LABELS.get(names)
+            label = known[1] if known is not None and known[0] is node else f"tf.grads{next(NAMES)}"
+            _LABELS[names] = (node, label)
+            entry = _REDUCERS[specs] = (FusedReducer(node, STATE.settings, specs, label), threading.Lock())
         return entry
 
 
@@ -85,7 +96,12 @@ class GradientAverager:
             with busy:  # its buffers and group names serve one step at a time
                 return reducer.reduce(arrays, self.op == Average, self.prescale, self.postscale)
 
-        out = run_numpy(reduce, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], "gradient allreduce")
+        if traceable(tensors):  # traced: each fused group leaves as soon as backward has made it (overlap.py)
+            reducer = reducer_for(specs_of(tensors, chosen, wires))[0]
+            out = traced_reduce(reducer, tensors, self.op == Average, self.prescale, self.postscale)
+        else:
+            out = run_numpy(reduce, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
+                            "gradient allreduce")
         result = list(grads)
         for index, value, (_, context) in zip(present, out, pairs, strict=True):
             result[index] = self.compression.decompress(value, context)
@@ -97,27 +113,68 @@ class _DistributedTape:
     returns the gradients averaged (or summed) over the workers."""
 
     _sluice_average: GradientAverager
+    _sluice_local: LocalSources
+
+    def register_local_source(self, source: Any) -> None:
+        """Horovod's: the gradient of `source` is not reduced (it is divided by the set's size where
+        scale_local_gradients), e.g. a model-parallel layer's own weights."""
+        self._sluice_local.register(source)
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)  # type: ignore[misc]
-        flat = tf.nest.flatten(grads)
-        reduced = self._sluice_average(flat, variable_names(tf.nest.flatten(sources)))
+        flat, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        names = variable_names(flat_sources)
+        reduced = self._sluice_local.reduce(
+            lambda gs, indices: self._sluice_average(gs, [names[i] for i in indices]), flat, flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any, output_gradients: Any = None
+                                       ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """Horovod's: gradient()'s (source, gradient) pairs, those of the local sources, then the others."""
+        flat = tf.nest.flatten(sources)
+        return self._sluice_local.split(flat, tf.nest.flatten(self.gradient(target, sources, output_gradients)))
 
 
 def DistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse: str = "",
                             compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
                             op: str = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                            groups: Any = None) -> Any:
-    """Horovod's DistributedGradientTape: `gradient()` averages the gradients over the workers.
+                            groups: Any = None, process_set: Any = global_process_set,
+                            scale_local_gradients: bool = True) -> Any:
+    """Horovod's DistributedGradientTape: `gradient()` averages the gradients over the workers, but those
+    of sources given to `register_local_source` (see local.py).
 
     Gradients travel in balanced fused groups (collective.fusion_bytes), which take the place of
-    Horovod's num_groups and groups (accepted, not used); sparse gradients are always made dense.
+    Horovod's num_groups and groups (checked as Horovod does, not used); sparse gradients are gathered
+    (tf.IndexedSlices, as Horovod) or, with sparse_as_dense, made dense and fused (sparse.py).
     """
+    check_reduction_args(op, gradient_predivide_factor, num_groups, groups, process_set)
     base: Any = gradtape.__class__
     cls: Any = type(base.__name__, (_DistributedTape, base), {})
     tape: Any = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: the tape the `with` block filled
-    tape._sluice_average = GradientAverager(compression, op, gradient_predivide_factor)
+    tape._sluice_average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor),
+                                           sparse_as_dense, process_set)  # IndexedSlices: sparse.py
+    tape._sluice_local = LocalSources(process_set, scale_local_gradients)
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse: str = "",
+                                   compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
+                                   op: str = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None, process_set: Any = global_process_set,
+                                   local_layers: Any = None, scale_local_gradients: bool = True) -> Any:
+    """Horovod's: a DistributedGradientTape whose `local_layers` (a Keras layer or a list of them) keep
+    their trainable weights' gradients local (registered as local sources)."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, tf.keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, tf.keras.layers.Layer) for layer in local_layers):
+        raise InvalidCallError("All local layers must be of tf.keras.layers.Layer type.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for variable in layer.trainable_weights:
+            tape.register_local_source(variable)
     return tape

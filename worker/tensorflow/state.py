@@ -5,12 +5,14 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.errors import SluiceError
 from sluice.transport.metrics import summary_lines
 from sluice.worker.collective.engine import CollectiveEngine
+from sluice.worker.collective.process_set import ProcessSet, register_sets, set_id
 from sluice.worker.config import WorkerConfig
 from sluice.worker.node import WorkerNode
 from sluice.worker.shim import show_our_logs, worker_settings
@@ -41,15 +43,19 @@ def engine(process_set: Any = None) -> CollectiveEngine:
     """The engine that runs collectives over `process_set` (None or hvd.global_process_set: every worker).
     Its `rank` and `size` are this worker's within the set."""
     node = require()
-    if node.collectives is None:
+    if node.collectives is None or node.process_sets is None:
         raise SluiceError("the collective engine is not running (init() did not finish)")
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+    if process_set is None:
         return node.collectives
-    raise SluiceError("process sets are not offered yet: pass process_set=None (hvd.global_process_set)")
+    return node.process_sets.engine(set_id(process_set), "collective")
 
 
-def init() -> None:
-    """Join the job this process was launched into (by `sluice launch`); a second call does nothing."""
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Join the job this process was launched into (by `sluice launch`); a second call does nothing.
+    `process_sets` (Horovod's): sets to register at once, in the same order on every worker, or "dynamic"."""
+    if comm is not None:
+        raise SluiceError("init(comm=...) takes an MPI communicator, and Sluice does not use MPI: call hvd.init() "
+                          "and choose the workers with sluice launch -w N")
     if STATE.node is not None:
         return
     show_our_logs()
@@ -62,6 +68,8 @@ def init() -> None:
     STATE.settings, STATE.node = settings, node
     STATE.placement = placement(node.hosts("worker"), node.rank)
     atexit.register(shutdown)
+    assert node.process_sets is not None
+    register_sets(node.process_sets, node.rank, process_sets)
 
 
 def shutdown() -> None:

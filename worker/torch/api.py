@@ -6,9 +6,10 @@ pre-hook). Collectives are in collectives.py (async and in-place forms) and auto
 (differentiable forms), the process-wide state in state.py. CUDA tensors travel through a pinned
 host staging buffer; CPU tensors are sent and received in place.
 
-What Sluice does not offer fails at the call, saying what to use instead: an MPI communicator. `shutdown()` finishes this rank's updates in flight and makes every call but
-`init()` raise, as Horovod's; `init()` afterwards rejoins with the same rank. The connection itself is
-kept until the process exits (the job counts a worker as gone when its process ends).
+What Sluice does not offer fails at the call, saying what to use instead: an MPI communicator.
+`shutdown()` finishes this rank's updates in flight and makes every call but `init()` raise, as
+Horovod's; `init()` afterwards rejoins with the same rank. The connection itself is kept until the
+process exits (the job counts a worker as gone when its process ends).
 """
 
 from __future__ import annotations

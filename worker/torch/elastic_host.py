@@ -1,192 +1,88 @@
-"""What an elastic worker shares with the launcher on its host: the variables, the commit files, SIGUSR1, REFORM.
+"""sluice.torch's elastic commit files (torch.save) and its exit to re-form; the rest is worker/elastic/host.py's.
 
-`SLUICE_ELASTIC_DIR` (private to the job and host, on /dev/shm) holds `worker-<rank>.pt`, each a
-torch.save of one worker's last commit with its key (generation, commit counter). Generations run one
-after the other and, within one, counters only grow, so the highest key is the latest commit in
-time, even against the file of a host that left and came back with a counter from an older lineage.
-A host keeps files of ranks it no longer runs until a worker's first commit there removes the older ones.
-SIGUSR1 from the launcher means "more slots": it is noted, and the next commit raises
-HostsUpdatedInterrupt. `reform` leaves with status REFORM, which asks the launcher for a new generation.
+`SLUICE_ELASTIC_DIR` holds `worker-<rank>.pt`, each a torch.save of one worker's last commit with
+its key (generation, commit counter), loaded weights_only (a file never runs code) and, to read only
+the key, memory-mapped. What the files mean, SIGUSR1 and REFORM are worker/elastic/host.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import sys
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import torch
 
 from sluice import close_at_exit
-from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
+from sluice.worker.elastic import host
+from sluice.worker.elastic.host import (
+    CLOSE_SECONDS,
+    ENV_DIR,
+    ENV_GENERATION,
+    NO_COMMIT,
+    REFORM,
+    Commit,
+    CommitFiles,
+    CommitFormat,
+    ElasticEnv,
+    HostsUpdatedInterrupt,
+    Key,
+    _hosts_updated,
+    elastic_env,
+    hosts_updated,
+    watch_host_updates,
+)
 from sluice.worker.torch.optimizer import _READY
-from sluice.worker.torch.state import PENDING, log
+from sluice.worker.torch.state import PENDING
 
-#: what the launcher sets: the directory for committed state (unset: not an elastic job), the generation;
-#: and the exit status that asks it to re-form the job (not a failure)
-ENV_DIR = ENV_ELASTIC_DIR
-ENV_GENERATION = ENV_ELASTIC_GENERATION
-REFORM = REFORM_EXIT
-
-Key = tuple[int, int]
-#: the key of "nothing committed yet"
-NO_COMMIT: Key = (-1, 0)
-#: seconds the exit on a failure gives Sluice to close: a peer is gone, so do not wait for it
-CLOSE_SECONDS = 5.0
-_hosts_updated = threading.Event()
+__all__ = ["CLOSE_SECONDS", "ENV_DIR", "ENV_GENERATION", "FILES", "NO_COMMIT", "REFORM", "Commit", "ElasticEnv",
+           "HostsUpdatedInterrupt", "Key", "_hosts_updated", "commit_files", "commit_path", "elastic_env",
+           "hosts_updated", "newest_commit", "read_commit", "reform", "remove_older", "watch_host_updates",
+           "write_commit"]
 
 
-@dataclass(frozen=True)
-class ElasticEnv:
-    directory: Path
-    generation: int
+def _save(payload: dict[str, Any], out: BinaryIO) -> None:
+    torch.save(payload, out)
 
 
-def elastic_env() -> ElasticEnv | None:
-    """The launcher's elastic settings; None when this process is not part of an elastic job."""
-    directory = os.environ.get(ENV_DIR, "")
-    if not directory:
-        return None
-    raw = os.environ.get(ENV_GENERATION, "0")
-    try:
-        generation = int(raw)
-    except ValueError:
-        generation = -1
-    if generation < 0:
-        raise ValueError(f"{ENV_GENERATION}={raw!r} is not a generation (0, 1, 2, ...): sluice launch --elastic "
-                         f"sets it; unset {ENV_DIR} to run without elastic")
-    return ElasticEnv(Path(directory), generation)
+def _load(path: Path, key_only: bool) -> Any:
+    # only the key is needed with key_only: the tensors stay in the file (mmap)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=key_only)
 
 
-@dataclass(frozen=True)
-class Commit:
-    key: Key
-    path: Path
-    payload: dict[str, Any]
+#: torch's writer reports a failed write as a RuntimeError
+FILES = CommitFiles(CommitFormat(".pt", _save, _load, (RuntimeError,), "sluice.torch.elastic"))
 
 
 def commit_path(directory: Path, rank: int) -> Path:
-    return directory / f"worker-{rank}.pt"
+    return FILES.path(directory, rank)
 
 
 def write_commit(directory: Path, rank: int, payload: dict[str, Any]) -> Path:
-    """Save `payload` as worker `rank`'s commit: a temporary file in the same directory, then a rename,
-    so a reader (or a worker killed half-way) never sees a partial file."""
-    final = commit_path(directory, rank)
-    temp = directory / f".worker-{rank}.{os.getpid()}.tmp"
-    try:
-        directory.mkdir(mode=0o700, exist_ok=True)  # the launcher makes it on its host; the first commit elsewhere
-        with open(temp, "wb") as out:
-            torch.save(payload, out)
-        os.replace(temp, final)
-    except (OSError, RuntimeError) as exc:  # torch's writer reports a failed write as a RuntimeError
-        temp.unlink(missing_ok=True)
-        raise OSError(f"could not commit the elastic state to {final}: {exc}; free space there (df -h "
-                      f"{directory}) or commit less state") from exc
-    return final
+    """Save `payload` as worker `rank`'s commit, atomically (CommitFiles.write)."""
+    return FILES.write(directory, rank, payload)
 
 
 def read_commit(path: Path, mmap: bool = False) -> Commit | None:
-    """A commit file's content; None (with a warning) for a file this module did not write.
-    Only tensors and plain values are loaded (weights_only): a file here never runs code."""
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except FileNotFoundError:
-        return None  # replaced or removed since the directory was listed
-    except Exception as exc:  # any unreadable file is skipped the same way
-        log.warning("elastic: ignoring %s, which is not a readable commit: %s", path, exc)
-        return None
-    if not (isinstance(payload, dict) and isinstance(payload.get("generation"), int)
-            and isinstance(payload.get("commit"), int)):
-        log.warning("elastic: ignoring %s, which is not a commit of sluice.torch.elastic", path)
-        return None
-    return Commit((payload["generation"], payload["commit"]), path, payload)
+    """A commit file's content (mmap: the key, the tensors left in the file); None for what is not a commit."""
+    return FILES.read(path, key_only=mmap)
 
 
 def commit_files(directory: Path) -> list[Path]:
-    try:
-        return sorted(p for p in directory.glob("worker-*.pt") if p.is_file())
-    except OSError:
-        return []
+    return FILES.files(directory)
 
 
 def newest_commit(directory: Path) -> Commit | None:
     """The latest commit among this host's files (the highest key), loaded in full; None if none."""
-    for _ in range(3):  # a file replaced or removed between the scan and the load: scan again
-        best: tuple[Key, Path] | None = None
-        for path in commit_files(directory):
-            found = read_commit(path, mmap=True)  # only the key is needed: the tensors stay in the file
-            if found is not None and (best is None or found.key > best[0]):
-                best = (found.key, path)
-        if best is None:
-            return None
-        loaded = read_commit(best[1])
-        if loaded is not None and loaded.key >= best[0]:
-            return loaded
-    return None
+    return FILES.newest(directory)
 
 
 def remove_older(directory: Path, key: Key, keep: Path) -> int:
-    """Remove this host's commit files older than `key` (ranks that moved or left), keeping `keep`,
-    which holds `key`: the newest state on this host survives. Returns how many were removed."""
-    removed = 0
-    for path in commit_files(directory):
-        if path == keep:
-            continue
-        found = read_commit(path, mmap=True)
-        if found is not None and found.key < key:
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
-
-
-class HostsUpdatedInterrupt(RuntimeError):  # Horovod's name
-    """The launcher found more slots (SIGUSR1): this process leaves at its next commit, with status
-    REFORM, and the launcher starts a bigger generation from that commit."""
-
-
-def _on_hosts_updated(signum: int, frame: object) -> None:
-    _hosts_updated.set()
-
-
-def hosts_updated() -> bool:
-    """Whether SIGUSR1 came since the last call."""
-    if not _hosts_updated.is_set():
-        return False
-    _hosts_updated.clear()
-    return True
-
-
-def watch_host_updates() -> None:
-    """In an elastic job, note SIGUSR1 ("hosts were updated") instead of dying of it (from the main
-    thread only, where Python runs handlers; idempotent)."""
-    if os.environ.get(ENV_DIR) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGUSR1, _on_hosts_updated)
+    """Remove this host's commit files older than `key`, keeping `keep`; how many were removed."""
+    return FILES.remove_older(directory, key, keep)
 
 
 def reform(reason: BaseException, commits: int) -> NoReturn:
     """Leave with status REFORM: say why, drop the updates in flight, close Sluice without waiting long."""
-    print(f"sluice elastic: {reason}; leaving with status {REFORM} so the launcher re-forms the job from commit "
-          f"{commits}", file=sys.stderr)
     PENDING.clear()  # the committed state is what counts; the next generation redoes the rest
     _READY.clear()
-    closer = threading.Thread(target=_close_quietly, args=(close_at_exit,), name="sluice-elastic-close", daemon=True)
-    closer.start()
-    closer.join(CLOSE_SECONDS)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream must not stop the exit
-            stream.flush()
-    os._exit(REFORM)
-
-
-def _close_quietly(close: Callable[[], None]) -> None:
-    try:
-        close()
-    except Exception as exc:  # a peer is gone: closing may fail, and the exit follows regardless
-        log.debug("elastic: closing Sluice after a failure: %s", exc)
+    host.reform(reason, commits, close_at_exit)

@@ -1,10 +1,9 @@
-"""broadcast_object and allgather_object without pickle: msgpack with three tagged extension types.
+"""broadcast_object and allgather_object without pickle: msgpack (worker/objects_codec.py), torch tensors too.
 
-Horovod pickles (cloudpickle) the object, so a peer's bytes run code on unpickling. Here an object
-is msgpack: None, bool, int, float, str, bytes, lists and dicts, plus extension types for a tuple
-(code 1), a numpy array (2) and a torch tensor (3), the latter two as [dtype name, shape, raw bytes]
-with the dtype from a fixed list. Anything else (a class instance, a function) is refused at the
-sender with TypeError, saying what is allowed. Decoding builds only those types: no code runs.
+An object is msgpack with tagged extension types (worker/objects_codec.py): None, bool, int, float,
+str, bytes, lists, tuples, dicts, numpy arrays, and torch tensors (code 3) as [dtype name, shape, raw
+bytes] with the dtype from a fixed list. Anything else (a class instance, a function) is refused at
+the sender with TypeError, saying what is allowed. Decoding builds only those types: no code runs.
 broadcast_optimizer_state sends an optimizer's layout and plain values this way, its tensors by
 broadcast.
 """
@@ -13,64 +12,29 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
-import numpy as np
 import torch
 
 from sluice.errors import InvalidCallError, SluiceError
+from sluice.worker.objects_codec import Codec, TensorType
 from sluice.worker.torch.collectives import allgather_async, broadcast_, broadcast_parameters, synchronize
 from sluice.worker.torch.optimizer import synchronize_parameters
 from sluice.worker.torch.state import NAMES
 
-_TUPLE, _ARRAY, _TENSOR = 1, 2, 3
-_NUMPY_DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                           "float16", "float32", "float64", "complex64", "complex128"})
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
     torch.float32, torch.float64)}
 
 
-def _default(obj: Any) -> Any:
-    if isinstance(obj, tuple):
-        return msgpack.ExtType(_TUPLE, dumps(list(obj)))
-    if isinstance(obj, np.ndarray) and obj.dtype.name in _NUMPY_DTYPES:
-        body = [obj.dtype.name, list(obj.shape), np.ascontiguousarray(obj).tobytes()]
-        return msgpack.ExtType(_ARRAY, dumps(body))
-    if isinstance(obj, torch.Tensor):
-        name = str(obj.dtype).removeprefix("torch.")
-        if name not in _TORCH_DTYPES:
-            raise TypeError(f"tensors of {obj.dtype} cannot be sent as objects")
-        host = obj.detach().cpu().contiguous()
-        raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
-        return msgpack.ExtType(_TENSOR, dumps([name, list(obj.shape), raw.numpy().tobytes()]))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"{type(obj).__name__} cannot be sent without pickle; use None, bool, int, float, str, bytes, "
-                    "list, tuple, dict, numpy arrays and torch tensors")
+def _encode_tensor(obj: torch.Tensor) -> tuple[str, list[int], bytes]:
+    name = str(obj.dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise TypeError(f"tensors of {obj.dtype} cannot be sent as objects")
+    host = obj.detach().cpu().contiguous()
+    raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
+    return name, list(obj.shape), raw.numpy().tobytes()
 
 
-def dumps(obj: Any) -> bytes:
-    """`obj` as msgpack bytes (TypeError for what the format cannot carry)."""
-    return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
-
-
-def _ext(code: int, data: bytes) -> Any:
-    if code == _TUPLE:
-        value = loads(data)
-        if not isinstance(value, list):
-            raise ValueError("a tuple extension must hold a list")
-        return tuple(value)
-    if code not in (_ARRAY, _TENSOR):
-        raise ValueError(f"unknown extension type {code}")
-    body = loads(data)
-    if not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], str) and isinstance(body[1], list)
-            and all(isinstance(d, int) and d >= 0 for d in body[1]) and isinstance(body[2], bytes)):
-        raise ValueError("an array extension must be [dtype, shape, bytes]")
-    name, shape, raw = body
-    if code == _ARRAY:
-        if name not in _NUMPY_DTYPES:
-            raise ValueError(f"dtype {name[:20]!r} is not allowed")
-        return np.frombuffer(raw, np.dtype(name)).reshape(shape).copy()
+def _decode_tensor(name: str, shape: list[int], raw: bytes) -> torch.Tensor:
     if name not in _TORCH_DTYPES:
         raise ValueError(f"dtype {name[:20]!r} is not allowed")
     dtype = _TORCH_DTYPES[name]
@@ -79,12 +43,17 @@ def _ext(code: int, data: bytes) -> Any:
     return flat.view(dtype).reshape(shape)
 
 
+_CODEC = Codec([TensorType(3, (torch.Tensor,), "torch tensors", _encode_tensor, _decode_tensor)])
+
+
+def dumps(obj: Any) -> bytes:
+    """`obj` as msgpack bytes (TypeError for what the format cannot carry)."""
+    return _CODEC.dumps(obj)
+
+
 def loads(data: bytes) -> Any:
     """The object `dumps` wrote; ValueError on anything else. Sizes are bounded by `data` itself."""
-    try:
-        return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False, use_list=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise ValueError(f"not an object sent by broadcast_object/allgather_object: {exc}") from None
+    return _CODEC.loads(data)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:

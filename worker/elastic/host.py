@@ -1,0 +1,209 @@
+"""What an elastic worker shares with the launcher on its host: the variables, the commit files, SIGUSR1, REFORM.
+
+`SLUICE_ELASTIC_DIR` (private to the job and host, on /dev/shm) holds `worker-<rank><suffix>`, each
+one worker's last commit with its key (generation, commit counter), in its framework's format
+(`CommitFormat`: torch.save for sluice.torch, msgpack for sluice.tensorflow and sluice.keras).
+Generations run one after the other and, within one, counters only grow, so the highest key is the
+latest commit in time, even against the file of a host that left and came back with a counter from
+an older lineage. A host keeps files of ranks it no longer runs until a worker's first commit there
+removes the older ones. SIGUSR1 from the launcher means "more slots": it is noted, and the next
+commit raises HostsUpdatedInterrupt. `reform` leaves with status REFORM, which asks the launcher for
+a new generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn
+
+from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
+
+log = logging.getLogger("sluice.worker")
+
+#: what the launcher sets: the directory for committed state (unset: not an elastic job), the generation;
+#: and the exit status that asks it to re-form the job (not a failure)
+ENV_DIR = ENV_ELASTIC_DIR
+ENV_GENERATION = ENV_ELASTIC_GENERATION
+REFORM = REFORM_EXIT
+
+Key = tuple[int, int]
+#: the key of "nothing committed yet"
+NO_COMMIT: Key = (-1, 0)
+#: seconds the exit on a failure gives Sluice to close: a peer is gone, so do not wait for it
+CLOSE_SECONDS = 5.0
+_hosts_updated = threading.Event()
+
+
+@dataclass(frozen=True)
+class ElasticEnv:
+    directory: Path
+    generation: int
+
+
+def elastic_env() -> ElasticEnv | None:
+    """The launcher's elastic settings; None when this process is not part of an elastic job."""
+    directory = os.environ.get(ENV_DIR, "")
+    if not directory:
+        return None
+    raw = os.environ.get(ENV_GENERATION, "0")
+    try:
+        generation = int(raw)
+    except ValueError:
+        generation = -1
+    if generation < 0:
+        raise ValueError(f"{ENV_GENERATION}={raw!r} is not a generation (0, 1, 2, ...): sluice launch --elastic "
+                         f"sets it; unset {ENV_DIR} to run without elastic")
+    return ElasticEnv(Path(directory), generation)
+
+
+@dataclass(frozen=True)
+class Commit:
+    key: Key
+    path: Path
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CommitFormat:
+    """How a framework's shim writes and reads its commit files."""
+
+    #: the files' suffix (".pt"): `worker-<rank><suffix>`
+    suffix: str
+    #: write the payload (a dict with "generation" and "commit") to an open file
+    save: Callable[[dict[str, Any], BinaryIO], None]
+    #: (path, key_only) -> the payload; with key_only, enough of it to read the key (any exception: unreadable)
+    load: Callable[[Path, bool], Any]
+    #: what `save` raises for a failed write, besides OSError
+    write_errors: tuple[type[BaseException], ...] = ()
+    #: who writes these files, for the warning about one that is not a commit ("sluice.torch.elastic")
+    writer: str = "sluice elastic"
+
+
+class CommitFiles:
+    """A host's commit files in one format: write one atomically, read one, find the newest, drop older ones."""
+
+    def __init__(self, fmt: CommitFormat) -> None:
+        self.fmt = fmt
+
+    def path(self, directory: Path, rank: int) -> Path:
+        return directory / f"worker-{rank}{self.fmt.suffix}"
+
+    def write(self, directory: Path, rank: int, payload: dict[str, Any]) -> Path:
+        """Save `payload` as worker `rank`'s commit: a temporary file in the same directory, then a rename,
+        so a reader (or a worker killed half-way) never sees a partial file."""
+        final = self.path(directory, rank)
+        temp = directory / f".worker-{rank}.{os.getpid()}.tmp"
+        failures: tuple[type[BaseException], ...] = (OSError, *self.fmt.write_errors)
+        try:
+            directory.mkdir(mode=0o700, exist_ok=True)  # the launcher makes it on its host; the first commit elsewhere
+            with open(temp, "wb") as out:
+                self.fmt.save(payload, out)
+            os.replace(temp, final)
+        except failures as exc:
+            temp.unlink(missing_ok=True)
+            raise OSError(f"could not commit the elastic state to {final}: {exc}; free space there (df -h "
+                          f"{directory}) or commit less state") from exc
+        return final
+
+    def read(self, path: Path, key_only: bool = False) -> Commit | None:
+        """A commit file's content (with key_only, at least its key); None (with a warning) for a file
+        this module did not write. Only plain values, arrays and tensors are loaded: a file here never
+        runs code."""
+        try:
+            payload = self.fmt.load(path, key_only)
+        except FileNotFoundError:
+            return None  # replaced or removed since the directory was listed
+        except Exception as exc:  # any unreadable file is skipped the same way
+            log.warning("elastic: ignoring %s, which is not a readable commit: %s", path, exc)
+            return None
+        if not (isinstance(payload, dict) and isinstance(payload.get("generation"), int)
+                and isinstance(payload.get("commit"), int)):
+            log.warning("elastic: ignoring %s, which is not a commit of %s", path, self.fmt.writer)
+            return None
+        return Commit((payload["generation"], payload["commit"]), path, payload)
+
+    def files(self, directory: Path) -> list[Path]:
+        try:
+            return sorted(p for p in directory.glob(f"worker-*{self.fmt.suffix}") if p.is_file())
+        except OSError:
+            return []
+
+    def newest(self, directory: Path) -> Commit | None:
+        """The latest commit among this host's files (the highest key), loaded in full; None if none."""
+        for _ in range(3):  # a file replaced or removed between the scan and the load: scan again
+            best: tuple[Key, Path] | None = None
+            for path in self.files(directory):
+                found = self.read(path, key_only=True)  # only the key is needed: the state stays in the file
+                if found is not None and (best is None or found.key > best[0]):
+                    best = (found.key, path)
+            if best is None:
+                return None
+            loaded = self.read(best[1])
+            if loaded is not None and loaded.key >= best[0]:
+                return loaded
+        return None
+
+    def remove_older(self, directory: Path, key: Key, keep: Path) -> int:
+        """Remove this host's commit files older than `key` (ranks that moved or left), keeping `keep`,
+        which holds `key`: the newest state on this host survives. Returns how many were removed."""
+        removed = 0
+        for path in self.files(directory):
+            if path == keep:
+                continue
+            found = self.read(path, key_only=True)
+            if found is not None and found.key < key:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # Horovod's name
+    """The launcher found more slots (SIGUSR1): this process leaves at its next commit, with status
+    REFORM, and the launcher starts a bigger generation from that commit."""
+
+
+def _on_hosts_updated(signum: int, frame: object) -> None:
+    _hosts_updated.set()
+
+
+def hosts_updated() -> bool:
+    """Whether SIGUSR1 came since the last call."""
+    if not _hosts_updated.is_set():
+        return False
+    _hosts_updated.clear()
+    return True
+
+
+def watch_host_updates() -> None:
+    """In an elastic job, note SIGUSR1 ("hosts were updated") instead of dying of it (from the main
+    thread only, where Python runs handlers; idempotent)."""
+    if os.environ.get(ENV_DIR) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, _on_hosts_updated)
+
+
+def reform(reason: BaseException, commits: int, close: Callable[[], None]) -> NoReturn:
+    """Leave with status REFORM: say why, close Sluice (`close`, the shim's) without waiting long."""
+    print(f"sluice elastic: {reason}; leaving with status {REFORM} so the launcher re-forms the job from commit "
+          f"{commits}", file=sys.stderr)
+    closer = threading.Thread(target=_close_quietly, args=(close,), name="sluice-elastic-close", daemon=True)
+    closer.start()
+    closer.join(CLOSE_SECONDS)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream must not stop the exit
+            stream.flush()
+    os._exit(REFORM)
+
+
+def _close_quietly(close: Callable[[], None]) -> None:
+    try:
+        close()
+    except Exception as exc:  # a peer is gone: closing may fail, and the exit follows regardless
+        log.debug("elastic: closing Sluice after a failure: %s", exc)
