@@ -103,7 +103,8 @@ def _wrap(optimizer: Any, name: str | None, compression: type[Compressor], spars
         config["name"] = name
     wrapped = cls.from_config(config)
     wrapped._sluice_aggregation = aggregation
-    wrapped._sluice_average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor),
+    wrapped._sluice_average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor,
+                                                               process_set),
                                               sparse_as_dense, process_set)
     wrapped._sluice_local = LocalSources(process_set, scale_local_gradients)
     return wrapped

@@ -24,6 +24,7 @@ import numpy as np
 
 from sluice.errors import SluiceError
 from sluice.transport.dtypes import STORAGE
+from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.config import WorkerConfig
 from sluice.worker.node import WorkerNode
@@ -95,8 +96,8 @@ class _FusedSet:
     """The gradients of one route and dtype in one registered buffer, cut into the planned groups."""
 
     def __init__(self, node: WorkerNode, label: str, route: str, dtype: str, members: list[int],
-                 specs: Sequence[Spec], priority: dict[str, int]) -> None:
-        self.node, self.route, self.dtype, self.members = node, route, dtype, members
+                 specs: Sequence[Spec], priority: dict[str, int], engine: CollectiveEngine) -> None:
+        self.node, self.route, self.dtype, self.members, self.engine = node, route, dtype, members, engine
         sizes = [specs[i].nbytes for i in members]
         settings = node.collective_settings
         greedy = route == "allreduce" and settings.fusion == "greedy"  # the engine fuses what a cycle decides
@@ -109,12 +110,11 @@ class _FusedSet:
         self.names = [f"{label}.{route}.{dtype}.{g.index}" for g in self.plan.groups]
         self.priorities = [min((priority[specs[members[t]].name] for t in g.tensors), default=0)
                            for g in self.plan.groups]
-        if route == "ps":
+        if route == "ps":  # a process set's rounds there count its workers only
             node.ps.declare([(name, ((g.end - g.start) // self.item,), dtype, None)
-                            for name, g in zip(self.names, self.plan.groups, strict=True)])
+                            for name, g in zip(self.names, self.plan.groups, strict=True)],
+                            engine.members if engine.set_id else None)
             node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
-        elif node.collectives is None:
-            raise SluiceError("allreduce is not available: the collective engine did not start")
 
     def load(self, arrays: Sequence[np.ndarray], prescale: float) -> None:
         for (offset, spec), index in zip(self.slots, self.members, strict=True):
@@ -145,9 +145,7 @@ class _FusedSet:
         array = self.buffer[g.start // self.item: g.end // self.item]
         if self.route == "ps":
             return self.node.ps.push_pull(self.names[group], array, array)
-        engine = self.node.collectives
-        assert engine is not None
-        return engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group])
+        return self.engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group])
 
     def unload(self, out: list[np.ndarray | None], scale: float) -> None:
         for (offset, spec), index in zip(self.slots, self.members, strict=True):
@@ -158,18 +156,22 @@ class _FusedSet:
 class FusedReducer:
     """Sums (or averages) one fixed list of gradients over the workers, every step."""
 
-    def __init__(self, node: WorkerNode, settings: WorkerConfig, specs: Sequence[Spec], label: str) -> None:
+    def __init__(self, node: WorkerNode, settings: WorkerConfig, specs: Sequence[Spec], label: str,
+                 engine: CollectiveEngine) -> None:
+        """`engine`: the process set's (or the job's) whose workers the gradients are summed over."""
         if len({s.name for s in specs}) != len(specs):
             raise SluiceError("gradient names must be unique")
-        self.node, self.specs = node, list(specs)
+        self.node, self.specs, self.size = node, list(specs), engine.size
         assigned = {a.name: a.priority for a in priorities(node, settings, specs)}
         routes = choose_routes(node, specs)
+        if engine.set_id and node.by_rank("aggregator"):  # an aggregator sums its whole rack: a set takes allreduce
+            routes = dict.fromkeys(routes, "allreduce")
         declared = {s.name: i for i, s in enumerate(specs)}
         backward = sorted(range(len(specs)), key=lambda i: (-assigned[specs[i].name], -declared[specs[i].name]))
         members: dict[tuple[str, str], list[int]] = {}
         for i in backward:
             members.setdefault((routes[specs[i].name], specs[i].dtype), []).append(i)
-        self.sets = [_FusedSet(node, label, route, dtype, indices, specs, assigned)
+        self.sets = [_FusedSet(node, label, route, dtype, indices, specs, assigned, engine)
                      for (route, dtype), indices in sorted(members.items())]
         #: every group of every set, most urgent first (ties: backward order)
         self.order = sorted(((s.priorities[g], n, g) for n, s in enumerate(self.sets) for g in range(len(s.names))))
@@ -190,7 +192,7 @@ class FusedReducer:
         for handle in handles:
             handle.wait()
         out: list[np.ndarray | None] = [None] * len(arrays)
-        scale = postscale / self.node.size if average else postscale
+        scale = postscale / self.size if average else postscale
         for fused in self.sets:
             fused.unload(out, scale)
         return [a for a in out if a is not None]
@@ -220,7 +222,7 @@ class FusedReducer:
         if errors:
             raise errors[0]
         out: list[np.ndarray | None] = [None] * len(self.specs)
-        scale = postscale / self.node.size if average else postscale
+        scale = postscale / self.size if average else postscale
         for fused in self.sets:
             fused.unload(out, scale)
         return [a for a in out if a is not None]

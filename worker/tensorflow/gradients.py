@@ -17,15 +17,17 @@ import numpy as np
 import tensorflow as tf
 
 from sluice.errors import InvalidCallError, SluiceError
+from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.collective.process_set import global_process_set
 from sluice.worker.tensorflow.bridge import run_numpy, wire_dtype
+from sluice.worker.tensorflow.calls import collective_name
 from sluice.worker.tensorflow.collectives import Average, Sum
 from sluice.worker.tensorflow.compression import Compression, Compressor
 from sluice.worker.tensorflow.fused import FusedReducer, Spec
 from sluice.worker.tensorflow.local import LocalSources, check_reduction_args
 from sluice.worker.tensorflow.overlap import specs_of, traceable, traced_reduce
 from sluice.worker.tensorflow.sparse import SparseGradients
-from sluice.worker.tensorflow.state import NAMES, STATE, require
+from sluice.worker.tensorflow.state import NAMES, STATE, member_engine, require
 
 
 def variable_names(sources: Sequence[Any]) -> list[str]:
@@ -46,24 +48,28 @@ def variable_names(sources: Sequence[Any]) -> list[str]:
 
 
 #: the fused reducer of each list of gradients, with the node it was made for; one step at a time each
-_REDUCERS: dict[tuple[Spec, ...], tuple[FusedReducer, threading.Lock]] = {}
+_REDUCERS: dict[tuple[tuple[Spec, ...], str], tuple[FusedReducer, threading.Lock]] = {}
 _REDUCERS_LOCK = threading.Lock()
 #: the label of each list of gradient names, drawn once per node: ranks whose shapes disagree under the
 #: same names then meet under the same collective names and fail there together, and stay in step
-_LABELS: dict[tuple[str, ...], tuple[Any, str]] = {}
+_LABELS: dict[tuple[tuple[str, ...], str], tuple[Any, str]] = {}
 
 
-def reducer_for(specs: tuple[Spec, ...]) -> tuple[FusedReducer, threading.Lock]:
-    """The reducer of this list of gradients, made (on every rank alike) the first time it is seen."""
+def reducer_for(specs: tuple[Spec, ...], on: CollectiveEngine) -> tuple[FusedReducer, threading.Lock]:
+    """The reducer of this list of gradients over `on`'s workers (a process set's, or every worker), made
+    (on every rank of it alike) the first time it is seen. A set's names start with its id and are numbered
+    in its own sequence: only its workers make them, and the servers tell sets apart by name."""
     node = require()
     with _REDUCERS_LOCK:
-        entry = _REDUCERS.get(specs)
+        entry = _REDUCERS.get((specs, on.label))
         if entry is None or entry[0].node is not node:  # new, or made before a shutdown() and init()
-            names = tuple(s.name for s in specs)
+            names = (tuple(s.name for s in specs), on.label)
             known = _LABELS.get(names)
-            label = known[1] if known is not None and known[0] is node else f"tf.grads{next(NAMES)}"
+            label = known[1] if known is not None and known[0] is node else (
+                f"set{on.set_id}.{collective_name(None, 'grads', on)}" if on.set_id else f"tf.grads{next(NAMES)}")
             _LABELS[names] = (node, label)
-            entry = _REDUCERS[specs] = (FusedReducer(node, STATE.settings, specs, label), threading.Lock())
+            entry = _REDUCERS[(specs, on.label)] = (FusedReducer(node, STATE.settings, specs, label, on),
+                                                    threading.Lock())
         return entry
 
 
@@ -71,19 +77,21 @@ class GradientAverager:
     """Sum or Average gradients over the workers, each list of variables through its own fused buffers."""
 
     def __init__(self, compression: type[Compressor] = Compression.none, op: str = Average,
-                 gradient_predivide_factor: float = 1.0) -> None:
+                 gradient_predivide_factor: float = 1.0, process_set: Any = None) -> None:
         if op not in (Average, Sum):
             raise SluiceError(f"op must be Average or Sum, got {op!r}")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise SluiceError("gradient_predivide_factor needs op=Average")
-        require()
+        #: the process set's engine; None where this worker is not in the set (its gradients stay its own)
+        self.on = member_engine(process_set)
         self.compression, self.op = compression, op
         # Horovod's predivide: scale by 1/f before the sum and by f/size after (f = 1: a plain average)
         self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
 
     def __call__(self, grads: Sequence[Any], names: Sequence[str]) -> list[Any]:
         present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
+        on = self.on
+        if not present or on is None:
             return list(grads)
         pairs = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in present]
         tensors = [t for t, _ in pairs]
@@ -92,12 +100,12 @@ class GradientAverager:
 
         def reduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
             reducer, busy = reducer_for(tuple(Spec(n, tuple(a.shape), w)
-                                              for n, a, w in zip(chosen, arrays, wires, strict=True)))
+                                              for n, a, w in zip(chosen, arrays, wires, strict=True)), on)
             with busy:  # its buffers and group names serve one step at a time
                 return reducer.reduce(arrays, self.op == Average, self.prescale, self.postscale)
 
         if traceable(tensors):  # traced: each fused group leaves as soon as backward has made it (overlap.py)
-            reducer = reducer_for(specs_of(tensors, chosen, wires))[0]
+            reducer = reducer_for(specs_of(tensors, chosen, wires), on)[0]
             out = traced_reduce(reducer, tensors, self.op == Average, self.prescale, self.postscale)
         else:
             out = run_numpy(reduce, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
@@ -153,7 +161,7 @@ def DistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse
     cls: Any = type(base.__name__, (_DistributedTape, base), {})
     tape: Any = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: the tape the `with` block filled
-    tape._sluice_average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor),
+    tape._sluice_average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor, process_set),
                                            sparse_as_dense, process_set)  # IndexedSlices: sparse.py
     tape._sluice_local = LocalSources(process_set, scale_local_gradients)
     return tape

@@ -17,9 +17,8 @@ from typing import Any
 import tensorflow as tf
 
 from sluice.errors import InvalidCallError
-from sluice.worker.collective.process_set import set_id
 from sluice.worker.tensorflow.collectives import Average, Sum
-from sluice.worker.tensorflow.state import engine
+from sluice.worker.tensorflow.state import member_engine, process_set_ranks
 
 #: reduce(grads, indices) -> the grads (of the sources at those indices) reduced over the workers, in order
 Reduce = Callable[[list[Any], list[int]], list[Any]]
@@ -42,10 +41,7 @@ def check_reduction_args(op: str, gradient_predivide_factor: float, num_groups: 
             groups = num_groups
     if groups is not None and not (isinstance(groups, list) or groups > 0):
         raise InvalidCallError("groups should be a non-negative integer or a list of list of tf.Variable.")
-    engine(process_set)  # a set that is not registered fails here, at construction
-    if set_id(process_set) != 0:  # the fused gradient path (fused.py) reduces over every worker
-        raise InvalidCallError("gradients are reduced over every worker (process_set=hvd.global_process_set); "
-                               "reducing them over a smaller process set is not offered yet")
+    member_engine(process_set)  # a set that is not registered fails here, at construction
     return groups
 
 
@@ -86,7 +82,7 @@ class LocalSources:
         for index, grad in zip(shared, reduced, strict=True):
             result[index] = grad
         if self.scale:
-            size = engine(self.process_set).size
+            size = len(process_set_ranks(self.process_set))
             for index, grad in enumerate(grads):
                 if grad is not None and sources[index] in self:
                     result[index] = scale_values(grad, 1.0 / size)

@@ -40,7 +40,8 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):  # type: ignore[misc]
         super().__init__(use_locking=use_locking, name=name)
         self._optimizer = optimizer
         # tf.IndexedSlices gathered, or made dense with sparse_as_dense (sparse.py), as the tape's
-        self._average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor), sparse_as_dense,
+        self._average = SparseGradients(GradientAverager(compression, op, gradient_predivide_factor, process_set),
+                                        sparse_as_dense,
                                         process_set)
         self._local = LocalSources(process_set, scale_local_gradients)
         self.process_set, self.scale_local_gradients = process_set, scale_local_gradients

@@ -31,7 +31,7 @@ class SparseGradients:
     @not_converted  # AutoGraph need not convert the averager either (seconds per trace)
     def __call__(self, grads: Sequence[Any], names: Sequence[str]) -> list[Any]:
         sparse = [] if self.sparse_as_dense else [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-        if not sparse:
+        if not sparse or self.average.on is None:  # (outside the process set: the gradients stay as they are)
             return list(self.average(grads, names))
         result: list[Any] = self.average([None if i in sparse else g for i, g in enumerate(grads)], names)
         gathered = grouped_allreduce([grads[i] for i in sparse], op=self.average.op,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.errors import SluiceError
+from sluice.errors import CollectiveError, SluiceError
 from sluice.transport.metrics import summary_lines
 from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.collective.process_set import ProcessSet, register_sets, set_id
@@ -48,6 +48,27 @@ def engine(process_set: Any = None) -> CollectiveEngine:
     if process_set is None:
         return node.collectives
     return node.process_sets.engine(set_id(process_set), "collective")
+
+
+def member_engine(process_set: Any = None) -> CollectiveEngine | None:
+    """The engine of `process_set`, or None where this worker is not in the set (Horovod then leaves its
+    gradients as they are); CollectiveError for a set that is not registered."""
+    node = require()
+    registered = set_id(process_set)
+    ranks = node.process_sets.ranks.get(registered) if node.process_sets and registered is not None else None
+    if ranks is not None and node.rank not in ranks:
+        return None
+    return engine(process_set)
+
+
+def process_set_ranks(process_set: Any = None) -> list[int]:
+    """The global ranks of `process_set` (None: every worker); CollectiveError for a set not registered."""
+    node = require()
+    registered = set_id(process_set)
+    ranks = node.process_sets.ranks.get(registered) if node.process_sets and registered is not None else None
+    if ranks is None:
+        raise CollectiveError("Process set provided does not exist, or has not been registered.")
+    return ranks
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
