@@ -31,6 +31,7 @@ from bench.common import (
     stats,
     write_json,
 )
+from bench.keras_mwms import MWMS, measure_keras_mwms
 from bench.keras_training import ALONE, measure_keras_alone, measure_sluice_keras
 from sluice.launch.config import ConfigError, load_config
 from testbed.children import Children
@@ -53,11 +54,13 @@ two barriers on rank 0 (with the optimizer on the servers the last parameters ar
 inside the timed span). Process start and rendezvous are never timed.
 
 With --framework keras, examples/train_digits_keras.py's model (the same layers in Keras 3) trains
-with model.fit on the same batches, one TF thread per process, and is measured twice:
+with model.fit on the same batches, one TF thread per process, and is measured three times:
 
   keras-vs-alone  sluice.keras (DistributedOptimizer, W workers, S servers) against W processes
                   each training Keras alone at once (no exchange: the ceiling of scaling)
   keras-vs-torch  sluice.keras against sluice.torch on the same model (optimizer on the workers)
+  keras-vs-mwms   sluice.keras against tf.distribute.MultiWorkerMirroredStrategy, W processes on the
+                  same batches (a custom loop: Keras 3's fit does not run under it; bench/keras_mwms.py)
 """
 
 
@@ -210,7 +213,8 @@ def throughput(args: argparse.Namespace, result: dict[str, Any]) -> Stats:
 
 def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows: list[list[str]],
                 records: list[dict[str, Any]]) -> None:
-    """sluice.keras against Keras alone x W, and against sluice.torch, on the same model and batches."""
+    """sluice.keras against Keras alone x W, sluice.torch and MultiWorkerMirroredStrategy, on the same model
+    and batches."""
     def data(rank: int, size: int) -> Batches:
         return worker_batches(x, y, rank, size, args.batch_size, max(args.warmup, 1) + args.steps)
 
@@ -230,6 +234,10 @@ def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows
     peers.append(("keras-vs-torch", "sluice.torch (same model, optimizer on the workers)", torch_side))
     progress(f"  {base}  sluice.torch {throughput(args, torch_side).brief(0)} samples/s "
              f"({time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    mwms = measure_keras_mwms(data, args)
+    peers.append(("keras-vs-mwms", MWMS, mwms))
+    progress(f"  {base}  MWMS         {throughput(args, mwms).brief(0)} samples/s ({time.perf_counter() - t0:.1f} s)")
     for name, peer_name, result in peers:
         peer = throughput(args, result)
         case = f"{name}-{base}"

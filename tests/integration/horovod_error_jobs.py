@@ -66,11 +66,20 @@ def _cases(hvd: Any, rank: int, size: int) -> dict[str, Callable[[], Any]]:
         "reducescatter_dtype": lambda: hvd.reducescatter(torch.ones(6, dtype=torch.int32 if rank % 2 else torch.float)),
         "reducescatter_scalar": lambda: hvd.reducescatter(torch.tensor(float(rank))),
         "reducescatter_min": lambda: hvd.reducescatter(torch.ones(6), op=hvd.Min),
+        # gradients of other shapes but the same size: their fused buffers have the same length
+        "optimizer_shape": lambda: _optimizer_step(hvd, (3, 4) if rank % 2 == 0 else (4, 3)),
         # the ranks disagree on whether the call is valid: one refuses it, the others' same call fails too
         "one_rank_bad_splits": lambda: hvd.alltoall(torch.ones(size), splits=[size + 1] * size if rank == 0 else None),
         "one_rank_not_a_tensor": lambda: hvd.allreduce([1.0, 2.0] if rank == 0 else torch.ones(2)),
         "one_rank_bad_root": lambda: hvd.broadcast(floats, -1 if rank == 0 else 0),
     }
+
+
+def _optimizer_step(hvd: Any, shape: tuple[int, int]) -> None:
+    weight = torch.nn.Parameter(torch.ones(shape))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=0.1), named_parameters=[("w", weight)])
+    weight.sum().backward()
+    optimizer.synchronize()
 
 
 def error_cases() -> dict[str, Any]:

@@ -21,6 +21,8 @@ def _raised(call: Callable[[], Any]) -> str:
         return f"HorovodInternalError: {exc}"
     except ValueError as exc:
         return f"ValueError: {exc}"
+    except TypeError as exc:
+        return f"TypeError: {exc}"
     return "ok"
 
 
@@ -64,6 +66,10 @@ def process_set_cases() -> dict[str, Any]:
     out["alltoall"] = hvd.alltoall(rows, process_set=mine).tolist()
     out["reducescatter"] = hvd.reducescatter(torch.ones(4, 2) * (rank + 1), op=hvd.Sum, process_set=mine).tolist()
     hvd.barrier(process_set=mine)
+    out["object"] = hvd.broadcast_object({"from": rank}, root_rank=mine.ranks[-1], process_set=mine)
+    # an object the codec cannot carry: TypeError on the root, the same call fails on the others, all go on
+    out["object_refused"] = _raised(lambda: hvd.broadcast_object(object() if rank == 0 else None, root_rank=0))
+    out["after_object"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist()
     leaf = torch.full((2,), float(rank + 1), requires_grad=True)
     (hvd.allreduce(leaf, op=hvd.Sum, process_set=mine) * (rank + 1)).sum().backward()
     out["grad"] = leaf.grad.tolist() if leaf.grad is not None else None

@@ -17,7 +17,7 @@ DISAGREE = ("allreduce_shape", "allreduce_ndim", "allreduce_dtype", "allreduce_o
             "allreduce_postscale", "allreduce_same_name_again",
             "grouped_allreduce_shape", "allgather_shape", "allgather_dtype", "broadcast_shape", "broadcast_dtype",
             "broadcast_root_mismatch", "alltoall_dtype", "alltoall_rank", "reducescatter_shape",
-            "reducescatter_dtype")
+            "reducescatter_dtype", "optimizer_shape")
 #: arguments no rank could run: ValueError at the call (reducescatter's Min: Horovod's RuntimeError, which
 #: Sluice's InvalidCallError also is)
 INVALID = ("broadcast_invalid_root", "alltoall_equal_split_length", "alltoall_splits_sum", "alltoall_splits_type",

@@ -34,6 +34,10 @@ def test_process_sets_as_horovods(servers: int) -> None:
         rows = [4 // len(members) + (i < 4 % len(members)) for i in range(len(members))]
         assert out["reducescatter"] == [[total] * 2] * rows[mine], rank
         assert out["grad"] == [total] * 2, rank  # the gradient is reduced over the same set
+        assert out["object"] == {"from": members[-1]}, rank
+        refused = out["object_refused"]
+        assert refused.startswith("TypeError" if rank == 0 else "HorovodInternalError"), refused
+        assert out["after_object"] == [3.0], rank
         assert out["job_after_odd"] == [3.0, 3.0], rank
         if rank != 1:
             error = out["set_error"]

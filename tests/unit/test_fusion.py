@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sluice.worker.plan.fusion import FusionPlan, Group, OnlineFusion, Slot, plan_fusion
+from sluice.worker.plan.fusion import FusionPlan, Group, OnlineFusion, Slot, group_layout, plan_fusion
 
 MIB = 1 << 20
 
@@ -48,6 +48,20 @@ def test_a_literal_plan() -> None:
         groups=(Group(0, 0, 384, (3,)), Group(1, 384, 768, (3, 2)), Group(2, 768, 1152, (1, 0))),
         total_bytes=1152,
     )
+
+
+def test_a_groups_layout_names_its_gradients_parts_and_padding() -> None:
+    # the literal plan above, in float32 elements (4 bytes): tensor 3 (100 elements) is split by the
+    # first group boundary; tensor 2 starts after 12 elements of padding
+    plan = plan_fusion([100, 200, 300, 400], order=[3, 2, 1, 0], buffer_bytes=512)
+    shapes = [(5, 5), (50,), (3, 25), (10, 10)]
+    assert [group_layout(plan, g, shapes, 4) for g in range(3)] == [
+        ((96,),),  # the first 96 elements of tensor 3 (a part: its length, not its shape)
+        ((4,), (12,), (3, 25), (5,)),  # its last 4, the padding, tensor 2 whole, the padding to 768
+        ((50,), (14,), (5, 5), (7,)),  # tensor 1 whole, padding, tensor 0 whole, the buffer's tail
+    ]
+    # two ranks whose tensor 2 differs in shape but not in size differ in the layout
+    assert group_layout(plan, 1, [*shapes[:2], (25, 3), shapes[3]], 4) != group_layout(plan, 1, shapes, 4)
 
 
 @pytest.mark.parametrize(

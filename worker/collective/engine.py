@@ -88,12 +88,17 @@ class CollectiveEngine:
 
     # ------------------------------------------------------------------ requests (any thread)
     def allreduce(self, name: str, arrays: Sequence[np.ndarray], dtype: str, op: str, priority: int = 0,
-                  scale: tuple[float, float] | None = None) -> OpHandle:
+                  scale: tuple[float, float] | None = None,
+                  layout: tuple[tuple[int, ...], ...] | None = None) -> OpHandle:
         """Reduce each array over all ranks by `op` (reduce.OPS), in place; several arrays
         make one grouped request, decided when every one of them is ready everywhere. With `scale`
         (Horovod's prescale and postscale factors) the caller scales, and divides an average: here it
-        is a sum, and the ranks must agree on the factors."""
-        shapes = tuple(tuple(a.shape) for a in arrays)
+        is a sum, and the ranks must agree on the factors. `layout`: the shapes a fused buffer holds
+        (as many elements in all), which the ranks must agree on instead of the buffer's length."""
+        shapes = tuple(tuple(a.shape) for a in arrays) if layout is None else layout
+        if layout is not None and sum(int(np.prod(s)) for s in layout) != sum(a.size for a in arrays):
+            raise InvalidCallError(f"allreduce {name!r}: a layout of {sum(int(np.prod(s)) for s in layout)} "
+                                   f"elements for {sum(a.size for a in arrays)}")
         described = op if scale is None else scaled_op(op, *scale)
         return self._enqueue(Request(name, "allreduce", dtype, shapes, described, -1, priority), list(arrays))
 

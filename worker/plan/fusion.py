@@ -128,6 +128,34 @@ def _overlaps(slot: Slot, start: int, end: int, total: int) -> bool:
     return first < end and max(slot.offset + slot.nbytes, first + 1) > start
 
 
+def group_layout(plan: FusionPlan, index: int, shapes: Sequence[tuple[int, ...]], item: int) -> tuple[
+        tuple[int, ...], ...]:
+    """What group `index` of the flat buffer holds, in elements of `item` bytes, as a collective's request
+    describes it: each gradient wholly in it by its shape (`shapes`, by table index), a part of one, or
+    the padding between, by its length. Ranks whose gradients differ then differ here, and the request
+    fails on every rank, where the buffers' lengths alone might agree."""
+    group = plan.groups[index]
+    layout: list[tuple[int, ...]] = []
+    at = group.start
+    for slot in sorted((plan.slots[i] for i in _slots_of(plan, group)), key=lambda s: s.offset):
+        low, high = max(slot.offset, group.start), min(slot.offset + slot.nbytes, group.end)
+        if high <= low:
+            continue
+        if low > at:
+            layout.append(((low - at) // item,))
+        whole = (low, high) == (slot.offset, slot.offset + slot.nbytes)
+        layout.append(tuple(shapes[slot.tensor]) if whole else ((high - low) // item,))
+        at = high
+    if group.end > at:
+        layout.append(((group.end - at) // item,))
+    return tuple(layout)
+
+
+def _slots_of(plan: FusionPlan, group: Group) -> list[int]:
+    """The indices in plan.slots of the gradients of `group`."""
+    return [i for i, slot in enumerate(plan.slots) if slot.tensor in group.tensors]
+
+
 @dataclass
 class OnlineFusion:
     """One step's online split: gradients become ready, complete groups go out, the rest is deferred."""

@@ -28,7 +28,7 @@ from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.config import WorkerConfig
 from sluice.worker.node import WorkerNode
-from sluice.worker.plan.fusion import FusionPlan, plan_fusion, unfused_plan
+from sluice.worker.plan.fusion import FusionPlan, group_layout, plan_fusion, unfused_plan
 from sluice.worker.plan.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
 
 log = logging.getLogger("sluice.worker")
@@ -108,6 +108,9 @@ class _FusedSet:
         self.buffer = node.ps.alloc((self.plan.total_bytes // self.item,), dtype)
         self.slots = [(slot.offset // self.item, specs[members[slot.tensor]]) for slot in self.plan.slots]
         self.names = [f"{label}.{route}.{dtype}.{g.index}" for g in self.plan.groups]
+        #: what each group holds, for its request: ranks whose gradients differ fail there, on every rank
+        self.layouts = [group_layout(self.plan, g.index, [specs[i].shape for i in members], self.item)
+                        for g in self.plan.groups]
         self.priorities = [min((priority[specs[members[t]].name] for t in g.tensors), default=0)
                            for g in self.plan.groups]
         if route == "ps":  # a process set's rounds there count its workers only
@@ -145,7 +148,8 @@ class _FusedSet:
         array = self.buffer[g.start // self.item: g.end // self.item]
         if self.route == "ps":
             return self.node.ps.push_pull(self.names[group], array, array)
-        return self.engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group])
+        return self.engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group],
+                                     layout=self.layouts[group])
 
     def unload(self, out: list[np.ndarray | None], scale: float) -> None:
         for (offset, spec), index in zip(self.slots, self.members, strict=True):

@@ -23,7 +23,7 @@ from sluice.errors import SluiceError
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.node import WorkerNode
-from sluice.worker.plan.fusion import Group, OnlineFusion, grouped_plan, plan_fusion, unfused_plan
+from sluice.worker.plan.fusion import Group, OnlineFusion, group_layout, grouped_plan, plan_fusion, unfused_plan
 from sluice.worker.staging import wire_dtype
 from sluice.worker.torch.state import require as require_node
 
@@ -164,6 +164,9 @@ class FusedGradients:
         self.active = 0
         self._groups_of = {key: [g.index for g in self.plan.groups if i in g.tensors] for key, i in self._index.items()}
         self.names = [f"{prefix}fusion.{route}.{self.dtype}.{g.index}" for g in self.plan.groups]
+        #: what each group holds, for its request: ranks whose gradients differ fail there, on every rank
+        self.layouts = [group_layout(self.plan, g.index, [tuple(p.shape) for _, _, p in params], item)
+                        for g in self.plan.groups]
         #: each group's gradients, for the timeline
         self.members = [" ".join(params[t][1] for t in g.tensors) for g in self.plan.groups]
         self.priorities = [min((priorities.get(self.keys[t], 0) for t in g.tensors), default=0)
@@ -247,7 +250,8 @@ class FusedGradients:
         else:
             engine = self.engine
             assert engine is not None
-            handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index])
+            handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index],
+                                      layout=self.layouts[index])
             if self.node.trace is not None:
                 self.node.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes,
                                              handle, self.members[index])

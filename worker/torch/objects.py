@@ -16,9 +16,9 @@ import torch
 
 from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.objects_codec import Codec, TensorType
+from sluice.worker.torch.calls import engine, op_name, refusing
 from sluice.worker.torch.collectives import allgather_async, broadcast_, broadcast_parameters, synchronize
 from sluice.worker.torch.optimizer import synchronize_parameters
-from sluice.worker.torch.state import NAMES
 
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -56,17 +56,20 @@ def loads(data: bytes) -> Any:
     return _CODEC.loads(data)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """`root_rank`'s object on every rank (the others' `obj` is ignored)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
+    """`root_rank`'s object on every rank of `process_set` (the others' `obj` is ignored). An object the
+    codec cannot carry raises TypeError on the root, and the call fails on the others too."""
     from sluice.worker.torch.state import require
 
-    name = name or f"broadcast_object.{next(NAMES)}"
-    payload = dumps(obj) if require().rank == root_rank else b""
-    length = broadcast_(torch.tensor([len(payload)], dtype=torch.int64), root_rank, f"{name}.length")
+    on = engine(process_set)
+    name = op_name(name, "broadcast_object", on)
+    with refusing(f"{name}.length", on):
+        payload = dumps(obj) if require().rank == root_rank else b""
+    length = broadcast_(torch.tensor([len(payload)], dtype=torch.int64), root_rank, f"{name}.length", process_set)
     buffer = torch.zeros(int(length.item()), dtype=torch.uint8)
     if require().rank == root_rank:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    broadcast_(buffer, root_rank, f"{name}.bytes")
+    broadcast_(buffer, root_rank, f"{name}.bytes", process_set)
     try:
         return loads(buffer.numpy().tobytes())
     except ValueError as exc:
@@ -74,9 +77,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's object, in rank order."""
-    name = name or f"allgather_object.{next(NAMES)}"
-    payload = dumps(obj)
+    """Every rank's object, in rank order. An object the codec cannot carry raises TypeError here, and the
+    call fails on the others too."""
+    name = op_name(name, "allgather_object")
+    with refusing(f"{name}.lengths"):
+        payload = dumps(obj)
     lengths = synchronize(allgather_async(torch.tensor([len(payload)], dtype=torch.int64), f"{name}.lengths")).tolist()
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
     data = synchronize(allgather_async(mine, f"{name}.bytes")).numpy().tobytes()
