@@ -273,6 +273,20 @@ def async_forms() -> dict[str, Any]:
     out["grouped_allgather"] = [t.tolist() for t in gathered]
     sparse = torch.sparse_coo_tensor([[rank, 3]], [1.0 + rank, 2.0], (5,))
     out["sparse"] = hvd.sparse_allreduce_async(sparse, name="sp", op=hvd.Average)().to_dense().tolist()
+    # every async and in-place form of Horovod's: the result, and whether the input was written
+    value = torch.full((2,), rank + 1.0)
+    in_place = value.clone()
+    forms = [hvd.synchronize(hvd.allreduce_async_(in_place, op=hvd.Sum)).tolist(), in_place.tolist(),
+             hvd.synchronize(hvd.allgather_async(value.reshape(1, 2))).reshape(-1).tolist(),
+             hvd.synchronize(hvd.broadcast_async(value, 1)).tolist(), value.tolist()]
+    in_place.mul_(rank + 1)  # rank 2's: 18
+    hvd.synchronize(hvd.broadcast_async_(in_place, 2))
+    grouped = [value.clone(), value.clone() * 2]
+    forms += [in_place.tolist(), [t.tolist() for t in hvd.grouped_allreduce_(grouped, op=hvd.Sum)]]
+    forms += [[t.tolist() for t in hvd.synchronize(hvd.grouped_allreduce_async([value], op=hvd.Sum))], value.tolist()]
+    forms += [[t.tolist() for t in hvd.synchronize(hvd.grouped_allreduce_async_([value.clone()], op=hvd.Sum))]]
+    forms += [hvd.synchronize(hvd.alltoall_async(torch.arange(3.0) + 10 * rank))[0].tolist()]  # (rows, splits)
+    out["forms"] = forms
     for op, label in ((hvd.Sum, "grad.sum"), (hvd.Average, "grad.average")):
         x = torch.ones(6, 2, requires_grad=True)
         hvd.reducescatter(x, op=op).backward(torch.ones(2, 2))

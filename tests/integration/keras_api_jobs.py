@@ -92,6 +92,9 @@ def _values(tf: Any, hvd: Any, tfk: Any, rank: int, folder: str) -> dict[str, An
     out["after_disagreement"] = _list(tfk.allreduce([1.0], op=tfk.Sum))
     out["broadcast_global_variables"] = _raises(lambda: tfk.broadcast_global_variables(0))
     out["global_set"] = [hvd.global_process_set.size(), tfk.global_process_set.process_set_id]
+    out["version_check"] = [tfk.is_version_greater_equal_than("2.21.0", "2.4.0"),
+                            tfk.is_version_greater_equal_than("2.3.1", "2.4.0"),
+                            _raises(lambda: tfk.is_version_greater_equal_than("2.3", "2.4"))]
     solo = tfk.add_process_set(tfk.ProcessSet([0]))
     out["process_set"] = [solo.size(), solo.included(), tfk.remove_process_set(solo), solo.process_set_id]
     name = "timeline.json" if rank == 0 else "timeline.rank1.json"

@@ -133,6 +133,10 @@ def test_async_reducescatter_grouped_allgather_sparse_allreduce_and_reducescatte
         assert out["sparse"] == pytest.approx([1 / 3, 2 / 3, 1.0, 2.0, 0.0])  # values / 3, duplicates summed
         # Horovod's gradient: the allgather of the blocks' gradients, times the size for a sum
         assert out["grad.sum"] == [[3.0, 3.0]] * 6 and out["grad.average"] == [[1.0, 1.0]] * 6
+        mine = [rank + 1.0] * 2
+        assert out["forms"] == [[6.0, 6.0], [6.0, 6.0], [1.0, 1.0, 2.0, 2.0, 3.0, 3.0], [2.0, 2.0], mine,
+                                [18.0, 18.0], [[6.0, 6.0], [12.0, 12.0]], [[6.0, 6.0]], mine, [[6.0, 6.0]],
+                                [float(rank), float(rank + 10), float(rank + 20)]], rank
 
 
 def _adasum_formula(vectors: list[np.ndarray]) -> np.ndarray:

@@ -51,6 +51,7 @@ def test_every_keras_name_on_two_workers(tmp_path: Path) -> None:
         assert out["root_disagrees"] == "FailedPreconditionError" and out["after_disagreement"] == [2.0]
         assert out["broadcast_global_variables"] == "RuntimeError"  # Horovod's TF1 call, refused when eager
         assert out["global_set"] == [2, 0] and out["process_set"] == [1, rank == 0, True, None]
+        assert out["version_check"] == [True, False, "ValueError"]
         assert out["timeline"]
         # the callbacks in fit: the broadcast (layer 0's kernel kept local), the averaged loss, the schedule
         start, initial = out["start"], out["initial"]
