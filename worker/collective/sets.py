@@ -38,6 +38,8 @@ _OUTER = {inner: outer for outer, inner in _INNER.items()}
 SET_KINDS = frozenset(_INNER)
 #: sets added but not registered here yet whose messages are kept (a member may finish adding first)
 EARLY_SETS = 4
+#: payload kept for each such set until its engine starts (a set's first ops' early chunks)
+EARLY_SET_BYTES = 64 << 20
 
 
 class SetTransport:
@@ -134,7 +136,7 @@ class ProcessSets:
             set_id = self._last_id
             self.ranks[set_id] = members
             if self.job.rank in members:
-                self._boxes.setdefault(set_id, Mailbox(EARLY_COORDINATION, self._transport.refuse))
+                self._boxes.setdefault(set_id, Mailbox(EARLY_COORDINATION, self._transport.refuse, EARLY_SET_BYTES))
             else:
                 self._boxes.pop(set_id, None)
         if self.job.rank in members:
@@ -184,7 +186,7 @@ class ProcessSets:
         with self._lock:
             box = self._boxes.get(set_id)
             if box is None and self._last_id < set_id <= self._last_id + EARLY_SETS:
-                box = self._boxes[set_id] = Mailbox(EARLY_COORDINATION, self._transport.refuse)
+                box = self._boxes[set_id] = Mailbox(EARLY_COORDINATION, self._transport.refuse, EARLY_SET_BYTES)
         if box is not None:
             box.deliver(peer, inner)  # to the set's engine, or kept until it starts (in order)
         else:
