@@ -2,8 +2,9 @@
 
 W processes on 127.0.0.1 (TF_CONFIG with ports the OS picked), the same model, optimizer and per-worker
 batches as the sluice.keras side, one TF thread per process. Keras 3's model.fit does not run under
-MultiWorkerMirroredStrategy (its train step gets PerReplica values it cannot convert), so this side
-runs the loop TensorFlow's MWMS guide gives: each worker's own batches through
+MultiWorkerMirroredStrategy as shipped (its train step gets PerReplica values it cannot convert;
+bench/keras_training.py runs fit under it with two work-arounds, the `keras-vs-mwms` case), so this
+side (`keras-vs-mwmsloop`) runs the loop TensorFlow's MWMS guide gives: each worker's own batches through
 `distribute_datasets_from_function`, `strategy.run` of a tape step whose loss is averaged over the
 global batch, and the Keras optimizer's apply_gradients, which sums the gradients over the replicas
 (TF's collective ops, gRPC between the processes). It lacks fit's per-step callbacks, so it flatters
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.keras_training import _keras, _model, channels_last
+from bench.keras_training import _dataset, _keras, _model
 from testbed.children import Children
 
 MWMS = "tf.distribute.MultiWorkerMirroredStrategy x W (custom loop)"
@@ -50,10 +51,9 @@ def _mwms_worker(rank: int, ports: list[int], data: Callable[[int, int], tuple[t
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = _model(keras, keras.optimizers.SGD(0.05, momentum=0.9))
-    images, labels = channels_last(data(rank, args.workers))
+    batches = data(rank, args.workers)
     batch, size = args.batch_size, args.workers
-    dataset = strategy.distribute_datasets_from_function(
-        lambda _context: tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch))
+    dataset = strategy.distribute_datasets_from_function(lambda _context: _dataset(batches, batch))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     def one_step(batches: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Training throughput of the digits demo model: Sluice workers and servers against torch DDP (gloo), and
-Sluice's Keras shim against Keras alone and against Sluice's PyTorch shim."""
+"""Training throughput of the digits demo model: Sluice against torch DDP (gloo); sluice.keras against
+sluice.torch, TF's MultiWorkerMirroredStrategy and Keras alone."""
 
 from __future__ import annotations
 
@@ -31,8 +31,16 @@ from bench.common import (
     stats,
     write_json,
 )
-from bench.keras_mwms import MWMS, measure_keras_mwms
-from bench.keras_training import ALONE, measure_keras_alone, measure_sluice_keras
+from bench.keras_mwms import MWMS as MWMS_LOOP
+from bench.keras_mwms import measure_keras_mwms
+from bench.keras_training import (
+    ALONE,
+    MWMS,
+    measure_keras_alone,
+    measure_mirrored,
+    measure_sluice_keras,
+    total_steps,
+)
 from sluice.launch.config import ConfigError, load_config
 from testbed.children import Children
 from testbed.cluster import LocalCluster
@@ -54,13 +62,14 @@ two barriers on rank 0 (with the optimizer on the servers the last parameters ar
 inside the timed span). Process start and rendezvous are never timed.
 
 With --framework keras, examples/train_digits_keras.py's model (the same layers in Keras 3) trains
-with model.fit on the same batches, one TF thread per process, and is measured three times:
+with model.fit on the same batches, timed inside one fit per process (bench/keras_training.py),
+and sluice.keras is measured against four peers in the same run:
 
-  keras-vs-alone  sluice.keras (DistributedOptimizer, W workers, S servers) against W processes
-                  each training Keras alone at once (no exchange: the ceiling of scaling)
-  keras-vs-torch  sluice.keras against sluice.torch on the same model (optimizer on the workers)
-  keras-vs-mwms   sluice.keras against tf.distribute.MultiWorkerMirroredStrategy, W processes on the
-                  same batches (a custom loop: Keras 3's fit does not run under it; bench/keras_mwms.py)
+  keras-vs-torch     sluice.torch on the same model and batches (optimizer on the workers)
+  keras-vs-mwms      tf.distribute.MultiWorkerMirroredStrategy: the same processes, model and batches,
+                     CPU collective ops over gRPC (TF_CONFIG on 127.0.0.1), through model.fit
+  keras-vs-mwmsloop  the same strategy through TF's custom training loop (bench/keras_mwms.py)
+  keras-vs-alone     W processes each training Keras alone at once (no exchange: the ceiling of scaling)
 """
 
 
@@ -74,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where Sluice runs the optimizer (worker.optimizer_on); give both to measure "
                              "both, each against its own DDP run (default: worker)")
     parser.add_argument("--framework", nargs="+", choices=["torch", "keras"], default=["torch"],
-                        help="torch: Sluice against DDP; keras: sluice.keras against Keras alone and against "
-                             "sluice.torch (default: torch)")
+                        help="torch: Sluice against DDP; keras: sluice.keras against sluice.torch, TF's "
+                             "MultiWorkerMirroredStrategy and Keras alone (default: torch)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="settings",
                         help="a Sluice setting for the Sluice side, as `sluice launch --set` takes it, e.g. "
                              "collective.mode=allreduce (repeatable)")
@@ -213,33 +222,28 @@ def throughput(args: argparse.Namespace, result: dict[str, Any]) -> Stats:
 
 def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows: list[list[str]],
                 records: list[dict[str, Any]]) -> None:
-    """sluice.keras against Keras alone x W, sluice.torch and MultiWorkerMirroredStrategy, on the same model
-    and batches."""
+    """sluice.keras against sluice.torch, MultiWorkerMirroredStrategy and Keras alone x W, same model and batches."""
     def data(rank: int, size: int) -> Batches:
-        return worker_batches(x, y, rank, size, args.batch_size, max(args.warmup, 1) + args.steps)
+        return worker_batches(x, y, rank, size, args.batch_size, total_steps(args))
 
     base = f"digits-w{args.workers}-s{args.servers}-b{args.batch_size}"
     t0 = time.perf_counter()
     keras = measure_sluice_keras(data, args)
     ours = throughput(args, keras)
-    progress(f"  {base}  sluice.keras {ours.brief(0)} samples/s, last loss {keras['loss']:.4g} "
+    progress(f"  {base}  sluice.keras {ours.brief(0)} samples/s, loss {keras['loss']:.4g} "
              f"({time.perf_counter() - t0:.1f} s)")
-    peers = []
-    t0 = time.perf_counter()
-    alone = measure_keras_alone(data, args)
-    peers.append(("keras-vs-alone", ALONE, alone))
-    progress(f"  {base}  keras alone  {throughput(args, alone).brief(0)} samples/s ({time.perf_counter() - t0:.1f} s)")
-    t0 = time.perf_counter()
-    torch_side = measure_sluice(x, y, args, "worker")
-    peers.append(("keras-vs-torch", "sluice.torch (same model, optimizer on the workers)", torch_side))
-    progress(f"  {base}  sluice.torch {throughput(args, torch_side).brief(0)} samples/s "
-             f"({time.perf_counter() - t0:.1f} s)")
-    t0 = time.perf_counter()
-    mwms = measure_keras_mwms(data, args)
-    peers.append(("keras-vs-mwms", MWMS, mwms))
-    progress(f"  {base}  MWMS         {throughput(args, mwms).brief(0)} samples/s ({time.perf_counter() - t0:.1f} s)")
-    for name, peer_name, result in peers:
+    peers: list[tuple[str, str, str, Callable[[], dict[str, Any]]]] = [
+             ("keras-vs-torch", "sluice.torch (same model, optimizer on the workers)", "sluice.torch",
+              lambda: measure_sluice(x, y, args, "worker")),
+             ("keras-vs-mwms", MWMS, "MWMS", lambda: measure_mirrored(data, args)),
+             ("keras-vs-mwmsloop", MWMS_LOOP, "MWMS loop", lambda: measure_keras_mwms(data, args)),
+             ("keras-vs-alone", ALONE, "keras alone", lambda: measure_keras_alone(data, args))]
+    for name, peer_name, short, measure in peers:
+        t0 = time.perf_counter()
+        result = measure()
         peer = throughput(args, result)
+        progress(f"  {base}  {short} {peer.brief(0)} samples/s, loss {result['loss']:.4g} "
+                 f"({time.perf_counter() - t0:.1f} s)")
         case = f"{name}-{base}"
         rows.append([case, ours.brief(0), peer.brief(0), f"{ours.median / peer.median:.2f}x"])
         records.append(record(

@@ -73,10 +73,10 @@ def _aggregation(tf: Any, keras: Any, hvd: Any, rank: int, size: int) -> dict[st
     variable = tf.Variable([0.0, 0.0])
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
 
-    @tf.function
-    def step(grad: Any) -> None:
+    def _step(grad: Any) -> None:
         optimizer.apply_gradients([(grad, variable)])
 
+    step: Any = tf.function(_step)
     step(tf.constant([np.inf, 1.0]))
     step(tf.constant([1.0, 1.0]))
     spoiled = variable.numpy().tolist()
@@ -111,14 +111,15 @@ def _partial(tf: Any, keras: Any, hvd: Any, rank: int, size: int) -> dict[str, A
     model = _model(keras, 42)
     before = [w.copy() for w in model.get_weights()]
     halves = [slice(k * BATCH // size, (k + 1) * BATCH // size) for k in range(2)]
-    own = [sum(g) for g in zip(*(gradients(model, xs[h], ys[h]) for h in halves), strict=True)]
-    whole = [sum(g) for g in zip(*(gradients(model, x[k * BATCH: (k + 1) * BATCH], y[k * BATCH: (k + 1) * BATCH])
-                                   for k in range(2)), strict=True)]
+    own_sums: list[Any] = [sum(g) for g in zip(*(gradients(model, xs[h], ys[h]) for h in halves), strict=True)]
+    whole_sums: list[Any] = [sum(g) for g in zip(*(gradients(model, x[k * BATCH: (k + 1) * BATCH],
+                                                             y[k * BATCH: (k + 1) * BATCH]) for k in range(2)),
+                                                 strict=True)]
     optimizer = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(LR), local_layers=[model.layers[0]],
                                                 backward_passes_per_step=2, average_aggregated_gradients=True)
     _compile(keras, model, optimizer).fit(xs[:BATCH], ys[:BATCH], batch_size=BATCH // size, shuffle=False, verbose=0)
     applied = [((b - a) / LR).tolist() for b, a in zip(before, model.get_weights(), strict=True)]
-    out["fit"] = [applied, [(g / size / 2).tolist() for g in own[:2]] + [(g / 2).tolist() for g in whole[2:]]]
+    out["fit"] = [applied, [(g / size / 2).tolist() for g in own_sums[:2]] + [(g / 2).tolist() for g in whole_sums[2:]]]
     return out
 
 
@@ -144,19 +145,19 @@ def _errors(tf: Any, keras: Any, hvd: Any, rank: int) -> dict[str, Any]:
     optimizer = hvd.DistributedOptimizer(sgd(0.1))
     odd = tf.Variable(tf.zeros([2 + 38 * rank]))
 
-    @tf.function
-    def disagree() -> None:
+    def _disagree() -> None:
         optimizer.apply_gradients([(tf.ones_like(odd), odd)])
 
+    disagree: Any = tf.function(_disagree)
     out["disagree"] = _raised(disagree)
     out["after_disagree"] = hvd.allreduce(tf.constant([1.0 + rank]), average=False).numpy().tolist()
     even = tf.Variable(tf.zeros([3]))
     other = hvd.DistributedOptimizer(sgd(1.0))
 
-    @tf.function
-    def agree() -> None:
+    def _agree() -> None:
         other.apply_gradients([(tf.ones_like(even) * (rank + 1), even)])
 
+    agree: Any = tf.function(_agree)
     agree()
     out["agree_after"] = even.numpy().tolist()
     return out
@@ -169,19 +170,19 @@ def _overlap(tf: Any, keras: Any, hvd: Any) -> dict[str, Any]:
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     made: list[Any] = []
 
-    @tf.function
-    def step(xb: Any, yb: Any) -> None:
+    def _step(xb: Any, yb: Any) -> None:
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         made.extend(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
 
+    step: Any = tf.function(_step)
     x, y = data()
     graph = step.get_concrete_function(tf.TensorSpec([None, x.shape[1]], tf.float32),
                                        tf.TensorSpec([None], tf.int64)).graph
-    sends = [op for op in graph.get_operations() if op.type == "EagerPyFunc" and "gradient_send" in op.name]
-    waits = [op for op in graph.get_operations() if op.type == "EagerPyFunc" and "gradient_wait" in op.name]
+    sends = [op for op in graph.get_operations() if op.type == "PyFunc" and "gradient_send" in op.name]
+    waits = [op for op in graph.get_operations() if op.type == "PyFunc" and "gradient_wait" in op.name]
 
     def ancestors(op: Any) -> set[Any]:
         seen, todo = set(), [op]

@@ -1,15 +1,19 @@
 """Inside a tf.function, each fused group of gradients leaves as soon as backward has produced it.
 
 The traced form of FusedReducer.reduce (fused.py), split so that TF's dataflow can start the
-exchange early. Each fused group gets its own tf.py_function node (`gradient_send`) whose inputs are
-only the gradients that group carries: TF runs it the moment those exist, on an inter-op thread,
-while the backward pass goes on computing the earlier layers' gradients on another; it copies them
-into the group's range of the registered buffer and starts the group's allreduce (or push_pull),
-which is asynchronous, and returns at once. One more node (`gradient_wait`), fed by every send's
-token, waits for every group and hands the averaged gradients to the optimizer's update.
+exchange early. Each fused group gets its own tf.numpy_function node (`gradient_send`;
+numpy_function rather than py_function: its arrays cross without eager tensors, at about half the
+cost a call) whose inputs are only the gradients that group carries: TF runs it the moment those
+exist, on an inter-op thread, while the backward pass goes on computing the earlier layers'
+gradients on another; it copies them into the group's range of the registered buffer and starts the
+group's allreduce (or push_pull), which is asynchronous, and returns at once. One more node
+(`gradient_wait`), fed by every send's token, waits for every group and hands the averaged gradients
+to the optimizer's update. Where the plan has a single group (a model within one fusion buffer:
+collective.fusion_bytes), nothing could leave early, and one node (`gradient_allreduce`) sends and
+waits, one Python call a step fewer.
 
 The sends are created in the order backward completes the groups (the least urgent first: the last
-layers' gradients exist first). A tf.function runs py_function nodes (stateful ops) in the order they
+layers' gradients exist first). A tf.function runs these nodes (stateful ops) in the order they
 were created (its automatic control dependencies), so every rank sends its groups in the same order,
 and no send is held up behind one whose gradients come later. The values are those of the eager
 path, bit for bit: the same buffers, groups, sums and scaling. A failed step (an error raised in a
@@ -26,8 +30,13 @@ import numpy as np
 import tensorflow as tf
 
 from sluice.errors import SluiceError
-from sluice.worker.tensorflow.bridge import XLA_HELP, to_numpy, to_tensor, xla_compiling
+from sluice.worker.tensorflow.bridge import XLA_HELP, xla_compiling
 from sluice.worker.tensorflow.fused import FusedReducer, Spec
+
+
+def _storage(array: np.ndarray) -> np.ndarray:
+    """A node's input in its wire dtype's storage: bfloat16 (ml_dtypes') as its 16-bit patterns."""
+    return array.view(np.uint16) if array.dtype == tf.bfloat16.as_numpy_dtype else array
 
 
 def traceable(tensors: Sequence[Any]) -> bool:
@@ -43,26 +52,35 @@ def specs_of(tensors: Sequence[Any], names: Sequence[str], wires: Sequence[str])
 def traced_reduce(reducer: FusedReducer, tensors: Sequence[Any], average: bool, prescale: float = 1.0,
                   postscale: float = 1.0) -> list[Any]:
     """The graph nodes that reduce `tensors` (in the reducer's order) through `reducer`: one send per
-    fused group, fed by that group's gradients only, and one wait; returns the reduced tensors."""
+    fused group, fed by that group's gradients only, and one wait (a single group: one node that sends
+    and waits); returns the reduced tensors."""
     if xla_compiling():
         raise SluiceError(f"sluice gradient allreduce runs in Python (tf.py_function), which XLA cannot "
                           f"compile: {XLA_HELP}")
-    tokens = []
-    for fused, group in reducer.ready_order:
-        indices = reducer.inputs_of(fused, group)
-
-        def send(*inputs: Any, fused: int = fused, group: int = group, indices: list[int] = indices) -> Any:
-            reducer.start(fused, group, {i: to_numpy(t) for i, t in zip(indices, inputs, strict=True)}, prescale)
-            return np.int32(group)
-
-        tokens.append(tf.py_function(send, [tensors[i] for i in indices], Tout=tf.int32, name="gradient_send"))
     dtypes = [t.dtype for t in tensors]
+    returned = [tf.as_dtype(d).as_numpy_dtype for d in dtypes]  # bfloat16: ml_dtypes' (storage is uint16)
 
-    def wait(*_tokens: Any) -> list[Any]:
+    def wait(*_tokens: Any) -> list[np.ndarray]:
         arrays = reducer.finish(average, postscale)
-        return [to_tensor(a, d) for a, d in zip(arrays, dtypes, strict=True)]
+        return [a if a.dtype == r else a.view(r) for a, r in zip(arrays, returned, strict=True)]
 
-    outputs = tf.py_function(wait, tokens, Tout=dtypes, name="gradient_wait")
+    def sender(fused: int, group: int, indices: list[int]) -> Any:
+        def send(*inputs: np.ndarray) -> np.ndarray:
+            reducer.start(fused, group, {i: _storage(a) for i, a in zip(indices, inputs, strict=True)}, prescale)
+            return np.array(group, np.int32)
+        return send
+
+    if len(reducer.ready_order) == 1:  # one group needs every gradient: nothing can leave early, one node
+        send = sender(*reducer.ready_order[0], list(range(len(tensors))))
+        outputs = tf.numpy_function(lambda *inputs: wait(send(*inputs)), list(tensors), Tout=dtypes,
+                                    name="gradient_allreduce")
+    else:
+        tokens = []
+        for fused, group in reducer.ready_order:
+            indices = reducer.inputs_of(fused, group)
+            tokens.append(tf.numpy_function(sender(fused, group, indices), [tensors[i] for i in indices],
+                                            Tout=tf.int32, name="gradient_send"))
+        outputs = tf.numpy_function(wait, tokens, Tout=dtypes, name="gradient_wait")
     if not isinstance(outputs, list | tuple):
         outputs = [outputs]
     for output, tensor in zip(outputs, tensors, strict=True):
