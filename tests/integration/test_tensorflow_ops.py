@@ -10,7 +10,7 @@ import pytest
 
 from testbed.cluster import LocalCluster
 from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
-from tests.integration.tf_ops_jobs import ADASUM_DTYPES, adasum_vector, tensorflow_ops
+from tests.integration.tf_ops_jobs import ADASUM_DTYPES, adasum_vector, tensorflow_ops, tf_adasum
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs the tensorflow extra")
 
@@ -114,3 +114,18 @@ def test_added_collectives_values_gradients_and_errors_on_two_workers() -> None:
         assert out["average_compat"] == ["sum", "sum", "ValueError"]
         assert out["refs"] == [True, True] and out["queries"] == [False, None]
         assert out["hook"] == [1.0, 1.0], rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [3, 4])
+def test_adasum_matches_the_formula_on_3_and_4_workers(workers: int) -> None:
+    with LocalCluster(workers, 0) as cluster:
+        results = cluster.run(tf_adasum, timeout=110)
+    vectors = [[adasum_vector(r, i) for i in range(2)] for r in range(workers)]
+    for rank, out in enumerate(results):  # 3 ranks: A(A(r0, r1), r2), the odd rank carried up
+        assert np.allclose(out["single"], _adasum([v[0] for v in vectors]), rtol=1e-12), rank
+        assert np.allclose(out["traced"], _adasum([v[1] for v in vectors]), rtol=1e-12), rank
+        for index in range(2):
+            want = _adasum([v[index].astype(np.float32).astype(np.float64) * 0.5 for v in vectors]) * 2.0
+            assert np.allclose(out["grouped"][index], want, rtol=1e-5, atol=1e-5), (rank, index)

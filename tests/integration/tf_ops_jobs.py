@@ -250,3 +250,26 @@ def tensorflow_ops() -> dict[str, Any]:
         out.update(section(tf, hvd, rank, size))
     hvd.shutdown()
     return out
+
+
+def tf_adasum() -> dict[str, Any]:
+    """Adasum on this job's size (3 or 4 workers): a float64 vector alone, a float32 pair grouped with
+    scale factors, and traced."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import sluice.tensorflow as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    single = hvd.allreduce(tf.constant(adasum_vector(rank, 0)), op=hvd.Adasum).numpy().tolist()
+    pair = [tf.constant(adasum_vector(rank, i).astype(np.float32)) for i in range(2)]
+    grouped = hvd.grouped_allreduce(pair, op=hvd.Adasum, prescale_factor=0.5, postscale_factor=2.0)
+    traced = tf.function(lambda x: hvd.allreduce(x, op=hvd.Adasum))(tf.constant(adasum_vector(rank, 1)))
+    out = {"single": single, "grouped": [t.numpy().astype(float).tolist() for t in grouped],
+           "traced": traced.numpy().tolist()}
+    hvd.shutdown()
+    return out
