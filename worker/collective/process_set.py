@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sluice.errors import InvalidCallError
+from sluice.errors import InvalidCallError, SluiceError
 
 if TYPE_CHECKING:
     from sluice.worker.collective.sets import ProcessSets
@@ -74,6 +74,14 @@ def set_id(process_set: Any) -> int | None:
     return process_set.process_set_id
 
 
+def sets_of(node: Any) -> ProcessSets:
+    """A worker node's process sets (the job's engine among them); SluiceError before they run."""
+    if node.process_sets is None:
+        raise SluiceError("the collective engine is not running (init() did not finish)")
+    sets: ProcessSets = node.process_sets
+    return sets
+
+
 def register_sets(sets: ProcessSets, rank: int, process_sets: Sequence[ProcessSet] | str | None) -> None:
     """hvd.init(process_sets=...): the global set's ranks, then each listed set added in order (every worker
     lists the same); a set listed twice, or the global set's ranks, leaves the later object unregistered, as in
@@ -89,22 +97,24 @@ def register_sets(sets: ProcessSets, rank: int, process_sets: Sequence[ProcessSe
         listed.process_set_id = sets.add(listed.ranks)
 
 
-def add_process_set(sets: ProcessSets, rank: int, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Horovod's add_process_set: every worker calls it alike; ValueError for a set that exists already."""
+def add_process_set(node: Any, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Horovod's add_process_set on a worker `node`: every worker calls it alike, in the same order;
+    ValueError for a set that exists already."""
     listed = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     assert listed.ranks is not None
-    listed._own_rank = rank
-    added = sets.add(listed.ranks)
+    listed._own_rank = node.rank
+    added = sets_of(node).add(listed.ranks)
     if added is None:
         raise ValueError(f"Attempted to add a duplicate process set: {listed}")
     listed.process_set_id = added
     return listed
 
 
-def remove_process_set(sets: ProcessSets, process_set: ProcessSet) -> bool:
-    """Horovod's remove_process_set: every worker calls it alike; False for the global set or one not registered."""
+def remove_process_set(node: Any, process_set: ProcessSet) -> bool:
+    """Horovod's remove_process_set on a worker `node`: every worker calls it alike; False for the global set
+    or one not registered."""
     registered = process_set.process_set_id
     if registered is None or registered == 0:
         return False
     process_set._invalidate()
-    return sets.remove(registered)
+    return sets_of(node).remove(registered)

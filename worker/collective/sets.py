@@ -30,6 +30,7 @@ from sluice.transport.wire import Kind, Message
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import EARLY_COORDINATION, CollectiveEngine
 from sluice.worker.collective.mailbox import Mailbox
+from sluice.worker.collective.process_set import set_id
 from sluice.worker.collective.refusal import refusing
 
 _INNER = {Kind.SET_UP: Kind.COORD_UP, Kind.SET_DOWN: Kind.COORD_DOWN, Kind.SET_DATA: Kind.COLL_DATA,
@@ -174,6 +175,20 @@ class ProcessSets:
             raise CollectiveError(f"{what}: Rank {self.job.rank} is not a member of the provided process set "
                                   f"(ranks {ranks}).")
         return engine
+
+    def ranks_of(self, process_set: Any) -> list[int] | None:
+        """The global ranks of a collective's `process_set=` (None: every worker), or None for a set not registered."""
+        registered = set_id(process_set)
+        with self._lock:
+            return self.ranks.get(registered) if registered is not None else None
+
+    def member_engine(self, process_set: Any) -> CollectiveEngine | None:
+        """The engine of `process_set`, or None where this worker is not in the set (Horovod then leaves its
+        gradients out); CollectiveError for a set not registered."""
+        ranks = self.ranks_of(process_set)
+        if ranks is not None and self.job.rank not in ranks:
+            return None
+        return self.engine(set_id(process_set), "collective")
 
     # ------------------------------------------------------------------ the node's handler
     def on_message(self, peer: str, msg: Message) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from sluice.errors import CollectiveError, SluiceError
 from sluice.transport.metrics import summary_lines
 from sluice.worker.collective.engine import CollectiveEngine
-from sluice.worker.collective.process_set import ProcessSet, register_sets, set_id
+from sluice.worker.collective.process_set import ProcessSet, register_sets, set_id, sets_of
 from sluice.worker.config import WorkerConfig
 from sluice.worker.node import WorkerNode
 from sluice.worker.shim import show_our_logs, worker_settings
@@ -42,30 +42,18 @@ def require() -> WorkerNode:
 def engine(process_set: Any = None) -> CollectiveEngine:
     """The engine that runs collectives over `process_set` (None or hvd.global_process_set: every worker).
     Its `rank` and `size` are this worker's within the set."""
-    node = require()
-    if node.collectives is None or node.process_sets is None:
-        raise SluiceError("the collective engine is not running (init() did not finish)")
-    if process_set is None:
-        return node.collectives
-    return node.process_sets.engine(set_id(process_set), "collective")
+    return sets_of(require()).engine(set_id(process_set), "collective")
 
 
 def member_engine(process_set: Any = None) -> CollectiveEngine | None:
     """The engine of `process_set`, or None where this worker is not in the set (Horovod then leaves its
     gradients as they are); CollectiveError for a set that is not registered."""
-    node = require()
-    registered = set_id(process_set)
-    ranks = node.process_sets.ranks.get(registered) if node.process_sets and registered is not None else None
-    if ranks is not None and node.rank not in ranks:
-        return None
-    return engine(process_set)
+    return sets_of(require()).member_engine(process_set)
 
 
 def process_set_ranks(process_set: Any = None) -> list[int]:
     """The global ranks of `process_set` (None: every worker); CollectiveError for a set not registered."""
-    node = require()
-    registered = set_id(process_set)
-    ranks = node.process_sets.ranks.get(registered) if node.process_sets and registered is not None else None
+    ranks = sets_of(require()).ranks_of(process_set)
     if ranks is None:
         raise CollectiveError("Process set provided does not exist, or has not been registered.")
     return ranks

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from sluice.errors import InvalidCallError, SluiceError
+from sluice.errors import InvalidCallError
 from sluice.worker.collective.engine import CollectiveEngine
-from sluice.worker.collective.process_set import set_id
+from sluice.worker.collective.process_set import set_id, sets_of
 from sluice.worker.collective.refusal import mark_handled
 from sluice.worker.collective.refusal import refusing as collective_refusing
 from sluice.worker.torch.state import NAMES, STATE, require
@@ -27,23 +27,13 @@ from sluice.worker.torch.state import NAMES, STATE, require
 def engine(process_set: Any = None) -> CollectiveEngine:
     """The engine of `process_set` (None: every worker); CollectiveError (HorovodInternalError) for a set
     not registered or one this worker is not in, raised here only, as Horovod does at the call."""
-    node = require()
-    if node.collectives is None or node.process_sets is None:
-        raise SluiceError("the collective engine is not running (init() did not finish)")
-    if process_set is None:
-        return node.collectives
-    return node.process_sets.engine(set_id(process_set), "collective")
+    return sets_of(require()).engine(set_id(process_set), "collective")
 
 
 def member_engine(process_set: Any) -> CollectiveEngine | None:
     """The engine of `process_set`, or None where this worker is not in the set (Horovod then leaves it out:
     a DistributedOptimizer steps on local gradients); CollectiveError for a set not registered."""
-    node = require()
-    registered = set_id(process_set)
-    ranks = node.process_sets.ranks.get(registered) if node.process_sets and registered is not None else None
-    if ranks is not None and node.rank not in ranks:
-        return None
-    return engine(process_set)
+    return sets_of(require()).member_engine(process_set)
 
 
 def op_name(name: str | None, kind: str, on: CollectiveEngine | None = None) -> str:

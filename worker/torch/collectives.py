@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from sluice.errors import InvalidCallError, SluiceError
+from sluice.errors import InvalidCallError
 from sluice.worker.collective import process_set as process_set_api
 from sluice.worker.collective.process_set import ProcessSet as ProcessSet
 from sluice.worker.collective.process_set import global_process_set as global_process_set
 from sluice.worker.collective.reduce import REDUCIBLE, scaled
-from sluice.worker.collective.sets import ProcessSets
 from sluice.worker.staging import Staging, tensor_of, wire_dtype
 from sluice.worker.torch.adasum import adasum_async_, check_adasum
 from sluice.worker.torch.calls import engine, op_name, refusing, register, rewrap
@@ -35,22 +34,15 @@ Average, Sum, Min, Max, Product, Adasum = "average", "sum", "min", "max", "produ
 _OPS = (Average, Sum, Min, Max, Product, Adasum)
 
 
-def _sets() -> ProcessSets:
-    node = require()
-    if node.process_sets is None:
-        raise SluiceError("the collective engine is not running (init() did not finish)")
-    return node.process_sets
-
-
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Horovod's: a set of ranks that runs collectives on its own (`process_set=`); every worker calls it alike,
     in the same order. ValueError where a set of the same ranks exists."""
-    return process_set_api.add_process_set(_sets(), require().rank, process_set)
+    return process_set_api.add_process_set(require(), process_set)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Horovod's: every worker calls it alike; False for the global set or a set not registered."""
-    return process_set_api.remove_process_set(_sets(), process_set)
+    return process_set_api.remove_process_set(require(), process_set)
 
 
 def resolve_op(average: bool | None, op: str | None) -> str:
