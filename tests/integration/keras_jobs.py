@@ -61,9 +61,9 @@ def keras_api(folder: str) -> dict[str, Any]:
     load_model; jit_compile."""
     tf = _tf()
     import keras
-    from sluice.keras.callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback
 
     import sluice.keras as hvd
+    from sluice.keras.callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
