@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-installed
+DEMO_STAMP := $(VENV)/.sluice-demo
+# the frameworks, pinned here (the package's extras take ranges): the CPU builds, installed before
+# anything else so that no resolver pulls a CUDA stack
+FRAMEWORKS := torch==2.13.0 tensorflow-cpu==2.21.0
 
 .PHONY: demo test lint install clean test-system-deps
 
@@ -13,16 +17,23 @@ SYSTEM_DEPS := openssh-server openssh-client slurmctld slurmd slurm-client munge
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch is pinned and installed first, so that no resolver later pulls a CUDA build.
+# What the tests need: every extra but `tensorflow` (tensorflow-cpu stands in for it), and the dev tools.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,tensorflow,examples,dev]'
-	touch $(STAMP)
+	$(PY) -m pip install -q $(FRAMEWORKS)
+	$(PY) -m pip install -q -e '.[torch,planner,uvloop,prometheus,ray,lightning,examples,dev]'
+	touch $(STAMP) $(DEMO_STAMP)
+
+# What the demo needs: torch and scikit-learn's bundled digits.
+$(DEMO_STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(firstword $(FRAMEWORKS))
+	$(PY) -m pip install -q -e '.[torch,examples]'
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/sluice launch -w 4 -s 2 -- $(PY) examples/train_digits.py --epochs 12
 
 test-system-deps:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from types import FrameType
 
+from sluice import __version__
 from sluice.errors import SluiceError
 from sluice.launch import kubernetes, node
 from sluice.launch.cluster import ClusterPlan
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Sluice: parameter-server training over ZeroMQ.", formatter_class=_FORMATTER,
         epilog="run `sluice COMMAND --help` for the options of each command")
+    parser.add_argument("--version", action="version", version=f"sluice {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     launch = commands.add_parser(

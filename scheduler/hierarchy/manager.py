@@ -15,10 +15,10 @@ import statistics
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from sluice.errors import require
 from sluice.scheduler.hierarchy.agent import Report, spare_mbit
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.placement import NodeAt, Placement, place
-from sluice.scheduler.hierarchy.planner import plan_trees
 from sluice.scheduler.hierarchy.routes import Route, parse_static_trees
 from sluice.scheduler.hierarchy.topology import Plan, PlanError
 from sluice.scheduler.hierarchy.uplinks import uplink_rates
@@ -181,6 +181,8 @@ class NetworkManager:
     def _solve(self, nodes: Sequence[NodeAt], spare: dict[str, float]) -> tuple[Plan, list[Route]]:
         placement = self._placement or place(self.config, nodes)  # (raises PlanError, said by due())
         config = self.config
+        from sluice.scheduler.hierarchy.planner import plan_trees
+
         plan = plan_trees(placement.topology(spare), max_trees=config.max_trees, tree_penalty=config.tree_penalty,
                           time_limit=config.time_limit)
         return plan, placement.routes(plan)
@@ -202,5 +204,7 @@ def tree_source(config: AggregationConfig, now: float) -> StaticTrees | NetworkM
     if config.mode == "static":
         return StaticTrees(config, now)
     if config.mode == "plan":
+        # the planner's solvers are an extra: a job without planned trees runs without them
+        require("scipy", "planner", "aggregation.mode = \"plan\" (the aggregation trees' planner)")
         return NetworkManager(config, now)
     return None
