@@ -32,6 +32,7 @@ from sluice.errors import SluiceError
 from sluice.ps import optim
 from sluice.ps.ranked_sum import FLOAT_DTYPES
 from sluice.transport.dtypes import STORAGE
+from sluice.transport.shm_space import reserve
 
 if TYPE_CHECKING:
     from sluice.ps.store import Chunk
@@ -311,16 +312,8 @@ class StateFile:
                 record.ready.add(part)
 
     def _reserve_range(self, offset: int, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        try:
-            os.posix_fallocate(self._fd, offset, nbytes)
-        except OSError as exc:
-            raise SluiceError(
-                f"server {self.rank} cannot reserve {nbytes} bytes of {self.path} for its state (ps.recover): "
-                f"{exc.strerror}; give {os.path.dirname(self.path)} more room (docker run --shm-size, for one) or "
-                "turn ps.recover off"
-            ) from None
+        reserve(self._fd, offset, nbytes, f"server {self.rank}'s state for ps.recover ({self.path})",
+                os.path.dirname(self.path), alternative=", or turn ps.recover off")
 
     def _drop_maps(self) -> None:
         self._records.clear()

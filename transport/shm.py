@@ -9,11 +9,8 @@ per-route ring whose space the receiver's credit acknowledgements free again, in
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import mmap
+import logging
 import os
-import secrets
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -21,11 +18,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from sluice.errors import SluiceError
 from sluice.transport.shm_peers import SEGMENT_NAME, SHM_DIR, PeerSegments
+from sluice.transport.shm_space import Segment
 
 _ALIGN = 64
 _ARENA_BYTES = 64 << 20
-_counter = itertools.count()
+log = logging.getLogger("sluice.transport")
 
 
 def _round_up(n: int) -> int:
@@ -50,32 +49,11 @@ def remove_segments_of(pid: int) -> int:
     return removed
 
 
-class Segment:
-    """A /dev/shm file of ours, mapped read-write; unlinked on close."""
-
-    def __init__(self, size: int) -> None:
-        self.name = f"sluice-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
-        self.path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.size = size
-        self.bytes = np.frombuffer(self._map, np.uint8)
-
-    def unlink(self) -> None:
-        """Remove the name; the memory lives on while this process (and peers that mapped it) hold it."""
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
-
 class Ring:
     """FIFO space allocator over one segment: allocations are freed in the order they were made."""
 
     def __init__(self, size: int) -> None:
-        self.segment = Segment(size)
+        self.segment = Segment(size, "a send ring to a process on this host")
         self._live: deque[tuple[int, int]] = deque()  # (start, end) of each allocation, oldest first
 
     def alloc(self, nbytes: int) -> int | None:
@@ -118,23 +96,27 @@ class Registry:
         self._bases: dict[int, tuple[Segment, int]] = {}  # id(segment.bytes) -> (segment, address)
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A zeroed array in shared memory; SluiceError naming the size and the fix when /dev/shm is full."""
         nbytes = count * dtype.itemsize
         size = _round_up(max(nbytes, 1))
+        purpose = f"a shared array of {count} {dtype} (fusion buffers, a server's or aggregator's sums)"
         with self._lock:
             if size > _ARENA_BYTES:
-                segment, start = self._new_segment(size), 0
+                segment, start = self._new_segment(size, purpose), 0
             else:
                 if not self.segments or self.segments[-1].size != _ARENA_BYTES or self._used + size > _ARENA_BYTES:
-                    self._new_segment(_ARENA_BYTES)
+                    self._new_segment(_ARENA_BYTES, purpose, lazily=True)
                     self._used = 0
                 segment, start = self.segments[-1], self._used
+                segment.purpose = purpose
+                segment.reserve(start, size)
                 self._used += size
             array = segment.bytes[start : start + nbytes].view(dtype)
             self._arrays[id(array)] = (array, segment, start)
         return array
 
-    def _new_segment(self, size: int) -> Segment:
-        segment = Segment(size)
+    def _new_segment(self, size: int, purpose: str, lazily: bool = False) -> Segment:
+        segment = Segment(size, purpose, lazily)
         self.segments.append(segment)
         self._bases[id(segment.bytes)] = (segment, segment.bytes.ctypes.data)
         return segment
@@ -180,6 +162,8 @@ class SharedPayloads:
         #: (peer, segment, size) announcements the transport has yet to send
         self.pending: deque[tuple[str, str, int]] = deque()
         self._registered_seen = 0
+        #: routes whose ring could not be had (/dev/shm full): their payloads travel inline
+        self._ringless: set[Route] = set()
 
     def _usable(self, peer: str, name: str, size: int) -> bool:
         """True once `peer` mapped segment `name`; else announce it (once) and send inline meanwhile."""
@@ -223,9 +207,15 @@ class SharedPayloads:
             return (segment.name, start, nbytes) if self._usable(route[0], segment.name, segment.size) else None
         ring = self._rings.get(route)
         if ring is None:
-            if nbytes > self.ring_bytes:
+            if nbytes > self.ring_bytes or route in self._ringless:
                 return None
-            ring = self._rings[route] = Ring(self.ring_bytes)
+            try:
+                ring = self._rings[route] = Ring(self.ring_bytes)
+            except SluiceError as exc:  # a ring only saves a copy: the payloads go through the socket instead
+                self._ringless.add(route)
+                if len(self._ringless) == 1:
+                    log.warning("%s; meanwhile payloads to processes on this host travel through sockets", exc)
+                return None
         if nbytes > ring.segment.size or not self._usable(route[0], ring.segment.name, ring.segment.size):
             return None
         offset = ring.alloc(nbytes)
@@ -263,6 +253,7 @@ class SharedPayloads:
             self._rings.pop(route).segment.unlink()
         for route in [r for r in self._unacked if r[0] == peer]:
             del self._unacked[route]
+        self._ringless = {route for route in self._ringless if route[0] != peer}
         kept = [item for item in self.pending if item[0] != peer]
         self.pending.clear()
         self.pending.extend(kept)
