@@ -1,7 +1,7 @@
 """One child process of a local job: its output relayed with a [role rank] prefix, its process group signalled.
 
-Its output is relayed line by line, its last lines kept for the failure report, and its readiness
-and culprit lines noticed.
+Its output is relayed line by line (to the terminal, and to per-rank log files: launch/output.py),
+its last lines kept for the failure report, and its readiness and culprit lines noticed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO
 
+from sluice.launch.output import ChildOutput
+from sluice.launch.run_options import OutputOptions
 from sluice.scheduler import culprit
 from sluice.transport.shm import remove_segments_of
 
@@ -67,17 +69,19 @@ class Child:
     launch/remote.py there); `proc` is then the local ssh or srun, whose stdin keeps the role alive."""
 
     def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: Sink,
-                 host: str | None = None, via: str = "") -> None:
-        self.role, self.rank, self.proc, self.sink = role, rank, proc, sink
+                 host: str | None = None, via: str = "", options: OutputOptions | None = None,
+                 log_folder: str | None = None) -> None:
+        self.role, self.rank, self.proc = role, rank, proc
         self.host, self.via = host, via
         self._returncode: int | None = None
         self.label = role if role == "scheduler" else f"{role} {rank}"
-        self.prefix = f"[{self.label}] ".encode()
+        self.output = ChildOutput(sink, self.label, options or OutputOptions(), log_folder)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.ended_at: float | None = None
         self.culprit: tuple[float, culprit.Culprit] | None = None
         self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.pump = asyncio.create_task(self._pump())
+        streams = [(proc.stdout, "stdout"), (proc.stderr, "stderr")]
+        self.pump = asyncio.gather(*(self._pump(pipe, name) for pipe, name in streams if pipe is not None))
         self.done = asyncio.create_task(self._wait())
 
     @property
@@ -98,19 +102,21 @@ class Child:
         """The role's exit status: negative for a signal, also when the remote stub reported 128 + N."""
         return self._returncode
 
-    async def _pump(self) -> None:
-        assert self.proc.stdout is not None
+    async def _pump(self, pipe: asyncio.StreamReader, stream: str) -> None:
         partial = b""
-        while data := await self.proc.stdout.read(65536):
-            *lines, partial = (partial + data).split(b"\n")
-            if len(partial) > _MAX_LINE:
-                lines.append(partial)
-                partial = b""
-            self._emit(lines)
-        if partial:
-            self._emit([partial])
+        try:
+            while data := await pipe.read(65536):
+                *lines, partial = (partial + data).split(b"\n")
+                if len(partial) > _MAX_LINE:
+                    lines.append(partial)
+                    partial = b""
+                self._emit(stream, lines)
+            if partial:
+                self._emit(stream, [partial])
+        finally:
+            self.output.close(stream)
 
-    def _emit(self, lines: list[bytes]) -> None:
+    def _emit(self, stream: str, lines: list[bytes]) -> None:
         if not lines:
             return
         for raw in lines:
@@ -120,7 +126,7 @@ class Child:
                 self.ready.set_result(text[len(READY_PREFIX) :].strip())
             if self.culprit is None and (named := culprit.parse(text)) is not None:
                 self.culprit = (time.monotonic(), named)
-        self.sink.write(b"".join(self.prefix + raw + b"\n" for raw in lines))
+        self.output.write(stream, lines)
 
     async def _wait(self) -> int:
         code = await self.proc.wait()

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sluice.launch.run_options import ENV_LOG_LEVEL, ENV_LOG_TIME
 from sluice.ps.config import ServerConfig
 from sluice.scheduler.bootstrap import (
     ENV_AGGREGATORS,
@@ -32,6 +33,7 @@ from sluice.scheduler.bootstrap import (
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.transport.config import TransportConfig
+from sluice.transport.prometheus import MetricsConfig
 from sluice.transport.timeline import TimelineConfig
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.config import WorkerConfig
@@ -47,12 +49,13 @@ SECTIONS: dict[str, type[Any]] = {
     "aggregation": AggregationConfig,
     "jobs": JobsConfig,
     "timeline": TimelineConfig,
+    "metrics": MetricsConfig,
 }
 ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
 #: the launcher's variables for a process (not settings): its place, and an elastic job's state
 BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_AGGREGATORS, ENV_CONFIG,
-                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION})
+                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_LOG_LEVEL, ENV_LOG_TIME})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 
@@ -141,6 +144,7 @@ class SluiceConfig:
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     #: (key, where its value came from) for every key not left at its default
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 

@@ -29,6 +29,7 @@ from sluice.launch.elastic import (
 )
 from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
 from sluice.launch.hosts import Host, HostsError
+from sluice.launch.run_options import RunOptions
 from sluice.launch.supervisor import SETTLE_SECONDS, Job, run_on_loop, supervise
 
 Replan = Callable[[list[Host]], ClusterPlan | None]
@@ -37,9 +38,9 @@ Replan = Callable[[list[Host]], ClusterPlan | None]
 class Generation(Job):
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str], grace: float,
                  ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int, plan: ClusterPlan | None,
-                 elastic: ElasticSettings, worker_env: Mapping[str, str]) -> None:
+                 elastic: ElasticSettings, worker_env: Mapping[str, str], options: RunOptions | None = None) -> None:
         super().__init__(config, workers, servers, command, grace, ready_timeout, out, err, aggregators, plan,
-                         worker_env)
+                         worker_env, options)
         self.elastic = elastic
         #: why this generation ended for the next; None: the job ended
         self.reform: Reform | None = None
@@ -120,7 +121,7 @@ class Generation(Job):
 
 async def generations(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], grace: float,
                       ready_timeout: float, aggregators: int, plan: ClusterPlan | None, elastic: ElasticSettings,
-                      replan: Replan) -> int:
+                      replan: Replan, options: RunOptions | None = None) -> int:
     """Run generation after generation until one ends the job; the launcher's exit code."""
     directory, generation, restarts = state_dir(), 0, 0
     os.mkdir(directory, 0o700)
@@ -128,7 +129,7 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
         while True:
             env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation)}
             job = Generation(config, workers, servers, command, grace, ready_timeout, sys.stdout.buffer,
-                             sys.stderr, aggregators, plan, elastic, env)
+                             sys.stderr, aggregators, plan, elastic, env, options)
             code = await job.run()
             if job.reform is None:
                 return code
@@ -153,10 +154,11 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
 
 def run_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *, grace: float = 10.0,
             ready_timeout: float = 60.0, aggregators: int = 0, plan: ClusterPlan | None = None,
-            elastic: ElasticSettings | None = None, replan: Replan | None = None) -> int:
+            elastic: ElasticSettings | None = None, replan: Replan | None = None,
+            options: RunOptions | None = None) -> int:
     """The launcher's job: one, or with `elastic` its generations (`replan` lays each out over its hosts)."""
     if elastic is None:
         return run_on_loop(supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
-                                     aggregators=aggregators, plan=plan))
+                                     aggregators=aggregators, plan=plan, options=options))
     return run_on_loop(generations(config, workers, servers, command, grace, ready_timeout, aggregators, plan,
-                                   elastic, replan or (lambda hosts: None)))
+                                   elastic, replan or (lambda hosts: None), options))

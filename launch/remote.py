@@ -1,15 +1,15 @@
 """What ssh starts on a remote host: `python -m sluice.launch.remote`, which runs one role and ends it with the session.
 
-The launcher writes one JSON line to the session's stdin, `{"argv": [...], "env": {...}, "cwd": "...",
-"secret": "<hex>"}`, so nothing secret is in a command line (which `ps` shows to every user of the
-host), an environment, or a log. The stub starts `argv` in a process group of its own, hands it the
-job secret through an inherited pipe (as the local launcher does), and lets its output flow back
-through the session. Then it watches stdin: a line `USR1` is passed on to the role as SIGUSR1 (an
-elastic job's new hosts); end of file means the launcher is gone or has ended the
-job (the session closed: Ctrl-C, a lost link, the launcher killed), and the stub stops the role's
-whole group, SIGTERM then SIGKILL after a grace period, and removes the shared memory the role could
-not (killed by a signal), so nothing outlives the job on any host; so does a SIGTERM, SIGHUP or
-SIGINT to the stub itself (SLURM cancelling the step). The
+The launcher writes one JSON line to the session's stdin, `{"argv": [...], "env": {...}, "cwd":
+"...", "secret": "<hex>"}` (and `"split": true` for the role's stderr apart), so nothing secret is
+in a command line (which `ps` shows to every user of the host), an environment, or a log. The stub
+starts `argv` in a process group of its own, hands it the job secret through an inherited pipe (as
+the local launcher does), and lets its output flow back through the session. Then it watches stdin:
+a line `USR1` is passed on to the role as SIGUSR1 (an elastic job's new hosts); end of file means
+the launcher is gone or has ended the job (the session closed: Ctrl-C, a lost link, the launcher
+killed), and the stub stops the role's whole group, SIGTERM then SIGKILL after a grace period, and
+removes the shared memory the role could not (killed by a signal), so nothing outlives the job on
+any host; so does a SIGTERM, SIGHUP or SIGINT to the stub itself (SLURM cancelling the step). The
 stub exits with the role's status (128 + N for a signal). A header it cannot use ends it with status
 2 and a line on stderr that says what is wrong.
 """
@@ -31,6 +31,7 @@ from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
 MAX_HEADER_BYTES = 1 << 20
 GRACE_S = 5.0
 BAD_HEADER = 2
+_HEADER_KEYS = frozenset({"argv", "env", "cwd", "secret", "split"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Header:
     env: dict[str, str]
     cwd: str
     secret: bytes
+    #: the role's stderr goes to the session's stderr, apart from its stdout (per-rank log files)
+    split: bool = False
 
 
 def parse_header(line: bytes) -> Header:
@@ -49,8 +52,10 @@ def parse_header(line: bytes) -> Header:
         data: Any = json.loads(line)
     except ValueError as exc:
         raise ValueError(f"the header is not JSON: {exc}") from None
-    if not isinstance(data, dict) or set(data) != {"argv", "env", "cwd", "secret"}:
-        raise ValueError("the header must be an object with argv, env, cwd and secret")
+    if not isinstance(data, dict) or not {"argv", "env", "cwd", "secret"} <= set(data) <= _HEADER_KEYS:
+        raise ValueError("the header must be an object with argv, env, cwd and secret (and maybe split)")
+    if not isinstance(data.get("split", False), bool):
+        raise ValueError("split must be true or false")
     argv, env, cwd, secret = data["argv"], data["env"], data["cwd"], data["secret"]
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
         raise ValueError("argv must be a non-empty list of non-empty strings")
@@ -62,7 +67,7 @@ def parse_header(line: bytes) -> Header:
     if not isinstance(secret, str) or len(secret) > 8192:
         raise ValueError("secret must be a hex string")
     try:
-        return Header(tuple(argv), dict(env), cwd, bytes.fromhex(secret))
+        return Header(tuple(argv), dict(env), cwd, bytes.fromhex(secret), data.get("split", False))
     except ValueError:
         raise ValueError("secret must be a hex string") from None
 
@@ -93,9 +98,11 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
     env[ENV_SECRET_FD] = str(fd)
     try:
         # one stream, as the local launcher reads it: ssh and srun carry stdout and stderr apart, and
-        # lines of the two would interleave mid-line on the launcher's side
+        # lines of the two would interleave mid-line where the launcher reads them as one; with `split`
+        # it reads them apart (per-rank log files), so stderr keeps to the session's stderr
         process = subprocess.Popen(header.argv, cwd=header.cwd, env=env, stdin=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
+                                   stderr=None if header.split else subprocess.STDOUT, start_new_session=True,
+                                   pass_fds=(fd,))
     except OSError as exc:
         print(f"sluice remote: cannot start {header.argv[0]!r} in {header.cwd!r}: {exc}", file=sys.stderr)
         return BAD_HEADER

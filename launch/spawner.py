@@ -18,7 +18,9 @@ from pathlib import Path
 from sluice.launch.children import Child, Sink
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
+from sluice.launch.output import folder
 from sluice.launch.reach import forwarded_env, header_line, stub_argv
+from sluice.launch.run_options import OutputOptions
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, secret_pipe
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -27,13 +29,15 @@ _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 class Spawner:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, aggregators: int, plan: ClusterPlan | None,
                  secret: bytes, sink: Sink, base_env: Mapping[str, str], preexec: Callable[[], None] | None,
-                 master_port: int, worker_env: Mapping[str, str]) -> None:
+                 master_port: int, worker_env: Mapping[str, str], output: OutputOptions | None = None) -> None:
         self.config, self.workers, self.servers, self.aggregators = config, workers, servers, aggregators
         self.plan, self.secret, self.sink, self.preexec = plan, secret, sink, preexec
         self.base_env = dict(base_env)
         #: more variables every worker gets (the elastic state directory and generation)
         self.worker_env = dict(worker_env)
         self.master_port = master_port
+        #: per-rank log files and timestamps (launch/output.py)
+        self.output = output or OutputOptions()
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
 
@@ -66,8 +70,9 @@ class Spawner:
         if host is None:
             proc = await self._start_here(argv, {**self.base_env, **env})
         else:
-            proc = await self._start_there(host, argv, env)
-        return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "")
+            proc = await self._start_there(host, argv, env, split=self.output.split)
+        return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "",
+                     self.output, folder(role, rank, self.workers))
 
     async def sweep(self, items: list[str], timeout: float = 15.0) -> None:
         """Remove the job's state (launch/janitor.py's `state` items) on every other host of the job."""
@@ -87,31 +92,48 @@ class Spawner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*started, return_exceptions=True), timeout)
 
+    async def run_there(self, host: str, python_argv: list[str], timeout: float) -> tuple[int | None, str]:
+        """Run our Python with `python_argv` on `host` to its end: (exit status, output), None on timeout."""
+        proc = await self._start_there(host, [sys.executable, *python_argv], {"PYTHONPATH": self._pythonpath()})
+        assert proc.stdout is not None and proc.stdin is not None
+        try:  # stdin stays open until the end: its end would stop the program (launch/remote.py)
+            output = await asyncio.wait_for(proc.stdout.read(), timeout)
+        except TimeoutError:
+            proc.kill()
+            output = b""
+        proc.stdin.close()
+        code = await proc.wait()
+        return (None if not output and code < 0 else code), output.decode(errors="replace")
+
     async def _start_here(self, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
         secret_fd = secret_pipe(self.secret)  # the job secret: through a pipe, never argv, environ or logs
         env[ENV_SECRET_FD] = str(secret_fd)
+        # one pipe keeps stdout and stderr lines in the order written; two, when log files keep them apart
+        stderr = asyncio.subprocess.PIPE if self.output.split else asyncio.subprocess.STDOUT
         try:
             return await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec,
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env,
+                start_new_session=True, preexec_fn=self.preexec,
                 pass_fds=(secret_fd,),
             )
         finally:
             os.close(secret_fd)
 
-    async def _start_there(self, host: str, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    async def _start_there(self, host: str, argv: list[str], env: dict[str, str],
+                           split: bool = False) -> asyncio.subprocess.Process:
         """ssh (or srun) running the remote stub on `host`; the header, secret included, goes on its stdin,
-        which stays open: its end is the role's end (launch/remote.py)."""
+        which stays open: its end is the role's end (launch/remote.py). `split`: the role's stderr comes
+        apart from its stdout, on ssh's (srun's) own stderr."""
         assert self.plan is not None
         cwd = os.getcwd()
         proc = await asyncio.create_subprocess_exec(
             *stub_argv(self.plan.reach, host, sys.executable, cwd), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.base_env,
-            start_new_session=True, preexec_fn=self.preexec,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE if split else asyncio.subprocess.STDOUT,
+            env=self.base_env, start_new_session=True, preexec_fn=self.preexec,
         )
         assert proc.stdin is not None
         # ssh may be gone already (refused, unreachable): its exit status and output then tell why
         with contextlib.suppress(ConnectionError, RuntimeError):
-            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret))
+            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret, split))
             await proc.stdin.drain()
         return proc

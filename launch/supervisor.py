@@ -18,6 +18,9 @@ from sluice.launch.children import Child, Sink, death_signal_hook
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 from sluice.launch.janitor import Janitor
+from sluice.launch.master_port import MasterPortError, choose
+from sluice.launch.output import launcher_lines
+from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
 from sluice.ps.snapshot import remove_state_files, state_tag
 from sluice.scheduler.bootstrap import new_secret
@@ -36,8 +39,10 @@ def _count(n: int, noun: str) -> str:
 class Job:
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
                  grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0,
-                 plan: ClusterPlan | None = None, worker_env: Mapping[str, str] | None = None) -> None:
+                 plan: ClusterPlan | None = None, worker_env: Mapping[str, str] | None = None,
+                 options: RunOptions | None = None) -> None:
         self.config, self.workers, self.servers, self.command = config, workers, servers, list(command)
+        self.options = options or RunOptions()
         self.aggregators, self.plan = aggregators, plan
         self.grace, self.ready_timeout = grace, ready_timeout
         self.sink, self.err = Sink(out), err
@@ -46,7 +51,7 @@ class Job:
         self.interrupted: asyncio.Future[int] = loop.create_future()
         self.kill_now = asyncio.Event()
         self.stopping = False
-        self.base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.options.environ()}
         self.threads_note = ""
         if "OMP_NUM_THREADS" not in os.environ:
             # like torchrun: N workers each spinning up one thread per core would overload the machine
@@ -54,7 +59,7 @@ class Job:
             self.base_env["OMP_NUM_THREADS"] = str(threads)
             self.threads_note = f"OMP_NUM_THREADS={threads} for each process (set it to override)"
         self.spawner = Spawner(config, workers, servers, aggregators, plan, new_secret(), self.sink, self.base_env,
-                               death_signal_hook(), free_port(), worker_env or {})
+                               death_signal_hook(), free_port(), worker_env or {}, self.options.output)
         self.janitor: Janitor | None = None
         self.endpoint = ""  # the scheduler's, once it announced it
         self.restarts = 0  # servers restarted (ps.recover)
@@ -65,8 +70,10 @@ class Job:
             return self.workers
         return max(self.plan.workers_on(p.host) for p in self.plan.layout.processes)
 
-    def say(self, text: str) -> None:
-        self.sink.write("".join(f"[launch] {line}\n" for line in text.splitlines()).encode())
+    def say(self, text: str, debug: bool = False) -> None:
+        """A [launch] line on the terminal, unless --log-level keeps it back."""
+        if not self.options.quiet and (not debug or self.options.log_level == "DEBUG"):
+            self.sink.write(launcher_lines(text, self.options.output.timestamps))
 
     def complain(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -82,6 +89,7 @@ class Job:
     async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
         child = await self.spawner.start(role, rank, argv, scheduler)
         self.children.append(child)
+        self.say(f"started {child.name}: {shlex.join(argv)}", debug=True)
         if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
             pid = child.pid
             janitor.spawned(pid)
@@ -127,6 +135,11 @@ class Job:
         if self.threads_note:
             self.say(self.threads_note)
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
+        try:  # before anything starts: a port taken there is the user's to change
+            self.spawner.master_port = await choose(self.spawner, self.options.master_port)
+        except MasterPortError as exc:
+            self.complain(str(exc))
+            return 2
         try:
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
         except OSError as exc:
@@ -327,11 +340,11 @@ def free_port() -> int:
 async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,
                     grace: float = 10.0, ready_timeout: float = 60.0,
                     out: BinaryIO | None = None, err: TextIO | None = None, aggregators: int = 0,
-                    plan: ClusterPlan | None = None) -> int:
+                    plan: ClusterPlan | None = None, options: RunOptions | None = None) -> int:
     """Runs one job to its end, on this machine or over `plan`'s hosts; returns the launcher's exit code."""
     return await Job(config, workers, servers, command, grace, ready_timeout,
                      out if out is not None else sys.stdout.buffer, err if err is not None else sys.stderr,
-                     aggregators, plan).run()
+                     aggregators, plan, options=options).run()
 
 
 def run_on_loop(job: Coroutine[Any, Any, int]) -> int:

@@ -7,6 +7,7 @@ from sluice.ps.role import Reply, Role
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.hierarchy.routes import parse_routing
+from sluice.transport.prometheus import Readings
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 
@@ -49,6 +50,12 @@ class Aggregator(Role):
             self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
+
+    def readings(self) -> Readings:
+        readings = super().readings()
+        tables = self.relay.tables
+        readings.plan_changes = lambda: {"routes": max(tables.epochs, default=0)}
+        return readings
 
     def stalled(self, now: float, limit: float) -> list[str]:
         return self.relay.stalled(now, limit)

@@ -12,6 +12,7 @@ from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.node import SCHEDULER_PEER, ControlClient
 from sluice.transport.base import open_transport
 from sluice.transport.metrics import summary_lines
+from sluice.transport.prometheus import MetricsServer, Readings, process_index, serve_metrics
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 
 Reply = tuple[str, int, Message]
@@ -24,6 +25,8 @@ class Role:
 
     def __init__(self, env: NodeEnv) -> None:
         self.log = logging.getLogger(f"sluice.{self.role}")
+        self.env = env
+        self.metrics_server: MetricsServer | None = None
         self.control_settings = SchedulerConfig(**env.section("scheduler"))
         self.done = threading.Event()
         self.exit_code = 0
@@ -59,6 +62,13 @@ class Role:
     def on_close(self) -> None:
         """The transport is closed: nothing more will arrive."""
 
+    def before_goodbye(self) -> None:
+        """The role is ending, its connections still up: what must reach the scheduler first (a timeline part)."""
+
+    def readings(self) -> Readings:
+        """What this role's Prometheus endpoint shows (metrics.port): its transport's counters, and more."""
+        return Readings.of_transport(self.role, self.control.rank, self.transport)
+
     # ------------------------------------------------------------------ shared
     def run(self) -> int:
         name = f"{self.role} {self.control.rank}"
@@ -67,11 +77,14 @@ class Role:
             self.control.register(self.role, endpoints)
             name = f"{self.role} {self.control.rank}"
             self.log.info("%s serving on %s", name, " ".join(endpoints))
+            self.metrics_server = serve_metrics(self.env.section("metrics"), self.readings(), process_index(
+                self.role, self.control.rank, self.env.servers, self.env.aggregators))
             limit = self.control_settings.op_timeout
             while not self.done.wait(min(limit, 10.0)):
                 for stall in self.stalled(time.monotonic(), limit):
                     self.log.warning("%s", stall)
         finally:  # also when SIGTERM ends the role (SystemExit): what it refused is told either way
+            self.before_goodbye()
             self.control.bye()
             self.transport.close(flush_seconds=2.0)
             self.on_close()
@@ -80,6 +93,8 @@ class Role:
                 self.log.info("%s", line)
             self.log.info("%s stopped (%d messages rejected, %d connections refused)", name, stats["rejected"],
                           stats["refused_connections"])
+            if self.metrics_server is not None:
+                self.metrics_server.close()
         return self.exit_code
 
     def take_limits(self, limits: Limits) -> bool:

@@ -11,6 +11,8 @@ from sluice.ps.trace import ServerTrace
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.declaration import parse_limits
+from sluice.scheduler.timeline_parts import send_part
+from sluice.transport.prometheus import Readings, retried
 from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 
@@ -32,8 +34,9 @@ class Server(Role):
         self.store.recovery = recovery
         self.store.on_first_orphan = self._report_orphan
         timeline = TimelineConfig(**env.section("timeline"))
-        self.trace = ServerTrace(str(part_path(timeline.path, "server", env.rank)), "server", env.rank,
-                                 self.store.chunks) if timeline.path else None
+        self.timeline_part = part_path(timeline.path, "server", env.rank) if timeline.path else None
+        self.trace = ServerTrace(str(self.timeline_part), "server", env.rank,
+                                 self.store.chunks) if self.timeline_part is not None else None
 
     def handle(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
         if msg.kind == Kind.PROBE:  # a worker's calibration: answer at once, no payload
@@ -77,6 +80,21 @@ class Server(Role):
             self.transport.stats(reset=True)  # the calibration probes are over: metrics start here
             self.log.info("server %d: %s", self.control.rank, limits.describe())
         self.control.send(Kind.PLAN_ACK, seq=seq)
+
+    def readings(self) -> Readings:
+        readings = super().readings()
+        chunks = self.store.chunks
+        readings.rounds = retried(lambda: sum(chunk.round for chunk in chunks.values()))
+        return readings
+
+    def before_goodbye(self) -> None:
+        """After the scheduler's SHUTDOWN (a clean end only), the timeline part goes to the scheduler."""
+        if self.trace is None or self.timeline_part is None or not self.done.is_set() or self.exit_code:
+            return
+        self.trace.close()
+        why = send_part(self.control, self.timeline_part)
+        if why is not None:
+            self.log.warning("timeline: server %d's part stays at %s: %s", self.control.rank, self.timeline_part, why)
 
     def on_close(self) -> None:
         if self.trace is not None:

@@ -151,6 +151,11 @@ class ControlClient:
     def send(self, kind: Kind, **meta: Any) -> None:
         self._send(kind, **meta)
 
+    def wait_for(self, key: Hashable, timeout: float, what: str) -> Message:
+        """The scheduler's message filed under `key` (e.g. (Kind.TIMELINE_ACK, seq)); SluiceError at `timeout`
+        or when the job fails."""
+        return self._wait(key, timeout, what)
+
     def bye(self) -> None:
         if not self._stop.is_set() and self.failure is None and self.node_id >= 0:
             self._send(Kind.BYE)
@@ -185,6 +190,8 @@ class ControlClient:
                 raise WireError(f"a PLAN's ranks must be a list of ints, got {brief(ranks)}")
         elif msg.kind == Kind.RELEASE:
             self._put((Kind.RELEASE, meta_field(msg, "name", str)), msg)
+        elif msg.kind == Kind.TIMELINE_ACK:
+            self._put((Kind.TIMELINE_ACK, meta_field(msg, "seq", int)), msg)
         else:
             self._on_other(msg)
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from sluice.errors import SluiceError
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.config import SchedulerConfig
@@ -18,9 +19,12 @@ from sluice.scheduler.jobs_registry import Registry
 from sluice.scheduler.node import endpoint_host
 from sluice.scheduler.recovery import ServerRecovery
 from sluice.scheduler.rendezvous import Out, Rendezvous
+from sluice.scheduler.timeline_parts import TIMEOUT_S, Gatherer
 from sluice.transport.base import Transport, open_transport
+from sluice.transport.prometheus import Readings, serve_metrics
 from sluice.transport.rejects import Rejections
-from sluice.transport.wire import Message, WireError
+from sluice.transport.timeline import TimelineConfig
+from sluice.transport.wire import Kind, Message, WireError
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -76,6 +80,16 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         log.error("the scheduler cannot listen: %s (transport.host = %s, scheduler.port = %d)",
                   exc, data_settings.host, settings.port)
         return 1
+    readings = Readings.of_transport("scheduler", 0, transport, rejects)
+    readings.plan_changes = lambda: {"routes": machine.switch.epoch}
+    try:
+        exporter = serve_metrics(env.section("metrics"), readings, 0)
+    except SluiceError as exc:
+        transport.close()
+        log.error("%s", exc)
+        return 1
+    timeline = TimelineConfig(**env.section("timeline"))
+    gatherer = Gatherer(timeline.path, timeline.gather_mib) if timeline.path else None
     announce(endpoint)
     registry = Registry(endpoint, env, time.time())
     log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)
@@ -94,7 +108,10 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             else:
                 was = machine.phase
                 try:
-                    send(machine.on_message(peer, msg, time.monotonic()))
+                    if msg.kind == Kind.TIMELINE and gatherer is not None:
+                        send(gatherer.take(machine.nodes.get(peer), msg))
+                    else:
+                        send(machine.on_message(peer, msg, time.monotonic()))
                 except WireError as exc:
                     rejects.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: {exc}", time.monotonic())
                 except Exception as exc:  # the last resort: a hostile message must not end the control plane
@@ -121,7 +138,13 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                     culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)
                 send(outs)
                 next_tick = now + _TICK_SECONDS
+        if gatherer is not None and machine.phase == "done":
+            _gather_parts(machine, gatherer, inbox, send, rejects)
     finally:
+        if gatherer is not None:
+            gatherer.close()
+        if exporter is not None:
+            exporter.close()
         registry.close()
         if trees is not None:
             trees.close()
@@ -134,3 +157,31 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     else:
         log.info("all workers finished; job done")
     return machine.exit_code or 0
+
+
+def _gather_parts(machine: Rendezvous, gatherer: Gatherer, inbox: queue.Queue[tuple[str, Message]],
+                  send: Callable[[list[Out]], None], rejects: Rejections) -> None:
+    """The job is done: take the timeline parts the servers send after SHUTDOWN (the workers' came before
+    their goodbyes), until each server's part is in or it said goodbye, for at most TIMEOUT_S."""
+    waiting = {n.name for n in machine.nodes.values() if n.role == "server"} - gatherer.finished
+    deadline = time.monotonic() + TIMEOUT_S
+    while waiting - gatherer.finished and time.monotonic() < deadline:
+        try:
+            peer, msg = inbox.get(timeout=_TICK_SECONDS)
+        except queue.Empty:
+            continue
+        try:
+            if msg.kind == Kind.TIMELINE:
+                send(gatherer.take(machine.nodes.get(peer), msg))
+            elif msg.kind == Kind.HEARTBEAT:  # a server sending a large part must not think the scheduler gone
+                send([(peer, Message(Kind.HEARTBEAT_ACK, sender=0))])
+            elif msg.kind == Kind.BYE:
+                waiting.discard(peer)
+        except WireError as exc:
+            rejects.refuse(peer, f"rejected {msg.kind.name} from {peer!r:.60}: {exc}", time.monotonic())
+        except Exception as exc:  # the last resort, as in the main loop
+            rejects.refuse(peer, f"handling {msg.kind.name} from {peer!r:.60} failed ({type(exc).__name__})",
+                           time.monotonic(), exc_info=True)
+    if missing := sorted(waiting - gatherer.finished):
+        log.warning("timeline: no part from %s within %.0f s; each keeps its part on its host (its log says "
+                    "where)", ", ".join(missing), TIMEOUT_S)

@@ -1,12 +1,5 @@
 """Horovod's PyTorch API on Sluice: `import sluice.torch as hvd` (implemented in sluice.worker.torch)."""
 
-try:  # the framework is an extra: say which one, not only that an import failed
-    import torch as _framework  # noqa: F401
-except ImportError as _missing:
-    from sluice.errors import MissingExtraError
-
-    raise MissingExtraError("torch", "torch", "sluice.torch") from _missing
-
 import sys
 
 from sluice.worker.torch.api import *  # noqa: F403

@@ -45,6 +45,8 @@ class SshBed:
     keys: Path
     #: each ssh host's address, by name
     hosts: dict[str, str] = field(default_factory=dict)
+    #: a directory the last ssh host sees as an empty one of its own (ssh_bed's `private`)
+    private: Path | None = None
     _daemons: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     @property
@@ -60,7 +62,10 @@ class SshBed:
         return ["--ssh-identity", str(self.identity), "--ssh-option", f"UserKnownHostsFile={self.known_hosts}",
                 "--ssh-option", "StrictHostKeyChecking=yes", "--ssh-option", "IdentitiesOnly=yes"]
 
-    def start_sshd(self, name: str) -> None:
+    def start_sshd(self, name: str, private: Path | None = None) -> None:
+        """sshd in host `name`; with `private`, that directory is an empty tmpfs for it and what it starts
+        (`ip netns exec` gives each command a mount namespace of its own), so what they write there stays
+        on this host, as on a machine without a shared file system."""
         address = self.netbed.hosts[name].address
         argv = [SSHD, "-D", "-e", "-f", "/dev/null", "-h", str(self.keys / "host_key"),
                 "-o", f"ListenAddress={address}", "-o", "Port=22",
@@ -68,6 +73,8 @@ class SshBed:
                 "-o", "StrictModes=no", "-o", "UsePAM=no", "-o", "PasswordAuthentication=no",
                 "-o", "KbdInteractiveAuthentication=no", "-o", "PermitRootLogin=prohibit-password",
                 "-o", "MaxStartups=100:30:200", "-o", "MaxSessions=100"]
+        if private is not None:
+            argv = ["sh", "-c", 'mount -t tmpfs sluice-private "$0" && exec "$@"', str(private), *argv]
         with open(self.keys / f"sshd-{name}.log", "wb") as log:  # the daemon keeps its own descriptor
             self._daemons.append(self.netbed.run(name, argv, stdout=log, stderr=subprocess.STDOUT))
         self.hosts[name] = address
@@ -123,11 +130,13 @@ def _keygen(path: Path) -> str:
 
 @contextlib.contextmanager
 def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
-            rates: Sequence[float | None] = (), tos_bands: bool = False, second: bool = False) -> Iterator[SshBed]:
+            rates: Sequence[float | None] = (), tos_bands: bool = False, second: bool = False,
+            private: Path | None = None) -> Iterator[SshBed]:
     """A testbed with a `launcher` host and `ssh_hosts` hosts h1, h2, ... running sshd (host hI's link
     shaped to rates[I-1] Mbit/s where given, with the kernel's ToS bands under the shaper if
     `tos_bands`); `extra_hosts` are more namespaces without sshd. `second`: another bed of this
-    process is up (its namespaces get other names)."""
+    process is up (its namespaces get other names). `private`: a directory the last ssh host sees as
+    its own empty one (SshBed.start_sshd)."""
     if reason := unavailable():
         raise NetbedUnavailable(reason)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
@@ -135,13 +144,13 @@ def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
     host_public = _keygen(keys / "host_key")
     (keys / "authorized_keys").write_text(_keygen(keys / "user_key") + "\n")
     with (Netbed(tag=f"{PREFIX}{os.getpid()}-2") if second else Netbed()) as netbed:
-        bed = SshBed(netbed, keys)
+        bed = SshBed(netbed, keys, private=private)
         try:
             netbed.host("launcher")
             for index in range(1, ssh_hosts + 1):
                 rate = rates[index - 1] if index <= len(rates) else None
                 netbed.host(f"h{index}", rate, tos_bands=tos_bands and rate is not None)
-                bed.start_sshd(f"h{index}")
+                bed.start_sshd(f"h{index}", private if index == ssh_hosts else None)
             for name in extra_hosts:
                 netbed.host(name)
             bed.known_hosts.write_text("".join(f"{address} {host_public}\n" for address in bed.hosts.values()))

@@ -4,11 +4,16 @@ A message's queueing delay is the time from `send()` to the moment it is handed 
 time it waited in our priority queue behind other messages and the in-flight bound. Delays go into
 a histogram per priority with 8 bins per octave of microseconds (percentiles within 9%), so
 recording costs one logarithm and memory stays bounded however long the job runs.
+
+`reset()` starts a new window for the printed summaries; `totals()` still counts from the start (the
+window folded in at each reset), which is what monotonic Prometheus counters need (transport/prometheus.py).
+`StepTimes` bins the time between a worker's optimizer steps the same way.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +27,17 @@ def _bin(delay_s: float) -> int:
 
 def _upper_ms(bin_: int) -> float:
     return float(2.0 ** ((bin_ + 1) / _BINS_PER_OCTAVE) - 1.0) / 1e3
+
+
+def bin_upper_s(bin_: int) -> float:
+    """The upper edge of a delay bin in seconds (a histogram bucket's `le`)."""
+    return _upper_ms(bin_) / 1e3
+
+
+def bin_middle_s(bin_: int) -> float:
+    """A delay bin's middle in seconds (what a message of that bin counts toward an estimated sum)."""
+    low = 0.0 if bin_ == 0 else bin_upper_s(bin_ - 1)
+    return (low + bin_upper_s(bin_)) / 2
 
 
 def percentile_ms(bins: Mapping[int, int], fraction: float) -> float:
@@ -47,9 +63,29 @@ class TransportMetrics:
         #: our demand, set the pace then)
         self.peer_sent: dict[str, int] = {}
         self.peer_backlog_s: dict[str, float] = {}
-        self.reset()
+        #: what earlier windows counted (folded in by reset()), and a sequence number that is odd while
+        #: a reset runs, so a reader on another thread (totals()) can tell it saw a torn state
+        self._before: dict[str, Any] = {"sent_bytes": [0] * channels, "received_bytes": [0] * channels,
+                                        "sent_messages": [0] * channels, "acks_sent": [0] * channels,
+                                        "queue_delay": {}}
+        self._resets = 0
+        self._fresh()
 
     def reset(self) -> None:
+        """Start a new window (the summaries' and stats(reset=True)'s); totals() keeps counting."""
+        self._resets += 1
+        before = self._before
+        for name in ("sent_bytes", "received_bytes", "sent_messages", "acks_sent"):
+            before[name] = [a + b for a, b in zip(before[name], getattr(self, name), strict=True)]
+        folded: dict[int, list[int]] = before["queue_delay"]
+        for priority, counts in self._delays.items():
+            into = folded.setdefault(priority, [0] * _BINS)
+            for bin_, count in enumerate(counts):
+                into[bin_] += count
+        self._fresh()
+        self._resets += 1
+
+    def _fresh(self) -> None:
         self.sent_bytes = [0] * self.channels
         self.received_bytes = [0] * self.channels
         self.sent_messages = [0] * self.channels
@@ -73,6 +109,26 @@ class TransportMetrics:
         for peer in peers:
             backlog[peer] = backlog.get(peer, 0.0) + seconds
 
+    def totals(self) -> dict[str, Any]:
+        """Counts since the start, resets folded in, safe to call from any thread (written by the I/O
+        thread only, read here without a lock: a read torn by a concurrent reset is taken again).
+        queue_delay: [(priority, dense list of _BINS counts), ...], a priority once per window it was
+        counted in (adding them up is left to the reader, who may need only a few sums of each)."""
+        while True:
+            seen = self._resets
+            if seen % 2:
+                time.sleep(1e-4)  # a reset is folding right now (a few microseconds)
+                continue
+            before = self._before
+            taken: dict[str, Any] = {
+                name: [a + b for a, b in zip(before[name], list(getattr(self, name)), strict=True)]
+                for name in ("sent_bytes", "received_bytes", "sent_messages", "acks_sent")
+            }
+            taken["queue_delay"] = [(priority, list(counts)) for windows in (before["queue_delay"], self._delays)
+                                    for priority, counts in dict(windows).items()]
+            if self._resets == seen:
+                return taken
+
     def snapshot(self) -> dict[str, Any]:
         """Plain data: bytes per channel and, per priority, the sparse delay histogram {bin: count}."""
         return {
@@ -83,6 +139,26 @@ class TransportMetrics:
                 priority: {b: n for b, n in enumerate(counts) if n} for priority, counts in self._delays.items()
             },
         }
+
+
+class StepTimes:
+    """The time between a worker's successive optimizer steps, binned as queueing delays are; `tick`
+    once per step (the framework shim's step()), read from any thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total_s = 0.0
+        self.bins = [0] * _BINS
+        self._last: float | None = None
+
+    def tick(self, now: float) -> None:
+        """A step began at `now` (monotonic seconds): the interval since the previous one is a step's time."""
+        last, self._last = self._last, now
+        if last is not None:
+            seconds = max(now - last, 0.0)
+            self.bins[_bin(seconds)] += 1
+            self.total_s += seconds
+            self.count += 1
 
 
 def delay_table(snapshot: Mapping[str, Any], rows: int = 8) -> list[dict[str, Any]]:

@@ -1,17 +1,22 @@
 """A Chrome trace (Perfetto, chrome://tracing) of one process: slices per tensor track, written by a background thread.
 
-Each process writes its own file in the JSON array format, one event a line; `sluice launch
---timeline PATH` has every process write `PATH.parts/<role><rank>.json` and merges them into PATH at
-the end (`merge`). Events are formatted on the caller's thread into a list (a few microseconds;
-nothing when the timeline is off: callers hold None) and written every half second, so the I/O
-threads never wait on the disk. Past MAX_PENDING unwritten events, new ones are dropped and counted.
-Timestamps are wall-clock microseconds, so the processes of one host line up.
+Each process writes its own file in the JSON array format, one event a line. Under `sluice launch
+--timeline PATH` that file is a part, `PATH.parts/<role><rank>-<pid>.part` on the process's own host (or
+in its temp directory when PATH's directory does not exist there); at its end the process streams the
+part to the scheduler over its own connection (scheduler/timeline_parts.py), which writes it as
+`PATH.parts/<role><rank>-<pid>.json` on the launcher's host, and the launcher merges them into PATH
+(`merge`; a part that was never sent, such as a killed process's, is merged from where it was
+written when the launcher's host can see it). Events are formatted on the caller's thread into a
+list (a few microseconds; nothing when the timeline is off: callers hold None) and written every half
+second, so the I/O threads never wait on the disk. Past MAX_PENDING unwritten events, new ones are
+dropped and counted. Timestamps are wall-clock microseconds, so the processes of one host line up.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -26,11 +31,30 @@ FLUSH_S = 0.5
 class TimelineConfig:
     #: write a Chrome trace of every process to PATH ('' = off); `sluice launch --timeline PATH` sets it
     path: str = ""
+    #: the most MiB of timeline parts the scheduler takes from the job's processes at the end; a part
+    #: beyond it stays where its process wrote it, and that process's log says where
+    gather_mib: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.gather_mib < 0:
+            raise ValueError(f"timeline.gather_mib must be 0 or more, got {self.gather_mib}")
 
 
-def part_path(path: str, role: str, rank: int) -> Path:
-    """Where a process of `role` and `rank` writes its part of the job's timeline PATH."""
-    return Path(path + ".parts") / f"{role}{rank}.json"
+def part_path(path: str, role: str, rank: int, pid: int | None = None) -> Path:
+    """Where process `pid` (this one by default) of `role` and `rank` writes its part of the job's
+    timeline PATH: PATH.parts/ when that directory can be made on this host, else the temp directory."""
+    name = f"{role}{rank}-{os.getpid() if pid is None else pid}.part"
+    directory = Path(path + ".parts")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:  # PATH is the launcher's; this host may not have its directory
+        return Path(tempfile.gettempdir()) / f"sluice-timeline-{name}"
+    return directory / name
+
+
+def gathered_path(path: str, role: str, rank: int, pid: int) -> Path:
+    """Where the scheduler writes the part it received from process `pid` of `role` and `rank`."""
+    return Path(path + ".parts") / f"{role}{rank}-{pid}.json"
 
 
 def now_us() -> float:
@@ -124,15 +148,31 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 def merge(path: str) -> int:
     """Merge every part of PATH.parts/ into PATH (one JSON array, sorted by time); remove the parts.
-    Returns the number of events."""
-    parts = sorted(Path(path + ".parts").glob("*.json"))
-    events = [event for part in parts for event in read_events(part)]
+    A part the scheduler received (.json) is taken; one written here and never sent (.part: its process
+    died or could not send) only when no received copy exists. Processes on different hosts may share
+    a pid: a later part's is renumbered, so each process keeps its own row. Returns the number of events."""
+    directory = Path(path + ".parts")
+    received = sorted(directory.glob("*.json"))
+    names = {part.stem for part in received}
+    written = [part for part in sorted(directory.glob("*.part")) if part.stem not in names]
+    events: list[dict[str, Any]] = []
+    pids: set[int] = set()
+    for part in received + written:
+        taken = read_events(part)
+        own = {e["pid"] for e in taken if isinstance(e.get("pid"), int)}
+        if own & pids:
+            renumber = {pid: max(pids | own) + 1 + i for i, pid in enumerate(sorted(own))}
+            for event in taken:
+                event["pid"] = renumber.get(event.get("pid"), event.get("pid"))
+            own = set(renumber.values())
+        pids |= own
+        events += taken
     events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
     tmp = Path(path + ".tmp")
     with tmp.open("w") as file:
         file.write("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
     os.replace(tmp, path)
-    for part in parts:
-        part.unlink()
-    Path(path + ".parts").rmdir()
+    for part in [*received, *directory.glob("*.part"), *directory.glob("*.tmp")]:
+        part.unlink(missing_ok=True)
+    directory.rmdir()
     return len(events)

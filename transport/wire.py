@@ -102,6 +102,10 @@ class Kind(IntEnum):
     COMMIT = 15
     #: a server that died was replaced (ps.recover): its new endpoints, to the workers and aggregators
     SERVER_BACK = 16
+    #: a process's timeline part at its end, in chunks (meta seq, data, last), and the scheduler's
+    #: acknowledgement of each (meta seq; refused: why it keeps no more of it): scheduler/timeline_parts.py
+    TIMELINE = 17
+    TIMELINE_ACK = 18
     PUSH = 20
     PULL = 21
     REPLY = 22

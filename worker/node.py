@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from sluice.errors import SluiceError
@@ -22,7 +23,10 @@ from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv, from_environ
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host
+from sluice.scheduler.timeline_parts import send_part
 from sluice.transport.base import open_transport
+from sluice.transport.metrics import StepTimes
+from sluice.transport.prometheus import Readings, process_index, retried, serve_metrics
 from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field
 from sluice.worker.client import Client
@@ -73,6 +77,10 @@ class WorkerNode:
         self.control_settings = SchedulerConfig(**self.env.section("scheduler"))
         self.collective_settings = CollectiveConfig(**self.env.section("collective"))
         self.trace: WorkerTrace | None = None  # the timeline, when asked for (the I/O thread reads it)
+        #: this worker's part of the job's timeline (timeline.path): sent to the scheduler at close
+        self._timeline_part: Path | None = None
+        #: the time between optimizer steps (the framework shim ticks it), for the Prometheus endpoint
+        self.step_times = StepTimes()
         self.failure: str | None = None
         #: message kind -> its handler (from peers other than the scheduler)
         self.routes: dict[Kind, Route] = {}
@@ -99,7 +107,10 @@ class WorkerNode:
         self.size = self.env.workers
         timeline = TimelineConfig(**self.env.section("timeline"))
         if timeline.path:
-            self.start_trace(str(part_path(timeline.path, "worker", self.rank)))
+            self._timeline_part = part_path(timeline.path, "worker", self.rank)
+            self.start_trace(str(self._timeline_part))
+        self.metrics_server = serve_metrics(self.env.section("metrics"), self._readings(), process_index(
+            "worker", self.rank, self.env.servers, self.env.aggregators))
         assert self.collectives is not None
         self.collectives.connect([p.endpoints for p in self.by_rank("worker")])
         self.ps.start()
@@ -175,9 +186,35 @@ class WorkerNode:
             self.process_sets.close()
         if self.collectives is not None:
             self.collectives.close()
+        self._send_timeline()
         self.control.bye()
         self.transport.close(flush_seconds=2.0)
         self.stop_trace()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+
+    def _send_timeline(self) -> None:
+        """Before the goodbye (so the scheduler has it when the job ends), on a clean end only."""
+        part, self._timeline_part = self._timeline_part, None
+        if part is None or self.failure is not None:
+            return
+        self.stop_trace()
+        why = send_part(self.control, part)
+        if why is not None:
+            log.warning("timeline: worker %d's part stays at %s: %s", self.rank, part, why)
+
+    def _readings(self) -> Readings:
+        """What the Prometheus endpoint shows (metrics.port): the transport's counters, rounds, steps, collectives."""
+        readings = Readings.of_transport("worker", self.rank, self.transport)
+        readings.rounds = retried(lambda: sum(self.ps.rounds().values()))
+        readings.steps = self.step_times
+
+        def decided() -> float:
+            coordinator = self.collectives.coordinator if self.collectives is not None else None
+            return float(coordinator.stats()["decisions"]) if coordinator is not None else 0.0
+
+        readings.counters["collectives"] = ("collective operations the coordinator tree decided", decided)
+        return readings
 
     # ------------------------------------------------------------------ internals (I/O thread)
     def _mailbox(self, kinds: Collection[Kind], sender: str, limit: int, limit_bytes: int = 1 << 30) -> Mailbox:

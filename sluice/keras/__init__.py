@@ -3,13 +3,6 @@
 A package, as horovod.keras is: `sluice.keras.callbacks` and `sluice.keras.elastic` are real submodules.
 """
 
-try:  # the framework is an extra: say which one, not only that an import failed
-    import tensorflow as _framework  # noqa: F401
-except ImportError as _missing:
-    from sluice.errors import MissingExtraError
-
-    raise MissingExtraError("tensorflow", "tensorflow", "sluice.keras") from _missing
-
 from sluice.keras import callbacks as callbacks
 from sluice.keras import elastic as elastic
 from sluice.worker.keras.api import *  # noqa: F403

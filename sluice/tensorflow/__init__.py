@@ -5,13 +5,6 @@ A package, as horovod.tensorflow is: `sluice.tensorflow.elastic`, `sluice.tensor
 and type checkers see them. Keras is imported only with sluice.tensorflow.keras.
 """
 
-try:  # the framework is an extra: say which one, not only that an import failed
-    import tensorflow as _framework  # noqa: F401
-except ImportError as _missing:
-    from sluice.errors import MissingExtraError
-
-    raise MissingExtraError("tensorflow", "tensorflow", "sluice.tensorflow") from _missing
-
 from sluice.tensorflow import elastic as elastic
 from sluice.worker.tensorflow.api import *  # noqa: F403
 from sluice.worker.tensorflow.api import __all__ as _api_all

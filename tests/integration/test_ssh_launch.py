@@ -2,7 +2,8 @@
 
 The launcher runs in its own testbed host and starts every server and worker on h1 and h2 through
 ssh. Checked: the job trains to the parameters of the same job on one machine; Horovod's local and
-cross ranks and torchrun's variables are right on every host; output keeps its [role rank] prefix;
+cross ranks and torchrun's variables are right on every host; the timeline's parts reach the launcher
+over the job's connections, h2's from a directory only h2 sees; output keeps its [role rank] prefix;
 a refused or lost host is named with what to do; Ctrl-C leaves no process on any host; the job
 secret is in no command line or environment; a stranger on another testbed host gets nothing.
 """
@@ -37,7 +38,8 @@ _REMOTE = re.compile(r"sluice\.launch\.remote|(cluster|elastic|pipeline)_train\.
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
     try:
-        with ssh_bed(tmp_path_factory.mktemp("ssh"), ssh_hosts=2, extra_hosts=("h3", "stranger")) as made:
+        with ssh_bed(tmp_path_factory.mktemp("ssh"), ssh_hosts=2, extra_hosts=("h3", "stranger"),
+                     private=tmp_path_factory.mktemp("h2-only")) as made:
             yield made
     except NetbedUnavailable as exc:
         pytest.skip(str(exc))
@@ -113,9 +115,19 @@ def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
 
 @pytest.mark.timeout(240)
 def test_ssh_job_trains_across_hosts_as_on_one_machine(bed: SshBed) -> None:
-    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--", sys.executable, SCRIPT, "--steps", "12",
-                       "--optimizer", "adam"], timeout=150)
+    assert bed.private is not None
+    timeline = bed.private / "trace.json"  # on h2, this directory is a tmpfs of h2's own
+    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--timeline", str(timeline), "--", sys.executable, SCRIPT,
+                       "--steps", "12", "--optimizer", "adam"], timeout=150)
     assert done.returncode == 0, done.stdout[-5000:]
+    # workers 2 and 3 and server 1 ran on h2 and wrote their parts where only h2 sees them: sent, they arrived
+    for process in ("worker 2", "worker 3", "server 1"):
+        assert re.search(rf"timeline: the part of {process} \(.*\) arrived", done.stdout), process
+    events = json.loads(timeline.read_text())
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {"worker 0", "worker 1", "worker 2", "worker 3", "server 0", "server 1"}
+    assert len({e["pid"] for e in events if e.get("name") == "process_name"}) == 6  # a row each
+    assert list(bed.private.iterdir()) == [timeline]  # merged, and every part removed
     h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
     assert re.search(rf"\[launch\]   {re.escape(h1)} \({re.escape(h1)}\): workers 0,1, server 0", done.stdout)
     assert re.search(rf"\[launch\]   {re.escape(h2)} \({re.escape(h2)}\): workers 2,3, server 1", done.stdout)

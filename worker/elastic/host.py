@@ -14,6 +14,7 @@ a new generation.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
+from sluice.transport.shm_space import SHM_FIX
 
 log = logging.getLogger("sluice.worker")
 
@@ -109,8 +111,9 @@ class CommitFiles:
             os.replace(temp, final)
         except failures as exc:
             temp.unlink(missing_ok=True)
+            full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
             raise OSError(f"could not commit the elastic state to {final}: {exc}; free space there (df -h "
-                          f"{directory}) or commit less state") from exc
+                          f"{directory}){', ' + SHM_FIX if full else ''} or commit less state") from exc
         return final
 
     def read(self, path: Path, key_only: bool = False) -> Commit | None:

@@ -226,6 +226,7 @@ class _DistributedMixin(LocalMixin):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         self._sluice_steps += 1
+        require().step_times.tick(time.monotonic())  # the Prometheus endpoint's sluice_step_seconds
         self._sluice_passes.clear()
         every = STATE.settings.metrics_every
         if every and self._sluice_steps % every == 0 and require().rank == 0:

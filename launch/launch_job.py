@@ -1,0 +1,175 @@
+"""`sluice launch` once parsed: its options checked and resolved (the server count too), then the job run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from sluice.launch.cluster import ClusterPlan
+from sluice.launch.config import ConfigError, SluiceConfig, load_config
+from sluice.launch.elastic import ElasticSettings
+from sluice.launch.foreign_flags import translate
+from sluice.launch.hosts import Host
+from sluice.launch.run_options import RunOptions, run_options
+
+
+def error(text: str) -> int:
+    print(f"sluice: error: {text}", file=sys.stderr)
+    return 2
+
+
+def servers_needed(config: SluiceConfig, aggregators: int) -> list[str]:
+    """Why the job needs parameter servers (empty: pure allreduce will do)."""
+    reasons = [f"-a {aggregators}"] if aggregators > 0 else []
+    if config.worker.optimizer_on == "server":
+        reasons.append('worker.optimizer_on = "server"')
+    if config.collective.mode == "ps":
+        reasons.append('collective.mode = "ps"')
+    if config.collective.ps_patterns:
+        reasons.append("collective.ps_patterns")
+    if config.ps.recover:
+        reasons.append("ps.recover")
+    if not config.ps.sync:
+        reasons.append("ps.sync = false")
+    if config.aggregation.mode != "off":
+        reasons.append(f"aggregation.mode = {config.aggregation.mode!r}")
+    return reasons
+
+
+def default_servers(reasons: Sequence[str], hosts: Sequence[Host], server_hosts: str | None) -> int:
+    """-s when not given: 0 for pure allreduce; otherwise one per host that takes servers (1 on one machine)."""
+    if not reasons:
+        return 0
+    if server_hosts:
+        return len([name for name in server_hosts.split(",") if name.strip()])
+    return max(len(hosts), 1)
+
+
+def _options(args: argparse.Namespace, hosts_given: bool) -> tuple[RunOptions, list[str]]:
+    """The run options and the extra --set items of the foreign flags (notes printed); ValueError."""
+    sets, notes = translate(args, hosts_given)
+    for note in notes:
+        print(f"sluice launch: {note}", file=sys.stderr)
+    return run_options(args, os.environ), sets
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Run the job `args` describe; the launcher's exit code."""
+    command = list(args.worker_command)
+    try:
+        options, foreign_sets = _options(args, bool(args.hosts or args.hostfile or os.environ.get("SLURM_JOB_ID")))
+    except ValueError as exc:
+        return error(str(exc))
+    if args.aggregators < 0 or (args.aggregators and args.servers == 0):
+        return error(f"-a {args.aggregators}: the aggregator count must be 0 or more, and aggregators need "
+                     "parameter servers (-s 1 or more, or leave -s out)")
+    if (args.workers is not None and args.workers < 1) or (args.servers or 0) < 0:
+        return error(f"a job needs at least one worker and no negative server count, got -w {args.workers} "
+                     f"-s {args.servers}")
+    if not command:
+        return error("no worker command: put it after the options, e.g. sluice launch -w 2 python train.py "
+                     "(or after --)")
+    if args.grace < 0 or args.ready_timeout <= 0:
+        return error("--grace must be at least 0 and --ready-timeout (--start-timeout) positive")
+    sets = [*foreign_sets, *args.sets]
+    if args.timeline:
+        sets.append(f"timeline.path={os.path.abspath(args.timeline)}")
+    try:
+        config = load_config(args.config, os.environ, sets)
+    except ConfigError as exc:
+        hint = (" (--config takes Sluice's TOML file; horovodrun's YAML keys translate to --set items, e.g. "
+                "fusion_threshold_mb to collective.fusion_bytes)" if str(args.config).endswith((".yaml", ".yml"))
+                else "")
+        return error(f"{exc}{hint}")
+    return _run(args, config, command, options)
+
+
+def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], options: RunOptions) -> int:
+    from sluice.launch.cluster import plan_cluster, read_hosts
+    from sluice.launch.generations import run_job
+    from sluice.launch.hosts import HostsError
+    from sluice.launch.reach import Reach
+    from sluice.launch.slurm import slurm_refusal
+
+    if (refusal := slurm_refusal(os.environ)) is not None:
+        return error(refusal)
+    reasons = servers_needed(config, args.aggregators)
+    if args.servers == 0 and reasons:
+        return error(f"-s 0, but {' and '.join(reasons)} need parameter servers: give -s 1 or more, or leave -s "
+                     "out for one per host")
+    try:
+        hosts, source = read_hosts(args.hosts, args.hostfile, os.environ)
+        servers = args.servers if args.servers is not None else default_servers(reasons, hosts, args.server_hosts)
+        reach = Reach("srun" if source.startswith("SLURM") else "ssh", args.ssh_port, args.ssh_identity,
+                      tuple(args.ssh_option))
+
+        def replan(hosts: list[Host], workers: int | None = None) -> ClusterPlan:
+            """The job laid out over `hosts` (workers None: one per slot; an elastic generation's)."""
+            return plan_cluster(hosts, source or "host discovery", workers, servers, args.aggregators,
+                                args.server_hosts, reach, config)
+
+        plan = None
+        if hosts:
+            plan = replan(hosts, args.workers)
+            config = plan.with_racks(config, hosts)
+        elif args.server_hosts:
+            raise HostsError("--server-hosts needs hosts: give -H or --hostfile")
+    except (HostsError, ValueError) as exc:
+        return error(str(exc))
+    workers = args.workers
+    if plan is not None:
+        workers = sum(1 for p in plan.layout.processes if p.role == "worker")
+    elif workers is None:
+        return error("-w N (or -np N) is required: how many workers to start on this machine")
+    if config.ps.recover and (args.aggregators or not config.ps.sync):
+        return error("ps.recover works with synchronous servers (ps.sync = true) and no aggregators (-a 0)")
+    elastic = None
+    if args.elastic or args.host_discovery_script:  # horovodrun: a discovery script makes the job elastic
+        try:
+            elastic = elastic_settings(args, workers, config)
+        except ValueError as exc:
+            return error(str(exc))
+    elif args.min_workers or args.max_workers:
+        return error("--min-workers and --max-workers (--min-np, --max-np) need --elastic")
+    try:
+        code = run_job(config, workers, servers, command, grace=args.grace,
+                       ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan,
+                       elastic=elastic, replan=lambda hosts: None if plan is None and all(
+                           h.name == "localhost" for h in hosts) else replan(hosts), options=options)
+    except KeyboardInterrupt:  # before the supervisor's own handlers were installed
+        return 130
+    if config.timeline.path:
+        _merge_timeline(config.timeline.path)
+    return code
+
+
+def elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConfig) -> ElasticSettings:
+    """--elastic's settings, checked; ValueError saying what to change."""
+    if config.worker.optimizer_on == "server":
+        raise ValueError("--elastic keeps the committed state on the workers: the optimizer must run there "
+                         "(worker.optimizer_on = \"worker\")")
+    if config.ps.recover:
+        raise ValueError("--elastic restarts every process of a generation: ps.recover has nothing to add")
+    discovery = args.host_discovery_script
+    if discovery is not None and not os.access(discovery, os.X_OK):
+        raise ValueError(f"--host-discovery-script {discovery} is not an executable file")
+    maximum = args.max_workers or (4096 if discovery else workers)
+    settings = ElasticSettings(args.min_workers or 1, maximum, discovery, args.discovery_interval,
+                               args.max_restarts)
+    if not settings.min_workers <= workers <= settings.max_workers:
+        raise ValueError(f"-w {workers} must lie between --min-workers {settings.min_workers} and --max-workers "
+                         f"{settings.max_workers}")
+    return settings
+
+
+def _merge_timeline(path: str) -> None:
+    from sluice.transport.timeline import merge
+
+    try:
+        events = merge(path)
+    except OSError as exc:
+        print(f"sluice launch: the timeline's parts could not be merged into {path}: {exc}", file=sys.stderr)
+        return
+    print(f"[launch] timeline: {events} events in {path} (open it in https://ui.perfetto.dev)", flush=True)

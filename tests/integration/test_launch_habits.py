@@ -1,0 +1,68 @@
+"""horovodrun's habits in a launched job: -np with no -s, per-rank log files, timestamps, MASTER_PORT, closed pipes."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.launch import Launch
+
+ROOT = Path(__file__).resolve().parents[2]
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} "
+
+# not a Sluice worker: it says what the launcher gave it, on both streams
+WORKER = """
+import os, sys
+print("port", os.environ["MASTER_PORT"], "servers", os.environ["SLUICE_NUM_SERVERS"], flush=True)
+print("trouble from", os.environ["RANK"], file=sys.stderr, flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_horovodrun_command_line_runs_with_rank_files_and_timestamps(launch: type[Launch], tmp_path: Path) -> None:
+    script, logs, port = tmp_path / "w.py", tmp_path / "logs", _free_port()
+    script.write_text(WORKER)
+    job = launch(["-np", "2", "--output-filename", str(logs), "-prefix-timestamp", "--master-port", str(port),
+                  "--gloo", "--grace", "1", sys.executable, str(script)])
+    assert job.finish(40) == 0, job.stderr()
+    out, err = job.stdout(), job.stderr()
+    assert "starting 0 servers, 2 workers" in out  # -s left out: pure allreduce
+    assert re.search(rf"^{STAMP}\[worker 1\] port {port} servers 0$", out, re.M), out
+    assert re.search(rf"^{STAMP}\[worker 0\] trouble from 0$", out, re.M)  # stderr reaches the terminal too
+    assert re.search(rf"^{STAMP}\[launch\] all workers finished$", out, re.M)
+    assert "--gloo is ignored: Sluice has its own transport" in err
+    for rank in (0, 1):
+        assert re.fullmatch(rf"{STAMP}port {port} servers 0\n", (logs / f"rank.{rank}" / "stdout").read_text())
+        assert re.fullmatch(rf"{STAMP}trouble from {rank}\n", (logs / f"rank.{rank}" / "stderr").read_text())
+    assert "SLUICE_SCHEDULER_READY" in (logs / "scheduler" / "stdout").read_text()
+    job.assert_none_left()
+
+    with socket.socket() as holder:  # a port taken on worker 0's host (here) stops the job before it starts
+        holder.bind(("", port))
+        holder.listen()
+        taken = launch(["-np", "1", "--master_port", str(port), sys.executable, "-c", "pass"])
+        assert taken.finish(20) == 2
+    assert f"MASTER_PORT {port} cannot be used on this machine (worker 0's host)" in taken.stderr()
+    assert "give another with --master-port PORT" in taken.stderr() and "[worker" not in taken.stdout()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("words", [["config"], ["--help"], ["launch", "--help"]])
+def test_output_cut_by_a_closed_pipe_ends_quietly(words: list[str]) -> None:
+    # the reader (`true`) is gone before the first write: every write meets a closed pipe
+    command = " ".join([sys.executable, "-m", "sluice.launch.cli", *words])
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", f"{command} | true"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=20)
+    assert result.returncode == 0 and result.stderr == ""

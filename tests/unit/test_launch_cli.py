@@ -1,0 +1,200 @@
+"""`sluice launch`'s command line: horovodrun's and torchrun's flags, where the worker command starts, -s's default."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from sluice.launch.cli import _parse, build_parser, main
+from sluice.launch.config import load_config
+from sluice.launch.foreign_flags import translate
+from sluice.launch.hosts import Host
+from sluice.launch.launch_job import default_servers, servers_needed
+from sluice.launch.master_port import MasterPortError, bind_probe, choose, parse_answer
+from sluice.launch.output import ChildOutput, folder
+from sluice.launch.run_options import OutputOptions, log_level, run_options
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _parse_launch(*words: str) -> argparse.Namespace:
+    return _parse(build_parser(), ["launch", *words])
+
+
+@pytest.mark.parametrize(("words", "command"), [
+    (["-np", "2", "python", "train.py", "--epochs", "3"], ["python", "train.py", "--epochs", "3"]),
+    (["-w", "2", "--", "python", "-u", "train.py"], ["python", "-u", "train.py"]),
+    (["-w2", "-Hnode1:2", "python", "t.py"], ["python", "t.py"]),
+    (["--num-proc=2", "--mpi-args", "--map-by ppr:1:node", "--gloo", "python", "t.py"], ["python", "t.py"]),
+    (["-np", "2", "--blacklist-cooldown-range", "1", "5", "-p", "22", "python", "t.py"], ["python", "t.py"]),
+])
+def test_the_worker_command_starts_at_dashes_or_the_first_word_that_is_no_option(words: list[str],
+                                                                                 command: list[str]) -> None:
+    args = _parse_launch(*words)
+    assert args.worker_command == command
+    assert args.workers == 2
+
+
+# horovodrun's flags from its parse_args, each with a value where it takes one
+HOROVODRUN_LINE = [
+    "-np", "4", "-H", "a:2,b:2", "-p", "2222", "-i", "/k", "--start-timeout", "45", "--network-interface", "eth0",
+    "--output-filename", "/tmp/o", "--verbose", "--disable-cache", "--config-file", "c.toml",
+    "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--cache-capacity", "1024",
+    "--hierarchical-allreduce", "--no-hierarchical-allgather", "--torus-allreduce", "--autotune",
+    "--autotune-log-file", "x", "--min-np", "2", "--max-np", "8", "--slots-per-host", "2", "--elastic-timeout", "60",
+    "--reset-limit", "3", "--blacklist-cooldown-range", "10", "100", "--timeline-filename", "t.json",
+    "--timeline-mark-cycles", "--no-stall-check", "--stall-check-warning-time-seconds", "30",
+    "--stall-check-shutdown-time-seconds", "90", "--mpi-threads-disable", "--mpi-args=--oversubscribe",
+    "--tcp", "--binding-args", "x", "--num-nccl-streams", "2", "--thread-affinity", "1",
+    "--gloo-timeout-seconds", "40", "--log-level", "trace", "--log-without-timestamp", "-prefix-timestamp",
+    "--host-discovery-script", "d.sh", "--gloo", "-cb", "python", "train.py",
+]
+
+
+def test_horovodruns_flags_mean_ours_or_are_ignored_with_a_reason() -> None:
+    args = _parse_launch(*HOROVODRUN_LINE)
+    assert args.worker_command == ["python", "train.py"]
+    sets, notes = translate(args, has_hosts=True)
+    assert (args.workers, args.hosts, args.ssh_port, args.ssh_identity) == (4, "a:2,b:2", 2222, "/k")
+    assert (args.ready_timeout, args.min_workers, args.max_workers, args.max_restarts) == (45, 2, 8, 3)
+    assert (args.config, args.timeline, args.output_filename) == ("c.toml", "t.json", "/tmp/o")
+    assert args.prefix_output_with_timestamp and args.verbose and args.log_level == "DEBUG"
+    assert sets == ["collective.fusion_bytes=33554432", "collective.cycle_ms=2.5", "collective.stall_timeout=90.0",
+                    "scheduler.op_timeout=40.0"]
+    for flag in ("--gloo", "--disable-cache", "--network-interface", "--hierarchical-allreduce", "--tcp", "-cb",
+                 "--blacklist-cooldown-range", "--mpi-args", "--autotune-log-file"):
+        assert any(note.startswith(f"{flag} is ignored: ") for note in notes), flag
+    # the settings they stand for load
+    load_config(None, {}, sets)
+
+
+def test_help_lists_horovodruns_and_torchruns_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--help"]) == 0
+    text = capsys.readouterr().out
+    group = text[text.index("horovodrun's flags:") : text.index("torchrun's flags:")]
+    for flag in ("-np", "--num-proc", "-hostfile", "--fusion-threshold-mb", "--gloo", "--min-np", "--reset-limit",
+                 "--timeline-filename", "--start-timeout", "--ssh-identity-file", "--config-file", "--version"):
+        assert re.search(rf"(^|[ ,]){re.escape(flag)}[ ,\n]", group), flag
+    assert "--output-filename" in group and "--prefix-output-with-timestamp" in group
+    torchrun = text[text.index("torchrun's flags:") :]
+    for flag in ("--nproc-per-node", "--nproc_per_node", "--log-dir", "--tee", "--redirects", "--master_port"):
+        assert flag in torchrun, flag
+
+
+@pytest.mark.parametrize(("flag", "suggestion"), [("--verbos", "--verbose"), ("--master-prot", "--master-port"),
+                                                  ("--hosts-file", "--hostfile"), ("--bogus", None)])
+def test_an_unknown_flag_is_named_with_the_nearest_known_one(flag: str, suggestion: str | None,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "-np", "2", flag, "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown option {flag}" in err
+    assert (f"did you mean {suggestion}?" in err) if suggestion else "did you mean" not in err
+
+
+def test_flag_errors_say_what_was_meant(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "-np", "2", "--nproc-per-node", "3", "python", "x.py"]) == 2
+    assert "--nproc-per-node 3 and -w 2 disagree" in capsys.readouterr().err
+    assert main(["launch", "-np", "2", "--tee", "3", "python", "x.py"]) == 2
+    assert "give --log-dir DIR too" in capsys.readouterr().err
+    assert main(["launch", "-np", "2", "--log-dir", "d", "--tee", "0:1", "python", "x.py"]) == 2
+    assert "a value per rank (0:1,1:2) is not supported" in capsys.readouterr().err
+    assert main(["launch", "-np", "2", "--log-level", "loud", "python", "x.py"]) == 2
+    assert "'loud' is not a log level" in capsys.readouterr().err
+    assert main(["launch", "-w", "1", "-s", "0", "--set", "worker.optimizer_on=server", "python", "x.py"]) == 2
+    assert 'worker.optimizer_on = "server" need parameter servers' in capsys.readouterr().err
+    assert main(["launch", "python", "x.py"]) == 2
+    assert "-w N (or -np N) is required" in capsys.readouterr().err
+
+
+def test_torchruns_counts_are_workers_here_and_slots_on_hosts() -> None:
+    args = _parse_launch("--nproc_per_node", "3", "--master_port", "29500", "--log_dir", "logs", "train.py")
+    translate(args, has_hosts=False)
+    assert (args.workers, args.master_port, args.output_filename) == (3, 29500, "logs")
+    args = _parse_launch("-H", "a,b:4,[::1]", "--nproc-per-node", "2", "train.py")
+    translate(args, has_hosts=True)
+    assert args.hosts == "a:2,b:4,[::1]"
+
+
+def test_servers_default_to_what_the_configuration_needs() -> None:
+    plain = load_config(None, {}, [])
+    assert servers_needed(plain, 0) == [] and default_servers([], [Host("a"), Host("b")], None) == 0
+    on_server = load_config(None, {}, ["worker.optimizer_on=server"])
+    reasons = servers_needed(on_server, 0)
+    assert reasons == ['worker.optimizer_on = "server"']
+    assert default_servers(reasons, [], None) == 1  # this machine alone
+    assert default_servers(reasons, [Host("a", 4), Host("b", 4)], None) == 2  # one per host
+    assert default_servers(reasons, [Host("a"), Host("b"), Host("c")], "b,c") == 2
+    assert servers_needed(plain, 2) == ["-a 2"]
+    assert len(servers_needed(load_config(None, {}, ["collective.mode=ps", "ps.sync=false"]), 0)) == 2
+
+
+def test_run_options_from_flags_and_environment() -> None:
+    args = _parse_launch("-np", "2", "--log-dir", "d", "--redirects", "1", "--tee", "2", "--verbose", "x")
+    translate(args, has_hosts=False)
+    options = run_options(args, {"MASTER_PORT": "29400"})
+    assert options.output.files == {"stdout", "stderr"} and options.output.console == {"stderr"}
+    assert options.log_level == "DEBUG" and options.master_port == 29400
+    assert options.environ() == {"SLUICE_LOG_LEVEL": "DEBUG"}
+    with pytest.raises(ValueError, match="MASTER_PORT='x' is not a port number"):
+        run_options(_parse_launch("-np", "1", "x"), {"MASTER_PORT": "x"})
+    assert log_level("fatal") == "CRITICAL" and log_level("Trace") == "DEBUG"
+
+
+def test_per_rank_files_take_horovodruns_layout(tmp_path: Path) -> None:
+    assert [folder("worker", r, 12) for r in (0, 11)] == ["rank.00", "rank.11"]
+    assert (folder("worker", 0, 1), folder("server", 1, 12), folder("scheduler", 0, 3)) == ("rank.0", "server.1",
+                                                                                           "scheduler")
+    shown: list[bytes] = []
+
+    class Terminal:
+        def write(self, data: bytes) -> None:
+            shown.append(data)
+
+    options = OutputOptions(str(tmp_path), console=frozenset({"stdout"}), timestamps=True)
+    out = ChildOutput(Terminal(), "worker 1", options, "rank.1")
+    out.write("stdout", [b"hello"])
+    out.write("stderr", [b"oops"])  # to the file only: redirected
+    out.close("stdout")
+    out.close("stderr")
+    assert re.fullmatch(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} \[worker 1\] hello\n", b"".join(shown))
+    assert (tmp_path / "rank.1" / "stdout").read_text().endswith(" hello\n")
+    assert (tmp_path / "rank.1" / "stderr").read_text().endswith(" oops\n")
+    again = ChildOutput(Terminal(), "worker 1", options, "rank.1")  # a later generation appends
+    again.write("stdout", [b"more"])
+    again.close("stdout")
+    assert (tmp_path / "rank.1" / "stdout").read_text().count("\n") == 2
+
+
+def test_a_taken_master_port_is_named_with_what_to_do() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(OSError):
+            bind_probe(port)
+
+        class Here:
+            plan = None
+
+        with pytest.raises(MasterPortError, match=f"MASTER_PORT {port} cannot be used on this machine .*--master-port"):
+            asyncio.run(choose(Here(), port))  # type: ignore[arg-type]
+    assert 0 < asyncio.run(choose(Here(), None)) < 65536  # type: ignore[arg-type]
+    assert parse_answer("noise\nSLUICE_FREE_PORT 29500\n", 0) == 29500
+    assert parse_answer("SLUICE_FREE_PORT 29500", 29501) is None and parse_answer("SLUICE_FREE_PORT x", 0) is None
+
+
+def test_the_remote_stub_takes_split_streams_only_as_a_boolean() -> None:
+    from sluice.launch.reach import header_line
+    from sluice.launch.remote import parse_header
+
+    assert parse_header(header_line(["python"], {}, "/", b"k" * 16, split=True)).split
+    assert not parse_header(header_line(["python"], {}, "/", b"k" * 16)).split
+    with pytest.raises(ValueError, match="split must be true or false"):
+        parse_header(b'{"argv": ["p"], "env": {}, "cwd": "/", "secret": "", "split": "yes"}')
+    with pytest.raises(ValueError, match="must be an object with argv"):
+        parse_header(b'{"argv": ["p"], "env": {}, "cwd": "/", "secret": "", "other": 1}')
