@@ -153,7 +153,7 @@ def test_wheel_installs_beside_torch_and_runs_a_job(wheel: Path, tmp_path: Path)
     assert missing.returncode == 0 and "extras named" in missing.stdout, missing.stderr
 
     (tmp_path / "job.py").write_text(JOB)
-    job = subprocess.run([str(env_dir / "bin" / "sluice"), "launch", "-w", "2", "-s", "0", "--", str(python),
+    job = subprocess.run([str(env_dir / "bin" / "sluice"), "launch", "-np", "2", str(python),
                           "job.py"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert job.returncode == 0, job.stdout + job.stderr
     for rank in (0, 1):
