@@ -48,6 +48,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--queue", metavar="LOCALQUEUE",
                      help="the Kueue LocalQueue to submit through (label kueue.x-k8s.io/queue-name): Kueue admits "
                           "all pods of the job at once or none (gang admission); default: no queue")
+    job.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                     help="every pod serves Prometheus metrics on PORT (metrics.port, one process a pod: the same "
+                          "port everywhere; the image needs the prometheus extra) and carries the prometheus.io/"
+                          "scrape, port and path annotations (default: no metrics)")
     pods = parser.add_argument_group("pods: resources and placement (ROLE: scheduler, server, aggregator, worker)")
     pods.add_argument("--resources", metavar="LIST", help=f"requests and limits of every pod: {_RESOURCES_HELP}")
     for role in ROLES:
@@ -111,7 +115,8 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
         args.name, args.image, args.workers, args.servers, tuple(command), aggregators=args.aggregators,
         port=args.port, namespace=args.namespace, form=args.form, queue=args.queue, model_bytes=args.model_bytes,
         shm_size=args.shm_size, master_port=args.master_port, resources={"all": common, **resources} if common
-        else resources, node_selectors=tuple(args.node_selector), tolerations=tuple(args.toleration))
+        else resources, node_selectors=tuple(args.node_selector), tolerations=tuple(args.toleration),
+        metrics_port=args.metrics_port)
 
 
 def run_manifest(args: argparse.Namespace) -> int:

@@ -69,8 +69,16 @@ def _pod_template(spec: JobSpec, one: RolePods, command: list[str]) -> dict[str,
         # the address this pod listens on
         "env": [{"name": "SLUICE_TRANSPORT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
     }
-    if one.role in ("scheduler", "all"):
-        container["ports"] = [{"name": "scheduler", "containerPort": spec.port}]
+    ports = [{"name": "scheduler", "containerPort": spec.port}] if one.role in ("scheduler", "all") else []
+    annotations: dict[str, str] = {}
+    if spec.metrics_port:  # one process a pod: every pod on the same port, so one scrape rule finds them all
+        container["env"] += [{"name": "SLUICE_METRICS_PORT", "value": str(spec.metrics_port)},
+                             {"name": "SLUICE_METRICS_PORT_PER_PROCESS", "value": "false"}]
+        ports.append({"name": "metrics", "containerPort": spec.metrics_port})
+        annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.metrics_port),
+                       "prometheus.io/path": "/metrics"}
+    if ports:
+        container["ports"] = ports
     mounts: list[dict[str, Any]] = [{"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}]
     # 0400: read by its owner only (`sluice node` refuses a secret others can read)
     volumes: list[dict[str, Any]] = [
@@ -95,7 +103,10 @@ def _pod_template(spec: JobSpec, one: RolePods, command: list[str]) -> dict[str,
         spec_["nodeSelector"] = dict(one.node_selector)
     if one.tolerations:
         spec_["tolerations"] = [dict(t) for t in one.tolerations]
-    return {"metadata": {"labels": _labels(spec, None if one.role == "all" else one.role)}, "spec": spec_}
+    metadata: dict[str, Any] = {"labels": _labels(spec, None if one.role == "all" else one.role)}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"metadata": metadata, "spec": spec_}
 
 
 def _indexed_job(spec: JobSpec, pods: list[RolePods]) -> list[dict[str, Any]]:
@@ -186,6 +197,7 @@ def command_line(spec: JobSpec) -> str:
     words += ["--master-port", str(spec.master_port)] if spec.master_port != DEFAULT_MASTER_PORT else []
     words += ["--namespace", spec.namespace] if spec.namespace else []
     words += ["--queue", spec.queue] if spec.queue else []
+    words += ["--metrics-port", str(spec.metrics_port)] if spec.metrics_port else []
     for role in ("all", "scheduler", "server", "aggregator", "worker"):
         if spec.resources.get(role):
             words += ["--resources" if role == "all" else f"--{role}-resources", spec.resources[role]]

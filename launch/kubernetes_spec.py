@@ -134,6 +134,8 @@ class JobSpec:
     resources: Mapping[str, str] = field(default_factory=dict)
     node_selectors: tuple[str, ...] = ()
     tolerations: tuple[str, ...] = ()
+    #: every pod serves Prometheus metrics on this port (0: none), annotated for scraping
+    metrics_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,9 @@ def check_spec(spec: JobSpec) -> list[RolePods]:
     for option, port in (("--port", spec.port), ("--master-port", spec.master_port)):
         if not 0 < port < 65536:
             raise ValueError(f"{option} {port} is not a TCP port (1..65535)")
+    if spec.metrics_port and (not 0 < spec.metrics_port < 65536 or spec.metrics_port in (spec.port, spec.master_port)):
+        raise ValueError(f"--metrics-port {spec.metrics_port} must be a TCP port (1..65535) other than the scheduler's "
+                         "and the master port")
     if spec.form not in FORMS:
         raise ValueError(f"--form {spec.form!r} is not one of {', '.join(FORMS)}")
     if spec.queue is not None:

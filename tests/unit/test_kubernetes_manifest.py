@@ -130,6 +130,16 @@ def test_each_role_gets_its_own_resources_placement_and_shared_memory() -> None:
                    "worker": [{"medium": "Memory", "sizeLimit": "2112Mi"}]}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in pods["worker"]["containers"][0]["volumeMounts"]
     assert "# Gang admission: Kueue admits the whole JobSet through LocalQueue team-a-queue" in render_job(spec)
+    # --metrics-port: every pod serves on the same port (one process a pod), annotated for Prometheus
+    (scraped,) = parse(render_job(dataclasses.replace(spec, metrics_port=9400)))
+    for role, (_, template) in pod_templates([scraped]).items():
+        container = template["spec"]["containers"][0]
+        assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "9400",
+                                                       "prometheus.io/path": "/metrics"}, role
+        assert {"name": "metrics", "containerPort": 9400} in container["ports"], role
+        assert {"name": "SLUICE_METRICS_PORT_PER_PROCESS", "value": "false"} in container["env"], role
+        assert {"name": "SLUICE_METRICS_PORT", "value": "9400"} in container["env"], role
+    assert "annotations" not in pod_templates([jobset])["worker"][1]["metadata"]
     # --shm-size: every pod but the scheduler alike; neither: bounded by the pod's memory only
     for size, expected in (("3Gi", {"medium": "Memory", "sizeLimit": "3Gi"}), (None, {"medium": "Memory"})):
         plain = dataclasses.replace(spec, model_bytes=None, shm_size=size, resources={})
@@ -202,6 +212,7 @@ def test_quantities_are_read_as_kubernetes_reads_them() -> None:
     ({"command": ()}, "no worker command"),
     ({"port": 0}, "--port 0 is not a TCP port"),
     ({"master_port": 70000}, "--master-port 70000 is not a TCP port"),
+    ({"metrics_port": 4321, "port": 4321}, "--metrics-port 4321 must be a TCP port .* other than the scheduler's"),
     ({"form": "pytorchjob"}, "--form 'pytorchjob' is not one of jobset, indexed-job"),
     ({"resources": {"all": "cpu=two"}}, "--resources cpu 'two' is not a Kubernetes quantity"),
     ({"resources": {"worker": "gpu"}}, "--worker-resources 'gpu': expected NAME=QUANTITY"),
@@ -247,6 +258,7 @@ def test_the_command_in_the_header_writes_the_same_manifest_again() -> None:
     specs = [JobSpec("sluice", "img", 4, 2, DEMO),
              JobSpec("bert", "r/s:1", 8, 2, ("python", "t.py", "--x", "a b"), aggregators=1, port=4000, namespace="ns",
                      form="indexed-job", queue="q", model_bytes="1Gi", master_port=4001, resources={"all": "cpu=1"},
+                     metrics_port=9400,
                      node_selectors=("all:pool=a",), tolerations=("all:spot",)),
              JobSpec("gpu", "img", 2, 1, DEMO, shm_size="2Gi",
                      resources={"worker": "nvidia.com/gpu=1", "server": "cpu=2"},

@@ -26,8 +26,9 @@ SPECS = [
             namespace="team-a", queue="team-a", model_bytes="440Mi",
             resources={"all": "cpu=1", "server": "cpu=8,memory=32Gi", "worker": "cpu=8,memory=64Gi,nvidia.com/gpu=1"},
             node_selectors=("worker:nvidia.com/gpu.product=A100", "all:pool=ml"),
-            tolerations=("worker:nvidia.com/gpu:NoSchedule", "all:dedicated=ml:NoExecute", "server:spot")),
-    JobSpec("solo", "img", 1, 0, ("python", "t.py"), shm_size="1Gi", master_port=23456, port=4000),
+            tolerations=("worker:nvidia.com/gpu:NoSchedule", "all:dedicated=ml:NoExecute", "server:spot"),
+            metrics_port=9400),
+    JobSpec("solo", "img", 1, 0, ("python", "t.py"), shm_size="1Gi", master_port=23456, port=4000, metrics_port=9090),
 ]
 
 
