@@ -133,7 +133,8 @@ def test_wheel_installs_beside_torch_and_runs_a_job(wheel: Path, tmp_path: Path)
 
     missing = subprocess.run([str(python), "-c", textwrap.dedent("""
         from sluice.errors import MissingExtraError
-        for name, extra in (("sluice.tensorflow", "tensorflow"), ("sluice.keras", "tensorflow")):
+        for name, extra in (("sluice.tensorflow", "tensorflow"), ("sluice.keras", "tensorflow"), ("sluice.ray", "ray"),
+                            ("sluice.lightning", "lightning")):
             try:
                 __import__(name)
             except MissingExtraError as exc:
