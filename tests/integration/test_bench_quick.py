@@ -15,7 +15,9 @@ from testbed.bench_runs import run_script
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ["bench/push_pull.py", "bench/train_throughput.py", "bench/transport_rate.py",
                                     "bench/allreduce.py", "bench/coordinator.py", "bench/fusion.py",
-                                    "bench/plan_quality.py", "bench/timeline_cost.py", "bench/recovery.py",
+                                    "bench/plan_quality.py", "bench/timeline_cost.py",
+                                    # the cost cases share one path (test_recovery.py covers each optimizer)
+                                    "bench/recovery.py --cases digits-server-adam resume-after-kill",
                                     "bench/zvc.py", "bench/offload.py", "bench/pipeline.py",
                                     pytest.param("bench/train_throughput.py --framework keras --workers 2 --servers 1",
                                                  marks=pytest.mark.skipif(importlib.util.find_spec("keras") is None,
