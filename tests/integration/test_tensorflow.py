@@ -12,7 +12,7 @@ import pytest
 from testbed.cluster import LocalCluster
 from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
 from tests.integration.tf_error_jobs import tf_api_extras, tf_error_cases
-from tests.integration.tf_jobs import tape_training_only, tensorflow_api
+from tests.integration.tf_jobs import STEPS, tape_training_only, tensorflow_api
 
 # the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,
 # so that no TF runtime state is ever forked
@@ -50,6 +50,8 @@ def test_collectives_and_gradient_tape_on_two_workers(tmp_path: Path) -> None:
         assert out["tape_isinstance"]
         assert out["tape_fp16"] == [[1.5, 1.5]]
         assert "jit_compile=False" in out["xla"], out["xla"]
+        # one gradient reduction a step: the fp16 tape's, then the eager and the traced training's
+        assert out["steps_timed"] == 2 * STEPS, out["steps_timed"]
         _assert_trains_like_one_process(out, "eager")
         _assert_trains_like_one_process(out, "graph")
     assert results[0]["graph"] == results[1]["graph"]  # bit for bit

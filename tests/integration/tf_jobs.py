@@ -123,6 +123,9 @@ def tensorflow_api() -> dict[str, Any]:
         out["xla"] = "no error"
     except Exception as exc:
         out["xla"] = str(exc)
+    from sluice.worker.tensorflow.state import require
+
+    out["steps_timed"] = require().step_times.count  # the Prometheus endpoint's sluice_step_seconds
     hvd.barrier()
     hvd.shutdown()
     out["initialized_after"] = hvd.is_initialized()

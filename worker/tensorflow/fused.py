@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,7 @@ class FusedReducer:
         the number of workers when `average`), each in a new array of its own shape."""
         if [(tuple(a.shape), a.dtype) for a in arrays] != [(s.shape, np.dtype(STORAGE[s.dtype])) for s in self.specs]:
             raise SluiceError("the gradients changed shape or dtype since the first step")
+        self.node.step_times.tick(time.monotonic())  # a step's gradients: the Prometheus sluice_step_seconds
         for fused in self.sets:
             fused.load(arrays, prescale)
         handles = [self.sets[n].send(g) for _, n, g in self.order]
@@ -213,6 +215,7 @@ class FusedReducer:
         key = (fused, group)
         if key == self.ready_order[0]:
             self._drain()
+            self.node.step_times.tick(time.monotonic())  # the step's first group: sluice_step_seconds
         found = self.sets[fused]
         found.load_group(group, arrays, prescale)
         handle = found.send(group)
