@@ -72,7 +72,6 @@ HOROVOD_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--gloo", "--mpi", "--jsrun"), 0, _NO_GLOO),
     (("--mpi-threads-disable", "--no-mpi-threads-disable"), 0, _NO_GLOO),
     (("--mpi-args", "--binding-args"), 1, "no mpirun is started"),
-    (("-cb", "--check-build"), 0, "Sluice has no build variants (`sluice --version` names its version)"),
     (("--disable-cache",), 0, "Sluice runs no start-up checks to cache"),
     (("--network-interface", "--network-interfaces"), 1,
      "each host's processes listen on the address its name resolves to: give the hosts' addresses on the "
@@ -151,6 +150,20 @@ def _add_ignored(group: argparse._ArgumentGroup, ignored: Sequence[tuple[tuple[s
                            metavar=("VALUE",) * values if values else None, help=f"ignored: {why}")
 
 
+class _CheckBuild(argparse.Action):
+    """Prints what this installation can run, as horovodrun --check-build does, and exits 0."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from sluice.launch.check_build import report
+
+        print(report())
+        parser.exit(0)
+
+
 def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "horovodrun's flags",
@@ -159,6 +172,8 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
                       "stderr saying why:", 100))
     group.add_argument("-v", "--version", action="version", version=f"sluice {__version__}",
                        help="print Sluice's version and exit (= sluice --version)")
+    group.add_argument("-cb", "--check-build", action=_CheckBuild,
+                       help="list the frameworks, extras and transport features this installation has, and exit")
     _add_aliases(group, HOROVOD_ALIASES)
     for setting in HOROVOD_SETTINGS:
         group.add_argument(*setting.flags, action=_SetKey, key=setting.key, scale=setting.scale, type=float,

@@ -130,6 +130,13 @@ def test_wheel_installs_beside_torch_and_runs_a_job(wheel: Path, tmp_path: Path)
     version = subprocess.run([str(env_dir / "bin" / "sluice"), "--version"], check=True, env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert version.stdout.split() == ["sluice", importlib.metadata.version("sluice-ps")], version.stdout
+    # horovodrun --check-build's habit: what this environment has, and the extra for what it lacks
+    built = subprocess.run([str(env_dir / "bin" / "sluice"), "launch", "--check-build"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    assert f"[X] PyTorch (torch {torch_before})" in built.stdout, built.stdout
+    assert "[ ] TensorFlow (pip install 'sluice-ps[tensorflow]')" in built.stdout, built.stdout
+    assert "[ ] Prometheus metrics (metrics.port) (pip install 'sluice-ps[prometheus]')" in built.stdout
 
     missing = subprocess.run([str(python), "-c", textwrap.dedent("""
         from sluice.errors import MissingExtraError

@@ -52,7 +52,7 @@ HOROVODRUN_LINE = [
     "--stall-check-shutdown-time-seconds", "90", "--mpi-threads-disable", "--mpi-args=--oversubscribe",
     "--tcp", "--binding-args", "x", "--num-nccl-streams", "2", "--thread-affinity", "1",
     "--gloo-timeout-seconds", "40", "--log-level", "trace", "--log-without-timestamp", "-prefix-timestamp",
-    "--host-discovery-script", "d.sh", "--gloo", "-cb", "python", "train.py",
+    "--host-discovery-script", "d.sh", "--gloo", "python", "train.py",
 ]
 
 
@@ -66,11 +66,18 @@ def test_horovodruns_flags_mean_ours_or_are_ignored_with_a_reason() -> None:
     assert args.prefix_output_with_timestamp and args.verbose and args.log_level == "DEBUG"
     assert sets == ["collective.fusion_bytes=33554432", "collective.cycle_ms=2.5", "collective.stall_timeout=90.0",
                     "scheduler.op_timeout=40.0"]
-    for flag in ("--gloo", "--disable-cache", "--network-interface", "--hierarchical-allreduce", "--tcp", "-cb",
+    for flag in ("--gloo", "--disable-cache", "--network-interface", "--hierarchical-allreduce", "--tcp",
                  "--blacklist-cooldown-range", "--mpi-args", "--autotune-log-file"):
         assert any(note.startswith(f"{flag} is ignored: ") for note in notes), flag
     # the settings they stand for load
     load_config(None, {}, sets)
+
+
+def test_check_build_lists_what_is_installed_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("-cb", "--check-build"):
+        assert main(["launch", flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("Sluice ") and "[X] PyTorch (torch " in out and "[X] ZeroMQ (pyzmq " in out, out
 
 
 def test_help_lists_horovodruns_and_torchruns_flags(capsys: pytest.CaptureFixture[str]) -> None:
