@@ -42,13 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     jobs = commands.add_parser(
         "jobs", formatter_class=_FORMATTER,
-        help="list the Sluice jobs running on this host (the job registry)",
+        help="list the Sluice jobs running on this host, or in the cluster (the job registry)",
         description=_wrap("Lists the jobs whose schedulers run on this host, from the job registry: each "
                     "scheduler publishes its job there about once a second (jobs.registry_dir, or the variable "
                     "SLUICE_JOBS_REGISTRY_DIR; default /tmp/sluice-jobs-<uid>). With [jobs] priorities on, "
                     "`level` is the job's priority level (0: the top) and `sent MiB` what its busiest worker has "
-                    "pushed (docs/aggregation.md)."))
+                    "pushed (docs/aggregation.md). With --registry, the jobs of every host that report to the "
+                    "cluster's registry (jobs.registry)."))
     jobs.add_argument("--json", action="store_true", help="print the entries as a JSON list instead")
+    jobs.add_argument("--registry", metavar="HOST:PORT", default=os.environ.get("SLUICE_JOBS_REGISTRY", ""),
+                      help="list the cluster's jobs from the registry the jobs report to (jobs.registry; default: "
+                           "the variable SLUICE_JOBS_REGISTRY) instead of this host's")
+    jobs.add_argument("--registry-secret-file", metavar="PATH",
+                      default=os.environ.get("SLUICE_JOBS_REGISTRY_SECRET_FILE", ""),
+                      help="the registry secret the jobs use (jobs.registry_secret_file; default: the variable "
+                           "SLUICE_JOBS_REGISTRY_SECRET_FILE); without it, only an unauthenticated registry answers")
 
     for role, what in (("scheduler", "the rendezvous and control plane"), ("server", "one parameter server"),
                        ("aggregator", "one aggregator of the aggregation trees")):
@@ -67,12 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _list_jobs(as_json: bool) -> int:
+def _list_jobs(as_json: bool, registry: str = "", secret_file: str = "") -> int:
     import dataclasses
     import json
 
     from sluice.scheduler.jobs_registry import describe, read_all, registry_dir
 
+    if registry:
+        return _list_cluster_jobs(as_json, registry, secret_file)
     try:
         jobs, bad = read_all()
     except OSError as exc:  # a registry others could write into is not read
@@ -85,6 +95,26 @@ def _list_jobs(as_json: bool) -> int:
         print(f"no Sluice jobs running on this host (registry: {registry_dir()})")
     if bad:
         print(f"sluice: skipped {bad} malformed entries in {registry_dir()}", file=sys.stderr)
+    return 0
+
+
+def _list_cluster_jobs(as_json: bool, registry: str, secret_file: str) -> int:
+    import zmq
+
+    from sluice.scheduler.jobs_registry import describe
+    from sluice.scheduler.registry_client import query
+    from sluice.scheduler.registry_service import load_keys
+
+    try:
+        jobs, refused = query(registry, load_keys(secret_file, curve=False))
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # TimeoutError, a secret file refused, a bad HOST:PORT
+        return _error(str(exc))
+    if as_json:
+        print(json.dumps([dataclasses.asdict(j) for j in jobs]))
+    else:
+        print(describe(jobs) if jobs else f"no Sluice jobs in the registry at {registry}")
+    if refused:
+        print(f"sluice: the registry has refused {refused} malformed or unauthenticated messages", file=sys.stderr)
     return 0
 
 
@@ -173,7 +203,7 @@ def _main(argv: list[str]) -> int:
     if args.command in ("scheduler", "server", "aggregator"):
         return _run_role(args.command)
     if args.command == "jobs":
-        return _list_jobs(args.json)
+        return _list_jobs(args.json, args.registry, args.registry_secret_file)
     if args.command == "node":
         return node.run(args)
     if args.command == "kubernetes":

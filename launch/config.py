@@ -280,6 +280,10 @@ def _build(items: Iterable[_Item]) -> SluiceConfig:
     if jobs.priorities and jobs.levels > channels:  # one channel per level (worker/job_priority.py)
         raise ConfigError(f"invalid [jobs] settings: thresholds_mib gives {jobs.levels} levels, but the transport has "
                           f"{channels} channels: set transport.channels = {jobs.levels} or drop thresholds")
+    if jobs.registry and not jobs.registry_secret_file and built["transport"].curve:  # scheduler/registry_service.py
+        raise ConfigError("invalid [jobs] settings: jobs.registry needs jobs.registry_secret_file, a file (chmod 600) "
+                          "holding the registry secret the cluster's jobs share (`openssl rand -hex 32`), unless "
+                          "transport.curve = false on a network you trust")
     return SluiceConfig(**built, sources=tuple(origin.items()))
 
 

@@ -6,8 +6,8 @@ SLUICE_JOBS_REGISTRY_DIR; default /tmp/sluice-jobs-<uid>), replaced atomically a
 removed when the job ends. What a file says is checked like a network message (size, schema, ranges)
 before use; a file that fails is skipped and counted, and one whose scheduler is gone (or that has not
 been refreshed for a minute) is removed; a directory others could write into is neither written nor read. On
-several hosts the same role belongs to a cluster-level service that every scheduler reports to (not
-built yet).
+several hosts, jobs.registry = "HOST:PORT" also sends the entry to the cluster's registry, served by
+a scheduler on HOST (scheduler/registry_service.py, registry_client.py); the file is written all the same.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported when used: the registry's modules import this one
+    from sluice.scheduler.registry_client import RegistryLink
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -166,15 +169,27 @@ class Registry:
         self._next = 0.0
         self._published = False
         self._broken = False
+        self.link: RegistryLink | None = None
+        self._told_cluster = False
+        if jobs.get("registry"):  # the cluster's registry, beside this host's files
+            from sluice.scheduler.registry_client import open_link
+
+            self.link = open_link(jobs, env.transport_config().curve)
 
     def tick(self, now: float, reports: dict[str, tuple[int, int, int]]) -> None:
-        if self._broken or now < self._next:
+        if self.link is not None:
+            self._take(self.link.receive(now))
+        if now < self._next or (self._broken and self.link is None):
             return
         self._next = now + self.PERIOD
         reports_ = list(reports.values()) or [(0, 0, 0)]
         state = JobState(self.job, os.getpid(), self.started, self.env.workers, self.env.servers, self.priorities,
                          max(r[0] for r in reports_), max(r[1] for r in reports_) / (1 << 20),
                          max(r[2] for r in reports_), time.time())
+        if self.link is not None:
+            self.link.report(state, now)
+        if self._broken:
+            return
         try:
             if not self._published:  # say who else runs here, once
                 others, bad = read_all(self.directory)
@@ -189,6 +204,19 @@ class Registry:
             log.warning("cannot publish this job in the job registry (%s); `sluice jobs` will not list it", exc)
             self._broken = True
 
+    def _take(self, cluster: list[JobState] | None) -> None:
+        """The registry's first table: say who else runs in the cluster, once."""
+        if cluster is None or self._told_cluster:
+            return
+        self._told_cluster = True
+        others = [o for o in cluster if o.job != self.job]
+        if others:
+            log.info("other Sluice jobs in the cluster: %s", ", ".join(
+                f"{o.job} ({o.workers} workers, level {o.level}, {o.rounds} rounds)" for o in others))
+
     def close(self) -> None:
         if self._published:
             withdraw(self.job, self.directory)
+        if self.link is not None:
+            self.link.withdraw(self.job)
+            self.link.close()

@@ -34,9 +34,23 @@ class JobsConfig:
     #: where each job's scheduler publishes its state for the others and `sluice jobs` (a directory
     #: private to this user; empty: /tmp/sluice-jobs-<uid>; scheduler/jobs_registry.py)
     registry_dir: str = ""
+    #: "HOST:PORT" of the cluster's job registry, which every job's scheduler reports to and reads, so
+    #: jobs on different hosts see each other (served by a scheduler on HOST; docs/aggregation.md "Job
+    #: priorities"); empty: only this host's registry_dir
+    registry: str = ""
+    #: a scheduler on the registry's HOST serves it when its port is free (the first to bind it; when
+    #: that job ends, another there takes over); false: only report to it
+    registry_serve: bool = True
+    #: a file (chmod 600) holding the cluster's registry secret, the same on every host: the registry
+    #: admits only CURVE clients whose keys derive from it; empty: unauthenticated, which is allowed
+    #: only with transport.curve = false
+    registry_secret_file: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds_mib", tuple(self.thresholds_mib))  # JSON gives a list
+        host, colon, port = self.registry.rpartition(":")
+        if self.registry and (not colon or not host or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ValueError(f"jobs.registry must be HOST:PORT (e.g. node1:29450), got {self.registry!r}")
         if self.early_rounds < 0:
             raise ValueError(f"jobs.early_rounds must be 0 or positive, got {self.early_rounds}")
         if any(t <= 0 for t in self.thresholds_mib) or list(self.thresholds_mib) != sorted(set(self.thresholds_mib)):
