@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import os
 import shlex
-import stat
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -15,13 +14,12 @@ from pathlib import Path
 
 from sluice.launch.config import ConfigError, help_epilog, load_config
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, secret_pipe
-from sluice.transport.auth import MIN_SECRET_BYTES
+from sluice.transport.auth import SecretFileError, read_secret_file
 
 #: Kubernetes sets it in every pod of an Indexed Job: 0, 1, ... completions - 1
 ENV_INDEX = "JOB_COMPLETION_INDEX"
 USAGE = ("sluice node -w N -s M [-a K] --scheduler HOST:PORT (--secret-file PATH | --set transport.curve=false) "
          "[--index I] [--master HOST:PORT] [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]")
-_MAX_SECRET_FILE = 4096
 _LOOPBACK_NAMES = frozenset({"localhost", "::1", "[::1]", "ip6-localhost"})
 # like `sluice launch`: role processes run this very package, wherever it lies
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -76,34 +74,6 @@ def host_port(text: str, option: str) -> tuple[str, int]:
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise NodeError(f"{option} {text!r}: expected HOST:PORT, e.g. {option} sluice-0.sluice:29400")
     return host, int(port)
-
-
-def read_secret_file(path: str) -> bytes:
-    """The job secret in `path`, without surrounding whitespace; refused if others can read the file."""
-    try:  # O_NONBLOCK: a FIFO put there is refused below instead of blocking this open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise NodeError(f"cannot read the secret file {path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)  # of what was opened, so the file checked is the file read
-        if not stat.S_ISREG(info.st_mode):
-            raise NodeError(f"the secret file {path} is not a regular file: write the job secret into a file "
-                            "(on Kubernetes: mount the Secret as a volume)")
-        if info.st_mode & 0o007:
-            raise NodeError(f"the secret file {path} can be read by others (mode {stat.S_IMODE(info.st_mode):04o}): "
-                            f"run chmod 600 {path} (on Kubernetes: give the Secret volume defaultMode 0400)")
-        data = b""
-        while len(data) <= _MAX_SECRET_FILE and (chunk := os.read(fd, _MAX_SECRET_FILE + 1 - len(data))):
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_SECRET_FILE:
-        raise NodeError(f"the secret file {path} holds more than {_MAX_SECRET_FILE} bytes: is it the job secret?")
-    secret = data.strip()
-    if len(secret) < MIN_SECRET_BYTES:
-        raise NodeError(f"the secret file {path} holds {len(secret)} bytes (without whitespace); a job secret needs "
-                        f"at least {MIN_SECRET_BYTES}: make one with `openssl rand -hex 32`")
-    return secret
 
 
 def _loopback(host: str) -> bool:
@@ -162,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     """Become the node: exec its program, so that it is the pod's main process and gets its signals."""
     try:
         start = plan(args, os.environ)
-    except (NodeError, ConfigError) as exc:
+    except (NodeError, ConfigError, SecretFileError) as exc:
         print(f"sluice node: error: {exc}", file=sys.stderr)
         return 2
     for note in start.notes:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import zmq
 
 from sluice.scheduler.jobs_registry import MAX_ENTRY_BYTES, JobState, parse_state
-from sluice.transport.auth import JobKeys
+from sluice.transport.auth import JobKeys, read_secret_file
 from sluice.transport.rejects import Rejections
 from sluice.transport.zmq_guard import Guard, make_socket
 
@@ -60,8 +60,6 @@ def load_keys(secret_file: str, curve: bool) -> JobKeys | None:
                              "registry secret in a file (chmod 600; make one with `openssl rand -hex 32`), or "
                              "run with transport.curve = false on a network you trust")
         return None
-    from sluice.launch.node import read_secret_file  # the launcher's checks of a secret file (mode, size)
-
     return registry_keys(read_secret_file(secret_file))
 
 

@@ -8,12 +8,16 @@ before the handshake) and a listening socket can tell, from the key a client pro
 member it is: that name becomes the connection's ZAP User-Id, and the transport drops any message
 whose self-chosen ZeroMQ identity differs from it. A process without the secret cannot complete a
 handshake at all: it does not know the servers' public keys, and no key it has maps to a member.
+A secret kept in a file (`sluice node --secret-file`, `jobs.registry_secret_file`) is read by
+`read_secret_file`, which refuses one that others can read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import stat
 from collections.abc import Iterable, Sequence
 
 import zmq
@@ -81,3 +85,39 @@ class JobKeys:
         if name is None:
             return [ZAP_VERSION, request_id, b"400", b"not a member of this job", b"", b""]
         return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]
+
+
+MAX_SECRET_FILE = 4096
+
+
+class SecretFileError(ValueError):
+    """A secret file that cannot be used: unreadable, readable by others, too short or too long."""
+
+
+def read_secret_file(path: str) -> bytes:
+    """The job secret in `path`, without surrounding whitespace; refused if others can read the file."""
+    try:  # O_NONBLOCK: a FIFO put there is refused below instead of blocking this open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SecretFileError(f"cannot read the secret file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # of what was opened, so the file checked is the file read
+        if not stat.S_ISREG(info.st_mode):
+            raise SecretFileError(f"the secret file {path} is not a regular file: write the job secret into a file "
+                                  "(on Kubernetes: mount the Secret as a volume)")
+        if info.st_mode & 0o007:
+            mode = stat.S_IMODE(info.st_mode)
+            raise SecretFileError(f"the secret file {path} can be read by others (mode {mode:04o}): run chmod 600 "
+                                  f"{path} (on Kubernetes: give the Secret volume defaultMode 0400)")
+        data = b""
+        while len(data) <= MAX_SECRET_FILE and (chunk := os.read(fd, MAX_SECRET_FILE + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE:
+        raise SecretFileError(f"the secret file {path} holds more than {MAX_SECRET_FILE} bytes: is it the job secret?")
+    secret = data.strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SecretFileError(f"the secret file {path} holds {len(secret)} bytes (without whitespace); a job secret "
+                              f"needs at least {MIN_SECRET_BYTES}: make one with `openssl rand -hex 32`")
+    return secret
