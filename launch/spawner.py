@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from sluice.launch.children import Child, Sink
@@ -45,10 +46,14 @@ class Spawner:
         """Our own modules first: role processes run them, wherever the launcher was started."""
         return os.pathsep.join(p for p in (_PROJECT_ROOT, self.base_env.get("PYTHONPATH")) if p)
 
-    def node_environ(self, role: str, rank: int, scheduler: str) -> tuple[dict[str, str], str | None]:
-        """The variables that give a process its place in the job, and the host it runs on if not here."""
+    def node_environ(self, role: str, rank: int, scheduler: str, moved_to: str | None = None
+                     ) -> tuple[dict[str, str], str | None]:
+        """The variables that give a process its place in the job, and the host it runs on if not here
+        (`moved_to`: a server started on another host than the plan's, ps.replicas)."""
         sections = self.config.to_sections()
         place = self.plan.place(role, rank) if self.plan is not None and role != "scheduler" else None
+        if place is not None and moved_to is not None:
+            place = dataclasses.replace(place, host=moved_to)
         if self.plan is not None:  # every process listens on its own host's address
             sections["transport"]["host"] = self.plan.address(place.host) if place else self.plan.launcher_address
         node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators)
@@ -65,8 +70,10 @@ class Spawner:
         remote = place is not None and self.plan is not None and self.plan.is_remote(place.host)
         return env, place.host if remote and place is not None else None
 
-    async def start(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
-        env, host = self.node_environ(role, rank, scheduler)
+    async def start(self, role: str, rank: int, argv: list[str], scheduler: str, moved_to: str | None = None,
+                    extra_env: Mapping[str, str] | None = None) -> Child:
+        env, host = self.node_environ(role, rank, scheduler, moved_to)
+        env.update(extra_env or {})
         if host is None:
             proc = await self._start_here(argv, {**self.base_env, **env})
         else:
@@ -74,11 +81,13 @@ class Spawner:
         return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "",
                      self.output, folder(role, rank, self.workers))
 
-    async def sweep(self, items: list[str], timeout: float = 15.0) -> None:
-        """Remove the job's state (launch/janitor.py's `state` items) on every other host of the job."""
+    async def sweep(self, items: list[str], timeout: float = 15.0, lost: Collection[str] = ()) -> None:
+        """Remove the job's state (launch/janitor.py's `state` items) on every other host of the job but the
+        `lost` ones."""
         if self.plan is None or not items:
             return
-        hosts = [h for h in dict.fromkeys(p.host for p in self.plan.layout.processes) if self.plan.is_remote(h)]
+        hosts = [h for h in dict.fromkeys(p.host for p in self.plan.layout.processes)
+                 if self.plan.is_remote(h) and h not in lost]
         argv = [sys.executable, "-m", "sluice.launch.janitor", "--remove", *items]
         env = {"PYTHONPATH": self._pythonpath()}
         started = []

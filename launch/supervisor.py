@@ -22,6 +22,8 @@ from sluice.launch.master_port import MasterPortError, choose
 from sluice.launch.output import launcher_lines
 from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
+from sluice.launch.takeover import Takeovers
+from sluice.ps.mirror_links import ENV_TAKEOVER
 from sluice.ps.snapshot import remove_state_files, state_tag
 from sluice.scheduler.bootstrap import new_secret
 
@@ -63,6 +65,7 @@ class Job:
         self.janitor: Janitor | None = None
         self.endpoint = ""  # the scheduler's, once it announced it
         self.restarts = 0  # servers restarted (ps.recover)
+        self.takeovers = Takeovers(config, plan, servers)  # servers moved off a lost host (ps.replicas)
 
     def busiest_host(self) -> int:
         """The most workers any one host runs."""
@@ -86,8 +89,9 @@ class Job:
             self.interrupted.set_result(128 + sig)
             self.complain(f"received {sig.name}; stopping the job")
 
-    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str) -> Child:
-        child = await self.spawner.start(role, rank, argv, scheduler)
+    async def spawn(self, role: str, rank: int, argv: list[str], scheduler: str, moved_to: str | None = None,
+                    extra_env: dict[str, str] | None = None) -> Child:
+        child = await self.spawner.start(role, rank, argv, scheduler, moved_to, extra_env)
         self.children.append(child)
         self.say(f"started {child.name}: {shlex.join(argv)}", debug=True)
         if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
@@ -123,7 +127,7 @@ class Job:
             state = self.state_items()
             if self.config.ps.recover:  # the servers' committed state dies with the job
                 remove_state_files(state_tag(self.spawner.secret))
-            await self.spawner.sweep(self.swept(state))  # and on the other hosts
+            await self.spawner.sweep(self.swept(state), lost=self.takeovers.lost_hosts)  # and on the other hosts
             self.janitor.close()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -223,14 +227,19 @@ class Job:
                           f"servers {self.restarts} times (ps.max_restarts)")
             return None
         self.restarts += 1
+        moved_to = self.takeovers.host_lost(dead)
+        if moved_to is not None:
+            self.complain(self.takeovers.describe(dead, moved_to))
         self.complain(f"{dead.name} {exit_description(dead.returncode or 0)}; restarting it "
                       f"({self.restarts} of at most {ps.max_restarts} restarts)")
         lines = "\n".join(f"    {line}" for line in dead.tail) or "    (no output)"
         self.complain(f"last lines of {dead.label}:\n{lines}")
         self.children.remove(dead)  # what it did is told; the blame of a later failure is its replacement's
         try:
+            # a moved server's state file is the mirror it took over, restarted or not (ps/mirror_links.py)
+            moved = self.takeovers.host_of(dead.rank)
             return await self.spawn("server", dead.rank, [sys.executable, "-m", "sluice.launch.cli", "server"],
-                                    self.endpoint)
+                                    self.endpoint, moved, {ENV_TAKEOVER: "1"} if moved is not None else None)
         except OSError as exc:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None

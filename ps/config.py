@@ -19,7 +19,20 @@ class ServerConfig:
     #: with ps.recover, how long the scheduler waits for a silent server's replacement before the
     #: job fails naming it (seconds)
     recover_timeout: float = 60.0
+    #: with ps.recover, on how many other hosts each server's committed state is mirrored before the
+    #: round's replies go out (ps/mirror.py); 0: only in the server's own host's /dev/shm
+    replicas: int = 0
+    #: with ps.replicas, how long a server waits for its mirror's acknowledgement before it fails (seconds)
+    mirror_timeout: float = 30.0
+    #: with ps.replicas, let a server on the same host hold the mirror (tests on one machine only: such a
+    #: mirror survives nothing the server's own state file does not)
+    mirror_same_host: bool = False
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.recover_timeout <= 0:
             raise ValueError("ps.max_restarts must be 0 or more and ps.recover_timeout positive")
+        if self.replicas not in (0, 1) or self.mirror_timeout <= 0:
+            raise ValueError(f"ps.replicas must be 0 or 1 (more replicas are not built yet), got {self.replicas}, "
+                             "and ps.mirror_timeout positive")
+        if self.replicas and not self.recover:
+            raise ValueError("ps.replicas mirrors the state that ps.recover keeps: set ps.recover = true too")

@@ -11,7 +11,7 @@ without ps.recover the flag changes nothing: no peer can get a push applied twic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from sluice.errors import SluiceError
@@ -35,6 +35,8 @@ class Recovery:
         self.state = state
         #: (key, chunk) -> (round, ranks whose push of that round came as a RESEND)
         self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
+        #: ps.replicas: told each commit, to mirror it before the round's replies go (ps/mirror.py)
+        self.after_commit: Callable[[Chunk], None] | None = None
 
     def restore(self, chunks: Sequence[Chunk], recovering: bool) -> list[Chunk]:
         """Give the new `chunks` of a PLAN their place in the file and their committed state; the chunks restored.
@@ -56,6 +58,8 @@ class Recovery:
     def commit(self, chunk: Chunk) -> None:
         """The round (or broadcast) just applied, made durable; call before creating any reply to it."""
         self.state.commit(chunk)
+        if self.after_commit is not None:
+            self.after_commit(chunk)
 
     def duplicate(self, chunk: Chunk, ranks: tuple[int, ...], msg: Message) -> int:
         """APPLIED, IGNORED, or 0 (a push like any other, refused or taken as without ps.recover)."""
@@ -80,8 +84,10 @@ class Recovery:
         self.state.close(remove)
 
 
-def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_DIR) -> Recovery:
-    """Server `env.rank`'s state file, locked, or SluiceError saying why recovery cannot run."""
+def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_DIR, holder: str = "server",
+                  lock_timeout: float = 5.0) -> Recovery:
+    """Server `env.rank`'s state file, locked, or SluiceError saying why recovery cannot run. `holder` "mirror":
+    its copy this host held for it (ps.replicas: the server took over from a lost host, ps/mirror_links.py)."""
     if not settings.sync:
         raise SluiceError(
             "ps.recover needs ps.sync = true: an asynchronous server applies each push as it comes, so a "
@@ -96,4 +102,4 @@ def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_D
         raise SluiceError("ps.recover needs the job secret (transport.curve on, or sluice launch)")
     if env.rank < 0:
         raise SluiceError("ps.recover needs each server's rank at start (SLUICE_RANK; sluice launch sets it)")
-    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory))
+    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, holder))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
+from sluice.ps.mirror_links import ENV_TAKEOVER, MirrorLinks
 from sluice.ps.recovered import open_recovery
 from sluice.ps.role import Reply, Role
+from sluice.ps.snapshot import state_tag
 from sluice.ps.store import ShardStore
 from sluice.ps.trace import ServerTrace
 from sluice.scheduler import culprit
@@ -22,8 +26,11 @@ class Server(Role):
 
     def __init__(self, env: NodeEnv) -> None:
         self.settings = ServerConfig(**env.section("ps"))
+        #: ps.replicas: started on the host that held its mirror, its own host lost (the file is opened at the
+        #: first PLAN: its holder unlocks it once the scheduler saw this server register)
+        self.takeover = self.settings.replicas > 0 and os.environ.get(ENV_TAKEOVER) == "1"
         # before the transport: a live server holding the state file is refused with nothing to undo
-        recovery = open_recovery(env, self.settings) if self.settings.recover else None
+        recovery = open_recovery(env, self.settings) if self.settings.recover and not self.takeover else None
         try:
             super().__init__(env)
         except BaseException:
@@ -33,6 +40,8 @@ class Server(Role):
         self.store = ShardStore(-1, env.workers, self.settings.sync, alloc=self.transport.alloc)
         self.store.recovery = recovery
         self.store.on_first_orphan = self._report_orphan
+        #: ps.replicas: this server's copy on another host, and the copies it holds of others (ps/mirror.py)
+        self.mirrors: MirrorLinks | None = None
         timeline = TimelineConfig(**env.section("timeline"))
         self.timeline_part = part_path(timeline.path, "server", env.rank) if timeline.path else None
         self.trace = ServerTrace(str(self.timeline_part), "server", env.rank,
@@ -44,10 +53,14 @@ class Server(Role):
             return [(peer, channel, Message(Kind.PROBE_REPLY, sender=self.store.node_id, round=msg.round,
                                             priority=msg.priority))]
         try:
+            if msg.kind in (Kind.MIRROR, Kind.MIRROR_ACK) and self.mirrors is not None:
+                return self.mirrors.handle(peer, msg)
             replies = self.store.handle(peer, channel, msg, now)
         except SluiceError as exc:  # the state file could not take a commit: this server cannot go on safely
             self.control.fail(str(exc))
             return []
+        if self.mirrors is not None and self.mirrors.sender is not None:
+            replies = self.mirrors.sender.take(replies)  # its commits' MIRRORs first; replies wait for their acks
         if self.trace is not None and msg.kind == Kind.PUSH:
             self.trace.pushed(msg, channel, replies)
         return replies
@@ -57,14 +70,48 @@ class Server(Role):
         self.store.node_id = self.control.node_id
         self.store.worker_ids = {p.node_id: (p.name, p.rank) for p in self.control.peers if p.role == "worker"}
         self.store.aggregator_ids = {p.node_id: p.name for p in self.control.peers if p.role == "aggregator"}
+        if self.settings.replicas:
+            self.mirrors = MirrorLinks(self.transport, self.control.rank, self.control.node_id,
+                                       state_tag(self.env.secret), self.env.workers, self.settings.mirror_timeout,
+                                       self.settings.mirror_same_host)
+            try:
+                self.mirrors.place(self.control.peers)
+            except SluiceError as exc:
+                self.control.fail(str(exc))
+            self._mirror_commits()
+
+    def _mirror_commits(self) -> None:
+        """Each commit goes to the holder too, while this server has one."""
+        if self.store.recovery is not None:
+            sender = self.mirrors.sender if self.mirrors is not None else None
+            self.store.recovery.after_commit = sender.committed if sender is not None else None
 
     def on_scheduler(self, msg: Message) -> None:
+        if msg.kind == Kind.SERVER_BACK and self.mirrors is not None:  # a server linked to this one was restarted
+            for to, channel, out in self.mirrors.server_back(msg):
+                self.transport.send(to, channel, out)
+            self._mirror_commits()
+            return
+        if msg.kind == Kind.MIRROR_RELEASE and self.mirrors is not None:
+            rank = meta_field(msg, "rank", int)
+            path = self.mirrors.holder.release(rank)
+            self.log.info("server %d: server %d took over from its mirror here (%s)", self.control.rank, rank, path)
+            return
         if msg.kind != Kind.PLAN:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
         seq = meta_field(msg, "seq", int)
         recovering = bool(msg.meta and msg.meta.get("recovery") is True)  # sent again to a replacement
         try:
+            if self.takeover and self.store.recovery is None:
+                self.store.recovery = open_recovery(self.env, self.settings, holder="mirror",
+                                                    lock_timeout=self.settings.mirror_timeout)
+                self._mirror_commits()
             restored = self.store.add_plan(meta_field(msg, "tensors", list), recovering)
+            mirrors = msg.meta.get("mirrors") if msg.meta else None
+            if mirrors is not None:
+                if self.mirrors is None:
+                    raise WireError("a PLAN names mirrors, but this server keeps none (ps.replicas differs?)")
+                self.mirrors.add_plans(mirrors)
             limits = parse_limits(meta_field(msg, "limits", list))
         except (ValueError, TypeError, KeyError) as exc:
             self.control.fail(f"server {self.control.rank} cannot take the plan of declaration {seq}: {exc}")
@@ -72,6 +119,10 @@ class Server(Role):
         except SluiceError as exc:
             self.control.fail(str(exc))
             return
+        if restored and self.mirrors is not None and self.mirrors.sender is not None:
+            self.mirrors.sender.restored(restored)
+            for to, channel, out in self.mirrors.sender.take([]):
+                self.transport.send(to, channel, out)
         if restored:
             rounds = [chunk.round for chunk in restored]
             self.log.info("server %d: restored %d chunks of declaration %d at rounds %d..%d", self.control.rank,
@@ -99,10 +150,17 @@ class Server(Role):
     def on_close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        clean = self.done.is_set() and self.exit_code == 0
         if self.store.recovery is not None:  # a clean end (SHUTDOWN) leaves nothing to recover
-            self.store.recovery.close(remove=self.done.is_set() and self.exit_code == 0)
+            self.store.recovery.close(remove=clean)
+        if self.mirrors is not None:
+            self.mirrors.close(clean)
 
     def stalled(self, now: float, limit: float) -> list[str]:
+        sender = self.mirrors.sender if self.mirrors is not None else None
+        why = sender.overdue(now) if sender is not None else None
+        if why is not None:
+            self.control.fail(why)
         return self.store.stalled(now, limit)
 
     def worker_left(self, rank: int) -> list[Reply]:

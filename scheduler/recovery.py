@@ -13,9 +13,25 @@ before it fails naming it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sluice.scheduler.node import endpoint_host
 from sluice.transport.wire import Kind, Message
+
+
+def holders(hosts: Sequence[str], same_host: bool = False) -> dict[int, int]:
+    """ps.replicas: server rank -> the rank of the server that mirrors its state (ps/mirror.py): the next
+    server in rank order (wrapping) on another host (`hosts[rank]`); a rank with no server on another host
+    has none. `same_host`: any other server will do (ps.mirror_same_host, tests on one machine only)."""
+    mirrored: dict[int, int] = {}
+    for rank, host in enumerate(hosts):
+        for step in range(1, len(hosts)):
+            other = (rank + step) % len(hosts)
+            if same_host or hosts[other] != host:
+                mirrored[rank] = other
+                break
+    return mirrored
 
 
 @dataclass
@@ -31,6 +47,31 @@ class ServerRecovery:
     incarnations: dict[str, int] = field(default_factory=dict)
     #: servers already said to be silent (logged once)
     silent: set[str] = field(default_factory=set)
+    #: ps.replicas (0 or 1) and ps.mirror_same_host: each holder gets its primaries' part of every PLAN
+    replicas: int = 0
+    same_host: bool = False
+
+    def took_over(self, rank: int, before: Sequence[Sequence[str]], endpoints: Sequence[str]) -> int | None:
+        """Server `rank`'s replacement registered at `endpoints`: the rank of the server whose host held its
+        mirror when it came up there (the launcher started it on the holder's host: its own was lost)."""
+        holder = self.mirrored_rank(rank, before)
+        moved = endpoint_host(endpoints) != endpoint_host(before[rank])
+        return holder if moved and holder is not None and endpoint_host(before[holder]) == endpoint_host(
+            endpoints) else None
+
+    def mirrored_rank(self, rank: int, endpoints: Sequence[Sequence[str]]) -> int | None:
+        """The rank of the server that mirrors server `rank` (None: none)."""
+        if not (self.enabled and self.replicas):
+            return None
+        return holders([endpoint_host(e) for e in endpoints], self.same_host).get(rank)
+
+    def mirrored_by(self, endpoints: Sequence[Sequence[str]]) -> dict[int, list[int]]:
+        """Holder rank -> the ranks of the servers it mirrors, from the servers' endpoints in rank order."""
+        placed: dict[int, list[int]] = {}
+        if self.enabled and self.replicas:
+            for rank, holder in holders([endpoint_host(e) for e in endpoints], self.same_host).items():
+                placed.setdefault(holder, []).append(rank)
+        return placed
 
     def sent(self, server: str, plan: Message) -> None:
         """Remember a PLAN sent to `server` (only with recovery on: plans are small, but not free)."""

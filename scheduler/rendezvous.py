@@ -192,11 +192,16 @@ class Rendezvous:
         endpoints = meta_field(msg, "endpoints", list)
         if not endpoints or not all(isinstance(e, str) for e in endpoints):
             raise WireError("REGISTER endpoints must be a non-empty list of strings for a server")
+        servers = self._of_role("server")
+        holder = self.recovery.took_over(node.rank, [s.endpoints for s in servers], endpoints)
         node.endpoints, node.pid = endpoints, meta_field(msg, "pid", int)
         self.last_seen[node.name] = now
         book = address_book(self.nodes.values())
         outs = [(node.name, self._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role,
                                       nodes=book))]
+        if holder is not None:  # ps.replicas: its host was lost; it restores from the mirror there
+            self.notes.append(f"{node.describe()} came back on the host of server {holder}, which held its mirror")
+            outs.append((servers[holder].name, self._msg(Kind.MIRROR_RELEASE, rank=node.rank)))
         plans = self.recovery.replaced(node.name)
         self.notes.append(f"{node.describe()} registered again (replacement {self.recovery.incarnations[node.name]});"
                           f" re-sending its {len(plans)} plans")
@@ -209,7 +214,9 @@ class Rendezvous:
     def _server_back(self, node: Node) -> list[Out]:
         self.notes.append(f"{node.describe()} is back: telling the workers its endpoints")
         back = self.recovery.back(node.node_id, node.rank, node.name, node.endpoints)
-        return [(n.name, back) for n in self._of_role("worker") + self._of_role("aggregator")]
+        # ps.replicas: the servers too, as the one restarted may hold or send another's mirror (ps/mirror_links.py)
+        servers = [n for n in self._of_role("server") if n is not node] if self.recovery.replicas else []
+        return [(n.name, back) for n in self._of_role("worker") + self._of_role("aggregator") + servers]
 
     def _assign(self, now: float) -> list[Out]:
         error = assign(self.nodes.values())
@@ -270,9 +277,13 @@ class Rendezvous:
         options = {spec.name: opt for spec, opt in decl.by_rank[members[0]]}
         outs = []
         shared = members if raw_ranks is not None else None
-        for server in self._of_role("server"):
+        servers = self._of_role("server")
+        mirrored_by = self.recovery.mirrored_by([s.endpoints for s in servers])
+        for server in servers:
+            # ps.replicas: a holder checks its primaries' MIRRORs against their plans
+            mirrors = {str(r): server_shard(plans, r, options, shared) for r in mirrored_by.get(server.rank, ())}
             plan = self._msg(Kind.PLAN, seq=seq, tensors=server_shard(plans, server.rank, options, shared),
-                             limits=limits.as_list())
+                             limits=limits.as_list(), **({"mirrors": mirrors} if mirrors else {}))
             self.recovery.sent(server.name, plan)
             outs.append((server.name, plan))
         decl.table = worker_table(decl.plans)

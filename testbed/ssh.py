@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,6 +115,21 @@ class SshBed:
                     raise RuntimeError(f"sshd on {name} ({address}) did not admit the bed's key within {timeout:g} s: "
                                 f"{probe.stdout.strip()}\nsshd log:\n{log}")
                 time.sleep(0.2)
+
+    def left_on(self, host: str, pattern: re.Pattern[str]) -> list[str]:
+        """Processes in `host` whose command line matches `pattern` (all namespaces share the pid space:
+        ask `ip netns pids`), as "PID: CMDLINE"."""
+        pids = subprocess.run(["ip", "netns", "pids", self.netbed.hosts[host].netns], capture_output=True, text=True,
+                              timeout=10).stdout.split()
+        left = []
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if pattern.search(cmdline):
+                left.append(f"{pid}: {cmdline[:120]}")
+        return left
 
     def close(self) -> None:
         for daemon in self._daemons:

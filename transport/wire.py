@@ -122,6 +122,13 @@ class Kind(IntEnum):
     #: worker -> server: meta joined=true: "I called join(): count me as pushing zeros"; joined=false:
     #: "I am back" (the server echoes it, so the worker knows before it pushes again)
     JOIN = 32
+    #: server -> the server that mirrors its shard (ps.replicas, ps/mirror.py): a chunk's committed state
+    #: (or, meta `plan`, the chunks of a PLAN), and the holder's acknowledgement once it is in its file
+    MIRROR = 33
+    MIRROR_ACK = 34
+    #: ps.replicas, scheduler -> a holder: server meta `rank` took over from its mirror on this host (its
+    #: own host was lost): stop writing that mirror and unlock it for the replacement
+    MIRROR_RELEASE = 35
     #: between workers: the coordinator tree (requests and ready bits up, decisions down)
     COORD_UP = 40
     COORD_DOWN = 41

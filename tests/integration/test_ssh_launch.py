@@ -68,18 +68,8 @@ def _results(output: str) -> list[dict[str, Any]]:
 
 
 def _left_on(bed: SshBed, host: str) -> list[str]:
-    """Processes of a job still running in `host` (all namespaces share the pid space: ask `ip netns pids`)."""
-    pids = subprocess.run(["ip", "netns", "pids", bed.netbed.hosts[host].netns], capture_output=True, text=True,
-                          timeout=10).stdout.split()
-    left = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if _REMOTE.search(cmdline):
-            left.append(f"{pid}: {cmdline[:120]}")
-    return left
+    """The job's processes still running in `host`."""
+    return bed.left_on(host, _REMOTE)
 
 
 def _lines_until(job: subprocess.Popen[str], pattern: str, timeout: float) -> str:

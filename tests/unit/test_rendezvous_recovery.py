@@ -1,8 +1,11 @@
-"""The scheduler's side of server recovery (ps.recover), driven with plain messages and a fake clock."""
+"""The scheduler's side of server recovery (ps.recover) and of its replicas (ps.replicas: each holder gets its
+primaries' plans, a server back on its holder's host has the holder release the mirror), with plain messages."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.recovery import ServerRecovery
@@ -103,3 +106,44 @@ def test_without_recovery_a_silent_server_fails_the_job_at_the_heartbeat_timeout
         machine.on_message(peer, msg(Kind.HEARTBEAT), 5.5)
     machine.on_tick(5.5)
     assert machine.phase == "failed" and "server 1" in machine.error
+
+
+def formed_with_replicas(hosts: tuple[str, str]) -> Rendezvous:
+    machine = Rendezvous(2, 2, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False,
+                         recovery=ServerRecovery(True, timeout=20.0, replicas=1))
+    for rank, host in enumerate(hosts):
+        register(machine, f"server-{rank}", "server", rank, endpoint=f"tcp://{host}:1000")
+    for rank in range(2):
+        register(machine, f"worker-{rank}", "worker", rank)
+    return machine
+
+
+def meta(message: Message) -> dict[str, Any]:
+    return message.meta or {}
+
+
+@pytest.mark.timeout(10)
+def test_each_holder_gets_its_primarys_part_of_the_plan() -> None:
+    plans = dict(declare(formed_with_replicas(("10.0.0.1", "10.0.0.2")), 1, "a"))
+    assert meta(plans["server-0"])["mirrors"] == {"1": meta(plans["server-1"])["tensors"]}
+    assert meta(plans["server-1"])["mirrors"] == {"0": meta(plans["server-0"])["tensors"]}
+    same_host = dict(declare(formed_with_replicas(("10.0.0.1", "10.0.0.1")), 1, "a"))
+    assert "mirrors" not in meta(same_host["server-0"])  # no other host: no mirror
+
+
+@pytest.mark.timeout(10)
+def test_a_server_back_on_its_holders_host_has_the_holder_release_the_mirror() -> None:
+    machine = formed_with_replicas(("10.0.0.1", "10.0.0.2"))
+    declare(machine, 1, "a")
+    for server in ("server-0", "server-1"):
+        machine.on_message(server, Message(Kind.PLAN_ACK, meta={"seq": 1}), 1.5)
+    outs = register(machine, "server-1", "server", 1, now=3.0, endpoint="tcp://10.0.0.1:2000")
+    assert [(peer, m.kind) for peer, m in outs][:3] == [("server-1", Kind.WELCOME), ("server-0", Kind.MIRROR_RELEASE),
+                                                        ("server-1", Kind.PLAN)]
+    assert meta(outs[1][1]) == {"rank": 1}
+    back = machine.on_message("server-1", Message(Kind.PLAN_ACK, meta={"seq": 1}), 3.1)
+    assert [(peer, m.kind) for peer, m in back] == [("worker-0", Kind.SERVER_BACK), ("worker-1", Kind.SERVER_BACK),
+                                                     ("server-0", Kind.SERVER_BACK)]
+    # a restart on its own host releases nothing: its own file is there
+    again = register(machine, "server-0", "server", 0, now=4.0, endpoint="tcp://10.0.0.1:3000")
+    assert Kind.MIRROR_RELEASE not in [m.kind for _, m in again]

@@ -1,0 +1,186 @@
+"""A server's committed chunks mirrored on another host (ps.replicas): placement, the MIRROR message, held replies.
+
+With ps.recover each round is committed to the server's state file (ps/snapshot.py) before any reply
+of it exists. With ps.replicas = 1 the same committed state also goes, as a MIRROR per chunk and
+commit, to the server that mirrors this one (`holders`, from scheduler/recovery.py: the next server
+in rank order on another host), which writes it into a state file of the same format in its host's
+/dev/shm (ps/mirror_holder.py) and answers MIRROR_ACK. Until that acknowledgement arrives, every reply about
+the chunk is held here: a worker never sees a round that only one host holds. With one replica,
+chain replication and primary-backup are the same thing (the chain is primary -> holder).
+
+What a MIRROR carries is the committed state itself, not the round's sum for the holder to step
+again: the holder then needs no optimizer, no rank-ordered sum and no copy of the PLAN's settings to
+stay bit-identical, and its cost is one copy of the state per round (1x the shard without an
+optimizer, 2x with momentum, 3x with Adam) against 1x plus a second optimizer step (docs/cluster.md
+gives the measurement). Payload: the value, then the optimizer's arrays that meta `bits` names (in
+optim.STATE_ARRAYS order), then the broadcast buffer when meta `bcast` is true (it changed), cut
+into pieces the size of the largest chunk; the holder acknowledges the last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sluice.ps import optim
+from sluice.ps.store import Chunk, Reply
+from sluice.scheduler.recovery import holders as holders  # the placement the scheduler uses too
+from sluice.transport.config import MAX_CHUNK_BYTES
+from sluice.transport.dtypes import STORAGE
+from sluice.transport.wire import Kind, Message, WireError
+
+#: the transport channel MIRROR and MIRROR_ACK travel on: one channel keeps them in commit order
+MIRROR_CHANNEL = 0
+#: a MIRROR's state (up to 3x a chunk for Adam, more for bfloat16) goes in pieces no larger than the
+#: largest payload every transport takes
+PIECE_BYTES = MAX_CHUNK_BYTES
+
+
+def dials(rank: int, other: int) -> bool:
+    """Whether server `rank` connects to server `other` for mirroring (one connection a pair, as a transport
+    drops what arrives on its listening side from a peer it dialled): the higher rank dials, then says
+    hello, and the lower one can send to it once it heard that."""
+    return rank > other
+
+
+def hello_message(node_id: int) -> Message:
+    return Message(Kind.MIRROR_ACK, sender=node_id, meta={"hello": True})
+
+
+def compute_dtype(dtype: str) -> np.dtype:
+    """The dtype of a chunk's optimizer arrays (bfloat16 is updated in float32)."""
+    return np.dtype(np.float32) if dtype == "bfloat16" else np.dtype(STORAGE[dtype])
+
+
+def payload_bytes(length: int, dtype: str, bits: int, with_bcast: bool) -> int:
+    """The size of a MIRROR's payload for a chunk of `length` elements."""
+    storage = np.dtype(STORAGE[dtype]).itemsize
+    return length * (storage * (1 + with_bcast) + compute_dtype(dtype).itemsize * bin(bits).count("1"))
+
+
+def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool) -> list[Message]:
+    """The MIRROR of `chunk`'s committed state (its round, value, optimizer and state, and broadcast), in pieces
+    of at most PIECE_BYTES (meta `at`: where each starts; the first one's meta has the rest)."""
+    state = chunk.opt_state
+    bits = optim.state_bits(state) if state else 0
+    parts = [chunk.value, *(state[name] for i, name in enumerate(optim.STATE_ARRAYS) if bits >> i & 1)]
+    if with_bcast and chunk.bcast is not None:
+        parts.append(chunk.bcast)
+    payload = np.concatenate([np.ascontiguousarray(part).view(np.uint8) for part in parts])
+    first = {"at": 0, "bits": bits, "t": int(state.get("t", 0)), "opt": [optim.optimizer_code(chunk.optimizer),
+             *optim.optimizer_settings(chunk.optimizer)], "bv": chunk.bcast_version,
+             "bcast": with_bcast and chunk.bcast is not None}
+    return [Message(Kind.MIRROR, sender=sender, key=chunk.key, chunk=chunk.chunk, round=chunk.round, dtype="uint8",
+                    shape=piece.shape, payload=piece, meta=first if at == 0 else {"at": at})
+            for at in range(0, max(payload.size, 1), PIECE_BYTES) for piece in (payload[at:at + PIECE_BYTES],)]
+
+
+@dataclass
+class _Sent:
+    round: int
+    at: float
+    pieces: list[Message]
+
+
+class MirrorSender:
+    """The primary's side: a MIRROR per commit, and the replies about a chunk held until its mirror acknowledged."""
+
+    def __init__(self, rank: int, holder_rank: int, holder_peer: str, holder_host: str, node_id: int,
+                 timeout: float, ready: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rank, self.holder_rank, self.holder_peer, self.holder_host = rank, holder_rank, holder_peer, holder_host
+        self.node_id, self.timeout, self._clock = node_id, timeout, clock
+        #: whether the holder can be sent to: it dials this server, and said hello (`dials`)
+        self.ready = ready
+        #: MIRRORs made by commits, to send before any reply of the same handling
+        self.outbox: list[Message] = []
+        self._sent: dict[tuple[int, int], deque[_Sent]] = {}
+        self._held: dict[tuple[int, int], list[Reply]] = {}
+        #: (key, chunk) -> the broadcast version the holder has
+        self._bcast_sent: dict[tuple[int, int], int] = {}
+        self.mirrored = 0  # MIRRORs acknowledged
+        self.bytes = 0  # payload bytes of the MIRRORs made
+
+    def describe(self) -> str:
+        return f"server {self.holder_rank} on {self.holder_host}"
+
+    def committed(self, chunk: Chunk) -> None:
+        """Recovery's after_commit: `chunk`'s round is in the local file; mirror it."""
+        key = (chunk.key, chunk.chunk)
+        new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
+        if new_bcast:
+            self._bcast_sent[key] = chunk.bcast_version
+        pieces = mirror_messages(chunk, self.node_id, new_bcast)
+        if self.ready:
+            self.outbox += pieces
+        self.bytes += sum(piece.nbytes for piece in pieces)
+        self._sent.setdefault(key, deque()).append(_Sent(chunk.round, self._clock(), pieces))
+
+    def restored(self, chunks: Sequence[Chunk]) -> None:
+        """Chunks a replacement restored from its own file: mirrored again, broadcast included, as the holder
+        may have missed the last commit (it takes a round it has again: the same state)."""
+        for chunk in chunks:
+            self._bcast_sent.pop((chunk.key, chunk.chunk), None)
+            self.committed(chunk)
+
+    def hello(self) -> list[Reply]:
+        """The holder dialled this server (again: it was replaced): every MIRROR it has not acknowledged."""
+        self.ready = True
+        self.outbox.clear()
+        return [(self.holder_peer, MIRROR_CHANNEL, piece) for sent in self._sent.values() for one in sent
+                for piece in one.pieces]
+
+    def holder_replaced(self, dialled: bool) -> list[Reply]:
+        """The holder was restarted (its file kept what it acknowledged): what to send it again now (`dialled`:
+        this server connected to its new endpoints), or later, at its hello."""
+        self.ready = False
+        return self.hello() if dialled else []
+
+    def take(self, replies: list[Reply]) -> list[Reply]:
+        """What to send now: the pending MIRRORs first, then the replies about chunks not awaiting one."""
+        out: list[Reply] = [(self.holder_peer, MIRROR_CHANNEL, msg) for msg in self.outbox]
+        self.outbox.clear()
+        for reply in replies:
+            key = (reply[2].key, reply[2].chunk)
+            if self._sent.get(key):
+                self._held.setdefault(key, []).append(reply)
+            else:
+                out.append(reply)
+        return out
+
+    def stop(self) -> list[Reply]:
+        """No holder any more: every reply held for a mirror goes now."""
+        self._sent.clear()
+        self.outbox.clear()
+        held = [reply for replies in self._held.values() for reply in replies]
+        self._held.clear()
+        return held
+
+    def acked(self, peer: str, msg: Message) -> list[Reply]:
+        """A MIRROR_ACK (WireError unless it is the holder's, for the oldest MIRROR of that chunk): the replies
+        it releases."""
+        key = (msg.key, msg.chunk)
+        waiting = self._sent.get(key)
+        if peer != self.holder_peer or not waiting:
+            raise WireError(f"a MIRROR_ACK for key {msg.key} chunk {msg.chunk} that nobody awaits (from {peer!r:.60})")
+        if waiting[0].round != msg.round or (msg.meta or {}).get("hello"):
+            raise WireError(f"a MIRROR_ACK of round {msg.round} for key {msg.key} chunk {msg.chunk}, whose oldest "
+                            f"mirror in flight is of round {waiting[0].round}")
+        waiting.popleft()
+        self.mirrored += 1
+        if waiting:
+            return []
+        del self._sent[key]
+        return self._held.pop(key, [])
+
+    def overdue(self, now: float) -> str | None:
+        """Why this server cannot go on (a mirror unacknowledged past the timeout), or None."""
+        oldest = min((sent[0].at for sent in self._sent.values() if sent), default=None)
+        if oldest is None or now - oldest <= self.timeout:
+            return None
+        return (f"server {self.rank}: its replica holder {self.describe()} has not acknowledged a mirrored commit "
+                f"for {now - oldest:.0f} s (ps.mirror_timeout = {self.timeout:g} s): is that host or server down? "
+                "The rounds it holds cannot be answered without their copy")

@@ -1,0 +1,121 @@
+"""ps.replicas on the ssh testbed: a server's host is lost mid-training, the replica on another host takes its shard.
+
+The launcher host runs the scheduler and both workers; server 0 runs on h1 and server 1 on h2, each
+mirroring its committed state on the other's host (ps/mirror.py). Every process in h2's namespace is
+killed (its sshd and the ssh session too, so the launcher sees the session fail) and its link set
+down. The launcher starts server 1 on h1 from the mirror there; the workers re-send what it had not
+answered; the job ends with the parameters of the same job without the loss, and nothing is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.transport.shm import remove_segments_of
+from testbed.netbed import NetbedUnavailable
+from testbed.ssh import ROOT, SshBed, ssh_bed
+from tests.integration.script_workers import script_outputs
+
+SCRIPT = "tests/integration/scripts/cluster_train.py"
+#: the job's processes on a host: the remote stubs, the training script, servers
+JOB_PROCESS = re.compile(r"sluice\.launch\.remote|cluster_train\.py|sluice\.launch\.cli (server|aggregator)")
+ARGS = ["--steps", "60", "--optimizer", "sgd", "--hidden", "256"]
+#: every tensor through the servers, in 4 KiB chunks (chunks on both servers), momentum on the servers;
+#: the in-flight bound set, so no calibration runs
+SETTINGS = {"collective": {"mode": "ps"}, "ps": {"recover": True}, "worker": {"optimizer_on": "server"},
+            "transport": {"chunk_bytes": 4096, "inflight_bytes": 16 << 20}}
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
+    try:
+        with ssh_bed(tmp_path_factory.mktemp("replicas"), ssh_hosts=2, second=True) as made:
+            yield made
+    except NetbedUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _reference() -> list[float]:
+    printed = "".join(script_outputs(2, 2, SETTINGS, ROOT / SCRIPT, *ARGS, "--kill-server-at", "-1", timeout=120))
+    results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"], printed[-3000:]
+    return list(results[0]["params"])
+
+
+def _kill_host(bed: SshBed, host: str) -> None:
+    """Every process in `host`'s namespace SIGKILLed (the session's sshd too), then its link down."""
+    netns = bed.netbed.hosts[host].netns
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=10).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    for pid in pids:  # a lost host's /dev/shm goes with it; the bed's hosts share this machine's
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        remove_segments_of(int(pid))
+    subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: SshBed) -> None:
+    launcher, h1, h2 = (bed.netbed.hosts[name].address for name in ("launcher", "h1", "h2"))
+    sets = ["collective.mode=ps", "ps.recover=true", "ps.replicas=1", "worker.optimizer_on=server",
+            "transport.chunk_bytes=4096", "transport.inflight_bytes=16777216", "worker.metrics_every=10",
+            "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3"]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H",
+            f"{launcher}:2,{h1}:1,{h2}:1", "-w", "2", "-s", "2", "--server-hosts", f"{h1},{h2}",
+            *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS]
+    started = time.time()
+    job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:  # all along: a launcher whose stdout nobody reads would stall (or garble) its output
+        assert job.stdout is not None
+        for line in iter(job.stdout.readline, ""):
+            lines.append(line)
+            if re.match(r"\[worker 0\] .*transport, steps \d+-\d+:", line):
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
+        _kill_host(bed, "h2")
+        job.wait(60)
+        reader.join(10)
+    finally:
+        subprocess.run(["ip", "netns", "exec", bed.netbed.hosts["h2"].netns, "ip", "link", "set", "eth0", "up"],
+                       timeout=10)
+        if job.poll() is None:
+            job.kill()
+    out = "".join(lines)
+    assert job.returncode == 0, out[-6000:]
+    assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
+    assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
+    assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]
+    results: list[dict[str, Any]] = sorted(
+        (json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", out, re.M)),
+        key=lambda r: r["rank"])
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
+    assert results[0]["params"] == _reference()
+    deadline = time.monotonic() + 15
+    while left := [p for host in ("launcher", "h1", "h2") for p in bed.left_on(host, JOB_PROCESS)]:
+        assert time.monotonic() < deadline, f"processes of the job still run: {left}"
+        time.sleep(0.2)
+    assert not [p for p in Path("/dev/shm").glob("sluice-state-*") if p.stat().st_mtime >= started]

@@ -1,0 +1,176 @@
+"""ps.replicas: a server's commits mirrored through the wire format into another holder's file, replies held
+until the mirror acknowledged, every malformed MIRROR refused, and the mirror restoring the exact state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sluice.ps.config import ServerConfig
+from sluice.ps.mirror import PIECE_BYTES, MirrorSender, holders
+from sluice.ps.mirror_holder import MirrorHolder
+from sluice.ps.recovered import Recovery
+from sluice.ps.snapshot import StateFile, state_tag
+from sluice.ps.store import Chunk, Reply, ShardStore
+from sluice.transport.wire import Flag, Kind, Message, WireError, decode, encode
+
+TAG = state_tag(b"m" * 32)
+WORKERS = 2
+PRIMARY, HOLDER = "server-0", "server-1"
+SGD_MOMENTUM = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}
+ADAM = {"name": "adam", "lr": 0.01, "weight_decay": 0.001}
+#: key -> (dtype, length, optimizer): one chunk larger than a MIRROR piece with Adam (it goes in pieces)
+TENSORS = {1: ("float32", 5, SGD_MOMENTUM), 2: ("bfloat16", 300_000, ADAM), 3: ("float64", 3, None)}
+
+
+def plan() -> list[Any]:
+    return [[key, f"t{key}", dtype, opt, [[0, length]]] for key, (dtype, length, opt) in TENSORS.items()]
+
+
+def primary(directory: Path) -> tuple[ShardStore, MirrorSender]:
+    store = ShardStore(node_id=7, workers=WORKERS, sync=True)
+    store.worker_ids = {10 + r: (f"w{r}", r) for r in range(WORKERS)}
+    store.recovery = Recovery(StateFile.open(TAG, 0, str(directory), lock_timeout=0.2))
+    sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0)
+    store.recovery.after_commit = sender.committed
+    store.add_plan(plan())
+    return store, sender
+
+
+def holder(directory: Path) -> MirrorHolder:
+    held = MirrorHolder(TAG, node_id=8, workers=WORKERS, directory=str(directory))
+    held.hold(0, PRIMARY, 7)
+    held.add_plan(0, plan())
+    return held
+
+
+def wire(msg: Message) -> Message:
+    """Through the real encoding, as the transport would carry it."""
+    return decode([bytes(memoryview(frame)) if not isinstance(frame, bytes) else frame for frame in encode(msg)])
+
+
+def push(key: int, rank: int, round_: int) -> Message:
+    dtype, length, _ = TENSORS[key]
+    values = np.random.default_rng(round_ * 10 + rank + key).standard_normal(length).astype(np.float32)
+    data = (values.view(np.uint32) >> 16).astype(np.uint16) if dtype == "bfloat16" else values.astype(dtype)
+    return Message(Kind.PUSH, sender=10 + rank, key=key, chunk=0, round=round_, dtype=dtype, shape=(length,),
+                   flags=Flag.WANT_REPLY, payload=memoryview(data))
+
+
+def deliver(out: list[Reply], held: MirrorHolder, sender: MirrorSender) -> tuple[list[Reply], int]:
+    """Send the MIRRORs in `out` to the holder and its acks back: the worker replies released, and MIRRORs sent."""
+    replies, mirrors = [r for r in out if r[2].kind != Kind.MIRROR], [r for r in out if r[2].kind == Kind.MIRROR]
+    for to, _, msg in mirrors:
+        assert to == HOLDER
+        for _, _, ack in held.take(PRIMARY, wire(msg)):
+            replies += sender.acked(HOLDER, wire(ack))
+    return replies, len(mirrors)
+
+
+def state_of(c: Chunk) -> tuple[Any, ...]:
+    state = {k: v.tobytes() if isinstance(v, np.ndarray) else v for k, v in c.opt_state.items()}
+    return c.round, c.value.tobytes(), state, type(c.optimizer), c.bcast_version, \
+        None if c.bcast is None else c.bcast.tobytes()
+
+
+@pytest.mark.timeout(10)
+def test_placement_is_the_next_server_on_another_host() -> None:
+    assert holders(["a", "b"]) == {0: 1, 1: 0}
+    assert holders(["a", "a", "b", "b"]) == {0: 2, 1: 2, 2: 0, 3: 0}
+    assert holders(["a", "a"]) == {}
+    assert holders(["a", "a"], same_host=True) == {0: 1, 1: 0}
+
+
+@pytest.mark.timeout(30)
+def test_replies_wait_for_the_mirror_and_the_mirror_restores_the_exact_state(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    store, sender = primary(tmp_path / "a")
+    held = holder(tmp_path / "b")
+    bcast = np.arange(5, dtype=np.float32)
+    out = sender.take(store.handle("w0", 0, Message(Kind.BCAST_PUSH, sender=10, key=1, round=1, dtype="float32",
+                                                   shape=(5,), flags=Flag.WANT_REPLY, payload=memoryview(bcast))))
+    assert [m.kind for _, _, m in out] == [Kind.MIRROR]  # the broadcast's ack waits for its mirror
+    released, _ = deliver(out, held, sender)
+    assert [m.kind for _, _, m in released] == [Kind.BCAST_REPLY]
+    pieces = 0
+    for round_ in range(1, 4):
+        for key in TENSORS:
+            first = sender.take(store.handle("w0", 0, push(key, 0, round_)))
+            assert first == []  # no reply before the round completes
+            out = sender.take(store.handle("w1", 0, push(key, 1, round_)))
+            assert all(m.kind == Kind.MIRROR for _, _, m in out), "a reply left before its round was mirrored"
+            released, sent = deliver(out, held, sender)
+            pieces += sent
+            assert sorted(to for to, _, m in released if m.kind == Kind.REPLY) == ["w0", "w1"]
+    assert pieces > 3 * len(TENSORS)  # the Adam chunk needed several pieces
+    assert sender.overdue(1000.0) is None and sender.mirrored == held.taken == 3 * len(TENSORS) + 1
+    # the holder's host takes over: the mirror, released, is what a replacement there restores
+    path = held.release(0)
+    assert path == str(tmp_path / "b" / f"sluice-state-{TAG}-mirror-0") and held.release(0) is None
+    assert store.recovery is not None
+    replacement = ShardStore(node_id=7, workers=WORKERS, sync=True)
+    replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, holder="mirror"))
+    assert len(replacement.add_plan(plan(), recovering=True)) == len(TENSORS)
+    for key in TENSORS:
+        assert state_of(replacement.chunks[(key, 0)]) == state_of(store.chunks[(key, 0)])
+    held.close()
+    replacement.recovery.close()
+    store.recovery.close()
+
+
+def mirror_of(store: ShardStore, sender: MirrorSender) -> Message:
+    out = sender.take(store.handle("w0", 0, push(1, 0, 1)) + store.handle("w1", 0, push(1, 1, 1)))
+    return next(m for _, _, m in out if m.kind == Kind.MIRROR)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("change, error", [
+    (lambda m: setattr(m, "sender", 99), "no server this one mirrors"),
+    (lambda m: setattr(m, "key", 9), "its plan does not have"),
+    (lambda m: setattr(m, "round", 2), "which is at round 0"),
+    (lambda m: m.meta.update(bits=8), "meta bits"),
+    (lambda m: m.meta.update(opt=[1, 0.1]), "meta opt"),
+    (lambda m: m.meta.update(opt=[5, *[0.0] * 5]), "not valid"),
+    (lambda m: m.meta.update(bv=1), "lacks its buffer"),
+    (lambda m: m.meta.update(at=4), "does not follow"),
+    (lambda m: (setattr(m, "payload", memoryview(bytes(8 * 5 + 4))), setattr(m, "shape", (44,))), "more than"),
+    (lambda m: (setattr(m, "dtype", "float32"), setattr(m, "shape", (10,))), "must carry bytes"),
+])
+def test_a_malformed_mirror_is_refused_and_the_file_keeps_its_round(tmp_path: Path, change: Any,
+                                                                     error: str) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    store, sender = primary(tmp_path / "a")
+    held = holder(tmp_path / "b")
+    good = mirror_of(store, sender)
+    msg = wire(good)
+    change(msg)
+    with pytest.raises(WireError, match=error):
+        held.take(PRIMARY, msg)
+    with pytest.raises(WireError, match="no server this one mirrors"):
+        held.take("worker-0", wire(good))
+    assert held.taken == 0 and held.primaries[PRIMARY].chunks[(1, 0)].round == 0
+    with pytest.raises(WireError, match="nobody awaits"):
+        sender.acked(HOLDER, Message(Kind.MIRROR_ACK, sender=8, key=3, chunk=0, round=1))
+    assert "has not acknowledged a mirrored commit" in (sender.overdue(200.0) or "")
+    held.close()
+    assert store.recovery is not None
+    store.recovery.close()
+
+
+@pytest.mark.timeout(10)
+def test_pieces_are_no_larger_than_a_chunk() -> None:
+    assert PIECE_BYTES <= 1 << 20
+
+
+@pytest.mark.timeout(10)
+def test_replicas_need_recover_and_are_at_most_one() -> None:
+    assert ServerConfig(recover=True, replicas=1).replicas == 1
+    with pytest.raises(ValueError, match=r"set ps\.recover = true too"):
+        ServerConfig(replicas=1)
+    with pytest.raises(ValueError, match="more replicas are not built yet"):
+        ServerConfig(recover=True, replicas=2)
