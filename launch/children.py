@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
 import time
@@ -49,14 +50,39 @@ def death_signal_hook() -> Callable[[], None] | None:
 
 
 class Sink:
-    """The launcher's stdout; if it goes away (a closed pipe) the job keeps running without it."""
+    """The launcher's stdout; if it goes away (a closed pipe) the job keeps running without it.
 
-    def __init__(self, stream: BinaryIO) -> None:
+    Whole lines reach it in one piece even when the descriptor is non-blocking (ssh, a child sharing
+    the terminal's file description, sets O_NONBLOCK on it): a full pipe is waited out, up to a
+    deadline, instead of losing the rest of a line or taking the reader for gone."""
+
+    def __init__(self, stream: BinaryIO, stall_s: float = 60.0) -> None:
         self.stream: BinaryIO | None = stream
+        self.stall_s = stall_s
 
     def write(self, data: bytes) -> None:
         if self.stream is None:
             return
+        try:
+            self.stream.flush()  # what an earlier writer left buffered goes first
+            fd = self.stream.fileno()
+        except (OSError, ValueError):  # closed, or no descriptor (a test's BytesIO): write as a stream
+            self._write_stream(data)
+            return
+        view, deadline = memoryview(data), time.monotonic() + self.stall_s
+        try:
+            while view:
+                try:
+                    view = view[os.write(fd, view):]
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [fd], [], left)[1]:
+                        raise TimeoutError(f"nothing read the output for {self.stall_s:g} s") from None
+        except (OSError, ValueError):
+            self.stream = None
+
+    def _write_stream(self, data: bytes) -> None:
+        assert self.stream is not None
         try:
             self.stream.write(data)
             self.stream.flush()
