@@ -12,7 +12,6 @@ where the two differ: a copy against an optimizer step plus a copy.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ if __package__ in (None, ""):  # run as `python bench/mirror_cost.py`: make the 
 
 import numpy as np
 
+from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
 from sluice.ps.mirror import mirror_messages
 from sluice.ps.mirror_holder import MirrorHolder
 from sluice.ps.plan import optimizer_of
@@ -35,16 +35,16 @@ OPTIMIZERS: dict[str, dict[str, object] | None] = {
     "none": None, "momentum": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "adam": {"name": "adam", "lr": 0.01}}
 
 
-def _median_us(run: Callable[[], object], repeats: int) -> float:
+def _timed_us(run: Callable[[], object], repeats: int) -> Stats:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+        times.append((time.perf_counter() - start) * 1e6)
+    return stats(times)
 
 
-def measure(name: str, length: int, repeats: int, directory: str) -> dict[str, float]:
+def measure(name: str, length: int, repeats: int, directory: str) -> dict[str, Stats]:
     opt = OPTIMIZERS[name]
     optimizer = optimizer_of(opt, "float32", name)
     rng = np.random.default_rng(0)
@@ -74,32 +74,41 @@ def measure(name: str, length: int, repeats: int, directory: str) -> dict[str, f
         chunk.round = next(rounds) + 10
         holder.primaries["server-0"].state.commit(chunk)
 
-    state_bytes = sum(m.nbytes for m in state_payload())
-    make = _median_us(state_payload, repeats)
-    take = _median_us(state_take, repeats)
+    state_bytes = float(sum(m.nbytes for m in state_payload()))
+    make = _timed_us(state_payload, repeats)
+    take = _timed_us(state_take, repeats)
     chunk.value = chunk.value.copy()  # the sum case steps the holder's own arrays
     chunk.opt_state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in chunk.opt_state.items()}
-    sum_copy = _median_us(lambda: grad.copy(), repeats)
-    sum_holder = _median_us(sum_take, repeats)
+    sum_copy = _timed_us(lambda: grad.copy(), repeats)
+    sum_holder = _timed_us(sum_take, repeats)
     holder.close(remove=True)
-    return {"state_bytes": state_bytes, "sum_bytes": grad.nbytes, "state_primary_us": make,
+    return {"state_bytes": stats([state_bytes]), "sum_bytes": stats([float(grad.nbytes)]), "state_primary_us": make,
             "state_holder_us": take, "sum_primary_us": sum_copy, "sum_holder_us": sum_holder}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=262_144, help="float32 values per chunk (default: 1 MiB)")
-    parser.add_argument("--repeats", type=int, default=50)
-    args = parser.parse_args()
+    add_common_options(parser, quick="16384 values a chunk, 5 repetitions", repeats=50)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.length, args.repeats = 16_384, 5
+    if args.length < 1 or args.repeats < 1:
+        parser.error("--length and --repeats must be positive")
+    peer = "the round's gradient (the holder steps the optimizer)"
+    records, rows = [], []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
-        print(f"chunk of {args.length} float32 ({args.length * 4 / 2**20:.2f} MiB), median of {args.repeats}")
-        print(f"{'optimizer':<10} {'bytes state':>12} {'bytes sum':>10} {'primary us state/sum':>22} "
-              f"{'holder us state/sum':>21}")
+        progress(f"chunk of {args.length} float32 ({args.length * 4 / 2**20:.2f} MiB), median of {args.repeats}; "
+                 "ours: the committed state (what ps/mirror.py sends)")
         for name in OPTIMIZERS:
             r = measure(name, args.length, args.repeats, directory)
-            print(f"{name:<10} {r['state_bytes']:>12.0f} {r['sum_bytes']:>10.0f} "
-                  f"{r['state_primary_us']:>10.0f} / {r['sum_primary_us']:<9.0f} "
-                  f"{r['state_holder_us']:>9.0f} / {r['sum_holder_us']:<9.0f}")
+            for side, unit in (("bytes", "bytes"), ("primary_us", "us"), ("holder_us", "us")):
+                ours, theirs = r[f"state_{side}"], r[f"sum_{side}"]
+                case = f"{name}-{side.replace('_us', '')}"
+                records.append(record(case, ours, theirs, peer, unit, better="lower", length=args.length))
+                rows.append([case, ours.brief(0), theirs.brief(0), unit])
+    print_table(["case", "the state (ours)", "the gradient", "unit"], rows)
+    write_json(args.json, records)
 
 
 if __name__ == "__main__":

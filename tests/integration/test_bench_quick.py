@@ -18,7 +18,7 @@ from testbed.bench_runs import run_script
                                     "bench/plan_quality.py", "bench/timeline_cost.py",
                                     # the cost cases share one path (test_recovery.py covers each optimizer)
                                     "bench/recovery.py --cases digits-server-adam resume-after-kill",
-                                    "bench/zvc.py", "bench/offload.py", "bench/pipeline.py",
+                                    "bench/zvc.py", "bench/offload.py", "bench/pipeline.py", "bench/mirror_cost.py",
                                     pytest.param("bench/train_throughput.py --framework keras --workers 2 --servers 1",
                                                  marks=pytest.mark.skipif(importlib.util.find_spec("keras") is None,
                                                                           reason="needs the tensorflow extra"))])
