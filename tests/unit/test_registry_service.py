@@ -142,13 +142,14 @@ def test_jobs_see_each_other_through_the_served_registry_and_strangers_are_refus
                      _hostile(ctx, url, SECRET, SECRET, [[b"y" * (1 << 20)]])]  # over the frame cap: cut unread
             _until(lambda: serving.server is not None and serving.server.refused >= len(garbage) + 2)
         assert serving.server.rejects.total == len(garbage)
-        assert serving.server.refused == len(garbage) + 2  # and two failed handshakes
+        # and the failed handshakes: at least one of each stranger (ZeroMQ retries a refused handshake)
+        assert serving.server.refused >= len(garbage) + 2
         assert "job registry: refused a request" in caplog.text
         for sock in socks:
             assert not sock.poll(100)  # nobody got a reply, nor a table
             sock.close()
         jobs, refused = query(endpoint, keys, timeout_s=5)  # `sluice jobs --registry`: still serving, A not withdrawn
-        assert [j.job for j in jobs] == [A.job, B.job] and refused == len(garbage) + 2
+        assert [j.job for j in jobs] == [A.job, B.job] and refused >= len(garbage) + 2
         other.withdraw(B.job)
         _until(lambda: [j.job for j in query(endpoint, keys)[0]] == [A.job])
         with pytest.raises(TimeoutError, match="registry secret file"):  # the wrong secret gets no answer
