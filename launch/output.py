@@ -30,7 +30,9 @@ def folder(role: str, rank: int, workers: int) -> str:
     """A process's folder under the log directory: rank.N for worker N (zero-padded), else role.N."""
     if role == "worker":
         return f"rank.{rank:0{len(str(max(workers - 1, 0)))}d}"
-    return role if role == "scheduler" else f"{role}.{rank}"
+    if role == "scheduler":
+        return "scheduler" if rank == 0 else "scheduler.standby"
+    return f"{role}.{rank}"
 
 
 class ChildOutput:

@@ -19,6 +19,7 @@ from pathlib import Path
 from sluice.launch.children import Child, Sink
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
+from sluice.launch.layout import Process
 from sluice.launch.output import folder
 from sluice.launch.reach import forwarded_env, header_line, stub_argv
 from sluice.launch.run_options import OutputOptions
@@ -39,6 +40,8 @@ class Spawner:
         self.master_port = master_port
         #: per-rank log files and timestamps (launch/output.py)
         self.output = output or OutputOptions()
+        #: the standby scheduler's endpoint, once it announced it (scheduler.standby); every node is told it
+        self.standby = ""
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
 
@@ -54,9 +57,12 @@ class Spawner:
         place = self.plan.place(role, rank) if self.plan is not None and role != "scheduler" else None
         if place is not None and moved_to is not None:
             place = dataclasses.replace(place, host=moved_to)
+        elif self.plan is not None and moved_to is not None:  # the standby scheduler, on a host of its own
+            place = Process(role, rank, moved_to, 0)
         if self.plan is not None:  # every process listens on its own host's address
             sections["transport"]["host"] = self.plan.address(place.host) if place else self.plan.launcher_address
-        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators)
+        node = NodeEnv(scheduler, role, rank, self.workers, self.servers, sections, aggregators=self.aggregators,
+                       standby=self.standby if role != "scheduler" else "")
         env = node.to_environ()
         if role != "worker":  # role processes run our own module, wherever the launcher was started
             env["PYTHONPATH"] = self._pythonpath()

@@ -22,6 +22,7 @@ from sluice.launch.master_port import MasterPortError, choose
 from sluice.launch.output import launcher_lines
 from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
+from sluice.launch.standby import Schedulers, standby_host, standby_wanted
 from sluice.launch.takeover import Takeovers
 from sluice.ps.mirror_links import ENV_TAKEOVER
 from sluice.ps.snapshot import remove_state_files, state_tag
@@ -66,6 +67,7 @@ class Job:
         self.endpoint = ""  # the scheduler's, once it announced it
         self.restarts = 0  # servers restarted (ps.recover)
         self.takeovers = Takeovers(config, plan, servers)  # servers moved off a lost host (ps.replicas)
+        self.schedulers: Schedulers | None = None  # the scheduler and its standby, once started
 
     def busiest_host(self) -> int:
         """The most workers any one host runs."""
@@ -145,21 +147,26 @@ class Job:
             self.complain(str(exc))
             return 2
         try:
+            wanted = standby_wanted(self.config, self.plan, self.aggregators)
+        except ValueError as exc:
+            self.complain(str(exc))
+            return 2
+        try:  # the standby (scheduler.standby) starts beside the scheduler, on another host when there is one
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
+            standby = await self.spawn("scheduler", 1, [*role_argv, "scheduler"], "",
+                                       standby_host(self.plan)) if wanted else None
         except OSError as exc:
             self.complain(f"cannot start the scheduler: {exc}")
             return 1
-        first: list[asyncio.Future[Any]] = [sched.ready, sched.done, self.interrupted]
-        await asyncio.wait(first, timeout=self.ready_timeout, return_when=asyncio.FIRST_COMPLETED)
-        if self.interrupted.done():
-            return self.interrupted.result()
-        if not sched.ready.done():
-            if sched.done.done():
-                self.report(sched, " before announcing its endpoint")
-            else:
-                self.complain(f"{sched.name} did not announce its endpoint within {self.ready_timeout:g} s")
-            return 1
+        for child in (sched, standby) if standby is not None else (sched,):
+            announced = await self._announced(child)
+            if isinstance(announced, int):
+                return announced
         endpoint = self.endpoint = sched.ready.result()
+        if standby is not None:
+            self.spawner.standby = standby.ready.result()
+            self.say(f"standby scheduler ready at {self.spawner.standby}")
+        self.schedulers = Schedulers(sched, standby)
         aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
                  f"{_count(self.workers, 'worker')}{aggregators}")
@@ -173,10 +180,24 @@ class Job:
             except OSError as exc:
                 self.complain(f"cannot start {role} {rank} ({shlex.join(argv)}): {exc}")
                 return 1
-        roles = [sched, *(c for c in started if c.role != "worker")]
+        roles = [sched, *([standby] if standby else []), *(c for c in started if c.role != "worker")]
         workers = [c for c in started if c.role == "worker"]
         self.running()
         return await self._watch(roles, workers)
+
+    async def _announced(self, child: Child) -> str | int:
+        """A scheduler's endpoint once it announced it, or the launcher's exit code if it did not."""
+        first: list[asyncio.Future[Any]] = [child.ready, child.done, self.interrupted]
+        await asyncio.wait(first, timeout=self.ready_timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self.interrupted.done():
+            return self.interrupted.result()
+        if not child.ready.done():
+            if child.done.done():
+                self.report(child, " before announcing its endpoint")
+            else:
+                self.complain(f"{child.name} did not announce its endpoint within {self.ready_timeout:g} s")
+            return 1
+        return child.ready.result()
 
     async def _watch(self, roles: list[Child], workers: list[Child]) -> int:
         running: dict[asyncio.Future[Any], Child] = {child.done: child for child in workers}
@@ -202,6 +223,9 @@ class Job:
                     if code != 0 and (replacement := await self._replace(child)) is not None:
                         role_tasks[replacement.done] = replacement
                         roles[roles.index(child)] = replacement
+                        continue
+                    if code != 0 and self.schedulers and (line := self.schedulers.survive(child, code)):
+                        self.complain(line)
                         continue
                     if code != 0:
                         return await self._failed(child)
@@ -302,6 +326,10 @@ class Job:
 
     async def _wind_down(self, roles: list[Child]) -> int:
         """The workers are done: give the scheduler and servers `grace` seconds to leave by themselves."""
+        if self.schedulers is not None:  # a standby that never took over has nothing to end; a scheduler
+            if (idle := self.schedulers.idle()) is not None:  # that ended while the other went on was told of
+                idle.stop()
+            roles = [c for c in roles if c is not idle and c not in self.schedulers.survived]
         pending: set[asyncio.Future[Any]] = {child.done for child in roles}
         deadline = asyncio.get_running_loop().time() + self.grace
         while pending and not self.interrupted.done():

@@ -20,6 +20,8 @@ from sluice.transport.auth import MIN_SECRET_BYTES, JobKeys
 from sluice.transport.config import TransportConfig
 
 ENV_SCHEDULER = "SLUICE_SCHEDULER"
+#: the standby scheduler's endpoint (scheduler.standby), which the nodes rejoin when the scheduler falls silent
+ENV_STANDBY = "SLUICE_SCHEDULER_STANDBY"
 ENV_ROLE = "SLUICE_ROLE"
 ENV_RANK = "SLUICE_RANK"
 ENV_WORKERS = "SLUICE_NUM_WORKERS"
@@ -96,9 +98,12 @@ class NodeEnv:
     secret: bytes = field(default=b"", repr=False, compare=False)
     #: aggregator processes of the job (sum the pushes of a rack and forward one stream up: ps/aggregator.py)
     aggregators: int = 0
+    #: the standby scheduler's endpoint ("": none); a scheduler started with rank 1 is that standby
+    standby: str = ""
 
     def to_environ(self) -> dict[str, str]:
         return {
+            **({ENV_STANDBY: self.standby} if self.standby else {}),
             ENV_SCHEDULER: self.scheduler,
             ENV_ROLE: self.role,
             ENV_RANK: str(self.rank),
@@ -170,6 +175,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:
             aggregators=int(env.get(ENV_AGGREGATORS, "0")),
             config=config if isinstance(config, dict) else {},
             secret=secret,
+            standby=env.get(ENV_STANDBY, ""),
         )
     except ValueError as exc:
         raise SluiceError(f"malformed SLUICE_* environment: {exc}") from None

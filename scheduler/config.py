@@ -18,6 +18,10 @@ class SchedulerConfig:
     #: the port the scheduler listens on; 0: one the OS picks (`sluice launch` hands it to the others).
     #: `sluice node` sets it from --scheduler, so pods started by Kubernetes find the scheduler there
     port: int = 0
+    #: standby schedulers: 1 starts one on another host (on this one when the job has one host), which takes
+    #: over when the scheduler falls silent (nodes rejoin it, scheduler/standby.py); 0: none; -1: one when the
+    #: job spans several hosts
+    standby: int = -1
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -25,5 +29,8 @@ class SchedulerConfig:
         for name in ("rendezvous_timeout", "op_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive")
+        if self.standby not in (-1, 0, 1):
+            raise ValueError(f"scheduler.standby must be -1 (one when the job spans several hosts), 0 or 1, "
+                             f"got {self.standby}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"scheduler.port must be 0 (the OS picks one) or a TCP port up to 65535, got {self.port}")

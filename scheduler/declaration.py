@@ -35,6 +35,8 @@ class Declaration:
     members: list[int] = field(default_factory=list)
     #: the seq the declaring workers numbered it with (a process set's declarations are numbered apart)
     reply_seq: int = 0
+    #: its place in the order the scheduler planned declarations (a standby replays them in it)
+    order: int = -1
 
 
 def parse_limits(raw: object) -> Limits:

@@ -17,6 +17,7 @@ from sluice.scheduler.calibration import Limits
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.hierarchy.agent import NodeAgent
+from sluice.scheduler.rejoin import Recall
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 
@@ -93,11 +94,16 @@ class ControlClient:
         #: a worker with job priorities on: [level, bytes pushed, rounds], sent with each heartbeat
         #: for the job registry (scheduler/jobs_registry.py)
         self.job_report: Callable[[], list[int]] | None = None
+        #: what the scheduler told this node, for a standby to rebuild the job from (scheduler/rejoin.py)
+        self.recall = Recall()
+        self._endpoints: list[str] = []
+        #: the standby scheduler this node rejoined, once the scheduler fell silent ("": not yet)
+        self.rejoined = ""
         transport.on_failure(self._transport_failed)
 
     # ------------------------------------------------------------------ requests
     def register(self, role: str, endpoints: Sequence[str]) -> None:
-        self.role = role
+        self.role, self._endpoints = role, list(endpoints)
         aggregation = self._env.section("aggregation")
         if aggregation.get("mode") == "plan":
             period = float(aggregation.get("report_s", 1.0))
@@ -135,18 +141,31 @@ class ControlClient:
             seq = self._set_declare_seqs.get(tuple(ranks), 0)
             self._set_declare_seqs[tuple(ranks)] = seq + 1
             key, extra["ranks"] = (Kind.PLAN, tuple(ranks), seq), list(ranks)
-        self._send(Kind.DECLARE, seq=seq, tensors=tensors, **extra)
-        plan = self._wait(key, self._config.op_timeout, f"the plan of tensor declaration {seq}")
+        plan = self._ask(key, Kind.DECLARE, {"seq": seq, "tensors": tensors, **extra},
+                         f"the plan of tensor declaration {seq}")
         table: list[Any] = meta_field(plan, "tensors", list)
         try:
             settled = parse_limits(meta_field(plan, "limits", list))
+            with self._cond:
+                self.recall.planned(plan, seq, ranks, tensors)
         except WireError as exc:
             raise SluiceError(f"malformed PLAN from the scheduler: {exc}") from None
         return table, settled
 
     def barrier(self, name: str) -> None:
-        self._send(Kind.BARRIER, name=name)
-        self._wait((Kind.RELEASE, name), self._config.op_timeout, f"every worker to reach barrier {name!r}")
+        self._ask((Kind.RELEASE, name), Kind.BARRIER, {"name": name}, f"every worker to reach barrier {name!r}")
+
+    def _ask(self, key: Hashable, kind: Kind, meta: dict[str, Any], what: str,
+             timeout: float | None = None) -> Message:
+        """Send a request and wait for its answer; a standby taking over is sent it again."""
+        with self._cond:
+            self.recall.asked(key, kind, meta)
+        try:
+            self._send(kind, **meta)
+            return self._wait(key, self._config.op_timeout if timeout is None else timeout, what)
+        finally:
+            with self._cond:
+                self.recall.answered(key)
 
     def send(self, kind: Kind, **meta: Any) -> None:
         self._send(kind, **meta)
@@ -158,7 +177,10 @@ class ControlClient:
 
     def bye(self) -> None:
         if not self._stop.is_set() and self.failure is None and self.node_id >= 0:
-            self._send(Kind.BYE)
+            if self._env.standby and self.role == "worker":
+                self._farewell()
+            else:
+                self._send(Kind.BYE)
         self._stop.set()
         if self.agent is not None:
             self.agent.close()
@@ -178,6 +200,8 @@ class ControlClient:
         elif msg.kind in (Kind.ERROR, Kind.NODE_LOST):
             error = msg.meta.get("error") if msg.meta else None
             self.fail(error if isinstance(error, str) and error else f"the scheduler sent {msg.kind.name}")
+        elif msg.kind == Kind.WELCOME and (msg.meta or {}).get("rejoined") is True:
+            self._taken_over()
         elif msg.kind == Kind.WELCOME:
             self._welcome(msg)
         elif msg.kind == Kind.PLAN and self.role == "worker":
@@ -190,9 +214,16 @@ class ControlClient:
                 raise WireError(f"a PLAN's ranks must be a list of ints, got {brief(ranks)}")
         elif msg.kind == Kind.RELEASE:
             self._put((Kind.RELEASE, meta_field(msg, "name", str)), msg)
+            with self._cond:
+                self.recall.on_message(msg)
+        elif msg.kind == Kind.SHUTDOWN and self.role == "worker":  # the scheduler saw this worker's goodbye
+            self._put((Kind.SHUTDOWN, None), msg)
         elif msg.kind == Kind.TIMELINE_ACK:
             self._put((Kind.TIMELINE_ACK, meta_field(msg, "seq", int)), msg)
         else:
+            if msg.kind == Kind.BYE:
+                with self._cond:
+                    self.recall.on_message(msg)
             self._on_other(msg)
 
     def _welcome(self, msg: Message) -> None:
@@ -251,9 +282,44 @@ class ControlClient:
                 meta["job"] = self.job_report()
             self._send(Kind.HEARTBEAT, **meta)
             silent = time.monotonic() - self._last_ack
-            if silent > limit:
-                error = f"the scheduler at {self._env.scheduler} has not answered heartbeats for {silent:.1f} s"
+            if silent > limit and self._env.standby and not self.rejoined and self.failure is None:
+                self._fail_over(silent)
+            elif silent > limit:
+                error = (f"the scheduler at {self.rejoined or self._env.scheduler} has not answered heartbeats for "
+                         f"{silent:.1f} s")
                 if self.failure is None:  # a node that failed for another reason is no witness of this
                     culprit.report("scheduler", 0, error)
                 self.fail(error)
                 return
+
+    def _farewell(self) -> None:
+        """A worker with a standby scheduler leaves once the scheduler saw it leave: a goodbye lost with the
+        scheduler would leave the standby waiting for this worker (the heartbeats run on, so a silent
+        scheduler is failed over and the goodbye asked of the standby)."""
+        waited = 2 * self._config.heartbeat_timeout + 2 * self._config.heartbeat_interval
+        try:
+            self._ask((Kind.SHUTDOWN, None), Kind.BYE, {}, "the scheduler to see this worker leave", waited)
+        except SluiceError as exc:
+            log.warning("worker %d leaves without the scheduler's word: %s", self.rank, exc)
+
+    def _fail_over(self, silent: float) -> None:
+        """The scheduler fell silent: rejoin the standby, telling it what this node was told."""
+        self.rejoined = self._env.standby
+        log.warning("%s %d: the scheduler at %s has not answered heartbeats for %.1f s; rejoining the standby "
+                    "scheduler at %s", self.role, self.rank, self._env.scheduler, silent, self.rejoined)
+        self._transport.replace_peer(SCHEDULER_PEER, [self.rejoined], control=True)
+        with self._cond:
+            meta = self.recall.rejoin_meta(self.role, self.rank, self.node_id, self._endpoints, os.getpid(),
+                                           self._env.fingerprint())
+        self._last_ack = time.monotonic()
+        self._send(Kind.REJOIN, **meta)
+
+    def _taken_over(self) -> None:
+        """The standby rebuilt the job (I/O thread): what still waits for an answer is asked of it again."""
+        self._last_ack = time.monotonic()
+        with self._cond:
+            pending = list(self.recall.pending.values())
+        log.info("%s %d: the standby scheduler at %s took over; asking it again %d pending requests", self.role,
+                 self.rank, self.rejoined, len(pending))
+        for kind, meta in pending:
+            self._send(kind, **meta)

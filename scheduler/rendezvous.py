@@ -28,6 +28,7 @@ from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from sluice.scheduler.members import ROLES, Node, address_book, assign
 from sluice.scheduler.partition import TensorPlan, plan_tensors
 from sluice.scheduler.recovery import ServerRecovery
+from sluice.scheduler.standby import Takeover, parse_rejoin, take_over
 from sluice.transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 
@@ -47,6 +48,7 @@ class Rendezvous:
         bind_names: bool = True,
         aggregators: int = 0,
         recovery: ServerRecovery | None = None,
+        standby: bool = False,
     ) -> None:
         self.workers, self.servers, self.aggregators, self.config = workers, servers, aggregators, config
         #: server replacement under ps.recover (scheduler/recovery.py)
@@ -69,7 +71,13 @@ class Rendezvous:
         self.started = now
         self.nodes: dict[str, Node] = {}
         self.last_seen: dict[str, float] = {}
-        self.phase = "registering"
+        self.phase = "standby" if standby else "registering"
+        #: a standby scheduler's (scheduler.standby): the nodes' REJOINs until it takes over (scheduler/standby.py)
+        self.takeover = Takeover(workers, servers, aggregators, config.heartbeat_timeout) if standby else None
+        #: the workers' PLAN of each declaration planned before a standby took over (by key), for one asking again
+        self._replayed: dict[int, Message] = {}
+        self._released_before: set[str] = set()
+        self._plan_count = 0
         self.exit_code: int | None = None
         self.error = ""
         self.byes: set[str] = set()
@@ -100,6 +108,8 @@ class Rendezvous:
     def on_message(self, peer: str, msg: Message, now: float) -> list[Out]:
         if self.phase in ("done", "failed"):
             return []
+        if self.phase == "standby":
+            return self._on_standby(peer, msg, now)
         if msg.kind == Kind.REGISTER:
             return self._on_register(peer, msg, now)
         node = self.nodes.get(peer)
@@ -130,6 +140,8 @@ class Rendezvous:
         raise WireError(f"unexpected {msg.kind.name} from {node.describe()}")
 
     def on_tick(self, now: float) -> list[Out]:
+        if self.phase == "standby" and self.takeover is not None and self.takeover.ready(now):
+            return take_over(self, now)
         if self.phase == "registering" and now - self.started > self.config.rendezvous_timeout:
             counts = {r: len([n for n in self.nodes.values() if n.role == r]) for r in ROLES}
             aggregators = f", {counts['aggregator']} of {self.aggregators} aggregators" if self.aggregators else ""
@@ -251,6 +263,8 @@ class Rendezvous:
             if self.aggregators:
                 raise WireError("a process set's tensors cannot go through aggregators: its workers use allreduce")
             seq = self._set_seqs.setdefault((tuple(members), seq), -1 - len(self._set_seqs))
+        if seq in self._replayed:  # planned before this standby took over: the worker did not get it then
+            return [(node.name, self._replayed[seq])]
         decl = self._declarations.setdefault(seq, Declaration(members=members, reply_seq=meta_field(msg, "seq", int)))
         if decl.members != members:
             raise WireError(f"worker {node.rank} declares set {members}'s tensors under declaration {seq} of "
@@ -273,6 +287,7 @@ class Rendezvous:
             new, len(self._planned), self.servers, limits.chunk_bytes, self._loads
         )
         self._planned.update((p.spec.name, p) for p in plans)
+        decl.order, self._plan_count = self._plan_count, self._plan_count + 1
         decl.plans = [self._planned[spec.name] for spec in reference]
         options = {spec.name: opt for spec, opt in decl.by_rank[members[0]]}
         outs = []
@@ -309,14 +324,18 @@ class Rendezvous:
         table = decl.table
         del self._declarations[seq]
         limits = (self.limits or Limits(DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES)).as_list()
+        # order and key: what a standby replays it by, should the workers rejoin one (scheduler/standby.py)
         if seq >= 0:
-            return [(w.name, self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits))
+            return [(w.name, self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits, order=decl.order, key=seq))
                     for w in self._of_role("worker")]
-        return [(w.name, self._msg(Kind.PLAN, seq=decl.reply_seq, tensors=table, limits=limits, ranks=decl.members))
+        return [(w.name, self._msg(Kind.PLAN, seq=decl.reply_seq, tensors=table, limits=limits, ranks=decl.members,
+                                   order=decl.order, key=seq))
                 for w in self._of_role("worker") if w.rank in decl.members]
 
     def _on_barrier(self, node: Node, msg: Message) -> list[Out]:
         name = meta_field(msg, "name", str)
+        if name in self._released_before:  # released before a standby took over; this worker missed it
+            return [(node.name, self._msg(Kind.RELEASE, name=name))]
         arrived = self._barriers.setdefault(name, set())
         arrived.add(node.rank)
         if len(arrived) < self.workers:
@@ -324,8 +343,28 @@ class Rendezvous:
         del self._barriers[name]
         return [(w.name, self._msg(Kind.RELEASE, name=name)) for w in self._of_role("worker")]
 
+    # ------------------------------------------------------------------ a standby's takeover
+    def _on_standby(self, peer: str, msg: Message, now: float) -> list[Out]:
+        """A standby takes REJOINs (and acknowledges their heartbeats) until it takes over."""
+        assert self.takeover is not None
+        if msg.kind == Kind.REJOIN:
+            total = self.workers + self.servers + self.aggregators
+            self.takeover.add(peer, parse_rejoin(peer, msg, self.fingerprint, self.workers, total), now)
+            if self.takeover.first == now and len(self.takeover.rejoins) == 1:
+                self.notes.append(f"{peer} rejoined this standby: the scheduler fell silent; waiting up to "
+                                  f"{self.takeover.wait:g} s for the other nodes")
+            return [(peer, self._msg(Kind.HEARTBEAT_ACK)), *(take_over(self, now) if self.takeover.ready(now) else [])]
+        if msg.kind == Kind.HEARTBEAT:  # one sent as the node turned to this standby may overtake its REJOIN
+            return [(peer, self._msg(Kind.HEARTBEAT_ACK))] if peer in self.takeover.rejoins else []
+        raise WireError(f"{msg.kind.name} to the standby scheduler, which takes only REJOINs until it takes over")
+
     def _on_bye(self, node: Node) -> list[Out]:
         self.byes.add(node.name)
+        # a worker with a standby scheduler waits for this word before it leaves (scheduler/node.py)
+        told = [(node.name, self._msg(Kind.SHUTDOWN))] if node.role == "worker" else []
+        return told + self._bye_effects(node)
+
+    def _bye_effects(self, node: Node) -> list[Out]:
         serving = self._of_role("server") + self._of_role("aggregator")
         if not all(w.name in self.byes for w in self._of_role("worker")):
             if node.role != "worker":

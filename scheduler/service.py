@@ -36,6 +36,7 @@ _INBOX_LIMIT = 10_000
 def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     """Serve the control plane for `env.workers` workers and `env.servers` servers; the exit code."""
     settings = SchedulerConfig(**env.section("scheduler"))
+    standby = env.rank >= 1  # scheduler.standby: rank 1 waits for the nodes to rejoin it (scheduler/standby.py)
     ps_section = env.section("ps")  # ps.recover's keys (ps/config.py, validated by the launcher)
     data_settings = env.transport_config()
     inbox: queue.Queue[tuple[str, Message]] = queue.Queue(_INBOX_LIMIT)
@@ -65,6 +66,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         recovery=ServerRecovery(bool(ps_section.get("recover", False)), float(ps_section.get("recover_timeout", 60)),
                                 replicas=int(ps_section.get("replicas", 0)),
                                 same_host=bool(ps_section.get("mirror_same_host", False))),
+        standby=standby,
     )
     trees = tree_source(AggregationConfig(**env.section("aggregation")), time.monotonic())
     first = trees.due(time.monotonic()) if trees is not None else None
@@ -84,17 +86,21 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         return 1
     readings = Readings.of_transport("scheduler", 0, transport, rejects)
     readings.plan_changes = lambda: {"routes": machine.switch.epoch}
-    try:
-        exporter = serve_metrics(env.section("metrics"), readings, 0)
+    try:  # not a standby's: the port may be the scheduler's, on the same host
+        exporter = serve_metrics(env.section("metrics"), readings, 0) if not standby else None
     except SluiceError as exc:
         transport.close()
         log.error("%s", exc)
         return 1
     timeline = TimelineConfig(**env.section("timeline"))
-    gatherer = Gatherer(timeline.path, timeline.gather_mib) if timeline.path else None
+    gatherer = Gatherer(timeline.path, timeline.gather_mib) if timeline.path and not standby else None
     announce(endpoint)
-    registry = Registry(endpoint, env, time.time())
-    log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)
+    registry = Registry(endpoint, env, time.time()) if not standby else None
+    if standby:
+        log.info("standby scheduler ready at %s: it takes over if the scheduler at %s falls silent", endpoint,
+                 env.scheduler or "(unknown)")
+    else:
+        log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)
 
     def send(outs: list[Out]) -> None:
         for peer, msg in outs:
@@ -102,13 +108,13 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
 
     next_tick = 0.0
     try:
-        while machine.phase in ("registering", "running"):
+        while machine.phase in ("standby", "registering", "running"):
+            was = machine.phase
             try:
                 peer, msg = inbox.get(timeout=_TICK_SECONDS)
             except queue.Empty:
                 pass
             else:
-                was = machine.phase
                 try:
                     if msg.kind == Kind.TIMELINE and gatherer is not None:
                         send(gatherer.take(machine.nodes.get(peer), msg))
@@ -119,11 +125,6 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                 except Exception as exc:  # the last resort: a hostile message must not end the control plane
                     rejects.refuse(peer, f"handling {msg.kind.name} from {peer!r:.60} failed ({type(exc).__name__})",
                                    time.monotonic(), exc_info=True)
-                for note in machine.notes:
-                    log.info("%s", note)
-                machine.notes.clear()
-                if was == "registering" and machine.phase == "running":
-                    log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             now = time.monotonic()
             rejects.tick(now)
             if now >= next_tick:
@@ -134,12 +135,22 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                     due = trees.due(now, nodes)
                     if due is not None:
                         outs += machine.propose_routes(due)
-                registry.tick(now, machine.job_reports)
+                if registry is not None:
+                    registry.tick(now, machine.job_reports)
                 if machine.lost is not None:  # named before NODE_LOST makes everyone else fail too
                     lost = machine.lost
                     culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)
                 send(outs)
                 next_tick = now + _TICK_SECONDS
+            for note in machine.notes:
+                log.info("%s", note)
+            machine.notes.clear()
+            if was == "registering" and machine.phase == "running":
+                log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
+            if was == "standby" and machine.phase == "running":  # this standby took over: it is the scheduler now
+                registry = Registry(endpoint, env, time.time())
+                if timeline.path:
+                    gatherer = Gatherer(timeline.path, timeline.gather_mib)
         if gatherer is not None and machine.phase == "done":
             _gather_parts(machine, gatherer, inbox, send, rejects)
     finally:
@@ -147,7 +158,8 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             gatherer.close()
         if exporter is not None:
             exporter.close()
-        registry.close()
+        if registry is not None:
+            registry.close()
         if trees is not None:
             trees.close()
         transport.close(flush_seconds=2.0)

@@ -36,10 +36,11 @@ class Transport(Protocol):
         `control`: the peer is the control plane (the scheduler), whose messages carry large headers."""
         ...
 
-    def replace_peer(self, peer: str, endpoints: Sequence[str]) -> None:
+    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
         """`peer` died and a new process of its name listens on `endpoints`: forget everything owed to or
-        from the old one (queued messages, in-flight credit, shared memory) and connect to the new one.
-        Messages queued for it are dropped: the caller sends again what it still needs."""
+        from the old one (queued messages, in-flight credit, shared memory) and connect to the new one
+        (`control`: as connect's, the standby of a silent scheduler). Messages queued for it are dropped:
+        the caller sends again what it still needs."""
         ...
 
     def send(self, peer: str, channel: int, msg: Message) -> None:

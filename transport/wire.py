@@ -106,6 +106,9 @@ class Kind(IntEnum):
     #: acknowledgement of each (meta seq; refused: why it keeps no more of it): scheduler/timeline_parts.py
     TIMELINE = 17
     TIMELINE_ACK = 18
+    #: node -> the standby scheduler once the scheduler fell silent (scheduler.standby): who it is and what
+    #: the scheduler had told it, so the standby rebuilds the job's state (scheduler/standby.py)
+    REJOIN = 19
     PUSH = 20
     PULL = 21
     REPLY = 22

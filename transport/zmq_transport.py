@@ -106,8 +106,8 @@ class ZmqTransport:
     def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
         self._call(lambda: self._connect(peer, list(endpoints), control))
 
-    def replace_peer(self, peer: str, endpoints: Sequence[str]) -> None:
-        self._call(lambda: self._replace_peer(peer, list(endpoints)))
+    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+        self._call(lambda: self._replace_peer(peer, list(endpoints), control))
 
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
@@ -256,7 +256,7 @@ class ZmqTransport:
             self._poller.register(sock, zmq.POLLIN)
         self._dealers[peer] = socks
 
-    def _replace_peer(self, peer: str, endpoints: list[str]) -> None:
+    def _replace_peer(self, peer: str, endpoints: list[str], control: bool) -> None:
         for sock in self._dealers.pop(peer, []):
             self._poller.unregister(sock)
             self._socket_channel.pop(sock, None)
@@ -266,7 +266,7 @@ class ZmqTransport:
         if self._local is not None:
             self._local.discard(peer)
         self._shared.forget(peer)
-        self._connect(peer, endpoints, control=False)
+        self._connect(peer, endpoints, control)
 
     def _run(self) -> None:
         receiver, sender = self._receiver, self._sender

@@ -134,10 +134,12 @@ def test_barrier_releases_when_all_arrive_and_bye_ends_the_job() -> None:
     assert machine.on_message("w0", msg(Kind.BARRIER, name="x"), 1.0) == []
     outs = machine.on_message("w1", msg(Kind.BARRIER, name="x"), 1.0)
     assert sorted((p, m.kind) for p, m in outs) == [("w0", Kind.RELEASE), ("w1", Kind.RELEASE)]
-    outs = machine.on_message("w0", msg(Kind.BYE), 2.0)  # servers and workers hear who left (w0 holds rank 1)
-    assert [(p, m.kind, m.meta) for p, m in outs] == [("s0", Kind.BYE, {"rank": 1}), ("w1", Kind.BYE, {"rank": 1})]
+    # servers and workers hear who left (w0 holds rank 1); the worker leaving is told its goodbye was heard
+    outs = machine.on_message("w0", msg(Kind.BYE), 2.0)
+    assert [(p, m.kind, m.meta) for p, m in outs] == [("w0", Kind.SHUTDOWN, {}), ("s0", Kind.BYE, {"rank": 1}),
+                                                      ("w1", Kind.BYE, {"rank": 1})]
     outs = machine.on_message("w1", msg(Kind.BYE), 2.0)
-    assert [(p, m.kind) for p, m in outs] == [("s0", Kind.SHUTDOWN)]
+    assert [(p, m.kind) for p, m in outs] == [("w1", Kind.SHUTDOWN), ("s0", Kind.SHUTDOWN)]
     assert machine.exit_code == 0
 
 

@@ -195,7 +195,7 @@ MALFORMED: list[tuple[str, list[Any], str]] = [
     ("msgpack reserved byte 0xc1", [b"\xc1"], "not valid msgpack"),
     # kind
     ("kind 0", [header(kind=0)], "message kind"),
-    ("kind 19", [header(kind=19)], "message kind"),
+    ("kind 39", [header(kind=39)], "message kind"),
     ("kind 99", [header(kind=99)], "message kind"),
     ("kind -1", [header(kind=-1)], "message kind"),
     ("kind as str", [header(kind="PUSH")], "message kind"),

@@ -67,7 +67,7 @@ class SetTransport:
     def listen(self, port: int = 0) -> list[str]:
         raise NotImplementedError("a process set listens through the job's transport")
 
-    def replace_peer(self, peer: str, endpoints: Sequence[str]) -> None:
+    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
         raise NotImplementedError("a process set's peers are the job's")
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:

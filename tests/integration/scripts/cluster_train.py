@@ -3,7 +3,9 @@
 Each worker prints one line `CLUSTER_RESULT {json}`: its ranks as sluice.torch reports them, the
 torchrun variables the launcher gave it, the address it listens on, and the final parameters.
 With --kill-server-at N, worker 0 SIGKILLs server 0 of its job in step N, after its backward pass
-(its pushes in flight), as a crash would.
+(its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
+of the workers under a local launcher). After training, one more tensor is declared and averaged
+(`after`): a scheduler that took over must plan it.
 """
 
 import argparse
@@ -21,6 +23,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
 parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
+parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--hidden", type=int, default=32)
 args = parser.parse_args()
 
@@ -41,6 +44,21 @@ def kill_server(rank: int) -> None:
     raise SystemExit(f"server {rank} of this job not found")
 
 
+def kill_scheduler() -> None:
+    """SIGKILL the scheduler that the launcher of this worker started (rank 0: not its standby)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if (environ.get("SLUICE_ROLE"), environ.get("SLUICE_RANK")) == ("scheduler", "0") and parent == os.getppid():
+            os.kill(int(proc.name), signal.SIGKILL)
+            print(f"killed the scheduler (pid {proc.name}) in step {args.kill_scheduler_at}", flush=True)
+            return
+    raise SystemExit("the scheduler of this job not found")
+
+
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 torch.manual_seed(0)
@@ -59,6 +77,8 @@ for step in range(args.steps):
     F.mse_loss(model(x[start:start + per_worker]), y[start:start + per_worker]).backward()
     if step == args.kill_server_at and rank == 0:
         kill_server(0)
+    if step == args.kill_scheduler_at and rank == 0:
+        kill_scheduler()
     optimizer.step()
 hvd.synchronize_parameters()  # with the optimizer on the servers, the last updates may still be landing
 result = {
@@ -69,6 +89,7 @@ result = {
     "secret_in_env": any("SECRET" in k and k != "SLUICE_SECRET_FD" for k in os.environ),
     "listens_on": json.loads(os.environ["SLUICE_CONFIG_JSON"])["transport"]["host"],
     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    "after": hvd.allreduce(torch.full((5,), float(rank)), name="after_training").tolist(),
 }
 print("CLUSTER_RESULT " + json.dumps(result), flush=True)
 hvd.shutdown()

@@ -1,0 +1,168 @@
+"""A standby scheduler rebuilt from the nodes' REJOINs (scheduler.standby), driven with plain messages: failover."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.recovery import ServerRecovery
+from sluice.scheduler.rejoin import Recall
+from sluice.scheduler.rendezvous import Out, Rendezvous
+from sluice.transport.wire import Kind, Message, WireError
+
+CONFIG = SchedulerConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, rendezvous_timeout=30.0)
+WORKERS, SERVERS = 3, 2
+ENDPOINTS = {"server-0": ["tcp://10.0.0.1:1"], "server-1": ["tcp://10.0.0.2:1"]}
+
+
+def msg(kind: Kind, **meta: Any) -> Message:
+    return Message(kind, meta=meta)
+
+
+def tensors(*names: str) -> list[Any]:
+    return [[name, [64, 33], "float32", None] for name in names]
+
+
+class Job:
+    """A primary scheduler with its nodes' memories (what each would tell a standby)."""
+
+    def __init__(self) -> None:
+        self.machine = Rendezvous(WORKERS, SERVERS, 4096, CONFIG, "cfg", now=0.0, recovery=ServerRecovery(True))
+        self.recall = {f"worker-{r}": Recall() for r in range(WORKERS)}
+        self.ids: dict[str, int] = {}
+        self.last: dict[str, Message] = {}
+        for name in [*ENDPOINTS, *self.recall]:
+            role, rank = name.split("-")
+            outs = self.machine.on_message(name, msg(Kind.REGISTER, role=role, rank=int(rank),
+                                                     endpoints=ENDPOINTS.get(name, []), pid=7, fingerprint="cfg"), 0)
+        self.ids = {peer: m.meta["node_id"] for peer, m in outs}
+
+    def deliver(self, outs: list[Out], seqs: dict[int, tuple[int, list[int] | None, list[Any]]]) -> None:
+        for peer, m in outs:
+            if m.kind == Kind.PLAN and peer in self.recall:
+                seq, ranks, table = seqs[int(peer.split("-")[1])]
+                self.recall[peer].planned(m, seq, ranks, table)
+            elif peer in self.recall:
+                self.recall[peer].on_message(m)
+
+    def declare(self, seq: int, table: list[Any], ranks: list[int] | None = None) -> list[Out]:
+        members = ranks if ranks is not None else list(range(WORKERS))
+        outs: list[Out] = []
+        for rank in members:
+            extra = {"ranks": ranks} if ranks is not None else {}
+            outs += self.machine.on_message(f"worker-{rank}", msg(Kind.DECLARE, seq=seq, tensors=table, **extra), 1)
+        key = next(m.meta["seq"] for p, m in outs if p == "server-0")
+        for server in ENDPOINTS:
+            outs += self.machine.on_message(server, msg(Kind.PLAN_ACK, seq=key), 1)
+        self.deliver(outs, dict.fromkeys(members, (seq, ranks, table)))
+        return outs
+
+    def rejoin(self, name: str, **changes: Any) -> Message:
+        role, rank = name.split("-")
+        recall = self.recall.get(name, Recall())
+        meta = recall.rejoin_meta(role, int(rank), self.ids[name], ENDPOINTS.get(name, []), 7, "cfg") | changes
+        return msg(Kind.REJOIN, **meta)
+
+
+def served(job: Job) -> Job:
+    job.declare(0, tensors("a", "b"))
+    job.declare(0, tensors("c"), ranks=[0, 1])  # a process set's: key -1 on the servers
+    job.last = {p: m for p, m in job.declare(1, tensors("d")) if m.kind == Kind.PLAN}
+    return job
+
+
+def standby() -> Rendezvous:
+    return Rendezvous(WORKERS, SERVERS, 4096, CONFIG, "cfg", now=0.0, standby=True, recovery=ServerRecovery(True))
+
+
+def take_over(job: Job, machine: Rendezvous, names: list[str], now: float = 10.0) -> list[Out]:
+    outs: list[Out] = []
+    for name in names:
+        outs += machine.on_message(name, job.rejoin(name), now)
+    return outs
+
+
+def test_failover_standby_rebuilds_the_plans_loads_and_keys_of_the_scheduler() -> None:
+    job = served(Job())
+    machine = standby()
+    names = [*ENDPOINTS, *job.recall]
+    outs = take_over(job, machine, names[:-1])
+    assert machine.phase == "standby" and {m.kind for _, m in outs} == {Kind.HEARTBEAT_ACK}
+    outs = take_over(job, machine, names[-1:])
+    welcomes = {peer: m.meta for peer, m in outs if m.kind == Kind.WELCOME}
+    assert machine.phase == "running" and set(welcomes) == set(names)
+    assert all(w["rejoined"] is True and w["node_id"] == job.ids[p] for p, w in welcomes.items())
+    primary = job.machine
+    assert machine._planned == primary._planned and machine._loads == primary._loads
+    assert machine._set_seqs == primary._set_seqs and machine.limits == primary.limits
+    assert machine.recovery.plans == primary.recovery.plans
+    # the next declaration plans as the scheduler would have planned it
+    after_standby = [m.meta for p, m in _declare(machine, 2, tensors("e")) if p in ENDPOINTS]
+    after_primary = [m.meta for p, m in _declare(primary, 2, tensors("e")) if p in ENDPOINTS]
+    assert after_standby == after_primary and after_standby
+
+
+def _declare(machine: Rendezvous, seq: int, table: list[Any]) -> list[Out]:
+    outs: list[Out] = []
+    for rank in range(WORKERS):
+        outs += machine.on_message(f"worker-{rank}", msg(Kind.DECLARE, seq=seq, tensors=table), 20)
+    return outs
+
+
+def test_failover_answers_what_a_worker_missed_before_the_takeover() -> None:
+    job = served(Job())
+    job.recall["worker-0"].released.append("epoch-1")  # released on worker 0 only, then the scheduler died
+    machine = standby()
+    take_over(job, machine, [*ENDPOINTS, *job.recall])
+    outs = machine.on_message("worker-2", msg(Kind.DECLARE, seq=1, tensors=tensors("d")), 11)
+    assert [(p, m.kind, m.meta) for p, m in outs] == [("worker-2", Kind.PLAN, job.last["worker-2"].meta)]
+    assert outs[0][1].meta["order"] == 2 and outs[0][1].meta["key"] == 1
+    outs = machine.on_message("worker-1", msg(Kind.BARRIER, name="epoch-1"), 11)
+    assert [(p, m.kind) for p, m in outs] == [("worker-1", Kind.RELEASE)]
+    assert machine.on_message("worker-1", msg(Kind.BARRIER, name="epoch-2"), 11) == []
+
+
+def test_failover_waits_for_every_node_but_the_workers_gone_and_names_the_missing() -> None:
+    job = served(Job())
+    job.recall["worker-0"].gone.add(2)
+    machine = standby()
+    outs = take_over(job, machine, ["server-0", "server-1", "worker-0", "worker-1"])
+    assert machine.phase == "running" and "worker-2" in machine.byes
+    lost = standby()
+    take_over(Job(), lost, ["server-0", "worker-0", "worker-1", "worker-2"], now=10.0)
+    assert lost.phase == "standby" and lost.on_tick(14.0) == []
+    outs = lost.on_tick(15.5)
+    assert lost.phase == "failed" and "server-1 did not rejoin the standby" in outs[0][1].meta["error"]
+
+
+@pytest.mark.parametrize(("name", "changes", "problem"), [
+    ("worker-0", {"rank": 1}, "from a connection named"),
+    ("worker-0", {"fingerprint": "other"}, "different configuration"),
+    ("worker-0", {"node_id": 99}, "not in 1..5"),
+    ("worker-0", {"declarations": [[0, 0, 0, None]]}, "must be \\[order, key, seq, ranks, tensors\\]"),
+    ("worker-0", {"declarations": [[0, 0, 0, [7], []]]}, "ranks must be a list of ints in 0..2"),
+    ("server-0", {"declarations": [[0, 0, 0, None, []]]}, "server's REJOIN names 1 declarations"),
+    ("worker-0", {"gone": ["x"]}, "gone workers"),
+    ("worker-0", {"limits": [1, 2]}, "limits must be"),
+    ("worker-0", {"released": [1]}, "released barriers"),
+])
+def test_failover_standby_refuses_a_malformed_rejoin(name: str, changes: dict[str, Any], problem: str) -> None:
+    job = served(Job())
+    machine = standby()
+    with pytest.raises(WireError, match=problem):
+        machine.on_message(name, job.rejoin(name, **changes), 1.0)
+    assert machine.phase == "standby" and not machine.takeover.rejoins  # type: ignore[union-attr]
+
+
+def test_failover_standby_takes_nothing_else_and_refuses_a_node_id_twice() -> None:
+    job = served(Job())
+    machine = standby()
+    with pytest.raises(WireError, match="takes only REJOINs"):
+        machine.on_message("worker-0", msg(Kind.DECLARE, seq=0, tensors=[]), 1.0)
+    machine.on_message("worker-0", job.rejoin("worker-0"), 1.0)
+    with pytest.raises(WireError, match="which another node has"):
+        machine.on_message("worker-1", job.rejoin("worker-1", node_id=job.ids["worker-0"]), 1.0)
+    assert machine.on_message("worker-0", msg(Kind.HEARTBEAT), 1.5)[0][1].kind == Kind.HEARTBEAT_ACK
+    assert machine.on_message("worker-2", msg(Kind.HEARTBEAT), 1.5) == []
