@@ -185,10 +185,12 @@ class Child:
             self.proc.stdin.write(b"USR1\n")
 
     def stop(self) -> None:
-        """Ask the role to end: SIGTERM to its group here; on another host, end of file on the session's
-        stdin, on which the remote stub SIGTERMs the role's group there (and SIGKILLs it later)."""
+        """Ask the role to end: SIGTERM to its group here; on another host, a line STOP and the end of the
+        session's stdin, on which the remote stub SIGTERMs the role's group there (and SIGKILLs it later)."""
         if self.host is None:
             self.signal_group(signal.SIGTERM)
             self.signal_group(signal.SIGCONT)  # a stopped process takes its SIGTERM only once continued
         elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            with contextlib.suppress(ConnectionError, RuntimeError):  # a role that outlives the session's end
+                self.proc.stdin.write(b"STOP\n")                     # stops on this word (launch/remote.py)
             self.proc.stdin.close()

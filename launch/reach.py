@@ -70,11 +70,15 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not _NOT_FORWARDED.fullmatch(k)}
 
 
-def header_line(argv: Sequence[str], env: Mapping[str, str], cwd: str, secret: bytes, split: bool = False) -> bytes:
-    """The one line launch/remote.py reads first (`split`: the role's stderr apart, on the session's stderr)."""
+def header_line(argv: Sequence[str], env: Mapping[str, str], cwd: str, secret: bytes, split: bool = False,
+                outlive: bool = False) -> bytes:
+    """The one line launch/remote.py reads first (`split`: the role's stderr apart, on the session's stderr;
+    `outlive`: the role outlives the session's end)."""
     header: dict[str, object] = {"argv": list(argv), "env": dict(env), "cwd": cwd, "secret": secret.hex()}
     if split:
         header["split"] = True
+    if outlive:
+        header["outlive"] = True
     return json.dumps(header, separators=(",", ":")).encode() + b"\n"
 
 

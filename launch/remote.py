@@ -9,7 +9,12 @@ a line `USR1` is passed on to the role as SIGUSR1 (an elastic job's new hosts); 
 the launcher is gone or has ended the job (the session closed: Ctrl-C, a lost link, the launcher
 killed), and the stub stops the role's whole group, SIGTERM then SIGKILL after a grace period, and
 removes the shared memory the role could not (killed by a signal), so nothing outlives the job on
-any host; so does a SIGTERM, SIGHUP or SIGINT to the stub itself (SLURM cancelling the step). The
+any host; so does a SIGTERM, SIGHUP or SIGINT to the stub itself (SLURM cancelling the step), and a
+line `STOP`. With `"outlive": true` (a job with a standby scheduler, on another host than the
+launcher) only `STOP` and those signals stop the role: the end of the session alone means the
+launcher's host may be lost, and the job goes on under the standby; each role still ends by itself
+(its work done, or the schedulers silent), and its output is relayed through a buffer
+(launch/relay.py) so that a session nobody reads never makes it wait. The
 stub exits with the role's status (128 + N for a signal). A header it cannot use ends it with status
 2 and a line on stderr that says what is wrong.
 """
@@ -26,12 +31,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.launch.relay import relayed_pipe
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
 
 MAX_HEADER_BYTES = 1 << 20
 GRACE_S = 5.0
 BAD_HEADER = 2
-_HEADER_KEYS = frozenset({"argv", "env", "cwd", "secret", "split"})
+_HEADER_KEYS = frozenset({"argv", "env", "cwd", "secret", "split", "outlive"})
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class Header:
     secret: bytes
     #: the role's stderr goes to the session's stderr, apart from its stdout (per-rank log files)
     split: bool = False
+    #: the role outlives the session's end (only STOP or a signal stops it): a job with a standby scheduler
+    outlive: bool = False
 
 
 def parse_header(line: bytes) -> Header:
@@ -54,8 +62,8 @@ def parse_header(line: bytes) -> Header:
         raise ValueError(f"the header is not JSON: {exc}") from None
     if not isinstance(data, dict) or not {"argv", "env", "cwd", "secret"} <= set(data) <= _HEADER_KEYS:
         raise ValueError("the header must be an object with argv, env, cwd and secret (and maybe split)")
-    if not isinstance(data.get("split", False), bool):
-        raise ValueError("split must be true or false")
+    if not isinstance(data.get("split", False), bool) or not isinstance(data.get("outlive", False), bool):
+        raise ValueError("split and outlive must be true or false")
     argv, env, cwd, secret = data["argv"], data["env"], data["cwd"], data["secret"]
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
         raise ValueError("argv must be a non-empty list of non-empty strings")
@@ -67,7 +75,8 @@ def parse_header(line: bytes) -> Header:
     if not isinstance(secret, str) or len(secret) > 8192:
         raise ValueError("secret must be a hex string")
     try:
-        return Header(tuple(argv), dict(env), cwd, bytes.fromhex(secret), data.get("split", False))
+        return Header(tuple(argv), dict(env), cwd, bytes.fromhex(secret), data.get("split", False),
+                      data.get("outlive", False))
     except ValueError:
         raise ValueError("secret must be a hex string") from None
 
@@ -86,41 +95,68 @@ def _stop(process: subprocess.Popen[bytes], grace: float) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
+def read_header(fd: int) -> tuple[bytes, bytes]:
+    """The header line from descriptor `fd`, and what came after it (a STOP or USR1 the launcher sent at once).
+    Read raw: a buffered reader would keep those bytes from the thread that watches `fd` for commands."""
+    data = b""
+    while b"\n" not in data and len(data) <= MAX_HEADER_BYTES:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    return line, rest
+
+
 def run(stdin: Any, grace: float = GRACE_S) -> int:
     """Read the header from `stdin` (binary), run the role, stop it when `stdin` ends; its exit status."""
+    line, early = read_header(stdin.fileno())
     try:
-        header = parse_header(stdin.readline(MAX_HEADER_BYTES + 1))
+        header = parse_header(line)
     except ValueError as exc:
         print(f"sluice remote: {exc}; this runs what `sluice launch -H ...` sends it, not by hand", file=sys.stderr)
         return BAD_HEADER
     env = {**os.environ, **header.env}
     fd = secret_pipe(header.secret)
     env[ENV_SECRET_FD] = str(fd)
+    outputs = [relayed_pipe(1), *([relayed_pipe(2)] if header.split else [])] if header.outlive else []
     try:
         # one stream, as the local launcher reads it: ssh and srun carry stdout and stderr apart, and
         # lines of the two would interleave mid-line where the launcher reads them as one; with `split`
         # it reads them apart (per-rank log files), so stderr keeps to the session's stderr
-        process = subprocess.Popen(header.argv, cwd=header.cwd, env=env, stdin=subprocess.DEVNULL,
-                                   stderr=None if header.split else subprocess.STDOUT, start_new_session=True,
-                                   pass_fds=(fd,))
+        stdout = outputs[0][0] if outputs else None
+        stderr = outputs[1][0] if len(outputs) > 1 else None if header.split else subprocess.STDOUT
+        process = subprocess.Popen(header.argv, cwd=header.cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                   stderr=stderr, start_new_session=True, pass_fds=(fd,))
     except OSError as exc:
         print(f"sluice remote: cannot start {header.argv[0]!r} in {header.cwd!r}: {exc}", file=sys.stderr)
         return BAD_HEADER
     finally:
         os.close(fd)
+        for write_end, _ in outputs:  # the role holds them now; the relays end with its output
+            os.close(write_end)
     ended = threading.Event()
 
     def watch() -> None:  # the session's end is the job's end on this host
         # the raw descriptor, not the buffered file: a daemon thread blocked holding its lock would
         # abort the interpreter's exit
-        pending = b""
+        pending, stopped, data = b"", False, early
         with contextlib.suppress(OSError):
-            while data := os.read(stdin.fileno(), 4096):
+            while data or (data := os.read(stdin.fileno(), 4096)):
                 *lines, pending = (pending + data).split(b"\n")
                 pending = pending[-64:]  # only short commands come: nothing grows here
                 if b"USR1" in lines:  # an elastic job's new hosts (launch/elastic.py): tell the role
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(process.pid, signal.SIGUSR1)
+                if b"STOP" in lines:
+                    stopped = True
+                    break
+                data = b""
+        if header.outlive and not stopped:  # the launcher (or its host) is gone: the standby carries the job
+            return
         if not ended.is_set():
             _stop(process, grace)
 
@@ -138,6 +174,8 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
 
     code = process.wait()
     ended.set()
+    for _, relay in outputs:
+        relay.join(GRACE_S)
     with contextlib.suppress(ProcessLookupError):  # the role's leftovers do not outlive it
         os.killpg(process.pid, signal.SIGKILL)
     # nor its shared memory: a role killed by a signal could not unlink it (the local launcher does the

@@ -42,6 +42,8 @@ class Spawner:
         self.output = output or OutputOptions()
         #: the standby scheduler's endpoint, once it announced it (scheduler.standby); every node is told it
         self.standby = ""
+        #: roles on other hosts outlive the end of their session (a standby runs on one: launch/remote.py)
+        self.outlive = False
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
 
@@ -83,7 +85,7 @@ class Spawner:
         if host is None:
             proc = await self._start_here(argv, {**self.base_env, **env})
         else:
-            proc = await self._start_there(host, argv, env, split=self.output.split)
+            proc = await self._start_there(host, argv, env, split=self.output.split, outlive=self.outlive)
         return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "",
                      self.output, folder(role, rank, self.workers))
 
@@ -135,7 +137,7 @@ class Spawner:
             os.close(secret_fd)
 
     async def _start_there(self, host: str, argv: list[str], env: dict[str, str],
-                           split: bool = False) -> asyncio.subprocess.Process:
+                           split: bool = False, outlive: bool = False) -> asyncio.subprocess.Process:
         """ssh (or srun) running the remote stub on `host`; the header, secret included, goes on its stdin,
         which stays open: its end is the role's end (launch/remote.py). `split`: the role's stderr comes
         apart from its stdout, on ssh's (srun's) own stderr."""
@@ -149,6 +151,7 @@ class Spawner:
         assert proc.stdin is not None
         # ssh may be gone already (refused, unreachable): its exit status and output then tell why
         with contextlib.suppress(ConnectionError, RuntimeError):
-            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret, split))
+            proc.stdin.write(header_line(argv, {**forwarded_env(self.base_env), **env}, cwd, self.secret, split,
+                                         outlive))
             await proc.stdin.drain()
         return proc

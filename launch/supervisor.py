@@ -151,7 +151,11 @@ class Job:
         except ValueError as exc:
             self.complain(str(exc))
             return 2
-        try:  # the standby (scheduler.standby) starts beside the scheduler, on another host when there is one
+        # the standby (scheduler.standby) starts beside the scheduler, on another host when there is one; the
+        # roles there then outlive the launcher's host (not under srun: SLURM ends a step whose srun is gone)
+        self.spawner.outlive = wanted and self.plan is not None and self.plan.reach.method == "ssh" \
+            and standby_host(self.plan) is not None
+        try:
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
             standby = await self.spawn("scheduler", 1, [*role_argv, "scheduler"], "",
                                        standby_host(self.plan)) if wanted else None

@@ -9,20 +9,30 @@ with the parameters of the same job without the kill, and leaves nothing running
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from testbed.netbed import NetbedUnavailable
+from testbed.ssh import SshBed, ssh_bed
 from tests.integration.script_workers import script_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 ARGS = ["--steps", "30", "--hidden", "256"]
+#: the job's processes on a host: the remote stubs, the training script, servers and schedulers
+JOB_PROCESS = re.compile(r"sluice\.launch\.remote|cluster_train\.py|sluice\.launch\.cli (server|scheduler)")
 SETTINGS: dict[str, Any] = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": "server"},
                             "transport": {"chunk_bytes": 4096, "inflight_bytes": 4 << 20}}
 
@@ -57,3 +67,73 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
     assert results[0]["after"] == results[1]["after"] == [0.5] * 5  # declared and planned under the standby
     left = subprocess.run(["pgrep", "-f", f"{SCRIPT} {' '.join(ARGS)} --kill-scheduler-at"], capture_output=True)
     assert left.returncode == 1, left.stdout
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
+    try:
+        with ssh_bed(tmp_path_factory.mktemp("failover"), ssh_hosts=2, second=True) as made:
+            yield made
+    except NetbedUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _kill_host(bed: SshBed, host: str) -> None:
+    """Every process in `host`'s namespace SIGKILLed, then its link down: the host is lost."""
+    netns = bed.netbed.hosts[host].netns
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=10).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_failover_lost_host_of_the_launcher_and_scheduler_the_job_ends_under_the_standby(
+        bed: SshBed, tmp_path: Path) -> None:
+    """The launcher's host (and the scheduler on it) is lost mid-training: the roles on h1 and h2 outlive
+    their sessions, rejoin the standby on h1, and end the job there with the expected parameters."""
+    reference = _results("".join(script_outputs(2, 2, SETTINGS, ROOT / SCRIPT, *ARGS, timeout=90)))
+    h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
+    sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
+            "transport.inflight_bytes=4194304", "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3",
+            "worker.metrics_every=5"]  # scheduler.standby: one by default, as the job spans hosts
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", f"{h1}:1,{h2}:1",
+            "-w", "2", "-s", "2", *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS,
+            "--result-dir", str(tmp_path)]
+    job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:  # all along: a launcher whose stdout nobody reads would stall
+        assert job.stdout is not None
+        for line in iter(job.stdout.readline, ""):
+            lines.append(line)
+            if re.match(r"\[worker 0\] .*transport, steps \d+-\d+:", line):
+                training.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
+        out = "".join(lines)
+        assert f"standby scheduler ready at tcp://{h1}:" in out, out[-3000:]
+        killed = time.time()
+        _kill_host(bed, "launcher")
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank.*.json"))) < 2:
+            assert time.monotonic() < deadline, f"no results from the workers: {list(tmp_path.iterdir())}"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while left := [p for host in ("h1", "h2") for p in bed.left_on(host, JOB_PROCESS)]:
+            assert time.monotonic() < deadline, f"processes of the job still run: {left}"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["ip", "netns", "exec", bed.netbed.hosts["launcher"].netns, "ip", "link", "set", "eth0",
+                        "up"], timeout=10)
+        if job.poll() is None:
+            job.kill()
+    results = [json.loads((tmp_path / f"rank.{rank}.json").read_text()) for rank in (0, 1)]
+    assert results[0]["params"] == results[1]["params"] == reference[0]["params"]
+    assert results[0]["after"] == results[1]["after"] == [0.5] * 5  # planned by the standby
+    assert min((tmp_path / f"rank.{rank}.json").stat().st_mtime for rank in (0, 1)) > killed

@@ -32,8 +32,9 @@ def _stub() -> subprocess.Popen[bytes]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _header(argv: list[str], env: dict[str, str] | None = None, secret: bytes = SECRET) -> bytes:
-    return json.dumps({"argv": argv, "env": env or {}, "cwd": str(ROOT), "secret": secret.hex()}).encode() + b"\n"
+def _header(argv: list[str], env: dict[str, str] | None = None, secret: bytes = SECRET, **extra: bool) -> bytes:
+    fields = {"argv": argv, "env": env or {}, "cwd": str(ROOT), "secret": secret.hex(), **extra}
+    return json.dumps(fields).encode() + b"\n"
 
 
 def _alive(pid: int) -> bool:
@@ -113,3 +114,45 @@ def test_a_signal_to_the_stub_stops_the_role_and_removes_its_shared_memory() -> 
             stub.kill()
         stub.stdin.close()
         segment.unlink(missing_ok=True)
+
+
+#: a role that prints far more than a pipe holds, then leaves a mark and ends by itself
+CHATTY = """
+import os, sys
+print(os.getpid(), flush=True)
+for _ in range(400):
+    print("x" * 1023, flush=True)
+open(sys.argv[1], "w").close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_failover_an_outliving_role_runs_on_when_its_session_ends_unread(tmp_path: Path) -> None:
+    """With a standby scheduler the roles outlive the launcher's host: its session ends (or nobody reads it
+    any more) and the role neither stops nor waits on its output; it ends by itself and so does the stub."""
+    stub = _stub()
+    assert stub.stdin is not None and stub.stdout is not None
+    mark = tmp_path / "done"
+    stub.stdin.write(_header([sys.executable, "-c", CHATTY, str(mark)], outlive=True))
+    stub.stdin.flush()
+    pid = int(stub.stdout.readline())
+    stub.stdin.close()  # the session ends, and from now on nobody reads the stub's output: 400 KiB wait there
+    assert stub.wait(20) == 0  # the role ended by itself (the relay gave up on the unread rest after its grace)
+    assert mark.exists() and not _alive(pid)
+
+
+@pytest.mark.timeout(60)
+def test_failover_an_outliving_role_stops_on_the_word_stop() -> None:
+    stub = _stub()
+    assert stub.stdin is not None and stub.stdout is not None
+    stub.stdin.write(_header([sys.executable, "-c", ROLE], {"SLUICE_ROLE": "server"}, outlive=True))
+    stub.stdin.flush()
+    _, _, pid, grandchild = stub.stdout.readline().decode().split()
+    stub.stdin.write(b"STOP\n")
+    stub.stdin.flush()
+    assert stub.wait(20) == 128 + 15
+    stub.stdin.close()
+    deadline = time.monotonic() + 5
+    while (_alive(int(pid)) or _alive(int(grandchild))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(int(pid)) and not _alive(int(grandchild))

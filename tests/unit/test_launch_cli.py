@@ -201,7 +201,7 @@ def test_the_remote_stub_takes_split_streams_only_as_a_boolean() -> None:
 
     assert parse_header(header_line(["python"], {}, "/", b"k" * 16, split=True)).split
     assert not parse_header(header_line(["python"], {}, "/", b"k" * 16)).split
-    with pytest.raises(ValueError, match="split must be true or false"):
+    with pytest.raises(ValueError, match="split and outlive must be true or false"):
         parse_header(b'{"argv": ["p"], "env": {}, "cwd": "/", "secret": "", "split": "yes"}')
     with pytest.raises(ValueError, match="must be an object with argv"):
         parse_header(b'{"argv": ["p"], "env": {}, "cwd": "/", "secret": "", "other": 1}')

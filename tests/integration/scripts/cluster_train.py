@@ -25,6 +25,8 @@ parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
 parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--hidden", type=int, default=32)
+parser.add_argument("--result-dir", metavar="DIR", help="also write the result to DIR/rank.N.json (a job whose "
+                    "launcher is lost prints to no one)")
 args = parser.parse_args()
 
 
@@ -91,5 +93,7 @@ result = {
     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     "after": hvd.allreduce(torch.full((5,), float(rank)), name="after_training").tolist(),
 }
+if args.result_dir:
+    Path(args.result_dir, f"rank.{rank}.json").write_text(json.dumps(result))
 print("CLUSTER_RESULT " + json.dumps(result), flush=True)
 hvd.shutdown()
