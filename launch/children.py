@@ -184,6 +184,14 @@ class Child:
         elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.write(b"USR1\n")
 
+    def notify_reform(self) -> None:
+        """SIGUSR2 to the worker (--in-place: the job re-forms now; worker/elastic/host.py), as notify_hosts_updated."""
+        if self.host is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, signal.SIGUSR2)
+        elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.write(b"USR2\n")
+
     def stop(self) -> None:
         """Ask the role to end: SIGTERM to its group here; on another host, a line STOP and the end of the
         session's stdin, on which the remote stub SIGTERMs the role's group there (and SIGKILLs it later)."""

@@ -40,6 +40,8 @@ class ElasticSettings:
     interval: float = 5.0
     #: re-formings not caused by new hosts, at most (a script that fails the same way each time stops)
     max_restarts: int = 10
+    #: --in-place: a lost worker is replaced in its slot and the others re-form in their own processes
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:

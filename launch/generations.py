@@ -8,8 +8,11 @@ rules for what comes next are launch/elastic.py's; the workers' side is worker/t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO, TextIO
 
@@ -28,9 +31,12 @@ from sluice.launch.elastic import (
     without,
 )
 from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
+from sluice.launch.ending import SETTLE_SECONDS, STOP_TIMEOUT
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.run_options import RunOptions
-from sluice.launch.supervisor import SETTLE_SECONDS, Job, run_on_loop, supervise
+from sluice.launch.standby import Schedulers
+from sluice.launch.supervisor import Job, free_port, run_on_loop, supervise
+from sluice.scheduler.bootstrap import ENV_ELASTIC_IN_PLACE
 
 Replan = Callable[[list[Host]], ClusterPlan | None]
 
@@ -47,6 +53,8 @@ class Generation(Job):
         #: the hosts a discovery found, when they offer more slots than this generation uses
         self.grow_to: list[Host] | None = None
         self.discovery: asyncio.Task[None] | None = None
+        #: workers replaced in place so far (--in-place)
+        self.in_place = 0
 
     def state_items(self) -> list[str]:
         """The committed state too (the janitor removes it should the launcher be killed)."""
@@ -85,7 +93,59 @@ class Generation(Job):
         self.reform = Reform((cause.rank,), grown=self.grow_to is not None)
         return REFORM_EXIT
 
+    async def _replace_worker(self, dead: Child) -> tuple[Child, list[Child], list[Child]] | None:
+        """--in-place: a worker died on its own (the first cause): stop the scheduler and servers, start
+        them again (the scheduler on the same port), tell the other workers to re-form in their processes
+        (SIGUSR2) and start a new worker of the same rank in its slot, at the next generation."""
+        code = dead.returncode
+        if not self.elastic.in_place or code in (None, REFORM_EXIT) or self.stopping or self.schedulers is None:
+            return None
+        if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
+            await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
+        verdict = judge(dead, self.children, self._context)
+        if verdict.cause is not dead or self.interrupted.done():
+            return None
+        if self.in_place >= self.elastic.max_restarts:
+            self.complain(f"{verdict.headline}; the job was re-formed in place {self.in_place} times "
+                          "(--max-restarts)")
+            return None
+        self.in_place += 1
+        lost = time.monotonic()
+        self.complain(f"{verdict.headline}; replacing {dead.label} in place: the other workers keep their "
+                      "processes (--in-place)")
+        self.children.remove(dead)
+        old = [c for c in self.children if c.role != "worker"]
+        for child in old:
+            child.stop()
+        _, slow = await asyncio.wait([c.done for c in old], timeout=STOP_TIMEOUT)
+        for child in old:
+            if not child.done.done():
+                child.signal_group(signal.SIGKILL)
+        await asyncio.gather(*(c.done for c in old), return_exceptions=True)
+        for child in old:
+            self.children.remove(child)
+        generation = int(self.spawner.worker_env[ENV_GENERATION]) + 1
+        self.spawner.worker_env[ENV_GENERATION] = str(generation)
+        role_argv = [sys.executable, "-m", "sluice.launch.cli"]
+        # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
+        # same address once that is up
+        survivors = [c for c in self.children if c.role == "worker"]
+        worker = await self.spawn("worker", dead.rank, self.command, self.endpoint)
+        sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
+        if await self._announced(sched) != self.endpoint:
+            self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
+            return None
+        for child in survivors:  # they re-form now: their scheduler is there again
+            child.notify_reform()
+        new = [sched, *[await self.spawn("server", rank, [*role_argv, "server"], self.endpoint)
+                        for rank in range(self.servers)]]
+        self.schedulers = Schedulers(sched, None)
+        self.say(f"generation {generation}: {dead.label} replaced in its slot and the scheduler and servers "
+                 f"started again {time.monotonic() - lost:.2f} s after the loss ({len(slow)} stopped by SIGKILL)")
+        return worker, old, new
+
     async def _discover(self) -> None:
+
         """Run the host discovery now and then; when it offers more slots, tell the workers (SIGUSR1:
         each re-forms the job at its next commit)."""
         assert self.elastic.discovery is not None
@@ -125,12 +185,16 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
     """Run generation after generation until one ends the job; the launcher's exit code."""
     directory, generation, restarts = state_dir(), 0, 0
     os.mkdir(directory, 0o700)
+    if elastic.in_place:  # the survivors of a lost worker find the scheduler again where it was
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=free_port()))
     try:
         while True:
-            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation)}
+            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation),
+                   **({ENV_ELASTIC_IN_PLACE: "1"} if elastic.in_place else {})}
             job = Generation(config, workers, servers, command, grace, ready_timeout, sys.stdout.buffer,
                              sys.stderr, aggregators, plan, elastic, env, options)
             code = await job.run()
+            generation = int(job.spawner.worker_env[ENV_GENERATION])  # workers replaced in place count too
             if job.reform is None:
                 return code
             hosts = without(job.hosts(), job.placed(), job.reform.dropped)

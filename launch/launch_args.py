@@ -121,6 +121,10 @@ def _add_elastic_options(launch: argparse.ArgumentParser) -> None:
     elastic.add_argument("--max-restarts", type=int, default=10, metavar="N",
                          help="with --elastic: end the job after N re-formings not caused by new hosts (a "
                               "script that fails the same way every time) (default: %(default)s)")
+    elastic.add_argument("--in-place", action="store_true",
+                         help="with --elastic: replace a lost worker by a new process in its slot, and let the "
+                              "other workers re-form the job in their own processes (Horovod's elastic: they keep "
+                              "their process, CUDA context and data loader) instead of restarting every process")
     elastic.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
                          help="with --host-discovery-script: seconds between its runs (default: %(default)s)")
 

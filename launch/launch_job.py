@@ -131,8 +131,8 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
             elastic = elastic_settings(args, workers, config)
         except ValueError as exc:
             return error(str(exc))
-    elif args.min_workers or args.max_workers:
-        return error("--min-workers and --max-workers (--min-np, --max-np) need --elastic")
+    elif args.min_workers or args.max_workers or getattr(args, "in_place", False):
+        return error("--min-workers, --max-workers (--min-np, --max-np) and --in-place need --elastic")
     try:
         code = run_job(config, workers, servers, command, grace=args.grace,
                        ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan,
@@ -157,7 +157,7 @@ def elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConfi
         raise ValueError(f"--host-discovery-script {discovery} is not an executable file")
     maximum = args.max_workers or (4096 if discovery else workers)
     settings = ElasticSettings(args.min_workers or 1, maximum, discovery, args.discovery_interval,
-                               args.max_restarts)
+                               args.max_restarts, getattr(args, "in_place", False))
     if not settings.min_workers <= workers <= settings.max_workers:
         raise ValueError(f"-w {workers} must lie between --min-workers {settings.min_workers} and --max-workers "
                          f"{settings.max_workers}")

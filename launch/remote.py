@@ -148,9 +148,10 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
             while data or (data := os.read(stdin.fileno(), 4096)):
                 *lines, pending = (pending + data).split(b"\n")
                 pending = pending[-64:]  # only short commands come: nothing grows here
-                if b"USR1" in lines:  # an elastic job's new hosts (launch/elastic.py): tell the role
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(process.pid, signal.SIGUSR1)
+                for word, sig in ((b"USR1", signal.SIGUSR1), (b"USR2", signal.SIGUSR2)):
+                    if word in lines:  # an elastic job's new hosts, or its re-forming in place (launch/elastic.py)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(process.pid, sig)
                 if b"STOP" in lines:
                     stopped = True
                     break

@@ -33,6 +33,8 @@ ENV_SECRET_FD = "SLUICE_SECRET_FD"
 #: generation, and the exit status by which a worker asks for the next generation
 ENV_ELASTIC_DIR = "SLUICE_ELASTIC_DIR"
 ENV_ELASTIC_GENERATION = "SLUICE_ELASTIC_GENERATION"
+#: --elastic --in-place: the survivors of a lost worker re-form the job in their own processes
+ENV_ELASTIC_IN_PLACE = "SLUICE_ELASTIC_IN_PLACE"
 REFORM_EXIT = 75
 SECRET_BYTES = 32
 _MAX_SECRET_BYTES = 4096

@@ -78,7 +78,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             log.error("aggregation.trees do not fit this job: %s", exc)
             return 1
     try:
-        endpoint = transport.listen(settings.port)[0]
+        endpoint = transport.listen(settings.port if not standby else 0)[0]  # a standby's port is its own
     except (OSError, ValueError) as exc:
         transport.close()
         log.error("the scheduler cannot listen: %s (transport.host = %s, scheduler.port = %d)",

@@ -62,6 +62,28 @@ def test_elastic_job_that_loses_a_worker_ends_as_one_with_a_worker_fewer(tmp_pat
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers", ["0", "1"], ids=["allreduce", "ps"])
+def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_same_job(tmp_path: Path,
+                                                                                       servers: str) -> None:
+    """--in-place: worker 2 dies after step 10; a new worker 2 starts in its slot and workers 0 and 1 re-form
+    the job in their own processes, from commit 11: the job ends as 3 workers stopped after step 10 and
+    continued by 3 workers from that state."""
+    output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", servers, "--",
+                                    sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2"])
+    assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; replacing worker 2 in place: the "
+                     r"other workers keep their processes \(--in-place\)", output), output[-4000:]
+    assert re.search(r"\[launch\] generation 1: worker 2 replaced in its slot and the scheduler and servers started "
+                     r"again [\d.]+ s after the loss", output), output[-4000:]
+    first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
+    then = {s["rank"]: s["pid"] for s in starts if s["generation"] == 1}
+    assert [(s["size"], s["step"]) for s in starts if s["generation"] == 1] == [(3, 11)] * 3
+    assert then[0] == first[0] and then[1] == first[1] and then[2] != first[2]  # the survivors kept their process
+    assert [r["size"] for r in results] == [3, 3, 3] and results[0]["params"] == results[2]["params"]
+    assert results[0]["params"] == _reference(tmp_path, 3, 3, 11, 20, servers)
+    assert not list(Path("/dev/shm").glob("sluice-elastic-*")), "the committed state outlived the job"
+
+
+@pytest.mark.timeout(300)
 def test_elastic_job_grows_when_discovery_finds_a_slot(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")

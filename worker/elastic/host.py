@@ -8,7 +8,9 @@ latest commit in time, even against the file of a host that left and came back w
 an older lineage. A host keeps files of ranks it no longer runs until a worker's first commit there
 removes the older ones. SIGUSR1 from the launcher means "more slots": it is noted, and the next
 commit raises HostsUpdatedInterrupt. `reform` leaves with status REFORM, which asks the launcher for
-a new generation.
+a new generation. With `SLUICE_ELASTIC_IN_PLACE=1` (sluice launch --in-place) a failure does not end
+the process: `reform_in_place` closes Sluice, waits for SIGUSR2 (the launcher has replaced the lost
+worker and started the job's scheduler again), takes the next generation and joins again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
-from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
+from sluice.errors import SluiceError
+from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_ELASTIC_IN_PLACE, REFORM_EXIT
 from sluice.transport.shm_space import SHM_FIX
 
 log = logging.getLogger("sluice.worker")
@@ -42,6 +45,13 @@ NO_COMMIT: Key = (-1, 0)
 #: seconds the exit on a failure gives Sluice to close: a peer is gone, so do not wait for it
 CLOSE_SECONDS = 5.0
 _hosts_updated = threading.Event()
+#: set by the launcher (--in-place): survivors of a lost worker re-form the job in this process
+ENV_IN_PLACE = ENV_ELASTIC_IN_PLACE
+#: how long a worker whose job failed waits for the launcher's SIGUSR2 to re-form in place
+REFORM_WAIT_S = 120.0
+_reform_go = threading.Event()
+#: each returns, in the signal handler, what fails the current connection (a shim's: its node's fail)
+_reform_victims: list[Callable[[], Callable[[], None] | None]] = []
 
 
 @dataclass(frozen=True)
@@ -186,10 +196,50 @@ def hosts_updated() -> bool:
 
 
 def watch_host_updates() -> None:
-    """In an elastic job, note SIGUSR1 ("hosts were updated") instead of dying of it (from the main
-    thread only, where Python runs handlers; idempotent)."""
+    """In an elastic job, note SIGUSR1 ("hosts were updated") instead of dying of it, and with --in-place
+    SIGUSR2 ("re-form now") (from the main thread only, where Python runs handlers; idempotent)."""
     if os.environ.get(ENV_DIR) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_hosts_updated)
+        if in_place():
+            signal.signal(signal.SIGUSR2, _on_reform)
+
+
+def in_place() -> bool:
+    """Whether a failure re-forms the job in this process (sluice launch --in-place)."""
+    return os.environ.get(ENV_IN_PLACE) == "1"
+
+
+def on_reform(victim: Callable[[], Callable[[], None] | None]) -> None:
+    """Register what SIGUSR2 fails: `victim()`, called in the handler, returns the current connection's fail."""
+    _reform_victims.append(victim)
+
+
+def _on_reform(signum: int, frame: object) -> None:
+    """The launcher replaced the lost worker: fail what this process still waits on (the old connection,
+    chosen now, in the main thread), then let `reform_in_place` go on."""
+    victims = [fail for get in _reform_victims if (fail := get()) is not None]
+
+    def go() -> None:
+        for fail in victims:
+            _close_quietly(fail)
+        _reform_go.set()
+
+    threading.Thread(target=go, name="sluice-elastic-reform", daemon=True).start()
+
+
+def reform_in_place(reason: BaseException, commits: int, close: Callable[[], None], init: Callable[[], None]) -> None:
+    """Close Sluice (`close`, the shim's), wait for the launcher's SIGUSR2, take the next generation and
+    join the re-formed job (`init`); SluiceError if the word does not come within REFORM_WAIT_S."""
+    print(f"sluice elastic: {reason}; re-forming the job in this process from commit {commits} (--in-place)",
+          file=sys.stderr, flush=True)
+    closer = threading.Thread(target=_close_quietly, args=(close,), name="sluice-elastic-close", daemon=True)
+    closer.start()
+    closer.join(CLOSE_SECONDS)
+    if not _reform_go.wait(REFORM_WAIT_S):
+        raise SluiceError(f"the launcher did not re-form the job within {REFORM_WAIT_S:g} s after: {reason}")
+    _reform_go.clear()
+    os.environ[ENV_GENERATION] = str(int(os.environ.get(ENV_GENERATION, "0")) + 1)
+    init()
 
 
 def reform(reason: BaseException, commits: int, close: Callable[[], None]) -> NoReturn:

@@ -31,6 +31,7 @@ from sluice.worker.elastic.host import (
     HostsUpdatedInterrupt,
     elastic_env,
     hosts_updated,
+    in_place,
     watch_host_updates,
 )
 
@@ -70,6 +71,11 @@ class Backend(ABC):
     @abstractmethod
     def reform(self, reason: BaseException, commits: int) -> NoReturn:
         """Drop what is in flight and leave with status REFORM (host.reform)."""
+
+    def reinit(self, reason: BaseException, commits: int) -> bool:
+        """Drop what is in flight and join the job again in this process once the launcher re-formed it
+        (--in-place, host.reform_in_place); False: this shim cannot, and the process leaves (reform)."""
+        return False
 
 
 def refuse_server_optimizer(optimizer_on: str) -> None:
@@ -231,6 +237,8 @@ def run(func: F, backend: Backend) -> F:
     (generation > 0), calls the reset callbacks; then runs `func`. A Sluice failure (backend.failed:
     a lost peer, a failed round) or HostsUpdatedInterrupt ends the process with status REFORM, after
     closing Sluice within a few seconds: the launcher starts the next generation from the last commit.
+    With --in-place a failure instead re-forms the job in this process (Backend.reinit): Horovod's
+    elastic loop, restore the newest commit, reset callbacks, call `func` again.
     Any other exception ends the job as a failure. Outside an elastic job it gives every worker rank
     0's state (State.sync, once; not before hvd.init()) and calls `func`."""
 
@@ -246,16 +254,21 @@ def run(func: F, backend: Backend) -> F:
             raise SluiceError("call init() first")
         refuse_server_optimizer(backend.optimizer_on())  # a setting, not a failure: re-forming would not help
         watch_host_updates()
-        try:
-            if not state._restored:
-                state.resume()
-                state._restored = True
-                if env.generation > 0:
-                    state.on_reset()
-            return func(state, *args, **kwargs)
-        except BaseException as exc:
-            if backend.failed(exc):
-                backend.reform(exc, state.commits)
-            raise
+        while True:
+            try:
+                if not state._restored:
+                    state.resume()
+                    state._restored = True
+                    if (elastic_env() or env).generation > 0:
+                        state.on_reset()
+                return func(state, *args, **kwargs)
+            except BaseException as exc:
+                if not backend.failed(exc):
+                    raise
+                # a lost worker (--in-place): this process re-forms the job with its replacement; new
+                # hosts, or a shim that cannot: the launcher starts a new generation of processes
+                if isinstance(exc, HostsUpdatedInterrupt) or not in_place() or not backend.reinit(exc, state.commits):
+                    backend.reform(exc, state.commits)
+                state._restored = False
 
     return wrapper  # type: ignore[return-value]

@@ -167,8 +167,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         node = WorkerNode()
         STATE.settings = worker_settings(node)
         STATE.node = node
-        torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
-        atexit.register(_close)
+        if not _HOOKED:  # once a process: a job re-formed in place (reinit) makes a new node
+            _HOOKED.append(True)
+            torch.nn.modules.module.register_module_forward_pre_hook(wait_for_parameters)
+            atexit.register(_close)
     assert STATE.node.process_sets is not None
     register_sets(STATE.node.process_sets, STATE.node.rank, process_sets)
 
@@ -182,6 +184,20 @@ def shutdown() -> None:
     stop_timeline()
     STATE.node = None
     PARKED.append(node)
+
+
+def reinit_in_place() -> None:
+    """Drop this process's connection for good, failed as it is (an elastic job re-forms in place), so
+    that the next init() joins the re-formed job with a new one."""
+    node, STATE.node = STATE.node, None
+    if node is not None:
+        PARKED.append(node)
+    while PARKED:
+        PARKED.pop().close()
+
+
+#: whether this process registered its forward hook and exit handler
+_HOOKED: list[bool] = []
 
 
 def _close() -> None:

@@ -18,14 +18,16 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from sluice.errors import SluiceError
+from sluice.worker.elastic import host
 from sluice.worker.elastic import state as shared
 from sluice.worker.elastic.host import Commit, HostsUpdatedInterrupt, watch_host_updates
 from sluice.worker.torch.collectives import broadcast_parameters
 from sluice.worker.torch.elastic_host import ENV_DIR, ENV_GENERATION, FILES, REFORM, reform
 from sluice.worker.torch.elastic_sampler import ElasticSampler
 from sluice.worker.torch.objects import allgather_object, broadcast_object, broadcast_optimizer_state
-from sluice.worker.torch.optimizer import synchronize_parameters
-from sluice.worker.torch.state import STATE, require
+from sluice.worker.torch.optimizer import _READY, synchronize_parameters
+from sluice.worker.torch.rebind import rebind_all
+from sluice.worker.torch.state import PENDING, STATE, require
 
 __all__ = ["ENV_DIR", "ENV_GENERATION", "REFORM", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State",
            "TorchState", "run"]
@@ -52,6 +54,26 @@ class _Torch(shared.Backend):
 
     def reform(self, reason: BaseException, commits: int) -> NoReturn:
         reform(reason, commits)
+
+    def reinit(self, reason: BaseException, commits: int) -> bool:
+        from sluice.worker.torch.api import init, reinit_in_place  # api imports this module
+
+        PENDING.clear()  # the committed state is what counts: what was in flight is redone
+        _READY.clear()
+        host.reform_in_place(reason, commits, reinit_in_place, init)
+        rebind_all()
+        return True
+
+
+def _current_fail() -> Callable[[], None] | None:
+    """What SIGUSR2 fails (--in-place): this process's connection as it is now."""
+    node = STATE.node
+    if node is None:
+        return None
+    return lambda: node.control.fail("the launcher replaced a lost worker: the job re-forms in place")
+
+
+host.on_reform(_current_fail)
 
 
 TORCH = _Torch()

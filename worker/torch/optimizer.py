@@ -27,6 +27,7 @@ from sluice.worker.torch.compression import Compression, Compressor
 from sluice.worker.torch.fusion import FusedGradients, GroupWait, Reduction, build_fusion, choose_routes
 from sluice.worker.torch.options import Done, LocalMixin, Options, local_only, named_parameters_of, parse_options
 from sluice.worker.torch.priority import ParameterPriorities
+from sluice.worker.torch.rebind import track
 from sluice.worker.torch.server_side import seed_servers, server_options
 from sluice.worker.torch.state import OPTIMIZERS, PENDING, STATE, Waitable, declare_missing, log_metrics, require
 
@@ -148,8 +149,7 @@ class _DistributedMixin(LocalMixin):
         on = self._sluice_process_set
         indices = allgather_async(grad.indices().t().contiguous(), f"sparse.{name}.indices", on)
         values = allgather_async(grad.values().contiguous(), f"sparse.{name}.values", on)
-        scale = self._sluice_options.reduction.postscale(self._sluice_engine.size)
-        shape = grad.shape
+        scale, shape = self._sluice_options.reduction.postscale(self._sluice_engine.size), grad.shape
 
         def finish() -> torch.Tensor:
             gathered = torch.sparse_coo_tensor(synchronize(indices).t(), synchronize(values) * scale, shape,
@@ -355,7 +355,7 @@ def DistributedOptimizer(
     wrapped: Any = cls.__new__(cls)
     base.__init__(wrapped, optimizer.param_groups)
     wrapped._sluice_setup(optimizer.__class__, named_parameters, model, options, prefix, on, process_set)
-    return wrapped  # type: ignore[no-any-return]
+    return track(wrapped)  # type: ignore[no-any-return]
 
 
 #: DistributedOptimizers of each process set made in this process (by its engine's label), numbered alike

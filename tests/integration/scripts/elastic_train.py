@@ -8,6 +8,8 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --stop-at S --save PATH: stop after step S and save the state (rank 0), for a reference run;
 --load PATH: start from such a state.
 --pause S: each step of generation 0 sleeps S seconds after its commit (time for the launcher to find a slot).
+--times: rank 0 prints `ELASTIC_STEP {step, t}` as each step ends, the dying worker `ELASTIC_DIE {t}` (wall
+clock seconds), for bench/replace_worker.py.
 """
 
 import argparse
@@ -29,6 +31,7 @@ parser.add_argument("--stop-at", type=int, default=-1)
 parser.add_argument("--save", default="")
 parser.add_argument("--load", default="")
 parser.add_argument("--pause", type=float, default=0.0)
+parser.add_argument("--times", action="store_true")
 args = parser.parse_args()
 
 hvd.init()
@@ -60,7 +63,8 @@ state.register_reset_callbacks([set_lr])
 def train(state: hvd.elastic.TorchState) -> None:
     rank, size = hvd.rank(), hvd.size()
     generation = int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0"))
-    print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch}), flush=True)
+    print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch, "rank": rank,
+                                         "pid": os.getpid()}), flush=True)
     while state.batch < args.steps:
         step = state.batch
         start = (step * size + rank) * 8
@@ -69,7 +73,11 @@ def train(state: hvd.elastic.TorchState) -> None:
         optimizer.step()
         state.batch = step + 1
         state.commit()
+        if args.times and rank == 0:
+            print("ELASTIC_STEP " + json.dumps({"step": step, "t": time.time()}), flush=True)
         if step == args.die_at and rank == args.die_rank:
+            if args.times:
+                print("ELASTIC_DIE " + json.dumps({"t": time.time()}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.stop_at:
             break

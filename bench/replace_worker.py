@@ -1,0 +1,85 @@
+"""How soon a job that lost a worker trains again: replaced in place (--in-place) against every process restarted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/replace_worker.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
+
+SCRIPT = "tests/integration/scripts/elastic_train.py"
+CASES = {"allreduce": "0", "ps": "1"}
+PEER_NAME = "sluice launch --elastic: every process restarted (torchrun's way)"
+DESCRIPTION = """\
+A job of W workers (tests/integration/scripts/elastic_train.py, Horovod's elastic shape, committing
+after every step) loses worker W-1, which SIGKILLs itself after step K. Measured: seconds from that
+loss to the end of the first step after it (step K+1, trained again from commit K+1), with
+`sluice launch --elastic --in-place` (ours: a new worker in the lost one's slot, the others re-form in
+their own processes, the scheduler and servers started again) against `--elastic` (the peer: every
+process of the job stopped and started again, as torchrun's elastic agent does). Both in the same
+run, alternating, median of --repeats. Cases: allreduce (-s 0) and ps (-s 1)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="which routes to measure (default: all)")
+    parser.add_argument("--workers", type=int, default=3, metavar="W", help="workers (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=16, metavar="N", help="steps of each job (default: %(default)s)")
+    parser.add_argument("--die-at", type=int, default=8, metavar="K",
+                        help="the last worker dies after this step (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=180.0, metavar="SECONDS",
+                        help="one job's limit (default: %(default)s)")
+    add_common_options(parser, "one repeat of the ps case, 4 steps, the loss after step 1", repeats=5)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.cases, args.steps, args.die_at, args.repeats = ["ps"], 4, 1, 1
+    return args
+
+
+def loss_to_step(args: argparse.Namespace, servers: str, in_place: bool) -> float:
+    """One job: seconds from the worker's loss to the end of the next step trained after it."""
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "--elastic", *(["--in-place"] if in_place else []),
+            "-w", str(args.workers), "-s", servers, "--", sys.executable, SCRIPT, "--steps", str(args.steps),
+            "--die-at", str(args.die_at), "--die-rank", str(args.workers - 1), "--times"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"the job failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    died = [json.loads(m.group(1))["t"] for m in re.finditer(r"ELASTIC_DIE (.*)$", done.stdout, re.M)]
+    steps: list[dict[str, Any]] = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_STEP (.*)$", done.stdout,
+                                                                              re.M)]
+    after = [s["t"] for s in steps if s["step"] == args.die_at + 1 and died and s["t"] > died[0]]
+    if len(died) != 1 or not after:
+        raise SystemExit(f"no loss or no step after it in the job's output:\n{done.stdout[-3000:]}")
+    return float(after[0] - died[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    records, rows = [], []
+    for case in args.cases:
+        ours, peer = [], []
+        for repeat in range(args.repeats):
+            ours.append(loss_to_step(args, CASES[case], in_place=True))
+            peer.append(loss_to_step(args, CASES[case], in_place=False))
+            progress(f"{case}: repeat {repeat + 1}/{args.repeats}: in place {ours[-1]:.2f} s, every process "
+                     f"restarted {peer[-1]:.2f} s")
+        rec = record(case, stats(ours), stats(peer), PEER_NAME, "s", "lower", workers=args.workers,
+                     die_at=args.die_at, steps=args.steps)
+        records.append(rec)
+        rows.append([case, f"{rec['ours']:.2f}", f"{rec['peer']:.2f}", f"{rec['speedup']:.2f}x"])
+    print_table(["case", "in place (s)", "every process restarted (s)", "speedup"], rows)
+    write_json(args.json, records)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
