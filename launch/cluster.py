@@ -8,7 +8,7 @@ it is where the job is watched and ended from.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from sluice.launch.config import SluiceConfig
@@ -32,6 +32,12 @@ class ClusterPlan:
     here: frozenset[str]
     #: where the hosts came from, for the launcher's first lines ("-H", a hostfile's path, "SLURM job 12")
     source: str
+    #: the hosts with their worker slots, spare ones included (--elastic --in-place replaces a worker there)
+    hosts: tuple[Host, ...] = ()
+
+    def spare_host(self, busy: Sequence[str], lost: Collection[str]) -> str | None:
+        """A host with a free worker slot, not among `lost`, given the hosts of the workers running now."""
+        return next((h.name for h in self.hosts if h.name not in lost and busy.count(h.name) < h.slots), None)
 
     def place(self, role: str, rank: int) -> Process:
         return next(p for p in self.layout.processes if p.role == role and p.rank == rank)
@@ -106,7 +112,7 @@ def plan_cluster(hosts: Sequence[Host], source: str, workers: int | None, server
     if away and launcher_address.startswith("127."):
         raise HostsError(f"transport.host = {launcher_address} cannot be reached from the other hosts: leave it "
                          "unset, or give this machine's address on the network the hosts share")
-    return ClusterPlan(layout, reach, addresses, launcher_address, here, source)
+    return ClusterPlan(layout, reach, addresses, launcher_address, here, source, tuple(hosts))
 
 
 __all__ = ["ClusterPlan", "HostsError", "plan_cluster", "read_hosts"]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO, TextIO
 
 from sluice.launch.blame import judge
-from sluice.launch.children import Child
+from sluice.launch.children import SSH_FAILED, Child
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 from sluice.launch.elastic import (
@@ -109,6 +109,9 @@ class Generation(Job):
             self.complain(f"{verdict.headline}; the job was re-formed in place {self.in_place} times "
                           "(--max-restarts)")
             return None
+        moved_to = self._slot_for(dead)
+        if moved_to == "":
+            return None  # its host is lost and no other has a free slot: the job shrinks (a new generation)
         self.in_place += 1
         lost = time.monotonic()
         self.complain(f"{verdict.headline}; replacing {dead.label} in place: the other workers keep their "
@@ -130,19 +133,45 @@ class Generation(Job):
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
         survivors = [c for c in self.children if c.role == "worker"]
-        worker = await self.spawn("worker", dead.rank, self.command, self.endpoint)
+        worker = await self.spawn("worker", dead.rank, self.command, self.endpoint, moved_to,
+                                  self._local_env(moved_to))
         sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
         if await self._announced(sched) != self.endpoint:
             self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
             return None
         for child in survivors:  # they re-form now: their scheduler is there again
             child.notify_reform()
-        new = [sched, *[await self.spawn("server", rank, [*role_argv, "server"], self.endpoint)
+        new = [sched, *[await self.spawn("server", rank, [*role_argv, "server"], self.endpoint, self._live(rank))
                         for rank in range(self.servers)]]
         self.schedulers = Schedulers(sched, None)
         self.say(f"generation {generation}: {dead.label} replaced in its slot and the scheduler and servers "
                  f"started again {time.monotonic() - lost:.2f} s after the loss ({len(slow)} stopped by SIGKILL)")
         return worker, old, new
+
+    def _slot_for(self, dead: Child) -> str | None:
+        """Where a lost worker's replacement runs: its own slot (None) when its host is up, else a spare slot
+        on another host; "" when there is none. A host is lost when its ssh session failed (exit 255)."""
+        if self.plan is None or dead.host is None or dead.via != "ssh" or dead.returncode != SSH_FAILED:
+            return None
+        self.takeovers.lost_hosts.add(dead.host)
+        busy = [c.host or "" for c in self.children if c.role == "worker" and c is not dead]
+        spare = self.plan.spare_host(busy, self.takeovers.lost_hosts)
+        self.complain(f"{dead.label}'s host {dead.host} is lost; " + (f"its replacement starts in a spare slot on "
+                      f"{spare}" if spare else "no other host has a free slot"))
+        return spare or ""
+
+    def _local_env(self, host: str | None) -> dict[str, str] | None:
+        """LOCAL_RANK and LOCAL_WORLD_SIZE of a worker started in a spare slot of `host`."""
+        if host is None:
+            return None
+        local = [c for c in self.children if c.role == "worker" and c.host == host]
+        return {"LOCAL_RANK": str(len(local)), "LOCAL_WORLD_SIZE": str(len(local) + 1)}
+
+    def _live(self, server: int) -> str | None:
+        """Where server `server` starts again: its host, or the first live one when its host is lost."""
+        if self.plan is None or self.plan.place("server", server).host not in self.takeovers.lost_hosts:
+            return None
+        return next((h.name for h in self.plan.hosts if h.name not in self.takeovers.lost_hosts), None)
 
     async def _discover(self) -> None:
 

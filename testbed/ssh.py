@@ -116,6 +116,31 @@ class SshBed:
                                 f"{probe.stdout.strip()}\nsshd log:\n{log}")
                 time.sleep(0.2)
 
+    def lose_host(self, host: str) -> None:
+        """Take `host` away as a power loss would: every process in its namespace SIGKILLed (its sshd and
+        sessions too), what they kept in /dev/shm gone with them (the bed's hosts share this machine's),
+        then its link down. `restore_link` brings the link back for the next test."""
+        import signal
+
+        from sluice.transport.shm import remove_segments_of
+
+        netns = self.netbed.hosts[host].netns
+        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True,
+                              timeout=10).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        for pid in pids:
+            deadline = time.monotonic() + 5
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            remove_segments_of(int(pid))
+        subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
+
+    def restore_link(self, host: str) -> None:
+        subprocess.run(["ip", "netns", "exec", self.netbed.hosts[host].netns, "ip", "link", "set", "eth0", "up"],
+                       timeout=10)
+
     def left_on(self, host: str, pattern: re.Pattern[str]) -> list[str]:
         """Processes in `host` whose command line matches `pattern` (all namespaces share the pid space:
         ask `ip netns pids`), as "PID: CMDLINE"."""

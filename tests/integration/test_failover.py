@@ -9,11 +9,8 @@ with the parameters of the same job without the kill, and leaves nothing running
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -78,16 +75,6 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
         pytest.skip(str(exc))
 
 
-def _kill_host(bed: SshBed, host: str) -> None:
-    """Every process in `host`'s namespace SIGKILLed, then its link down: the host is lost."""
-    netns = bed.netbed.hosts[host].netns
-    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=10).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
-    subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_failover_lost_host_of_the_launcher_and_scheduler_the_job_ends_under_the_standby(
@@ -119,7 +106,7 @@ def test_failover_lost_host_of_the_launcher_and_scheduler_the_job_ends_under_the
         out = "".join(lines)
         assert f"standby scheduler ready at tcp://{h1}:" in out, out[-3000:]
         killed = time.time()
-        _kill_host(bed, "launcher")
+        bed.lose_host("launcher")
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("rank.*.json"))) < 2:
             assert time.monotonic() < deadline, f"no results from the workers: {list(tmp_path.iterdir())}"
@@ -129,11 +116,76 @@ def test_failover_lost_host_of_the_launcher_and_scheduler_the_job_ends_under_the
             assert time.monotonic() < deadline, f"processes of the job still run: {left}"
             time.sleep(0.2)
     finally:
-        subprocess.run(["ip", "netns", "exec", bed.netbed.hosts["launcher"].netns, "ip", "link", "set", "eth0",
-                        "up"], timeout=10)
+        bed.restore_link("launcher")
         if job.poll() is None:
             job.kill()
     results = [json.loads((tmp_path / f"rank.{rank}.json").read_text()) for rank in (0, 1)]
     assert results[0]["params"] == results[1]["params"] == reference[0]["params"]
     assert results[0]["after"] == results[1]["after"] == [0.5] * 5  # planned by the standby
     assert min((tmp_path / f"rank.{rank}.json").stat().st_mtime for rank in (0, 1)) > killed
+
+
+ELASTIC = "tests/integration/scripts/elastic_train.py"
+
+
+def _elastic_reference(tmp_path: Path, workers: int, switch: int, steps: int) -> list[float]:
+    """The same elastic job run deliberately: stopped after step `switch` - 1, continued from its state."""
+    saved = tmp_path / "state.pt"
+    script_outputs(workers, 1, {}, ROOT / ELASTIC, "--steps", str(steps), "--stop-at", str(switch - 1),
+                   "--save", str(saved))
+    printed = "".join(script_outputs(workers, 1, {}, ROOT / ELASTIC, "--steps", str(steps), "--load", str(saved)))
+    found = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", printed, re.M)]
+    return list(found[0]["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_replace_lost_host_of_a_worker_in_a_spare_slot_the_others_keep_their_processes(
+        bed: SshBed, tmp_path: Path) -> None:
+    """--elastic --in-place on the ssh testbed: worker 0's host h2 is lost mid-training (every process in it
+    killed, its link down); worker 0 starts again in h1's spare slot, worker 1 re-forms the job in its own
+    process, and the job ends as the same job run deliberately from the commit it resumed at."""
+    h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", f"{h2}:1,{h1}:2",
+            "-w", "2", "-s", "1", "--server-hosts", h1, "--elastic", "--in-place",
+            "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=3", "--",
+            sys.executable, ELASTIC, "--steps", "60", "--pause", "0.1"]
+    job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:
+        assert job.stdout is not None
+        for line in iter(job.stdout.readline, ""):
+            lines.append(line)
+            if "ELASTIC_START" in line and '"rank": 0' in line:
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
+        time.sleep(1.0)  # a few steps in
+        bed.lose_host("h2")
+        job.wait(120)
+        reader.join(10)
+    finally:
+        bed.restore_link("h2")
+        if job.poll() is None:
+            job.kill()
+    out = "".join(lines)
+    assert job.returncode == 0, out[-6000:]
+    assert f"worker 0's host {h2} is lost; its replacement starts in a spare slot on {h1}" in out, out[-4000:]
+    starts = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_START (.*)$", out, re.M)]
+    first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
+    then = [s for s in starts if s["generation"] == 1]
+    assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts
+    assert {s["rank"]: s["pid"] for s in then}[1] == first[1]  # worker 1 kept its process
+    results = sorted((json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", out, re.M)),
+                     key=lambda r: r["rank"])
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
+    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], 60)
+    deadline = time.monotonic() + 15
+    while left := [p for host in ("h1",) for p in bed.left_on(host, JOB_PROCESS)]:
+        assert time.monotonic() < deadline, f"processes of the job still run: {left}"
+        time.sleep(0.2)
