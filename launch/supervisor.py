@@ -26,7 +26,7 @@ from sluice.launch.spawner import Spawner
 from sluice.launch.standby import Schedulers, standby_host, standby_wanted
 from sluice.launch.takeover import Takeovers
 from sluice.ps.mirror_links import ENV_TAKEOVER
-from sluice.ps.snapshot import remove_state_files, state_tag
+from sluice.ps.snapshot import remove_state_files, state_path, state_tag
 from sluice.scheduler.bootstrap import new_secret
 
 
@@ -135,6 +135,9 @@ class Job(Ending):
             self.say(self.plan.describe())
         if self.threads_note:
             self.say(self.threads_note)
+        if self.config.ps.recover:  # where to look on a host, and what the job removes at its end
+            self.say(f"ps.recover: the servers commit their state to {state_path(state_tag(self.spawner.secret), 0)}"
+                     "-like files on their hosts")
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
         try:  # before anything starts: a port taken there is the user's to change
             self.spawner.master_port = await choose(self.spawner, self.options.master_port)

@@ -229,7 +229,6 @@ def test_ssh_recovery_restarts_a_killed_server_on_its_host(bed: SshBed) -> None:
     """ps.recover across hosts: server 0 (on h1) is killed in step 5 and restarted there over ssh.
     The in-flight bound is set (to what a calibration chooses here), so no calibration runs: in 4 KiB
     chunks it takes seconds."""
-    started = time.time()
     done = bed.launch(["-H", _hosts(bed, 1), "-s", "2", "--set", "ps.recover=true", "--set", "collective.mode=ps",
                        "--set", "worker.optimizer_on=server", "--set", "transport.chunk_bytes=4096",
                        "--set", "transport.inflight_bytes=16777216", "--",
@@ -241,7 +240,10 @@ def test_ssh_recovery_restarts_a_killed_server_on_its_host(bed: SshBed) -> None:
     results = _results(done.stdout)
     assert len(results) == 2 and results[0]["params"] == results[1]["params"]
     _nothing_left(bed)
-    left = [p for p in Path("/dev/shm").glob("sluice-state-*") if p.stat().st_mtime >= started]
+    # this job's files only: other tests running beside it may hold theirs
+    tag = re.search(r"/dev/shm/sluice-state-([0-9a-f]+)-server-0-like files", done.stdout)
+    assert tag is not None, done.stdout[:3000]
+    left = list(Path("/dev/shm").glob(f"sluice-state-{tag.group(1)}-*"))
     assert not left, f"state files outlived the job: {left}"
 
 
