@@ -131,9 +131,9 @@ ELASTIC = "tests/integration/scripts/elastic_train.py"
 def _elastic_reference(tmp_path: Path, workers: int, switch: int, steps: int) -> list[float]:
     """The same elastic job run deliberately: stopped after step `switch` - 1, continued from its state."""
     saved = tmp_path / "state.pt"
-    script_outputs(workers, 1, {}, ROOT / ELASTIC, "--steps", str(steps), "--stop-at", str(switch - 1),
+    script_outputs(workers, 0, {}, ROOT / ELASTIC, "--steps", str(steps), "--stop-at", str(switch - 1),
                    "--save", str(saved))
-    printed = "".join(script_outputs(workers, 1, {}, ROOT / ELASTIC, "--steps", str(steps), "--load", str(saved)))
+    printed = "".join(script_outputs(workers, 0, {}, ROOT / ELASTIC, "--steps", str(steps), "--load", str(saved)))
     found = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", printed, re.M)]
     return list(found[0]["params"])
 
@@ -144,10 +144,11 @@ def test_replace_lost_host_of_a_worker_in_a_spare_slot_the_others_keep_their_pro
         bed: SshBed, tmp_path: Path) -> None:
     """--elastic --in-place on the ssh testbed: worker 0's host h2 is lost mid-training (every process in it
     killed, its link down); worker 0 starts again in h1's spare slot, worker 1 re-forms the job in its own
-    process, and the job ends as the same job run deliberately from the commit it resumed at."""
+    process, and the job ends as the same job run deliberately from the commit it resumed at. By allreduce:
+    the coordinator tree and the rings are made anew over the new address book."""
     h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", f"{h2}:1,{h1}:2",
-            "-w", "2", "-s", "1", "--server-hosts", h1, "--elastic", "--in-place",
+            "-w", "2", "-s", "0", "--elastic", "--in-place",
             "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=3", "--",
             sys.executable, ELASTIC, "--steps", "60", "--pause", "0.1"]
     job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
