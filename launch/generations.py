@@ -133,6 +133,7 @@ class Generation(Job):
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
         survivors = [c for c in self.children if c.role == "worker"]
+        self.spawner.standby = ""  # a standby is not started again: it would listen elsewhere than told
         worker = await self.spawn("worker", dead.rank, self.command, self.endpoint, moved_to,
                                   self._local_env(moved_to))
         sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
