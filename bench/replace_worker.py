@@ -38,10 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the last worker dies after this step (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=180.0, metavar="SECONDS",
                         help="one job's limit (default: %(default)s)")
-    add_common_options(parser, "one repeat of the ps case, 4 steps, the loss after step 1", repeats=5)
+    add_common_options(parser, "one repeat of the ps case, 2 workers, 4 steps, the loss after step 1", repeats=5)
     args = parser.parse_args(argv)
     if args.quick:
-        args.cases, args.steps, args.die_at, args.repeats = ["ps"], 4, 1, 1
+        args.cases, args.workers, args.steps, args.die_at, args.repeats = ["ps"], 2, 4, 1, 1
     return args
 
 
