@@ -1,6 +1,7 @@
 """What a ps.replicas MIRROR costs per chunk and round: sending the committed state against sending the sum.
 
-Two ways to keep a holder's copy of a shard bit-identical (ps/mirror.py): (state) the primary sends
+Two ways to keep a holder's copy of a shard bit-identical (ps/mirror.py uses both: the sum with an
+optimizer on the servers, the state otherwise and to bring a holder up to date): (state) the primary sends
 the committed state (value and optimizer arrays: 1x the chunk without an optimizer, 2x with momentum,
 3x with Adam) and the holder copies it into its file; (sum) the primary sends the round's averaged
 gradient (1x) and the holder runs the same optimizer step (ps/optim.py) and then copies the result
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     records, rows = [], []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         progress(f"chunk of {args.length} float32 ({args.length * 4 / 2**20:.2f} MiB), median of {args.repeats}; "
-                 "ours: the committed state (what ps/mirror.py sends)")
+                 "ours: the committed state (ps/mirror.py sends it without an optimizer, or to bring a holder up "
+                 "to date; the gradient otherwise)")
         for name in OPTIMIZERS:
             r = measure(name, args.length, args.repeats, directory)
             for side, unit in (("bytes", "bytes"), ("primary_us", "us"), ("holder_us", "us")):

@@ -9,6 +9,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,17 @@ import torch
 from bench import priority_training
 from bench.common import Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.recovery_kill import kill_record
+from bench.recovery_testbed import run_testbed_job, testbed
 from bench.train_throughput import demo, timed_repeats, worker_batches
 from sluice.ps.snapshot import STATE_DIR, remove_state_files, state_tag
 from testbed.cluster import LocalCluster
+from testbed.netbed import ready_for
 
 COST_CASES = ("digits-sum", "digits-server-momentum", "digits-server-adam", "large-adam")
 KILL_CASE = "resume-after-kill"
 CASES = (*COST_CASES, KILL_CASE)
 PEER_NAME = "sluice, ps.recover = false"
+REPLICAS_PEER_NAME = "sluice, ps.recover = true, ps.replicas = 0"
 TARGET_COST = 10.0  # percent of the step time without recovery
 LARGE = (32, 2048)  # bench/priority_training.py's VGG-like model, width and hidden: 8.55 M parameters
 
@@ -55,6 +59,13 @@ and off, in alternating order (on/off, then off/on) to cancel drift, each timing
 of STEPS steps after a warm-up. ours = ps.recover on, peer = off; cost = how much more time a step
 takes with recovery, in percent (target <= {TARGET_COST:g}%); paired_cost = the median of each pair's
 cost; state_mib = the size of the servers' state files, as a worker saw them after its last step.
+With --replicas the same cost cases compare ps.replicas = 1 (each server's committed state also
+mirrored on another server, ps/mirror.py; ps.mirror_same_host, as every server of a LocalCluster
+is on this host) against ps.replicas = 0, ps.recover on in both: ours = replicas, peer = without;
+their records' case names start with "replicas-". With --testbed (and --replicas) every process
+of a job runs on a host of its own of the network-namespace testbed (root only), servers and workers
+on links shaped to --rate-mbit (bench/recovery_testbed.py): the servers' mirrors cross real links,
+so ps.mirror_same_host is not set; their case names start with "testbed-replicas-".
 
 {KILL_CASE}: ours = seconds from the kill to the end of step K (the step that needed the
 replacement for all of server 0's rounds: training resumed); peer = a normal step's time (the
@@ -68,8 +79,8 @@ with bit-identical parameters to the same job without the kill.
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                        help="cases to run (default: all)")
+    parser.add_argument("--cases", nargs="+", choices=CASES,
+                        help="cases to run (default: all; with --replicas, the cost cases)")
     parser.add_argument("--workers", type=int, default=4, metavar="W", help="digits-*: workers (default: %(default)s)")
     parser.add_argument("--servers", type=int, default=2, metavar="S",
                         help="servers of every case (default: %(default)s)")
@@ -95,6 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"{KILL_CASE}: the step at whose start server 0 is killed (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
+    parser.add_argument("--replicas", action="store_true",
+                        help="cost cases: ps.replicas = 1 against 0 (both with ps.recover) instead of ps.recover on "
+                             "against off")
+    parser.add_argument("--testbed", action="store_true",
+                        help="with --replicas: run the cost cases on the network-namespace testbed (root)")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
+                        help="--testbed: each server's and worker's link, both ways (default: %(default)s)")
     add_common_options(parser, quick="1 pair of jobs, 2 digits workers, 1 timed repetition of 2 warm-up + 5 digits "
                                      "steps (1 + 2 large-adam steps), one killed job of 7 steps, killed at step 3 "
                                      "(overrides those options)", repeats=5)
@@ -107,7 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("workers, servers, batch size, steps, inner and repeats must be positive; warm-ups not negative")
     if not 3 <= args.kill_at <= args.kill_steps - 4:
         parser.error("--kill-at must leave 3 steps before it and 3 after it (normal steps to compare with)")
-    args.cases = [c for c in CASES if c in args.cases]
+    args.cases = [c for c in CASES if c in (args.cases or (COST_CASES if args.replicas else CASES))]
+    if args.testbed and not args.replicas:
+        parser.error("--testbed measures ps.replicas: give --replicas too")
+    if args.replicas and KILL_CASE in args.cases:
+        parser.error(f"--replicas compares the cost cases only: leave {KILL_CASE} out of --cases")
     return args
 
 
@@ -147,8 +169,9 @@ def _state_bytes(tag: str) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(STATE_DIR, f"sluice-state-{tag}-server-*")))
 
 
-def _train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[str, Any]:
-    """In a worker of a LocalCluster job: train `job`, timed as bench/train_throughput.py does."""
+def train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[str, Any]:
+    """In a worker of a LocalCluster job (or a testbed job, bench/recovery_testbed.py): train `job`, timed as
+    bench/train_throughput.py does."""
     import sluice.torch as hvd
 
     torch.set_num_threads(1)
@@ -173,17 +196,23 @@ def _train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[
     return result
 
 
-def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, timeout: float) -> tuple[list[float], int]:
-    """One job: ms per step of each timed repetition, and the bytes of the servers' state files."""
-    config = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": {"recover": recover}}
+def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, timeout: float,
+                 replicas: bool | None = None) -> tuple[list[float], int]:
+    """One job: ms per step of each timed repetition, and the bytes of the servers' state files. `replicas`
+    (not None): ps.recover on, and ps.replicas 1 (True, mirrored on another server of this host) or 0."""
+    ps: dict[str, Any] = {"recover": recover}
+    if replicas is not None:
+        ps = {"recover": True, "replicas": int(replicas), "mirror_same_host": True}
+    config = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": ps}
     with LocalCluster(job.workers, job.servers, config) as cluster:
         tag = state_tag(cluster.secret)
         try:
-            results = cluster.run(_train_worker, job, x, y, tag, timeout=timeout)
+            results = cluster.run(train_worker, job, x, y, tag, timeout=timeout)
             cluster.wait()
         finally:  # a failed job leaves its servers' files: they are no one's once the job is gone
             remove_state_files(tag)
     state = int(results[0]["state_bytes"])
+    recover = recover or replicas is not None
     if recover and not state:
         raise RuntimeError("ps.recover = true, yet the servers wrote no state file in /dev/shm: did they get the "
                            "setting (LocalCluster's config)?")
@@ -196,7 +225,12 @@ def cost_percent(ours: float, peer: float) -> float:
     return (ours / peer - 1) * 100
 
 
-def measure_cost(case: str, job: Job, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+Runner = Callable[[Job, bool], tuple[list[float], int]]
+
+
+def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> dict[str, Any]:
+    """ours: `run(job, True)`, ps.recover on (with --replicas: ps.replicas = 1); peer: `run(job, False)`."""
+    what = "replicas" if args.replicas else "recover"
     on: list[float] = []
     off: list[float] = []
     pairs: list[float] = []
@@ -205,12 +239,12 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, x: torch.Tensor,
         medians: dict[bool, float] = {}
         for recover in (True, False) if pair % 2 == 0 else (False, True):
             t0 = time.perf_counter()
-            values, nbytes = run_cost_job(job, recover, x, y, args.timeout)
+            values, nbytes = run(job, recover)
             (on if recover else off).extend(values)
             medians[recover] = statistics.median(values)
             state = max(state, nbytes)
             figures = " ".join(f"{v:.2f}" for v in values)
-            progress(f"  {case:<22} pair {pair + 1}/{args.repeats}  recover {'on ' if recover else 'off'}  "
+            progress(f"  {case:<22} pair {pair + 1}/{args.repeats}  {what} {'on ' if recover else 'off'}  "
                      f"{figures} ms/step  ({time.perf_counter() - t0:.1f} s)")
         pairs.append(cost_percent(medians[True], medians[False]))
     ours, peer = stats(on), stats(off)
@@ -220,7 +254,11 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, x: torch.Tensor,
     describe = (f"{job.model} model ({parameters / 1e6:.3g} M parameters), {job.workers} workers x {job.servers} "
                 f"servers, batch {job.batch} per worker, collective.mode = ps, "
                 f"{'Adam' if job.optimizer == 'adam' else 'SGD with momentum'} {where}")
-    return record(case, ours, peer, PEER_NAME, "ms/step", better="lower", cost=cost,
+    prefix = ("testbed-" if args.testbed else "") + ("replicas-" if args.replicas else "")
+    if args.testbed:
+        describe += f", every process on its own testbed host, links {args.rate_mbit:g} Mbit/s"
+    return record(prefix + case, ours, peer,
+                  REPLICAS_PEER_NAME if args.replicas else PEER_NAME, "ms/step", better="lower", cost=cost,
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
                   state_mib=state / (1 << 20), parameters=parameters, description=describe, pairs=args.repeats,
                   repetitions_per_job=args.inner, samples=len(on), **asdict(job))
@@ -235,10 +273,10 @@ def print_tables(records: list[dict[str, Any]], args: argparse.Namespace) -> Non
              f"{rec['cost']:+.1f}%", f"{rec['paired_cost']:+.1f}%", f"<= {rec['target_cost']:g}%",
              "met" if rec["met"] else "MISSED"] for rec in records if rec["case"] != KILL_CASE]
     if rows:
-        progress(f"\nps.recover on against off, median [min..max] of {args.repeats} pairs x {args.inner} "
-                 "repetitions; cost = extra step time with recovery")
-        print_table(["case", "ms/step recover on", "recover off", "state MiB", "cost", "paired cost", "target", ""],
-                    rows)
+        what = ("ps.replicas 1", "0") if args.replicas else ("recover on", "recover off")
+        progress(f"\n{what[0]} against {what[1]}, median [min..max] of {args.repeats} pairs x {args.inner} "
+                 f"repetitions; cost = extra step time with {what[0]}")
+        print_table(["case", f"ms/step {what[0]}", what[1], "state MiB", "cost", "paired cost", "target", ""], rows)
     for rec in records:
         if rec["case"] == KILL_CASE:
             progress(f"\nserver 0 killed as step {rec['kill_at']} starts, median [min..max] of {rec['runs']} jobs; "
@@ -259,14 +297,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.001)
     _, load_data = demo()
     x, y, _, _ = load_data()
-    progress(f"recovery: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs (ps.recover on, off) with "
-             f"{args.inner} timed repetitions each, {args.repeats} killed jobs")
+    pair = "ps.replicas 1, 0" if args.replicas else "ps.recover on, off"
+    killed = f", {args.repeats} killed jobs" if KILL_CASE in args.cases else ""
+    progress(f"recovery: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs ({pair}) with "
+             f"{args.inner} timed repetitions each{killed}")
     started = time.perf_counter()
     records = []
-    for case, job in jobs(args).items():
-        if case in args.cases:
+    cost_cases = {case: job for case, job in jobs(args).items() if case in args.cases}
+    if args.testbed and cost_cases:
+        if not ready_for("recovery --testbed"):
+            return 0
+        with testbed(args.rate_mbit, max(j.servers for j in cost_cases.values()),
+                     max(j.workers for j in cost_cases.values())) as bed:
+
+            def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:
+                ps = {"recover": True, "replicas": int(replicas)}
+                return run_testbed_job(bed, job, ps, args.timeout), 0
+
+            for case, job in cost_cases.items():
+                progress(f"{case}:")
+                records.append(measure_cost(case, job, args, on_testbed))
+    else:
+        for case, job in cost_cases.items():
             progress(f"{case}:")
-            records.append(measure_cost(case, job, args, x, y))
+            records.append(measure_cost(case, job, args, lambda job, on: run_cost_job(
+                job, on, x, y, args.timeout, on if args.replicas else None)))
     if KILL_CASE in args.cases:
         progress(f"{KILL_CASE}:")
         records.append(kill_record(KILL_CASE, args))

@@ -8,13 +8,17 @@ in rank order on another host), which writes it into a state file of the same fo
 the chunk is held here: a worker never sees a round that only one host holds. With one replica,
 chain replication and primary-backup are the same thing (the chain is primary -> holder).
 
-What a MIRROR carries is the committed state itself, not the round's sum for the holder to step
-again: the holder then needs no optimizer, no rank-ordered sum and no copy of the PLAN's settings to
-stay bit-identical, and its cost is one copy of the state per round (1x the shard without an
-optimizer, 2x with momentum, 3x with Adam) against 1x plus a second optimizer step (docs/cluster.md
-gives the measurement). Payload: the value, then the optimizer's arrays that meta `bits` names (in
-optim.STATE_ARRAYS order), then the broadcast buffer when meta `bcast` is true (it changed), cut
-into pieces the size of the largest chunk; the holder acknowledges the last.
+A MIRROR carries one of two things (meta `grad`). With an optimizer on the servers, a round whose
+previous round went to the holder in this connection's order carries the round's averaged gradient
+(1x the chunk, in the optimizer's compute dtype), and the holder steps the same deterministic
+optimizer (ps/store.py `step_chunk`, the settings in meta `opt`) on its own copy: bit-identical, and
+1x on the wire where the state is 2x with momentum and 3x with Adam, which on a 1 Gbit/s link is
+what a step pays for (docs/cluster.md gives the measurement). Otherwise (no optimizer: the sum is
+the value; a changed broadcast; the chunk's first mirror, or the first after a restart) it carries
+the committed state: the value, then the optimizer's arrays that meta `bits` names (in
+optim.STATE_ARRAYS order), then the broadcast buffer when meta `bcast` is true (it changed). Meta
+`bits` and `t` always describe the state after the round, so the holder checks its step against them.
+The payload is cut into pieces the size of the largest chunk; the holder acknowledges the last.
 """
 
 from __future__ import annotations
@@ -62,18 +66,22 @@ def payload_bytes(length: int, dtype: str, bits: int, with_bcast: bool) -> int:
     return length * (storage * (1 + with_bcast) + compute_dtype(dtype).itemsize * bin(bits).count("1"))
 
 
-def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool) -> list[Message]:
-    """The MIRROR of `chunk`'s committed state (its round, value, optimizer and state, and broadcast), in pieces
-    of at most PIECE_BYTES (meta `at`: where each starts; the first one's meta has the rest)."""
+def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool, grad: np.ndarray | None = None) -> list[Message]:
+    """The MIRROR of `chunk`'s committed state (its round, value, optimizer and state, and broadcast), or with
+    `grad` of the gradient its round was stepped with (a private copy: it becomes the payload), in pieces of
+    at most PIECE_BYTES (meta `at`: where each starts; the first one's meta has the rest)."""
     state = chunk.opt_state
     bits = optim.state_bits(state) if state else 0
-    parts = [chunk.value, *(state[name] for i, name in enumerate(optim.STATE_ARRAYS) if bits >> i & 1)]
-    if with_bcast and chunk.bcast is not None:
-        parts.append(chunk.bcast)
-    payload = np.concatenate([np.ascontiguousarray(part).view(np.uint8) for part in parts])
+    if grad is not None:
+        payload = grad.view(np.uint8)
+    else:
+        parts = [chunk.value, *(state[name] for i, name in enumerate(optim.STATE_ARRAYS) if bits >> i & 1)]
+        if with_bcast and chunk.bcast is not None:
+            parts.append(chunk.bcast)
+        payload = np.concatenate([np.ascontiguousarray(part).view(np.uint8) for part in parts])
     first = {"at": 0, "bits": bits, "t": int(state.get("t", 0)), "opt": [optim.optimizer_code(chunk.optimizer),
              *optim.optimizer_settings(chunk.optimizer)], "bv": chunk.bcast_version,
-             "bcast": with_bcast and chunk.bcast is not None}
+             "bcast": grad is None and with_bcast and chunk.bcast is not None, "grad": grad is not None}
     return [Message(Kind.MIRROR, sender=sender, key=chunk.key, chunk=chunk.chunk, round=chunk.round, dtype="uint8",
                     shape=piece.shape, payload=piece, meta=first if at == 0 else {"at": at})
             for at in range(0, max(payload.size, 1), PIECE_BYTES) for piece in (payload[at:at + PIECE_BYTES],)]
@@ -101,11 +109,20 @@ class MirrorSender:
         self._held: dict[tuple[int, int], list[Reply]] = {}
         #: (key, chunk) -> the broadcast version the holder has
         self._bcast_sent: dict[tuple[int, int], int] = {}
+        #: (key, chunk) -> the round of the last MIRROR made for it: the holder has that round before the next
+        self._made: dict[tuple[int, int], int] = {}
+        #: (key, chunk) -> (the round it makes, a copy of the gradient the optimizer is stepping with)
+        self._grads: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self.mirrored = 0  # MIRRORs acknowledged
         self.bytes = 0  # payload bytes of the MIRRORs made
 
     def describe(self) -> str:
         return f"server {self.holder_rank} on {self.holder_host}"
+
+    def stepping(self, chunk: Chunk, grad: np.ndarray) -> None:
+        """Recovery's before_step: the gradient `chunk`'s next round is about to be stepped with (copied: the
+        step may overwrite it), mirrored instead of the state if the holder has the round before."""
+        self._grads[(chunk.key, chunk.chunk)] = (chunk.round + 1, grad.copy())
 
     def committed(self, chunk: Chunk) -> None:
         """Recovery's after_commit: `chunk`'s round is in the local file; mirror it."""
@@ -113,7 +130,13 @@ class MirrorSender:
         new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
         if new_bcast:
             self._bcast_sent[key] = chunk.bcast_version
-        pieces = mirror_messages(chunk, self.node_id, new_bcast)
+        stepped = self._grads.pop(key, None)
+        # the gradient only onto the round before it, in this MIRROR stream's order (a holder takes a stream's
+        # MIRRORs in order, as one channel keeps them): else the state, which needs nothing before it
+        follows = stepped is not None and stepped[0] == chunk.round and self._made.get(key) == chunk.round - 1
+        grad = stepped[1] if follows and not new_bcast and stepped is not None else None
+        self._made[key] = chunk.round
+        pieces = mirror_messages(chunk, self.node_id, new_bcast, grad)
         if self.ready:
             self.outbox += pieces
         self.bytes += sum(piece.nbytes for piece in pieces)

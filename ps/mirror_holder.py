@@ -22,11 +22,12 @@ from sluice.ps.mirror import MIRROR_CHANNEL, compute_dtype, payload_bytes
 from sluice.ps.plan import parse_plan
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum
 from sluice.ps.snapshot import STATE_DIR, StateFile
-from sluice.ps.store import Chunk, Reply
+from sluice.ps.store import Chunk, Reply, step_chunk
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Kind, Message, WireError, brief
 
-_Fields = tuple[int, int, tuple[int, tuple[float, ...]], int, bool]  # bits, t, (code, settings), bv, bcast
+#: bits, t, (code, settings) when they differ from the chunk's (None: the same), bv, bcast, grad
+_Fields = tuple[int, int, tuple[int, tuple[float, ...]] | None, int, bool, bool]
 
 
 @dataclass
@@ -48,6 +49,8 @@ class Mirrored:
     node_id: int
     state: StateFile
     chunks: dict[tuple[int, int], Chunk] = field(default_factory=dict)
+    #: per chunk, a zero-byte stand-in for its arrays between commits (made once: the file has the state)
+    empty: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     staging: dict[tuple[int, int], _Staged] = field(default_factory=dict)
 
 
@@ -80,9 +83,16 @@ class MirrorHolder:
                         key, chunk, name, dtype, value=np.zeros(length, storage),
                         sum=RankedSum(np.zeros(0, compute_dtype(dtype)), dtype), optimizer=optimizer)))
         mirrored.state.add(added)
-        held = sum(mirrored.state.restore(new) for new in added)
+        held = 0
         for new in added:
-            _drop_arrays(new)
+            empty = mirrored.empty[(new.key, new.chunk)] = np.broadcast_to(np.zeros(1, new.value.dtype),
+                                                                           new.value.shape)
+            if mirrored.state.restore(new):  # a restarted holder: the arrays are copies of the file's
+                held += 1
+                if new.optimizer is not None:
+                    _keep(new, empty)
+                    continue
+            _drop_arrays(new, empty)
         return held
 
     def take(self, peer: str, msg: Message) -> list[Reply]:
@@ -102,7 +112,10 @@ class MirrorHolder:
         at = (msg.meta or {}).get("at")
         staged = mirrored.staging.get(key)
         if at == 0:
-            staged = mirrored.staging[key] = _Staged(msg.round, *self._first(mirrored, chunk, msg))
+            fields, size = self._first(mirrored, chunk, msg)
+            # all in one piece (the usual case): the payload itself, no staging copy
+            staged = mirrored.staging[key] = _Staged(msg.round, fields, piece if piece.size == size else
+                                                     np.empty(size, np.uint8))
         elif staged is None or type(at) is not int or at != staged.filled or msg.round != staged.round:
             mirrored.staging.pop(key, None)
             raise WireError(f"a MIRROR piece at byte {brief(at)} of round {msg.round} for {chunk.describe()} does not "
@@ -111,30 +124,35 @@ class MirrorHolder:
             del mirrored.staging[key]
             raise WireError(f"a MIRROR for {chunk.describe()} carries more than the {staged.buffer.size} bytes its "
                             "state has")
-        if staged.filled == 0 and piece.size == staged.buffer.size:
-            staged.buffer = piece  # all in one piece: no staging copy
-        else:
+        if staged.buffer is not piece:
             staged.buffer[staged.filled:staged.filled + piece.size] = piece
         staged.filled += piece.size
         if staged.filled < staged.buffer.size:
             return []
         del mirrored.staging[key]
-        bits, t, optimizer, version, with_bcast = staged.fields
-        # views of the payload: read only by the commit just below (a shared-memory payload may be reused)
-        _unpack(chunk, staged.buffer, bits, t, with_bcast)
-        if (optim.optimizer_code(chunk.optimizer), optim.optimizer_settings(chunk.optimizer)) != optimizer:
-            chunk.optimizer = optim.from_settings(*optimizer)
-        chunk.round, chunk.bcast_version = msg.round, version
-        mirrored.state.commit(chunk)
-        _drop_arrays(chunk)
+        bits, t, optimizer, version, with_bcast, grad = staged.fields
+        empty = mirrored.empty[key]
+        if not grad or msg.round > chunk.round:  # else a round it has, sent again after a restart: just the ack
+            if optimizer is not None:  # new settings (checked by _fields), the ones the primary stepped with
+                chunk.optimizer = optim.from_settings(*optimizer)
+            if grad:
+                _step(chunk, staged.buffer, bits, t, empty)
+            else:  # views of the payload: copied by the commit and _keep below (a shared-memory payload is reused)
+                _unpack(chunk, staged.buffer, bits, t, with_bcast)
+            chunk.round, chunk.bcast_version = msg.round, version
+            mirrored.state.commit(chunk)
+            if not grad and chunk.optimizer is not None:
+                _keep(chunk, empty)  # the next round may come as a gradient to step these with
+            elif not grad:
+                _drop_arrays(chunk, empty)
         self.taken += 1
         return [(peer, MIRROR_CHANNEL, Message(Kind.MIRROR_ACK, sender=self.node_id, key=msg.key, chunk=msg.chunk,
                                                round=msg.round))]
 
-    def _first(self, mirrored: Mirrored, chunk: Chunk, msg: Message) -> tuple[_Fields, np.ndarray]:
-        """The first piece's fields, checked against the chunk's round and size; a buffer for the whole state."""
+    def _first(self, mirrored: Mirrored, chunk: Chunk, msg: Message) -> tuple[_Fields, int]:
+        """The first piece's fields, checked against the chunk's round and size; the whole state's size."""
         fields = _fields(msg, chunk)
-        bits, _, _, version, with_bcast = fields
+        bits, _, optimizer, version, with_bcast, grad = fields
         # the next round, or this one again (a restarted primary mirrors what it restored; a restarted
         # holder gets again what it may have written but not acknowledged): the same state either way
         if msg.round not in (chunk.round, chunk.round + 1) or version < chunk.bcast_version:
@@ -143,7 +161,15 @@ class MirrorHolder:
         if version > chunk.bcast_version and not with_bcast:
             raise WireError(f"a MIRROR of broadcast {version} for {chunk.describe()} lacks its buffer (the holder "
                             f"has broadcast {chunk.bcast_version})")
-        return fields, np.empty(payload_bytes(chunk.value.size, chunk.dtype, bits, with_bcast), np.uint8)
+        if not grad:
+            return fields, payload_bytes(chunk.value.size, chunk.dtype, bits, with_bcast)
+        code = optimizer[0] if optimizer is not None else optim.optimizer_code(chunk.optimizer)
+        if with_bcast or version != chunk.bcast_version or code == 0:
+            raise WireError(f"a gradient MIRROR for {chunk.describe()} must name an optimizer and no new broadcast")
+        if msg.round > chunk.round and chunk.value is mirrored.empty[(chunk.key, chunk.chunk)]:
+            raise WireError(f"a gradient MIRROR of round {msg.round} for server {mirrored.rank}'s {chunk.describe()}, "
+                            "of which this holder keeps no state to step (its state MIRROR did not come first)")
+        return fields, chunk.value.size * compute_dtype(chunk.dtype).itemsize
 
     def release(self, rank: int) -> str | None:
         """Server `rank` lost its host: its mirror file is unlocked and no longer written here, for the
@@ -169,24 +195,48 @@ def _fields(msg: Message, chunk: Chunk) -> _Fields:
         raise WireError(f"a MIRROR's meta bits must name optimizer arrays of {chunk.describe()}, got {brief(bits)}")
     if type(t) is not int or not 0 <= t < 1 << 62 or type(version) is not int or not 0 <= version < 1 << 62:
         raise WireError(f"a MIRROR's meta t and bv must be ints >= 0, got {brief(t)} and {brief(version)}")
-    if type(with_bcast) is not bool:
-        raise WireError(f"a MIRROR's meta bcast must be a bool, got {brief(with_bcast)}")
+    grad = meta.get("grad")
+    if type(with_bcast) is not bool or type(grad) is not bool:
+        raise WireError(f"a MIRROR's meta bcast and grad must be bools, got {brief(with_bcast)} and {brief(grad)}")
     if (type(opt) is not list or len(opt) != 1 + optim.SETTINGS_COUNT or type(opt[0]) is not int
             or not all(type(v) is float for v in opt[1:])):
         raise WireError(f"a MIRROR's meta opt must be [code, {optim.SETTINGS_COUNT} floats], got {brief(opt)}")
     settings = tuple(opt[1:])
+    if opt[0] == optim.optimizer_code(chunk.optimizer) and settings == optim.optimizer_settings(chunk.optimizer):
+        return bits, t, None, version, with_bcast, grad  # the settings it has: nothing to rebuild
     try:
         rebuilt = optim.from_settings(opt[0], settings)
     except (ValueError, TypeError, ArithmeticError) as exc:
         raise WireError(f"a MIRROR's optimizer settings are not valid: {exc}") from None
     if rebuilt is not None and chunk.dtype not in FLOAT_DTYPES:
         raise WireError(f"a MIRROR gives {chunk.describe()} ({chunk.dtype}) an optimizer")
-    return bits, t, (opt[0], settings), version, with_bcast
+    return bits, t, (opt[0], settings), version, with_bcast, grad
 
 
-def _drop_arrays(chunk: Chunk) -> None:
-    """The file has the state: keep only each array's length and dtype (no memory), not the message's buffer."""
-    chunk.value = np.broadcast_to(np.zeros(1, chunk.value.dtype), chunk.value.shape)
+def _step(chunk: Chunk, payload: np.ndarray, bits: int, t: int, empty: np.ndarray) -> None:
+    """`chunk`'s optimizer stepped with the gradient `payload` holds, as the primary did; WireError (and its
+    state dropped: no gradient can follow it) if the state does not come out as the primary's meta says."""
+    step_chunk(chunk, payload.view(compute_dtype(chunk.dtype)).copy())  # a copy: the step may write into it
+    got, step = optim.state_bits(chunk.opt_state), int(chunk.opt_state.get("t", 0))
+    if (got, step) != (bits, t):
+        _drop_arrays(chunk, empty)
+        raise WireError(f"stepping {chunk.describe()} with its mirrored gradient gave optimizer state {got} (step "
+                        f"{step}) where the primary has {bits} (step {t}): this holder's copy diverged and takes only "
+                        "a state MIRROR now")
+
+
+def _keep(chunk: Chunk, empty: np.ndarray) -> None:
+    """Own copies of the arrays a state MIRROR pointed `chunk` at, to step with the gradients that follow."""
+    chunk.value = np.array(chunk.value)
+    chunk.opt_state = {name: np.array(v) if isinstance(v, np.ndarray) else v for name, v in chunk.opt_state.items()}
+    if chunk.bcast is not None:  # only its presence counts until a newer broadcast brings its buffer
+        chunk.bcast = empty
+
+
+def _drop_arrays(chunk: Chunk, empty: np.ndarray) -> None:
+    """The file has the state: keep only each array's length and dtype (`empty`, no memory), not the message's
+    buffer."""
+    chunk.value = empty
     chunk.opt_state = {}
     if chunk.bcast is not None:  # only its presence counts until a newer broadcast brings its buffer
         chunk.bcast = chunk.value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -116,7 +116,8 @@ def optimizer_settings(optimizer: Optimizer | None) -> tuple[float, ...]:
     """The SETTINGS_COUNT numbers that rebuild `optimizer` with from_settings (nesterov as 0 or 1)."""
     if optimizer is None:
         return (0.0,) * SETTINGS_COUNT
-    return tuple(float(value) for value in astuple(optimizer))
+    # the fields in their declared order (vars of a dataclass): astuple's deep copy costs 10x as much, per commit
+    return tuple(float(value) for value in vars(optimizer).values())
 
 
 def from_settings(code: int, settings: Sequence[float]) -> Optimizer | None:

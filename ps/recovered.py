@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
 from sluice.ps.snapshot import STATE_DIR, StateFile, state_tag
@@ -37,6 +39,8 @@ class Recovery:
         self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
         #: ps.replicas: told each commit, to mirror it before the round's replies go (ps/mirror.py)
         self.after_commit: Callable[[Chunk], None] | None = None
+        #: ps.replicas: told each round's averaged gradient just before the optimizer steps with it
+        self.before_step: Callable[[Chunk, np.ndarray], None] | None = None
 
     def restore(self, chunks: Sequence[Chunk], recovering: bool) -> list[Chunk]:
         """Give the new `chunks` of a PLAN their place in the file and their committed state; the chunks restored.
@@ -54,6 +58,12 @@ class Recovery:
             )
         self.state.add(chunks)
         return [chunk for chunk in chunks if self.state.restore(chunk)]
+
+    def stepping(self, chunk: Chunk, grad: np.ndarray) -> None:
+        """The round about to be applied to `chunk` by its optimizer, with `grad` (read it now: the step may
+        overwrite it)."""
+        if self.before_step is not None:
+            self.before_step(chunk, grad)
 
     def commit(self, chunk: Chunk) -> None:
         """The round (or broadcast) just applied, made durable; call before creating any reply to it."""

@@ -6,6 +6,7 @@ import os
 
 from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
+from sluice.ps.mirror import MIRROR_CHANNEL
 from sluice.ps.mirror_links import ENV_TAKEOVER, MirrorLinks
 from sluice.ps.recovered import open_recovery
 from sluice.ps.role import Reply, Role
@@ -19,6 +20,12 @@ from sluice.scheduler.timeline_parts import send_part
 from sluice.transport.prometheus import Readings, retried
 from sluice.transport.timeline import TimelineConfig, part_path
 from sluice.transport.wire import Kind, Message, WireError, meta_field
+
+#: the messages between a server and the servers it mirrors to or for (ps/mirror_links.py)
+MIRROR_KINDS = (Kind.MIRROR, Kind.MIRROR_ACK)
+#: at most this many of them are kept from before the welcome (a linked server's hello, and MIRRORs of the
+#: chunks it restored if it was replaced)
+EARLY_MIRRORS = 4096
 
 
 class Server(Role):
@@ -42,6 +49,9 @@ class Server(Role):
         self.store.on_first_orphan = self._report_orphan
         #: ps.replicas: this server's copy on another host, and the copies it holds of others (ps/mirror.py)
         self.mirrors: MirrorLinks | None = None
+        #: ps.replicas, until the welcome: what a linked server sent first (welcomed first, it dialled and said
+        #: hello at once; refused, the hello would be lost and no MIRROR ever sent), handled at the welcome
+        self.early_mirrors: list[tuple[str, Message]] | None = [] if self.settings.replicas else None
         timeline = TimelineConfig(**env.section("timeline"))
         self.timeline_part = part_path(timeline.path, "server", env.rank) if timeline.path else None
         self.trace = ServerTrace(str(self.timeline_part), "server", env.rank,
@@ -53,8 +63,15 @@ class Server(Role):
             return [(peer, channel, Message(Kind.PROBE_REPLY, sender=self.store.node_id, round=msg.round,
                                             priority=msg.priority))]
         try:
-            if self.mirrors is not None and msg.kind in (Kind.MIRROR, Kind.MIRROR_ACK):  # off: one test a push
+            if self.mirrors is not None and msg.kind in MIRROR_KINDS:  # off: one test a push
                 return self.mirrors.handle(peer, msg)
+            if self.early_mirrors is not None and msg.kind in MIRROR_KINDS:
+                if len(self.early_mirrors) >= EARLY_MIRRORS:
+                    raise WireError(f"more than {EARLY_MIRRORS} mirror messages before this server was welcomed")
+                if msg.payload is not None:  # a shared-memory payload is reused once this returns
+                    msg.payload = memoryview(bytes(msg.payload))
+                self.early_mirrors.append((peer, msg))
+                return []
             replies = self.store.handle(peer, channel, msg, now)
         except SluiceError as exc:  # the state file could not take a commit: this server cannot go on safely
             self.control.fail(str(exc))
@@ -79,12 +96,16 @@ class Server(Role):
             except SluiceError as exc:
                 self.control.fail(str(exc))
             self._mirror_commits()
+            early, self.early_mirrors = self.early_mirrors or [], None
+            for peer, msg in early:
+                self._on_message(peer, MIRROR_CHANNEL, msg)
 
     def _mirror_commits(self) -> None:
         """Each commit goes to the holder too, while this server has one."""
         if self.store.recovery is not None:
             sender = self.mirrors.sender if self.mirrors is not None else None
             self.store.recovery.after_commit = sender.committed if sender is not None else None
+            self.store.recovery.before_step = sender.stepping if sender is not None else None
 
     def on_scheduler(self, msg: Message) -> None:
         if msg.kind == Kind.SERVER_BACK and self.mirrors is not None:  # a server linked to this one was restarted

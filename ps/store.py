@@ -27,7 +27,7 @@ from sluice.ps.recovered import APPLIED, IGNORED, Recovery
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, WireError, brief, meta_field
 
-__all__ = ["FLOAT_DTYPES", "Reply", "ShardStore", "bf16_to_f32", "f32_to_bf16", "push_ranks"]
+__all__ = ["FLOAT_DTYPES", "Reply", "ShardStore", "bf16_to_f32", "f32_to_bf16", "push_ranks", "step_chunk"]
 
 Reply = tuple[str, int, Message]  # (peer, channel, message)
 
@@ -234,25 +234,18 @@ class ShardStore:
         else:
             pushers = self.workers if chunk.members is None else len(chunk.members)
             total.accum *= np.asarray(1.0 / pushers, total.accum.dtype)
-            self._step(chunk, total.accum)
+            if self.recovery is not None:  # ps.replicas may mirror the round as this gradient (ps/mirror.py)
+                self.recovery.stepping(chunk, total.accum)
+            step_chunk(chunk, total.accum)
         chunk.round += 1
         chunk.pushed.clear()
         total.clear()
         if self.recovery is not None:  # before any reply of this round exists (see ps/recovered.py)
             self.recovery.commit(chunk)
 
-    def _step(self, chunk: Chunk, grad: np.ndarray) -> None:
-        assert chunk.optimizer is not None
-        if chunk.dtype == "bfloat16":
-            param = bf16_to_f32(chunk.value)
-            chunk.optimizer.step(param, grad, chunk.opt_state)
-            f32_to_bf16(param, chunk.value)
-        else:
-            chunk.optimizer.step(chunk.value, grad, chunk.opt_state)
-
     def _apply_async(self, chunk: Chunk, data: np.ndarray, waiter: Waiter, flags: int) -> list[Reply]:
         grad = bf16_to_f32(data) if chunk.dtype == "bfloat16" else data.copy()
-        self._step(chunk, grad)
+        step_chunk(chunk, grad)
         chunk.round += 1
         if flags & Flag.WANT_REPLY:  # a snapshot: the next push changes `value` while this is in flight
             return [(waiter.peer, waiter.channel, self._reply(Kind.REPLY, chunk, chunk.value.copy(), waiter))]
@@ -350,6 +343,17 @@ class ShardStore:
             for c in self.chunks.values()
             if c.pushed and now - c.round_started > limit
         ]
+
+
+def step_chunk(chunk: Chunk, grad: np.ndarray) -> None:
+    """`chunk`'s optimizer applied to its value and state with `grad` (compute dtype; may be overwritten)."""
+    assert chunk.optimizer is not None
+    if chunk.dtype == "bfloat16":
+        param = bf16_to_f32(chunk.value)
+        chunk.optimizer.step(param, grad, chunk.opt_state)
+        f32_to_bf16(param, chunk.value)
+    else:
+        chunk.optimizer.step(chunk.value, grad, chunk.opt_state)
 
 
 def push_ranks(msg: Message, workers: int) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.bench_runs import run_script
+from testbed.bench_runs import requires_testbed, run_script
 
 
 @pytest.mark.slow
@@ -18,7 +18,11 @@ from testbed.bench_runs import run_script
                                     "bench/plan_quality.py", "bench/timeline_cost.py",
                                     # the cost cases share one path (test_recovery.py covers each optimizer)
                                     "bench/recovery.py --cases digits-server-adam resume-after-kill",
+                                    # ps.replicas 1 against 0, each process on its own testbed host
+                                    pytest.param("bench/recovery.py --replicas --testbed --cases digits-server-adam",
+                                                 marks=requires_testbed),
                                     "bench/zvc.py", "bench/offload.py", "bench/pipeline.py", "bench/mirror_cost.py",
+                                    "bench/replace_worker.py",
                                     pytest.param("bench/train_throughput.py --framework keras --workers 2 --servers 1",
                                                  marks=pytest.mark.skipif(importlib.util.find_spec("keras") is None,
                                                                           reason="needs the tensorflow extra"))])

@@ -35,7 +35,7 @@ def primary(directory: Path) -> tuple[ShardStore, MirrorSender]:
     store.worker_ids = {10 + r: (f"w{r}", r) for r in range(WORKERS)}
     store.recovery = Recovery(StateFile.open(TAG, 0, str(directory), lock_timeout=0.2))
     sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0)
-    store.recovery.after_commit = sender.committed
+    store.recovery.after_commit, store.recovery.before_step = sender.committed, sender.stepping
     store.add_plan(plan())
     return store, sender
 
@@ -97,16 +97,21 @@ def test_replies_wait_for_the_mirror_and_the_mirror_restores_the_exact_state(tmp
     released, _ = deliver(out, held, sender)
     assert [m.kind for _, _, m in released] == [Kind.BCAST_REPLY]
     pieces = 0
+    carried: dict[int, list[bool]] = {key: [] for key in TENSORS}
     for round_ in range(1, 4):
         for key in TENSORS:
             first = sender.take(store.handle("w0", 0, push(key, 0, round_)))
             assert first == []  # no reply before the round completes
             out = sender.take(store.handle("w1", 0, push(key, 1, round_)))
             assert all(m.kind == Kind.MIRROR for _, _, m in out), "a reply left before its round was mirrored"
+            carried[key].append(out[0][2].meta["grad"])
             released, sent = deliver(out, held, sender)
             pieces += sent
             assert sorted(to for to, _, m in released if m.kind == Kind.REPLY) == ["w0", "w1"]
     assert pieces > 3 * len(TENSORS)  # the Adam chunk needed several pieces
+    # the gradient once the holder has the round before (key 1's broadcast gave it round 0); never without
+    # an optimizer (the sum is the value)
+    assert carried == {1: [True, True, True], 2: [False, True, True], 3: [False, False, False]}
     assert sender.overdue(1000.0) is None and sender.mirrored == held.taken == 3 * len(TENSORS) + 1
     # the holder's host takes over: the mirror, released, is what a replacement there restores
     path = held.release(0)
@@ -137,6 +142,9 @@ def mirror_of(store: ShardStore, sender: MirrorSender) -> Message:
     (lambda m: m.meta.update(opt=[5, *[0.0] * 5]), "not valid"),
     (lambda m: m.meta.update(bv=1), "lacks its buffer"),
     (lambda m: m.meta.update(at=4), "does not follow"),
+    (lambda m: m.meta.update(grad=1), "must be bools"),
+    (lambda m: m.meta.update(grad=True), "keeps no state to step"),
+    (lambda m: m.meta.update(grad=True, bv=1, bcast=True), "must name an optimizer and no new broadcast"),
     (lambda m: (setattr(m, "payload", memoryview(bytes(8 * 5 + 4))), setattr(m, "shape", (44,))), "more than"),
     (lambda m: (setattr(m, "dtype", "float32"), setattr(m, "shape", (10,))), "must carry bytes"),
 ])
@@ -157,6 +165,38 @@ def test_a_malformed_mirror_is_refused_and_the_file_keeps_its_round(tmp_path: Pa
     with pytest.raises(WireError, match="nobody awaits"):
         sender.acked(HOLDER, Message(Kind.MIRROR_ACK, sender=8, key=3, chunk=0, round=1))
     assert "has not acknowledged a mirrored commit" in (sender.overdue(200.0) or "")
+    held.close()
+    assert store.recovery is not None
+    store.recovery.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_gradient_mirror_steps_the_holders_copy_and_is_refused_where_there_is_none(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    store, sender = primary(tmp_path / "a")
+    held, fresh = holder(tmp_path / "b"), holder(tmp_path / "c")
+    deliver(sender.take(store.handle("w0", 0, push(1, 0, 1)) + store.handle("w1", 0, push(1, 1, 1))), held, sender)
+    out = sender.take(store.handle("w0", 0, push(1, 0, 2)) + store.handle("w1", 0, push(1, 1, 2)))
+    mirror = next(m for _, _, m in out if m.kind == Kind.MIRROR)
+    assert mirror.meta["grad"] is True and mirror.nbytes == 5 * 4  # the gradient only, not value and momentum
+    with pytest.raises(WireError, match="which is at round 0"):
+        fresh.take(PRIMARY, wire(mirror))  # it never had round 1
+    # a restarted holder steps from what its file kept: round 2 onto round 1, and it equals the primary's
+    held.close()
+    held = holder(tmp_path / "b")
+    assert deliver(out, held, sender)[1] == 1
+    assert state_of(held.primaries[PRIMARY].chunks[(1, 0)])[:3] == state_of(store.chunks[(1, 0)])[:3]
+    out = sender.take(store.handle("w0", 0, push(1, 0, 3)) + store.handle("w1", 0, push(1, 1, 3)))
+    mirror = next(m for _, _, m in out if m.kind == Kind.MIRROR)
+    tampered = wire(mirror)
+    tampered.meta["t"] = 5  # not what its step gives
+    with pytest.raises(WireError, match="diverged"):
+        held.take(PRIMARY, tampered)
+    with pytest.raises(WireError, match="keeps no state to step"):
+        held.take(PRIMARY, wire(mirror))  # its copy diverged: dropped, only a state MIRROR can follow
+    assert held.primaries[PRIMARY].chunks[(1, 0)].round == 2  # the file kept round 2
+    fresh.close()
     held.close()
     assert store.recovery is not None
     store.recovery.close()
