@@ -16,7 +16,8 @@ if __package__ in (None, ""):  # run as `python bench/replace_worker.py`: make t
 from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
 
 SCRIPT = "tests/integration/scripts/elastic_train.py"
-CASES = {"allreduce": "0", "ps": "1"}
+#: case -> (servers, seconds each worker process spends setting up before hvd.init())
+CASES = {"allreduce": ("0", 0.0), "ps": ("1", 0.0), "ps-setup-3s": ("1", 3.0)}
 PEER_NAME = "sluice launch --elastic: every process restarted (torchrun's way)"
 DESCRIPTION = """\
 A job of W workers (tests/integration/scripts/elastic_train.py, Horovod's elastic shape, committing
@@ -25,7 +26,9 @@ loss to the end of the first step after it (step K+1, trained again from commit 
 `sluice launch --elastic --in-place` (ours: a new worker in the lost one's slot, the others re-form in
 their own processes, the scheduler and servers started again) against `--elastic` (the peer: every
 process of the job stopped and started again, as torchrun's elastic agent does). Both in the same
-run, alternating, median of --repeats. Cases: allreduce (-s 0) and ps (-s 1)."""
+run, alternating, median of --repeats. Cases: allreduce (-s 0) and ps (-s 1); ps-setup-3s: each worker
+process first spends 3 s as a real one does once (its dataset read, a CUDA context, data loader
+processes; here a sleep), which a replaced-in-place survivor does not spend again."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,11 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def loss_to_step(args: argparse.Namespace, servers: str, in_place: bool) -> float:
+def loss_to_step(args: argparse.Namespace, case: str, in_place: bool) -> float:
     """One job: seconds from the worker's loss to the end of the next step trained after it."""
+    servers, setup = CASES[case]
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "--elastic", *(["--in-place"] if in_place else []),
             "-w", str(args.workers), "-s", servers, "--", sys.executable, SCRIPT, "--steps", str(args.steps),
-            "--die-at", str(args.die_at), "--die-rank", str(args.workers - 1), "--times"]
+            "--die-at", str(args.die_at), "--die-rank", str(args.workers - 1), "--times", "--setup", str(setup)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"the job failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
@@ -68,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         ours, peer = [], []
         for repeat in range(args.repeats):
-            ours.append(loss_to_step(args, CASES[case], in_place=True))
-            peer.append(loss_to_step(args, CASES[case], in_place=False))
+            ours.append(loss_to_step(args, case, in_place=True))
+            peer.append(loss_to_step(args, case, in_place=False))
             progress(f"{case}: repeat {repeat + 1}/{args.repeats}: in place {ours[-1]:.2f} s, every process "
                      f"restarted {peer[-1]:.2f} s")
         rec = record(case, stats(ours), stats(peer), PEER_NAME, "s", "lower", workers=args.workers,

@@ -8,6 +8,8 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --stop-at S --save PATH: stop after step S and save the state (rank 0), for a reference run;
 --load PATH: start from such a state.
 --pause S: each step of generation 0 sleeps S seconds after its commit (time for the launcher to find a slot).
+--setup S: sleep S seconds before hvd.init(), standing for what a real worker sets up once (reading its
+dataset, a CUDA context, data loader processes).
 --times: rank 0 prints `ELASTIC_STEP {step, t}` as each step ends, the dying worker `ELASTIC_DIE {t}` (wall
 clock seconds), for bench/replace_worker.py.
 """
@@ -32,7 +34,9 @@ parser.add_argument("--save", default="")
 parser.add_argument("--load", default="")
 parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--times", action="store_true")
+parser.add_argument("--setup", type=float, default=0.0)
 args = parser.parse_args()
+time.sleep(args.setup)
 
 hvd.init()
 torch.manual_seed(0)
