@@ -34,7 +34,7 @@ def _launch(tmp_path: Path, name: str, servers: int, *extra: str) -> list[float]
 
 
 def _plain_rank(rank: int, port: int, out: str) -> None:
-    """A forked process: rank `rank` of plain DDP, as torchrun would start it."""
+    """A spawned process: rank `rank` of plain DDP, as torchrun would start it."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -52,7 +52,8 @@ def _plain_rank(rank: int, port: int, out: str) -> None:
 def _plain(tmp_path: Path) -> list[float]:
     out = tmp_path / "plain.json"
     port = free_port()
-    ranks = [mp.get_context("fork").Process(target=_plain_rank, args=(rank, port, str(out))) for rank in range(2)]
+    # spawned, not forked: a fork of a test process whose torch already started its thread pools can hang
+    ranks = [mp.get_context("spawn").Process(target=_plain_rank, args=(rank, port, str(out))) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:
