@@ -102,16 +102,23 @@ class Ending:
     async def stop_all(self) -> None:
         """SIGTERM every child's group, SIGKILL after STOP_TIMEOUT, and reap them all."""
         self.stopping = True
+        await self.stop_children(self.children)
         for child in self.children:
+            child.pump.cancel()
+
+    async def stop_children(self, children: list[Child]) -> int:
+        """SIGTERM `children`'s groups, SIGKILL those still there after STOP_TIMEOUT (or a second Ctrl-C),
+        and reap them; how many needed the SIGKILL."""
+        for child in children:
             child.stop()
-        waiting = [child.done for child in self.children if not child.done.done()]
+        waiting = [child.done for child in children if not child.done.done()]
         if waiting:
             kill_now: asyncio.Future[Any] = asyncio.create_task(self.kill_now.wait())
             exited: asyncio.Future[Any] = asyncio.gather(*waiting)
             await asyncio.wait([exited, kill_now], timeout=STOP_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
             kill_now.cancel()
-        for child in self.children:
+        killed = sum(not child.done.done() for child in children)
+        for child in children:
             child.signal_group(signal.SIGKILL)
-        await asyncio.gather(*(child.done for child in self.children), return_exceptions=True)
-        for child in self.children:
-            child.pump.cancel()
+        await asyncio.gather(*(child.done for child in children), return_exceptions=True)
+        return killed

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +30,7 @@ from sluice.launch.elastic import (
     without,
 )
 from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
-from sluice.launch.ending import SETTLE_SECONDS, STOP_TIMEOUT
+from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.run_options import RunOptions
 from sluice.launch.standby import Schedulers
@@ -118,13 +117,7 @@ class Generation(Job):
                       "processes (--in-place)")
         self.children.remove(dead)
         old = [c for c in self.children if c.role != "worker"]
-        for child in old:
-            child.stop()
-        _, slow = await asyncio.wait([c.done for c in old], timeout=STOP_TIMEOUT)
-        for child in old:
-            if not child.done.done():
-                child.signal_group(signal.SIGKILL)
-        await asyncio.gather(*(c.done for c in old), return_exceptions=True)
+        killed = await self.stop_children(old)
         for child in old:
             self.children.remove(child)
         generation = int(self.spawner.worker_env[ENV_GENERATION]) + 1
@@ -146,7 +139,7 @@ class Generation(Job):
                         for rank in range(self.servers)]]
         self.schedulers = Schedulers(sched, None)
         self.say(f"generation {generation}: {dead.label} replaced in its slot and the scheduler and servers "
-                 f"started again {time.monotonic() - lost:.2f} s after the loss ({len(slow)} stopped by SIGKILL)")
+                 f"started again {time.monotonic() - lost:.2f} s after the loss ({killed} stopped by SIGKILL)")
         return worker, old, new
 
     def _slot_for(self, dead: Child) -> str | None:

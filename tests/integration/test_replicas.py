@@ -12,11 +12,8 @@ on the workers (the servers sum; the mirror carries the sum).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from sluice.transport.shm import remove_segments_of
 from testbed.netbed import NetbedUnavailable
 from testbed.ssh import ROOT, SshBed, ssh_bed
 from tests.integration.script_workers import script_outputs
@@ -64,21 +60,6 @@ def _reference(optimizer_on: str, optimizer: str) -> list[float]:
     return list(results[0]["params"])
 
 
-def _kill_host(bed: SshBed, host: str) -> None:
-    """Every process in `host`'s namespace SIGKILLed (the session's sshd too), then its link down."""
-    netns = bed.netbed.hosts[host].netns
-    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=10).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
-    for pid in pids:  # a lost host's /dev/shm goes with it; the bed's hosts share this machine's
-        deadline = time.monotonic() + 5
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        remove_segments_of(int(pid))
-    subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,12 +87,11 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     reader.start()
     try:
         assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
-        _kill_host(bed, "h2")
+        bed.lose_host("h2")
         job.wait(60)
         reader.join(10)
     finally:
-        subprocess.run(["ip", "netns", "exec", bed.netbed.hosts["h2"].netns, "ip", "link", "set", "eth0", "up"],
-                       timeout=10)
+        bed.restore_link("h2")
         if job.poll() is None:
             job.kill()
     out = "".join(lines)
