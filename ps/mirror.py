@@ -4,9 +4,13 @@ With ps.recover each round is committed to the server's state file (ps/snapshot.
 of it exists. With ps.replicas = 1 the same committed state also goes, as a MIRROR per chunk and
 commit, to the server that mirrors this one (`holders`, from scheduler/recovery.py: the next server
 in rank order on another host), which writes it into a state file of the same format in its host's
-/dev/shm (ps/mirror_holder.py) and answers MIRROR_ACK. Until that acknowledgement arrives, every reply about
-the chunk is held here: a worker never sees a round that only one host holds. With one replica,
-chain replication and primary-backup are the same thing (the chain is primary -> holder).
+/dev/shm (ps/mirror_holder.py) and answers MIRROR_ACK. The round's own replies go at once, but those
+of the next round are held here until that acknowledgement arrives: a round a worker has seen is at
+most one ahead of the holder's copy, and every worker keeps the push it was last answered for such
+a server (worker/resend.py) to replay to a holder that takes over, which redoes that round from the
+same pushes, bit-identically. So the acknowledgement's round trip overlaps the next step instead of
+delaying this one. With one replica, chain replication and primary-backup are the same thing (the
+chain is primary -> holder).
 
 A MIRROR carries one of two things (meta `grad`). With an optimizer on the servers, a round whose
 previous round went to the holder in this connection's order carries the round's averaged gradient
@@ -163,16 +167,25 @@ class MirrorSender:
         return self.hello() if dialled else []
 
     def take(self, replies: list[Reply]) -> list[Reply]:
-        """What to send now: the pending MIRRORs first, then the replies about chunks not awaiting one."""
+        """What to send now: the pending MIRRORs first, then the replies that `held` does not keep back."""
         out: list[Reply] = [(self.holder_peer, MIRROR_CHANNEL, msg) for msg in self.outbox]
         self.outbox.clear()
         for reply in replies:
             key = (reply[2].key, reply[2].chunk)
-            if self._sent.get(key):
+            if self._held.get(key) or self._holds(self._sent.get(key), reply[2]):
                 self._held.setdefault(key, []).append(reply)
             else:
                 out.append(reply)
         return out
+
+    @staticmethod
+    def _holds(waiting: deque[_Sent] | None, msg: Message) -> bool:
+        """Whether a reply waits: one of round R until the holder acknowledged every round before R (so a round a
+        worker has seen is at most one ahead of the holder, and the workers keep that round's pushes to send
+        again); a broadcast's until every MIRROR of the chunk is acknowledged (its round is a version)."""
+        if not waiting:
+            return False
+        return msg.kind == Kind.BCAST_REPLY or waiting[0].round < msg.round
 
     def stop(self) -> list[Reply]:
         """No holder any more: every reply held for a mirror goes now."""
@@ -194,10 +207,14 @@ class MirrorSender:
                             f"mirror in flight is of round {waiting[0].round}")
         waiting.popleft()
         self.mirrored += 1
-        if waiting:
-            return []
-        del self._sent[key]
-        return self._held.pop(key, [])
+        if not waiting:
+            del self._sent[key]
+        held = self._held.pop(key, [])
+        for at, reply in enumerate(held):  # in the order they were made: a later one never overtakes
+            if self._holds(waiting, reply[2]):
+                self._held[key] = held[at:]
+                return held[:at]
+        return held
 
     def overdue(self, now: float) -> str | None:
         """Why this server cannot go on (a mirror unacknowledged past the timeout), or None."""

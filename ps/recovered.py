@@ -7,10 +7,16 @@ with Flag.RESEND, what the dead server never answered. A RESEND push of S is alr
 it is answered from it and not applied. A second copy of an S+1 push (one sat in the outbox while the
 worker re-sent it) is dropped when either copy is a RESEND. Everything else is refused as before, and
 without ps.recover the flag changes nothing: no peer can get a push applied twice with it.
+
+With ps.replicas a holder that takes over may be one round behind what workers have seen (ps/mirror.py):
+workers also replay (RESEND | REPLAY) the push they were last answered for, which is applied if its
+round is the next and otherwise dropped, never answered; and a RESEND of the round after next (from a
+worker that was ahead) is kept, copied, until its round is the next one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,7 +26,7 @@ from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
 from sluice.ps.snapshot import STATE_DIR, StateFile, state_tag
 from sluice.scheduler.bootstrap import NodeEnv
-from sluice.transport.wire import Flag, Message
+from sluice.transport.wire import Flag, Message, WireError
 
 if TYPE_CHECKING:
     from sluice.ps.store import Chunk
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
 #: what ShardStore does with a push Recovery.duplicate recognises
 APPLIED = 1  # a round already committed: answer from the value, apply nothing
 IGNORED = 2  # a second copy of a push already taken this round
+EARLY = 3  # a RESEND of the round after next: keep it (keep_early) until the round before completes
 
 
 class Recovery:
@@ -37,6 +44,10 @@ class Recovery:
         self.state = state
         #: (key, chunk) -> (round, ranks whose push of that round came as a RESEND)
         self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
+        #: (key, chunk) -> the EARLY pushes kept for its next round: (ranks, connection, channel, message)
+        self._early: dict[tuple[int, int], list[tuple[tuple[int, ...], str, int, Message]]] = {}
+        #: replayed pushes taken: rounds this server redid because its state was a round behind (ps.replicas)
+        self.replayed = 0
         #: ps.replicas: told each commit, to mirror it before the round's replies go (ps/mirror.py)
         self.after_commit: Callable[[Chunk], None] | None = None
         #: ps.replicas: told each round's averaged gradient just before the optimizer steps with it
@@ -72,10 +83,12 @@ class Recovery:
             self.after_commit(chunk)
 
     def duplicate(self, chunk: Chunk, ranks: tuple[int, ...], msg: Message) -> int:
-        """APPLIED, IGNORED, or 0 (a push like any other, refused or taken as without ps.recover)."""
+        """APPLIED, IGNORED, EARLY, or 0 (a push like any other, refused or taken as without ps.recover)."""
         resend = msg.flags & Flag.RESEND
-        if resend and msg.round == chunk.round >= 1:
+        if resend and (msg.round == chunk.round >= 1 or (msg.flags & Flag.REPLAY and 1 <= msg.round <= chunk.round)):
             return APPLIED
+        if resend and msg.round == chunk.round + 2:
+            return EARLY
         if msg.round != chunk.round + 1:
             return 0
         key = (chunk.key, chunk.chunk)
@@ -84,11 +97,27 @@ class Recovery:
             if resend or (earlier is not None and earlier[0] == msg.round and earlier[1].issuperset(ranks)):
                 return IGNORED
         elif resend:
+            self.replayed += bool(msg.flags & Flag.REPLAY)
             earlier = self._resent.get(key)
             if earlier is None or earlier[0] != msg.round:
                 earlier = self._resent[key] = (msg.round, set())
             earlier[1].update(ranks)
         return 0
+
+    def keep_early(self, chunk: Chunk, ranks: tuple[int, ...], peer: str, channel: int, msg: Message) -> None:
+        """Keep an EARLY push (its payload copied: the transport's buffer is not ours to hold) until `due`."""
+        early = self._early.setdefault((chunk.key, chunk.chunk), [])
+        twice = {rank for kept, _, _, _ in early for rank in kept}.intersection(ranks)
+        if twice:
+            raise WireError(f"worker {min(twice)} sent round {msg.round} of {chunk.describe()} twice ahead of its turn")
+        early.append((ranks, peer, channel, dataclasses.replace(msg, payload=memoryview(bytes(msg.payload or b"")))))
+
+    def due(self, chunk: Chunk) -> list[tuple[tuple[int, ...], str, int, Message]]:
+        """The EARLY pushes of `chunk`'s next round, removed: its round before just completed."""
+        early = self._early.get((chunk.key, chunk.chunk))
+        if not early or early[0][3].round != chunk.round + 1:
+            return []
+        return self._early.pop((chunk.key, chunk.chunk))
 
     def close(self, remove: bool = False) -> None:
         self.state.close(remove)

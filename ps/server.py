@@ -173,6 +173,9 @@ class Server(Role):
             self.trace.close()
         clean = self.done.is_set() and self.exit_code == 0
         if self.store.recovery is not None:  # a clean end (SHUTDOWN) leaves nothing to recover
+            if self.store.recovery.replayed:
+                self.log.info("server %d: took %d replayed pushes of rounds its state was behind (ps.replicas)",
+                              self.control.rank, self.store.recovery.replayed)
             self.store.recovery.close(remove=clean)
         if self.mirrors is not None:
             self.mirrors.close(clean)

@@ -23,7 +23,7 @@ import numpy as np
 from sluice.ps.optim import Optimizer
 from sluice.ps.plan import optimizer_of, parse_plan
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
-from sluice.ps.recovered import APPLIED, IGNORED, Recovery
+from sluice.ps.recovered import APPLIED, EARLY, IGNORED, Recovery
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, WireError, brief, meta_field
 
@@ -167,11 +167,16 @@ class ShardStore:
             return self._apply_async(chunk, data, Waiter(peer, channel, msg.round, msg.priority), msg.flags)
         seen = self.recovery.duplicate(chunk, ranks, msg) if self.recovery is not None else 0
         if seen == APPLIED:  # sent again to a replacement: it is in the committed value already
+            if msg.flags & Flag.REPLAY:
+                return []
             if msg.flags & Flag.WANT_REPLY:
                 return [(peer, channel, self._reply(Kind.REPLY, chunk, chunk.value,
                                                     Waiter(peer, channel, msg.round, msg.priority)))]
             return [(peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority))]
         if seen == IGNORED:  # the first copy is in, and registered any reply
+            return []
+        if seen == EARLY and self.recovery is not None:
+            self.recovery.keep_early(chunk, ranks, peer, channel, msg)
             return []
         if msg.round != chunk.round + 1:
             raise WireError(f"push for round {msg.round} of {chunk.describe()}, which is at round {chunk.round}")
@@ -190,11 +195,14 @@ class ShardStore:
         replies: list[Reply] = []
         if msg.flags & Flag.WANT_REPLY:
             chunk.waiting.append(Waiter(peer, channel, msg.round, msg.priority))
-        else:
+        elif not msg.flags & Flag.REPLAY:
             replies.append((peer, channel, self._ack(Kind.REPLY, chunk, msg.round, msg.priority)))
         if self._all_in(chunk):
             self._complete(chunk)
             replies += self._serve(chunk)
+            if self.recovery is not None:  # pushes of the round after, sent early to a server that took over
+                for early_ranks, early_peer, early_channel, early in self.recovery.due(chunk):
+                    replies += self._push(chunk, early_ranks, early_peer, early_channel, early, now)
         return replies
 
     def _all_in(self, chunk: Chunk) -> bool:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from testbed.qdisc import ClassCounters, change_rate, check_tos_classes, leaf_ids, parse_class_stats, shape
+from testbed.qdisc import ClassCounters, change_rate, check_tos_classes, choke, leaf_ids, parse_class_stats, shape
 from testbed.racks import CORE, Rack, UplinkDirection, build_rack
 
 __all__ = ["PREFIX", "ClassCounters", "Direction", "Host", "Netbed", "NetbedUnavailable", "Rack", "UplinkDirection",
@@ -161,6 +161,12 @@ class Netbed:
         change_rate(record.netns, "eth0", mbit, record.tos_classes, self.queue_ms)
         change_rate(f"{self.tag}-sw", record.port, mbit, record.tos_classes, self.queue_ms)
         record.rate_mbit = mbit
+
+    def choke(self, host: str, towards: str) -> None:
+        """Stall what `host` sends to host `towards` (8 kbit/s; `host`'s link unshaped), everything else as it was."""
+        if self.hosts[host].rate_mbit is not None:
+            raise ValueError(f"host {host!r}'s link is shaped: choke() takes an unshaped one")
+        choke(self.hosts[host].netns, "eth0", self.hosts[towards].address)
 
     def set_uplink(self, rack: str, mbit: float) -> None:
         """Re-rate `rack`'s shaped uplink to `mbit`, both directions, keeping its ToS bands or classes."""

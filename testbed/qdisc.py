@@ -81,6 +81,16 @@ def shape(netns: str, dev: str, rate_mbit: float, tos_bands: bool = False, tos_c
         _tos_classes(netns, dev, rate_mbit, tos_classes)
 
 
+def choke(netns: str, dev: str, destination: str) -> None:
+    """Hold back what `dev` sends to `destination` (an address) at 8 kbit/s, the rest unshaped: a path that stalls
+    before its host is lost. `dev` must have no root qdisc of the bed's (an unshaped link)."""
+    _tc(netns, "qdisc", "add", "dev", dev, "root", "handle", "2:", "htb", "default", "1", "r2q", "1")
+    _tc(netns, "class", "add", "dev", dev, "parent", "2:", "classid", "2:1", "htb", "rate", "10gbit")
+    _tc(netns, "class", "add", "dev", dev, "parent", "2:", "classid", "2:2", "htb", "rate", "8kbit", "ceil", "8kbit")
+    _tc(netns, "filter", "add", "dev", dev, "parent", "2:", "protocol", "ip", "u32", "match", "ip", "dst",
+        f"{destination}/32", "flowid", "2:2")
+
+
 def change_rate(netns: str, dev: str, rate_mbit: float, tos_classes: Sequence[int] = (),
                 queue_ms: float = 100.0) -> None:
     """Set the rate of a link shaped by `shape` in place, keeping the bands or classes under its tbf.

@@ -167,6 +167,9 @@ class Flag:
     #: a worker sends this again to a server that replaced a dead one (ps.recover): a push of a round
     #: the server already committed is answered, not applied twice
     RESEND = 8
+    #: with RESEND: a push the worker was already answered for, replayed to a server that took over from a
+    #: holder of its state one round behind (ps.replicas): applied if its round is the next, never answered
+    REPLAY = 16
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -30,7 +30,7 @@ from sluice.transport.wire import Flag, Kind, Message, meta_field
 from sluice.worker.calibrate import Calibrator
 from sluice.worker.handle import Handle
 from sluice.worker.job_priority import JobLevel, JobsConfig
-from sluice.worker.resend import ServerBack, outstanding, parse_server_back, resent
+from sluice.worker.resend import Answered, ServerBack, outstanding, parse_server_back, resent
 from sluice.worker.routing import Router
 from sluice.worker.tensors import Pending, Tensor, TensorDecl, chunk_sizes, parse_plan
 
@@ -56,6 +56,8 @@ class Client:
             raise SluiceError(str(exc)) from None
         if self.job_level is not None:
             self.control.job_report = self.job_level.report
+        #: ps.replicas: each chunk's last answered push, to replay to a server that takes over (I/O thread only)
+        self._answered = Answered() if node.env.section("ps").get("replicas") else None
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(node.env.name)
@@ -323,6 +325,8 @@ class Client:
                 op.handle._fail(f"server sent {msg.dtype}{list(msg.shape)} for a {op.dtype}{list(op.out.shape)} chunk")
                 return
             np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
+        if self._answered is not None and op.request is not None and op.request.kind == Kind.PUSH:
+            self._answered.keep(op.server, op.request)  # before the caller may change the array
         if (trace := self._node.trace) is not None:
             trace.replied(msg.key, msg.round)
         op.handle._part_done(msg.chunk)
@@ -361,11 +365,14 @@ class Client:
         with self._lock:
             requests = outstanding(self._pending.requests(), back.rank)
             again = [(by_key[r.key], resent(r, by_key[r.key].opt_sent)) for r in requests if r.key in by_key]
+            replays = [] if self._answered is None else [  # first: the replacement may be a round behind
+                (by_key[r.key], r) for r in self._answered.replays(back.rank) if r.key in by_key]
             for tensor in by_key.values():  # its next push tells the replacement the live settings again
                 if any(server == back.rank for _, _, _, server in tensor.chunks):
                     tensor.opt_sent = None
-        log.warning("server %d was replaced; sending it again %d unanswered requests", back.rank, len(again))
-        for tensor, msg in again:
+        log.warning("server %d was replaced; sending it again %d unanswered requests%s", back.rank, len(again),
+                    f" after {len(replays)} answered pushes (ps.replicas)" if replays else "")
+        for tensor, msg in replays + again:
             self.transport.send(back.name, tensor.channel, msg)
 
     def _fail_round(self, msg: Message) -> None:

@@ -3,8 +3,10 @@
 The launcher host runs the scheduler and both workers; server 0 runs on h1 and server 1 on h2, each
 mirroring its committed state on the other's host (ps/mirror.py). Every process in h2's namespace is
 killed (its sshd and the ssh session too, so the launcher sees the session fail) and its link set
-down. The launcher starts server 1 on h1 from the mirror there; the workers re-send what it had not
-answered; the job ends with the parameters of the same job without the loss, and nothing is left.
+down; just before, what h2 sends to h1 is stalled, so the mirror there is a round behind what the workers
+were answered. The launcher starts server 1 on h1 from the mirror there; the workers replay the pushes
+it lacks and re-send what it had not answered; the job ends with the parameters of the same job without
+the loss, and nothing is left.
 Three jobs: SGD with momentum on the servers and Adam on the servers (their mirrors carry each
 round's gradient, which the holder steps: its copy must come out bit-identical), and the optimizer
 on the workers (the servers sum; the mirror carries the sum).
@@ -87,6 +89,8 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     reader.start()
     try:
         assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
+        bed.netbed.choke("h2", "h1")  # server 1's MIRRORs stall: replies go a round ahead of its holder's copy
+        time.sleep(1.0)
         bed.lose_host("h2")
         job.wait(60)
         reader.join(10)
@@ -99,6 +103,8 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
     assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
     assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]
+    assert re.search(r"\[server 1\] .*server 1: took \d+ replayed pushes of rounds its state was behind", out), \
+        out[-4000:]
     results: list[dict[str, Any]] = sorted(
         (json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", out, re.M)),
         key=lambda r: r["rank"])

@@ -110,9 +110,33 @@ def test_a_resent_push_of_the_next_round_is_taken_and_its_copies_ignored(tmp_pat
 
 def test_other_rounds_are_refused_as_before(tmp_path: Path) -> None:
     store = killed_at(tmp_path, 3)
-    for round_ in (2, 5):
+    for round_ in (2, 6):
         with pytest.raises(WireError, match=f"push for round {round_}"):
             store.handle("w0", 0, push(0, round_, Flag.WANT_REPLY | Flag.RESEND))
+    with pytest.raises(WireError, match="push for round 5"):
+        store.handle("w0", 0, push(0, 5))  # only a RESEND may come a round early
+
+
+def test_a_holder_a_round_behind_redoes_it_from_replays_and_keeps_early_pushes(tmp_path: Path) -> None:
+    """ps.replicas: the state (here: committed round 2) is one round behind what workers 0 and 1 saw (round 3,
+    whose pushes they replay, their round 4 pushes unanswered); worker 2 never got round 3's reply."""
+    store = killed_at(tmp_path, 2, SGD_MOMENTUM)
+    replay, resend = Flag.RESEND | Flag.REPLAY, Flag.RESEND | Flag.WANT_REPLY
+    assert store.handle("w0", 0, push(0, 3, replay)) == []
+    assert store.handle("w0", 0, push(0, 4, resend)) == []  # kept: its round is not the next one yet
+    with pytest.raises(WireError, match="worker 0 sent round 4 .* twice ahead of its turn"):
+        store.handle("w0", 0, push(0, 4, resend))
+    assert store.handle("w2", 0, push(2, 2, replay)) == []  # committed already: dropped, never answered
+    assert store.handle("w1", 0, push(1, 3, replay)) == []
+    assert store.handle("w1", 0, push(1, 4, resend)) == []
+    replies = store.handle("w2", 0, push(2, 3, resend))  # round 3 completes, and the kept round 4 pushes go in
+    assert [(peer, m.round) for peer, _, m in replies] == [("w2", 3)]
+    assert chunk(store).round == 3 and chunk(store).pushed == {0, 1}
+    replies = store.handle("w2", 0, push(2, 4))
+    assert sorted((peer, m.round) for peer, _, m in replies) == [("w0", 4), ("w1", 4), ("w2", 4)]
+    uninterrupted = new_store(None, SGD_MOMENTUM)
+    run(uninterrupted, range(1, 5))
+    assert snapshot(chunk(store)) == snapshot(chunk(uninterrupted))
 
 
 def test_without_recovery_resend_changes_nothing() -> None:
@@ -222,3 +246,24 @@ def test_open_recovery_refuses_what_it_cannot_recover(tmp_path: Path) -> None:
     recovery = open_recovery(node_env(b"s" * 32), ServerConfig(recover=True), str(tmp_path))
     assert recovery.state.path.endswith(f"sluice-state-{TAG}-server-0")
     recovery.close(remove=True)
+
+
+def test_a_worker_replays_its_last_answered_push_as_it_was_sent() -> None:
+    """worker/resend.py Answered: a copy (the caller's array changes after the reply), the newest per chunk, only
+    to the server it went to, marked RESEND | REPLAY, never asking for a reply, and through the wire intact."""
+    from sluice.transport.wire import decode, encode
+    from sluice.worker.resend import Answered
+
+    answered, caller = Answered(), np.array(gradient(0, 3), np.float32)
+    answered.keep(1, push(0, 2, meta={"opt": {"name": "sgd", "lr": 0.5}}))
+    answered.keep(1, Message(Kind.PUSH, sender=10, key=3, chunk=0, round=3, dtype="float32", shape=(4,),
+                             flags=Flag.WANT_REPLY | Flag.LOCAL, payload=caller[:]))
+    answered.keep(0, Message(Kind.PUSH, sender=10, key=4, chunk=1, round=7, dtype="float32", shape=(4,),
+                             payload=memoryview(np.ones(4, np.float32))))
+    caller[:] = -1.0  # the next step's gradient, written into the same array
+    assert answered.replays(2) == []
+    [replay] = answered.replays(1)
+    assert (replay.round, replay.meta, replay.flags) == (3, None, Flag.RESEND | Flag.REPLAY | Flag.LOCAL)
+    back = decode([bytes(memoryview(frame)) if not isinstance(frame, bytes) else frame for frame in encode(replay)])
+    assert np.frombuffer(back.payload, np.float32).tolist() == np.array(gradient(0, 3), np.float32).tolist()
+    assert [m.key for m in answered.replays(0)] == [4]
