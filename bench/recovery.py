@@ -65,7 +65,8 @@ is on this host) against ps.replicas = 0, ps.recover on in both: ours = replicas
 their records' case names start with "replicas-". With --testbed (and --replicas) every process
 of a job runs on a host of its own of the network-namespace testbed (root only), servers and workers
 on links shaped to --rate-mbit (bench/recovery_testbed.py): the servers' mirrors cross real links,
-so ps.mirror_same_host is not set; their case names start with "testbed-replicas-".
+so ps.mirror_same_host is not set; their case names start with "testbed-replicas-" ("testbed-bands-replicas-"
+with --tos-bands).
 
 {KILL_CASE}: ours = seconds from the kill to the end of step K (the step that needed the
 replacement for all of server 0's rounds: training resumed); peer = a normal step's time (the
@@ -113,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --replicas: run the cost cases on the network-namespace testbed (root)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
                         help="--testbed: each server's and worker's link, both ways (default: %(default)s)")
+    parser.add_argument("--tos-bands", action="store_true",
+                        help="--testbed: the links honour the transport's ToS marks (pfifo_fast's three bands under "
+                             "the shaper, as a switch that queues by DSCP): a MIRROR, on the least urgent channel, "
+                             "then waits for the replies of the channels before it")
     add_common_options(parser, quick="1 pair of jobs, 2 digits workers, 1 timed repetition of 2 warm-up + 5 digits "
                                      "steps (1 + 2 large-adam steps), one killed job of 7 steps, killed at step 3 "
                                      "(overrides those options)", repeats=5)
@@ -254,9 +259,11 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
     describe = (f"{job.model} model ({parameters / 1e6:.3g} M parameters), {job.workers} workers x {job.servers} "
                 f"servers, batch {job.batch} per worker, collective.mode = ps, "
                 f"{'Adam' if job.optimizer == 'adam' else 'SGD with momentum'} {where}")
-    prefix = ("testbed-" if args.testbed else "") + ("replicas-" if args.replicas else "")
+    prefix = ("testbed-" if args.testbed else "") + ("bands-" if args.testbed and args.tos_bands else "") \
+        + ("replicas-" if args.replicas else "")
     if args.testbed:
         describe += f", every process on its own testbed host, links {args.rate_mbit:g} Mbit/s"
+        describe += " with ToS bands" if args.tos_bands else ""
     return record(prefix + case, ours, peer,
                   REPLICAS_PEER_NAME if args.replicas else PEER_NAME, "ms/step", better="lower", cost=cost,
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.testbed and cost_cases:
         if not ready_for("recovery --testbed"):
             return 0
-        with testbed(args.rate_mbit, max(j.servers for j in cost_cases.values()),
+        with testbed(args.rate_mbit, args.tos_bands, max(j.servers for j in cost_cases.values()),
                      max(j.workers for j in cost_cases.values())) as bed:
 
             def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:

@@ -38,14 +38,15 @@ def workers_of(job: Any) -> list[str]:
 
 
 @contextmanager
-def testbed(rate_mbit: float, servers: int, workers: int) -> Iterator[Netbed]:
-    """A testbed with the hosts of the largest job: sched (unshaped), s0.., w0.. at `rate_mbit` each."""
+def testbed(rate_mbit: float, tos_bands: bool, servers: int, workers: int) -> Iterator[Netbed]:
+    """A testbed with the hosts of the largest job: sched (unshaped), s0.., w0.. at `rate_mbit` each (with
+    pfifo_fast's ToS bands under the shaper when `tos_bands`)."""
     with Netbed() as bed:
         bed.host(SCHEDULER_HOST)
         for i in range(servers):
-            bed.host(f"s{i}", rate_mbit)
+            bed.host(f"s{i}", rate_mbit, tos_bands)
         for i in range(workers):
-            bed.host(f"w{i}", rate_mbit)
+            bed.host(f"w{i}", rate_mbit, tos_bands)
         yield bed
 
 

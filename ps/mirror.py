@@ -41,8 +41,15 @@ from sluice.transport.config import MAX_CHUNK_BYTES
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Kind, Message, WireError
 
-#: the transport channel MIRROR and MIRROR_ACK travel on: one channel keeps them in commit order
-MIRROR_CHANNEL = 0
+
+def mirror_channel(channels: int) -> int:
+    """The transport channel all mirror messages between two servers take: the least urgent, as a MIRROR has a
+    step to arrive (only the next round's replies wait for it) and should not delay a round's replies on a
+    link that honours the channels' ToS marks; one channel keeps them in commit order, and a listening side
+    can only answer on a channel it heard the dialler on."""
+    return channels - 1
+
+
 #: a MIRROR's state (up to 3x a chunk for Adam, more for bfloat16) goes in pieces no larger than the
 #: largest payload every transport takes
 PIECE_BYTES = MAX_CHUNK_BYTES
@@ -91,10 +98,17 @@ def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool, grad: np.ndarra
             for at in range(0, max(payload.size, 1), PIECE_BYTES) for piece in (payload[at:at + PIECE_BYTES],)]
 
 
+#: a MIRROR of at least this many bytes waits for the chunk's next push before it goes: on a link that a
+#: bandwidth-bound job fills with a round's replies it would share the link with them, while during the
+#: next round's pushes the server's outgoing side is idle (the acknowledgement still arrives before that
+#: round's replies are due); smaller ones go at once, where the round trip counts more than the bytes
+DEFER_BYTES = 64 << 10
+
+
 @dataclass
 class _Sent:
     round: int
-    at: float
+    at: float | None  # when it went; None while deferred
     pieces: list[Message]
 
 
@@ -102,9 +116,13 @@ class MirrorSender:
     """The primary's side: a MIRROR per commit, and the replies about a chunk held until its mirror acknowledged."""
 
     def __init__(self, rank: int, holder_rank: int, holder_peer: str, holder_host: str, node_id: int,
-                 timeout: float, ready: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout: float, ready: bool = True, clock: Callable[[], float] = time.monotonic,
+                 channel: int = 0, defer_bytes: int = DEFER_BYTES) -> None:
         self.rank, self.holder_rank, self.holder_peer, self.holder_host = rank, holder_rank, holder_peer, holder_host
-        self.node_id, self.timeout, self._clock = node_id, timeout, clock
+        self.node_id, self.timeout, self._clock, self.channel = node_id, timeout, clock, channel
+        self.defer_bytes = defer_bytes  # 0: never defer
+        #: (key, chunk) -> its MIRROR that waits for the chunk's next push (DEFER_BYTES)
+        self._deferred: dict[tuple[int, int], _Sent] = {}
         #: whether the holder can be sent to: it dials this server, and said hello (`dials`)
         self.ready = ready
         #: MIRRORs made by commits, to send before any reply of the same handling
@@ -131,6 +149,7 @@ class MirrorSender:
     def committed(self, chunk: Chunk) -> None:
         """Recovery's after_commit: `chunk`'s round is in the local file; mirror it."""
         key = (chunk.key, chunk.chunk)
+        self.next_round(key)  # the holder takes a chunk's MIRRORs in order
         new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
         if new_bcast:
             self._bcast_sent[key] = chunk.bcast_version
@@ -141,10 +160,25 @@ class MirrorSender:
         grad = stepped[1] if follows and not new_bcast and stepped is not None else None
         self._made[key] = chunk.round
         pieces = mirror_messages(chunk, self.node_id, new_bcast, grad)
+        nbytes = sum(piece.nbytes for piece in pieces)
+        self.bytes += nbytes
+        sent = _Sent(chunk.round, None, pieces)
+        self._sent.setdefault(key, deque()).append(sent)
+        if 0 < self.defer_bytes <= nbytes and not new_bcast:  # a broadcast's replies wait for its MIRROR
+            self._deferred[key] = sent
+        else:
+            self._send(sent)
+
+    def next_round(self, key: tuple[int, int]) -> None:
+        """A push for chunk `key` arrived (its next round begins), or it commits again: its deferred MIRROR goes."""
+        sent = self._deferred.pop(key, None) if self._deferred else None
+        if sent is not None:
+            self._send(sent)
+
+    def _send(self, sent: _Sent) -> None:
+        sent.at = self._clock()
         if self.ready:
-            self.outbox += pieces
-        self.bytes += sum(piece.nbytes for piece in pieces)
-        self._sent.setdefault(key, deque()).append(_Sent(chunk.round, self._clock(), pieces))
+            self.outbox += sent.pieces
 
     def restored(self, chunks: Sequence[Chunk]) -> None:
         """Chunks a replacement restored from its own file: mirrored again, broadcast included, as the holder
@@ -157,7 +191,10 @@ class MirrorSender:
         """The holder dialled this server (again: it was replaced): every MIRROR it has not acknowledged."""
         self.ready = True
         self.outbox.clear()
-        return [(self.holder_peer, MIRROR_CHANNEL, piece) for sent in self._sent.values() for one in sent
+        for sent in self._deferred.values():
+            sent.at = self._clock()
+        self._deferred.clear()
+        return [(self.holder_peer, self.channel, piece) for sent in self._sent.values() for one in sent
                 for piece in one.pieces]
 
     def holder_replaced(self, dialled: bool) -> list[Reply]:
@@ -168,7 +205,7 @@ class MirrorSender:
 
     def take(self, replies: list[Reply]) -> list[Reply]:
         """What to send now: the pending MIRRORs first, then the replies that `held` does not keep back."""
-        out: list[Reply] = [(self.holder_peer, MIRROR_CHANNEL, msg) for msg in self.outbox]
+        out: list[Reply] = [(self.holder_peer, self.channel, msg) for msg in self.outbox]
         self.outbox.clear()
         for reply in replies:
             key = (reply[2].key, reply[2].chunk)
@@ -190,6 +227,7 @@ class MirrorSender:
     def stop(self) -> list[Reply]:
         """No holder any more: every reply held for a mirror goes now."""
         self._sent.clear()
+        self._deferred.clear()
         self.outbox.clear()
         held = [reply for replies in self._held.values() for reply in replies]
         self._held.clear()
@@ -218,7 +256,7 @@ class MirrorSender:
 
     def overdue(self, now: float) -> str | None:
         """Why this server cannot go on (a mirror unacknowledged past the timeout), or None."""
-        oldest = min((sent[0].at for sent in self._sent.values() if sent), default=None)
+        oldest = min((one.at for sent in self._sent.values() for one in sent if one.at is not None), default=None)
         if oldest is None or now - oldest <= self.timeout:
             return None
         return (f"server {self.rank}: its replica holder {self.describe()} has not acknowledged a mirrored commit "

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from sluice.ps import optim
-from sluice.ps.mirror import MIRROR_CHANNEL, compute_dtype, payload_bytes
+from sluice.ps.mirror import compute_dtype, payload_bytes
 from sluice.ps.plan import parse_plan
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum
 from sluice.ps.snapshot import STATE_DIR, StateFile
@@ -57,7 +57,8 @@ class Mirrored:
 class MirrorHolder:
     """The mirror files this server holds, by the transport name of the primary each belongs to."""
 
-    def __init__(self, tag: str, node_id: int, workers: int, directory: str = STATE_DIR) -> None:
+    def __init__(self, tag: str, node_id: int, workers: int, directory: str = STATE_DIR, channel: int = 0) -> None:
+        self.channel = channel  # the mirror channel (ps/mirror.py mirror_channel): acks go where MIRRORs came
         self.tag, self.node_id, self.workers, self.directory = tag, node_id, workers, directory
         self.primaries: dict[str, Mirrored] = {}
         self.taken = 0  # MIRRORs written
@@ -146,7 +147,7 @@ class MirrorHolder:
             elif not grad:
                 _drop_arrays(chunk, empty)
         self.taken += 1
-        return [(peer, MIRROR_CHANNEL, Message(Kind.MIRROR_ACK, sender=self.node_id, key=msg.key, chunk=msg.chunk,
+        return [(peer, self.channel, Message(Kind.MIRROR_ACK, sender=self.node_id, key=msg.key, chunk=msg.chunk,
                                                round=msg.round))]
 
     def _first(self, mirrored: Mirrored, chunk: Chunk, msg: Message) -> tuple[_Fields, int]:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sluice.ps.mirror import MIRROR_CHANNEL, MirrorSender, dials, hello_message, holders
+from sluice.ps.mirror import MirrorSender, dials, hello_message, holders, mirror_channel
 from sluice.ps.mirror_holder import MirrorHolder
 from sluice.ps.store import Chunk, Reply
 from sluice.scheduler.node import PeerInfo, endpoint_host
@@ -34,7 +34,8 @@ class MirrorLinks:
         self.transport, self.rank, self.node_id, self.timeout = transport, rank, node_id, timeout
         self.same_host = same_host
         self.sender: MirrorSender | None = None
-        self.holder = MirrorHolder(tag, node_id, workers)
+        self.channel = mirror_channel(transport.config.channels)
+        self.holder = MirrorHolder(tag, node_id, workers, channel=self.channel)
         #: the servers linked to this one, by transport name
         self.linked: dict[str, PeerInfo] = {}
         self.host = ""
@@ -55,11 +56,11 @@ class MirrorLinks:
             peer = servers[placed[me]]
             self.linked[peer.name] = peer
             self.sender = MirrorSender(self.rank, peer.rank, peer.name, endpoint_host(peer.endpoints), self.node_id,
-                                       self.timeout, ready=dials(self.rank, peer.rank))
+                                       self.timeout, ready=dials(self.rank, peer.rank), channel=self.channel)
         for peer in self.linked.values():
             if dials(self.rank, peer.rank):
                 self.transport.connect(peer.name, peer.endpoints)
-                self.transport.send(peer.name, MIRROR_CHANNEL, hello_message(self.node_id))
+                self.transport.send(peer.name, self.channel, hello_message(self.node_id))
         if self.sender is None:
             log.warning("server %d: no server on another host can mirror its state (ps.replicas = 1): it survives "
                         "a restart on its own host, not the loss of its host", self.rank)
@@ -91,7 +92,7 @@ class MirrorLinks:
         dialled = dials(self.rank, linked.rank)
         if dialled:
             self.transport.replace_peer(linked.name, endpoints)
-            self.transport.send(linked.name, MIRROR_CHANNEL, hello_message(self.node_id))
+            self.transport.send(linked.name, self.channel, hello_message(self.node_id))
         if self.sender is None or linked.name != self.sender.holder_peer:
             return []
         if endpoint_host(endpoints) == self.host and not self.same_host:  # it took over a lost host's shard here

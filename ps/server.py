@@ -6,7 +6,6 @@ import os
 
 from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
-from sluice.ps.mirror import MIRROR_CHANNEL
 from sluice.ps.mirror_links import ENV_TAKEOVER, MirrorLinks
 from sluice.ps.recovered import open_recovery
 from sluice.ps.role import Reply, Role
@@ -77,7 +76,9 @@ class Server(Role):
             self.control.fail(str(exc))
             return []
         if self.mirrors is not None and self.mirrors.sender is not None:
-            replies = self.mirrors.sender.take(replies)  # its commits' MIRRORs first; replies wait for their acks
+            if msg.kind == Kind.PUSH:  # the chunk's next round began: a MIRROR deferred for it goes now
+                self.mirrors.sender.next_round((msg.key, msg.chunk))
+            replies = self.mirrors.sender.take(replies)  # MIRRORs first; the next round's replies wait for acks
         if self.trace is not None and msg.kind == Kind.PUSH:
             self.trace.pushed(msg, channel, replies)
         return replies
@@ -98,7 +99,7 @@ class Server(Role):
             self._mirror_commits()
             early, self.early_mirrors = self.early_mirrors or [], None
             for peer, msg in early:
-                self._on_message(peer, MIRROR_CHANNEL, msg)
+                self._on_message(peer, self.mirrors.channel, msg)
 
     def _mirror_commits(self) -> None:
         """Each commit goes to the holder too, while this server has one."""

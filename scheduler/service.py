@@ -19,6 +19,7 @@ from sluice.scheduler.jobs_registry import Registry
 from sluice.scheduler.node import endpoint_host
 from sluice.scheduler.recovery import ServerRecovery
 from sluice.scheduler.rendezvous import Out, Rendezvous
+from sluice.scheduler.standby_watch import SchedulerWatch
 from sluice.scheduler.timeline_parts import TIMEOUT_S, Gatherer
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.prometheus import Readings, serve_metrics
@@ -106,6 +107,8 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         for peer, msg in outs:
             transport.send(peer, 0, msg)
 
+    watch = SchedulerWatch(env.scheduler, settings.heartbeat_interval, 3 * settings.heartbeat_timeout,
+                           time.monotonic()) if standby and env.scheduler else None
     next_tick = 0.0
     try:
         while machine.phase in ("standby", "registering", "running"):
@@ -127,6 +130,11 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                                    time.monotonic(), exc_info=True)
             now = time.monotonic()
             rejects.tick(now)
+            if watch is not None and machine.phase == "standby" and machine.takeover is not None:
+                why = watch.tick(now, bool(machine.takeover.rejoins))
+                if why is not None:
+                    machine.phase, machine.exit_code, machine.error = "failed", 1, why
+                    break
             if now >= next_tick:
                 outs = machine.on_tick(now)
                 if trees is not None and machine.phase == "running":

@@ -30,11 +30,12 @@ def plan() -> list[Any]:
     return [[key, f"t{key}", dtype, opt, [[0, length]]] for key, (dtype, length, opt) in TENSORS.items()]
 
 
-def primary(directory: Path) -> tuple[ShardStore, MirrorSender]:
+def primary(directory: Path, defer_bytes: int = 0) -> tuple[ShardStore, MirrorSender]:
     store = ShardStore(node_id=7, workers=WORKERS, sync=True)
     store.worker_ids = {10 + r: (f"w{r}", r) for r in range(WORKERS)}
     store.recovery = Recovery(StateFile.open(TAG, 0, str(directory), lock_timeout=0.2))
-    sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0)
+    sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0,
+                          defer_bytes=defer_bytes)
     store.recovery.after_commit, store.recovery.before_step = sender.committed, sender.stepping
     store.add_plan(plan())
     return store, sender
@@ -139,6 +140,33 @@ def test_replies_wait_for_the_mirror_and_the_mirror_restores_the_exact_state(tmp
         assert state_of(replacement.chunks[(key, 0)]) == state_of(store.chunks[(key, 0)])
     held.close()
     replacement.recovery.close()
+    store.recovery.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_large_mirror_waits_for_the_chunks_next_push_and_the_timeout_for_its_sending(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    store, sender = primary(tmp_path / "a", defer_bytes=PIECE_BYTES // 4)
+    held = holder(tmp_path / "b")
+    for key in (1, 2):  # key 1's MIRRORs are small and go at once; key 2's (Adam, 300 000 values) wait
+        sender.take(store.handle("w0", 0, push(key, 0, 1)))
+        out = sender.take(store.handle("w1", 0, push(key, 1, 1)))
+        kinds = [m.kind for _, _, m in out]
+        assert kinds == [Kind.MIRROR, Kind.REPLY, Kind.REPLY] if key == 1 else [Kind.REPLY, Kind.REPLY]
+        assert deliver([r for r in out if r[2].kind == Kind.MIRROR], held, sender)[0] == []
+    assert sender.overdue(1000.0) is None  # not sent yet: nothing to time out
+    sender.next_round((2, 0))  # what the server does as worker 0's push of round 2 arrives
+    out = sender.take(store.handle("w0", 0, push(2, 0, 2)))
+    assert [m.kind for _, _, m in out] == [Kind.MIRROR] * len(out) and len(out) > 1 and out[0][2].round == 1
+    assert sender.overdue(1000.0) is not None  # sent at 100.0, unacknowledged since
+    out += sender.take(store.handle("w1", 0, push(2, 1, 2)))
+    assert all(m.round == 1 for _, _, m in out)  # round 2's replies wait for round 1's ack, its MIRROR for round 3
+    released, _ = deliver(out, held, sender)
+    assert sorted((to, m.round) for to, _, m in released) == [("w0", 2), ("w1", 2)]
+    assert sender.overdue(1000.0) is None and held.taken == 2 and store.chunks[(2, 0)].round == 2
+    held.close()
+    assert store.recovery is not None
     store.recovery.close()
 
 

@@ -166,3 +166,24 @@ def test_failover_standby_takes_nothing_else_and_refuses_a_node_id_twice() -> No
         machine.on_message("worker-1", job.rejoin("worker-1", node_id=job.ids["worker-0"]), 1.0)
     assert machine.on_message("worker-0", msg(Kind.HEARTBEAT), 1.5)[0][1].kind == Kind.HEARTBEAT_ACK
     assert machine.on_message("worker-2", msg(Kind.HEARTBEAT), 1.5) == []
+
+
+@pytest.mark.timeout(20)
+def test_failover_a_standby_whose_scheduler_port_is_silent_and_nobody_rejoined_leaves() -> None:
+    """scheduler/standby_watch.py, against a real listening socket: heard while it listens; once it is gone, the
+    standby leaves after `patience`, unless a node rejoined (then it takes over)."""
+    import socket
+
+    from sluice.scheduler.standby_watch import SchedulerWatch, probe
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    assert probe(endpoint, 0.5) and not probe("tcp://nowhere", 0.5) and not probe("ipc:///x", 0.5)
+    watch = SchedulerWatch(endpoint, interval=1.0, patience=3.0, now=0.0)
+    assert watch.tick(1.0, rejoined=False) is None
+    listener.close()
+    assert watch.tick(1.5, rejoined=False) is None  # before the next probe
+    assert watch.tick(2.0, rejoined=False) is None  # silent 1 s
+    assert watch.tick(5.0, rejoined=True) is None  # a node rejoined: the takeover goes on
+    why = watch.tick(5.0, rejoined=False)
+    assert why is not None and endpoint in why and "nothing to take over" in why
