@@ -4,11 +4,14 @@ Real processes and `sluice launch`; the script is tests/integration/scripts/elas
 (Horovod's elastic shape, a learning rate that follows the size). The equivalence: a job that loses
 worker 2 after step 10 ends with exactly the parameters of a job of 3 workers stopped after step 10
 and continued by 2 workers from its state. Those two reference jobs run the same script in workers
-forked from the test (script_workers.py): nothing in them is the launcher's to do.
+forked from the test (script_workers.py): nothing in them is the launcher's to do. The TensorFlow
+job replaced in place is tests/integration/scripts/elastic_keras.py, whose workers then run the
+reference themselves.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -22,6 +25,7 @@ from tests.integration.script_workers import script_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/integration/scripts/elastic_train.py"
+KERAS_SCRIPT = "tests/integration/scripts/elastic_keras.py"
 LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch"]
 #: the growing job's steps (it grows a few steps in)
 GROW_STEPS = 100
@@ -81,6 +85,40 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     assert [r["size"] for r in results] == [3, 3, 3] and results[0]["params"] == results[2]["params"]
     assert results[0]["params"] == _reference(tmp_path, 3, 3, 11, 20, servers)
     assert not list(Path("/dev/shm").glob("sluice-elastic-*")), "the committed state outlived the job"
+
+
+def _said(output: str, what: str) -> list[dict[str, Any]]:
+    return [json.loads(m.group(1)) for m in re.finditer(rf"^\[worker \d+\] ELASTIC_{what} (.*)$", output, re.M)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None,
+                    reason="needs tensorflow and keras (the tensorflow extra)")
+def test_elastic_replace_in_place_tensorflow_keeps_the_survivors_processes_and_ends_as_the_same_job() -> None:
+    """--in-place with sluice.tensorflow.keras (model.fit and Horovod's elastic Keras callbacks): worker 2 dies
+    after its commit of batch 1 of epoch 1; workers 0 and 1 re-form the job in their own processes, without
+    tracing their step again, and all three start again from that commit. Then every worker runs, deliberately,
+    the same sequence (3 workers fit from rank 0's start, stopped after that batch, and fit again from there):
+    the job ends with exactly its variables."""
+    output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", "0", "--", sys.executable,
+                                    KERAS_SCRIPT, "--epochs", "3", "--die-epoch", "1", "--die-batch", "1",
+                                    "--die-rank", "2", "--reference"], timeout=140)
+    assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; replacing worker 2 in place: the "
+                     r"other workers keep their processes \(--in-place\)", output), output[-4000:]
+    first = {s["rank"]: s for s in starts if s["generation"] == 0}
+    then = {s["rank"]: s for s in starts if s["generation"] == 1}
+    assert len(first) == len(then) == 3 and len(starts) == 6, output[-4000:]
+    assert [then[r]["pid"] == first[r]["pid"] for r in range(3)] == [True, True, False]  # the survivors' processes
+    (commit,) = _said(output, "COMMIT")
+    assert {(s["size"], s["epoch"], s["batch"], s["digest"]) for s in then.values()} == {(3, 1, 1, commit["digest"])}
+    assert [(r["size"], r["epoch"], r["batch"]) for r in results] == [(3, 3, 0)] * 3
+    assert len({r["digest"] for r in results}) == 1
+    references = _said(output, "REFERENCE")
+    assert len(references) == 3 and {r["start"] for r in references} == {first[0]["digest"]}
+    assert {r["digest"] for r in references} == {results[0]["digest"]}
+    directories = {s["directory"] for s in starts}  # this job's (other jobs may run beside it)
+    assert len(directories) == 1 and not Path(directories.pop()).exists(), "the committed state outlived the job"
 
 
 @pytest.mark.timeout(300)

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, NoReturn
 from sluice.errors import SluiceError
 from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_ELASTIC_IN_PLACE, REFORM_EXIT
 from sluice.transport.shm_space import SHM_FIX
+from sluice.worker.elastic.wakeup import on_signal
 
 log = logging.getLogger("sluice.worker")
 
@@ -200,8 +201,8 @@ def watch_host_updates() -> None:
     SIGUSR2 ("re-form now") (from the main thread only, where Python runs handlers; idempotent)."""
     if os.environ.get(ENV_DIR) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, _on_hosts_updated)
-        if in_place():
-            signal.signal(signal.SIGUSR2, _on_reform)
+        if in_place():  # acted on at once, even while the main thread runs a TF graph (wakeup.py)
+            on_signal(signal.SIGUSR2, _reform_now)
 
 
 def in_place() -> bool:
@@ -210,13 +211,25 @@ def in_place() -> bool:
 
 
 def on_reform(victim: Callable[[], Callable[[], None] | None]) -> None:
-    """Register what SIGUSR2 fails: `victim()`, called in the handler, returns the current connection's fail."""
+    """Register what SIGUSR2 fails: `victim()`, called as the signal comes, returns the connection's fail now."""
     _reform_victims.append(victim)
 
 
-def _on_reform(signum: int, frame: object) -> None:
-    """The launcher replaced the lost worker: fail what this process still waits on (the old connection,
-    chosen now, in the main thread), then let `reform_in_place` go on."""
+def fail_on_reform(current_node: Callable[[], Any]) -> None:
+    """Register a shim's connection as what SIGUSR2 fails: `current_node()` is its node as it is then (None
+    when there is none), whose control channel fails so that whatever still waits on it stops waiting."""
+    def victim() -> Callable[[], None] | None:
+        node = current_node()
+        if node is None:
+            return None
+        return lambda: node.control.fail("the launcher replaced a lost worker: the job re-forms in place")
+
+    on_reform(victim)
+
+
+def _reform_now() -> None:
+    """SIGUSR2: the launcher replaced the lost worker: fail what this process still waits on (the old
+    connection, chosen now), then let `reform_in_place` go on."""
     victims = [fail for get in _reform_victims if (fail := get()) is not None]
 
     def go() -> None:

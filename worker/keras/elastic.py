@@ -2,7 +2,8 @@
 
 KerasState is sluice.tensorflow's TensorFlowKerasState (worker/tensorflow/elastic.py): the model's and
 the optimizer's variables and plain attributes, committed to this host under `sluice launch
---elastic` and restored by `run` in the next generation. The callbacks keep the state in step with
+--elastic` and restored by `run` in the next generation (with --in-place, by the survivors in their
+own processes, model.fit's traced step kept). The callbacks keep the state in step with
 model.fit, as Horovod's: put them in this order, UpdateEpochStateCallback, UpdateBatchStateCallback,
 CommitStateCallback, and give fit `epochs=total - state.epoch`:
 

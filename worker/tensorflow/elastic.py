@@ -5,6 +5,9 @@ the job runs in generations of new processes, `state.commit()` writes the state 
 elastic directory and `@hvd.elastic.run` restores the newest commit of the whole job (`resume`)
 before calling the training function, and leaves with status REFORM on a Sluice failure (also one
 raised inside a tf.function, which TF reports as a tf.errors.OpError naming it) or a hosts update.
+With `--in-place` a survivor of a lost worker re-forms the job in its own process instead, as
+Horovod's elastic loop does: a new connection (`_TensorFlow.reinit`), the newest commit, the reset
+callbacks, and the training function again; its models, optimizers and traced steps are kept.
 
 As Horovod's, each state also keeps its last commit in memory: `restore()` reverts this worker's
 variables and attributes to it (no collective), `sync()` gives every worker rank 0's state, and
@@ -17,6 +20,7 @@ them), msgpack through sluice.tensorflow's object codec: a file never runs code.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from sluice.errors import SluiceError
+from sluice.worker.elastic import host
 from sluice.worker.elastic import state as shared
 from sluice.worker.elastic.host import (
     Commit,
@@ -38,7 +43,7 @@ from sluice.worker.elastic.host import (
 from sluice.worker.objects_codec import NUMPY_DTYPES
 from sluice.worker.tensorflow.collectives import broadcast_variables
 from sluice.worker.tensorflow.objects import CODEC, allgather_object, broadcast_object
-from sluice.worker.tensorflow.state import STATE, require, shutdown
+from sluice.worker.tensorflow.state import NAMES, STATE, init, reinit_in_place, require, shutdown
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "run"]
 
@@ -72,20 +77,34 @@ def _sluice_failure(exc: BaseException) -> bool:
         if isinstance(seen, SluiceError):
             return True
         seen = seen.__cause__
+    return _sluice_line(exc) is not None
+
+
+def _sluice_line(exc: BaseException) -> str | None:
+    """The line of a TF error's message that names the Sluice error behind it (raised in a py_function)."""
     if not isinstance(exc, tf.errors.OpError):
-        return False
+        return None
     names, pending = [], [SluiceError]
     while pending:
         cls = pending.pop()
         names.append(cls.__name__)
         pending.extend(cls.__subclasses__())
-    return re.search(rf"\b({'|'.join(names)}): ", exc.message or "") is not None
+    found = re.search(rf"\b({'|'.join(names)}): .*", exc.message or "")
+    return found.group(0) if found is not None else None
+
+
+def _said(exc: BaseException) -> BaseException:
+    """What to say of a failure: a TF error's Sluice line alone (its message holds TF's whole traceback)."""
+    line = _sluice_line(exc)
+    return SluiceError(line) if line is not None else exc
 
 
 class _TensorFlow(shared.Backend):
     files = FILES
     plain = (np.ndarray, tf.Tensor)
     plain_what = "numpy arrays, tf.Tensors"
+    #: NAMES' position where the training function was last entered (run), which a newcomer reaches too
+    names_at_run = 0
 
     def initialized(self) -> bool:
         return STATE.node is not None
@@ -106,10 +125,20 @@ class _TensorFlow(shared.Backend):
         return super().failed(exc) or _sluice_failure(exc)
 
     def reform(self, reason: BaseException, commits: int) -> NoReturn:
-        reform(reason, commits, shutdown)
+        reform(_said(reason), commits, shutdown)
+
+    def reinit(self, reason: BaseException, commits: int) -> bool:
+        """--in-place: a new connection in this process (reinit_in_place, init). What was made on the old
+        one follows by itself: the optimizers' and tapes' averagers take the new engine, and traced
+        steps the new reducers (gradients.py, overlap.py). Unnamed calls are numbered again from where
+        `run` began, as the newcomer, which runs the script afresh, numbers them."""
+        host.reform_in_place(_said(reason), commits, reinit_in_place, init)
+        NAMES.rewind(self.names_at_run)
+        return True
 
 
 TENSORFLOW = _TensorFlow()
+host.fail_on_reform(lambda: STATE.node)  # what SIGUSR2 fails (--in-place): this process's connection then
 
 
 class State(shared.State):
@@ -237,8 +266,16 @@ def run(func: F) -> F:
     """Horovod's decorator for the training function `func(state, ...)` (worker/elastic/state.py's run):
     in an elastic job, the job's newest commit first (and the reset callbacks in a re-formed job), and a
     Sluice failure or HostsUpdatedInterrupt ends the process with status REFORM; outside one, rank 0's
-    state first."""
-    return shared.run(func, TENSORFLOW)
+    state first. With --in-place, a failure re-forms the job in this process (_TensorFlow.reinit) and
+    `func` runs again from the newest commit."""
+    elastic = shared.run(func, TENSORFLOW)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        TENSORFLOW.names_at_run = NAMES.position()
+        return elastic(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 watch_host_updates()

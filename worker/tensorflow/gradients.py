@@ -2,15 +2,18 @@
 
 `GradientAverager` reduces one list of gradients (None stays None; tf.IndexedSlices are made dense,
 as Horovod's sparse_as_dense) through the FusedReducer of that list of names, shapes and dtypes,
-made the first time it is seen and kept for the process (a custom loop wraps a new tape every
-step); inside a tf.function each fused group leaves as soon as backward has made it (overlap.py).
-Compression casts before and after.
+made the first time it is seen on this process's connection and kept (a custom loop wraps a new
+tape every step); inside a tf.function each fused group leaves as soon as backward has made it
+(overlap.py). A job re-formed in place gives the process a new connection (elastic.py): the averager
+then takes the new engine, and a traced step the new reducer, looked up at each run. Compression
+casts before and after.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -82,11 +85,27 @@ class GradientAverager:
             raise SluiceError(f"op must be Average or Sum, got {op!r}")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise SluiceError("gradient_predivide_factor needs op=Average")
-        #: the process set's engine; None where this worker is not in the set (its gradients stay its own)
-        self.on = member_engine(process_set)
+        self.process_set = process_set
+        self._bound = (require(), member_engine(process_set))
         self.compression, self.op = compression, op
         # Horovod's predivide: scale by 1/f before the sum and by f/size after (f = 1: a plain average)
         self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+
+    @property
+    def on(self) -> CollectiveEngine | None:
+        """The process set's engine on this process's connection now (a job re-formed in place made a new
+        one: elastic.py); None where this worker is not in the set (its gradients stay its own)."""
+        node = require()
+        if self._bound[0] is not node:
+            self._bound = (node, member_engine(self.process_set))
+        return self._bound[1]
+
+    def _reducer_now(self, specs: tuple[Spec, ...]) -> FusedReducer:
+        """The reducer of `specs` on the connection now: what a traced step looks up at each run."""
+        on = self.on
+        if on is None:
+            raise SluiceError("this worker left the process set its gradients were traced for: trace the step again")
+        return reducer_for(specs, on)[0]
 
     def __call__(self, grads: Sequence[Any], names: Sequence[str]) -> list[Any]:
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -105,8 +124,9 @@ class GradientAverager:
                 return reducer.reduce(arrays, self.op == Average, self.prescale, self.postscale)
 
         if traceable(tensors):  # traced: each fused group leaves as soon as backward has made it (overlap.py)
-            reducer = reducer_for(specs_of(tensors, chosen, wires), on)[0]
-            out = traced_reduce(reducer, tensors, self.op == Average, self.prescale, self.postscale)
+            specs = specs_of(tensors, chosen, wires)
+            out = traced_reduce(partial(self._reducer_now, specs), tensors, self.op == Average, self.prescale,
+                                self.postscale)
         else:
             out = run_numpy(reduce, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
                             "gradient allreduce")

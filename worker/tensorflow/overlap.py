@@ -18,12 +18,13 @@ were created (its automatic control dependencies), so every rank sends its group
 and no send is held up behind one whose gradients come later. The values are those of the eager
 path, bit for bit: the same buffers, groups, sums and scaling. A failed step (an error raised in a
 send or in the wait) leaves nothing behind: the wait lets every group finish before raising, and the
-next step's first send waits out what an interrupted step left in flight.
+next step's first send waits out what an interrupted step left in flight. The nodes look the
+reducer up at each run, so that a job re-formed in place (a new connection) needs no new trace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,24 +50,50 @@ def specs_of(tensors: Sequence[Any], names: Sequence[str], wires: Sequence[str])
     return tuple(Spec(n, tuple(int(d) for d in t.shape), w) for n, t, w in zip(names, tensors, wires, strict=True))
 
 
-def traced_reduce(reducer: FusedReducer, tensors: Sequence[Any], average: bool, prescale: float = 1.0,
+class _Current:
+    """The reducer a traced step runs through, looked up at each run: a job re-formed in place (elastic.py)
+    gives the process a new connection, and the graph traced on the old one then uses the new reducer,
+    which has the same groups where the job has the same workers and servers."""
+
+    def __init__(self, lookup: Callable[[], FusedReducer]) -> None:
+        self.lookup = lookup
+        self.traced = self.checked = lookup()
+
+    def __call__(self) -> FusedReducer:
+        reducer = self.lookup()
+        if reducer is not self.checked:
+            if _layout(reducer) != _layout(self.traced):
+                raise SluiceError("the re-formed job groups these gradients otherwise than the step traced before "
+                                  "(other workers or servers): trace the training step again (a new tf.function, "
+                                  "or model.make_train_function(force=True))")
+            self.checked = reducer
+        return reducer
+
+
+def _layout(reducer: FusedReducer) -> list[tuple[int, int, list[int]]]:
+    return [(fused, group, reducer.inputs_of(fused, group)) for fused, group in reducer.ready_order]
+
+
+def traced_reduce(lookup: Callable[[], FusedReducer], tensors: Sequence[Any], average: bool, prescale: float = 1.0,
                   postscale: float = 1.0) -> list[Any]:
-    """The graph nodes that reduce `tensors` (in the reducer's order) through `reducer`: one send per
-    fused group, fed by that group's gradients only, and one wait (a single group: one node that sends
-    and waits); returns the reduced tensors."""
+    """The graph nodes that reduce `tensors` (in the reducer's order) through the reducer `lookup()` gives,
+    at tracing and at each run: one send per fused group, fed by that group's gradients only, and one
+    wait (a single group: one node that sends and waits); returns the reduced tensors."""
     if xla_compiling():
         raise SluiceError(f"sluice gradient allreduce runs in Python (tf.py_function), which XLA cannot "
                           f"compile: {XLA_HELP}")
+    current = _Current(lookup)
+    reducer = current.traced
     dtypes = [t.dtype for t in tensors]
     returned = [tf.as_dtype(d).as_numpy_dtype for d in dtypes]  # bfloat16: ml_dtypes' (storage is uint16)
 
     def wait(*_tokens: Any) -> list[np.ndarray]:
-        arrays = reducer.finish(average, postscale)
+        arrays = current().finish(average, postscale)
         return [a if a.dtype == r else a.view(r) for a, r in zip(arrays, returned, strict=True)]
 
     def sender(fused: int, group: int, indices: list[int]) -> Any:
         def send(*inputs: np.ndarray) -> np.ndarray:
-            reducer.start(fused, group, {i: _storage(a) for i, a in zip(indices, inputs, strict=True)}, prescale)
+            current().start(fused, group, {i: _storage(a) for i, a in zip(indices, inputs, strict=True)}, prescale)
             return np.array(group, np.int32)
         return send
 

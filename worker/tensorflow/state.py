@@ -1,10 +1,10 @@
-"""The TensorFlow and Keras shims' process-wide state: the node, the worker settings, where this worker runs."""
+"""The TensorFlow and Keras shims' process-wide state: the node, the settings, where this worker runs, call numbers."""
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +28,34 @@ class State:
     placement: Placement | None = None
 
 
+class Numbers:
+    """0, 1, 2, ... by next(); `rewind` goes back to a `position()`, as a job re-formed in place does
+    (elastic.py): its survivors then number their calls as the newcomer, which starts the script afresh."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()  # calls from TF's inter-op threads draw too
+
+    def __iter__(self) -> Numbers:
+        return self
+
+    def __next__(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next - 1
+
+    def position(self) -> int:
+        """The number the next call gets."""
+        return self._next
+
+    def rewind(self, position: int) -> None:
+        with self._lock:
+            self._next = position
+
+
 STATE = State()
 #: numbers for unnamed collectives and for gradient sets: the same sequence on every worker
-NAMES = itertools.count()
+NAMES = Numbers()
 
 
 def require() -> WorkerNode:
@@ -76,6 +101,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
                           "set worker.optimizer_on = 'worker' (the servers then only sum gradients)")
     STATE.settings, STATE.node = settings, node
     STATE.placement = placement(node.hosts("worker"), node.rank)
+    atexit.unregister(shutdown)  # once, however often init() runs (a job re-formed in place, reinit_in_place)
     atexit.register(shutdown)
     assert node.process_sets is not None
     register_sets(node.process_sets, node.rank, process_sets)
@@ -89,6 +115,15 @@ def shutdown() -> None:
             log_metrics(node.stats(), "at the end")
         node.close()
         STATE.node, STATE.placement = None, None
+
+
+def reinit_in_place() -> None:
+    """Drop this process's connection for good, failed as it is (an elastic job re-forms in place), so
+    that the next init() joins the re-formed job with a new one. The node is let go before it closes:
+    closing a failed one may outlast the wait elastic gives it (host.CLOSE_SECONDS)."""
+    node, STATE.node, STATE.placement = STATE.node, None, None
+    if node is not None:
+        node.close()
 
 
 def log_metrics(snapshot: dict[str, Any], when: str) -> None:

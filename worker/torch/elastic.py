@@ -65,15 +65,7 @@ class _Torch(shared.Backend):
         return True
 
 
-def _current_fail() -> Callable[[], None] | None:
-    """What SIGUSR2 fails (--in-place): this process's connection as it is now."""
-    node = STATE.node
-    if node is None:
-        return None
-    return lambda: node.control.fail("the launcher replaced a lost worker: the job re-forms in place")
-
-
-host.on_reform(_current_fail)
+host.fail_on_reform(lambda: STATE.node)  # what SIGUSR2 fails (--in-place): this process's connection then
 
 
 TORCH = _Torch()
