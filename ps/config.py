@@ -22,6 +22,11 @@ class ServerConfig:
     #: with ps.recover, on how many other hosts each server's committed state is mirrored before the
     #: round's replies go out (ps/mirror.py); 0: only in the server's own host's /dev/shm
     replicas: int = 0
+    #: with ps.replicas, mirror each chunk's state every this many rounds; a round's replies wait until the
+    #: holder has the round this many before it, and every worker keeps (copies of) its pushes of that many
+    #: rounds to replay to a server that takes over. 1: every round (with an optimizer on the servers, as the
+    #: round's gradient, which the holder steps). More: fewer and cheaper mirrors, more memory on the workers
+    mirror_every: int = 4
     #: with ps.replicas, how long a server waits for its mirror's acknowledgement before it fails (seconds)
     mirror_timeout: float = 30.0
     #: with ps.replicas, let a server on the same host hold the mirror (tests on one machine only: such a
@@ -34,5 +39,7 @@ class ServerConfig:
         if self.replicas not in (0, 1) or self.mirror_timeout <= 0:
             raise ValueError(f"ps.replicas must be 0 or 1 (more replicas are not built yet), got {self.replicas}, "
                              "and ps.mirror_timeout positive")
+        if not 1 <= self.mirror_every <= 64:
+            raise ValueError(f"ps.mirror_every must be 1..64 rounds, got {self.mirror_every}")
         if self.replicas and not self.recover:
             raise ValueError("ps.replicas mirrors the state that ps.recover keeps: set ps.recover = true too")

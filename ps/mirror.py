@@ -98,17 +98,10 @@ def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool, grad: np.ndarra
             for at in range(0, max(payload.size, 1), PIECE_BYTES) for piece in (payload[at:at + PIECE_BYTES],)]
 
 
-#: a MIRROR of at least this many bytes waits for the chunk's next push before it goes: on a link that a
-#: bandwidth-bound job fills with a round's replies it would share the link with them, while during the
-#: next round's pushes the server's outgoing side is idle (the acknowledgement still arrives before that
-#: round's replies are due); smaller ones go at once, where the round trip counts more than the bytes
-DEFER_BYTES = 64 << 10
-
-
 @dataclass
 class _Sent:
     round: int
-    at: float | None  # when it went; None while deferred
+    at: float
     pieces: list[Message]
 
 
@@ -117,12 +110,14 @@ class MirrorSender:
 
     def __init__(self, rank: int, holder_rank: int, holder_peer: str, holder_host: str, node_id: int,
                  timeout: float, ready: bool = True, clock: Callable[[], float] = time.monotonic,
-                 channel: int = 0, defer_bytes: int = DEFER_BYTES) -> None:
+                 channel: int = 0, every: int = 1) -> None:
         self.rank, self.holder_rank, self.holder_peer, self.holder_host = rank, holder_rank, holder_peer, holder_host
         self.node_id, self.timeout, self._clock, self.channel = node_id, timeout, clock, channel
-        self.defer_bytes = defer_bytes  # 0: never defer
-        #: (key, chunk) -> its MIRROR that waits for the chunk's next push (DEFER_BYTES)
-        self._deferred: dict[tuple[int, int], _Sent] = {}
+        #: ps.mirror_every: a chunk's state is mirrored every this many rounds (1: each round, as its gradient
+        #: with an optimizer on the servers); a reply of round R waits until the holder has round R - every
+        self.every = every
+        #: (key, chunk) -> the newest round the holder acknowledged
+        self._acked: dict[tuple[int, int], int] = {}
         #: whether the holder can be sent to: it dials this server, and said hello (`dials`)
         self.ready = ready
         #: MIRRORs made by commits, to send before any reply of the same handling
@@ -144,13 +139,17 @@ class MirrorSender:
     def stepping(self, chunk: Chunk, grad: np.ndarray) -> None:
         """Recovery's before_step: the gradient `chunk`'s next round is about to be stepped with (copied: the
         step may overwrite it), mirrored instead of the state if the holder has the round before."""
-        self._grads[(chunk.key, chunk.chunk)] = (chunk.round + 1, grad.copy())
+        if self.every == 1:
+            self._grads[(chunk.key, chunk.chunk)] = (chunk.round + 1, grad.copy())
 
-    def committed(self, chunk: Chunk) -> None:
-        """Recovery's after_commit: `chunk`'s round is in the local file; mirror it."""
+    def committed(self, chunk: Chunk, force: bool = False) -> None:
+        """Recovery's after_commit: `chunk`'s round is in the local file; mirror it if its turn came (`every`
+        rounds since the last, a changed broadcast, its first round, or `force`)."""
         key = (chunk.key, chunk.chunk)
-        self.next_round(key)  # the holder takes a chunk's MIRRORs in order
         new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
+        made = self._made.get(key)
+        if not (force or new_bcast or made is None or chunk.round - made >= self.every):
+            return  # the workers keep their pushes since the last (worker/resend.py), to redo them from it
         if new_bcast:
             self._bcast_sent[key] = chunk.bcast_version
         stepped = self._grads.pop(key, None)
@@ -160,40 +159,22 @@ class MirrorSender:
         grad = stepped[1] if follows and not new_bcast and stepped is not None else None
         self._made[key] = chunk.round
         pieces = mirror_messages(chunk, self.node_id, new_bcast, grad)
-        nbytes = sum(piece.nbytes for piece in pieces)
-        self.bytes += nbytes
-        sent = _Sent(chunk.round, None, pieces)
-        self._sent.setdefault(key, deque()).append(sent)
-        if 0 < self.defer_bytes <= nbytes and not new_bcast:  # a broadcast's replies wait for its MIRROR
-            self._deferred[key] = sent
-        else:
-            self._send(sent)
-
-    def next_round(self, key: tuple[int, int]) -> None:
-        """A push for chunk `key` arrived (its next round begins), or it commits again: its deferred MIRROR goes."""
-        sent = self._deferred.pop(key, None) if self._deferred else None
-        if sent is not None:
-            self._send(sent)
-
-    def _send(self, sent: _Sent) -> None:
-        sent.at = self._clock()
         if self.ready:
-            self.outbox += sent.pieces
+            self.outbox += pieces
+        self.bytes += sum(piece.nbytes for piece in pieces)
+        self._sent.setdefault(key, deque()).append(_Sent(chunk.round, self._clock(), pieces))
 
     def restored(self, chunks: Sequence[Chunk]) -> None:
         """Chunks a replacement restored from its own file: mirrored again, broadcast included, as the holder
         may have missed the last commit (it takes a round it has again: the same state)."""
         for chunk in chunks:
             self._bcast_sent.pop((chunk.key, chunk.chunk), None)
-            self.committed(chunk)
+            self.committed(chunk, force=True)
 
     def hello(self) -> list[Reply]:
         """The holder dialled this server (again: it was replaced): every MIRROR it has not acknowledged."""
         self.ready = True
         self.outbox.clear()
-        for sent in self._deferred.values():
-            sent.at = self._clock()
-        self._deferred.clear()
         return [(self.holder_peer, self.channel, piece) for sent in self._sent.values() for one in sent
                 for piece in one.pieces]
 
@@ -209,25 +190,23 @@ class MirrorSender:
         self.outbox.clear()
         for reply in replies:
             key = (reply[2].key, reply[2].chunk)
-            if self._held.get(key) or self._holds(self._sent.get(key), reply[2]):
+            if self._held.get(key) or self._holds(key, reply[2]):
                 self._held.setdefault(key, []).append(reply)
             else:
                 out.append(reply)
         return out
 
-    @staticmethod
-    def _holds(waiting: deque[_Sent] | None, msg: Message) -> bool:
-        """Whether a reply waits: one of round R until the holder acknowledged every round before R (so a round a
-        worker has seen is at most one ahead of the holder, and the workers keep that round's pushes to send
+    def _holds(self, key: tuple[int, int], msg: Message) -> bool:
+        """Whether a reply waits: one of round R until the holder acknowledged round R - every (so what a worker
+        has seen is at most `every` rounds ahead of the holder, and the workers keep that many pushes to send
         again); a broadcast's until every MIRROR of the chunk is acknowledged (its round is a version)."""
-        if not waiting:
-            return False
-        return msg.kind == Kind.BCAST_REPLY or waiting[0].round < msg.round
+        if msg.kind == Kind.BCAST_REPLY:
+            return bool(self._sent.get(key))
+        return self._acked.get(key, 0) < msg.round - self.every
 
     def stop(self) -> list[Reply]:
         """No holder any more: every reply held for a mirror goes now."""
         self._sent.clear()
-        self._deferred.clear()
         self.outbox.clear()
         held = [reply for replies in self._held.values() for reply in replies]
         self._held.clear()
@@ -245,18 +224,19 @@ class MirrorSender:
                             f"mirror in flight is of round {waiting[0].round}")
         waiting.popleft()
         self.mirrored += 1
+        self._acked[key] = max(self._acked.get(key, 0), msg.round)
         if not waiting:
             del self._sent[key]
         held = self._held.pop(key, [])
         for at, reply in enumerate(held):  # in the order they were made: a later one never overtakes
-            if self._holds(waiting, reply[2]):
+            if self._holds(key, reply[2]):
                 self._held[key] = held[at:]
                 return held[:at]
         return held
 
     def overdue(self, now: float) -> str | None:
         """Why this server cannot go on (a mirror unacknowledged past the timeout), or None."""
-        oldest = min((one.at for sent in self._sent.values() for one in sent if one.at is not None), default=None)
+        oldest = min((sent[0].at for sent in self._sent.values() if sent), default=None)
         if oldest is None or now - oldest <= self.timeout:
             return None
         return (f"server {self.rank}: its replica holder {self.describe()} has not acknowledged a mirrored commit "

@@ -3,8 +3,9 @@
 A server that mirrors server R (ps/mirror.py `holders`) gets R's part of every PLAN from the scheduler
 (meta `mirrors` of its own PLAN), opens R's mirror file in its host's /dev/shm (the StateFile format,
 named `sluice-state-<tag>-mirror-<R>`), and then, per MIRROR, checks everything before it writes: the
-sender is R's primary on its own connection, the chunk is in R's plan, the round is the next one (or
-this one again: after a restart either side may send what the other already has), and the payload is
+sender is R's primary on its own connection, the chunk is in R's plan, the round is the next one (a
+state MIRROR: up to ps.mirror_every later, as it skips rounds; or this one again: after a restart either
+side may send what the other already has), and the payload is
 exactly the size the chunk and the optimizer state it names make. Anything else is refused
 (WireError: the transport counts and logs it) and the file keeps its last good round. What it took
 is acknowledged with MIRROR_ACK.
@@ -57,8 +58,10 @@ class Mirrored:
 class MirrorHolder:
     """The mirror files this server holds, by the transport name of the primary each belongs to."""
 
-    def __init__(self, tag: str, node_id: int, workers: int, directory: str = STATE_DIR, channel: int = 0) -> None:
+    def __init__(self, tag: str, node_id: int, workers: int, directory: str = STATE_DIR, channel: int = 0,
+                 every: int = 1) -> None:
         self.channel = channel  # the mirror channel (ps/mirror.py mirror_channel): acks go where MIRRORs came
+        self.every = every  # ps.mirror_every: how many rounds a state MIRROR may skip
         self.tag, self.node_id, self.workers, self.directory = tag, node_id, workers, directory
         self.primaries: dict[str, Mirrored] = {}
         self.taken = 0  # MIRRORs written
@@ -154,9 +157,9 @@ class MirrorHolder:
         """The first piece's fields, checked against the chunk's round and size; the whole state's size."""
         fields = _fields(msg, chunk)
         bits, _, optimizer, version, with_bcast, grad = fields
-        # the next round, or this one again (a restarted primary mirrors what it restored; a restarted
-        # holder gets again what it may have written but not acknowledged): the same state either way
-        if msg.round not in (chunk.round, chunk.round + 1) or version < chunk.bcast_version:
+        # the next round (a state MIRROR: up to ps.mirror_every later), or this one again (a restarted primary
+        # mirrors what it restored; a restarted holder gets again what it may have written but not acknowledged)
+        if not chunk.round <= msg.round <= chunk.round + (1 if grad else self.every) or version < chunk.bcast_version:
             raise WireError(f"a MIRROR of round {msg.round} (broadcast {version}) for server {mirrored.rank}'s "
                             f"{chunk.describe()}, which is at round {chunk.round} (broadcast {chunk.bcast_version})")
         if version > chunk.bcast_version and not with_bcast:

@@ -30,12 +30,12 @@ class MirrorLinks:
     """This server's MirrorSender (None: no server on another host) and MirrorHolder, and their connections."""
 
     def __init__(self, transport: Transport, rank: int, node_id: int, tag: str, workers: int, timeout: float,
-                 same_host: bool) -> None:
-        self.transport, self.rank, self.node_id, self.timeout = transport, rank, node_id, timeout
+                 same_host: bool, every: int = 1) -> None:
+        self.transport, self.rank, self.node_id, self.timeout, self.every = transport, rank, node_id, timeout, every
         self.same_host = same_host
         self.sender: MirrorSender | None = None
         self.channel = mirror_channel(transport.config.channels)
-        self.holder = MirrorHolder(tag, node_id, workers, channel=self.channel)
+        self.holder = MirrorHolder(tag, node_id, workers, channel=self.channel, every=every)
         #: the servers linked to this one, by transport name
         self.linked: dict[str, PeerInfo] = {}
         self.host = ""
@@ -56,7 +56,8 @@ class MirrorLinks:
             peer = servers[placed[me]]
             self.linked[peer.name] = peer
             self.sender = MirrorSender(self.rank, peer.rank, peer.name, endpoint_host(peer.endpoints), self.node_id,
-                                       self.timeout, ready=dials(self.rank, peer.rank), channel=self.channel)
+                                       self.timeout, ready=dials(self.rank, peer.rank), channel=self.channel,
+                                       every=self.every)
         for peer in self.linked.values():
             if dials(self.rank, peer.rank):
                 self.transport.connect(peer.name, peer.endpoints)

@@ -8,10 +8,11 @@ it is answered from it and not applied. A second copy of an S+1 push (one sat in
 worker re-sent it) is dropped when either copy is a RESEND. Everything else is refused as before, and
 without ps.recover the flag changes nothing: no peer can get a push applied twice with it.
 
-With ps.replicas a holder that takes over may be one round behind what workers have seen (ps/mirror.py):
-workers also replay (RESEND | REPLAY) the push they were last answered for, which is applied if its
-round is the next and otherwise dropped, never answered; and a RESEND of the round after next (from a
-worker that was ahead) is kept, copied, until its round is the next one.
+With ps.replicas a holder that takes over may be up to ps.mirror_every (`lag`) rounds behind what
+workers have seen (ps/mirror.py): workers also replay (RESEND | REPLAY) the pushes they were answered
+for since, oldest first; a replayed push is applied if its round is the next and dropped if the
+server has its round, never answered; and a RESEND of a later round (up to `lag` + 1 ahead: its
+sender was ahead of others) is kept, copied, until its round is the next one.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ EARLY = 3  # a RESEND of the round after next: keep it (keep_early) until the ro
 class Recovery:
     """A server's state file and the rules for pushes that workers send again after a restart."""
 
-    def __init__(self, state: StateFile) -> None:
+    def __init__(self, state: StateFile, lag: int = 1) -> None:
         self.state = state
+        #: how many rounds this server's state may be behind what workers have seen (ps.mirror_every, with a
+        #: mirror taken over; 1 otherwise): how far ahead a re-sent push may come
+        self.lag = lag
         #: (key, chunk) -> (round, ranks whose push of that round came as a RESEND)
         self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
         #: (key, chunk) -> the EARLY pushes kept for its next round: (ranks, connection, channel, message)
@@ -87,7 +91,7 @@ class Recovery:
         resend = msg.flags & Flag.RESEND
         if resend and (msg.round == chunk.round >= 1 or (msg.flags & Flag.REPLAY and 1 <= msg.round <= chunk.round)):
             return APPLIED
-        if resend and msg.round == chunk.round + 2:
+        if resend and chunk.round + 2 <= msg.round <= chunk.round + 1 + self.lag:
             return EARLY
         if msg.round != chunk.round + 1:
             return 0
@@ -107,7 +111,7 @@ class Recovery:
     def keep_early(self, chunk: Chunk, ranks: tuple[int, ...], peer: str, channel: int, msg: Message) -> None:
         """Keep an EARLY push (its payload copied: the transport's buffer is not ours to hold) until `due`."""
         early = self._early.setdefault((chunk.key, chunk.chunk), [])
-        twice = {rank for kept, _, _, _ in early for rank in kept}.intersection(ranks)
+        twice = {rank for kept, _, _, m in early if m.round == msg.round for rank in kept}.intersection(ranks)
         if twice:
             raise WireError(f"worker {min(twice)} sent round {msg.round} of {chunk.describe()} twice ahead of its turn")
         early.append((ranks, peer, channel, dataclasses.replace(msg, payload=memoryview(bytes(msg.payload or b"")))))
@@ -115,9 +119,12 @@ class Recovery:
     def due(self, chunk: Chunk) -> list[tuple[tuple[int, ...], str, int, Message]]:
         """The EARLY pushes of `chunk`'s next round, removed: its round before just completed."""
         early = self._early.get((chunk.key, chunk.chunk))
-        if not early or early[0][3].round != chunk.round + 1:
+        if not early:
             return []
-        return self._early.pop((chunk.key, chunk.chunk))
+        due = [one for one in early if one[3].round == chunk.round + 1]
+        if due:
+            early[:] = [one for one in early if one[3].round != chunk.round + 1]
+        return due
 
     def close(self, remove: bool = False) -> None:
         self.state.close(remove)
@@ -141,4 +148,5 @@ def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_D
         raise SluiceError("ps.recover needs the job secret (transport.curve on, or sluice launch)")
     if env.rank < 0:
         raise SluiceError("ps.recover needs each server's rank at start (SLUICE_RANK; sluice launch sets it)")
-    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, holder))
+    lag = settings.mirror_every if settings.replicas else 1
+    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, holder), lag)

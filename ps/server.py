@@ -76,9 +76,7 @@ class Server(Role):
             self.control.fail(str(exc))
             return []
         if self.mirrors is not None and self.mirrors.sender is not None:
-            if msg.kind == Kind.PUSH:  # the chunk's next round began: a MIRROR deferred for it goes now
-                self.mirrors.sender.next_round((msg.key, msg.chunk))
-            replies = self.mirrors.sender.take(replies)  # MIRRORs first; the next round's replies wait for acks
+            replies = self.mirrors.sender.take(replies)  # MIRRORs first; later rounds' replies wait for acks
         if self.trace is not None and msg.kind == Kind.PUSH:
             self.trace.pushed(msg, channel, replies)
         return replies
@@ -91,7 +89,7 @@ class Server(Role):
         if self.settings.replicas:
             self.mirrors = MirrorLinks(self.transport, self.control.rank, self.control.node_id,
                                        state_tag(self.env.secret), self.env.workers, self.settings.mirror_timeout,
-                                       self.settings.mirror_same_host)
+                                       self.settings.mirror_same_host, self.settings.mirror_every)
             try:
                 self.mirrors.place(self.control.peers)
             except SluiceError as exc:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sluice.errors import SluiceError
+from sluice.ps.config import ServerConfig
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
@@ -57,7 +58,8 @@ class Client:
         if self.job_level is not None:
             self.control.job_report = self.job_level.report
         #: ps.replicas: each chunk's last answered push, to replay to a server that takes over (I/O thread only)
-        self._answered = Answered() if node.env.section("ps").get("replicas") else None
+        ps = ServerConfig(**node.env.section("ps"))  # validated by the launcher
+        self._answered = Answered(ps.mirror_every) if ps.replicas else None
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(node.env.name)

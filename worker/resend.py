@@ -7,14 +7,16 @@ SERVER_BACK, the requests of every unanswered chunk the dead server owned go to 
 again, marked RESEND: the replacement restored the rounds it had committed (ps/snapshot.py) and
 answers a re-sent push of such a round without applying it twice.
 
-With ps.replicas the server that takes over a lost host's shard may hold its state one round behind
-what this worker was answered (ps/mirror.py), and the caller's array may have changed since: so each
-chunk's last answered push is kept, copied (`Answered`), and replayed (RESEND | REPLAY) first.
+With ps.replicas the server that takes over a lost host's shard may hold its state up to
+ps.mirror_every rounds behind what this worker was answered (ps/mirror.py), and the caller's arrays
+may have changed since: so each chunk's pushes of that many rounds are kept, copied (`Answered`), and
+replayed (RESEND | REPLAY) first, oldest first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,24 +66,25 @@ def outstanding(requests: Iterable[tuple[int, Message | None]], server: int) -> 
 
 
 class Answered:
-    """ps.replicas: each chunk's last push that was answered, with its payload copied (into a buffer kept per
-    chunk), and the server it went to."""
+    """ps.replicas: each chunk's last `depth` pushes that were answered, with their payloads copied (into buffers
+    kept per chunk and reused), and the server each went to."""
 
-    def __init__(self) -> None:
-        self._kept: dict[tuple[int, int], tuple[int, Message, np.ndarray]] = {}
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._kept: dict[tuple[int, int], deque[tuple[int, Message, np.ndarray]]] = {}
 
     def keep(self, server: int, request: Message) -> None:
-        """`request` (a PUSH) was answered: keep it in place of the chunk's older one."""
-        where = (request.key, request.chunk)
+        """`request` (a PUSH) was answered: keep it, in place of the chunk's oldest once `depth` are kept."""
         source = np.frombuffer(request.payload or b"", np.uint8) if not isinstance(request.payload, np.ndarray) \
             else request.payload.reshape(-1).view(np.uint8)
-        old = self._kept.get(where)
-        buffer = old[2] if old is not None and old[2].nbytes == source.nbytes else np.empty_like(source)
+        kept = self._kept.setdefault((request.key, request.chunk), deque())
+        oldest = kept.popleft() if len(kept) >= self.depth else None
+        buffer = oldest[2] if oldest is not None and oldest[2].nbytes == source.nbytes else np.empty_like(source)
         np.copyto(buffer, source)
-        self._kept[where] = (server, dataclasses.replace(request, payload=buffer, shm=None), buffer)
+        kept.append((server, dataclasses.replace(request, payload=buffer, shm=None), buffer))
 
     def replays(self, server: int) -> list[Message]:
-        """The kept pushes that went to `server`, marked RESEND | REPLAY (each with the settings it was sent with:
-        a replayed round is stepped as it was)."""
+        """The kept pushes that went to `server`, oldest first, marked RESEND | REPLAY (each with the settings it was
+        sent with: a replayed round is stepped as it was)."""
         return [dataclasses.replace(request, flags=(request.flags | Flag.RESEND | Flag.REPLAY) & ~Flag.WANT_REPLY)
-                for owner, request, _ in self._kept.values() if owner == server]
+                for kept in self._kept.values() for owner, request, _ in kept if owner == server]

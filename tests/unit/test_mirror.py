@@ -1,5 +1,5 @@
-"""ps.replicas: a server's commits mirrored through the wire format into another holder's file, a round's replies
-held until the round before was acknowledged, every malformed MIRROR refused, and the mirror restoring the exact state."""
+"""ps.replicas: a server's commits mirrored through the wire format into another holder's file, replies held until
+the holder has the round ps.mirror_every before, every malformed MIRROR refused, the mirror restoring the state."""
 
 from __future__ import annotations
 
@@ -30,19 +30,18 @@ def plan() -> list[Any]:
     return [[key, f"t{key}", dtype, opt, [[0, length]]] for key, (dtype, length, opt) in TENSORS.items()]
 
 
-def primary(directory: Path, defer_bytes: int = 0) -> tuple[ShardStore, MirrorSender]:
+def primary(directory: Path, every: int = 1) -> tuple[ShardStore, MirrorSender]:
     store = ShardStore(node_id=7, workers=WORKERS, sync=True)
     store.worker_ids = {10 + r: (f"w{r}", r) for r in range(WORKERS)}
     store.recovery = Recovery(StateFile.open(TAG, 0, str(directory), lock_timeout=0.2))
-    sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0,
-                          defer_bytes=defer_bytes)
+    sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0, every=every)
     store.recovery.after_commit, store.recovery.before_step = sender.committed, sender.stepping
     store.add_plan(plan())
     return store, sender
 
 
-def holder(directory: Path) -> MirrorHolder:
-    held = MirrorHolder(TAG, node_id=8, workers=WORKERS, directory=str(directory))
+def holder(directory: Path, every: int = 1) -> MirrorHolder:
+    held = MirrorHolder(TAG, node_id=8, workers=WORKERS, directory=str(directory), every=every)
     held.hold(0, PRIMARY, 7)
     held.add_plan(0, plan())
     return held
@@ -144,29 +143,39 @@ def test_replies_wait_for_the_mirror_and_the_mirror_restores_the_exact_state(tmp
 
 
 @pytest.mark.timeout(30)
-def test_a_large_mirror_waits_for_the_chunks_next_push_and_the_timeout_for_its_sending(tmp_path: Path) -> None:
+def test_every_third_round_mirrors_the_state_and_replies_wait_for_the_round_that_many_before(tmp_path: Path) -> None:
+    """ps.mirror_every = 3: the state goes at rounds 1, 4, 7 (never as a gradient); a reply of round R waits until
+    the holder acknowledged round R - 3, so a worker is never more than 3 rounds ahead of the holder's copy."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    store, sender = primary(tmp_path / "a", defer_bytes=PIECE_BYTES // 4)
-    held = holder(tmp_path / "b")
-    for key in (1, 2):  # key 1's MIRRORs are small and go at once; key 2's (Adam, 300 000 values) wait
-        sender.take(store.handle("w0", 0, push(key, 0, 1)))
-        out = sender.take(store.handle("w1", 0, push(key, 1, 1)))
-        kinds = [m.kind for _, _, m in out]
-        assert kinds == [Kind.MIRROR, Kind.REPLY, Kind.REPLY] if key == 1 else [Kind.REPLY, Kind.REPLY]
-        assert deliver([r for r in out if r[2].kind == Kind.MIRROR], held, sender)[0] == []
-    assert sender.overdue(1000.0) is None  # not sent yet: nothing to time out
-    sender.next_round((2, 0))  # what the server does as worker 0's push of round 2 arrives
-    out = sender.take(store.handle("w0", 0, push(2, 0, 2)))
-    assert [m.kind for _, _, m in out] == [Kind.MIRROR] * len(out) and len(out) > 1 and out[0][2].round == 1
-    assert sender.overdue(1000.0) is not None  # sent at 100.0, unacknowledged since
-    out += sender.take(store.handle("w1", 0, push(2, 1, 2)))
-    assert all(m.round == 1 for _, _, m in out)  # round 2's replies wait for round 1's ack, its MIRROR for round 3
-    released, _ = deliver(out, held, sender)
-    assert sorted((to, m.round) for to, _, m in released) == [("w0", 2), ("w1", 2)]
-    assert sender.overdue(1000.0) is None and held.taken == 2 and store.chunks[(2, 0)].round == 2
+    store, sender = primary(tmp_path / "a", every=3)
+    held = holder(tmp_path / "b", every=3)
+    waiting: dict[int, list[Reply]] = {1: [], 2: []}
+    for round_ in range(1, 8):
+        for key in (1, 2):
+            sender.take(store.handle("w0", 0, push(key, 0, round_)))
+            out = sender.take(store.handle("w1", 0, push(key, 1, round_)))
+            mirrors = [r for r in out if r[2].kind == Kind.MIRROR]
+            assert {m.round for _, _, m in mirrors} == ({round_} if round_ in (1, 4, 7) else set())
+            assert not any(m.meta["grad"] for _, _, m in mirrors if m.meta and "grad" in m.meta)
+            replied = sorted((to, m.round) for to, _, m in out if m.kind == Kind.REPLY)
+            if round_ in (4, 5):  # round 1's (then round 4's) MIRROR is not acknowledged yet
+                assert replied == []
+                released, _ = deliver(waiting[key], held, sender)
+                replied = sorted((to, m.round) for to, _, m in released)
+                waiting[key] = []
+            assert replied == [("w0", round_), ("w1", round_)]
+            waiting[key] += mirrors
+    assert deliver(waiting[1] + waiting[2], held, sender)[0] == [] and held.taken == 6
+    path = held.release(0)
+    assert path is not None and store.recovery is not None
+    replacement = ShardStore(node_id=7, workers=WORKERS, sync=True)
+    replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, holder="mirror"))
+    replacement.add_plan(plan(), recovering=True)
+    for key in (1, 2):
+        assert state_of(replacement.chunks[(key, 0)]) == state_of(store.chunks[(key, 0)])
     held.close()
-    assert store.recovery is not None
+    replacement.recovery.close()
     store.recovery.close()
 
 

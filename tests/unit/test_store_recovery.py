@@ -124,7 +124,7 @@ def test_a_holder_a_round_behind_redoes_it_from_replays_and_keeps_early_pushes(t
     replay, resend = Flag.RESEND | Flag.REPLAY, Flag.RESEND | Flag.WANT_REPLY
     assert store.handle("w0", 0, push(0, 3, replay)) == []
     assert store.handle("w0", 0, push(0, 4, resend)) == []  # kept: its round is not the next one yet
-    with pytest.raises(WireError, match="worker 0 sent round 4 .* twice ahead of its turn"):
+    with pytest.raises(WireError, match=r"worker 0 sent round 4 .* twice ahead of its turn"):
         store.handle("w0", 0, push(0, 4, resend))
     assert store.handle("w2", 0, push(2, 2, replay)) == []  # committed already: dropped, never answered
     assert store.handle("w1", 0, push(1, 3, replay)) == []
@@ -248,13 +248,37 @@ def test_open_recovery_refuses_what_it_cannot_recover(tmp_path: Path) -> None:
     recovery.close(remove=True)
 
 
-def test_a_worker_replays_its_last_answered_push_as_it_was_sent() -> None:
-    """worker/resend.py Answered: a copy (the caller's array changes after the reply), the newest per chunk, only
-    to the server it went to, marked RESEND | REPLAY, never asking for a reply, and through the wire intact."""
+def test_a_holder_three_rounds_behind_redoes_them_from_replays_in_any_order(tmp_path: Path) -> None:
+    """ps.mirror_every = 3: the state is at round 1; workers 0 and 1 saw round 4 (they replay 2-4 and re-send 5),
+    worker 2 saw round 3 (it replays 1-3 and re-sends 4); each worker's messages come in a burst."""
+    store = killed_at(tmp_path, 1, ADAM)
+    assert store.recovery is not None
+    store.recovery.lag = 3
+    replay, resend = Flag.RESEND | Flag.REPLAY, Flag.RESEND | Flag.WANT_REPLY
+    for rank in (0, 1):
+        for round_ in (2, 3, 4):
+            assert store.handle(f"w{rank}", 0, push(rank, round_, replay)) == []
+        assert store.handle(f"w{rank}", 0, push(rank, 5, resend)) == []
+    with pytest.raises(WireError, match="push for round 6"):
+        store.handle("w0", 0, push(0, 6, resend))  # more than ps.mirror_every + 1 ahead
+    for round_ in (1, 2, 3):
+        assert store.handle("w2", 0, push(2, round_, replay)) == []
+    assert [(peer, m.round) for peer, _, m in store.handle("w2", 0, push(2, 4, resend))] == [("w2", 4)]
+    assert sorted((peer, m.round) for peer, _, m in store.handle("w2", 0, push(2, 5))) == [
+        ("w0", 5), ("w1", 5), ("w2", 5)]
+    uninterrupted = new_store(None, ADAM)
+    run(uninterrupted, range(1, 6))
+    assert snapshot(chunk(store)) == snapshot(chunk(uninterrupted)) and store.recovery.replayed == 8
+
+
+def test_a_worker_replays_the_pushes_it_was_answered_for_as_they_were_sent() -> None:
+    """worker/resend.py Answered: copies (the caller's array changes after the reply), the newest `depth` per chunk,
+    only to the server each went to, marked RESEND | REPLAY, never asking for a reply, and through the wire intact."""
     from sluice.transport.wire import decode, encode
     from sluice.worker.resend import Answered
 
-    answered, caller = Answered(), np.array(gradient(0, 3), np.float32)
+    answered, caller = Answered(depth=2), np.array(gradient(0, 3), np.float32)
+    answered.keep(1, push(0, 1))
     answered.keep(1, push(0, 2, meta={"opt": {"name": "sgd", "lr": 0.5}}))
     answered.keep(1, Message(Kind.PUSH, sender=10, key=3, chunk=0, round=3, dtype="float32", shape=(4,),
                              flags=Flag.WANT_REPLY | Flag.LOCAL, payload=caller[:]))
@@ -262,8 +286,10 @@ def test_a_worker_replays_its_last_answered_push_as_it_was_sent() -> None:
                              payload=memoryview(np.ones(4, np.float32))))
     caller[:] = -1.0  # the next step's gradient, written into the same array
     assert answered.replays(2) == []
-    [replay] = answered.replays(1)
-    assert (replay.round, replay.meta, replay.flags) == (3, None, Flag.RESEND | Flag.REPLAY | Flag.LOCAL)
-    back = decode([bytes(memoryview(frame)) if not isinstance(frame, bytes) else frame for frame in encode(replay)])
+    second, third = answered.replays(1)
+    assert (second.round, second.flags) == (2, Flag.RESEND | Flag.REPLAY)
+    assert second.meta == {"opt": {"name": "sgd", "lr": 0.5}}  # the settings it was sent with
+    assert (third.round, third.meta, third.flags) == (3, None, Flag.RESEND | Flag.REPLAY | Flag.LOCAL)
+    back = decode([bytes(memoryview(frame)) if not isinstance(frame, bytes) else frame for frame in encode(third)])
     assert np.frombuffer(back.payload, np.float32).tolist() == np.array(gradient(0, 3), np.float32).tolist()
     assert [m.key for m in answered.replays(0)] == [4]
