@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --replicas: run the cost cases on the network-namespace testbed (root)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
                         help="--testbed: each server's and worker's link, both ways (default: %(default)s)")
+    parser.add_argument("--mirror-every", type=int, default=None, metavar="N",
+                        help="with --replicas: ps.mirror_every of the replicated jobs (default: the setting's "
+                             "default); the case names get -every-N")
     parser.add_argument("--tos-bands", action="store_true",
                         help="--testbed: the links honour the transport's ToS marks (pfifo_fast's three bands under "
                              "the shaper, as a switch that queues by DSCP): a MIRROR, on the least urgent channel, "
@@ -201,13 +204,19 @@ def train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[s
     return result
 
 
+def replicas_settings(replicas: bool, mirror_every: int | None) -> dict[str, Any]:
+    """The ps section of a --replicas job: ps.recover on, ps.replicas 1 (with `mirror_every`, if given) or 0."""
+    every = {"mirror_every": mirror_every} if replicas and mirror_every is not None else {}
+    return {"recover": True, "replicas": int(replicas), **every}
+
+
 def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, timeout: float,
-                 replicas: bool | None = None) -> tuple[list[float], int]:
+                 replicas: bool | None = None, mirror_every: int | None = None) -> tuple[list[float], int]:
     """One job: ms per step of each timed repetition, and the bytes of the servers' state files. `replicas`
     (not None): ps.recover on, and ps.replicas 1 (True, mirrored on another server of this host) or 0."""
     ps: dict[str, Any] = {"recover": recover}
     if replicas is not None:
-        ps = {"recover": True, "replicas": int(replicas), "mirror_same_host": True}
+        ps = {**replicas_settings(replicas, mirror_every), "mirror_same_host": True}
     config = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": ps}
     with LocalCluster(job.workers, job.servers, config) as cluster:
         tag = state_tag(cluster.secret)
@@ -264,7 +273,8 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
     if args.testbed:
         describe += f", every process on its own testbed host, links {args.rate_mbit:g} Mbit/s"
         describe += " with ToS bands" if args.tos_bands else ""
-    return record(prefix + case, ours, peer,
+    every = f"-every-{args.mirror_every}" if args.replicas and args.mirror_every is not None else ""
+    return record(prefix + case + every, ours, peer,
                   REPLICAS_PEER_NAME if args.replicas else PEER_NAME, "ms/step", better="lower", cost=cost,
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
                   state_mib=state / (1 << 20), parameters=parameters, description=describe, pairs=args.repeats,
@@ -318,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                      max(j.workers for j in cost_cases.values())) as bed:
 
             def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:
-                ps = {"recover": True, "replicas": int(replicas)}
-                return run_testbed_job(bed, job, ps, args.timeout), 0
+                return run_testbed_job(bed, job, replicas_settings(replicas, args.mirror_every), args.timeout), 0
 
             for case, job in cost_cases.items():
                 progress(f"{case}:")
@@ -328,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         for case, job in cost_cases.items():
             progress(f"{case}:")
             records.append(measure_cost(case, job, args, lambda job, on: run_cost_job(
-                job, on, x, y, args.timeout, on if args.replicas else None)))
+                job, on, x, y, args.timeout, on if args.replicas else None, args.mirror_every)))
     if KILL_CASE in args.cases:
         progress(f"{KILL_CASE}:")
         records.append(kill_record(KILL_CASE, args))
