@@ -148,7 +148,7 @@ class MirrorSender:
         key = (chunk.key, chunk.chunk)
         new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
         made = self._made.get(key)
-        if not (force or new_bcast or made is None or chunk.round - made >= self.every):
+        if not (force or new_bcast or made is None or self._due(key, chunk.round, made)):
             return  # the workers keep their pushes since the last (worker/resend.py), to redo them from it
         if new_bcast:
             self._bcast_sent[key] = chunk.bcast_version
@@ -163,6 +163,13 @@ class MirrorSender:
             self.outbox += pieces
         self.bytes += sum(piece.nbytes for piece in pieces)
         self._sent.setdefault(key, deque()).append(_Sent(chunk.round, self._clock(), pieces))
+
+    def _due(self, key: tuple[int, int], round_: int, made: int) -> bool:
+        """Whether a chunk last mirrored at round `made` is mirrored at `round_`: at its own phase among the rounds
+        (each chunk at a different one, so a round's commits spread their MIRRORs evenly instead of all chunks'
+        state going in the same round, which on a busy link would stall the next round), and at the latest
+        `every` rounds after the last."""
+        return round_ - made >= self.every or (round_ + key[0] * 7 + key[1]) % self.every == 0
 
     def restored(self, chunks: Sequence[Chunk]) -> None:
         """Chunks a replacement restored from its own file: mirrored again, broadcast included, as the holder

@@ -11,8 +11,9 @@ without ps.recover the flag changes nothing: no peer can get a push applied twic
 With ps.replicas a holder that takes over may be up to ps.mirror_every (`lag`) rounds behind what
 workers have seen (ps/mirror.py): workers also replay (RESEND | REPLAY) the pushes they were answered
 for since, oldest first; a replayed push is applied if its round is the next and dropped if the
-server has its round, never answered; and a RESEND of a later round (up to `lag` + 1 ahead: its
-sender was ahead of others) is kept, copied, until its round is the next one.
+server has its round, never answered; and a push of a later round (up to `lag` + 1 ahead: its
+sender was ahead of others; or a new push from a worker that was answered that far) is kept, copied,
+until its round is the next one.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ EARLY = 3  # a RESEND of the round after next: keep it (keep_early) until the ro
 class Recovery:
     """A server's state file and the rules for pushes that workers send again after a restart."""
 
-    def __init__(self, state: StateFile, lag: int = 1) -> None:
+    def __init__(self, state: StateFile, lag: int = 0) -> None:
         self.state = state
-        #: how many rounds this server's state may be behind what workers have seen (ps.mirror_every, with a
-        #: mirror taken over; 1 otherwise): how far ahead a re-sent push may come
+        #: how many rounds this server's state may be behind what workers have seen (ps.mirror_every with
+        #: ps.replicas: a holder's copy taken over; 0 without: its own file has every round any worker saw):
+        #: a push (re-sent, replayed, or new from a worker that was ahead) may come up to lag + 1 rounds ahead
         self.lag = lag
         #: (key, chunk) -> (round, ranks whose push of that round came as a RESEND)
         self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
@@ -91,7 +93,7 @@ class Recovery:
         resend = msg.flags & Flag.RESEND
         if resend and (msg.round == chunk.round >= 1 or (msg.flags & Flag.REPLAY and 1 <= msg.round <= chunk.round)):
             return APPLIED
-        if resend and chunk.round + 2 <= msg.round <= chunk.round + 1 + self.lag:
+        if chunk.round + 2 <= msg.round <= chunk.round + 1 + self.lag:
             return EARLY
         if msg.round != chunk.round + 1:
             return 0
@@ -148,5 +150,5 @@ def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_D
         raise SluiceError("ps.recover needs the job secret (transport.curve on, or sluice launch)")
     if env.rank < 0:
         raise SluiceError("ps.recover needs each server's rank at start (SLUICE_RANK; sluice launch sets it)")
-    lag = settings.mirror_every if settings.replicas else 1
+    lag = settings.mirror_every if settings.replicas else 0
     return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, holder), lag)

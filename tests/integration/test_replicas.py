@@ -92,7 +92,10 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
         bed.netbed.choke("h2", "h1")  # server 1's MIRRORs stall: replies go a round ahead of its holder's copy
         time.sleep(1.0)
         bed.lose_host("h2")
-        job.wait(60)
+        try:
+            job.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end within 60 s of the loss:\n" + "".join(lines)[-6000:])
         reader.join(10)
     finally:
         bed.restore_link("h2")

@@ -144,36 +144,43 @@ def test_replies_wait_for_the_mirror_and_the_mirror_restores_the_exact_state(tmp
 
 @pytest.mark.timeout(30)
 def test_every_third_round_mirrors_the_state_and_replies_wait_for_the_round_that_many_before(tmp_path: Path) -> None:
-    """ps.mirror_every = 3: the state goes at rounds 1, 4, 7 (never as a gradient); a reply of round R waits until
-    the holder acknowledged round R - 3, so a worker is never more than 3 rounds ahead of the holder's copy."""
+    """ps.mirror_every = 3: each chunk's state (never a gradient) at its first round, then at its own phase
+    ((round + 7 key + chunk) % 3 == 0: key 1 at 2, 5; key 2 at 4, 7) and at most 3 rounds apart; a reply of round
+    R waits until the holder acknowledged round R - 3 (MIRRORs are delivered only when a reply waits)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     store, sender = primary(tmp_path / "a", every=3)
     held = holder(tmp_path / "b", every=3)
     waiting: dict[int, list[Reply]] = {1: [], 2: []}
+    mirrored: dict[int, list[int]] = {1: [], 2: []}
+    waited: dict[int, list[int]] = {1: [], 2: []}
+    states: dict[tuple[int, int], tuple[Any, ...]] = {}
     for round_ in range(1, 8):
         for key in (1, 2):
             sender.take(store.handle("w0", 0, push(key, 0, round_)))
             out = sender.take(store.handle("w1", 0, push(key, 1, round_)))
             mirrors = [r for r in out if r[2].kind == Kind.MIRROR]
-            assert {m.round for _, _, m in mirrors} == ({round_} if round_ in (1, 4, 7) else set())
             assert not any(m.meta["grad"] for _, _, m in mirrors if m.meta and "grad" in m.meta)
+            mirrored[key] += sorted({m.round for _, _, m in mirrors})
+            waiting[key] += mirrors
             replied = sorted((to, m.round) for to, _, m in out if m.kind == Kind.REPLY)
-            if round_ in (4, 5):  # round 1's (then round 4's) MIRROR is not acknowledged yet
-                assert replied == []
+            if not replied:
+                waited[key].append(round_)
                 released, _ = deliver(waiting[key], held, sender)
                 replied = sorted((to, m.round) for to, _, m in released)
                 waiting[key] = []
             assert replied == [("w0", round_), ("w1", round_)]
-            waiting[key] += mirrors
+            states[(key, round_)] = state_of(store.chunks[(key, 0)])
+    assert mirrored == {1: [1, 2, 5], 2: [1, 4, 7]}
+    assert waited == {1: [4, 6], 2: [4]}  # round 4 waits for round 1, key 1's round 6 for 5 (its round 3 never went)
     assert deliver(waiting[1] + waiting[2], held, sender)[0] == [] and held.taken == 6
     path = held.release(0)
     assert path is not None and store.recovery is not None
     replacement = ShardStore(node_id=7, workers=WORKERS, sync=True)
     replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, holder="mirror"))
     replacement.add_plan(plan(), recovering=True)
-    for key in (1, 2):
-        assert state_of(replacement.chunks[(key, 0)]) == state_of(store.chunks[(key, 0)])
+    for key in (1, 2):  # the primary's state at the chunk's last mirrored round
+        assert state_of(replacement.chunks[(key, 0)]) == states[(key, mirrored[key][-1])]
     held.close()
     replacement.recovery.close()
     store.recovery.close()

@@ -114,13 +114,15 @@ def test_other_rounds_are_refused_as_before(tmp_path: Path) -> None:
         with pytest.raises(WireError, match=f"push for round {round_}"):
             store.handle("w0", 0, push(0, round_, Flag.WANT_REPLY | Flag.RESEND))
     with pytest.raises(WireError, match="push for round 5"):
-        store.handle("w0", 0, push(0, 5))  # only a RESEND may come a round early
+        store.handle("w0", 0, push(0, 5))  # without ps.replicas nothing comes early
 
 
 def test_a_holder_a_round_behind_redoes_it_from_replays_and_keeps_early_pushes(tmp_path: Path) -> None:
     """ps.replicas: the state (here: committed round 2) is one round behind what workers 0 and 1 saw (round 3,
     whose pushes they replay, their round 4 pushes unanswered); worker 2 never got round 3's reply."""
     store = killed_at(tmp_path, 2, SGD_MOMENTUM)
+    assert store.recovery is not None
+    store.recovery.lag = 1  # ps.mirror_every = 1
     replay, resend = Flag.RESEND | Flag.REPLAY, Flag.RESEND | Flag.WANT_REPLY
     assert store.handle("w0", 0, push(0, 3, replay)) == []
     assert store.handle("w0", 0, push(0, 4, resend)) == []  # kept: its round is not the next one yet
@@ -249,8 +251,9 @@ def test_open_recovery_refuses_what_it_cannot_recover(tmp_path: Path) -> None:
 
 
 def test_a_holder_three_rounds_behind_redoes_them_from_replays_in_any_order(tmp_path: Path) -> None:
-    """ps.mirror_every = 3: the state is at round 1; workers 0 and 1 saw round 4 (they replay 2-4 and re-send 5),
-    worker 2 saw round 3 (it replays 1-3 and re-sends 4); each worker's messages come in a burst."""
+    """ps.mirror_every = 3: the state is at round 1; workers 0 and 1 saw round 4 (they replay 2-4, then worker 0
+    re-sends 5 and worker 1 pushes 5 anew), worker 2 saw round 3 (it replays 1-3 and re-sends 4); each worker's
+    messages come in a burst."""
     store = killed_at(tmp_path, 1, ADAM)
     assert store.recovery is not None
     store.recovery.lag = 3
@@ -258,7 +261,8 @@ def test_a_holder_three_rounds_behind_redoes_them_from_replays_in_any_order(tmp_
     for rank in (0, 1):
         for round_ in (2, 3, 4):
             assert store.handle(f"w{rank}", 0, push(rank, round_, replay)) == []
-        assert store.handle(f"w{rank}", 0, push(rank, 5, resend)) == []
+        # worker 0 re-sends its unanswered push of round 5; worker 1 pushes round 5 only now (it was computing)
+        assert store.handle(f"w{rank}", 0, push(rank, 5, resend if rank == 0 else Flag.WANT_REPLY)) == []
     with pytest.raises(WireError, match="push for round 6"):
         store.handle("w0", 0, push(0, 6, resend))  # more than ps.mirror_every + 1 ahead
     for round_ in (1, 2, 3):
