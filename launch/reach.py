@@ -55,7 +55,7 @@ def stub_argv(reach: Reach, host: str, python: str, cwd: str) -> list[str]:
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--kill-on-bad-exit=1", "--quiet",
                 f"--chdir={cwd}", python, "-m", "sluice.launch.remote"]
     argv = ["ssh", "-T"]  # no terminal: stdin carries the header and then the session's life
-    for option in (*_SSH_DEFAULTS, *reach.ssh_options):
+    for option in (*reach.ssh_options, *_SSH_DEFAULTS):  # ssh takes an option's first value: the user's win
         argv += ["-o", option]
     if reach.ssh_port is not None:
         argv += ["-p", str(reach.ssh_port)]

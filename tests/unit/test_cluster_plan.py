@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import subprocess
 
 import pytest
 
@@ -14,11 +15,16 @@ from sluice.launch.remote import parse_header
 
 
 def test_ssh_command_carries_no_secret_and_keeps_the_session_alive_checks() -> None:
-    reach = Reach("ssh", 2222, "/k/id", ("UserKnownHostsFile=/k/known",))
-    assert stub_argv(reach, "node1", "/venv/bin/python", "/work dir") == [
-        "ssh", "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
-        "-o", "ServerAliveCountMax=3", "-o", "UserKnownHostsFile=/k/known", "-p", "2222", "-i", "/k/id", "node1",
-        "cd '/work dir' && exec /venv/bin/python -m sluice.launch.remote"]
+    reach = Reach("ssh", 2222, "/k/id", ("UserKnownHostsFile=/k/known", "ServerAliveInterval=1"))
+    argv = stub_argv(reach, "node1", "/venv/bin/python", "/work dir")
+    assert argv == [
+        "ssh", "-T", "-o", "UserKnownHostsFile=/k/known", "-o", "ServerAliveInterval=1", "-o", "BatchMode=yes",
+        "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-p", "2222",
+        "-i", "/k/id", "node1", "cd '/work dir' && exec /venv/bin/python -m sluice.launch.remote"]
+    # ssh takes the first value of an option: the user's --ssh-option overrides the launcher's default
+    shown = subprocess.run([argv[0], "-G", *argv[2:-2]], capture_output=True, text=True, timeout=10)
+    if shown.returncode == 0:  # ssh installed
+        assert "serveraliveinterval 1" in shown.stdout.splitlines()
 
 
 def test_srun_command_starts_one_task_on_the_named_node() -> None:
