@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.scheduler.recovery import MIRROR_EVERY
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -26,7 +28,7 @@ class ServerConfig:
     #: holder has the round this many before it, and every worker keeps (copies of) its pushes of that many
     #: rounds to replay to a server that takes over. 1: every round (with an optimizer on the servers, as the
     #: round's gradient, which the holder steps). More: fewer and cheaper mirrors, more memory on the workers
-    mirror_every: int = 4
+    mirror_every: int = MIRROR_EVERY
     #: with ps.replicas, how long a server waits for its mirror's acknowledgement before it fails (seconds)
     mirror_timeout: float = 30.0
     #: with ps.replicas, let a server on the same host hold the mirror (tests on one machine only: such a

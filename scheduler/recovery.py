@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 from sluice.scheduler.node import endpoint_host
 from sluice.transport.wire import Kind, Message
 
+#: ps.mirror_every's default (ps/config.py): here, as the workers, which keep that many pushes to replay, read
+#: the ps section without the server's settings class (worker/ may not import ps/)
+MIRROR_EVERY = 4
+
 
 def holders(hosts: Sequence[str], same_host: bool = False) -> dict[int, int]:
     """ps.replicas: server rank -> the rank of the server that mirrors its state (ps/mirror.py): the next

@@ -19,7 +19,7 @@ from sluice.scheduler.jobs_registry import Registry
 from sluice.scheduler.node import endpoint_host
 from sluice.scheduler.recovery import ServerRecovery
 from sluice.scheduler.rendezvous import Out, Rendezvous
-from sluice.scheduler.standby_watch import SchedulerWatch
+from sluice.scheduler.standby_watch import SchedulerWatch, standby_patience
 from sluice.scheduler.timeline_parts import TIMEOUT_S, Gatherer
 from sluice.transport.base import Transport, open_transport
 from sluice.transport.prometheus import Readings, serve_metrics
@@ -107,7 +107,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         for peer, msg in outs:
             transport.send(peer, 0, msg)
 
-    watch = SchedulerWatch(env.scheduler, settings.heartbeat_interval, 3 * settings.heartbeat_timeout,
+    watch = SchedulerWatch(env.scheduler, settings.heartbeat_interval, standby_patience(settings.heartbeat_timeout),
                            time.monotonic()) if standby and env.scheduler else None
     next_tick = 0.0
     try:

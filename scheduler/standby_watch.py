@@ -6,8 +6,9 @@ outlives its session (so that the loss of the launcher's host does not end the j
 would wait for ever. So while it stands by, it probes the scheduler's port each heartbeat interval
 (a TCP connect, nothing sent; the scheduler's listening socket answers for it). Once the port has
 been silent (refused or unanswered) for longer than `patience` and no node has rejoined — the nodes
-notice a silent scheduler within heartbeat_timeout and the takeover waits as long again for the
-rest — there is nothing left to take over, and the standby leaves with an error that says so.
+notice a silent scheduler within heartbeat_timeout, so `standby_patience` gives them several times
+that, and at least a minute, as a slow takeover must never find its standby gone — there is nothing
+left to take over, and the standby leaves with an error that says so.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from urllib.parse import urlsplit
+
+
+def standby_patience(heartbeat_timeout: float) -> float:
+    """How long the scheduler's port may be silent, with no node rejoining, before a standby leaves."""
+    return max(60.0, 4 * heartbeat_timeout)
 
 
 def probe(endpoint: str, timeout: float) -> bool:
@@ -42,7 +48,7 @@ class SchedulerWatch:
         if rejoined or now < self._next:
             return None
         self._next = now + self.interval
-        if self._reach(self.endpoint, min(0.5, self.interval)):
+        if self._reach(self.endpoint, min(0.2, self.interval)):
             self._heard = now
             return None
         silent = now - self._heard

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sluice.errors import SluiceError
-from sluice.ps.config import ServerConfig
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
+from sluice.scheduler.recovery import MIRROR_EVERY
 from sluice.transport.config import LOCAL_ENDPOINTS
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, meta_field
@@ -58,8 +58,8 @@ class Client:
         if self.job_level is not None:
             self.control.job_report = self.job_level.report
         #: ps.replicas: each chunk's last answered push, to replay to a server that takes over (I/O thread only)
-        ps = ServerConfig(**node.env.section("ps"))  # validated by the launcher
-        self._answered = Answered(ps.mirror_every) if ps.replicas else None
+        ps = node.env.section("ps")  # validated by the launcher (ps/config.py)
+        self._answered = Answered(int(ps.get("mirror_every", MIRROR_EVERY))) if ps.get("replicas") else None
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(node.env.name)
