@@ -21,8 +21,8 @@ class ServerConfig:
     #: with ps.recover, how long the scheduler waits for a silent server's replacement before the
     #: job fails naming it (seconds)
     recover_timeout: float = 60.0
-    #: with ps.recover, on how many other hosts each server's committed state is mirrored before the
-    #: round's replies go out (ps/mirror.py); 0: only in the server's own host's /dev/shm
+    #: with ps.recover, on how many other hosts each server's committed state is mirrored (ps/mirror.py); 0: only
+    #: in the server's own host's /dev/shm
     replicas: int = 0
     #: with ps.replicas, mirror each chunk's state every this many rounds; a round's replies wait until the
     #: holder has the round this many before it, and every worker keeps (copies of) its pushes of that many

@@ -4,17 +4,17 @@ With ps.recover each round is committed to the server's state file (ps/snapshot.
 of it exists. With ps.replicas = 1 the same committed state also goes, as a MIRROR per chunk and
 commit, to the server that mirrors this one (`holders`, from scheduler/recovery.py: the next server
 in rank order on another host), which writes it into a state file of the same format in its host's
-/dev/shm (ps/mirror_holder.py) and answers MIRROR_ACK. The round's own replies go at once, but those
-of the next round are held here until that acknowledgement arrives: a round a worker has seen is at
-most one ahead of the holder's copy, and every worker keeps the push it was last answered for such
-a server (worker/resend.py) to replay to a holder that takes over, which redoes that round from the
-same pushes, bit-identically. So the acknowledgement's round trip overlaps the next step instead of
-delaying this one. With one replica, chain replication and primary-backup are the same thing (the
-chain is primary -> holder).
+/dev/shm (ps/mirror_holder.py) and answers MIRROR_ACK. A chunk is mirrored every ps.mirror_every
+(`every`) rounds, each chunk at its own phase, and a reply of round R is held here until the holder
+acknowledged round R - every: no reply waits for its own round's MIRROR, what a worker has seen is
+at most `every` rounds ahead of the holder's copy, and every worker keeps its pushes of that many
+answered rounds (worker/resend.py) to replay to a holder that takes over, which redoes those rounds
+from the same pushes, bit-identically. With one replica, chain replication and primary-backup are
+the same thing (the chain is primary -> holder).
 
-A MIRROR carries one of two things (meta `grad`). With an optimizer on the servers, a round whose
-previous round went to the holder in this connection's order carries the round's averaged gradient
-(1x the chunk, in the optimizer's compute dtype), and the holder steps the same deterministic
+A MIRROR carries one of two things (meta `grad`). With `every` = 1 and an optimizer on the servers, a
+round whose previous round went to the holder in this connection's order carries the round's
+averaged gradient (1x the chunk, in the optimizer's compute dtype), and the holder steps the same deterministic
 optimizer (ps/store.py `step_chunk`, the settings in meta `opt`) on its own copy: bit-identical, and
 1x on the wire where the state is 2x with momentum and 3x with Adam, which on a 1 Gbit/s link is
 what a step pays for (docs/cluster.md gives the measurement). Otherwise (no optimizer: the sum is
@@ -106,7 +106,8 @@ class _Sent:
 
 
 class MirrorSender:
-    """The primary's side: a MIRROR per commit, and the replies about a chunk held until its mirror acknowledged."""
+    """The primary's side: a MIRROR every `every` commits of a chunk, and replies held until the holder has the
+    round `every` before theirs."""
 
     def __init__(self, rank: int, holder_rank: int, holder_peer: str, holder_host: str, node_id: int,
                  timeout: float, ready: bool = True, clock: Callable[[], float] = time.monotonic,
@@ -155,7 +156,7 @@ class MirrorSender:
         stepped = self._grads.pop(key, None)
         # the gradient only onto the round before it, in this MIRROR stream's order (a holder takes a stream's
         # MIRRORs in order, as one channel keeps them): else the state, which needs nothing before it
-        follows = stepped is not None and stepped[0] == chunk.round and self._made.get(key) == chunk.round - 1
+        follows = stepped is not None and stepped[0] == chunk.round and made == chunk.round - 1
         grad = stepped[1] if follows and not new_bcast and stepped is not None else None
         self._made[key] = chunk.round
         pieces = mirror_messages(chunk, self.node_id, new_bcast, grad)

@@ -93,7 +93,7 @@ class MirrorHolder:
                                                                            new.value.shape)
             if mirrored.state.restore(new):  # a restarted holder: the arrays are copies of the file's
                 held += 1
-                if new.optimizer is not None:
+                if new.optimizer is not None and self.every == 1:  # gradient MIRRORs may follow: keep them
                     _keep(new, empty)
                     continue
             _drop_arrays(new, empty)
@@ -145,7 +145,7 @@ class MirrorHolder:
                 _unpack(chunk, staged.buffer, bits, t, with_bcast)
             chunk.round, chunk.bcast_version = msg.round, version
             mirrored.state.commit(chunk)
-            if not grad and chunk.optimizer is not None:
+            if not grad and chunk.optimizer is not None and self.every == 1:
                 _keep(chunk, empty)  # the next round may come as a gradient to step these with
             elif not grad:
                 _drop_arrays(chunk, empty)

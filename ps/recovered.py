@@ -18,7 +18,6 @@ until its round is the next one.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,7 +27,7 @@ from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
 from sluice.ps.snapshot import STATE_DIR, StateFile, state_tag
 from sluice.scheduler.bootstrap import NodeEnv
-from sluice.transport.wire import Flag, Message, WireError
+from sluice.transport.wire import Flag, Message, WireError, keep_payload
 
 if TYPE_CHECKING:
     from sluice.ps.store import Chunk
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 #: what ShardStore does with a push Recovery.duplicate recognises
 APPLIED = 1  # a round already committed: answer from the value, apply nothing
 IGNORED = 2  # a second copy of a push already taken this round
-EARLY = 3  # a RESEND of the round after next: keep it (keep_early) until the round before completes
+EARLY = 3  # a push up to `lag` + 1 rounds ahead (ps.replicas): keep it (keep_early) until its round is next
 
 
 class Recovery:
@@ -52,9 +51,9 @@ class Recovery:
         self._resent: dict[tuple[int, int], tuple[int, set[int]]] = {}
         #: (key, chunk) -> the EARLY pushes kept for its next round: (ranks, connection, channel, message)
         self._early: dict[tuple[int, int], list[tuple[tuple[int, ...], str, int, Message]]] = {}
-        #: replayed pushes taken: rounds this server redid because its state was a round behind (ps.replicas)
+        #: replayed pushes taken: of rounds this server redid, its state having been behind (ps.replicas)
         self.replayed = 0
-        #: ps.replicas: told each commit, to mirror it before the round's replies go (ps/mirror.py)
+        #: ps.replicas: told each commit, which it mirrors when the chunk's turn comes (ps/mirror.py)
         self.after_commit: Callable[[Chunk], None] | None = None
         #: ps.replicas: told each round's averaged gradient just before the optimizer steps with it
         self.before_step: Callable[[Chunk, np.ndarray], None] | None = None
@@ -116,7 +115,7 @@ class Recovery:
         twice = {rank for kept, _, _, m in early if m.round == msg.round for rank in kept}.intersection(ranks)
         if twice:
             raise WireError(f"worker {min(twice)} sent round {msg.round} of {chunk.describe()} twice ahead of its turn")
-        early.append((ranks, peer, channel, dataclasses.replace(msg, payload=memoryview(bytes(msg.payload or b"")))))
+        early.append((ranks, peer, channel, keep_payload(msg)))
 
     def due(self, chunk: Chunk) -> list[tuple[tuple[int, ...], str, int, Message]]:
         """The EARLY pushes of `chunk`'s next round, removed: its round before just completed."""

@@ -18,7 +18,7 @@ from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.timeline_parts import send_part
 from sluice.transport.prometheus import Readings, retried
 from sluice.transport.timeline import TimelineConfig, part_path
-from sluice.transport.wire import Kind, Message, WireError, meta_field
+from sluice.transport.wire import Kind, Message, WireError, keep_payload, meta_field
 
 #: the messages between a server and the servers it mirrors to or for (ps/mirror_links.py)
 MIRROR_KINDS = (Kind.MIRROR, Kind.MIRROR_ACK)
@@ -67,9 +67,7 @@ class Server(Role):
             if self.early_mirrors is not None and msg.kind in MIRROR_KINDS:
                 if len(self.early_mirrors) >= EARLY_MIRRORS:
                     raise WireError(f"more than {EARLY_MIRRORS} mirror messages before this server was welcomed")
-                if msg.payload is not None:  # a shared-memory payload is reused once this returns
-                    msg.payload = memoryview(bytes(msg.payload))
-                self.early_mirrors.append((peer, msg))
+                self.early_mirrors.append((peer, keep_payload(msg)))
                 return []
             replies = self.store.handle(peer, channel, msg, now)
         except SluiceError as exc:  # the state file could not take a commit: this server cannot go on safely

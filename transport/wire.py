@@ -168,7 +168,7 @@ class Flag:
     #: the server already committed is answered, not applied twice
     RESEND = 8
     #: with RESEND: a push the worker was already answered for, replayed to a server that took over from a
-    #: holder of its state one round behind (ps.replicas): applied if its round is the next, never answered
+    #: holder of its state rounds behind (ps.replicas): applied if its round is the next, never answered
     REPLAY = 16
 
 
@@ -200,6 +200,14 @@ class Message:
         if self.shm is not None:
             return self.shm[2]
         return 0 if self.payload is None else memoryview(self.payload).nbytes
+
+
+def keep_payload(msg: Message) -> Message:
+    """`msg`, in place, with a payload of its own: to keep it past its handler, as a received payload may be a
+    buffer (shared memory, the transport's) that is reused once the handler returns."""
+    if msg.payload is not None:
+        msg.payload = memoryview(bytes(msg.payload))
+    return msg
 
 
 def encode(msg: Message) -> list[Any]:

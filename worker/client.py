@@ -57,7 +57,8 @@ class Client:
             raise SluiceError(str(exc)) from None
         if self.job_level is not None:
             self.control.job_report = self.job_level.report
-        #: ps.replicas: each chunk's last answered push, to replay to a server that takes over (I/O thread only)
+        #: ps.replicas: each chunk's pushes of its last mirror_every answered rounds, to replay to a server that
+        #: takes over (I/O thread only)
         ps = node.env.section("ps")  # validated by the launcher (ps/config.py)
         self._answered = Answered(int(ps.get("mirror_every", MIRROR_EVERY))) if ps.get("replicas") else None
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
@@ -367,7 +368,7 @@ class Client:
         with self._lock:
             requests = outstanding(self._pending.requests(), back.rank)
             again = [(by_key[r.key], resent(r, by_key[r.key].opt_sent)) for r in requests if r.key in by_key]
-            replays = [] if self._answered is None else [  # first: the replacement may be a round behind
+            replays = [] if self._answered is None else [  # first: the replacement may be rounds behind
                 (by_key[r.key], r) for r in self._answered.replays(back.rank) if r.key in by_key]
             for tensor in by_key.values():  # its next push tells the replacement the live settings again
                 if any(server == back.rank for _, _, _, server in tensor.chunks):

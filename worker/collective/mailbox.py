@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from sluice.transport.wire import Message
+from sluice.transport.wire import Message, keep_payload
 
 Receiver = Callable[[str, Message], None]
 
@@ -31,10 +31,8 @@ class Mailbox:
             if self._target is not None:
                 self._target(peer, msg)
             elif len(self._kept) < self._limit and self._bytes + msg.nbytes <= self._limit_bytes:
-                if msg.payload is not None:
-                    msg.payload = memoryview(bytes(msg.payload))
                 self._bytes += msg.nbytes
-                self._kept.append((peer, msg))
+                self._kept.append((peer, keep_payload(msg)))
             else:
                 self._refuse(peer, f"dropped {msg.kind.name} from {peer!r:.60}: {len(self._kept)} messages "
                                    f"({self._bytes} bytes) are already kept for a receiver that has not started")
