@@ -25,6 +25,7 @@ from bench.recovery_kill import kill_record
 from bench.recovery_testbed import run_testbed_job, testbed
 from bench.train_throughput import demo, timed_repeats, worker_batches
 from sluice.ps.snapshot import STATE_DIR, remove_state_files, state_tag
+from sluice.scheduler.recovery import chosen_mirror_every
 from testbed.cluster import LocalCluster
 from testbed.netbed import ready_for
 
@@ -115,8 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
                         help="--testbed: each server's and worker's link, both ways (default: %(default)s)")
     parser.add_argument("--mirror-every", type=int, default=None, metavar="N",
-                        help="with --replicas: ps.mirror_every of the replicated jobs (default: the setting's "
-                             "default); the case names get -every-N")
+                        help="with --replicas: ps.mirror_every of the replicated jobs (default: what sluice launch "
+                             "chooses for the case's worker count); the case names get -every-N")
     parser.add_argument("--tos-bands", action="store_true",
                         help="--testbed: the links honour the transport's ToS marks (pfifo_fast's three bands under "
                              "the shaper, as a switch that queues by DSCP): a MIRROR, on the least urgent channel, "
@@ -204,10 +205,11 @@ def train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[s
     return result
 
 
-def replicas_settings(replicas: bool, mirror_every: int | None) -> dict[str, Any]:
-    """The ps section of a --replicas job: ps.recover on, ps.replicas 1 (with `mirror_every`, if given) or 0."""
-    every = {"mirror_every": mirror_every} if replicas and mirror_every is not None else {}
-    return {"recover": True, "replicas": int(replicas), **every}
+def replicas_settings(replicas: bool, mirror_every: int | None, workers: int) -> dict[str, Any]:
+    """The ps section of a --replicas job: ps.recover on, ps.replicas 1 (with `mirror_every`, if given, else what
+    sluice launch chooses for `workers`) or 0."""
+    every = mirror_every if mirror_every is not None else chosen_mirror_every(workers)
+    return {"recover": True, "replicas": int(replicas), **({"mirror_every": every} if replicas else {})}
 
 
 def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, timeout: float,
@@ -216,7 +218,7 @@ def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, time
     (not None): ps.recover on, and ps.replicas 1 (True, mirrored on another server of this host) or 0."""
     ps: dict[str, Any] = {"recover": recover}
     if replicas is not None:
-        ps = {**replicas_settings(replicas, mirror_every), "mirror_same_host": True}
+        ps = {**replicas_settings(replicas, mirror_every, job.workers), "mirror_same_host": True}
     config = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": ps}
     with LocalCluster(job.workers, job.servers, config) as cluster:
         tag = state_tag(cluster.secret)
@@ -278,7 +280,9 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
                   REPLICAS_PEER_NAME if args.replicas else PEER_NAME, "ms/step", better="lower", cost=cost,
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
                   state_mib=state / (1 << 20), parameters=parameters, description=describe, pairs=args.repeats,
-                  repetitions_per_job=args.inner, samples=len(on), **asdict(job))
+                  repetitions_per_job=args.inner, samples=len(on), **asdict(job),
+                  **({"mirror_every": replicas_settings(True, args.mirror_every, job.workers)["mirror_every"]}
+                     if args.replicas else {}))
 
 
 # ---------------------------------------------------------------------------- driver
@@ -328,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                      max(j.workers for j in cost_cases.values())) as bed:
 
             def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:
-                return run_testbed_job(bed, job, replicas_settings(replicas, args.mirror_every), args.timeout), 0
+                return run_testbed_job(bed, job, replicas_settings(replicas, args.mirror_every, job.workers),
+                                        args.timeout), 0
 
             for case, job in cost_cases.items():
                 progress(f"{case}:")

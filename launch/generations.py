@@ -208,6 +208,8 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
     """Run generation after generation until one ends the job; the launcher's exit code."""
     directory, generation, restarts = state_dir(), 0, 0
     os.mkdir(directory, 0o700)
+    print(f"[launch] --elastic: the workers' committed state in {directory} on each host (removed at the end)",
+          flush=True)
     if elastic.in_place:  # the survivors of a lost worker find the scheduler again where it was
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=free_port()))
     try:

@@ -133,6 +133,11 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
             return error(str(exc))
     elif args.min_workers or args.max_workers or getattr(args, "in_place", False):
         return error("--min-workers, --max-workers (--min-np, --max-np) and --in-place need --elastic")
+    from sluice.launch.takeover import with_replicas
+
+    config, chosen = with_replicas(config, plan, args.aggregators, elastic is not None, workers)
+    if chosen:
+        print(f"[launch] {chosen}", flush=True)
     try:
         code = run_job(config, workers, servers, command, grace=args.grace,
                        ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan,

@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sluice.launch.children import SSH_FAILED, Child
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
-from sluice.scheduler.recovery import holders
+from sluice.scheduler.recovery import chosen_mirror_every, holders
+
+
+def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, aggregators: int, elastic: bool,
+                  workers: int) -> tuple[SluiceConfig, str]:
+    """ps.replicas and ps.mirror_every as the job's processes get them, and a line saying what was chosen
+    ("" when nothing was). Left at -1, replicas become 1 (with ps.recover) when the job's servers run on
+    several hosts and recovery can run (ps.sync, no aggregators, not --elastic, which restarts every
+    process anyway); a mirror_every left at 0 is chosen from the worker count (scheduler/recovery.py)."""
+    ps, said = config.ps, ""
+    if ps.replicas == -1:
+        hosts = {p.host for p in plan.layout.processes if p.role == "server"} if plan is not None else set()
+        why_not = ("the servers run on one host" if len(hosts) < 2 else "aggregators (-a) are not covered"
+                   if aggregators else "ps.sync = false is not covered" if not ps.sync else
+                   "--elastic restarts every process of a generation" if elastic else "")
+        ps = replace(ps, replicas=0 if why_not else 1, recover=ps.recover or not why_not)
+        if plan is not None and any(plan.is_remote(p.host) for p in plan.layout.processes):
+            said = (f"ps.replicas: off ({why_not})" if why_not else
+                    f"ps.replicas: each server's committed state is mirrored on another host (its servers span "
+                    f"{len(hosts)} hosts): a lost server host costs nothing; --set ps.replicas=0 turns this off")
+    if ps.mirror_every == 0:
+        ps = replace(ps, mirror_every=chosen_mirror_every(workers))
+        if ps.mirrored:
+            said += ("; " if said else "ps.replicas: ") + (
+                f"ps.mirror_every = {ps.mirror_every} (from {workers} workers: each keeps that many copies of its "
+                "gradients to replay)")
+    return replace(config, ps=ps), said
 
 
 class Takeovers:
@@ -26,7 +54,7 @@ class Takeovers:
         host is reported as its signal or status instead) and ps.replicas keeps its state on another host:
         that host, now its own. None: restart it where it was, as without replicas."""
         plan = self.plan
-        if (not self.config.ps.replicas or plan is None or dead.role != "server" or dead.via != "ssh"
+        if (not self.config.ps.mirrored or plan is None or dead.role != "server" or dead.via != "ssh"
                 or dead.returncode != SSH_FAILED):
             return None
         hosts = [self.moved.get(r) or plan.place("server", r).host for r in range(self.servers)]

@@ -149,5 +149,5 @@ def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_D
         raise SluiceError("ps.recover needs the job secret (transport.curve on, or sluice launch)")
     if env.rank < 0:
         raise SluiceError("ps.recover needs each server's rank at start (SLUICE_RANK; sluice launch sets it)")
-    lag = settings.mirror_every if settings.replicas else 0
+    lag = settings.mirror_rounds if settings.mirrored else 0
     return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, holder), lag)

@@ -34,7 +34,7 @@ class Server(Role):
         self.settings = ServerConfig(**env.section("ps"))
         #: ps.replicas: started on the host that held its mirror, its own host lost (the file is opened at the
         #: first PLAN: its holder unlocks it once the scheduler saw this server register)
-        self.takeover = self.settings.replicas > 0 and os.environ.get(ENV_TAKEOVER) == "1"
+        self.takeover = self.settings.mirrored and os.environ.get(ENV_TAKEOVER) == "1"
         # before the transport: a live server holding the state file is refused with nothing to undo
         recovery = open_recovery(env, self.settings) if self.settings.recover and not self.takeover else None
         try:
@@ -50,7 +50,7 @@ class Server(Role):
         self.mirrors: MirrorLinks | None = None
         #: ps.replicas, until the welcome: what a linked server sent first (welcomed first, it dialled and said
         #: hello at once; refused, the hello would be lost and no MIRROR ever sent), handled at the welcome
-        self.early_mirrors: list[tuple[str, Message]] | None = [] if self.settings.replicas else None
+        self.early_mirrors: list[tuple[str, Message]] | None = [] if self.settings.mirrored else None
         timeline = TimelineConfig(**env.section("timeline"))
         self.timeline_part = part_path(timeline.path, "server", env.rank) if timeline.path else None
         self.trace = ServerTrace(str(self.timeline_part), "server", env.rank,
@@ -84,10 +84,10 @@ class Server(Role):
         self.store.node_id = self.control.node_id
         self.store.worker_ids = {p.node_id: (p.name, p.rank) for p in self.control.peers if p.role == "worker"}
         self.store.aggregator_ids = {p.node_id: p.name for p in self.control.peers if p.role == "aggregator"}
-        if self.settings.replicas:
+        if self.settings.mirrored:
             self.mirrors = MirrorLinks(self.transport, self.control.rank, self.control.node_id,
                                        state_tag(self.env.secret), self.env.workers, self.settings.mirror_timeout,
-                                       self.settings.mirror_same_host, self.settings.mirror_every)
+                                       self.settings.mirror_same_host, self.settings.mirror_rounds)
             try:
                 self.mirrors.place(self.control.peers)
             except SluiceError as exc:

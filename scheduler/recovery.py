@@ -13,15 +13,33 @@ before it fails naming it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sluice.scheduler.node import endpoint_host
 from sluice.transport.wire import Kind, Message
 
-#: ps.mirror_every's default (ps/config.py): here, as the workers, which keep that many pushes to replay, read
-#: the ps section without the server's settings class (worker/ may not import ps/)
+#: ps.mirror_every when it is left at 0 and no launcher chose it (ps/config.py): here, as the workers, which keep
+#: that many pushes to replay, read the ps section without the server's settings class (worker/ may not import ps/)
 MIRROR_EVERY = 4
+#: the most rounds between a chunk's mirrors that `sluice launch` chooses: each worker keeps that many copies
+#: of its gradients in host memory
+MIRROR_EVERY_CHOSEN_MAX = 16
+
+
+def mirror_rounds(mirror_every: int) -> int:
+    """ps.mirror_every as the processes use it: 0 (not chosen by a launcher) means MIRROR_EVERY."""
+    return mirror_every if mirror_every > 0 else MIRROR_EVERY
+
+
+def chosen_mirror_every(workers: int) -> int:
+    """ps.mirror_every for a job of `workers` when left at 0: the fewest rounds between a chunk's mirrors whose
+    bytes stay within 10% of what a server's link carries anyway. Per round a server's link carries W pushes
+    and W replies of its shard; mirroring Adam's state (3x the shard: value, m, v) every N rounds adds 3/N of
+    it, so N >= 30 / W. At least MIRROR_EVERY (each MIRROR is also a message each way: small shards pay for
+    messages, not bytes), at most MIRROR_EVERY_CHOSEN_MAX (the workers' copies)."""
+    return min(MIRROR_EVERY_CHOSEN_MAX, max(MIRROR_EVERY, math.ceil(30 / max(workers, 1))))
 
 
 def holders(hosts: Sequence[str], same_host: bool = False) -> dict[int, int]:

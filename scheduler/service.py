@@ -65,7 +65,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         env.workers, env.servers, data_settings.chunk_bytes, settings, env.fingerprint(), time.monotonic(),
         inflight_bytes=data_settings.inflight_bytes, aggregators=env.aggregators,
         recovery=ServerRecovery(bool(ps_section.get("recover", False)), float(ps_section.get("recover_timeout", 60)),
-                                replicas=int(ps_section.get("replicas", 0)),
+                                replicas=max(0, int(ps_section.get("replicas", 0))),
                                 same_host=bool(ps_section.get("mirror_same_host", False))),
         standby=standby,
     )

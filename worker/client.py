@@ -24,7 +24,7 @@ from sluice.scheduler.calibration import Limits
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
-from sluice.scheduler.recovery import MIRROR_EVERY
+from sluice.scheduler.recovery import mirror_rounds
 from sluice.transport.config import LOCAL_ENDPOINTS
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, meta_field
@@ -60,7 +60,8 @@ class Client:
         #: ps.replicas: each chunk's pushes of its last mirror_every answered rounds, to replay to a server that
         #: takes over (I/O thread only)
         ps = node.env.section("ps")  # validated by the launcher (ps/config.py)
-        self._answered = Answered(int(ps.get("mirror_every", MIRROR_EVERY))) if ps.get("replicas") else None
+        replicated = int(ps.get("replicas", 0)) > 0
+        self._answered = Answered(mirror_rounds(int(ps.get("mirror_every", 0)))) if replicated else None
         #: which aggregation tree each chunk of each round takes (worker/routing.py), and the pushes of rounds
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(node.env.name)

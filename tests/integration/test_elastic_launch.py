@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.elastic_dirs import assert_state_dir_removed
 from tests.integration.script_workers import script_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def test_elastic_job_that_loses_a_worker_ends_as_one_with_a_worker_fewer(tmp_pat
     assert [(s["generation"], s["size"], s["step"]) for s in starts if s["generation"] == 1] == [(1, 2, 11)] * 2
     assert [r["size"] for r in results] == [2, 2] and results[0]["params"] == results[1]["params"]
     assert results[0]["params"] == _reference(tmp_path, 3, 2, 11, 20, servers)
-    assert not list(Path("/dev/shm").glob("sluice-elastic-*")), "the committed state outlived the job"
+    assert_state_dir_removed(output)
 
 
 @pytest.mark.timeout(300)
@@ -84,7 +85,7 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     assert then[0] == first[0] and then[1] == first[1] and then[2] != first[2]  # the survivors kept their process
     assert [r["size"] for r in results] == [3, 3, 3] and results[0]["params"] == results[2]["params"]
     assert results[0]["params"] == _reference(tmp_path, 3, 3, 11, 20, servers)
-    assert not list(Path("/dev/shm").glob("sluice-elastic-*")), "the committed state outlived the job"
+    assert_state_dir_removed(output)
 
 
 def _said(output: str, what: str) -> list[dict[str, Any]]:

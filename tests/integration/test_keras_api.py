@@ -17,6 +17,7 @@ import pytest
 
 from testbed.cluster import LocalCluster
 from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
+from tests.integration.elastic_dirs import assert_state_dir_removed
 from tests.integration.keras_api_jobs import keras_names
 
 # the `tensorflow` extra; TF is imported by the workers only, so that no TF runtime state is ever forked
@@ -96,4 +97,4 @@ def test_elastic_keras_job_loses_a_worker_and_goes_on_from_its_last_commit() -> 
         _close(start["lr"], 0.1)
     assert [(r["size"], r["epoch"], r["batch"]) for r in results] == [(2, 3, 0)] * 2
     assert results[0]["digest"] == results[1]["digest"]
-    assert not list(Path("/dev/shm").glob("sluice-elastic-*")), "the committed state outlived the job"
+    assert_state_dir_removed(output)

@@ -68,7 +68,9 @@ def _reference(optimizer_on: str, optimizer: str) -> list[float]:
 def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: SshBed, case: str) -> None:
     optimizer_on, optimizer = CASES[case]
     launcher, h1, h2 = (bed.netbed.hosts[name].address for name in ("launcher", "h1", "h2"))
-    sets = ["collective.mode=ps", "ps.recover=true", "ps.replicas=1", f"worker.optimizer_on={optimizer_on}",
+    # the optimizer-on-workers job takes ps.replicas from the launcher's default: on, as the servers span 2 hosts
+    asked = [] if optimizer_on == "worker" else ["ps.recover=true", "ps.replicas=1"]
+    sets = ["collective.mode=ps", *asked, f"worker.optimizer_on={optimizer_on}",
             "transport.chunk_bytes=4096", "transport.inflight_bytes=16777216", "worker.metrics_every=10",
             "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3"]
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H",
@@ -103,6 +105,9 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
             job.kill()
     out = "".join(lines)
     assert job.returncode == 0, out[-6000:]
+    default = ("[launch] ps.replicas: each server's committed state is mirrored on another host (its servers span 2 "
+               "hosts)")
+    assert (default in out) == (not asked) and "ps.mirror_every = 15 (from 2 workers" in out, out[:3000]
     assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
     assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
     assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]

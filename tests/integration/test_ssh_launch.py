@@ -28,6 +28,7 @@ from testbed.netbed import NetbedUnavailable
 from testbed.qdisc import shape
 from testbed.ssh import ROOT, SshBed, ssh_bed
 from tests.integration.cluster_reference import cluster_train_params
+from tests.integration.elastic_dirs import assert_state_dir_removed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 #: what a role started over ssh looks like in `ps` on its host
@@ -250,7 +251,6 @@ def test_ssh_recovery_restarts_a_killed_server_on_its_host(bed: SshBed) -> None:
 @pytest.mark.timeout(240)
 def test_ssh_elastic_job_drops_a_worker_of_another_host(bed: SshBed) -> None:
     h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
-    started = time.time()
     done = bed.launch(["-H", f"{h1}:2,{h2}:1", "-s", "1", "--elastic", "--min-workers", "2", "--", sys.executable,
                        "tests/integration/scripts/elastic_train.py", "--steps", "12", "--die-at", "5",
                        "--die-rank", "2"], timeout=200)
@@ -260,8 +260,7 @@ def test_ssh_elastic_job_drops_a_worker_of_another_host(bed: SshBed) -> None:
     sizes = [json.loads(m.group(1))["size"] for m in re.finditer(r"ELASTIC_RESULT (.*)$", done.stdout, re.M)]
     assert sizes == [2, 2]
     _nothing_left(bed)
-    left = [p for p in Path("/dev/shm").glob("sluice-elastic-*") if p.stat().st_mtime >= started]
-    assert not left, f"the committed state outlived the job: {left}"
+    assert_state_dir_removed(done.stdout)
 
 
 @pytest.mark.timeout(150)
