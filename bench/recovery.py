@@ -118,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mirror-every", type=int, default=None, metavar="N",
                         help="with --replicas: ps.mirror_every of the replicated jobs (default: what sluice launch "
                              "chooses for the case's worker count); the case names get -every-N")
+    parser.add_argument("--peer-off", action="store_true",
+                        help="with --replicas: the peer runs with ps.recover off too (what `sluice launch` chose "
+                             "before replicas became its default for jobs whose servers span hosts); case names "
+                             "get -vs-off")
     parser.add_argument("--tos-bands", action="store_true",
                         help="--testbed: the links honour the transport's ToS marks (pfifo_fast's three bands under "
                              "the shaper, as a switch that queues by DSCP): a MIRROR, on the least urgent channel, "
@@ -137,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cases = [c for c in CASES if c in (args.cases or (COST_CASES if args.replicas else CASES))]
     if args.testbed and not args.replicas:
         parser.error("--testbed measures ps.replicas: give --replicas too")
+    if args.peer_off and not args.testbed:
+        parser.error("--peer-off is a --testbed comparison: give --replicas --testbed too")
     if args.replicas and KILL_CASE in args.cases:
         parser.error(f"--replicas compares the cost cases only: leave {KILL_CASE} out of --cases")
     return args
@@ -205,11 +211,12 @@ def train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[s
     return result
 
 
-def replicas_settings(replicas: bool, mirror_every: int | None, workers: int) -> dict[str, Any]:
+def replicas_settings(replicas: bool, mirror_every: int | None, workers: int, peer_off: bool = False) -> dict[str, Any]:
     """The ps section of a --replicas job: ps.recover on, ps.replicas 1 (with `mirror_every`, if given, else what
-    sluice launch chooses for `workers`) or 0."""
+    sluice launch chooses for `workers`) or 0 (`peer_off`: with ps.recover off too)."""
     every = mirror_every if mirror_every is not None else chosen_mirror_every(workers)
-    return {"recover": True, "replicas": int(replicas), **({"mirror_every": every} if replicas else {})}
+    return {"recover": replicas or not peer_off, "replicas": int(replicas),
+            **({"mirror_every": every} if replicas else {})}
 
 
 def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, timeout: float,
@@ -276,8 +283,10 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
         describe += f", every process on its own testbed host, links {args.rate_mbit:g} Mbit/s"
         describe += " with ToS bands" if args.tos_bands else ""
     every = f"-every-{args.mirror_every}" if args.replicas and args.mirror_every is not None else ""
+    every += "-vs-off" if args.replicas and args.peer_off else ""
     return record(prefix + case + every, ours, peer,
-                  REPLICAS_PEER_NAME if args.replicas else PEER_NAME, "ms/step", better="lower", cost=cost,
+                  (PEER_NAME if args.peer_off else REPLICAS_PEER_NAME) if args.replicas else PEER_NAME, "ms/step",
+                  better="lower", cost=cost,
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
                   state_mib=state / (1 << 20), parameters=parameters, description=describe, pairs=args.repeats,
                   repetitions_per_job=args.inner, samples=len(on), **asdict(job),
@@ -332,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                      max(j.workers for j in cost_cases.values())) as bed:
 
             def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:
-                return run_testbed_job(bed, job, replicas_settings(replicas, args.mirror_every, job.workers),
-                                        args.timeout), 0
+                settings = replicas_settings(replicas, args.mirror_every, job.workers, args.peer_off)
+                return run_testbed_job(bed, job, settings, args.timeout), 0
 
             for case, job in cost_cases.items():
                 progress(f"{case}:")

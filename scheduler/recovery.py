@@ -35,11 +35,12 @@ def mirror_rounds(mirror_every: int) -> int:
 
 def chosen_mirror_every(workers: int) -> int:
     """ps.mirror_every for a job of `workers` when left at 0: the fewest rounds between a chunk's mirrors whose
-    bytes stay within 10% of what a server's link carries anyway. Per round a server's link carries W pushes
-    and W replies of its shard; mirroring Adam's state (3x the shard: value, m, v) every N rounds adds 3/N of
-    it, so N >= 30 / W. At least MIRROR_EVERY (each MIRROR is also a message each way: small shards pay for
-    messages, not bytes), at most MIRROR_EVERY_CHOSEN_MAX (the workers' copies)."""
-    return min(MIRROR_EVERY_CHOSEN_MAX, max(MIRROR_EVERY, math.ceil(30 / max(workers, 1))))
+    bytes stay within 7.5% of what a server's link carries anyway (the rest of a 10% budget is the messages'
+    own cost). Per round a server's link carries W pushes and W replies of its shard; mirroring Adam's state
+    (3x the shard: value, m, v) every N rounds adds 3/N of it, so N >= 40 / W (N = 30 / W measured +10% on a
+    job the links bound). At least MIRROR_EVERY (each MIRROR is also a message each way: small shards pay
+    for messages, not bytes), at most MIRROR_EVERY_CHOSEN_MAX (the workers' copies)."""
+    return min(MIRROR_EVERY_CHOSEN_MAX, max(MIRROR_EVERY, math.ceil(40 / max(workers, 1))))
 
 
 def holders(hosts: Sequence[str], same_host: bool = False) -> dict[int, int]:

@@ -107,7 +107,7 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     assert job.returncode == 0, out[-6000:]
     default = ("[launch] ps.replicas: each server's committed state is mirrored on another host (its servers span 2 "
                "hosts)")
-    assert (default in out) == (not asked) and "ps.mirror_every = 15 (from 2 workers" in out, out[:3000]
+    assert (default in out) == (not asked) and "ps.mirror_every = 16 (from 2 workers" in out, out[:3000]
     assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
     assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
     assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]

@@ -99,9 +99,9 @@ def test_under_srun_every_role_goes_through_slurm() -> None:
     assert plan.launcher_address == "127.0.0.1"
 
 
-@pytest.mark.parametrize(("workers", "every"), [(1, 16), (2, 15), (3, 10), (4, 8), (6, 5), (7, 5), (8, 4), (64, 4)])
+@pytest.mark.parametrize(("workers", "every"), [(1, 16), (2, 16), (3, 14), (4, 10), (6, 7), (8, 5), (10, 4), (64, 4)])
 def test_mirror_every_is_chosen_from_the_worker_count(workers: int, every: int) -> None:
-    assert chosen_mirror_every(workers) == every  # ceil(30 / W), 4..16
+    assert chosen_mirror_every(workers) == every  # ceil(40 / W), 4..16
 
 
 def _replicas(hosts: list[Host], sets: list[str], servers: int = 2, aggregators: int = 0,
@@ -115,17 +115,17 @@ def _replicas(hosts: list[Host], sets: list[str], servers: int = 2, aggregators:
 def test_replicas_are_chosen_when_the_servers_span_hosts_and_recovery_can_run() -> None:
     two = [Host("127.0.0.1", 2), Host("192.0.2.10", 2)]
     on = _replicas(two, [])
-    assert on[:3] == (1, True, 8) and on[3].startswith("ps.replicas: each server's committed state is mirrored on "
+    assert on[:3] == (1, True, 10) and on[3].startswith("ps.replicas: each server's committed state is mirrored on "
                                                         "another host (its servers span 2 hosts)"), on
-    assert on[3].endswith("ps.mirror_every = 8 (from 4 workers: each keeps that many copies of its gradients to "
+    assert on[3].endswith("ps.mirror_every = 10 (from 4 workers: each keeps that many copies of its gradients to "
                           "replay)")
-    assert _replicas(two, [], servers=1) == (0, False, 8, "ps.replicas: off (the servers run on one host)")
-    assert _replicas(two, [], aggregators=1)[:3] == (0, False, 8)
+    assert _replicas(two, [], servers=1) == (0, False, 10, "ps.replicas: off (the servers run on one host)")
+    assert _replicas(two, [], aggregators=1)[:3] == (0, False, 10)
     assert _replicas(two, ["ps.sync=false"])[3] == "ps.replicas: off (ps.sync = false is not covered)"
     assert _replicas(two, [], elastic=True)[3] == ("ps.replicas: off (--elastic restarts every process of a "
                                                    "generation)")
-    assert _replicas(two, ["ps.replicas=0"]) == (0, False, 8, "")  # said so: nothing to say
+    assert _replicas(two, ["ps.replicas=0"]) == (0, False, 10, "")  # said so: nothing to say
     assert _replicas(two, ["ps.recover=true", "ps.replicas=1", "ps.mirror_every=3"]) == (1, True, 3, "")
     assert _replicas(two, ["ps.recover=true", "ps.replicas=1"])[3] == (
-        "ps.replicas: ps.mirror_every = 8 (from 4 workers: each keeps that many copies of its gradients to replay)")
-    assert _replicas([Host("127.0.0.1", 4)], [], servers=2) == (0, False, 8, "")  # one machine: nothing to say
+        "ps.replicas: ps.mirror_every = 10 (from 4 workers: each keeps that many copies of its gradients to replay)")
+    assert _replicas([Host("127.0.0.1", 4)], [], servers=2) == (0, False, 10, "")  # one machine: nothing to say
