@@ -303,7 +303,8 @@ def print_tables(records: list[dict[str, Any]], args: argparse.Namespace) -> Non
              f"{rec['cost']:+.1f}%", f"{rec['paired_cost']:+.1f}%", f"<= {rec['target_cost']:g}%",
              "met" if rec["met"] else "MISSED"] for rec in records if rec["case"] != KILL_CASE]
     if rows:
-        what = ("ps.replicas 1", "0") if args.replicas else ("recover on", "recover off")
+        what = (("ps.replicas 1", "recover off" if args.peer_off else "0") if args.replicas else
+                ("recover on", "recover off"))
         progress(f"\n{what[0]} against {what[1]}, median [min..max] of {args.repeats} pairs x {args.inner} "
                  f"repetitions; cost = extra step time with {what[0]}")
         print_table(["case", f"ms/step {what[0]}", what[1], "state MiB", "cost", "paired cost", "target", ""], rows)
