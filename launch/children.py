@@ -21,6 +21,7 @@ from typing import BinaryIO
 from sluice.launch.output import ChildOutput
 from sluice.launch.run_options import OutputOptions
 from sluice.scheduler import culprit
+from sluice.scheduler.new_place import Place, write_place
 from sluice.transport.shm import remove_segments_of
 
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
@@ -184,13 +185,21 @@ class Child:
         elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.write(b"USR1\n")
 
-    def notify_reform(self) -> None:
-        """SIGUSR2 to the worker (--in-place: the job re-forms now; worker/elastic/host.py), as notify_hosts_updated."""
+    def notify_reform(self, place: Place | None = None, directory: str = "") -> None:
+        """SIGUSR2 to the worker (--in-place: the job re-forms now; worker/elastic/host.py), as notify_hosts_updated;
+        first its new `place` when the job shrank (scheduler/new_place.py), in the elastic `directory` of its host."""
         if self.host is None:
+            if place is not None:
+                write_place(directory, self.proc.pid, place)
             with contextlib.suppress(OSError):
                 os.kill(self.proc.pid, signal.SIGUSR2)
         elif self.proc.stdin is not None and not self.proc.stdin.is_closing():
-            self.proc.stdin.write(b"USR2\n")
+            self.proc.stdin.write((f"{place.line()}\n" if place is not None else "").encode() + b"USR2\n")
+
+    def renumber(self, rank: int) -> None:
+        """A survivor of a job that shrank in place: its new rank, in the launcher's words and its output prefix."""
+        self.rank, self.label = rank, f"{self.role} {rank}"
+        self.output.relabel(self.label)
 
     def stop(self) -> None:
         """Ask the role to end: SIGTERM to its group here; on another host, a line STOP and the end of the

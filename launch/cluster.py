@@ -66,6 +66,12 @@ class ClusterPlan:
             lines.append(f"  {host} ({where}): {', '.join(parts)}")
         return "\n".join(lines)
 
+    def with_workers(self, hosts: Sequence[str]) -> ClusterPlan:
+        """The plan with its workers on `hosts` by rank (the job shrank in place); the other roles as they were."""
+        workers = [Process("worker", rank, host, hosts[:rank].count(host)) for rank, host in enumerate(hosts)]
+        others = [p for p in self.layout.processes if p.role != "worker"]
+        return replace(self, layout=Layout(self.layout.scheduler, (*workers, *others)))
+
     def with_racks(self, config: SluiceConfig, hosts: Sequence[Host]) -> SluiceConfig:
         """The hostfile's rack labels as aggregation.racks (by address), unless the config sets racks itself."""
         if config.aggregation.racks or not any(h.rack for h in hosts):

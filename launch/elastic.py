@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from sluice.launch.hosts import Host
 from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, REFORM_EXIT
+from sluice.scheduler.new_place import Place
 
 __all__ = ["ENV_ELASTIC_DIR", "ENV_GENERATION", "REFORM_EXIT", "ElasticSettings", "Reform", "grown", "slots",
            "without"]
@@ -84,3 +85,11 @@ def grown(hosts: Sequence[Host], found: Sequence[Host], cap: int) -> list[Host]:
 
 def slots(hosts: Sequence[Host]) -> int:
     return sum(h.slots for h in hosts)
+
+
+def shrunk(hosts: Sequence[str], scheduler: str) -> list[Place]:
+    """The survivors' places when the job goes on without a lost worker (--in-place, no slot free for a
+    replacement): `hosts[i]` is the host of the i-th survivor in old rank order; ranks from 0 in that
+    order, local ranks by host in the same order; the re-formed job's `scheduler`."""
+    return [Place(rank, len(hosts), hosts[:rank].count(host), hosts.count(host), scheduler)
+            for rank, host in enumerate(hosts)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from sluice.launch.elastic import (
     ElasticSettings,
     Reform,
     grown,
+    shrunk,
     slots,
     without,
 )
@@ -36,6 +38,7 @@ from sluice.launch.run_options import RunOptions
 from sluice.launch.standby import Schedulers
 from sluice.launch.supervisor import Job, free_port, run_on_loop, supervise
 from sluice.scheduler.bootstrap import ENV_ELASTIC_IN_PLACE
+from sluice.scheduler.new_place import Place
 
 Replan = Callable[[list[Host]], ClusterPlan | None]
 
@@ -92,13 +95,17 @@ class Generation(Job):
         self.reform = Reform((cause.rank,), grown=self.grow_to is not None)
         return REFORM_EXIT
 
-    async def _replace_worker(self, dead: Child) -> tuple[Child, list[Child], list[Child]] | None:
+    async def _replace_worker(self, dead: Child) -> tuple[Child | None, list[Child], list[Child]] | None:
         """--in-place: a worker died on its own (the first cause): stop the scheduler and servers, start
         them again (the scheduler on the same port), tell the other workers to re-form in their processes
-        (SIGUSR2) and start a new worker of the same rank in its slot, at the next generation."""
+        (SIGUSR2), and start a new worker of the same rank in its slot, at the next generation; or, when its
+        host is lost and no other has a free slot, go on without it, the survivors numbered again from 0
+        (as Horovod's elastic mode shrinks a job), while --min-workers are left."""
         code = dead.returncode
         if not self.elastic.in_place or code in (None, REFORM_EXIT) or self.stopping or self.schedulers is None:
             return None
+        if dead not in self.children:  # dropped already, with the rest of its lost host (below)
+            return None, [], []
         if code > 0:  # a consequence, maybe: the report of its cause may be a moment behind
             await asyncio.wait([self.interrupted], timeout=SETTLE_SECONDS)
         verdict = judge(dead, self.children, self._context)
@@ -109,38 +116,69 @@ class Generation(Job):
                           "(--max-restarts)")
             return None
         moved_to = self._slot_for(dead)
-        if moved_to == "":
-            return None  # its host is lost and no other has a free slot: the job shrinks (a new generation)
+        survivors = sorted((c for c in self.children if c.role == "worker" and c is not dead), key=lambda c: c.rank)
+        shrink = moved_to == ""
+        # the others on a lost host go too: their sessions fail a moment later, and nobody may count on them
+        gone = [c for c in survivors if shrink and c.host in self.takeovers.lost_hosts]
+        survivors = [c for c in survivors if c not in gone]
+        if shrink and len(survivors) < self.elastic.min_workers:
+            return None  # the generation ends; the next would have fewer than --min-workers, which ends the job
         self.in_place += 1
         lost = time.monotonic()
-        self.complain(f"{verdict.headline}; replacing {dead.label} in place: the other workers keep their "
-                      "processes (--in-place)")
-        self.children.remove(dead)
+        self.complain(f"{verdict.headline}; " + (
+            f"going on without {' and '.join(c.label for c in [dead, *gone])}: the other {len(survivors)} workers "
+            "keep their processes, numbered again from 0 (--in-place)" if shrink else
+            f"replacing {dead.label} in place: the other workers keep their processes (--in-place)"))
+        for child in (dead, *gone):
+            self.children.remove(child)
+        for child in gone:  # their host is lost: their ssh sessions have nothing left to stop
+            child.signal_group(signal.SIGKILL)
         old = [c for c in self.children if c.role != "worker"]
         killed = await self.stop_children(old)
         for child in old:
             self.children.remove(child)
         generation = int(self.spawner.worker_env[ENV_GENERATION]) + 1
         self.spawner.worker_env[ENV_GENERATION] = str(generation)
+        hosts, renamed = self._shrink(survivors) if shrink else ([], "")
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
+        self.spawner.standby = ""  # a standby is not started again: it would listen elsewhere than told
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
-        survivors = [c for c in self.children if c.role == "worker"]
-        self.spawner.standby = ""  # a standby is not started again: it would listen elsewhere than told
-        worker = await self.spawn("worker", dead.rank, self.command, self.endpoint, moved_to,
-                                  self._local_env(moved_to))
+        worker = None if shrink else await self.spawn("worker", dead.rank, self.command, self.endpoint, moved_to,
+                                                      self._local_env(moved_to))
         sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
-        if await self._announced(sched) != self.endpoint:
+        endpoint = await self._announced(sched)
+        if not isinstance(endpoint, str) or (endpoint != self.endpoint and not shrink):
             self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
             return None
-        for child in survivors:  # they re-form now: their scheduler is there again
-            child.notify_reform()
+        self.endpoint = endpoint
+        places: list[Place | None] = list(shrunk(hosts, endpoint)) if shrink else [None] * len(survivors)
+        for child, place in zip(survivors, places, strict=True):  # they re-form now: their scheduler is there again
+            child.notify_reform(place, self.spawner.worker_env[ENV_ELASTIC_DIR])
         new = [sched, *[await self.spawn("server", rank, [*role_argv, "server"], self.endpoint, self._live(rank))
                         for rank in range(self.servers)]]
         self.schedulers = Schedulers(sched, None)
-        self.say(f"generation {generation}: {dead.label} replaced in its slot and the scheduler and servers "
-                 f"started again {time.monotonic() - lost:.2f} s after the loss ({killed} stopped by SIGKILL)")
+        what = (f"the job went on with {len(survivors)} workers ({renamed})" if shrink else
+                f"{dead.label} replaced in its slot")
+        self.say(f"generation {generation}: {what} and the scheduler and servers started again "
+                 f"{time.monotonic() - lost:.2f} s after the loss ({killed} stopped by SIGKILL)")
         return worker, old, new
+
+    def _shrink(self, survivors: list[Child]) -> tuple[list[str], str]:
+        """The job goes on with `survivors` (in old rank order): each renumbered, the job's size and plan made
+        smaller, its scheduler moved to a new port (no survivor's old connection may reach it: it is named by
+        an old rank, another survivor's new one); their hosts, and a few words on who is who now."""
+        hosts = [child.host or (self.plan.place("worker", child.rank).host if self.plan else "") for child in survivors]
+        renamed = ", ".join(f"worker {c.rank} is worker {rank}" for rank, c in enumerate(survivors)
+                            if c.rank != rank) or "the same ranks"
+        for rank, child in enumerate(survivors):
+            child.renumber(rank)
+        self.workers = self.spawner.workers = len(survivors)
+        if self.plan is not None:
+            self.plan = self.spawner.plan = self.takeovers.plan = self.plan.with_workers(hosts)
+        self.config = self.spawner.config = dataclasses.replace(
+            self.config, scheduler=dataclasses.replace(self.config.scheduler, port=free_port()))
+        return hosts, renamed
 
     def _slot_for(self, dead: Child) -> str | None:
         """Where a lost worker's replacement runs: its own slot (None) when its host is up, else a spare slot

@@ -45,6 +45,10 @@ class ChildOutput:
         if path is not None and options.directory is not None:
             self._open(os.path.join(options.directory, path))
 
+    def relabel(self, label: str) -> None:
+        """The prefix of the lines from now on (a survivor renumbered as its job shrank in place)."""
+        self.prefix = f"[{label}] ".encode()
+
     def _open(self, where: str) -> None:
         os.makedirs(where, exist_ok=True)
         for stream in sorted(STREAMS):

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.launch.relay import relayed_pipe
-from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
+from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_SECRET_FD, secret_pipe
+from sluice.scheduler.new_place import WORD, parse_place, write_place
 
 MAX_HEADER_BYTES = 1 << 20
 GRACE_S = 5.0
 BAD_HEADER = 2
+PLACE_WORD = WORD.encode() + b" "
 _HEADER_KEYS = frozenset({"argv", "env", "cwd", "secret", "split", "outlive"})
 
 
@@ -79,6 +81,16 @@ def parse_header(line: bytes) -> Header:
                       data.get("outlive", False))
     except ValueError:
         raise ValueError("secret must be a hex string") from None
+
+
+def _write_place(env: dict[str, str], pid: int, line: bytes) -> None:
+    """A survivor's new place (scheduler/new_place.py), for it to read at its USR2; a bad line is said and dropped
+    (the survivor then keeps its place, and the job's scheduler refuses it: the launcher sees that end)."""
+    try:
+        write_place(env.get(ENV_ELASTIC_DIR, ""), pid, parse_place(line.decode("ascii", "replace")))
+    except (ValueError, OSError) as exc:
+        print(f"sluice remote: the launcher's new place for the worker was not written: {exc}", file=sys.stderr,
+              flush=True)
 
 
 def _stop(process: subprocess.Popen[bytes], grace: float) -> None:
@@ -147,7 +159,10 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
         with contextlib.suppress(OSError):
             while data or (data := os.read(stdin.fileno(), 4096)):
                 *lines, pending = (pending + data).split(b"\n")
-                pending = pending[-64:]  # only short commands come: nothing grows here
+                pending = pending[-400:]  # only short commands come (a PLACE line the longest): nothing grows here
+                for line in lines:  # a survivor's new place, before its USR2 (a job shrunk in place)
+                    if line.startswith(PLACE_WORD):
+                        _write_place(env, process.pid, line)
                 for word, sig in ((b"USR1", signal.SIGUSR1), (b"USR2", signal.SIGUSR2)):
                     if word in lines:  # an elastic job's new hosts, or its re-forming in place (launch/elastic.py)
                         with contextlib.suppress(ProcessLookupError):

@@ -240,8 +240,9 @@ class Job(Ending):
                     continue
                 child = running.pop(task)
                 if code != 0 and (swap := await self._replace_worker(child)) is not None:
-                    worker, old_roles, new_roles = swap  # replaced in place (--elastic --in-place)
-                    running[worker.done] = worker
+                    worker, old_roles, new_roles = swap  # replaced in place, or gone (--elastic --in-place)
+                    if worker is not None:
+                        running[worker.done] = worker
                     for old in old_roles:
                         role_tasks.pop(old.done, None)
                     role_tasks.update((role.done, role) for role in new_roles)
@@ -298,9 +299,10 @@ class Job(Ending):
     def ended(self) -> None:
         """The job is over; its processes are about to be stopped."""
 
-    async def _replace_worker(self, dead: Child) -> tuple[Child, list[Child], list[Child]] | None:
-        """An elastic job's hook (launch/generations.py): a worker died; (its replacement, the roles stopped,
-        the roles started in their place) when it was replaced in place, else None."""
+    async def _replace_worker(self, dead: Child) -> tuple[Child | None, list[Child], list[Child]] | None:
+        """An elastic job's hook (launch/generations.py): a worker died; (its replacement, None when the job
+        went on without it, the roles stopped, the roles started in their place) when it was handled in
+        place, else None."""
         return None
 
     async def _worker_failed(self, child: Child) -> int:

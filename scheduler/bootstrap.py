@@ -152,10 +152,13 @@ class NodeEnv:
     def fingerprint(self) -> str:
         """Identifies the job-wide settings, so the scheduler can refuse a node configured differently.
 
-        `transport.host` is left out: it is where this node listens, which differs from host to host.
+        `transport.host` is left out: it is where this node listens, which differs from host to host; and
+        `scheduler.port`, where the scheduler listens: the others find it at the endpoint they are given
+        (a job that shrank in place moves its scheduler to a new port, launch/generations.py).
         """
         shared = {name: dict(self.section(name)) for name in self.config}
         shared.get("transport", {}).pop("host", None)
+        shared.get("scheduler", {}).pop("port", None)
         return json.dumps(shared, sort_keys=True)
 
 

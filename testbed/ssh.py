@@ -138,8 +138,13 @@ class SshBed:
         subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
 
     def restore_link(self, host: str) -> None:
+        """`host` back after lose_host: its link up and, on an ssh host, a new sshd (the old one was killed)."""
         subprocess.run(["ip", "netns", "exec", self.netbed.hosts[host].netns, "ip", "link", "set", "eth0", "up"],
                        timeout=10)
+        if host in self.hosts:
+            last = max(self.hosts, key=lambda name: int(name[1:]))
+            self.start_sshd(host, self.private if host == last else None)
+            self.wait_ready()
 
     def left_on(self, host: str, pattern: re.Pattern[str]) -> list[str]:
         """Processes in `host` whose command line matches `pattern` (all namespaces share the pid space:

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, NoReturn
 
 from sluice.errors import SluiceError
 from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_ELASTIC_IN_PLACE, REFORM_EXIT
+from sluice.scheduler.new_place import take_place
 from sluice.transport.shm_space import SHM_FIX
 from sluice.worker.elastic.wakeup import on_signal
 
@@ -251,6 +252,14 @@ def reform_in_place(reason: BaseException, commits: int, close: Callable[[], Non
     if not _reform_go.wait(REFORM_WAIT_S):
         raise SluiceError(f"the launcher did not re-form the job within {REFORM_WAIT_S:g} s after: {reason}")
     _reform_go.clear()
+    try:
+        place = take_place(os.environ.get(ENV_DIR, ""), os.getpid())
+    except ValueError as exc:
+        raise SluiceError(f"the launcher's new place for this worker is unreadable: {exc}") from None
+    if place is not None:  # the job shrank: this survivor's new rank and the job's size
+        print(f"sluice elastic: the job goes on with {place.workers} workers; this one is rank {place.rank} now",
+              file=sys.stderr, flush=True)
+        os.environ.update(place.environ())
     os.environ[ENV_GENERATION] = str(int(os.environ.get(ENV_GENERATION, "0")) + 1)
     init()
 
