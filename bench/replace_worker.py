@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
@@ -14,10 +15,14 @@ if __package__ in (None, ""):  # run as `python bench/replace_worker.py`: make t
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
+from bench.replace_worker_host import BEFORE_LOSS, host_bed, lost_host_to_step
+from testbed.ssh import SshBed
 
 SCRIPT = "tests/integration/scripts/elastic_train.py"
 #: case -> (servers, seconds each worker process spends setting up before hvd.init())
 CASES = {"allreduce": ("0", 0.0), "ps": ("1", 0.0), "ps-setup-3s": ("1", 3.0)}
+#: on the ssh testbed (bench/replace_worker_host.py): a worker's host lost and no slot free, so the job shrinks
+LOST_HOST = "lost-host-shrink"
 PEER_NAME = "sluice launch --elastic: every process restarted (torchrun's way)"
 DESCRIPTION = """\
 A job of W workers (tests/integration/scripts/elastic_train.py, Horovod's elastic shape, committing
@@ -28,12 +33,16 @@ their own processes, the scheduler and servers started again) against `--elastic
 process of the job stopped and started again, as torchrun's elastic agent does). Both in the same
 run, alternating, median of --repeats. Cases: allreduce (-s 0) and ps (-s 1); ps-setup-3s: each worker
 process first spends 3 s as a real one does once (its dataset read, a CUDA context, data loader
-processes; here a sleep), which a replaced-in-place survivor does not spend again."""
+processes; here a sleep), which a replaced-in-place survivor does not spend again. lost-host-shrink (on
+the ssh testbed, root): 3 workers by allreduce, worker 0 alone on host h2 and workers 1 and 2 on h1
+with no slot free; h2 is lost (every process in it killed, its link down) after rank 0's step 4:
+seconds from the loss to the end of the next step; ours: the survivors go on as a job of 2 in their
+own processes (--in-place), the peer: both restarted (--elastic)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+    parser.add_argument("--cases", nargs="+", choices=[*CASES, LOST_HOST], default=[*CASES, LOST_HOST],
                         help="which routes to measure (default: all)")
     parser.add_argument("--workers", type=int, default=3, metavar="W", help="workers (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, metavar="N", help="steps of each job (default: %(default)s)")
@@ -69,20 +78,33 @@ def loss_to_step(args: argparse.Namespace, case: str, in_place: bool) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     records, rows = [], []
-    for case in args.cases:
-        ours, peer = [], []
-        for repeat in range(args.repeats):
-            ours.append(loss_to_step(args, case, in_place=True))
-            peer.append(loss_to_step(args, case, in_place=False))
-            progress(f"{case}: repeat {repeat + 1}/{args.repeats}: in place {ours[-1]:.2f} s, every process "
-                     f"restarted {peer[-1]:.2f} s")
-        rec = record(case, stats(ours), stats(peer), PEER_NAME, "s", "lower", workers=args.workers,
-                     die_at=args.die_at, steps=args.steps)
-        records.append(rec)
-        rows.append([case, f"{rec['ours']:.2f}", f"{rec['peer']:.2f}", f"{rec['speedup']:.2f}x"])
+    with host_bed() if LOST_HOST in args.cases else contextlib.nullcontext() as bed:
+        for case in args.cases:
+            if case == LOST_HOST and bed is None:
+                continue
+            records.append(measure(args, case, bed))
+            rows.append([case, f"{records[-1]['ours']:.2f}", f"{records[-1]['peer']:.2f}",
+                         f"{records[-1]['speedup']:.2f}x"])
     print_table(["case", "in place (s)", "every process restarted (s)", "speedup"], rows)
     write_json(args.json, records)
     return 0
+
+
+def measure(args: argparse.Namespace, case: str, bed: SshBed | None) -> dict[str, Any]:
+    ours: list[float] = []
+    peer: list[float] = []
+    for repeat in range(args.repeats):
+        for in_place in (True, False) if repeat % 2 == 0 else (False, True):
+            if case == LOST_HOST:
+                assert bed is not None
+                seconds = lost_host_to_step(bed, max(args.steps, 3 * BEFORE_LOSS), in_place, args.timeout)
+            else:
+                seconds = loss_to_step(args, case, in_place)
+            (ours if in_place else peer).append(seconds)
+        progress(f"{case}: repeat {repeat + 1}/{args.repeats}: in place {ours[-1]:.2f} s, every process "
+                 f"restarted {peer[-1]:.2f} s")
+    return record(case, stats(ours), stats(peer), PEER_NAME, "s", "lower", workers=3 if case == LOST_HOST else
+                  args.workers, die_at=args.die_at, steps=args.steps)
 
 
 if __name__ == "__main__":
