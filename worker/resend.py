@@ -16,6 +16,8 @@ replayed (RESEND | REPLAY) first, oldest first.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from sluice.transport.wire import Flag, Kind, Message, WireError, brief, meta_field
+
+log = logging.getLogger("sluice.worker")
 
 
 @dataclass(frozen=True)
@@ -65,13 +69,26 @@ def outstanding(requests: Iterable[tuple[int, Message | None]], server: int) -> 
     return out
 
 
+def host_memory() -> int:
+    """This host's physical memory in bytes (0 when the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
 class Answered:
     """ps.replicas: each chunk's last `depth` pushes that were answered, with their payloads copied (into buffers
-    kept per chunk and reused), and the server each went to."""
+    kept per chunk and reused), and the server each went to. Says once, as a warning, when the copies pass
+    `warn_bytes` (an eighth of the host's memory unless given): ps.mirror_every sets how many there are."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, warn_bytes: int | None = None) -> None:
         self.depth = depth
         self._kept: dict[tuple[int, int], deque[tuple[int, Message, np.ndarray]]] = {}
+        #: bytes of the copies held now
+        self.kept_bytes = 0
+        self._warn_bytes = host_memory() // 8 if warn_bytes is None else warn_bytes
+        self.warned = False
 
     def keep(self, server: int, request: Message) -> None:
         """`request` (a PUSH) was answered: keep it, in place of the chunk's oldest once `depth` are kept."""
@@ -79,7 +96,18 @@ class Answered:
             else request.payload.reshape(-1).view(np.uint8)
         kept = self._kept.setdefault((request.key, request.chunk), deque())
         oldest = kept.popleft() if len(kept) >= self.depth else None
-        buffer = oldest[2] if oldest is not None and oldest[2].nbytes == source.nbytes else np.empty_like(source)
+        if oldest is not None and oldest[2].nbytes == source.nbytes:
+            buffer = oldest[2]
+        else:
+            buffer = np.empty_like(source)
+            self.kept_bytes += source.nbytes - (oldest[2].nbytes if oldest is not None else 0)
+            if self.kept_bytes > self._warn_bytes > 0 and not self.warned:
+                self.warned = True
+                log.warning("ps.replicas: this worker keeps copies of its pushes of the last %d answered rounds, to "
+                            "replay to a server that takes over a lost host's shard: %.0f MiB so far, more than "
+                            "%.0f MiB (an eighth of this host's memory); a smaller ps.mirror_every keeps fewer "
+                            "(more mirror traffic), ps.replicas = 0 none", self.depth, self.kept_bytes / 2**20,
+                            self._warn_bytes / 2**20)
         np.copyto(buffer, source)
         kept.append((server, dataclasses.replace(request, payload=buffer, shm=None), buffer))
 

@@ -4,6 +4,7 @@ the rounds after the restart give the bits of a run that was never interrupted."
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +298,20 @@ def test_a_worker_replays_the_pushes_it_was_answered_for_as_they_were_sent() -> 
     back = decode([bytes(memoryview(frame)) if not isinstance(frame, bytes) else frame for frame in encode(third)])
     assert np.frombuffer(back.payload, np.float32).tolist() == np.array(gradient(0, 3), np.float32).tolist()
     assert [m.key for m in answered.replays(0)] == [4]
+
+
+def test_a_worker_says_once_when_its_kept_pushes_pass_their_share_of_memory(caplog: pytest.LogCaptureFixture) -> None:
+    """Answered counts the bytes of its copies (buffers reused, so a chunk's depth of them at most) and warns once,
+    naming ps.mirror_every, when they pass the limit (here 40 bytes: 3 copies of a 16-byte chunk)."""
+    from sluice.worker.resend import Answered, host_memory
+
+    answered = Answered(depth=3, warn_bytes=40)
+    with caplog.at_level(logging.WARNING, logger="sluice.worker"):
+        kept = []
+        for round_ in range(1, 7):
+            answered.keep(1, push(0, round_))
+            kept.append((answered.kept_bytes, answered.warned))
+    assert kept == [(16, False), (32, False), (48, True), (48, True), (48, True), (48, True)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "last 3 answered rounds" in warnings[0] and "ps.mirror_every" in warnings[0]
+    assert host_memory() > 0
