@@ -96,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="untimed steps before the first repetition (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one measurement after this long (default: %(default)s)")
-    add_common_options(parser, quick="2 warm-up + 10 timed steps, 1 repeat (overrides those options)")
+    add_common_options(parser, quick="2 warm-up + 10 timed steps, 1 repeat (overrides those options); with "
+                                     "--framework keras, against MWMS and Keras alone only")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.steps, args.repeats = 2, 10, 1
@@ -220,6 +221,11 @@ def throughput(args: argparse.Namespace, result: dict[str, Any]) -> Stats:
     return stats([samples / s for s in result["seconds"]])
 
 
+#: --quick --framework keras: the peers measured (MWMS is Keras' own; sluice.torch and the MWMS loop each start
+#: another set of processes, which the full run measures)
+QUICK_KERAS_PEERS = ("keras-vs-mwms", "keras-vs-alone")
+
+
 def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows: list[list[str]],
                 records: list[dict[str, Any]]) -> None:
     """sluice.keras against sluice.torch, MultiWorkerMirroredStrategy and Keras alone x W, same model and batches."""
@@ -239,6 +245,8 @@ def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows
              ("keras-vs-mwmsloop", MWMS_LOOP, "MWMS loop", lambda: measure_keras_mwms(data, args)),
              ("keras-vs-alone", ALONE, "keras alone", lambda: measure_keras_alone(data, args))]
     for name, peer_name, short, measure in peers:
+        if args.quick and name not in QUICK_KERAS_PEERS:
+            continue
         t0 = time.perf_counter()
         result = measure()
         peer = throughput(args, result)
