@@ -66,6 +66,12 @@ class ClusterPlan:
             lines.append(f"  {host} ({where}): {', '.join(parts)}")
         return "\n".join(lines)
 
+    def with_hosts(self, found: Sequence[Host]) -> ClusterPlan:
+        """The plan with the worker slots a host discovery reports now (new hosts' addresses resolved here;
+        HostsError when one does not resolve)."""
+        addresses = {**self.addresses, **{h.name: host_address(h.name) for h in found if h.name not in self.addresses}}
+        return replace(self, addresses=addresses, hosts=tuple(found))
+
     def with_workers(self, hosts: Sequence[str]) -> ClusterPlan:
         """The plan with its workers on `hosts` by rank (the job shrank in place); the other roles as they were."""
         workers = [Process("worker", rank, host, hosts[:rank].count(host)) for rank, host in enumerate(hosts)]

@@ -115,7 +115,7 @@ class Generation(Job):
             self.complain(f"{verdict.headline}; the job was re-formed in place {self.in_place} times "
                           "(--max-restarts)")
             return None
-        moved_to = self._slot_for(dead)
+        moved_to = await self._slot_for(dead)
         survivors = sorted((c for c in self.children if c.role == "worker" and c is not dead), key=lambda c: c.rank)
         shrink = moved_to == ""
         # the others on a lost host go too: their sessions fail a moment later, and nobody may count on them
@@ -140,6 +140,10 @@ class Generation(Job):
         generation = int(self.spawner.worker_env[ENV_GENERATION]) + 1
         self.spawner.worker_env[ENV_GENERATION] = str(generation)
         hosts, renamed = self._shrink(survivors) if shrink else ([], "")
+        if moved_to and self.plan is not None:  # the plan follows it (what a later generation re-forms from)
+            placed = self.placed()
+            placed[dead.rank] = moved_to
+            self.plan = self.spawner.plan = self.takeovers.plan = self.plan.with_workers(placed)
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
         self.spawner.standby = ""  # a standby is not started again: it would listen elsewhere than told
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
@@ -180,16 +184,27 @@ class Generation(Job):
             self.config, scheduler=dataclasses.replace(self.config.scheduler, port=free_port()))
         return hosts, renamed
 
-    def _slot_for(self, dead: Child) -> str | None:
+    async def _slot_for(self, dead: Child) -> str | None:
         """Where a lost worker's replacement runs: its own slot (None) when its host is up, else a spare slot
-        on another host; "" when there is none. A host is lost when its ssh session failed (exit 255)."""
+        on another host, of the plan or, with a host discovery script, of the hosts it reports now; "" when
+        there is none. A host is lost when its ssh session failed (exit 255)."""
         if self.plan is None or dead.host is None or dead.via != "ssh" or dead.returncode != SSH_FAILED:
             return None
         self.takeovers.lost_hosts.add(dead.host)
         busy = [c.host or "" for c in self.children if c.role == "worker" and c is not dead]
         spare = self.plan.spare_host(busy, self.takeovers.lost_hosts)
+        found = ""
+        if spare is None and self.elastic.discovery is not None:  # Horovod's way: what the discovery offers now
+            try:
+                plan = self.plan.with_hosts(await discover(self.elastic.discovery))
+            except HostsError as exc:
+                self.complain(f"the host discovery script, asked for a slot for {dead.label}, failed: {exc}")
+            else:
+                if (spare := plan.spare_host(busy, self.takeovers.lost_hosts)) is not None:
+                    self.plan = self.spawner.plan = self.takeovers.plan = plan
+                    found = ", which the host discovery script reports"
         self.complain(f"{dead.label}'s host {dead.host} is lost; " + (f"its replacement starts in a spare slot on "
-                      f"{spare}" if spare else "no other host has a free slot"))
+                      f"{spare}{found}" if spare else "no other host has a free slot"))
         return spare or ""
 
     def _local_env(self, host: str | None) -> dict[str, str] | None:

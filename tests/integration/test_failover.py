@@ -138,12 +138,12 @@ def _elastic_reference(tmp_path: Path, workers: int, switch: int, steps: int) ->
     return list(found[0]["params"])
 
 
-def _lose_a_workers_host(bed: SshBed, hosts: str, workers: int) -> tuple[str, list[dict[str, Any]],
-                                                                           list[dict[str, Any]]]:
-    """An --elastic --in-place job by allreduce over `hosts` (worker 0 on h2); h2 is lost a few steps in (every
-    process in it killed, its link down). The launcher's output, the ELASTIC_STARTs and the ELASTIC_RESULTs
-    by rank; nothing of the job left running on h1."""
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", hosts,
+def _lose_a_workers_host(bed: SshBed, hosts: str, workers: int, options: tuple[str, ...] = ()
+                         ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """An --elastic --in-place job by allreduce over `hosts` (worker 0 on h2), with `options`; h2 is lost a few
+    steps in (every process in it killed, its link down). The launcher's output, the ELASTIC_STARTs and the
+    ELASTIC_RESULTs by rank; nothing of the job left running on h1."""
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", hosts, *options,
             "-w", str(workers), "-s", "0", "--elastic", "--in-place", "--min-workers", "2",
             "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=3", "--",
             sys.executable, ELASTIC, "--steps", "60", "--pause", "0.1"]
@@ -196,6 +196,30 @@ def test_replace_lost_host_of_a_worker_in_a_spare_slot_the_others_keep_their_pro
     h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
     out, starts, results = _lose_a_workers_host(bed, f"{h2}:1,{h1}:2", 2)
     assert f"worker 0's host {h2} is lost; its replacement starts in a spare slot on {h1}" in out, out[-4000:]
+    first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
+    then = [s for s in starts if s["generation"] == 1]
+    assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts
+    assert {s["rank"]: s["pid"] for s in then}[1] == first[1]  # worker 1 kept its process
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
+    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], 60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_replace_lost_host_of_a_worker_in_a_slot_the_discovery_script_reports_now(bed: SshBed, tmp_path: Path) -> None:
+    """--elastic --in-place with --host-discovery-script, as horovodrun's: worker 0's host h2 is lost and the plan
+    has no spare slot, but the discovery script now reports a second slot on h1: worker 0 starts again there,
+    worker 1 keeps its process, and the job ends as the same job run deliberately from the commit."""
+    h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
+    listed, script = tmp_path / "hosts.txt", tmp_path / "discover.sh"
+    listed.write_text(f"{h1}:2\n")  # the slots the cluster manager offers: not the -H ones (no spare there)
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out, starts, results = _lose_a_workers_host(  # --max-workers 2: the job does not grow into that slot first
+        bed, f"{h2}:1,{h1}:1", 2, ("--host-discovery-script", str(script), "--discovery-interval", "0.5",
+                                   "--max-workers", "2"))
+    assert (f"worker 0's host {h2} is lost; its replacement starts in a spare slot on {h1}, which the host "
+            "discovery script reports") in out, out[-4000:]
     first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
     then = [s for s in starts if s["generation"] == 1]
     assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts

@@ -75,3 +75,14 @@ def test_a_shrunk_plan_keeps_its_servers_and_places_the_workers_anew() -> None:
     smaller = plan.with_workers(["192.0.2.10", "192.0.2.10"])
     assert [(p.role, p.rank, p.host, p.local_rank) for p in smaller.layout.processes] == [
         ("worker", 0, "192.0.2.10", 0), ("worker", 1, "192.0.2.10", 1), ("server", 0, "127.0.0.1", 0)]
+
+
+def test_a_discovered_slot_takes_a_lost_hosts_worker_when_the_plan_has_none() -> None:
+    config = load_config(None, {}, ["transport.host=192.0.2.1"])
+    plan = plan_cluster([Host("192.0.2.30", 1), Host("192.0.2.10", 1)], "-H", None, 0, 0, None, Reach(), config)
+    busy, lost = ["192.0.2.10"], {"192.0.2.30"}  # worker 1 runs; worker 0's host is lost
+    assert plan.spare_host(busy, lost) is None
+    found = plan.with_hosts([Host("192.0.2.10", 2), Host("192.0.2.40", 1)])
+    assert found.spare_host(busy, lost) == "192.0.2.10"
+    assert (found.address("192.0.2.40"), found.address("192.0.2.30")) == ("192.0.2.40", "192.0.2.30")
+    assert found.with_hosts([Host("192.0.2.40", 1)]).spare_host(busy, lost) == "192.0.2.40"
