@@ -88,8 +88,10 @@ def test_an_urgent_pull_overtakes_a_bulk_push_queued_before_it() -> None:
                        {"small": 0, "bulk": 9})
     calibrated = _run({}, {"small": 0, "bulk": 9})  # defaults: chunk size and bound from the calibration
     fifo = _run({"channels": 1, "chunk_bytes": 256 << 10, "inflight_bytes": 512 << 10}, {"small": 0, "bulk": 0})
-    # 16 MiB at 200 Mbit/s takes about 0.7 s; a 64 KiB pull behind at most 512 KiB in flight, a few ms
+    # 16 MiB at 200 Mbit/s takes about 0.7 s; a 64 KiB pull behind at most 512 KiB in flight, a few ms alone
+    # (0.3-0.5% of the bulk, measured), once 18% with the suite's other tests on both cores: 30% still tells
+    # it from FIFO, where the pull waits for the whole push (over 90%, the control case below)
     assert prioritised["bulk"] > 0.5 and fifo["bulk"] > 0.5
-    assert prioritised["small"] < 0.1 * prioritised["bulk"], prioritised
-    assert calibrated["small"] < 0.1 * calibrated["bulk"], calibrated
+    assert prioritised["small"] < 0.3 * prioritised["bulk"], prioritised
+    assert calibrated["small"] < 0.3 * calibrated["bulk"], calibrated
     assert fifo["small"] > 0.9 * fifo["bulk"], f"control case: FIFO should make the pull wait ({fifo})"
