@@ -172,14 +172,14 @@ class Generation(Job):
         """The job goes on with `survivors` (in old rank order): each renumbered, the job's size and plan made
         smaller, its scheduler moved to a new port (no survivor's old connection may reach it: it is named by
         an old rank, another survivor's new one); their hosts, and a few words on who is who now."""
-        hosts = [child.host or (self.plan.place("worker", child.rank).host if self.plan else "") for child in survivors]
+        assert self.plan is not None  # a host is lost only in a planned job (_slot_for)
+        hosts = [child.host or self.plan.place("worker", child.rank).host for child in survivors]
         renamed = ", ".join(f"worker {c.rank} is worker {rank}" for rank, c in enumerate(survivors)
                             if c.rank != rank) or "the same ranks"
         for rank, child in enumerate(survivors):
             child.renumber(rank)
         self.workers = self.spawner.workers = len(survivors)
-        if self.plan is not None:
-            self.plan = self.spawner.plan = self.takeovers.plan = self.plan.with_workers(hosts)
+        self.plan = self.spawner.plan = self.takeovers.plan = self.plan.with_workers(hosts)
         self.config = self.spawner.config = dataclasses.replace(
             self.config, scheduler=dataclasses.replace(self.config.scheduler, port=free_port()))
         return hosts, renamed

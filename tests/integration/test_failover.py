@@ -185,6 +185,17 @@ def _lose_a_workers_host(bed: SshBed, hosts: str, workers: int, options: tuple[s
     return out, starts, results
 
 
+def _assert_worker_0_replaced(tmp_path: Path, starts: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
+    """Worker 0 started again in generation 1, worker 1 kept its process, both from one commit, and the job ended
+    as the same 2 workers stopped at that commit and continued from it."""
+    first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
+    then = [s for s in starts if s["generation"] == 1]
+    assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts
+    assert {s["rank"]: s["pid"] for s in then}[1] == first[1]  # worker 1 kept its process
+    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
+    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], 60)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_replace_lost_host_of_a_worker_in_a_spare_slot_the_others_keep_their_processes(
@@ -196,12 +207,7 @@ def test_replace_lost_host_of_a_worker_in_a_spare_slot_the_others_keep_their_pro
     h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
     out, starts, results = _lose_a_workers_host(bed, f"{h2}:1,{h1}:2", 2)
     assert f"worker 0's host {h2} is lost; its replacement starts in a spare slot on {h1}" in out, out[-4000:]
-    first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
-    then = [s for s in starts if s["generation"] == 1]
-    assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts
-    assert {s["rank"]: s["pid"] for s in then}[1] == first[1]  # worker 1 kept its process
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
-    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], 60)
+    _assert_worker_0_replaced(tmp_path, starts, results)
 
 
 @pytest.mark.slow
@@ -220,12 +226,7 @@ def test_replace_lost_host_of_a_worker_in_a_slot_the_discovery_script_reports_no
                                    "--max-workers", "2"))
     assert (f"worker 0's host {h2} is lost; its replacement starts in a spare slot on {h1}, which the host "
             "discovery script reports") in out, out[-4000:]
-    first = {s["rank"]: s["pid"] for s in starts if s["generation"] == 0}
-    then = [s for s in starts if s["generation"] == 1]
-    assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts
-    assert {s["rank"]: s["pid"] for s in then}[1] == first[1]  # worker 1 kept its process
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
-    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], 60)
+    _assert_worker_0_replaced(tmp_path, starts, results)
 
 
 @pytest.mark.slow
