@@ -1,9 +1,10 @@
 """DDP in one line: a plain DDP script under `sluice launch`, with `register_comm_hook(None, sluice.torch.ddp_hook)`
 added, trains to the same parameters as plain DDP (gloo), by allreduce and through the servers. Plain DDP, the
-reference, runs the script in two processes forked from the test with torchrun's variables (no Sluice in it)."""
+reference, runs the script in two processes spawned from the test with torchrun's variables (no Sluice in it)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -15,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice.launch.supervisor import free_port
 from tests.integration.script_workers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +35,10 @@ def _launch(tmp_path: Path, name: str, servers: int, *extra: str) -> list[float]
 
 def _plain_rank(rank: int, port: int, out: str) -> None:
     """A spawned process: rank `rank` of plain DDP, as torchrun would start it."""
+    # the store is the agent's, as under torchrun: rank 0 hosting it could exit while rank 1 still tears down
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    faulthandler.dump_traceback_later(80)  # a rank that hangs says where before the test kills it
     import torch
 
     torch.set_num_threads(1)  # as the launcher's OMP_NUM_THREADS for two workers on this machine
@@ -50,8 +52,13 @@ def _plain_rank(rank: int, port: int, out: str) -> None:
 
 
 def _plain(tmp_path: Path) -> list[float]:
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import TCPStore
+
     out = tmp_path / "plain.json"
-    port = free_port()
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    port = store.port
     # spawned, not forked: a fork of a test process whose torch already started its thread pools can hang
     ranks = [mp.get_context("spawn").Process(target=_plain_rank, args=(rank, port, str(out))) for rank in range(2)]
     for process in ranks:
@@ -61,6 +68,7 @@ def _plain(tmp_path: Path) -> list[float]:
         if process.exitcode is None:
             process.kill()
             process.join(5)
+    del store
     assert [p.exitcode for p in ranks] == [0, 0]
     return list(json.loads(out.read_text()))
 
