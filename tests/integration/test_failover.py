@@ -13,14 +13,13 @@ import json
 import re
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from testbed.host_loss import lose_host_in_job, wait_gone
 from testbed.netbed import NetbedUnavailable
 from testbed.ssh import SshBed, ssh_bed
 from tests.integration.script_workers import script_outputs
@@ -86,43 +85,19 @@ def test_failover_lost_host_of_the_launcher_and_scheduler_the_job_ends_under_the
     sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
             "transport.inflight_bytes=4194304", "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3",
             "worker.metrics_every=5"]  # scheduler.standby: one by default, as the job spans hosts
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", f"{h1}:1,{h2}:1",
-            "-w", "2", "-s", "2", *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS,
-            "--result-dir", str(tmp_path)]
-    job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    training = threading.Event()
+    args = ["-H", f"{h1}:1,{h2}:1", "-w", "2", "-s", "2", *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT,
+            *ARGS, "--result-dir", str(tmp_path)]
 
-    def read() -> None:  # all along: a launcher whose stdout nobody reads would stall
-        assert job.stdout is not None
-        for line in iter(job.stdout.readline, ""):
-            lines.append(line)
-            if re.match(r"\[worker 0\] .*transport, steps \d+-\d+:", line):
-                training.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
-        out = "".join(lines)
+    def standby_ready(out: str) -> None:
         assert f"standby scheduler ready at tcp://{h1}:" in out, out[-3000:]
-        killed = time.time()
-        bed.lose_host("launcher")
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("rank.*.json"))) < 2:
-            assert time.monotonic() < deadline, f"no results from the workers: {list(tmp_path.iterdir())}"
-            time.sleep(0.2)
-        deadline = time.monotonic() + 30
-        while left := [p for host in ("h1", "h2") for p in bed.left_on(host, JOB_PROCESS)]:
-            assert time.monotonic() < deadline, f"processes of the job still run: {left}"
-            time.sleep(0.2)
-    finally:
-        bed.restore_link("launcher")
-        if job.poll() is None:
-            job.kill()
+
+    loss = lose_host_in_job(bed, args, "launcher", r"^\[worker 0\] .*transport, steps \d+-\d+:",
+                            before=standby_ready, ended=lambda: len(list(tmp_path.glob("rank.*.json"))) == 2)
+    wait_gone(bed, ("h1", "h2"), JOB_PROCESS, within_s=30)
     results = [json.loads((tmp_path / f"rank.{rank}.json").read_text()) for rank in (0, 1)]
     assert results[0]["params"] == results[1]["params"] == reference[0]["params"]
     assert results[0]["after"] == results[1]["after"] == [0.5] * 5  # planned by the standby
-    assert min((tmp_path / f"rank.{rank}.json").stat().st_mtime for rank in (0, 1)) > killed
+    assert min((tmp_path / f"rank.{rank}.json").stat().st_mtime for rank in (0, 1)) > loss.lost_at
 
 
 ELASTIC = "tests/integration/scripts/elastic_train.py"
@@ -143,45 +118,16 @@ def _lose_a_workers_host(bed: SshBed, hosts: str, workers: int, options: tuple[s
     """An --elastic --in-place job by allreduce over `hosts` (worker 0 on h2), with `options`; h2 is lost a few
     steps in (every process in it killed, its link down). The launcher's output, the ELASTIC_STARTs and the
     ELASTIC_RESULTs by rank; nothing of the job left running on h1."""
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H", hosts, *options,
-            "-w", str(workers), "-s", "0", "--elastic", "--in-place", "--min-workers", "2",
+    args = ["-H", hosts, *options, "-w", str(workers), "-s", "0", "--elastic", "--in-place", "--min-workers", "2",
             "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=3", "--",
             sys.executable, ELASTIC, "--steps", "60", "--pause", "0.1"]
-    job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    training = threading.Event()
-
-    def read() -> None:
-        assert job.stdout is not None
-        for line in iter(job.stdout.readline, ""):
-            lines.append(line)
-            if "ELASTIC_START" in line and '"rank": 0' in line:
-                training.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
-        time.sleep(1.0)  # a few steps in
-        bed.lose_host("h2")
-        try:
-            job.wait(120)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the job did not end within 120 s of the loss:\n" + "".join(lines)[-6000:])
-        reader.join(10)
-    finally:
-        bed.restore_link("h2")
-        if job.poll() is None:
-            job.kill()
-    out = "".join(lines)
-    assert job.returncode == 0, out[-6000:]
+    loss = lose_host_in_job(bed, args, "h2", r'ELASTIC_START .*"rank": 0', settle_s=1.0, end_s=120)  # a few steps in
+    out = loss.out
+    assert loss.returncode == 0, out[-6000:]
     starts = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_START (.*)$", out, re.M)]
     results = sorted((json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", out, re.M)),
                      key=lambda r: r["rank"])
-    deadline = time.monotonic() + 15
-    while left := [p for host in ("h1",) for p in bed.left_on(host, JOB_PROCESS)]:
-        assert time.monotonic() < deadline, f"processes of the job still run: {left}"
-        time.sleep(0.2)
+    wait_gone(bed, ("h1",), JOB_PROCESS)
     return out, starts, results
 
 

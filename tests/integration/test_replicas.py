@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from testbed.host_loss import lose_host_in_job, wait_gone
 from testbed.netbed import NetbedUnavailable
 from testbed.ssh import ROOT, SshBed, ssh_bed
 from tests.integration.script_workers import script_outputs
@@ -73,38 +71,13 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     sets = ["collective.mode=ps", *asked, f"worker.optimizer_on={optimizer_on}",
             "transport.chunk_bytes=4096", "transport.inflight_bytes=16777216", "worker.metrics_every=10",
             "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3"]
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), "-H",
-            f"{launcher}:2,{h1}:1,{h2}:1", "-w", "2", "-s", "2", "--server-hosts", f"{h1},{h2}",
+    args = ["-H", f"{launcher}:2,{h1}:1,{h2}:1", "-w", "2", "-s", "2", "--server-hosts", f"{h1},{h2}",
             *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--optimizer", optimizer]
-    job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    training = threading.Event()
-
-    def read() -> None:  # all along: a launcher whose stdout nobody reads would stall (or garble) its output
-        assert job.stdout is not None
-        for line in iter(job.stdout.readline, ""):
-            lines.append(line)
-            if re.match(r"\[worker 0\] .*transport, steps \d+-\d+:", line):
-                training.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert training.wait(60) and job.poll() is None, "".join(lines)[-3000:]
-        bed.netbed.choke("h2", "h1")  # server 1's MIRRORs stall: replies go a round ahead of its holder's copy
-        time.sleep(1.0)
-        bed.lose_host("h2")
-        try:
-            job.wait(60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the job did not end within 60 s of the loss:\n" + "".join(lines)[-6000:])
-        reader.join(10)
-    finally:
-        bed.restore_link("h2")
-        if job.poll() is None:
-            job.kill()
-    out = "".join(lines)
-    assert job.returncode == 0, out[-6000:]
+    # server 1's MIRRORs stall first: its replies go a round ahead of its holder's copy
+    loss = lose_host_in_job(bed, args, "h2", r"^\[worker 0\] .*transport, steps \d+-\d+:",
+                            before=lambda _: bed.netbed.choke("h2", "h1"), settle_s=1.0)
+    out = loss.out
+    assert loss.returncode == 0, out[-6000:]
     default = ("[launch] ps.replicas: each server's committed state is mirrored on another host (its servers span 2 "
                "hosts)")
     assert (default in out) == (not asked) and "ps.mirror_every = 16 (from 2 workers" in out, out[:3000]
@@ -118,10 +91,7 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
         key=lambda r: r["rank"])
     assert len(results) == 2 and results[0]["params"] == results[1]["params"]
     assert results[0]["params"] == _reference(optimizer_on, optimizer)
-    deadline = time.monotonic() + 15
-    while left := [p for host in ("launcher", "h1", "h2") for p in bed.left_on(host, JOB_PROCESS)]:
-        assert time.monotonic() < deadline, f"processes of the job still run: {left}"
-        time.sleep(0.2)
+    wait_gone(bed, ("launcher", "h1", "h2"), JOB_PROCESS)
     # this job's files only (the reference job, and tests running beside this one, have their own)
     tag = re.search(r"/dev/shm/sluice-state-([0-9a-f]+)-server-0-like files", out)
     assert tag is not None and not list(Path("/dev/shm").glob(f"sluice-state-{tag.group(1)}-*")), out[:3000]
