@@ -123,8 +123,8 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
         workers = sum(1 for p in plan.layout.processes if p.role == "worker")
     elif workers is None:
         return error("-w N (or -np N) is required: how many workers to start on this machine")
-    if config.ps.recover and (args.aggregators or not config.ps.sync):
-        return error("ps.recover works with synchronous servers (ps.sync = true) and no aggregators (-a 0)")
+    if config.ps.recover and not config.ps.sync:
+        return error("ps.recover works with synchronous servers (ps.sync = true): turn ps.recover off, or ps.sync on")
     elastic = None
     if args.elastic or args.host_discovery_script:  # horovodrun: a discovery script makes the job elastic
         try:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from sluice.ps.relay import Relay
 from sluice.ps.role import Reply, Role
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.hierarchy.routes import parse_routing
+from sluice.scheduler.recovery import mirror_rounds
+from sluice.scheduler.resend import Answered, parse_server_back
 from sluice.transport.prometheus import Readings
-from sluice.transport.wire import Kind, Message, WireError, meta_field
+from sluice.transport.wire import Flag, Kind, Message, WireError, meta_field
 
 
 class Aggregator(Role):
@@ -17,6 +21,9 @@ class Aggregator(Role):
     def __init__(self, env: NodeEnv) -> None:
         super().__init__(env)
         self.relay = Relay(env.name, env.workers, alloc=self.transport.alloc)
+        ps = env.section("ps")  # validated by the launcher (ps/config.py)
+        if int(ps.get("replicas", 0)) > 0:  # a server taking over a lost host's shard may be rounds behind
+            self.relay.kept = Answered(mirror_rounds(int(ps.get("mirror_every", 0))))
 
     def handle(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
         return self.relay.handle(peer, channel, msg, now)
@@ -48,6 +55,18 @@ class Aggregator(Role):
             self.log.info("aggregator %d: routing epoch %d, %d trees", self.control.rank, routing.epoch,
                           len(routing.trees))
             self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch)
+        elif msg.kind == Kind.SERVER_BACK:  # ps.recover: a server was replaced; what it owes this one goes again
+            back = parse_server_back(msg, self.relay.tables.server_names)
+            self.control.peers = [dataclasses.replace(p, endpoints=back.endpoints) if p.name == back.name else p
+                                  for p in self.control.peers]
+            self.transport.replace_peer(back.name, back.endpoints)
+            again = self.relay.server_back(back.rank)
+            replays = sum(bool(push.flags & Flag.REPLAY) for _, _, push in again)
+            self.log.warning("aggregator %d: server %d was replaced; sending it again %d unanswered pushes%s",
+                             self.control.rank, back.rank, len(again) - replays,
+                             f" after {replays} answered ones (ps.replicas)" if replays else "")
+            for to, channel, push in again:
+                self.transport.send(to, channel, push)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
 

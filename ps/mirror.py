@@ -8,7 +8,7 @@ in rank order on another host), which writes it into a state file of the same fo
 (`every`) rounds, each chunk at its own phase, and a reply of round R is held here until the holder
 acknowledged round R - every: no reply waits for its own round's MIRROR, what a worker has seen is
 at most `every` rounds ahead of the holder's copy, and every worker keeps its pushes of that many
-answered rounds (worker/resend.py) to replay to a holder that takes over, which redoes those rounds
+answered rounds (scheduler/resend.py) to replay to a holder that takes over, which redoes those rounds
 from the same pushes, bit-identically. With one replica, chain replication and primary-backup are
 the same thing (the chain is primary -> holder).
 
@@ -150,7 +150,7 @@ class MirrorSender:
         new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
         made = self._made.get(key)
         if not (force or new_bcast or made is None or self._due(key, chunk.round, made)):
-            return  # the workers keep their pushes since the last (worker/resend.py), to redo them from it
+            return  # the workers keep their pushes since the last (scheduler/resend.py), to redo them from it
         if new_bcast:
             self._bcast_sent[key] = chunk.bcast_version
         stepped = self._grads.pop(key, None)

@@ -140,11 +140,6 @@ def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_D
             "ps.recover needs ps.sync = true: an asynchronous server applies each push as it comes, so a "
             "replacement could not tell a re-sent push from a new one; turn ps.recover or ps.sync off"
         )
-    if env.aggregators:
-        raise SluiceError(
-            "ps.recover does not work with aggregators (-a) yet: an aggregator would have to forward its sums "
-            "again to a restarted server; run without -a or turn ps.recover off"
-        )
     if not env.secret:
         raise SluiceError("ps.recover needs the job secret (transport.curve on, or sluice launch)")
     if env.rank < 0:

@@ -8,6 +8,9 @@ lists its ranks). The sum is taken in rank order (ps/ranked_sum.py) and forwarde
 parent: an aggregator of a higher level, or the server that owns the chunk. Each chunk travels
 alone, so while chunk k's reply is fanned down, chunk k+1 is still being gathered: the tree is
 pipelined chunk by chunk. Forwarded pushes and replies keep the children's priority and channel.
+With ps.recover a forwarded push is kept until its reply, and sent again (RESEND) to a server that
+replaced a dead one (`server_back`); with ps.replicas the pushes of the last ps.mirror_every
+answered rounds are kept too (`kept`) and replayed first (scheduler/resend.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 from sluice.ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
 from sluice.ps.relay_tables import Tables, TreeView
 from sluice.ps.store import Reply, push_ranks
+from sluice.scheduler.resend import Answered, resent
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, WireError, brief
 
@@ -43,6 +47,8 @@ class _Round:
     children: list[_Child] = field(default_factory=list)
     opt: Any = None
     forwarded: bool = False
+    #: the push forwarded up, until its reply (ps.recover: sent again to a server that replaced a dead one)
+    sent: Message | None = None
 
 
 @dataclass
@@ -51,6 +57,10 @@ class _Buffers:
     out: np.ndarray  # the sum in the storage dtype, for bfloat16 (else the sum's own array)
     reply: np.ndarray
     last_round: int = 0
+    #: the optimizer settings last forwarded: a push sent again to a replaced server carries them
+    opt: Any = None
+    #: the channel the last push went up on (pushes sent again to a replaced server take it)
+    channel: int = 0
 
 
 class Relay:
@@ -63,6 +73,8 @@ class Relay:
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._spare = SparePool()
         self.departed: list[int] = []
+        #: ps.replicas: the pushes sent to servers in the last mirror_every answered rounds of each chunk
+        self.kept: Answered | None = None
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: str, channel: int, msg: Message, now: float = 0.0) -> list[Reply]:
@@ -130,14 +142,15 @@ class Relay:
         if state.view.parent_is_aggregator:
             meta["route"] = list(state.route)
         if state.opt is not None:
-            meta["opt"] = state.opt
+            meta["opt"] = buffers.opt = state.opt
         wants = any(c.wants_value for c in state.children)
         priority = min(c.priority for c in state.children)
         parent = self.tables.parent_peer(state.view, msg.key, msg.chunk)
-        return (parent, state.children[0].channel, Message(
-            Kind.PUSH, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=state.round, priority=priority,
-            dtype=msg.dtype, shape=buffers.out.shape, payload=buffers.out,
-            flags=Flag.WANT_REPLY if wants else Flag.NONE, meta=meta))
+        state.sent = Message(Kind.PUSH, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=state.round,
+                             priority=priority, dtype=msg.dtype, shape=buffers.out.shape, payload=buffers.out,
+                             flags=Flag.WANT_REPLY if wants else Flag.NONE, meta=meta)
+        buffers.channel = state.children[0].channel
+        return (parent, buffers.channel, state.sent)
 
     def _reply(self, peer: str, msg: Message) -> list[Reply]:
         at = (msg.key, msg.chunk)
@@ -151,6 +164,8 @@ class Relay:
             error = msg.meta.get("error") if msg.meta else None
             return self._fail(at, state, error if isinstance(error, str) else "the parent refused the round")
         buffers = self._buffers[at]
+        if self.kept is not None and state.sent is not None and not state.view.parent_is_aggregator:
+            self.kept.keep(self.tables.chunk(msg.key, msg.chunk)[2], state.sent)  # before the next round's sum
         if msg.payload is not None:
             if msg.dtype != self.tables.chunk(msg.key, msg.chunk)[1] or msg.shape != buffers.reply.shape:
                 raise WireError(f"reply for key {msg.key} chunk {msg.chunk} carries {msg.dtype}{list(msg.shape)}")
@@ -188,6 +203,19 @@ class Relay:
         return buffers
 
     # ------------------------------------------------------------------ job events
+    def server_back(self, rank: int) -> list[Reply]:
+        """Server `rank` replaced a dead one (ps.recover): the pushes of answered rounds kept for it (ps.replicas),
+        oldest first, then every push forwarded to it and not answered, marked RESEND."""
+        server = self.tables.server_names[rank]
+        out: list[Reply] = [(server, self._buffers[m.key, m.chunk].channel, m)
+                            for m in (self.kept.replays(rank) if self.kept is not None else [])]
+        for (key, chunk), state in self._rounds.items():
+            if (state.forwarded and state.sent is not None and not state.view.parent_is_aggregator
+                    and self.tables.chunk(key, chunk)[2] == rank):
+                buffers = self._buffers[key, chunk]
+                out.append((server, buffers.channel, resent(state.sent, buffers.opt)))
+        return out
+
     def worker_left(self, rank: int) -> list[Reply]:
         """Worker `rank` said goodbye: every round here still waiting for it fails now, naming it."""
         if type(rank) is not int or not 0 <= rank < self.workers:

@@ -5,7 +5,7 @@ job secret and that name, so nobody else can claim it). When it registers again 
 the scheduler welcomes it with its old node id and rank, sends it again every PLAN the dead one got,
 in order (it restores each chunk's committed state from its state file, ps/snapshot.py, before it
 acknowledges), and once it acknowledged them all tells the workers SERVER_BACK with its new
-endpoints, on which they re-send what the dead one left unanswered (worker/resend.py). No worker
+endpoints, on which they re-send what the dead one left unanswered (scheduler/resend.py). No worker
 talks to the replacement before it knows its chunks: the same rule as a declaration's. While a
 server is silent, the job waits ps.recover_timeout beyond the heartbeat timeout for its replacement
 before it fails naming it.

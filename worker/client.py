@@ -25,13 +25,13 @@ from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
 from sluice.scheduler.recovery import mirror_rounds
+from sluice.scheduler.resend import Answered, ServerBack, direct, outstanding, parse_server_back, resent
 from sluice.transport.config import LOCAL_ENDPOINTS
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, meta_field
 from sluice.worker.calibrate import Calibrator
 from sluice.worker.handle import Handle
 from sluice.worker.job_priority import JobLevel, JobsConfig
-from sluice.worker.resend import Answered, ServerBack, outstanding, parse_server_back, resent
 from sluice.worker.routing import Router
 from sluice.worker.tensors import Pending, Tensor, TensorDecl, chunk_sizes, parse_plan
 
@@ -329,7 +329,8 @@ class Client:
                 op.handle._fail(f"server sent {msg.dtype}{list(msg.shape)} for a {op.dtype}{list(op.out.shape)} chunk")
                 return
             np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
-        if self._answered is not None and op.request is not None and op.request.kind == Kind.PUSH:
+        if self._answered is not None and op.request is not None and op.request.kind == Kind.PUSH \
+                and direct(op.request):  # (one up a tree is in its aggregator's sum, which the aggregator keeps)
             self._answered.keep(op.server, op.request)  # before the caller may change the array
         if (trace := self._node.trace) is not None:
             trace.replied(msg.key, msg.round)
@@ -361,7 +362,7 @@ class Client:
 
     def _server_back(self, back: ServerBack) -> None:
         """A dead server's replacement is ready (ps.recover): connect to it and send it again every
-        request it owes an answer to (worker/resend.py), on the I/O thread."""
+        request it owes an answer to (scheduler/resend.py), on the I/O thread."""
         self.control.peers = [dataclasses.replace(p, endpoints=back.endpoints) if p.name == back.name else p
                               for p in self.control.peers]
         self.transport.replace_peer(back.name, back.endpoints)

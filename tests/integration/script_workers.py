@@ -34,10 +34,10 @@ def run_script(path: str, *args: str) -> str:
 
 
 def script_outputs(workers: int, servers: int, config: dict[str, Any], path: Path | str, *args: str,
-                   timeout: float = 90) -> list[str]:
+                   timeout: float = 90, aggregators: int = 0) -> list[str]:
     """What each worker of a LocalCluster running the script printed, by rank; every process exited 0. The
     processes get every section of the config, defaults filled in, as `sluice launch` hands it over."""
-    with LocalCluster(workers, servers, SluiceConfig.from_sections(config).to_sections()) as cluster:
+    with LocalCluster(workers, servers, SluiceConfig.from_sections(config).to_sections(), aggregators) as cluster:
         printed = cluster.run(run_script, str(path), *args, timeout=timeout)
-        assert cluster.wait() == [0] * (1 + servers + workers)
+        assert cluster.wait() == [0] * (1 + servers + aggregators + workers)
     return list(printed)

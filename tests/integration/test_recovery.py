@@ -2,10 +2,13 @@
 
 Worker 0 kills server 0 in step 10, right after its backward pass (pushes in flight, some rounds
 committed on the server, some not). The launcher restarts the server; it restores its committed
-state (ps/snapshot.py); the workers send it again what it had not answered (worker/resend.py). The
+state (ps/snapshot.py); the workers send it again what it had not answered (scheduler/resend.py). The
 job must end with exactly the parameters of the same job without the kill, in sum mode (the
-optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments). That job,
-the reference, runs the same script and settings in workers forked from the test (script_workers.py).
+optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments). The
+momentum job runs 3 workers through an aggregator: in one tree workers 0 and 1 push to it, in the
+other workers 1 and 2, the third pushing straight to the servers; the aggregator sends its sums
+again (ps/relay.py `server_back`), the direct pushes their workers. The reference runs the same
+script and settings (aggregator and trees too) in processes forked from the test (script_workers.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,42 +33,56 @@ def _script_args(optimizer: str, kill_at: int) -> list[str]:
     return ["--steps", "20", "--optimizer", optimizer, "--hidden", "256", "--kill-server-at", str(kill_at)]
 
 
-def _train(optimizer: str, where: str, kill_at: int, *sets: str) -> tuple[list[float], str]:
+#: two trees over 3 workers (half the chunks each): workers 0 and 1, then 1 and 2, through aggregator 0
+TREES = ("0.5: worker-0>aggregator-0 worker-1>aggregator-0", "0.5: worker-1>aggregator-0 worker-2>aggregator-0")
+
+
+def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: int) -> tuple[list[float], str]:
     # every tensor through the servers (collective.mode = auto would allreduce small ones among the
     # workers), in chunks of 4 KiB: every tensor, fused or not, has chunks on both servers. The in-flight
     # bound is set as well (what calibration chooses here): calibrating it with 4 KiB probes takes seconds
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "collective.mode=ps",
-            "--set", "ps.recover=true", "--set", f"worker.optimizer_on={where}", "--set", "transport.chunk_bytes=4096",
-            "--set", f"transport.inflight_bytes={INFLIGHT}", *(f"--set={s}" for s in sets), "--", sys.executable,
-            SCRIPT, *_script_args(optimizer, kill_at)]
+    trees = ["aggregation.mode=static", "aggregation.trees=" + ",".join(TREES)] if aggregators else []
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(workers), "-s", "2", "-a", str(aggregators),
+            "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", f"worker.optimizer_on={where}",
+            "--set", "transport.chunk_bytes=4096", "--set", f"transport.inflight_bytes={INFLIGHT}",
+            *(f"--set={s}" for s in trees), "--", sys.executable, SCRIPT, *_script_args(optimizer, kill_at)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", done.stdout, re.M)]
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"], output[-3000:]
+    assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results), output[-3000:]
     return list(results[0]["params"]), output
 
 
-def _reference(optimizer: str, where: str) -> list[float]:
+def _reference(optimizer: str, where: str, workers: int, aggregators: int) -> list[float]:
     """The same job (script, settings) without the kill, in forked workers: nothing in it for the launcher to do."""
-    config = {"collective": {"mode": "ps"}, "ps": {"recover": True}, "worker": {"optimizer_on": where},
-              "transport": {"chunk_bytes": 4096, "inflight_bytes": INFLIGHT}}
-    printed = "".join(script_outputs(2, 2, config, ROOT / SCRIPT, *_script_args(optimizer, -1), timeout=120))
+    config: dict[str, Any] = {"collective": {"mode": "ps"}, "ps": {"recover": True},
+                              "worker": {"optimizer_on": where},
+                              "transport": {"chunk_bytes": 4096, "inflight_bytes": INFLIGHT}}
+    if aggregators:
+        config["aggregation"] = {"mode": "static", "trees": list(TREES)}
+    printed = "".join(script_outputs(workers, 2, config, ROOT / SCRIPT, *_script_args(optimizer, -1), timeout=120,
+                                     aggregators=aggregators))
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"], printed[-3000:]
+    assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results), printed[-3000:]
     return list(results[0]["params"])
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("optimizer", "where"), [("sgd", "worker"), ("sgd", "server"), ("adam", "server")],
-                         ids=["sum-mode", "server-momentum", "server-adam"])
-def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimizer: str, where: str) -> None:
-    reference = _reference(optimizer, where)
-    recovered, output = _train(optimizer, where, 10)
+@pytest.mark.parametrize(("optimizer", "where", "workers", "aggregators"),
+                         [("sgd", "worker", 2, 0), ("sgd", "server", 3, 1), ("adam", "server", 2, 0)],
+                         ids=["sum-mode", "server-momentum-through-an-aggregator", "server-adam"])
+def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimizer: str, where: str, workers: int,
+                                                                         aggregators: int) -> None:
+    reference = _reference(optimizer, where, workers, aggregators)
+    recovered, output = _train(optimizer, where, 10, workers, aggregators)
     assert "killed server 0" in output
     assert re.search(r"sluice launch: server 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at most 3 "
                      r"restarts\)", output), output[-4000:]
     assert "is back: telling the workers its endpoints" in output
+    if aggregators:
+        assert re.search(r"aggregator 0: server 0 was replaced; sending it again \d+ unanswered pushes", output), \
+            output[-4000:]
     assert recovered == reference
 
 

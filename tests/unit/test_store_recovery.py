@@ -241,9 +241,6 @@ def node_env(secret: bytes, **ps: Any) -> NodeEnv:
 def test_open_recovery_refuses_what_it_cannot_recover(tmp_path: Path) -> None:
     with pytest.raises(SluiceError, match=r"ps\.recover needs ps\.sync = true"):
         open_recovery(node_env(b"s" * 32), ServerConfig(sync=False, recover=True), str(tmp_path))
-    with pytest.raises(SluiceError, match=r"aggregators \(-a\)"):
-        open_recovery(NodeEnv("tcp://127.0.0.1:1", "server", 0, WORKERS, 1, {}, b"s" * 32, aggregators=1),
-                      ServerConfig(recover=True), str(tmp_path))
     with pytest.raises(SluiceError, match=r"ps.recover needs the job secret \(transport.curve on, or sluice launch\)"):
         open_recovery(node_env(b""), ServerConfig(recover=True), str(tmp_path))
     recovery = open_recovery(node_env(b"s" * 32), ServerConfig(recover=True), str(tmp_path))
@@ -277,10 +274,10 @@ def test_a_holder_three_rounds_behind_redoes_them_from_replays_in_any_order(tmp_
 
 
 def test_a_worker_replays_the_pushes_it_was_answered_for_as_they_were_sent() -> None:
-    """worker/resend.py Answered: copies (the caller's array changes after the reply), the newest `depth` per chunk,
+    """scheduler/resend.py Answered: copies (the caller's array changes after the reply), the newest `depth` per chunk,
     only to the server each went to, marked RESEND | REPLAY, never asking for a reply, and through the wire intact."""
+    from sluice.scheduler.resend import Answered
     from sluice.transport.wire import decode, encode
-    from sluice.worker.resend import Answered
 
     answered, caller = Answered(depth=2), np.array(gradient(0, 3), np.float32)
     answered.keep(1, push(0, 1))
@@ -303,7 +300,7 @@ def test_a_worker_replays_the_pushes_it_was_answered_for_as_they_were_sent() -> 
 def test_a_worker_says_once_when_its_kept_pushes_pass_their_share_of_memory(caplog: pytest.LogCaptureFixture) -> None:
     """Answered counts the bytes of its copies (buffers reused, so a chunk's depth of them at most) and warns once,
     naming ps.mirror_every, when they pass the limit (here 40 bytes: 3 copies of a 16-byte chunk)."""
-    from sluice.worker.resend import Answered, host_memory
+    from sluice.scheduler.resend import Answered, host_memory
 
     answered = Answered(depth=3, warn_bytes=40)
     with caplog.at_level(logging.WARNING, logger="sluice.worker"):

@@ -1,16 +1,20 @@
-"""What a worker sends again to a server that replaced a dead one (ps.recover; pure).
+"""What a worker or an aggregator sends again to a server that replaced a dead one (ps.recover; pure).
 
-Every operation a worker starts keeps the request it sent for each chunk until that chunk is
-answered; its payload is a view of the caller's array, which must not change until the handle
-completes (Client.alloc's rule), so it still holds the bytes first sent. When the scheduler says
-SERVER_BACK, the requests of every unanswered chunk the dead server owned go to its replacement
-again, marked RESEND: the replacement restored the rounds it had committed (ps/snapshot.py) and
-answers a re-sent push of such a round without applying it twice.
+Every push a node sends straight to a server (a worker's own, or an aggregator's sum of its subtree)
+is kept until that chunk is answered; a worker's payload is a view of the caller's array, which must
+not change until the handle completes (Client.alloc's rule), and an aggregator's is its sum buffer,
+which the chunk's next round overwrites only after this one's reply: both still hold the bytes first
+sent. When the scheduler says SERVER_BACK, every unanswered push to the dead server goes to its
+replacement again, marked RESEND: the replacement restored the rounds it had committed
+(ps/snapshot.py) and answers a re-sent push of such a round without applying it twice. A worker's
+push that went up an aggregation tree is the aggregator's to send again, inside its sum.
 
 With ps.replicas the server that takes over a lost host's shard may hold its state up to
-ps.mirror_every rounds behind what this worker was answered (ps/mirror.py), and the caller's arrays
-may have changed since: so each chunk's pushes of that many rounds are kept, copied (`Answered`), and
-replayed (RESEND | REPLAY) first, oldest first.
+ps.mirror_every rounds behind what was answered (ps/mirror.py), and the arrays may have changed
+since: so each sender keeps its pushes of that many answered rounds per chunk, copied (`Answered`),
+and replays them (RESEND | REPLAY) first, oldest first. The server gets the pieces of each round it
+redoes exactly as it first did (the same senders, the same sums), so its rank-ordered sum comes out
+bit-identical.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class ServerBack:
 
 
 def parse_server_back(msg: Message, server_names: Sequence[str]) -> ServerBack:
-    """The scheduler's SERVER_BACK, checked against the servers this worker knows."""
+    """The scheduler's SERVER_BACK, checked against the servers this node knows."""
     rank, name = meta_field(msg, "rank", int), meta_field(msg, "name", str)
     endpoints = meta_field(msg, "endpoints", list)
     if not 0 <= rank < len(server_names) or server_names[rank] != name:
@@ -57,13 +61,18 @@ def resent(request: Message, opt: dict[str, Any] | None) -> Message:
     return dataclasses.replace(request, flags=request.flags | Flag.RESEND, meta=meta or None, shm=None)
 
 
+def direct(request: Message) -> bool:
+    """Whether `request` went straight to its server, not up an aggregation tree (meta `route`)."""
+    return not (request.meta and "route" in request.meta)
+
+
 def outstanding(requests: Iterable[tuple[int, Message | None]], server: int) -> list[Message]:
-    """The requests still unanswered that went to `server`, each once (an operation may wait on a
+    """The requests still unanswered that went straight to `server`, each once (an operation may wait on a
     chunk under several handles, e.g. a push_pull and a pull of the same round)."""
     seen: set[int] = set()
     out = []
     for owner, request in requests:
-        if owner == server and request is not None and id(request) not in seen:
+        if owner == server and request is not None and id(request) not in seen and direct(request):
             seen.add(id(request))
             out.append(request)
     return out

@@ -1,0 +1,67 @@
+"""An aggregator's part in server recovery (ps/relay.py `server_back`): what it sends again to a replaced server."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.ps.relay import Relay
+from sluice.scheduler.hierarchy.routes import Routing
+from sluice.scheduler.resend import Answered
+from sluice.transport.wire import Flag, Kind
+from tests.unit.relay_helpers import TWO_LEVEL, new_relay, push, reply, summary, values_of
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _round(relay: Relay, round_: int, chunk: int = 0, base: float = 0.0, opt: dict[str, float] | None = None) -> None:
+    """Workers 0 and 1 push round `round_` of key 7 `chunk` (values base + round and 1): forwarded up."""
+    meta = {"route": [1, 0], **({"opt": opt} if opt else {})}
+    relay.handle("worker-0", 2, push("worker-0", [base + round_] * 4, chunk=chunk, round_=round_, meta=meta))
+    assert len(relay.handle("worker-1", 2, push("worker-1", [1.0] * 4, chunk=chunk, round_=round_))) == 1
+
+
+def test_a_replaced_server_gets_again_the_forwarded_pushes_it_did_not_answer() -> None:
+    relay = new_relay()
+    _round(relay, 1, chunk=0, opt={"lr": 0.1})
+    relay.handle("server-0", 2, reply(round_=1))
+    _round(relay, 2, chunk=0)  # forwarded to server 0, never answered: it died
+    _round(relay, 1, chunk=1)  # server 1's: not server 0's business
+    again = relay.server_back(0)
+    assert summary(again) == [("server-0", 2, Kind.PUSH, 3, 7, 0, 2, 0, Flag.WANT_REPLY | Flag.RESEND, "float32",
+                               (4,), {"ranks": [0, 1], "opt": {"lr": 0.1}})]  # the settings the replacement lacks
+    assert values_of(again[0][2]) == [3.0] * 4
+    assert [m.round for _, _, m in relay.server_back(1)] == [1]
+    # the replacement answers the round from its state: the reply fans down as any other
+    down = relay.handle("server-0", 2, reply(round_=2, values=[9.0] * 4))
+    assert [(peer, m.kind, m.round) for peer, _, m in down] == [("worker-0", Kind.REPLY, 2),
+                                                                ("worker-1", Kind.REPLY, 2)]
+    assert relay.server_back(0) == []
+
+
+def test_with_replicas_the_answered_rounds_kept_are_replayed_first_oldest_first_as_they_were() -> None:
+    relay = new_relay()
+    relay.kept = Answered(2)
+    for round_ in (1, 2, 3):
+        _round(relay, round_, base=10.0)
+        relay.handle("server-0", 2, reply(round_=round_))
+    _round(relay, 4, base=10.0)  # unanswered
+    again = relay.server_back(0)
+    assert [(peer, channel, m.round, m.flags) for peer, channel, m in again] == [
+        ("server-0", 2, 2, Flag.RESEND | Flag.REPLAY), ("server-0", 2, 3, Flag.RESEND | Flag.REPLAY),
+        ("server-0", 2, 4, Flag.RESEND | Flag.WANT_REPLY)]
+    # copies: the sum buffer has held round 4's sum since; each replay carries its own round's
+    assert [values_of(m) for _, _, m in again] == [[13.0] * 4, [14.0] * 4, [15.0] * 4]
+    assert all(m.meta == {"ranks": [0, 1]} for _, _, m in again)
+    assert relay.server_back(1) == []
+
+
+def test_a_middle_aggregator_sends_nothing_again_its_parent_is_an_aggregator() -> None:
+    middle = new_relay("aggregator-1", Routing(1, (TWO_LEVEL,)))
+    middle.kept = Answered(2)
+    middle.handle("worker-1", 0, push("worker-1", [1.0] * 4))
+    up = middle.handle("worker-2", 0, push("worker-2", [1.0] * 4))
+    assert up[0][0] == "aggregator-0"
+    middle.handle("aggregator-0", 0, reply(values=[1.0] * 4, sender=3))
+    middle.handle("worker-1", 0, push("worker-1", [1.0] * 4, round_=2))
+    middle.handle("worker-2", 0, push("worker-2", [1.0] * 4, round_=2))
+    assert middle.server_back(0) == []  # the top aggregator keeps and sends the sums the server had
