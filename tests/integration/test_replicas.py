@@ -9,7 +9,10 @@ it lacks and re-send what it had not answered; the job ends with the parameters 
 the loss, and nothing is left.
 Three jobs: SGD with momentum on the servers and Adam on the servers (their mirrors carry each
 round's gradient, which the holder steps: its copy must come out bit-identical), and the optimizer
-on the workers (the servers sum; the mirror carries the sum).
+on the workers (the servers sum; the mirror carries the sum). The momentum job has 3 workers and an
+aggregator (on h1, as the launcher places it on the first server host): in one tree workers 0 and 1
+push through it, in the other workers 1 and 2; the aggregator replays its sums and re-sends its
+unanswered ones, each worker what it pushed straight to the server.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ ARGS = ["--steps", "60", "--hidden", "256"]
 #: calibration runs
 SETTINGS = {"collective": {"mode": "ps"}, "ps": {"recover": True}, "transport": {"chunk_bytes": 4096,
                                                                                  "inflight_bytes": 16 << 20}}
-#: case -> (worker.optimizer_on, the script's --optimizer)
-CASES = {"momentum-on-servers": ("server", "sgd"), "adam-on-servers": ("server", "adam"),
-         "optimizer-on-workers": ("worker", "sgd")}
+#: case -> (worker.optimizer_on, the script's --optimizer, workers, aggregators)
+CASES = {"momentum-through-an-aggregator": ("server", "sgd", 3, 1), "adam-on-servers": ("server", "adam", 2, 0),
+         "optimizer-on-workers": ("worker", "sgd", 2, 0)}
+#: two trees over 3 workers (half the chunks each): workers 0 and 1, then 1 and 2, through aggregator 0
+TREES = ("0.5: worker-0>aggregator-0 worker-1>aggregator-0", "0.5: worker-1>aggregator-0 worker-2>aggregator-0")
 
 
 @pytest.fixture
@@ -51,12 +56,14 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
         pytest.skip(str(exc))
 
 
-def _reference(optimizer_on: str, optimizer: str) -> list[float]:
-    settings = {**SETTINGS, "worker": {"optimizer_on": optimizer_on}}
-    printed = "".join(script_outputs(2, 2, settings, ROOT / SCRIPT, *ARGS, "--optimizer", optimizer,
-                                     "--kill-server-at", "-1", timeout=120))
+def _reference(optimizer_on: str, optimizer: str, workers: int, aggregators: int) -> list[float]:
+    settings: dict[str, Any] = {**SETTINGS, "worker": {"optimizer_on": optimizer_on}}
+    if aggregators:
+        settings["aggregation"] = {"mode": "static", "trees": list(TREES)}
+    printed = "".join(script_outputs(workers, 2, settings, ROOT / SCRIPT, *ARGS, "--optimizer", optimizer,
+                                     "--kill-server-at", "-1", timeout=120, aggregators=aggregators))
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"], printed[-3000:]
+    assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results), printed[-3000:]
     return list(results[0]["params"])
 
 
@@ -64,14 +71,16 @@ def _reference(optimizer_on: str, optimizer: str) -> list[float]:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", list(CASES))
 def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: SshBed, case: str) -> None:
-    optimizer_on, optimizer = CASES[case]
+    optimizer_on, optimizer, workers, aggregators = CASES[case]
     launcher, h1, h2 = (bed.netbed.hosts[name].address for name in ("launcher", "h1", "h2"))
     # the optimizer-on-workers job takes ps.replicas from the launcher's default: on, as the servers span 2 hosts
     asked = [] if optimizer_on == "worker" else ["ps.recover=true", "ps.replicas=1"]
     sets = ["collective.mode=ps", *asked, f"worker.optimizer_on={optimizer_on}",
             "transport.chunk_bytes=4096", "transport.inflight_bytes=16777216", "worker.metrics_every=10",
-            "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3"]
-    args = ["-H", f"{launcher}:2,{h1}:1,{h2}:1", "-w", "2", "-s", "2", "--server-hosts", f"{h1},{h2}",
+            "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3",
+            *(["aggregation.mode=static", "aggregation.trees=" + ",".join(TREES)] if aggregators else [])]
+    args = ["-H", f"{launcher}:{workers},{h1}:1,{h2}:1", "-w", str(workers), "-s", "2", "-a", str(aggregators),
+            "--server-hosts", f"{h1},{h2}",
             *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--optimizer", optimizer]
     # server 1's MIRRORs stall first: its replies go a round ahead of its holder's copy
     loss = lose_host_in_job(bed, args, "h2", r"^\[worker 0\] .*transport, steps \d+-\d+:",
@@ -80,7 +89,8 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     assert loss.returncode == 0, out[-6000:]
     default = ("[launch] ps.replicas: each server's committed state is mirrored on another host (its servers span 2 "
                "hosts)")
-    assert (default in out) == (not asked) and "ps.mirror_every = 16 (from 2 workers" in out, out[:3000]
+    chosen = {2: 16, 3: 14}[workers]  # ceil(40 / W), at most 16 (scheduler/recovery.py)
+    assert (default in out) == (not asked) and f"ps.mirror_every = {chosen} (from {workers} workers" in out, out[:3000]
     assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
     assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
     assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]
@@ -89,8 +99,11 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     results: list[dict[str, Any]] = sorted(
         (json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", out, re.M)),
         key=lambda r: r["rank"])
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"]
-    assert results[0]["params"] == _reference(optimizer_on, optimizer)
+    if aggregators:
+        assert re.search(r"\[aggregator 0\] .*server 1 was replaced; sending it again \d+ unanswered pushes after "
+                         r"[1-9]\d* answered ones \(ps.replicas\)", out), out[-4000:]
+    assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results)
+    assert results[0]["params"] == _reference(optimizer_on, optimizer, workers, aggregators)
     wait_gone(bed, ("launcher", "h1", "h2"), JOB_PROCESS)
     # this job's files only (the reference job, and tests running beside this one, have their own)
     tag = re.search(r"/dev/shm/sluice-state-([0-9a-f]+)-server-0-like files", out)
