@@ -29,7 +29,7 @@ from sluice.scheduler.recovery import chosen_mirror_every
 from testbed.cluster import LocalCluster
 from testbed.netbed import ready_for
 
-COST_CASES = ("digits-sum", "digits-server-momentum", "digits-server-adam", "large-adam")
+COST_CASES = ("digits-sum", "digits-server-momentum", "digits-server-adam", "digits-aggregated", "large-adam")
 KILL_CASE = "resume-after-kill"
 CASES = (*COST_CASES, KILL_CASE)
 PEER_NAME = "sluice, ps.recover = false"
@@ -48,6 +48,10 @@ it again what it left unanswered. Cases (--cases):
                           momentum on the workers (the servers sum), ms per step
   digits-server-momentum  the same with worker.optimizer_on = server, SGD with momentum
   digits-server-adam      the same with Adam on the servers (two moments per value to copy)
+  digits-aggregated       digits-server-momentum through aggregators: workers in pairs, each pair
+                          pushing to an aggregator, which forwards one sum to the servers
+                          (aggregation.mode = static, one tree); an aggregator keeps and replays
+                          its sums as workers do theirs
   large-adam              bench/priority_training.py's VGG-like model (width {LARGE[0]}, hidden {LARGE[1]}: 8.55 M
                           parameters), Adam on the servers, LW workers x S servers: the most state
                           to copy per round
@@ -162,6 +166,20 @@ class Job:
     warmup: int
     steps: int
     inner: int
+    aggregators: int = 0  # each sums the pushes of two consecutive workers (`aggregation`)
+
+
+def aggregation(job: Job) -> dict[str, Any]:
+    """The [aggregation] section of `job`: one static tree, workers 2i and 2i + 1 under aggregator i."""
+    if not job.aggregators:
+        return {}
+    edges = " ".join(f"worker-{w}>aggregator-{w // 2}" for w in range(min(job.workers, 2 * job.aggregators)))
+    return {"aggregation": {"mode": "static", "trees": [f"1: {edges}"]}}
+
+
+def job_config(job: Job, ps: dict[str, Any]) -> dict[str, Any]:
+    """The sections every process of `job` gets, with `ps` as its ps section."""
+    return {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": ps, **aggregation(job)}
 
 
 def jobs(args: argparse.Namespace) -> dict[str, Job]:
@@ -171,6 +189,7 @@ def jobs(args: argparse.Namespace) -> dict[str, Job]:
         "digits-sum": digits,
         "digits-server-momentum": replace(digits, optimizer_on="server"),
         "digits-server-adam": replace(digits, optimizer="adam", optimizer_on="server"),
+        "digits-aggregated": replace(digits, optimizer_on="server", aggregators=(args.workers + 1) // 2),
         "large-adam": Job("large", "adam", "server", args.large_workers, args.servers, args.batch_size,
                           args.large_warmup, args.large_steps, args.inner),
     }
@@ -226,8 +245,7 @@ def run_cost_job(job: Job, recover: bool, x: torch.Tensor, y: torch.Tensor, time
     ps: dict[str, Any] = {"recover": recover}
     if replicas is not None:
         ps = {**replicas_settings(replicas, mirror_every, job.workers), "mirror_same_host": True}
-    config = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": ps}
-    with LocalCluster(job.workers, job.servers, config) as cluster:
+    with LocalCluster(job.workers, job.servers, job_config(job, ps), job.aggregators) as cluster:
         tag = state_tag(cluster.secret)
         try:
             results = cluster.run(train_worker, job, x, y, tag, timeout=timeout)
@@ -274,8 +292,9 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
     cost = cost_percent(ours.median, peer.median)
     parameters = sum(p.numel() for p in make_model(job).parameters())
     where = "on the workers (servers sum)" if job.optimizer_on == "worker" else "on the servers"
+    aggregated = f" through {job.aggregators} aggregators (2 workers each)" if job.aggregators else ""
     describe = (f"{job.model} model ({parameters / 1e6:.3g} M parameters), {job.workers} workers x {job.servers} "
-                f"servers, batch {job.batch} per worker, collective.mode = ps, "
+                f"servers{aggregated}, batch {job.batch} per worker, collective.mode = ps, "
                 f"{'Adam' if job.optimizer == 'adam' else 'SGD with momentum'} {where}")
     prefix = ("testbed-" if args.testbed else "") + ("bands-" if args.testbed and args.tos_bands else "") \
         + ("replicas-" if args.replicas else "")
@@ -339,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         if not ready_for("recovery --testbed"):
             return 0
         with testbed(args.rate_mbit, args.tos_bands, max(j.servers for j in cost_cases.values()),
-                     max(j.workers for j in cost_cases.values())) as bed:
+                     max(j.workers for j in cost_cases.values()), max(j.aggregators for j in cost_cases.values())
+                     ) as bed:
 
             def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:
                 settings = replicas_settings(replicas, args.mirror_every, job.workers, args.peer_off)

@@ -1,9 +1,9 @@
 """bench/recovery.py's cost cases on the network-namespace testbed: every process on its own host, shaped links.
 
 With `bench/recovery.py --testbed` each job of a cost case runs as separate processes (scheduler,
-servers, workers: testbed/job.py's run_sluice_job) on testbed hosts: the scheduler on an unshaped
-host, each server and each worker on a host of its own whose link is shaped to --rate-mbit both
-ways. So with ps.replicas = 1 a server's mirror crosses two shaped links (its own and its holder's),
+servers, aggregators, workers: testbed/job.py's run_sluice_job) on testbed hosts: the scheduler on
+an unshaped host, each server, aggregator and worker on a host of its own whose link is shaped to
+--rate-mbit both ways. So with ps.replicas = 1 a server's mirror crosses two shaped links (its own and its holder's),
 as between real hosts, and no ps.mirror_same_host is needed. Run as `python -m bench.recovery_testbed
 --worker JOB`, this module is the worker program: it trains the case's job (JSON of bench/recovery.py's
 Job) as a LocalCluster worker does and emits its timings.
@@ -37,26 +37,31 @@ def workers_of(job: Any) -> list[str]:
     return [f"w{i}" for i in range(job.workers)]
 
 
+def aggregators_of(job: Any) -> list[str]:
+    return [f"a{i}" for i in range(job.aggregators)]
+
+
 @contextmanager
-def testbed(rate_mbit: float, tos_bands: bool, servers: int, workers: int) -> Iterator[Netbed]:
-    """A testbed with the hosts of the largest job: sched (unshaped), s0.., w0.. at `rate_mbit` each (with
+def testbed(rate_mbit: float, tos_bands: bool, servers: int, workers: int, aggregators: int = 0) -> Iterator[Netbed]:
+    """A testbed with the hosts of the largest job: sched (unshaped), s0.., w0.., a0.. at `rate_mbit` each (with
     pfifo_fast's ToS bands under the shaper when `tos_bands`)."""
     with Netbed() as bed:
         bed.host(SCHEDULER_HOST)
-        for i in range(servers):
-            bed.host(f"s{i}", rate_mbit, tos_bands)
-        for i in range(workers):
-            bed.host(f"w{i}", rate_mbit, tos_bands)
+        for prefix, count in (("s", servers), ("w", workers), ("a", aggregators)):
+            for i in range(count):
+                bed.host(f"{prefix}{i}", rate_mbit, tos_bands)
         yield bed
 
 
 def run_testbed_job(bed: Netbed, job: Any, ps: dict[str, Any], timeout: float,
                     verbose: bool = False) -> list[float]:
     """One job of `job` (bench/recovery.py's Job) with these ps settings: ms per step of each timed repetition."""
-    config = {"collective": {"mode": "ps"}, "worker": {"optimizer_on": job.optimizer_on}, "ps": ps}
+    from bench.recovery import job_config
+
     argv = [sys.executable, "-m", "bench.recovery_testbed", "--worker", json.dumps(asdict(job))]
-    results = run_sluice_job(bed, SCHEDULER_HOST, servers_of(job), workers_of(job), config, argv, timeout=timeout,
-                             env={"OMP_NUM_THREADS": "1"}, echo=verbose)
+    results = run_sluice_job(bed, SCHEDULER_HOST, servers_of(job), workers_of(job), job_config(job, ps), argv,
+                             timeout=timeout, env={"OMP_NUM_THREADS": "1"}, echo=verbose,
+                             aggregators=aggregators_of(job))
     return [s / job.steps * 1000 for s in results[0]["seconds"]]
 
 

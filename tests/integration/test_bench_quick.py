@@ -19,7 +19,7 @@ from testbed.bench_runs import requires_testbed, run_script
                                     # the cost cases share one path (test_recovery.py covers each optimizer)
                                     "bench/recovery.py --cases digits-server-adam resume-after-kill",
                                     # ps.replicas 1 against 0, each process on its own testbed host
-                                    pytest.param("bench/recovery.py --replicas --testbed --cases digits-server-adam",
+                                    pytest.param("bench/recovery.py --replicas --testbed --cases digits-aggregated",
                                                  marks=requires_testbed),
                                     "bench/zvc.py", "bench/offload.py", "bench/pipeline.py", "bench/mirror_cost.py",
                                     "bench/replace_worker.py",
