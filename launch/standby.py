@@ -16,15 +16,11 @@ from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 
 
-def standby_wanted(config: SluiceConfig, plan: ClusterPlan | None, aggregators: int) -> bool:
-    """Whether the job gets a standby scheduler: scheduler.standby, or (-1) when the job spans several hosts.
-    Not with aggregators: their routing epochs are not rebuilt from the nodes (ValueError if asked for)."""
+def standby_wanted(config: SluiceConfig, plan: ClusterPlan | None) -> bool:
+    """Whether the job gets a standby scheduler: scheduler.standby, or (-1) when the job spans several hosts."""
     wanted = config.scheduler.standby
-    if wanted == 1 and aggregators:
-        raise ValueError("scheduler.standby = 1 is not built for jobs with aggregators (their routing epochs are "
-                         "not rebuilt by a standby); set scheduler.standby = 0 or run without aggregators")
     if wanted == -1:
-        return aggregators == 0 and plan is not None and any(plan.is_remote(p.host) for p in plan.layout.processes)
+        return plan is not None and any(plan.is_remote(p.host) for p in plan.layout.processes)
     return wanted == 1
 
 

@@ -144,11 +144,7 @@ class Job(Ending):
         except MasterPortError as exc:
             self.complain(str(exc))
             return 2
-        try:
-            wanted = standby_wanted(self.config, self.plan, self.aggregators)
-        except ValueError as exc:
-            self.complain(str(exc))
-            return 2
+        wanted = standby_wanted(self.config, self.plan)
         # the standby (scheduler.standby) starts beside the scheduler, on another host when there is one; the
         # roles there then outlive the launcher's host (not under srun: SLURM ends a step whose srun is gone)
         self.spawner.outlive = wanted and self.plan is not None and self.plan.reach.method == "ssh" \

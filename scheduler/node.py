@@ -168,6 +168,8 @@ class ControlClient:
                 self.recall.answered(key)
 
     def send(self, kind: Kind, **meta: Any) -> None:
+        with self._cond:
+            self.recall.sent(kind, meta)
         self._send(kind, **meta)
 
     def wait_for(self, key: Hashable, timeout: float, what: str) -> Message:
@@ -221,7 +223,7 @@ class ControlClient:
         elif msg.kind == Kind.TIMELINE_ACK:
             self._put((Kind.TIMELINE_ACK, meta_field(msg, "seq", int)), msg)
         else:
-            if msg.kind == Kind.BYE:
+            if msg.kind in (Kind.BYE, Kind.ROUTES, Kind.COMMIT):
                 with self._cond:
                     self.recall.on_message(msg)
             self._on_other(msg)

@@ -5,8 +5,10 @@ every node sends it a REJOIN saying who it is and what it was told (scheduler/st
 standby replays that. What is told is small and already on every node: its id, rank and endpoints;
 for a worker, each declaration it saw planned (in the scheduler's planning order, with the key the
 servers know it by, and the tensors it declared), the job's limits, the workers the scheduler said
-had left, the barriers released lately; and the requests still waiting for an answer, sent again
-once the standby has taken over. Rebuilding from the nodes costs nothing while the scheduler lives,
+had left, the barriers released lately; for a worker or an aggregator, the last switch of aggregation
+trees it was told of (ROUTES, the rounds a worker answered, the COMMIT: a standby finishes a switch the
+scheduler left open, scheduler/hierarchy/switch.py); and the requests still waiting for an answer, sent
+again once the standby has taken over. Rebuilding from the nodes costs nothing while the scheduler lives,
 where replicating its state would add a round trip to every declaration and barrier.
 """
 
@@ -36,6 +38,11 @@ class Recall:
     released: deque[str] = field(default_factory=lambda: deque(maxlen=RELEASED_KEPT))
     #: requests not answered yet, by the key their answer is filed under: (kind, meta) to send again
     pending: dict[Hashable, tuple[Kind, dict[str, Any]]] = field(default_factory=dict)
+    #: the last ROUTES' routing, as sent (scheduler/hierarchy/routes.py), the rounds this node answered it
+    #: with, and the last COMMIT's [epoch, rounds]
+    routes: Any = None
+    routes_acked: Any = None
+    committed: Any = None
 
     def asked(self, key: Hashable, kind: Kind, meta: dict[str, Any]) -> None:
         self.pending[key] = (kind, meta)
@@ -63,9 +70,19 @@ class Recall:
             self.gone.add(meta["rank"])
         elif msg.kind == Kind.RELEASE and type(meta.get("name")) is str:
             self.released.append(meta["name"])
+        elif msg.kind == Kind.ROUTES:
+            self.routes, self.routes_acked = meta.get("routes"), None
+        elif msg.kind == Kind.COMMIT:
+            self.committed = [meta.get("epoch"), meta.get("rounds")]
+
+    def sent(self, kind: Kind, meta: dict[str, Any]) -> None:
+        """What this node told the scheduler that a standby needs: its answer to the last ROUTES."""
+        if kind == Kind.ROUTES_ACK:
+            self.routes_acked = meta.get("rounds", [])
 
     def rejoin_meta(self, role: str, rank: int, node_id: int, endpoints: Sequence[str], pid: int,
                     fingerprint: str) -> dict[str, Any]:
         return {"role": role, "rank": rank, "node_id": node_id, "endpoints": list(endpoints), "pid": pid,
                 "fingerprint": fingerprint, "declarations": self.declarations, "limits": self.limits,
-                "gone": sorted(self.gone), "released": list(self.released)}
+                "gone": sorted(self.gone), "released": list(self.released),
+                "routing": {"routes": self.routes, "acked": self.routes_acked, "committed": self.committed}}

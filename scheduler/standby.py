@@ -5,7 +5,8 @@ standby waits for each member of the job, but the workers some node was told had
 `wait` seconds after the first REJOIN; then the rendezvous (scheduler/rendezvous.py) rebuilds
 itself from them: the members with the ids and ranks they had, the declarations replayed in the order
 the scheduler planned them (the partition is deterministic, so the plans, loads and keys come out
-the same), the limits, the workers gone, the barriers released.
+the same), the limits, the workers gone, the barriers released, and the aggregation trees' routing
+epoch, finishing a switch the scheduler left open (scheduler/hierarchy/switch.py `RouteSwitch.resume`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.scheduler.bootstrap import node_name
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.declaration import parse_limits
+from sluice.scheduler.hierarchy.switch import Told, parse_told
 from sluice.scheduler.members import Node, address_book
 from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 
@@ -39,6 +41,8 @@ class Rejoin:
     limits: Limits | None
     gone: frozenset[int]
     released: frozenset[str]
+    #: what it was told of the last switch of aggregation trees
+    told: Told
 
 
 def _ints(raw: object, what: str, bound: int) -> list[int]:
@@ -75,7 +79,8 @@ def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes:
         raise WireError(f"a REJOIN's released barriers must be names, got {brief(released)}")
     return Rejoin(role, rank, node_id, list(endpoints), meta_field(msg, "pid", int), declarations,
                   parse_limits(limits_raw) if limits_raw is not None else None,
-                  frozenset(_ints(meta_field(msg, "gone", list), "gone workers", workers)), frozenset(released))
+                  frozenset(_ints(meta_field(msg, "gone", list), "gone workers", workers)), frozenset(released),
+                  parse_told((msg.meta or {}).get("routing")))
 
 
 class Takeover:
@@ -148,14 +153,25 @@ def take_over(machine: Rendezvous, now: float) -> list[Out]:
     machine.notes.append(f"took over from the silent scheduler: {len(machine.nodes)} nodes rejoined, {replayed} "
                          f"declarations replayed, workers gone before: {sorted(takeover.gone()) or 'none'}")
     book = address_book(sorted(machine.nodes.values(), key=lambda n: n.node_id))
-    return [(n.name, machine._msg(Kind.WELCOME, node_id=n.node_id, rank=n.rank, role=n.role, nodes=book,
-                                  rejoined=True)) for n in machine.nodes.values()]
+    welcomes: list[Out] = [(n.name, machine._msg(Kind.WELCOME, node_id=n.node_id, rank=n.rank, role=n.role,
+                                                 nodes=book, rejoined=True)) for n in machine.nodes.values()]
+    try:
+        switching = machine.switch.resume(
+            {name: r.told for name, r in takeover.rejoins.items()},
+            [n.name for n in machine._of_role("worker")], [n.name for n in machine._of_role("aggregator")],
+            [node_name("worker", rank) for rank in takeover.gone()])
+    except WireError as exc:
+        return machine._fail(f"the standby scheduler cannot rebuild the aggregation trees from the nodes: {exc}")
+    if machine.switch.epoch:
+        machine.notes.append(f"aggregation trees at routing epoch {machine.switch.epoch}"
+                             f"{'; finishing the switch to it' if switching else ''}")
+    return welcomes + switching
 
 
 def _replay(machine: Rendezvous, takeover: Takeover) -> int:
     """Plan again, in the scheduler's order, every declaration some worker saw planned; what it would send
     is not sent (the nodes have it), but the workers' PLAN is kept for a worker that asks again."""
-    servers, count = machine._of_role("server"), 0
+    servers, count = machine._of_role("server") + machine._of_role("aggregator"), 0  # each PLAN's acknowledgers
     for key, seq, ranks, tables in takeover.declarations():
         members = list(range(machine.workers)) if ranks is None else ranks
         if ranks is not None:

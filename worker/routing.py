@@ -54,7 +54,11 @@ class Router:
         self._chunks.extend(sorted(chunks))
 
     def begin(self, routing: Routing, aggregators: set[str]) -> None:
-        """ROUTES: the trees to switch to, once COMMIT says from which rounds (WireError if they cannot be)."""
+        """ROUTES: the trees to switch to, once COMMIT says from which rounds (WireError if they cannot be). The
+        same trees again (a standby scheduler finishing the switch, scheduler/hierarchy/switch.py) are answered
+        again."""
+        if self.pending is not None and self.pending == routing:
+            return
         if self.pending is not None or (self._epochs and routing.epoch <= self._epochs[-1].routing.epoch):
             raise WireError(f"ROUTES for epoch {routing.epoch} while another switch is open or it is not newer")
         strangers = {t.parent(self.name) for t in routing.trees} - aggregators - {SERVERS}

@@ -16,14 +16,24 @@ other worker used for it; a round at or above the switch round was held until CO
 sent it on the old trees. Rounds of one tensor are at most one apart across workers (a round
 completes only when every worker pushed it), so at most three epochs are ever in use at once.
 A worker that leaves during a switch counts as having answered with nothing.
+
+A standby scheduler that takes over (scheduler/standby.py) rebuilds this from what each node was told
+of the last switch (`Told`: its ROUTES, a worker's answer, the COMMIT; scheduler/rejoin.py) and goes
+on from the newest epoch E (`resume`): when some worker has E's COMMIT, every worker had answered, and
+the others get the same COMMIT; when an aggregator lacks E, no worker was told of it, and the
+aggregators that lack it are told again; else the workers' answers are kept, the workers without one
+are told E (again: a worker told the same trees again answers again, worker/routing.py), and the
+COMMIT follows. A proposal the standby made before taking over is dropped: the job runs on trees
+already, and a re-plan proposes anew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from sluice.scheduler.hierarchy.routes import Route, Routing
+from sluice.scheduler.hierarchy.routes import Route, Routing, parse_routing
 from sluice.transport.wire import Kind, Message, WireError, brief
 
 Out = tuple[str, Message]
@@ -42,6 +52,30 @@ def parse_rounds(raw: object) -> list[tuple[int, int]]:
             raise WireError(f"a round entry must be [key, round], got {brief(item)}")
         pairs.append((item[0], item[1]))
     return pairs
+
+
+@dataclass(frozen=True)
+class Told:
+    """What one node was told of the last switch: its ROUTES, its answer (a worker's rounds), the COMMIT."""
+
+    routes: Routing | None = None
+    acked: list[tuple[int, int]] | None = None
+    committed: tuple[int, list[tuple[int, int]]] | None = None
+
+
+def parse_told(raw: object) -> Told:
+    """A REJOIN's `routing` {routes, acked, committed} (None: told nothing), each part checked (WireError)."""
+    if raw is None:
+        return Told()
+    if type(raw) is not dict or set(raw) != {"routes", "acked", "committed"}:
+        raise WireError(f"a REJOIN's routing must be {{routes, acked, committed}}, got {brief(raw)}")
+    committed: Any = raw["committed"]
+    if committed is not None:
+        if type(committed) is not list or len(committed) != 2 or type(committed[0]) is not int:
+            raise WireError(f"a REJOIN's last COMMIT must be [epoch, rounds], got {brief(committed)}")
+        committed = (committed[0], parse_rounds(committed[1]))
+    return Told(None if raw["routes"] is None else parse_routing(raw["routes"]),
+                None if raw["acked"] is None else parse_rounds(raw["acked"]), committed)
 
 
 @dataclass
@@ -101,6 +135,41 @@ class RouteSwitch:
             return []
         switch.waiting_workers.discard(name)
         return self._commit(switch) if not switch.waiting_workers and not switch.waiting_aggregators else []
+
+    def resume(self, told: Mapping[str, Told], workers: Sequence[str], aggregators: Sequence[str],
+               gone: Sequence[str]) -> list[Out]:
+        """A standby's takeover: this switch rebuilt from what each member was `told`; the messages that finish
+        a switch left open (or that start the standby's own first one when no node was told of trees)."""
+        self.workers, self.aggregators, self.started, self._gone = list(workers), list(aggregators), True, set(gone)
+        routes = {name: t.routes for name, t in told.items() if t.routes is not None}
+        if not routes:
+            return self._next()
+        newest = max(routes.values(), key=lambda r: r.epoch)
+        has = {name for name, r in routes.items() if r.epoch == newest.epoch}
+        if any(routes[name] != newest for name in has):
+            raise WireError(f"the nodes were told different trees for routing epoch {newest.epoch}")
+        self.epoch, self._queued = newest.epoch, None
+        live = [w for w in workers if w not in self._gone]
+        done = [c for name in has if (c := told[name].committed) is not None and c[0] == newest.epoch]
+        if done:  # every worker had answered: the COMMIT was on its way
+            self.current = newest
+            commit = _message(Kind.COMMIT, epoch=newest.epoch, rounds=[list(pair) for pair in done[0][1]])
+            return [(w, commit) for w in live if w in has and (told[w].committed or (0,))[0] != newest.epoch]
+        lacking = {a for a in aggregators if a not in has}
+        switch = self._switch = _Switch(newest, lacking)
+        if lacking:  # no worker was told yet: step 1 again, for the aggregators that missed it
+            message = _message(Kind.ROUTES, routes=newest.encode())
+            return [(a, message) for a in sorted(lacking)]
+        for name in live:
+            acked = told[name].acked if name in has else None
+            if acked is None:
+                switch.waiting_workers.add(name)
+            for key, round_ in acked or ():
+                switch.last_rounds[key] = max(round_, switch.last_rounds.get(key, 0))
+        if not switch.waiting_workers:
+            return self._commit(switch)
+        message = _message(Kind.ROUTES, routes=newest.encode())
+        return [(name, message) for name in sorted(switch.waiting_workers)]
 
     def _next(self) -> list[Out]:
         if self._queued is None:

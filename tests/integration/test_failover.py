@@ -1,10 +1,11 @@
 """scheduler.standby: the scheduler is killed mid-training; the nodes rejoin the standby, which takes the job over.
 
-A local launch of 2 workers and 2 servers (the optimizer on the servers) whose worker 0 SIGKILLs the
-scheduler in step 5. The nodes find it silent after scheduler.heartbeat_timeout, rejoin the standby
-with what they were told (scheduler/standby.py), and train on; after training one more tensor is
-declared, which the standby plans; the workers' goodbyes end the job under the standby. The job ends
-with the parameters of the same job without the kill, and leaves nothing running.
+A local launch of 3 workers, 2 servers (the optimizer on the servers) and an aggregator (two static
+trees) whose worker 0 SIGKILLs the scheduler in step 5. The nodes find it silent after
+scheduler.heartbeat_timeout, rejoin the standby with what they were told (scheduler/standby.py), and
+train on; after training one more tensor is declared, which the standby plans; the workers' goodbyes
+end the job under the standby. The job ends with the parameters of the same job without the kill,
+and leaves nothing running.
 """
 
 from __future__ import annotations
@@ -38,29 +39,37 @@ def _results(printed: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: r["rank"])
 
 
+#: the scheduler-kill job's trees: workers 0 and 1 through aggregator 0 for half the chunks, 1 and 2 for the rest
+TREES = ("0.5: worker-0>aggregator-0 worker-1>aggregator-0", "0.5: worker-1>aggregator-0 worker-2>aggregator-0")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_identical() -> None:
-    reference = _results("".join(script_outputs(2, 2, SETTINGS, ROOT / SCRIPT, *ARGS, timeout=90)))
+    """3 workers, 2 servers and an aggregator of two static trees: the standby rebuilds the routing epoch too."""
+    aggregation = {"aggregation": {"mode": "static", "trees": list(TREES)}}
+    reference = _results("".join(script_outputs(3, 2, SETTINGS | aggregation, ROOT / SCRIPT, *ARGS, timeout=90,
+                                                aggregators=1)))
     sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
             "transport.inflight_bytes=4194304", "scheduler.standby=1", "scheduler.heartbeat_interval=0.5",
-            "scheduler.heartbeat_timeout=2"]
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", *(f"--set={s}" for s in sets),
-            "--", sys.executable, SCRIPT, *ARGS, "--kill-scheduler-at", "5"]
+            "scheduler.heartbeat_timeout=2", "aggregation.mode=static", "aggregation.trees=" + ",".join(TREES)]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
+            *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--kill-scheduler-at", "5"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert "standby scheduler ready at tcp://127.0.0.1:" in out and "killed the scheduler" in out
     assert re.search(r"sluice launch: scheduler \(pid \d+\) was killed by SIGKILL; the nodes rejoin the standby "
                      r"scheduler \(pid \d+\)", out), out[-4000:]
-    assert len(re.findall(r"has not answered heartbeats for [\d.]+ s; rejoining the standby scheduler", out)) == 4
-    assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler: 4 nodes rejoined, "
+    assert len(re.findall(r"has not answered heartbeats for [\d.]+ s; rejoining the standby scheduler", out)) == 6
+    assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler: 6 nodes rejoined, "
                      r"1 declarations replayed", out), out[-4000:]
+    assert re.search(r"\[standby scheduler\] .*aggregation trees at routing epoch 1\n", out), out[-4000:]
     assert "[standby scheduler] INFO sluice.scheduler: all workers finished; job done" in out
     assert "job failed" not in out and "rejected" not in out.replace("0 messages rejected", "")
     results = _results(done.stdout)
-    assert len(results) == 2 and results[0]["params"] == results[1]["params"] == reference[0]["params"]
-    assert results[0]["after"] == results[1]["after"] == [0.5] * 5  # declared and planned under the standby
+    assert len(results) == 3 and all(r["params"] == reference[0]["params"] for r in results)
+    assert all(r["after"] == [1.0] * 5 for r in results)  # the mean rank, declared and planned under the standby
     left = subprocess.run(["pgrep", "-f", f"{SCRIPT} {' '.join(ARGS)} --kill-scheduler-at"], capture_output=True)
     assert left.returncode == 1, left.stdout
 

@@ -557,12 +557,14 @@ def test_chunks_declared_after_the_commit_are_assigned_as_if_declared_at_once() 
     assert {at: router.route(*at, 1) for at in full} == {at: (2, tree, parents[tree]) for at, tree in full.items()}
 
 
-def test_begin_twice_without_commit_is_refused() -> None:
+def test_begin_twice_without_commit_is_refused_unless_the_same_trees_come_again() -> None:
     router = Router(W0)
     router.begin(EPOCH1, AGG)
     with pytest.raises(WireError, match="another switch is open"):
         router.begin(EPOCH2, AGG)
     assert router.pending == EPOCH1
+    router.begin(EPOCH1, AGG)  # a standby scheduler finishing the switch: answered again
+    assert router.pending == EPOCH1 and router.commit(1, []) == sorted({t.parent(W0) for t in EPOCH1.trees} - {SERVERS})
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
