@@ -22,6 +22,7 @@ from sluice.launch.output import ChildOutput
 from sluice.launch.run_options import OutputOptions
 from sluice.scheduler import culprit
 from sluice.scheduler.new_place import Place, write_place
+from sluice.scheduler.recovery import parse_silent
 from sluice.transport.shm import remove_segments_of
 
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
@@ -108,6 +109,10 @@ class Child:
         self.ended_at: float | None = None
         self.culprit: tuple[float, culprit.Culprit] | None = None
         self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        #: a scheduler's: told the rank of each server it says fell silent (SLUICE_SERVER_SILENT)
+        self.on_silent: Callable[[int], None] | None = None
+        #: its host was found lost (launch/takeover.py): its session, killed, counts as failed
+        self.host_lost = False
         streams = [(proc.stdout, "stdout"), (proc.stderr, "stderr")]
         self.pump = asyncio.gather(*(self._pump(pipe, name) for pipe, name in streams if pipe is not None))
         self.done = asyncio.create_task(self._wait())
@@ -154,10 +159,14 @@ class Child:
                 self.ready.set_result(text[len(READY_PREFIX) :].strip())
             if self.culprit is None and (named := culprit.parse(text)) is not None:
                 self.culprit = (time.monotonic(), named)
+            if self.on_silent is not None and (silent := parse_silent(text)) is not None:
+                self.on_silent(silent)
         self.output.write(stream, lines)
 
     async def _wait(self) -> int:
         code = await self.proc.wait()
+        if self.host_lost:
+            code = SSH_FAILED
         if self.host is not None and 128 < code <= 128 + 64 and not (self.via == "ssh" and code == SSH_FAILED):
             code = 128 - code  # launch/remote.py reports a role killed by signal N as 128 + N
         self._returncode = code

@@ -24,7 +24,7 @@ from sluice.launch.output import launcher_lines
 from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
 from sluice.launch.standby import Schedulers, standby_host, standby_wanted
-from sluice.launch.takeover import Takeovers
+from sluice.launch.takeover import PROBE_S, Takeovers, host_answers
 from sluice.ps.mirror_links import ENV_TAKEOVER
 from sluice.ps.snapshot import remove_state_files, state_path, state_tag
 from sluice.scheduler.bootstrap import new_secret
@@ -62,6 +62,8 @@ class Job(Ending):
         self.endpoint = ""  # the scheduler's, once it announced it
         self.restarts = 0  # servers restarted (ps.recover)
         self.takeovers = Takeovers(config, plan, servers)  # servers moved off a lost host (ps.replicas)
+        self.probing: set[str] = set()  # hosts being checked after a server there fell silent
+        self.probes: set[asyncio.Task[None]] = set()
         self.schedulers: Schedulers | None = None  # the scheduler and its standby, once started
 
     def busiest_host(self) -> int:
@@ -165,6 +167,8 @@ class Job(Ending):
             self.spawner.standby = standby.ready.result()
             self.say(f"standby scheduler ready at {self.spawner.standby}")
         self.schedulers = Schedulers(sched, standby)
+        for child in (sched, standby) if standby is not None else (sched,):
+            child.on_silent = self._server_silent
         aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
                  f"{_count(self.workers, 'worker')}{aggregators}")
@@ -276,6 +280,33 @@ class Job(Ending):
         except OSError as exc:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None
+
+    def _server_silent(self, rank: int) -> None:
+        """The scheduler says server `rank` fell silent: with ps.replicas, check at once whether its host (reached
+        over ssh) still answers, rather than wait for ssh to find the session dead."""
+        server = next((c for c in self.children if c.role == "server" and c.rank == rank and not c.done.done()), None)
+        if (server is None or server.host is None or server.via != "ssh" or self.plan is None
+                or not self.config.ps.mirrored or server.host in self.probing):
+            return
+        self.probing.add(server.host)
+        self.probes.add(task := asyncio.create_task(self._probe(server.host, rank)))
+        task.add_done_callback(self.probes.discard)
+
+    async def _probe(self, host: str, rank: int) -> None:
+        assert self.plan is not None
+        address, port = self.plan.address(host), self.plan.reach.ssh_port or 22
+        try:
+            if await host_answers(address, port):
+                return
+        finally:
+            self.probing.discard(host)
+        self.complain(f"server {rank} is silent and its host {address} does not answer on port {port} within "
+                      f"{PROBE_S:g} s: taking the host as lost")
+        for child in self.children:
+            if child.host == host and child.via == "ssh" and not child.done.done():
+                child.host_lost = True
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
 
     def state_items(self) -> list[str]:
         """The job's state in /dev/shm on each host, as launch/janitor.py names it."""

@@ -1,7 +1,14 @@
-"""Where the launcher starts a server whose host was lost (ps.replicas): on the host that holds its mirror."""
+"""Where the launcher starts a server whose host was lost (ps.replicas): on the host that holds its mirror.
+
+A host is lost when a session to it fails (ssh notices a silent peer after ServerAliveInterval x
+ServerAliveCountMax, 15 s), or sooner: when the scheduler says a server fell silent
+(SLUICE_SERVER_SILENT, after scheduler.heartbeat_timeout) and the server's host does not answer a TCP
+connection to its ssh port within PROBE_S (`host_answers`); a refused connection is an answer.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from sluice.launch.children import SSH_FAILED, Child
@@ -37,6 +44,22 @@ def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, aggregators: i
                 f"ps.mirror_every = {ps.mirror_every} (from {workers} workers: each keeps that many copies of its "
                 "gradients to replay)")
     return replace(config, ps=ps), said
+
+
+#: how long a silent server's host has to answer on its ssh port
+PROBE_S = 2.0
+
+
+async def host_answers(address: str, port: int, timeout: float = PROBE_S) -> bool:
+    """Whether `address` answers a TCP connection to `port` within `timeout` (accepted or refused)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(address, port), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    return True
 
 
 class Takeovers:

@@ -13,7 +13,9 @@ before it fails naming it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -131,3 +133,20 @@ class ServerRecovery:
         return Message(Kind.SERVER_BACK, sender=0, meta={
             "node_id": node_id, "rank": rank, "name": name, "endpoints": endpoints,
             "incarnation": self.incarnations.get(name, 0)})
+
+
+#: the line the scheduler prints when a server falls silent: the launcher checks whether its host still answers
+SILENT_PREFIX = "SLUICE_SERVER_SILENT "
+_SILENT_LINE = re.compile(rf"^{SILENT_PREFIX}(\d+)$")
+
+
+def report_silent(rank: int) -> None:
+    """Say on stdout that server `rank` fell silent (its launcher may find its host lost before ssh does)."""
+    with contextlib.suppress(OSError, ValueError):  # no stdout left: the launcher learns it from ssh
+        print(f"{SILENT_PREFIX}{rank}", flush=True)
+
+
+def parse_silent(text: str) -> int | None:
+    """The server rank a line of the scheduler's output says is silent; None for any other line."""
+    match = _SILENT_LINE.match(text) if text.startswith(SILENT_PREFIX) else None
+    return int(match.group(1)) if match is not None else None

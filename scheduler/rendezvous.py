@@ -55,6 +55,8 @@ class Rendezvous:
         self.recovery = recovery or ServerRecovery()
         #: the switch to new aggregation trees between rounds (scheduler/hierarchy/switch.py)
         self.switch = RouteSwitch()
+        #: ranks of servers that fell silent since the caller last looked (it tells the launcher, and clears it)
+        self.silent_servers: list[int] = []
         #: each node's latest network report (scheduler/hierarchy/agent.py), by node name
         self.net_reports: dict[str, Report] = {}
         #: each worker's latest job-priority report (level, bytes pushed, rounds), for the job registry
@@ -163,6 +165,7 @@ class Rendezvous:
                     )
                 if name not in self.recovery.silent:
                     self.recovery.silent.add(name)
+                    self.silent_servers.append(node.rank)
                     self.notes.append(f"{node.describe()} is silent; waiting up to {patience:g} s for its replacement")
         return []
 

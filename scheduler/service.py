@@ -17,7 +17,7 @@ from sluice.scheduler.hierarchy.manager import tree_source
 from sluice.scheduler.hierarchy.placement import NodeAt
 from sluice.scheduler.jobs_registry import Registry
 from sluice.scheduler.node import endpoint_host
-from sluice.scheduler.recovery import ServerRecovery
+from sluice.scheduler.recovery import ServerRecovery, report_silent
 from sluice.scheduler.rendezvous import Out, Rendezvous
 from sluice.scheduler.standby_watch import SchedulerWatch, standby_patience
 from sluice.scheduler.timeline_parts import TIMEOUT_S, Gatherer
@@ -153,6 +153,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             for note in machine.notes:
                 log.info("%s", note)
             machine.notes.clear()
+            for rank in machine.silent_servers:  # after its note: the launcher may act on it at once
+                report_silent(rank)
+            machine.silent_servers.clear()
             if was == "registering" and machine.phase == "running":
                 log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             if was == "standby" and machine.phase == "running":  # this standby took over: it is the scheduler now

@@ -32,11 +32,11 @@ class HostLoss:
 
 def lose_host_in_job(bed: SshBed, args: Sequence[str], host: str, trains: str, *, start_s: float = 60.0,
                      settle_s: float = 0.0, before: Callable[[str], None] | None = None,
-                     ended: Callable[[], bool] | None = None, end_s: float = 60.0) -> HostLoss:
+                     ended: Callable[[], bool] | None = None, end_s: float = 60.0, silent: bool = False) -> HostLoss:
     """`sluice launch ARGS` (with the bed's ssh options) in the launcher host; once a line matches the regular
     expression `trains` (within `start_s`), `before(output so far)` is called, `settle_s` waited, and `host` lost. Then
     until the launcher exits (or, given `ended`, until `ended()` holds: the launcher may be on the lost host),
-    within `end_s`; the host comes back in any case. A job
+    within `end_s`; the host comes back in any case. `silent`: see SshBed.lose_host. A job
     that does not train or does not end raises AssertionError with its output."""
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), *args]
     job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -60,7 +60,7 @@ def lose_host_in_job(bed: SshBed, args: Sequence[str], host: str, trains: str, *
             before("".join(lines))
         time.sleep(settle_s)
         lost_at = time.time()
-        bed.lose_host(host)
+        bed.lose_host(host, silent)
         deadline = time.monotonic() + end_s
         while not (ended() if ended is not None else job.poll() is not None):
             if time.monotonic() > deadline:

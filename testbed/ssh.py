@@ -116,15 +116,19 @@ class SshBed:
                                 f"{probe.stdout.strip()}\nsshd log:\n{log}")
                 time.sleep(0.2)
 
-    def lose_host(self, host: str) -> None:
+    def lose_host(self, host: str, silent: bool = False) -> None:
         """Take `host` away as a power loss would: every process in its namespace SIGKILLed (its sshd and
         sessions too), what they kept in /dev/shm gone with them (the bed's hosts share this machine's),
-        then its link down. `restore_link` brings the link back for the next test."""
+        then its link down. `silent`: the link down first, so that not even the kernel's closing of the
+        killed processes' connections gets out (a peer hears nothing, as from a host whose power went);
+        else those connections end at once. `restore_link` brings the link back for the next test."""
         import signal
 
         from sluice.transport.shm import remove_segments_of
 
         netns = self.netbed.hosts[host].netns
+        if silent:
+            subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
         pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True,
                               timeout=10).stdout.split()
         for pid in pids:
@@ -135,7 +139,8 @@ class SshBed:
             while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
             remove_segments_of(int(pid))
-        subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
+        if not silent:
+            subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
 
     def restore_link(self, host: str) -> None:
         """`host` back after lose_host: its link up and, on an ssh host, a new sshd (the old one was killed)."""

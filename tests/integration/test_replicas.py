@@ -3,7 +3,9 @@
 The launcher host runs the scheduler and both workers; server 0 runs on h1 and server 1 on h2, each
 mirroring its committed state on the other's host (ps/mirror.py). Every process in h2's namespace is
 killed (its sshd and the ssh session too, so the launcher sees the session fail) and its link set
-down; just before, what h2 sends to h1 is stalled, so the mirror there is a round behind what the workers
+down (for the job of the launcher's default, the link first: the loss is silent, and the launcher
+takes the host as lost when the scheduler says server 1 fell silent and h2 does not answer); just
+before, what h2 sends to h1 is stalled, so the mirror there is a round behind what the workers
 were answered. The launcher starts server 1 on h1 from the mirror there; the workers replay the pushes
 it lacks and re-send what it had not answered; the job ends with the parameters of the same job without
 the loss, and nothing is left.
@@ -83,8 +85,11 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
             "--server-hosts", f"{h1},{h2}",
             *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--optimizer", optimizer]
     # server 1's MIRRORs stall first: its replies go a round ahead of its holder's copy
+    # the job of the launcher's default loses its host silently (link down first: no connection of it is closed),
+    # so the launcher learns of it from the scheduler's word and its probe of the host, not from ssh
+    silent = not asked
     loss = lose_host_in_job(bed, args, "h2", r"^\[worker 0\] .*transport, steps \d+-\d+:",
-                            before=lambda _: bed.netbed.choke("h2", "h1"), settle_s=1.0)
+                            before=lambda _: bed.netbed.choke("h2", "h1"), settle_s=1.0, silent=silent)
     out = loss.out
     assert loss.returncode == 0, out[-6000:]
     default = ("[launch] ps.replicas: each server's committed state is mirrored on another host (its servers span 2 "
@@ -92,6 +97,8 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     chosen = {2: 16, 3: 14}[workers]  # ceil(40 / W), at most 16 (scheduler/recovery.py)
     assert (default in out) == (not asked) and f"ps.mirror_every = {chosen} (from {workers} workers" in out, out[:3000]
     assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
+    probed = f"server 1 is silent and its host {h2} does not answer on port 22 within 2 s: taking the host as lost"
+    assert (probed in out) == silent, out[-4000:]
     assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
     assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]
     assert re.search(r"\[server 1\] .*server 1: took \d+ replayed pushes of rounds its state was behind", out), \
