@@ -109,8 +109,8 @@ class Child:
         self.ended_at: float | None = None
         self.culprit: tuple[float, culprit.Culprit] | None = None
         self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        #: a scheduler's: told the rank of each server it says fell silent (SLUICE_SERVER_SILENT)
-        self.on_silent: Callable[[int], None] | None = None
+        #: a scheduler's: told the role and rank of each node it says fell silent (SLUICE_NODE_SILENT)
+        self.on_silent: Callable[[str, int], None] | None = None
         #: its host was found lost (launch/takeover.py): its session, killed, counts as failed
         self.host_lost = False
         streams = [(proc.stdout, "stdout"), (proc.stderr, "stderr")]
@@ -160,7 +160,7 @@ class Child:
             if self.culprit is None and (named := culprit.parse(text)) is not None:
                 self.culprit = (time.monotonic(), named)
             if self.on_silent is not None and (silent := parse_silent(text)) is not None:
-                self.on_silent(silent)
+                self.on_silent(*silent)
         self.output.write(stream, lines)
 
     async def _wait(self) -> int:

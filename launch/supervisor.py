@@ -168,7 +168,7 @@ class Job(Ending):
             self.say(f"standby scheduler ready at {self.spawner.standby}")
         self.schedulers = Schedulers(sched, standby)
         for child in (sched, standby) if standby is not None else (sched,):
-            child.on_silent = self._server_silent
+            child.on_silent = self._node_silent
         aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
                  f"{_count(self.workers, 'worker')}{aggregators}")
@@ -281,18 +281,17 @@ class Job(Ending):
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None
 
-    def _server_silent(self, rank: int) -> None:
-        """The scheduler says server `rank` fell silent: with ps.replicas, check at once whether its host (reached
-        over ssh) still answers, rather than wait for ssh to find the session dead."""
-        server = next((c for c in self.children if c.role == "server" and c.rank == rank and not c.done.done()), None)
-        if (server is None or server.host is None or server.via != "ssh" or self.plan is None
-                or not self.config.ps.mirrored or server.host in self.probing):
+    def _node_silent(self, role: str, rank: int) -> None:
+        """The scheduler says `role` `rank` fell silent: if it runs on another host reached over ssh, check at once
+        whether that host still answers, rather than wait for ssh to find the session dead."""
+        child = next((c for c in self.children if c.role == role and c.rank == rank and not c.done.done()), None)
+        if child is None or child.host is None or child.via != "ssh" or self.plan is None or child.host in self.probing:
             return
-        self.probing.add(server.host)
-        self.probes.add(task := asyncio.create_task(self._probe(server.host, rank)))
+        self.probing.add(child.host)
+        self.probes.add(task := asyncio.create_task(self._probe(child.host, child.label)))
         task.add_done_callback(self.probes.discard)
 
-    async def _probe(self, host: str, rank: int) -> None:
+    async def _probe(self, host: str, label: str) -> None:
         assert self.plan is not None
         address, port = self.plan.address(host), self.plan.reach.ssh_port or 22
         try:
@@ -300,7 +299,7 @@ class Job(Ending):
                 return
         finally:
             self.probing.discard(host)
-        self.complain(f"server {rank} is silent and its host {address} does not answer on port {port} within "
+        self.complain(f"{label} is silent and its host {address} does not answer on port {port} within "
                       f"{PROBE_S:g} s: taking the host as lost")
         for child in self.children:
             if child.host == host and child.via == "ssh" and not child.done.done():

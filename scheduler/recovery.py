@@ -135,18 +135,18 @@ class ServerRecovery:
             "incarnation": self.incarnations.get(name, 0)})
 
 
-#: the line the scheduler prints when a server falls silent: the launcher checks whether its host still answers
-SILENT_PREFIX = "SLUICE_SERVER_SILENT "
-_SILENT_LINE = re.compile(rf"^{SILENT_PREFIX}(\d+)$")
+#: the line the scheduler prints when a node falls silent: the launcher checks whether its host still answers
+SILENT_PREFIX = "SLUICE_NODE_SILENT "
+_SILENT_LINE = re.compile(rf"^{SILENT_PREFIX}(server|worker|aggregator) (\d+)$")
 
 
-def report_silent(rank: int) -> None:
-    """Say on stdout that server `rank` fell silent (its launcher may find its host lost before ssh does)."""
+def report_silent(role: str, rank: int) -> None:
+    """Say on stdout that `role` `rank` fell silent (its launcher may find its host lost before ssh does)."""
     with contextlib.suppress(OSError, ValueError):  # no stdout left: the launcher learns it from ssh
-        print(f"{SILENT_PREFIX}{rank}", flush=True)
+        print(f"{SILENT_PREFIX}{role} {rank}", flush=True)
 
 
-def parse_silent(text: str) -> int | None:
-    """The server rank a line of the scheduler's output says is silent; None for any other line."""
+def parse_silent(text: str) -> tuple[str, int] | None:
+    """The (role, rank) a line of the scheduler's output says is silent; None for any other line."""
     match = _SILENT_LINE.match(text) if text.startswith(SILENT_PREFIX) else None
-    return int(match.group(1)) if match is not None else None
+    return (match.group(1), int(match.group(2))) if match is not None else None

@@ -55,8 +55,9 @@ class Rendezvous:
         self.recovery = recovery or ServerRecovery()
         #: the switch to new aggregation trees between rounds (scheduler/hierarchy/switch.py)
         self.switch = RouteSwitch()
-        #: ranks of servers that fell silent since the caller last looked (it tells the launcher, and clears it)
-        self.silent_servers: list[int] = []
+        #: (role, rank) of the nodes that fell silent since the caller last looked (it tells the launcher, and
+        #: clears it)
+        self.silent_nodes: list[tuple[str, int]] = []
         #: each node's latest network report (scheduler/hierarchy/agent.py), by node name
         self.net_reports: dict[str, Report] = {}
         #: each worker's latest job-priority report (level, bytes pushed, rounds), for the job registry
@@ -158,6 +159,8 @@ class Rendezvous:
                     continue
                 node = self.nodes[name]
                 patience = self.recovery.patience(node.role)
+                if name not in self.recovery.silent:  # the launcher may find its host lost (scheduler/recovery.py)
+                    self.silent_nodes.append((node.role, node.rank))
                 if now - seen > self.config.heartbeat_timeout + patience:
                     waited = f" (nor was it replaced within ps.recover_timeout = {patience:g} s)" if patience else ""
                     return self._fail(
@@ -165,7 +168,6 @@ class Rendezvous:
                     )
                 if name not in self.recovery.silent:
                     self.recovery.silent.add(name)
-                    self.silent_servers.append(node.rank)
                     self.notes.append(f"{node.describe()} is silent; waiting up to {patience:g} s for its replacement")
         return []
 

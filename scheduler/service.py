@@ -153,9 +153,9 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             for note in machine.notes:
                 log.info("%s", note)
             machine.notes.clear()
-            for rank in machine.silent_servers:  # after its note: the launcher may act on it at once
-                report_silent(rank)
-            machine.silent_servers.clear()
+            for role, rank in machine.silent_nodes:  # after its note: the launcher may act on it at once
+                report_silent(role, rank)
+            machine.silent_nodes.clear()
             if was == "registering" and machine.phase == "running":
                 log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             if was == "standby" and machine.phase == "running":  # this standby took over: it is the scheduler now
