@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, BinaryIO, TextIO
 
 from sluice.launch.blame import exit_description
-from sluice.launch.children import Child, Sink, death_signal_hook
+from sluice.launch.children import SSH_FAILED, Child, Sink, death_signal_hook
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 from sluice.launch.ending import Ending
@@ -254,16 +254,27 @@ class Job(Ending):
         return await self._wind_down(roles)
 
     async def _replace(self, dead: Child) -> Child | None:
-        """With ps.recover, start a dead server again under its name (ps/snapshot.py, scheduler/recovery.py),
-        up to ps.max_restarts times in the job; None when it is not to be replaced."""
+        """With ps.recover, start a dead server (ps/snapshot.py, scheduler/recovery.py) or aggregator (on a host
+        still there) again under its name, up to ps.max_restarts times in the job; None when it is not to be
+        replaced."""
         ps = self.config.ps
-        if dead.role != "server" or not ps.recover or self.stopping:
+        if dead.role not in ("server", "aggregator") or not ps.recover or self.stopping \
+                or (dead.role == "aggregator" and dead.returncode == SSH_FAILED):
             return None
         if self.restarts >= ps.max_restarts:
             self.complain(f"{dead.name} {exit_description(dead.returncode or 0)}, and the job already restarted "
                           f"servers {self.restarts} times (ps.max_restarts)")
             return None
         self.restarts += 1
+        if dead.role == "aggregator":
+            self.report(dead, f"; restarting it ({self.restarts} of at most {ps.max_restarts} restarts)")
+            self.children.remove(dead)
+            try:
+                return await self.spawn("aggregator", dead.rank, [sys.executable, "-m", "sluice.launch.cli",
+                                                                  "aggregator"], self.endpoint)
+            except OSError as exc:
+                self.complain(f"cannot restart {dead.label}: {exc}")
+                return None
         moved_to = self.takeovers.host_lost(dead)
         if moved_to is not None:
             self.complain(self.takeovers.describe(dead, moved_to))

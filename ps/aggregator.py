@@ -6,11 +6,11 @@ import dataclasses
 
 from sluice.ps.relay import Relay
 from sluice.ps.role import Reply, Role
-from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.bootstrap import NodeEnv, node_name
 from sluice.scheduler.declaration import parse_limits
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.recovery import mirror_rounds
-from sluice.scheduler.resend import Answered, parse_server_back
+from sluice.scheduler.resend import Answered, parse_back, parse_server_back
 from sluice.transport.prometheus import Readings
 from sluice.transport.wire import Flag, Kind, Message, WireError, meta_field
 
@@ -54,12 +54,16 @@ class Aggregator(Role):
                 self.transport.connect(parent, endpoints[parent])  # a no-op when connected in an earlier epoch
             self.log.info("aggregator %d: routing epoch %d, %d trees", self.control.rank, routing.epoch,
                           len(routing.trees))
-            self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch)
+            if not (msg.meta or {}).get("again"):  # one this replacement holds again (ps.recover) needs no answer
+                self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch)
+        elif msg.kind == Kind.AGGREGATOR_BACK:  # ps.recover: another aggregator was replaced: its parent?
+            back = parse_back(msg, [node_name("aggregator", r) for r in range(self.env.aggregators)])
+            self._moved(back.name, back.endpoints)
+            for to, channel, push in self.relay.parent_back(back.name):
+                self.transport.send(to, channel, push)
         elif msg.kind == Kind.SERVER_BACK:  # ps.recover: a server was replaced; what it owes this one goes again
             back = parse_server_back(msg, self.relay.tables.server_names)
-            self.control.peers = [dataclasses.replace(p, endpoints=back.endpoints) if p.name == back.name else p
-                                  for p in self.control.peers]
-            self.transport.replace_peer(back.name, back.endpoints)
+            self._moved(back.name, back.endpoints)
             again = self.relay.server_back(back.rank)
             replays = sum(bool(push.flags & Flag.REPLAY) for _, _, push in again)
             self.log.warning("aggregator %d: server %d was replaced; sending it again %d unanswered pushes%s",
@@ -69,6 +73,12 @@ class Aggregator(Role):
                 self.transport.send(to, channel, push)
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
+
+    def _moved(self, name: str, endpoints: tuple[str, ...]) -> None:
+        """A peer replaced by a new process: its endpoints from now on (a connection to it is made again)."""
+        self.control.peers = [dataclasses.replace(p, endpoints=endpoints) if p.name == name else p
+                              for p in self.control.peers]
+        self.transport.replace_peer(name, endpoints)
 
     def readings(self) -> Readings:
         readings = super().readings()

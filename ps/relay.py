@@ -49,6 +49,8 @@ class _Round:
     forwarded: bool = False
     #: the push forwarded up, until its reply (ps.recover: sent again to a server that replaced a dead one)
     sent: Message | None = None
+    #: a child sent a push of it again (RESEND: this aggregator replaced a dead one): so is the sum forwarded
+    resent: bool = False
 
 
 @dataclass
@@ -61,6 +63,8 @@ class _Buffers:
     opt: Any = None
     #: the channel the last push went up on (pushes sent again to a replaced server take it)
     channel: int = 0
+    #: whether the last reply fanned down carried the value (in `reply`)
+    replied_value: bool = False
 
 
 class Relay:
@@ -100,6 +104,9 @@ class Relay:
         at = (msg.key, msg.chunk)
         state = self._rounds.get(at)
         buffers = self._buffers.get(at)
+        again = self._sent_again(peer, channel, msg, state, buffers, ranks) if msg.flags & Flag.RESEND else None
+        if again is not None:
+            return again
         if state is None:
             if buffers is not None and msg.round <= buffers.last_round:
                 raise WireError(f"push for round {msg.round} of key {msg.key} chunk {msg.chunk}, which "
@@ -125,6 +132,7 @@ class Relay:
                                          f"complete: worker {departed[0]} has left the job")
         buffers.sum.take(ranks, np.frombuffer(msg.payload, STORAGE[dtype]), self._spare)
         state.pushed.update(ranks)
+        state.resent = state.resent or bool(msg.flags & Flag.RESEND)
         if msg.meta and "opt" in msg.meta and state.opt is None:
             state.opt = msg.meta["opt"]  # the server checks it; every worker sends the same settings
         if len(state.pushed) < len(view.ranks):
@@ -148,7 +156,8 @@ class Relay:
         parent = self.tables.parent_peer(state.view, msg.key, msg.chunk)
         state.sent = Message(Kind.PUSH, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=state.round,
                              priority=priority, dtype=msg.dtype, shape=buffers.out.shape, payload=buffers.out,
-                             flags=Flag.WANT_REPLY if wants else Flag.NONE, meta=meta)
+                             flags=(Flag.WANT_REPLY if wants else Flag.NONE) | (Flag.RESEND if state.resent else 0),
+                             meta=meta)
         buffers.channel = state.children[0].channel
         return (parent, buffers.channel, state.sent)
 
@@ -170,6 +179,7 @@ class Relay:
             if msg.dtype != self.tables.chunk(msg.key, msg.chunk)[1] or msg.shape != buffers.reply.shape:
                 raise WireError(f"reply for key {msg.key} chunk {msg.chunk} carries {msg.dtype}{list(msg.shape)}")
             np.copyto(buffers.reply, np.frombuffer(msg.payload, buffers.reply.dtype))
+        buffers.replied_value = msg.payload is not None
         del self._rounds[at]
         buffers.last_round = state.round
         out = []
@@ -180,6 +190,21 @@ class Relay:
                 priority=child.priority, dtype=msg.dtype if value is not None else "",
                 shape=value.shape if value is not None else (), payload=value)))
         return out
+
+    def _sent_again(self, peer: str, channel: int, msg: Message, state: _Round | None, buffers: _Buffers | None,
+                    ranks: tuple[int, ...]) -> list[Reply] | None:
+        """A child's push sent again (RESEND) after this aggregator's or its parent's replacement: nothing when the
+        first copy is in (its reply goes to the child's name), the reply again when the round ended here, None
+        when it is to be taken as any push."""
+        if state is not None and state.round == msg.round and set(ranks) <= state.pushed:
+            return []
+        if state is None and buffers is not None and msg.round == buffers.last_round:
+            value = buffers.reply if msg.flags & Flag.WANT_REPLY and buffers.replied_value else None
+            return [(peer, channel, Message(
+                Kind.REPLY, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=msg.round, priority=msg.priority,
+                dtype=msg.dtype if value is not None else "", shape=value.shape if value is not None else (),
+                payload=value))]
+        return None
 
     def _fail(self, at: tuple[int, int], state: _Round, error: str) -> list[Reply]:
         """End the round: every child that pushed hears `error`; later pushes of it are refused."""
@@ -203,6 +228,14 @@ class Relay:
         return buffers
 
     # ------------------------------------------------------------------ job events
+    def parent_back(self, parent: str) -> list[Reply]:
+        """Aggregator `parent` replaced a dead one (ps.recover): every push forwarded to it and not answered,
+        marked RESEND."""
+        return [(parent, self._buffers[at].channel, resent(state.sent, self._buffers[at].opt))
+                for at, state in self._rounds.items()
+                if state.forwarded and state.sent is not None and state.view.parent_is_aggregator
+                and state.view.parent == parent]
+
     def server_back(self, rank: int) -> list[Reply]:
         """Server `rank` replaced a dead one (ps.recover): the pushes of answered rounds kept for it (ps.replicas),
         oldest first, then every push forwarded to it and not answered, marked RESEND."""

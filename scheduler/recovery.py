@@ -99,7 +99,8 @@ class ServerRecovery:
         return placed
 
     def sent(self, server: str, plan: Message) -> None:
-        """Remember a PLAN sent to `server` (only with recovery on: plans are small, but not free)."""
+        """Remember a PLAN sent to `server` or an aggregator (only with recovery on: plans are small, but not
+        free)."""
         if self.enabled:
             self.plans.setdefault(server, []).append(plan)
 
@@ -126,11 +127,13 @@ class ServerRecovery:
         return True
 
     def patience(self, role: str) -> float:
-        """Extra seconds a silent node of `role` gets before the job fails (a server's replacement's start)."""
-        return self.timeout if self.enabled and role == "server" else 0.0
+        """Extra seconds a silent node of `role` gets before the job fails (the start of a server's or an
+        aggregator's replacement)."""
+        return self.timeout if self.enabled and role in ("server", "aggregator") else 0.0
 
-    def back(self, node_id: int, rank: int, name: str, endpoints: list[str]) -> Message:
-        return Message(Kind.SERVER_BACK, sender=0, meta={
+    def back(self, node_id: int, rank: int, name: str, endpoints: list[str], role: str = "server") -> Message:
+        kind = Kind.SERVER_BACK if role == "server" else Kind.AGGREGATOR_BACK
+        return Message(kind, sender=0, meta={
             "node_id": node_id, "rank": rank, "name": name, "endpoints": endpoints,
             "incarnation": self.incarnations.get(name, 0)})
 

@@ -28,6 +28,7 @@ from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from sluice.scheduler.members import ROLES, Node, address_book, assign
 from sluice.scheduler.partition import TensorPlan, plan_tensors
 from sluice.scheduler.recovery import ServerRecovery
+from sluice.scheduler.returning import aggregator_returns, node_back, server_returns
 from sluice.scheduler.standby import Takeover, parse_rejoin, take_over
 from sluice.transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
@@ -180,9 +181,11 @@ class Rendezvous:
             # with CURVE the connection's name is the member's authenticated name: this is not that member
             raise WireError(f"REGISTER as {role} {rank_hint} from a connection named {peer!r:.60}")
         returning = self.nodes.get(peer)
-        if self.phase == "running" and returning is not None and returning.role == role == "server" \
-                and self.recovery.enabled:
-            return self._server_returns(returning, msg, now)
+        if self.phase == "running" and returning is not None and returning.role == role and self.recovery.enabled:
+            if role == "server":
+                return server_returns(self, returning, msg, now)
+            if role == "aggregator":
+                return aggregator_returns(self, returning, msg, now)
         if self.phase != "registering" or peer in self.nodes:
             return [(peer, self._msg(Kind.ERROR, error="the job has already formed; registration refused"))]
         if meta_field(msg, "fingerprint", str) != self.fingerprint:
@@ -200,40 +203,6 @@ class Rendezvous:
         if len(self.nodes) < self.workers + self.servers + self.aggregators:
             return []
         return self._assign(now)
-
-    def _server_returns(self, node: Node, msg: Message, now: float) -> list[Out]:
-        """A replaced server registered again (ps.recover): welcome it as before, then re-plan it."""
-        if meta_field(msg, "fingerprint", str) != self.fingerprint:
-            return [(node.name, self._msg(Kind.ERROR, error="the replacement of "
-                                          f"{node.describe()} was started with a different configuration"))]
-        endpoints = meta_field(msg, "endpoints", list)
-        if not endpoints or not all(isinstance(e, str) for e in endpoints):
-            raise WireError("REGISTER endpoints must be a non-empty list of strings for a server")
-        servers = self._of_role("server")
-        holder = self.recovery.took_over(node.rank, [s.endpoints for s in servers], endpoints)
-        node.endpoints, node.pid = endpoints, meta_field(msg, "pid", int)
-        self.last_seen[node.name] = now
-        book = address_book(self.nodes.values())
-        outs = [(node.name, self._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role,
-                                      nodes=book))]
-        if holder is not None:  # ps.replicas: its host was lost; it restores from the mirror there
-            self.notes.append(f"{node.describe()} came back on the host of server {holder}, which held its mirror")
-            outs.append((servers[holder].name, self._msg(Kind.MIRROR_RELEASE, rank=node.rank)))
-        plans = self.recovery.replaced(node.name)
-        self.notes.append(f"{node.describe()} registered again (replacement {self.recovery.incarnations[node.name]});"
-                          f" re-sending its {len(plans)} plans")
-        outs += [(node.name, plan) for plan in plans]
-        if not plans:
-            self.recovery.pending.pop(node.name, None)
-            outs += self._server_back(node)
-        return outs
-
-    def _server_back(self, node: Node) -> list[Out]:
-        self.notes.append(f"{node.describe()} is back: telling the workers its endpoints")
-        back = self.recovery.back(node.node_id, node.rank, node.name, node.endpoints)
-        # ps.replicas: the servers too, as the one restarted may hold or send another's mirror (ps/mirror_links.py)
-        servers = [n for n in self._of_role("server") if n is not node] if self.recovery.replicas else []
-        return [(n.name, back) for n in self._of_role("worker") + self._of_role("aggregator") + servers]
 
     def _assign(self, now: float) -> list[Out]:
         error = assign(self.nodes.values())
@@ -308,14 +277,16 @@ class Rendezvous:
             outs.append((server.name, plan))
         decl.table = worker_table(decl.plans)
         # aggregators learn every chunk (its size and server) before any worker may push one to them
-        outs += [(a.name, self._msg(Kind.PLAN, seq=seq, tensors=decl.table, limits=limits.as_list()))
-                 for a in self._of_role("aggregator")]
+        for aggregator in self._of_role("aggregator"):
+            plan = self._msg(Kind.PLAN, seq=seq, tensors=decl.table, limits=limits.as_list())
+            self.recovery.sent(aggregator.name, plan)
+            outs.append((aggregator.name, plan))
         return outs
 
     def _on_plan_ack(self, node: Node, msg: Message) -> list[Out]:
         seq = meta_field(msg, "seq", int)
         if self.recovery.recovering(node.name):  # a replacement acknowledging a plan sent again
-            outs = self._server_back(node) if self.recovery.acked(node.name, seq) else []
+            outs = node_back(self, node) if self.recovery.acked(node.name, seq) else []
             return outs + (self._on_plan_ack_of(node, seq) if seq in self._declarations else [])
         return self._on_plan_ack_of(node, seq)
 

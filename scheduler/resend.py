@@ -41,15 +41,20 @@ class ServerBack:
     endpoints: tuple[str, ...]
 
 
-def parse_server_back(msg: Message, server_names: Sequence[str]) -> ServerBack:
-    """The scheduler's SERVER_BACK, checked against the servers this node knows."""
+def parse_back(msg: Message, names: Sequence[str]) -> ServerBack:
+    """The scheduler's SERVER_BACK or AGGREGATOR_BACK, checked against `names`, that role's names by rank."""
     rank, name = meta_field(msg, "rank", int), meta_field(msg, "name", str)
     endpoints = meta_field(msg, "endpoints", list)
-    if not 0 <= rank < len(server_names) or server_names[rank] != name:
-        raise WireError(f"SERVER_BACK names {brief(name)} as server {rank}, which is not one of this job's servers")
+    if not 0 <= rank < len(names) or names[rank] != name:
+        raise WireError(f"{msg.kind.name} names {brief(name)} as number {rank}, which is not one of this job's")
     if not endpoints or not all(isinstance(e, str) and e for e in endpoints):
-        raise WireError(f"SERVER_BACK endpoints must be a non-empty list of strings, got {brief(endpoints)}")
+        raise WireError(f"{msg.kind.name} endpoints must be a non-empty list of strings, got {brief(endpoints)}")
     return ServerBack(rank, name, tuple(endpoints))
+
+
+def parse_server_back(msg: Message, server_names: Sequence[str]) -> ServerBack:
+    """The scheduler's SERVER_BACK, checked against the servers this node knows."""
+    return parse_back(msg, server_names)
 
 
 def resent(request: Message, opt: dict[str, Any] | None) -> Message:

@@ -132,6 +132,9 @@ class Kind(IntEnum):
     #: ps.replicas, scheduler -> a holder: server meta `rank` took over from its mirror on this host (its
     #: own host was lost): stop writing that mirror and unlock it for the replacement
     MIRROR_RELEASE = 35
+    #: an aggregator that died was replaced (ps.recover): its new endpoints, to the workers and aggregators,
+    #: which send it again what it had not answered
+    AGGREGATOR_BACK = 36
     #: between workers: the coordinator tree (requests and ready bits up, decisions down)
     COORD_UP = 40
     COORD_DOWN = 41

@@ -10,7 +10,6 @@ aggregation trees and replaced servers.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -20,18 +19,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sluice.errors import SluiceError
+from sluice.scheduler.bootstrap import node_name
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
 from sluice.scheduler.recovery import mirror_rounds
-from sluice.scheduler.resend import Answered, ServerBack, direct, outstanding, parse_server_back, resent
+from sluice.scheduler.resend import Answered, direct, parse_back, parse_server_back
 from sluice.transport.config import LOCAL_ENDPOINTS
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, meta_field
 from sluice.worker.calibrate import Calibrator
 from sluice.worker.handle import Handle
 from sluice.worker.job_priority import JobLevel, JobsConfig
+from sluice.worker.replaced import aggregator_back, server_back
 from sluice.worker.routing import Router
 from sluice.worker.tensors import Pending, Tensor, TensorDecl, chunk_sizes, parse_plan
 
@@ -79,7 +80,8 @@ class Client:
         node.route((Kind.REPLY, Kind.BCAST_REPLY, Kind.ERROR), self._on_reply)
         node.route((Kind.PROBE_REPLY,), self._on_probe_reply)
         node.control_routes.update({Kind.ROUTES: self._on_routes, Kind.COMMIT: self._on_commit,
-                                    Kind.SERVER_BACK: self._on_server_back})
+                                    Kind.SERVER_BACK: self._on_server_back,
+                                    Kind.AGGREGATOR_BACK: self._on_aggregator_back})
         node.add_handler(self)
 
     @property
@@ -358,27 +360,10 @@ class Client:
             self._send_pushes(tensor, pushes, routes, None)
 
     def _on_server_back(self, msg: Message) -> None:
-        self._server_back(parse_server_back(msg, self._server_names))
+        server_back(self, parse_server_back(msg, self._server_names))
 
-    def _server_back(self, back: ServerBack) -> None:
-        """A dead server's replacement is ready (ps.recover): connect to it and send it again every
-        request it owes an answer to (scheduler/resend.py), on the I/O thread."""
-        self.control.peers = [dataclasses.replace(p, endpoints=back.endpoints) if p.name == back.name else p
-                              for p in self.control.peers]
-        self.transport.replace_peer(back.name, back.endpoints)
-        by_key = {t.key: t for t in self._tensors.values()}
-        with self._lock:
-            requests = outstanding(self._pending.requests(), back.rank)
-            again = [(by_key[r.key], resent(r, by_key[r.key].opt_sent)) for r in requests if r.key in by_key]
-            replays = [] if self._answered is None else [  # first: the replacement may be rounds behind
-                (by_key[r.key], r) for r in self._answered.replays(back.rank) if r.key in by_key]
-            for tensor in by_key.values():  # its next push tells the replacement the live settings again
-                if any(server == back.rank for _, _, _, server in tensor.chunks):
-                    tensor.opt_sent = None
-        log.warning("server %d was replaced; sending it again %d unanswered requests%s", back.rank, len(again),
-                    f" after {len(replays)} answered pushes (ps.replicas)" if replays else "")
-        for tensor, msg in replays + again:
-            self.transport.send(back.name, tensor.channel, msg)
+    def _on_aggregator_back(self, msg: Message) -> None:
+        aggregator_back(self, parse_back(msg, [node_name("aggregator", r) for r in range(self._node.env.aggregators)]))
 
     def _fail_round(self, msg: Message) -> None:
         """A server says a round can never complete: fail whatever waits for it, with its words."""

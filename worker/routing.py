@@ -87,6 +87,14 @@ class Router:
                 return epoch.routing.epoch, tree, parent
         return None  # before the first epoch: every worker pushed this round straight to the servers
 
+    def parent(self, epoch: int, tree: int) -> str | None:
+        """This worker's parent in tree `tree` of routing epoch `epoch` (None: not an epoch kept, or the servers)."""
+        for kept in self._epochs:
+            if kept.routing.epoch == epoch and 0 <= tree < len(kept.routing.trees):
+                parent = kept.routing.trees[tree].parent(self.name)
+                return None if parent == SERVERS else parent
+        return None
+
     def _tree(self, epoch: _Epoch, key: int, chunk: int) -> int:
         assignment = epoch.assignment
         tree = assignment.trees.get((key, chunk))

@@ -98,6 +98,8 @@ class RouteSwitch:
     _switch: _Switch | None = None
     _queued: tuple[Route, ...] | None = None
     _gone: set[str] = field(default_factory=set)
+    #: the last committed routings, newest last: rounds of each may still be in flight (at most three)
+    history: list[Routing] = field(default_factory=list)
 
     @property
     def switching(self) -> bool:
@@ -190,7 +192,18 @@ class RouteSwitch:
         message = _message(Kind.ROUTES, routes=switch.routing.encode())
         return [(name, message) for name in sorted(switch.waiting_workers)]
 
+    def installed(self, aggregator: str) -> list[Out]:
+        """A replaced aggregator (ps.recover): the routings it must hold again, oldest first; only an open
+        switch's that it has yet to acknowledge asks for an answer (meta `again` marks the others)."""
+        outs = [(aggregator, _message(Kind.ROUTES, routes=r.encode(), again=True)) for r in self.history]
+        if (switch := self._switch) is not None:
+            again = aggregator not in switch.waiting_aggregators
+            outs.append((aggregator, _message(Kind.ROUTES, routes=switch.routing.encode(),
+                                              **({"again": True} if again else {}))))
+        return outs
+
     def _commit(self, switch: _Switch) -> list[Out]:
+        self.history = [*self.history, switch.routing][-3:]
         self.current, self._switch = switch.routing, None
         rounds = [[key, last + 1] for key, last in sorted(switch.last_rounds.items())]
         message = _message(Kind.COMMIT, epoch=switch.routing.epoch, rounds=rounds)

@@ -65,3 +65,34 @@ def test_a_middle_aggregator_sends_nothing_again_its_parent_is_an_aggregator() -
     middle.handle("worker-1", 0, push("worker-1", [1.0] * 4, round_=2))
     middle.handle("worker-2", 0, push("worker-2", [1.0] * 4, round_=2))
     assert middle.server_back(0) == []  # the top aggregator keeps and sends the sums the server had
+
+
+# ------------------------------------------------------------------------------------------ a replaced aggregator
+def test_a_replaced_aggregator_forwards_pushes_sent_again_marked_so() -> None:
+    fresh = new_relay()  # the replacement: no round seen
+    fresh.handle("worker-0", 2, push("worker-0", [1.0] * 4, round_=7, flags=Flag.WANT_REPLY | Flag.RESEND))
+    up = fresh.handle("worker-1", 2, push("worker-1", [2.0] * 4, round_=7))  # this one had not pushed yet
+    assert [(peer, m.round, m.flags) for peer, _, m in up] == [("server-0", 7, Flag.WANT_REPLY | Flag.RESEND)]
+    assert values_of(up[0][2]) == [3.0] * 4
+
+
+def test_a_push_sent_again_that_is_in_already_changes_nothing_and_a_finished_round_is_answered_again() -> None:
+    top = new_relay("aggregator-0", Routing(1, (TWO_LEVEL,)))
+    top.handle("aggregator-1", 3, push("aggregator-1", [1.0] * 4, ranks=[1, 2]))
+    again = push("aggregator-1", [1.0] * 4, ranks=[1, 2], flags=Flag.WANT_REPLY | Flag.RESEND)
+    assert top.handle("aggregator-1", 3, again) == []  # its reply goes to the name, the replacement now
+    top.handle("worker-0", 1, push("worker-0", [1.0] * 4))
+    top.handle("server-0", 0, reply(values=[6.0] * 4))  # fanned down; aggregator-1 died before it got it
+    out = top.handle("aggregator-1", 3, again)
+    assert [(peer, channel, m.kind, m.round, values_of(m)) for peer, channel, m in out] == [
+        ("aggregator-1", 3, Kind.REPLY, 1, [6.0] * 4)]
+
+
+def test_a_replaced_parent_aggregator_gets_again_what_was_forwarded_to_it_unanswered() -> None:
+    middle = new_relay("aggregator-1", Routing(1, (TWO_LEVEL,)))
+    middle.handle("worker-1", 0, push("worker-1", [1.0] * 4))
+    up = middle.handle("worker-2", 0, push("worker-2", [1.0] * 4))
+    again = middle.parent_back("aggregator-0")
+    assert [(peer, m.round, m.flags, m.meta) for peer, _, m in again] == [
+        ("aggregator-0", 1, Flag.WANT_REPLY | Flag.RESEND, up[0][2].meta)]
+    assert middle.parent_back("aggregator-9") == []

@@ -147,3 +147,37 @@ def test_a_server_back_on_its_holders_host_has_the_holder_release_the_mirror() -
     # a restart on its own host releases nothing: its own file is there
     again = register(machine, "server-0", "server", 0, now=4.0, endpoint="tcp://10.0.0.1:3000")
     assert Kind.MIRROR_RELEASE not in [m.kind for _, m in again]
+
+
+def test_a_replaced_aggregator_gets_its_plans_and_the_routings_in_use_then_is_announced() -> None:
+    from sluice.scheduler.hierarchy.routes import Route, Routing
+
+    machine = Rendezvous(2, 1, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False, aggregators=1,
+                         recovery=ServerRecovery(True, timeout=20.0))
+    register(machine, "server-0", "server", 0)
+    machine.on_message("aggregator-0", msg(Kind.REGISTER, role="aggregator", rank=0, endpoints=["tcp://10.0.0.2:1"],
+                                           pid=7, fingerprint="cfg"), 0.0)
+    for rank in range(2):
+        register(machine, f"worker-{rank}", "worker", rank)
+    trees = (Route(1.0, {"worker-0": "aggregator-0", "worker-1": "aggregator-0"}),)
+    machine.propose_routes(list(trees))
+    machine.on_message("aggregator-0", msg(Kind.ROUTES_ACK, epoch=1), 0.5)
+    for rank in range(2):
+        machine.on_message(f"worker-{rank}", msg(Kind.ROUTES_ACK, epoch=1, rounds=[]), 0.6)
+    first = [m for peer, m in declare(machine, 1, "a") if peer == "aggregator-0"]
+    for node in ("server-0", "aggregator-0"):
+        machine.on_message(node, msg(Kind.PLAN_ACK, seq=1), 1.5)
+    # silent past the heartbeat timeout: with recovery an aggregator is waited for, as a server is
+    assert machine.on_tick(6.0) == [] and machine.phase == "running"
+    outs = machine.on_message("aggregator-0", msg(Kind.REGISTER, role="aggregator", rank=0,
+                                                  endpoints=["tcp://10.0.0.2:2"], pid=8, fingerprint="cfg"), 7.0)
+    assert [(peer, m.kind) for peer, m in outs] == [("aggregator-0", Kind.WELCOME), ("aggregator-0", Kind.PLAN),
+                                                    ("aggregator-0", Kind.ROUTES)]
+    assert outs[1][1].meta == first[0].meta
+    assert outs[2][1].meta == {"routes": Routing(1, trees).encode(), "again": True}
+    back = machine.on_message("aggregator-0", msg(Kind.PLAN_ACK, seq=1), 7.1)
+    assert [(peer, m.kind) for peer, m in back] == [("worker-0", Kind.AGGREGATOR_BACK),
+                                                    ("worker-1", Kind.AGGREGATOR_BACK)]
+    node_id = (outs[0][1].meta or {})["node_id"]  # its old id
+    assert back[0][1].meta == {"node_id": node_id, "rank": 0, "name": "aggregator-0",
+                               "endpoints": ["tcp://10.0.0.2:2"], "incarnation": 1}

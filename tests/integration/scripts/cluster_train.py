@@ -4,8 +4,8 @@ Each worker prints one line `CLUSTER_RESULT {json}`: its ranks as sluice.torch r
 torchrun variables the launcher gave it, the address it listens on, and the final parameters.
 With --kill-server-at N, worker 0 SIGKILLs server 0 of its job in step N, after its backward pass
 (its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
-of the workers under a local launcher). After training, one more tensor is declared and averaged
-(`after`): a scheduler that took over must plan it.
+of the workers under a local launcher); with --kill-aggregator-at N, aggregator 0. After training,
+one more tensor is declared and averaged (`after`): a scheduler that took over must plan it.
 """
 
 import argparse
@@ -24,14 +24,15 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
 parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="STEP")
+parser.add_argument("--kill-aggregator-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--result-dir", metavar="DIR", help="also write the result to DIR/rank.N.json (a job whose "
                     "launcher is lost prints to no one)")
 args = parser.parse_args()
 
 
-def kill_server(rank: int) -> None:
-    """SIGKILL server `rank` of this job (found by its SLUICE_* variables)."""
+def kill_server(rank: int, role: str = "server") -> None:
+    """SIGKILL server (or `role`) `rank` of this job (found by its SLUICE_* variables)."""
     mine = os.environ["SLUICE_SCHEDULER"]
     for proc in Path("/proc").iterdir():
         try:
@@ -39,11 +40,12 @@ def kill_server(rank: int) -> None:
         except (OSError, ValueError):
             continue
         if (environ.get("SLUICE_ROLE"), environ.get("SLUICE_RANK"), environ.get("SLUICE_SCHEDULER")) == (
-                "server", str(rank), mine) and "sluice.launch.cli" in (proc / "cmdline").read_text():
+                role, str(rank), mine) and "sluice.launch.cli" in (proc / "cmdline").read_text():
             os.kill(int(proc.name), signal.SIGKILL)
-            print(f"killed server {rank} (pid {proc.name}) in step {args.kill_server_at}", flush=True)
+            step = args.kill_server_at if role == "server" else args.kill_aggregator_at
+            print(f"killed {role} {rank} (pid {proc.name}) in step {step}", flush=True)
             return
-    raise SystemExit(f"server {rank} of this job not found")
+    raise SystemExit(f"{role} {rank} of this job not found")
 
 
 def kill_scheduler() -> None:
@@ -81,6 +83,8 @@ for step in range(args.steps):
         kill_server(0)
     if step == args.kill_scheduler_at and rank == 0:
         kill_scheduler()
+    if step == args.kill_aggregator_at and rank == 0:
+        kill_server(0, "aggregator")
     optimizer.step()
 hvd.synchronize_parameters()  # with the optimizer on the servers, the last updates may still be landing
 result = {

@@ -1,0 +1,68 @@
+"""A worker's part when a server or an aggregator of its job is replaced (ps.recover): what it sends again, and to whom.
+
+The scheduler's SERVER_BACK or AGGREGATOR_BACK names the replacement's endpoints once it has its plans
+(scheduler/returning.py). The worker connects to it (Transport.replace_peer: the dead one's queues,
+credit and shared memory dropped) and sends it again, marked RESEND, every request of its own that it
+left unanswered (scheduler/resend.py): to a server, what went straight to it (with ps.replicas, after
+the answered pushes it may lack, replayed); to an aggregator, what went up a tree through it. Runs on
+the I/O thread, as the client's other handlers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from sluice.scheduler.resend import ServerBack, outstanding, resent
+
+if TYPE_CHECKING:
+    from sluice.transport.wire import Message
+    from sluice.worker.client import Client
+    from sluice.worker.tensors import Tensor
+
+log = logging.getLogger("sluice.worker")
+
+
+def _reconnect(client: Client, back: ServerBack) -> None:
+    client.control.peers = [dataclasses.replace(p, endpoints=back.endpoints) if p.name == back.name else p
+                            for p in client.control.peers]
+    client.transport.replace_peer(back.name, back.endpoints)
+
+
+def server_back(client: Client, back: ServerBack) -> None:
+    """A dead server's replacement is ready: every request it owes an answer to, again."""
+    _reconnect(client, back)
+    by_key = {t.key: t for t in client._tensors.values()}
+    with client._lock:
+        requests = outstanding(client._pending.requests(), back.rank)
+        again = [(by_key[r.key], resent(r, by_key[r.key].opt_sent)) for r in requests if r.key in by_key]
+        replays = [] if client._answered is None else [  # first: the replacement may be rounds behind
+            (by_key[r.key], r) for r in client._answered.replays(back.rank) if r.key in by_key]
+        for tensor in by_key.values():  # its next push tells the replacement the live settings again
+            if any(server == back.rank for _, _, _, server in tensor.chunks):
+                tensor.opt_sent = None
+    log.warning("server %d was replaced; sending it again %d unanswered requests%s", back.rank, len(again),
+                f" after {len(replays)} answered pushes (ps.replicas)" if replays else "")
+    for tensor, msg in replays + again:
+        client.transport.send(back.name, tensor.channel, msg)
+
+
+def aggregator_back(client: Client, back: ServerBack) -> None:
+    """A dead aggregator's replacement is ready: every push this worker sent up a tree through it, unanswered."""
+    _reconnect(client, back)
+    client._aggregator_endpoints[back.name] = back.endpoints
+    by_key = {t.key: t for t in client._tensors.values()}
+    again: list[tuple[Tensor, Message]] = []
+    with client._lock:
+        seen: set[int] = set()
+        for _, request in client._pending.requests():
+            route = (request.meta or {}).get("route") if request is not None else None
+            if (request is None or route is None or id(request) in seen or request.key not in by_key
+                    or client._router.parent(route[0], route[1]) != back.name):
+                continue
+            seen.add(id(request))
+            again.append((by_key[request.key], resent(request, None)))
+    log.warning("aggregator %d was replaced; sending it again %d unanswered pushes", back.rank, len(again))
+    for tensor, msg in again:
+        client.transport.send(back.name, tensor.channel, msg)
