@@ -104,7 +104,9 @@ class Relay:
         at = (msg.key, msg.chunk)
         state = self._rounds.get(at)
         buffers = self._buffers.get(at)
-        again = self._sent_again(peer, channel, msg, state, buffers, ranks) if msg.flags & Flag.RESEND else None
+        subtree_ok = set(ranks) <= set(view.ranks) and view.child_ranks.get(child, ranks) == ranks
+        again = self._sent_again(peer, channel, msg, state, buffers, ranks) \
+            if msg.flags & Flag.RESEND and subtree_ok else None
         if again is not None:
             return again
         if state is None:
