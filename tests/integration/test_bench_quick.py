@@ -21,7 +21,6 @@ from testbed.bench_runs import requires_testbed, run_script
                                     # ps.replicas 1 against 0, each process on its own testbed host
                                     pytest.param("bench/recovery.py --replicas --testbed --cases digits-aggregated",
                                                  marks=requires_testbed),
-                                    pytest.param("bench/lost_server_host.py", marks=requires_testbed),
                                     "bench/zvc.py", "bench/offload.py", "bench/pipeline.py", "bench/mirror_cost.py",
                                     "bench/replace_worker.py",
                                     pytest.param("bench/train_throughput.py --framework keras --workers 2 --servers 1",

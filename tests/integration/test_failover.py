@@ -129,7 +129,7 @@ def _lose_a_workers_host(bed: SshBed, hosts: str, workers: int, options: tuple[s
     ELASTIC_STARTs and the ELASTIC_RESULTs by rank; nothing of the job left running on h1."""
     args = ["-H", hosts, *options, "-w", str(workers), "-s", "0", "--elastic", "--in-place", "--min-workers", "2",
             "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=3", "--",
-            sys.executable, ELASTIC, "--steps", "60", "--pause", "0.1"]
+            sys.executable, ELASTIC, "--steps", "60", "--pause", "0.05"]
     loss = lose_host_in_job(bed, args, "h2", r'ELASTIC_START .*"rank": 0', settle_s=1.0, end_s=120,  # a few steps in
                             silent=silent)
     out = loss.out
