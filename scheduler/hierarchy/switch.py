@@ -154,7 +154,7 @@ class RouteSwitch:
         live = [w for w in workers if w not in self._gone]
         done = [c for name in has if (c := told[name].committed) is not None and c[0] == newest.epoch]
         if done:  # every worker had answered: the COMMIT was on its way
-            self.current = newest
+            self.current, self.history = newest, [newest]
             commit = _message(Kind.COMMIT, epoch=newest.epoch, rounds=[list(pair) for pair in done[0][1]])
             return [(w, commit) for w in live if w in has and (told[w].committed or (0,))[0] != newest.epoch]
         lacking = {a for a in aggregators if a not in has}

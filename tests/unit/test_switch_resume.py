@@ -35,6 +35,7 @@ def test_every_node_committed_the_newest_epoch_nothing_to_send_and_epochs_go_on_
             A0: Told(NEW), A1: Told(NEW)}
     assert switch.resume(told, WORKERS, AGGREGATORS, []) == []
     assert switch.epoch == 2 and switch.current == NEW and not switch.switching
+    assert [m.meta for _, m in switch.installed(A0)] == [{"routes": NEW.encode(), "again": True}]  # for a replacement
     out = switch.propose(OLD.trees)  # a re-plan: the next epoch is 3
     assert sent(out) == [(A0, "ROUTES", {"routes": Routing(3, OLD.trees).encode()}),
                          (A1, "ROUTES", {"routes": Routing(3, OLD.trees).encode()})]
