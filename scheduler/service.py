@@ -160,6 +160,10 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                 log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             if was == "standby" and machine.phase == "running":  # this standby took over: it is the scheduler now
                 registry = Registry(endpoint, env, time.time())
+                try:  # the scheduler's metrics, from here now (its port is free: on another host, or its owner dead)
+                    exporter = serve_metrics(env.section("metrics"), readings, 0)
+                except SluiceError as exc:
+                    log.warning("the standby took over but serves no metrics: %s", exc)
                 if timeline.path:
                     gatherer = Gatherer(timeline.path, timeline.gather_mib)
         if gatherer is not None and machine.phase == "done":

@@ -52,7 +52,8 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
                                                 aggregators=1)))
     sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
             "transport.inflight_bytes=4194304", "scheduler.standby=1", "scheduler.heartbeat_interval=0.5",
-            "scheduler.heartbeat_timeout=2", "aggregation.mode=static", "aggregation.trees=" + ",".join(TREES)]
+            "scheduler.heartbeat_timeout=2", "aggregation.mode=static", "aggregation.trees=" + ",".join(TREES),
+            "metrics.port=-1"]  # every process serves its metrics on a free port; the standby once it took over
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
             *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--kill-scheduler-at", "5"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
@@ -65,6 +66,8 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
     assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler: 6 nodes rejoined, "
                      r"1 declarations replayed", out), out[-4000:]
     assert re.search(r"\[standby scheduler\] .*aggregation trees at routing epoch 1\n", out), out[-4000:]
+    assert re.search(r"\[standby scheduler\] .*scheduler 0 serves Prometheus metrics at http://127\.0\.0\.1:\d+/metrics",
+                     out), out[-4000:]
     assert "[standby scheduler] INFO sluice.scheduler: all workers finished; job done" in out
     assert "job failed" not in out and "rejected" not in out.replace("0 messages rejected", "")
     results = _results(done.stdout)
