@@ -1,10 +1,11 @@
 """Where the launcher starts a server whose host was lost (ps.replicas): on the host that holds its mirror.
 
 A host is lost when a session to it fails (ssh notices a silent peer after ServerAliveInterval x
-ServerAliveCountMax, 15 s), or sooner: when the scheduler says a node fell silent (SLUICE_NODE_SILENT,
-after scheduler.heartbeat_timeout) and the node's host does not answer a TCP connection to its ssh
-port within PROBE_S (`host_answers`; a refused connection is an answer): the launcher then takes
-every session to that host as failed (launch/supervisor.py).
+ServerAliveCountMax, 15 s), or sooner: when the scheduler says a node it waits for fell silent
+(SLUICE_NODE_SILENT, after scheduler.heartbeat_timeout: a server, or an aggregator with ps.recover; a
+worker's silence fails the job at once, which the launcher hears anyway) and the node's host does
+not answer a TCP connection to its ssh port within PROBE_S (`host_answers`; a refused connection is
+an answer): the launcher then takes every session to that host as failed (launch/supervisor.py).
 """
 
 from __future__ import annotations

@@ -160,8 +160,6 @@ class Rendezvous:
                     continue
                 node = self.nodes[name]
                 patience = self.recovery.patience(node.role)
-                if name not in self.recovery.silent:  # the launcher may find its host lost (scheduler/recovery.py)
-                    self.silent_nodes.append((node.role, node.rank))
                 if now - seen > self.config.heartbeat_timeout + patience:
                     waited = f" (nor was it replaced within ps.recover_timeout = {patience:g} s)" if patience else ""
                     return self._fail(
@@ -169,6 +167,9 @@ class Rendezvous:
                     )
                 if name not in self.recovery.silent:
                     self.recovery.silent.add(name)
+                    # waited for (ps.recover): the launcher may find its host lost sooner (scheduler/recovery.py);
+                    # a node not waited for has failed the job already, which the launcher hears at once
+                    self.silent_nodes.append((node.role, node.rank))
                     self.notes.append(f"{node.describe()} is silent; waiting up to {patience:g} s for its replacement")
         return []
 
