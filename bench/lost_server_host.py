@@ -5,20 +5,16 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from tempfile import TemporaryDirectory
 from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/lost_server_host.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_common_options, print_table, progress, record, stats, write_json
-from testbed.host_loss import lose_host_in_job
-from testbed.ssh import SshBed, ssh_bed
-from testbed.ssh import unavailable as ssh_unavailable
+from testbed.host_loss import host_bed, lose_host_in_job
+from testbed.ssh import SshBed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
 PEER_NAME = "ssh alone: the session ends after ServerAliveInterval x ServerAliveCountMax (the launcher before)"
@@ -54,16 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@contextmanager
-def host_bed() -> Iterator[SshBed | None]:
-    if reason := ssh_unavailable():
-        print(f"lost_server_host: skipped, the ssh testbed is unavailable here: {reason}", file=sys.stderr)
-        yield None
-        return
-    with TemporaryDirectory(prefix="lost-server-host-") as keys, ssh_bed(Path(keys), ssh_hosts=2) as bed:
-        yield bed
-
-
 def loss_to_takeover(bed: SshBed, args: argparse.Namespace, ours: bool) -> float:
     """One job: seconds from h2's silent loss to the first worker's `server 1 was replaced` line."""
     launcher, h1, h2 = (bed.netbed.hosts[name].address for name in ("launcher", "h1", "h2"))
@@ -88,7 +74,7 @@ def loss_to_takeover(bed: SshBed, args: argparse.Namespace, ours: bool) -> float
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with host_bed() as bed:
+    with host_bed("lost_server_host") as bed:
         if bed is None:
             return 0
         ours: list[float] = []

@@ -15,7 +15,8 @@ if __package__ in (None, ""):  # run as `python bench/replace_worker.py`: make t
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
-from bench.replace_worker_host import BEFORE_LOSS, host_bed, lost_host_to_step
+from bench.replace_worker_host import BEFORE_LOSS, lost_host_to_step
+from testbed.host_loss import host_bed
 from testbed.ssh import SshBed
 
 SCRIPT = "tests/integration/scripts/elastic_train.py"
@@ -78,7 +79,7 @@ def loss_to_step(args: argparse.Namespace, case: str, in_place: bool) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     records, rows = [], []
-    with host_bed() if LOST_HOST in args.cases else contextlib.nullcontext() as bed:
+    with host_bed("lost-host") if LOST_HOST in args.cases else contextlib.nullcontext() as bed:
         for case in args.cases:
             if case == LOST_HOST and bed is None:
                 continue

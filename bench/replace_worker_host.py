@@ -6,33 +6,17 @@ in place); the peer: `--elastic`, every process of the job started again without
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import sys
-from collections.abc import Iterator
-from pathlib import Path
-from tempfile import TemporaryDirectory
 from typing import Any
 
 from testbed.host_loss import lose_host_in_job
-from testbed.ssh import SshBed, ssh_bed
-from testbed.ssh import unavailable as ssh_unavailable
+from testbed.ssh import SshBed
 
 SCRIPT = "tests/integration/scripts/elastic_train.py"
 #: steps rank 0 has ended before the host is taken away (one digit: a regular expression matches it)
 BEFORE_LOSS = 4
-
-
-@contextlib.contextmanager
-def host_bed() -> Iterator[SshBed | None]:
-    """The ssh testbed (the launcher, h1 and h2), or None with the reason printed when it cannot be built."""
-    if reason := ssh_unavailable():
-        print(f"lost-host: skipped, the ssh testbed is unavailable here: {reason}", file=sys.stderr)
-        yield None
-        return
-    with TemporaryDirectory(prefix="replace-worker-ssh-") as keys, ssh_bed(Path(keys), ssh_hosts=2) as bed:
-        yield bed
 
 
 def lost_host_to_step(bed: SshBed, steps: int, in_place: bool, timeout: float) -> float:

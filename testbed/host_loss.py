@@ -4,20 +4,25 @@
 along (a launcher whose stdout nobody reads stalls), waits until a line says the job trains, takes
 the host away (SshBed.lose_host: every process in it killed, its link down), waits for the job (or
 for a condition, when the launcher's own host is the one lost) and brings the host back for the next
-job. `wait_gone` waits until no process of the job is left on the hosts named.
+job. `wait_gone` waits until no process of the job is left on the hosts named; `host_bed` builds the
+bed for a benchmark, or says why it cannot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from tempfile import TemporaryDirectory
 
-from testbed.ssh import ROOT, SshBed
+from testbed.ssh import ROOT, SshBed, ssh_bed
+from testbed.ssh import unavailable as ssh_unavailable
 
 
 @dataclass(frozen=True)
@@ -82,3 +87,15 @@ def wait_gone(bed: SshBed, hosts: Sequence[str], pattern: re.Pattern[str], withi
         if time.monotonic() > deadline:
             raise AssertionError(f"processes of the job still run {within_s:g} s after it ended: {left}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def host_bed(label: str) -> Iterator[SshBed | None]:
+    """The ssh testbed (the launcher, h1 and h2), or None with the reason printed, as `label`'s, when it cannot
+    be built."""
+    if reason := ssh_unavailable():
+        print(f"{label}: skipped, the ssh testbed is unavailable here: {reason}", file=sys.stderr)
+        yield None
+        return
+    with TemporaryDirectory(prefix=f"{label}-ssh-") as keys, ssh_bed(Path(keys), ssh_hosts=2) as bed:
+        yield bed
