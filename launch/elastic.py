@@ -87,9 +87,9 @@ def slots(hosts: Sequence[Host]) -> int:
     return sum(h.slots for h in hosts)
 
 
-def shrunk(hosts: Sequence[str], scheduler: str) -> list[Place]:
-    """The survivors' places when the job goes on without a lost worker (--in-place, no slot free for a
-    replacement): `hosts[i]` is the host of the i-th survivor in old rank order; ranks from 0 in that
-    order, local ranks by host in the same order; the re-formed job's `scheduler`."""
-    return [Place(rank, len(hosts), hosts[:rank].count(host), hosts.count(host), scheduler)
+def shrunk(hosts: Sequence[str], scheduler: str, standby: str = "") -> list[Place]:
+    """The workers' places in a job re-formed in place: `hosts[i]` is the host of the i-th worker (when the job
+    shrank, the i-th survivor in old rank order); ranks from 0 in that order, local ranks by host in the same
+    order; the re-formed job's `scheduler` and `standby` ("": none)."""
+    return [Place(rank, len(hosts), hosts[:rank].count(host), hosts.count(host), scheduler, standby)
             for rank, host in enumerate(hosts)]

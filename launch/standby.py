@@ -10,6 +10,8 @@ scheduler, the standby, which never took over, is stopped at once.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from sluice.launch.blame import exit_description
 from sluice.launch.children import Child
 from sluice.launch.cluster import ClusterPlan
@@ -24,11 +26,12 @@ def standby_wanted(config: SluiceConfig, plan: ClusterPlan | None) -> bool:
     return wanted == 1
 
 
-def standby_host(plan: ClusterPlan | None) -> str | None:
-    """Where the standby runs: the first host of the job that is not the launcher's machine (None: here)."""
+def standby_host(plan: ClusterPlan | None, lost: Collection[str] = ()) -> str | None:
+    """Where the standby runs: the first host of the job that is not the launcher's machine nor `lost` (None:
+    here)."""
     if plan is None:
         return None
-    return next((p.host for p in plan.layout.processes if plan.is_remote(p.host)), None)
+    return next((p.host for p in plan.layout.processes if plan.is_remote(p.host) and p.host not in lost), None)
 
 
 class Schedulers:

@@ -159,6 +159,7 @@ class NodeEnv:
         shared = {name: dict(self.section(name)) for name in self.config}
         shared.get("transport", {}).pop("host", None)
         shared.get("scheduler", {}).pop("port", None)
+        shared.get("scheduler", {}).pop("standby_port", None)  # the same for its standby
         return json.dumps(shared, sort_keys=True)
 
 

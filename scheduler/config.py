@@ -22,6 +22,9 @@ class SchedulerConfig:
     #: over when the scheduler falls silent (nodes rejoin it, scheduler/standby.py); 0: none; -1: one when the
     #: job spans several hosts
     standby: int = -1
+    #: the port the standby listens on; 0: one the OS picks. An elastic job re-formed in place starts its
+    #: standby again on the same port, so that every node still has its endpoint
+    standby_port: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -32,5 +35,7 @@ class SchedulerConfig:
         if self.standby not in (-1, 0, 1):
             raise ValueError(f"scheduler.standby must be -1 (one when the job spans several hosts), 0 or 1, "
                              f"got {self.standby}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"scheduler.port must be 0 (the OS picks one) or a TCP port up to 65535, got {self.port}")
+        for name in ("port", "standby_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"scheduler.{name} must be 0 (the OS picks one) or a TCP port up to 65535, "
+                                 f"got {getattr(self, name)}")

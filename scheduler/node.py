@@ -312,7 +312,7 @@ class ControlClient:
         self._transport.replace_peer(SCHEDULER_PEER, [self.rejoined], control=True)
         with self._cond:
             meta = self.recall.rejoin_meta(self.role, self.rank, self.node_id, self._endpoints, os.getpid(),
-                                           self._env.fingerprint())
+                                           self._env.fingerprint(), self._env.scheduler)
         self._last_ack = time.monotonic()
         self._send(Kind.REJOIN, **meta)
 

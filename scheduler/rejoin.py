@@ -81,8 +81,9 @@ class Recall:
             self.routes_acked = meta.get("rounds", [])
 
     def rejoin_meta(self, role: str, rank: int, node_id: int, endpoints: Sequence[str], pid: int,
-                    fingerprint: str) -> dict[str, Any]:
+                    fingerprint: str, job: str) -> dict[str, Any]:
+        """`job`: the endpoint of the scheduler the node registered with, which names the job in the registries."""
         return {"role": role, "rank": rank, "node_id": node_id, "endpoints": list(endpoints), "pid": pid,
-                "fingerprint": fingerprint, "declarations": self.declarations, "limits": self.limits,
+                "fingerprint": fingerprint, "job": job, "declarations": self.declarations, "limits": self.limits,
                 "gone": sorted(self.gone), "released": list(self.released),
                 "routing": {"routes": self.routes, "acked": self.routes_acked, "committed": self.committed}}

@@ -36,6 +36,7 @@ _INBOX_LIMIT = 10_000
 
 def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     """Serve the control plane for `env.workers` workers and `env.servers` servers; the exit code."""
+    started = time.time()
     settings = SchedulerConfig(**env.section("scheduler"))
     standby = env.rank >= 1  # scheduler.standby: rank 1 waits for the nodes to rejoin it (scheduler/standby.py)
     ps_section = env.section("ps")  # ps.recover's keys (ps/config.py, validated by the launcher)
@@ -79,7 +80,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             log.error("aggregation.trees do not fit this job: %s", exc)
             return 1
     try:
-        endpoint = transport.listen(settings.port if not standby else 0)[0]  # a standby's port is its own
+        endpoint = transport.listen(settings.port if not standby else settings.standby_port)[0]
     except (OSError, ValueError) as exc:
         transport.close()
         log.error("the scheduler cannot listen: %s (transport.host = %s, scheduler.port = %d)",
@@ -96,7 +97,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     timeline = TimelineConfig(**env.section("timeline"))
     gatherer = Gatherer(timeline.path, timeline.gather_mib) if timeline.path and not standby else None
     announce(endpoint)
-    registry = Registry(endpoint, env, time.time()) if not standby else None
+    registry = Registry(endpoint, env, started) if not standby else None
     if standby:
         log.info("standby scheduler ready at %s: it takes over if the scheduler at %s falls silent", endpoint,
                  env.scheduler or "(unknown)")
@@ -159,7 +160,11 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
             if was == "registering" and machine.phase == "running":
                 log.info("all nodes registered: %s", ", ".join(n.describe() for n in machine.nodes.values()))
             if was == "standby" and machine.phase == "running":  # this standby took over: it is the scheduler now
-                registry = Registry(endpoint, env, time.time())
+                # under the name the job had (the silent scheduler's endpoint, which the nodes rejoined with), so
+                # it is listed once; started when the scheduler was, as the launcher starts both together
+                job = machine.takeover.job() if machine.takeover is not None else ""
+                registry = Registry(job or endpoint, env, started)
+                log.info("the job's registry entry is published by this standby now, as %s", job or endpoint)
                 try:  # the scheduler's metrics, from here now (its port is free: on another host, or its owner dead)
                     exporter = serve_metrics(env.section("metrics"), readings, 0)
                 except SluiceError as exc:

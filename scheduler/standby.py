@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 #: declarations one REJOIN may name (a job declares a few per model; a PLAN bounds each one's size)
 MAX_DECLARATIONS = 4096
+#: the longest job name a REJOIN may carry (what the job registries take: scheduler/jobs_registry.py)
+MAX_JOB_NAME = 200
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Rejoin:
     released: frozenset[str]
     #: what it was told of the last switch of aggregation trees
     told: Told
+    #: the endpoint of the scheduler it registered with: the job's name in the registries
+    job: str
 
 
 def _ints(raw: object, what: str, bound: int) -> list[int]:
@@ -73,6 +77,9 @@ def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes:
             raise WireError(f"a REJOIN's declaration must be [order, key, seq, ranks, tensors], got {brief(entry)}")
         ranks = None if entry[3] is None else _ints(entry[3], "ranks", workers)
         declarations.append((entry[0], entry[1], entry[2], ranks, entry[4]))
+    job = meta_field(msg, "job", str)
+    if not 0 < len(job) <= MAX_JOB_NAME:
+        raise WireError(f"a REJOIN's job must name the scheduler's endpoint (1..{MAX_JOB_NAME} characters)")
     limits_raw = (msg.meta or {}).get("limits")
     released = meta_field(msg, "released", list)
     if len(released) > 1024 or not all(type(n) is str and len(n) <= 1024 for n in released):
@@ -80,7 +87,7 @@ def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes:
     return Rejoin(role, rank, node_id, list(endpoints), meta_field(msg, "pid", int), declarations,
                   parse_limits(limits_raw) if limits_raw is not None else None,
                   frozenset(_ints(meta_field(msg, "gone", list), "gone workers", workers)), frozenset(released),
-                  parse_told((msg.meta or {}).get("routing")))
+                  parse_told((msg.meta or {}).get("routing")), job)
 
 
 class Takeover:
@@ -99,8 +106,15 @@ class Takeover:
         taken = {r.node_id for name, r in self.rejoins.items() if name != peer}
         if rejoin.node_id in taken:
             raise WireError(f"{peer} rejoins with node id {rejoin.node_id}, which another node has")
+        if (job := self.job()) and rejoin.job != job:
+            raise WireError(f"{peer} rejoins from the job of the scheduler at {rejoin.job!r:.60}, the others from "
+                            f"{job!r:.60}")
         self.rejoins[peer] = rejoin
         self.first = now if self.first is None else self.first
+
+    def job(self) -> str:
+        """The job's name in the registries (the silent scheduler's endpoint, as every node rejoined with it)."""
+        return next((r.job for r in self.rejoins.values()), "")
 
     def gone(self) -> set[int]:
         return {rank for r in self.rejoins.values() for rank in r.gone}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -23,13 +24,14 @@ prefork.torch_optimizers()  # once here, not in every forked worker
 def run_script(path: str, *args: str) -> str:
     """In a forked worker: `path` run as __main__ with the command line `args`; what it printed."""
     printed = io.StringIO()
-    saved = sys.argv
+    saved, saved_path = sys.argv, list(sys.path)
     sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python path` does: its modules beside it
     try:
         with contextlib.redirect_stdout(printed):
             runpy.run_path(path, run_name="__main__")
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved, saved_path
     return printed.getvalue()
 
 

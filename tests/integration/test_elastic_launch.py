@@ -71,10 +71,18 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     """--in-place: worker 2 dies after step 10; a new worker 2 starts in its slot and workers 0 and 1 re-form
     the job in their own processes, from commit 11: the job ends as 3 workers stopped after step 10 and
     continued by 3 workers from that state. Through a server here; by allreduce (the tree and rings made
-    anew) in test_failover.py's lost host."""
+    anew) in test_failover.py's lost host. The job has a standby scheduler, started again on its port with the
+    next generation: worker 0 SIGKILLs the scheduler in step 15, and the new standby carries the job on."""
     servers = "1"
-    output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", servers, "--",
-                                    sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2"])
+    standby = ["--set", "scheduler.standby=1", "--set", "scheduler.heartbeat_interval=0.5",
+               "--set", "scheduler.heartbeat_timeout=2"]
+    output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", servers, *standby, "--",
+                                    sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2",
+                                    "--kill-scheduler-at", "15"])
+    ready = re.findall(r"^\[launch\] standby scheduler ready at (tcp://\S+)$", output, re.M)
+    assert len(ready) == 2 and ready[0] == ready[1], output[-4000:]  # generation 1's, on generation 0's port
+    assert "killed the scheduler" in output and re.search(
+        r"\[standby scheduler\] .*took over from the silent scheduler: 4 nodes rejoined", output), output[-4000:]
     assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; replacing worker 2 in place: the "
                      r"other workers keep their processes \(--in-place\)", output), output[-4000:]
     assert re.search(r"\[launch\] generation 1: worker 2 replaced in its slot and the scheduler and servers started "

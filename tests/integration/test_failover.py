@@ -68,6 +68,8 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
     assert re.search(r"\[standby scheduler\] .*aggregation trees at routing epoch 1\n", out), out[-4000:]
     assert re.search(r"\[standby scheduler\] .*scheduler 0 serves Prometheus metrics at http://127\.0\.0\.1:\d+/metrics",
                      out), out[-4000:]
+    primary = re.search(r"scheduler ready at (tcp://127\.0\.0\.1:\d+);", out)
+    assert primary and f"registry entry is published by this standby now, as {primary[1]}\n" in out, out[-4000:]
     assert "[standby scheduler] INFO sluice.scheduler: all workers finished; job done" in out
     assert "job failed" not in out and "rejected" not in out.replace("0 messages rejected", "")
     results = _results(done.stdout)

@@ -48,11 +48,16 @@ def test_survivors_of_a_shrink_are_numbered_again_in_their_old_order_by_host() -
     assert places[2].line() == "PLACE 2 4 1 2 tcp://10.0.0.1:4000"
     assert places[2].environ() == {
         "SLUICE_RANK": "2", "SLUICE_NUM_WORKERS": "4", "SLUICE_SCHEDULER": "tcp://10.0.0.1:4000", "RANK": "2",
-        "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+        "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "SLUICE_SCHEDULER_STANDBY": ""}
+    with_standby = shrunk(["a", "b"], "tcp://10.0.0.1:4000", "tcp://10.0.0.2:4001")[1]
+    assert with_standby.line() == "PLACE 1 2 0 1 tcp://10.0.0.1:4000 tcp://10.0.0.2:4001"
+    assert parse_place(with_standby.line()) == with_standby
+    assert with_standby.environ()["SLUICE_SCHEDULER_STANDBY"] == "tcp://10.0.0.2:4001"
 
 
 @pytest.mark.parametrize("line", [
-    "PLACE 1 2 0 1", "PLACE 1 2 0 1 tcp://h:1 extra", "PLACE -1 2 0 1 tcp://h:1", "PLACE 2 2 0 1 tcp://h:1",
+    "PLACE 1 2 0 1", "PLACE 1 2 0 1 tcp://h:1 extra", "PLACE 1 2 0 1 tcp://h:1 tcp://h:2 tcp://h:3",
+    "PLACE -1 2 0 1 tcp://h:1", "PLACE 2 2 0 1 tcp://h:1",
     "PLACE 0 2 1 1 tcp://h:1", "PLACE 0 2 0 3 tcp://h:1", "PLACE 0 99999999 0 1 tcp://h:1", "PLACE 0 2 0 1 h:1",
     "PLACE 0 2 0 1 tcp://" + "h" * 400, "PLACE 0x1 2 0 1 tcp://h:1", "USR2", ""])
 def test_a_bad_place_line_is_refused(line: str) -> None:

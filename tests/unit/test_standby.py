@@ -15,6 +15,7 @@ from sluice.transport.wire import Kind, Message, WireError
 CONFIG = SchedulerConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, rendezvous_timeout=30.0)
 WORKERS, SERVERS = 3, 2
 ENDPOINTS = {"server-0": ["tcp://10.0.0.1:1"], "server-1": ["tcp://10.0.0.2:1"]}
+SCHEDULER = "tcp://10.0.0.9:4000"  # the primary's endpoint: the job's name in the registries
 
 
 def msg(kind: Kind, **meta: Any) -> Message:
@@ -62,7 +63,8 @@ class Job:
     def rejoin(self, name: str, **changes: Any) -> Message:
         role, rank = name.split("-")
         recall = self.recall.get(name, Recall())
-        meta = recall.rejoin_meta(role, int(rank), self.ids[name], ENDPOINTS.get(name, []), 7, "cfg") | changes
+        meta = recall.rejoin_meta(role, int(rank), self.ids[name], ENDPOINTS.get(name, []), 7, "cfg",
+                                  SCHEDULER) | changes
         return msg(Kind.REJOIN, **meta)
 
 
@@ -147,6 +149,9 @@ def test_failover_waits_for_every_node_but_the_workers_gone_and_names_the_missin
     ("worker-0", {"gone": ["x"]}, "gone workers"),
     ("worker-0", {"limits": [1, 2]}, "limits must be"),
     ("worker-0", {"released": [1]}, "released barriers"),
+    ("worker-0", {"job": ""}, "job must name the scheduler's endpoint"),
+    ("worker-0", {"job": "x" * 201}, "job must name the scheduler's endpoint"),
+    ("worker-0", {"job": 7}, "job"),
 ])
 def test_failover_standby_refuses_a_malformed_rejoin(name: str, changes: dict[str, Any], problem: str) -> None:
     job = served(Job())
@@ -166,6 +171,19 @@ def test_failover_standby_takes_nothing_else_and_refuses_a_node_id_twice() -> No
         machine.on_message("worker-1", job.rejoin("worker-1", node_id=job.ids["worker-0"]), 1.0)
     assert machine.on_message("worker-0", msg(Kind.HEARTBEAT), 1.5)[0][1].kind == Kind.HEARTBEAT_ACK
     assert machine.on_message("worker-2", msg(Kind.HEARTBEAT), 1.5) == []
+
+
+def test_failover_standby_keeps_the_jobs_name_and_refuses_a_node_of_another_job() -> None:
+    """The standby publishes the job in the registries under the name the nodes rejoin with (the silent
+    scheduler's endpoint), so the job is not listed twice; a node naming another scheduler is refused."""
+    job = served(Job())
+    machine = standby()
+    assert machine.takeover is not None and machine.takeover.job() == ""
+    machine.on_message("server-0", job.rejoin("server-0"), 1.0)
+    with pytest.raises(WireError, match=r"from the job of the scheduler at 'tcp://10\.0\.0\.8:4000'"):
+        machine.on_message("worker-0", job.rejoin("worker-0", job="tcp://10.0.0.8:4000"), 1.0)
+    take_over(job, machine, ["server-1", *job.recall], now=1.5)
+    assert machine.phase == "running" and machine.takeover.job() == SCHEDULER
 
 
 @pytest.mark.timeout(20)

@@ -92,15 +92,15 @@ def test_nodes_that_disagree_on_the_newest_trees_are_refused() -> None:
 
 def test_what_a_node_recalls_is_what_the_standby_parses() -> None:
     recall = Recall()
-    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f")["routing"]) == Told()
+    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f", "tcp://h:1")["routing"]) == Told()
     recall.on_message(Message(Kind.ROUTES, meta={"routes": NEW.encode()}))
     recall.sent(Kind.ROUTES_ACK, {"epoch": 2, "rounds": [[7, 4]]})
-    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f")["routing"]) == Told(NEW, [(7, 4)])
+    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f", "tcp://h:1")["routing"]) == Told(NEW, [(7, 4)])
     recall.on_message(Message(Kind.COMMIT, meta={"epoch": 2, "rounds": [[7, 5]]}))
-    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f")["routing"]) == Told(NEW, [(7, 4)],
+    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f", "tcp://h:1")["routing"]) == Told(NEW, [(7, 4)],
                                                                                          (2, [(7, 5)]))
     recall.on_message(Message(Kind.ROUTES, meta={"routes": Routing(3, OLD.trees).encode()}))  # a new switch opens
-    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f")["routing"]).acked is None
+    assert parse_told(recall.rejoin_meta("worker", 0, 3, [], 1, "f", "tcp://h:1")["routing"]).acked is None
 
 
 @pytest.mark.parametrize("raw", [

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from sluice.errors import SluiceError
-from sluice.scheduler.bootstrap import ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_ELASTIC_IN_PLACE, REFORM_EXIT
+from sluice.scheduler.bootstrap import (
+    ENV_ELASTIC_DIR,
+    ENV_ELASTIC_GENERATION,
+    ENV_ELASTIC_IN_PLACE,
+    ENV_RANK,
+    ENV_WORKERS,
+    REFORM_EXIT,
+)
 from sluice.scheduler.new_place import take_place
 from sluice.transport.shm_space import SHM_FIX
 from sluice.worker.elastic.wakeup import on_signal
@@ -256,9 +263,10 @@ def reform_in_place(reason: BaseException, commits: int, close: Callable[[], Non
         place = take_place(os.environ.get(ENV_DIR, ""), os.getpid())
     except ValueError as exc:
         raise SluiceError(f"the launcher's new place for this worker is unreadable: {exc}") from None
-    if place is not None:  # the job shrank: this survivor's new rank and the job's size
-        print(f"sluice elastic: the job goes on with {place.workers} workers; this one is rank {place.rank} now",
-              file=sys.stderr, flush=True)
+    if place is not None:  # its rank and the job's size (changed when the job shrank), the new standby's endpoint
+        if (str(place.rank), str(place.workers)) != (os.environ.get(ENV_RANK), os.environ.get(ENV_WORKERS)):
+            print(f"sluice elastic: the job goes on with {place.workers} workers; this one is rank {place.rank} now",
+                  file=sys.stderr, flush=True)
         os.environ.update(place.environ())
     os.environ[ENV_GENERATION] = str(int(os.environ.get(ENV_GENERATION, "0")) + 1)
     init()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from scheduler_kill import kill_scheduler  # beside this script
 
 import sluice.torch as hvd
 
@@ -48,19 +49,6 @@ def kill_server(rank: int, role: str = "server") -> None:
     raise SystemExit(f"{role} {rank} of this job not found")
 
 
-def kill_scheduler() -> None:
-    """SIGKILL the scheduler that the launcher of this worker started (rank 0: not its standby)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if (environ.get("SLUICE_ROLE"), environ.get("SLUICE_RANK")) == ("scheduler", "0") and parent == os.getppid():
-            os.kill(int(proc.name), signal.SIGKILL)
-            print(f"killed the scheduler (pid {proc.name}) in step {args.kill_scheduler_at}", flush=True)
-            return
-    raise SystemExit("the scheduler of this job not found")
 
 
 hvd.init()
@@ -82,7 +70,7 @@ for step in range(args.steps):
     if step == args.kill_server_at and rank == 0:
         kill_server(0)
     if step == args.kill_scheduler_at and rank == 0:
-        kill_scheduler()
+        kill_scheduler(step)
     if step == args.kill_aggregator_at and rank == 0:
         kill_server(0, "aggregator")
     optimizer.step()

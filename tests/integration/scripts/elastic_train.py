@@ -10,6 +10,7 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --pause S: each step of generation 0 sleeps S seconds after its commit (time for the launcher to find a slot).
 --setup S: sleep S seconds before hvd.init(), standing for what a real worker sets up once (reading its
 dataset, a CUDA context, data loader processes).
+--kill-scheduler-at S: worker 0 SIGKILLs the job's scheduler after its commit of step S (a standby takes over).
 --times: rank 0 prints `ELASTIC_STEP {step, t}` as each step ends, the dying worker `ELASTIC_DIE {t}` (wall
 clock seconds), for bench/replace_worker.py.
 """
@@ -22,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from scheduler_kill import kill_scheduler  # beside this script
 
 import sluice.torch as hvd
 
@@ -35,6 +37,7 @@ parser.add_argument("--load", default="")
 parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--times", action="store_true")
 parser.add_argument("--setup", type=float, default=0.0)
+parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="S")
 args = parser.parse_args()
 time.sleep(args.setup)
 
@@ -83,6 +86,8 @@ def train(state: hvd.elastic.TorchState) -> None:
             if args.times:
                 print("ELASTIC_DIE " + json.dumps({"t": time.time()}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.kill_scheduler_at and rank == 0:
+            kill_scheduler(step)
         if step == args.stop_at:
             break
         if args.pause and generation == 0:
