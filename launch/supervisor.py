@@ -258,8 +258,7 @@ class Job(Ending):
         still there) again under its name, up to ps.max_restarts times in the job; None when it is not to be
         replaced."""
         ps = self.config.ps
-        # an aggregator's restart (below) is built but not started: its job hung once in about six runs
-        if dead.role != "server" or not ps.recover or self.stopping \
+        if dead.role not in ("server", "aggregator") or not ps.recover or self.stopping \
                 or (dead.role == "aggregator" and dead.returncode == SSH_FAILED):
             return None
         if self.restarts >= ps.max_restarts:

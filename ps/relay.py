@@ -25,7 +25,7 @@ from sluice.ps.relay_tables import Tables, TreeView
 from sluice.ps.store import Reply, push_ranks
 from sluice.scheduler.resend import Answered, resent
 from sluice.transport.dtypes import STORAGE
-from sluice.transport.wire import Flag, Kind, Message, WireError, brief
+from sluice.transport.wire import Flag, Kind, Message, WireError, brief, keep_payload
 
 
 @dataclass
@@ -35,6 +35,10 @@ class _Child:
     round: int
     priority: int
     wants_value: bool
+    #: the ranks it pushed for, and the push itself when it was sent again (RESEND), copied: passed up alone
+    #: should its round turn out to be over upstream
+    ranks: tuple[int, ...] = ()
+    kept: Message | None = None
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Relay:
         self.departed: list[int] = []
         #: ps.replicas: the pushes sent to servers in the last mirror_every answered rounds of each chunk
         self.kept: Answered | None = None
+        #: pushes sent again of a round that was over upstream, passed up alone: (key, chunk, round) -> their
+        #: parent and children, answered by the parent's reply of that round
+        self._alone: dict[tuple[int, int, int], tuple[str, list[_Child]]] = {}
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: str, channel: int, msg: Message, now: float = 0.0) -> list[Reply]:
@@ -109,6 +116,14 @@ class Relay:
             if msg.flags & Flag.RESEND and subtree_ok else None
         if again is not None:
             return again
+        passed: list[Reply] = []
+        if state is not None and subtree_ok and msg.round == state.round + 1 and not state.forwarded \
+                and state.pushed.isdisjoint(ranks) and all(c.kept is not None for c in state.children):
+            # a child past the round in progress: it had that round's reply from the aggregator this one
+            # replaced, so the round is over upstream, and the others get its reply by their pushes alone
+            passed = [self._pass_up(c, state.view, state.route) for c in state.children]
+            self._drop(at, state)
+            state = None
         if state is None:
             if buffers is not None and msg.round <= buffers.last_round:
                 raise WireError(f"push for round {msg.round} of key {msg.key} chunk {msg.chunk}, which "
@@ -128,9 +143,10 @@ class Relay:
             state = self._rounds[at] = _Round(msg.round, route, view, now)
             buffers.sum.expect(view.ranks)
         departed = [r for r in self.departed if r in view.ranks and r not in state.pushed]
-        state.children.append(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY)))
+        state.children.append(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY),
+                                     ranks, keep_payload(msg) if msg.flags & Flag.RESEND else None))
         if departed:  # the round can never complete: say so now rather than at the deadline
-            return self._fail(at, state, f"round {msg.round} of key {msg.key} chunk {msg.chunk} can never "
+            return passed + self._fail(at, state, f"round {msg.round} of key {msg.key} chunk {msg.chunk} can never "
                                          f"complete: worker {departed[0]} has left the job")
         buffers.sum.take(ranks, np.frombuffer(msg.payload, STORAGE[dtype]), self._spare)
         state.pushed.update(ranks)
@@ -138,8 +154,8 @@ class Relay:
         if msg.meta and "opt" in msg.meta and state.opt is None:
             state.opt = msg.meta["opt"]  # the server checks it; every worker sends the same settings
         if len(state.pushed) < len(view.ranks):
-            return []
-        return [self._forward(msg, state, buffers)]
+            return passed
+        return [*passed, self._forward(msg, state, buffers)]
 
     def _forward(self, msg: Message, state: _Round, buffers: _Buffers) -> Reply:
         """The complete sum of this subtree, one push up to the parent."""
@@ -166,6 +182,19 @@ class Relay:
     def _reply(self, peer: str, msg: Message) -> list[Reply]:
         at = (msg.key, msg.chunk)
         state = self._rounds.get(at)
+        alone = self._alone.get((msg.key, msg.chunk, msg.round))
+        if alone is not None and alone[0] == peer and (state is None or state.round != msg.round):
+            del self._alone[msg.key, msg.chunk, msg.round]
+            if msg.kind == Kind.ERROR:
+                error = msg.meta.get("error") if msg.meta else None
+                return self._errors(at, alone[1], error if isinstance(error, str) else "the parent refused the round")
+            value = None
+            if msg.payload is not None:  # copied: the transport reuses its buffer
+                length, dtype, _server = self.tables.chunk(msg.key, msg.chunk)
+                if msg.dtype != dtype or msg.shape != (length,):
+                    raise WireError(f"reply for key {msg.key} chunk {msg.chunk} carries {msg.dtype}{list(msg.shape)}")
+                value = np.frombuffer(bytes(msg.payload), STORAGE[dtype])
+            return self._fan_out(msg, alone[1], value)
         if state is None or not state.forwarded or state.round != msg.round:
             raise WireError(f"{msg.kind.name} for key {msg.key} chunk {msg.chunk} round {msg.round}, which "
                             f"{self.name} did not forward")
@@ -184,42 +213,75 @@ class Relay:
         buffers.replied_value = msg.payload is not None
         del self._rounds[at]
         buffers.last_round = state.round
+        return self._fan_out(msg, state.children, buffers.reply if msg.payload is not None else None)
+
+    def _fan_out(self, msg: Message, children: list[_Child], value: Any) -> list[Reply]:
+        """The parent's reply `msg`, to each child (with `value` to those that want it)."""
         out = []
-        for child in state.children:
-            value = buffers.reply if child.wants_value and msg.payload is not None else None
+        for child in children:
+            given = value if child.wants_value else None
             out.append((child.peer, child.channel, Message(
                 Kind.REPLY, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=child.round,
-                priority=child.priority, dtype=msg.dtype if value is not None else "",
-                shape=value.shape if value is not None else (), payload=value)))
+                priority=child.priority, dtype=msg.dtype if given is not None else "",
+                shape=given.shape if given is not None else (), payload=given)))
         return out
 
     def _sent_again(self, peer: str, channel: int, msg: Message, state: _Round | None, buffers: _Buffers | None,
                     ranks: tuple[int, ...]) -> list[Reply] | None:
         """A child's push sent again (RESEND) after this aggregator's or its parent's replacement: nothing when the
-        first copy is in (its reply goes to the child's name), the reply again when the round ended here, None
-        when it is to be taken as any push."""
+        first copy is in (its reply goes to the child's name), the reply again when the round ended here, the push
+        passed up alone when its round is over upstream (another child pushed the next one: this aggregator
+        replaced a dead one that had fanned the reply down to some children only), None when it is to be taken
+        as any push."""
         if state is not None and state.round == msg.round and set(ranks) <= state.pushed:
             return []
-        if state is None and buffers is not None and msg.round == buffers.last_round:
+        if buffers is not None and msg.round == buffers.last_round:
             value = buffers.reply if msg.flags & Flag.WANT_REPLY and buffers.replied_value else None
             return [(peer, channel, Message(
                 Kind.REPLY, sender=self.node_id, key=msg.key, chunk=msg.chunk, round=msg.round, priority=msg.priority,
                 dtype=msg.dtype if value is not None else "", shape=value.shape if value is not None else (),
                 payload=value))]
+        if state is not None and msg.round < state.round:
+            return [self._pass_up(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY),
+                                         ranks, keep_payload(msg)), state.view, state.route)]
         return None
 
-    def _fail(self, at: tuple[int, int], state: _Round, error: str) -> list[Reply]:
-        """End the round: every child that pushed hears `error`; later pushes of it are refused."""
+    def _pass_up(self, child: _Child, view: TreeView, route: tuple[int, int]) -> Reply:
+        """`child`'s push sent again, of a round over upstream, up alone (marked RESEND: the server answers it
+        from its value, an aggregator above with the reply it fanned down): its reply goes to `child`."""
+        kept = child.kept
+        assert kept is not None
+        meta: dict[str, Any] = {"ranks": list(child.ranks)}
+        if view.parent_is_aggregator:
+            meta["route"] = list(route)
+        if kept.meta and "opt" in kept.meta:
+            meta["opt"] = kept.meta["opt"]
+        parent = self.tables.parent_peer(view, kept.key, kept.chunk)
+        self._alone.setdefault((kept.key, kept.chunk, kept.round), (parent, []))[1].append(child)
+        return (parent, child.channel, Message(
+            Kind.PUSH, sender=self.node_id, key=kept.key, chunk=kept.chunk, round=kept.round, priority=kept.priority,
+            dtype=kept.dtype, shape=kept.shape, payload=kept.payload,
+            flags=(Flag.WANT_REPLY if child.wants_value else Flag.NONE) | Flag.RESEND, meta=meta))
+
+    def _drop(self, at: tuple[int, int], state: _Round) -> _Buffers:
+        """Forget the round in progress at `at`, and what its sum holds."""
         del self._rounds[at]
         buffers = self._buffers[at]
-        buffers.last_round = state.round
         buffers.sum.clear()
         for _, stashed in buffers.sum.stash.values():
             self._spare.give_back(stashed)
         buffers.sum.stash.clear()
+        return buffers
+
+    def _fail(self, at: tuple[int, int], state: _Round, error: str) -> list[Reply]:
+        """End the round: every child that pushed hears `error`; later pushes of it are refused."""
+        self._drop(at, state).last_round = state.round
+        return self._errors(at, state.children, error)
+
+    def _errors(self, at: tuple[int, int], children: list[_Child], error: str) -> list[Reply]:
         return [(c.peer, c.channel, Message(Kind.ERROR, sender=self.node_id, key=at[0], chunk=at[1], round=c.round,
                                             priority=c.priority, meta={"error": error}))
-                for c in state.children]
+                for c in children]
 
     def _new_buffers(self, at: tuple[int, int], length: int, dtype: str) -> _Buffers:
         storage = np.dtype(STORAGE[dtype])

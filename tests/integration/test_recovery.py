@@ -86,6 +86,30 @@ def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimiz
     assert recovered == reference
 
 
+@pytest.mark.timeout(300)
+def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_with_the_same_parameters() -> None:
+    """The momentum job through an aggregator, whose worker 0 SIGKILLs aggregator 0 in step 10: the launcher
+    restarts it, the scheduler gives it its plans and routings, the workers send it again what it left
+    unanswered (worker/replaced.py) and it forwards them, marked as sent again (ps/relay.py); a push of a
+    round the dead one had answered to some children only goes up alone (it hung 3 runs in 10 before)."""
+    reference = _reference("sgd", "server", 3, 1)
+    args = [*_script_args("sgd", -1), "--kill-aggregator-at", "10"]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
+            "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", "worker.optimizer_on=server",
+            "--set", "transport.chunk_bytes=4096", "--set", f"transport.inflight_bytes={INFLIGHT}",
+            "--set", "aggregation.mode=static", "--set", "aggregation.trees=" + ",".join(TREES),
+            "--", sys.executable, SCRIPT, *args]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert "killed aggregator 0" in output
+    assert re.search(r"sluice launch: aggregator 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at "
+                     r"most 3 restarts\)", output), output[-4000:]
+    assert "aggregator 0 was replaced; sending it again" in output, output[-4000:]
+    results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", done.stdout, re.M)]
+    assert len(results) == 3 and all(r["params"] == reference for r in results), output[-3000:]
+
+
 @pytest.mark.timeout(120)
 def test_recovery_without_restarts_left_fails_naming_the_server() -> None:
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "ps.recover=true",

@@ -7,7 +7,7 @@ import pytest
 from sluice.ps.relay import Relay
 from sluice.scheduler.hierarchy.routes import Routing
 from sluice.scheduler.resend import Answered
-from sluice.transport.wire import Flag, Kind
+from sluice.transport.wire import Flag, Kind, WireError
 from tests.unit.relay_helpers import TWO_LEVEL, new_relay, push, reply, summary, values_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,3 +96,47 @@ def test_a_replaced_parent_aggregator_gets_again_what_was_forwarded_to_it_unansw
     assert [(peer, m.round, m.flags, m.meta) for peer, _, m in again] == [
         ("aggregator-0", 1, Flag.WANT_REPLY | Flag.RESEND, up[0][2].meta)]
     assert middle.parent_back("aggregator-9") == []
+
+
+RESENT = Flag.WANT_REPLY | Flag.RESEND
+
+
+def test_a_replacement_passes_up_alone_a_push_sent_again_of_a_round_a_child_is_past() -> None:
+    """The dead aggregator fanned round 10's reply to worker 0 only, which went on to push round 11: worker 1's
+    round 10, sent again after it, is passed up alone (the server answers it from its value), and its reply
+    goes to worker 1 only; round 11 then completes as any round."""
+    fresh = new_relay()
+    assert fresh.handle("worker-0", 2, push("worker-0", [5.0] * 4, round_=11, flags=RESENT)) == []
+    up = fresh.handle("worker-1", 2, push("worker-1", [2.0] * 4, round_=10, flags=RESENT))
+    assert summary(up) == [("server-0", 2, Kind.PUSH, 3, 7, 0, 10, 0, RESENT, "float32", (4,), {"ranks": [1]})]
+    assert values_of(up[0][2]) == [2.0] * 4
+    down = fresh.handle("server-0", 2, reply(round_=10, values=[7.0] * 4))
+    assert [(peer, channel, m.kind, m.round, values_of(m)) for peer, channel, m in down] == [
+        ("worker-1", 2, Kind.REPLY, 10, [7.0] * 4)]
+    up = fresh.handle("worker-1", 2, push("worker-1", [1.0] * 4, round_=11))
+    assert [(peer, m.round, m.flags, values_of(m)) for peer, _, m in up] == [("server-0", 11, RESENT, [6.0] * 4)]
+    with pytest.raises(WireError, match="did not forward"):  # answered once: a second reply of round 10 is refused
+        fresh.handle("server-0", 2, reply(round_=10, values=[7.0] * 4))
+
+
+def test_a_replacement_that_began_a_round_of_pushes_sent_again_passes_them_up_when_a_child_pushes_the_next() -> None:
+    """Worker 1's round 10 came first, sent again: the replacement cannot tell yet that the round is over upstream.
+    Worker 0's round 11 (not sent again: it was pushed after the replacement) says so: worker 1's push goes up
+    alone and round 11 begins with worker 0's."""
+    fresh = new_relay()
+    assert fresh.handle("worker-1", 2, push("worker-1", [2.0] * 4, round_=10, flags=RESENT)) == []
+    up = fresh.handle("worker-0", 2, push("worker-0", [5.0] * 4, round_=11))
+    assert summary(up) == [("server-0", 2, Kind.PUSH, 3, 7, 0, 10, 0, RESENT, "float32", (4,), {"ranks": [1]})]
+    assert values_of(up[0][2]) == [2.0] * 4
+    error = fresh.handle("server-0", 2, reply(round_=10, kind=Kind.ERROR, meta={"error": "no"}))
+    assert [(peer, m.kind, m.round, m.meta) for peer, _, m in error] == [("worker-1", Kind.ERROR, 10, {"error": "no"})]
+    up = fresh.handle("worker-1", 2, push("worker-1", [1.0] * 4, round_=11))
+    assert [(peer, m.round, values_of(m)) for peer, _, m in up] == [("server-0", 11, [6.0] * 4)]
+
+
+def test_a_round_of_first_pushes_is_not_taken_as_over_upstream() -> None:
+    """Without pushes sent again, a push of the next round while a round is in progress is refused as before."""
+    relay = new_relay()
+    relay.handle("worker-1", 2, push("worker-1", [2.0] * 4, round_=10))
+    with pytest.raises(WireError, match=r"while round 10 .* is in progress"):
+        relay.handle("worker-0", 2, push("worker-0", [5.0] * 4, round_=11))
