@@ -66,10 +66,7 @@ DTYPES: dict[str, int] = {
     "int32": 4,
     "int16": 2,
     "int8": 1,
-    "uint64": 8,
-    "uint32": 4,
-    "uint16": 2,
-    "uint8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
     "bool": 1,
     # float8 formats travel as their bytes (broadcast, allgather); reductions run in float32 (worker/torch)
     "float8_e4m3fn": 1,
@@ -132,9 +129,10 @@ class Kind(IntEnum):
     #: ps.replicas, scheduler -> a holder: server meta `rank` took over from its mirror on this host (its
     #: own host was lost): stop writing that mirror and unlock it for the replacement
     MIRROR_RELEASE = 35
-    #: an aggregator that died was replaced (ps.recover): its new endpoints, to the workers and aggregators,
-    #: which send it again what it had not answered
+    #: an aggregator that died was replaced (ps.recover): its new endpoints, to all that send it something
     AGGREGATOR_BACK = 36
+    #: transport-internal, a dealer's first message on each connection: meta `process`, its transport's token
+    HELLO = 37
     #: between workers: the coordinator tree (requests and ready bits up, decisions down)
     COORD_UP = 40
     COORD_DOWN = 41

@@ -11,6 +11,7 @@ the way is the last resort's: the message is dropped, counted and logged once pe
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,10 +21,13 @@ import zmq
 
 from sluice.transport.base import Handler
 from sluice.transport.config import TransportConfig
+from sluice.transport.incarnations import Incarnations, hello_token
 from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
 from sluice.transport.shm import SharedPayloads
 from sluice.transport.wire import Flag, Kind, Message, WireError, decode, encode
+
+log = logging.getLogger("sluice.transport")
 
 _RECV_BATCH = 64
 _MAX_ROUTER_PEERS = 4096
@@ -114,7 +118,7 @@ class Receiver:
                  members: frozenset[str], peers: RouterPeers, dealers: dict[str, list[zmq.Socket[bytes]]],
                  local: set[str] | None, shared: SharedPayloads, metrics: TransportMetrics, rejects: Rejections,
                  cut: Callable[[str, zmq.Frame, float], bool], send_frames: Callable[[Route, Frames], bool],
-                 credit: Callable[[Route, int], None]) -> None:
+                 credit: Callable[[Route, int], None], forget_sent: Callable[[str], list[Route]]) -> None:
         self._name = name
         self._handler = handler
         #: with CURVE, a router-side peer's name must be the one its key proved (ZAP's User-Id)
@@ -131,6 +135,9 @@ class Receiver:
         self._cut = cut
         self._send_frames = send_frames
         self._credit = credit
+        #: drops what is queued for a peer, and its credit (the sending half's `forget`)
+        self._forget_sent = forget_sent
+        self._incarnations = Incarnations()
         self._unacked: defaultdict[Route, int] = defaultdict(int)
         #: per route with unacknowledged bytes, when the oldest of them arrived (the I/O turn's start)
         self._unacked_since: dict[Route, float] = {}
@@ -191,6 +198,10 @@ class Receiver:
                 self._shared.announce_registered([source])
         if msg.kind == Kind.ACK:
             self._credit((source, channel), msg.round)
+            return
+        if msg.kind == Kind.HELLO:
+            if peer is None and self.is_member(source):
+                self._hello(source, channel, msg)
             return
         if msg.kind in (Kind.SHM_OPEN, Kind.SHM_MAPPED):
             self._on_shm(source, channel, msg)
@@ -291,6 +302,24 @@ class Receiver:
             except Exception as exc:  # the last resort: a handler's bug must not end the I/O thread
                 self._rejects.refuse(source, f"handling {msg.kind.name} from {source!r:.60} failed "
                                      f"({type(exc).__name__}); message dropped", time.monotonic(), exc_info=True)
+
+    def _hello(self, source: str, channel: int, msg: Message) -> None:
+        """A dealer's first message on a connection (transport/incarnations.py): forget what belongs to a process
+        of its name that this one replaced."""
+        try:
+            forget = self._incarnations.hello(source, channel, hello_token(msg))
+        except WireError as exc:
+            self._refuse(source, channel, f"dropped a HELLO from {source!r:.60}: {exc}")
+            return
+        if forget == "peer":
+            self.forget([*self._forget_sent(source), *(r for r in self._unacked if r[0] == source)])
+            self._shared.forget(source)
+            if self._local is not None:
+                self._local.discard(source)
+            log.info("transport %s: %s is a new process: what was kept for the one it replaced is dropped",
+                     self._name, source)
+        elif forget == "route":
+            self.forget([(source, channel)])
 
     def _map_shared(self, peer: str, descriptor: tuple[str, int, int]) -> memoryview:
         try:

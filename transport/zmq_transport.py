@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -36,7 +37,7 @@ from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
 from sluice.transport.shm import SharedPayloads
 from sluice.transport.wakeup import Wakeup
-from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Message
+from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Kind, Message, encode
 from sluice.transport.zmq_guard import Guard, make_socket
 from sluice.transport.zmq_receive import Arrived, Receiver, RouterPeers, _keep_large_buffers_mapped
 from sluice.transport.zmq_send import Sender
@@ -86,7 +87,9 @@ class ZmqTransport:
         self._receiver = Receiver(name, config, handler, curve=self._keys is not None, members=job, peers=peers,
                                   dealers=self._dealers, local=self._local, shared=self._shared, metrics=self.metrics,
                                   rejects=self.rejects, cut=self._guard.cut, send_frames=self._sender.send_frames,
-                                  credit=self._sender.credit)
+                                  credit=self._sender.credit, forget_sent=self._sender.forget)
+        #: this transport's process token, in the HELLO that opens each of its connections (transport/incarnations.py)
+        self._process = secrets.token_hex(8)
         self._enqueue = self._sender.outbox.append  # send()'s one step, bound once
         self._ipc_dir: str | None = None
         self._wake = Wakeup()
@@ -251,6 +254,8 @@ class ZmqTransport:
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
             self._guard.secure_dialer(sock, peer)
             sock.connect(endpoint)
+            # the first message on the connection, before anything queued: a restarted process is told apart
+            sock.send_multipart(encode(Message(Kind.HELLO, meta={"process": self._process})), zmq.NOBLOCK)
             socks.append(sock)
             self._socket_channel[sock] = (peer, channel)
             self._poller.register(sock, zmq.POLLIN)

@@ -29,8 +29,8 @@ SCRIPT = "tests/integration/scripts/cluster_train.py"
 INFLIGHT = 4 << 20
 
 
-def _script_args(optimizer: str, kill_at: int) -> list[str]:
-    return ["--steps", "20", "--optimizer", optimizer, "--hidden", "256", "--kill-server-at", str(kill_at)]
+def _script_args(optimizer: str, kill_at: int, hidden: int = 256) -> list[str]:
+    return ["--steps", "20", "--optimizer", optimizer, "--hidden", str(hidden), "--kill-server-at", str(kill_at)]
 
 
 #: two trees over 3 workers (half the chunks each): workers 0 and 1, then 1 and 2, through aggregator 0
@@ -54,15 +54,16 @@ def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: 
     return list(results[0]["params"]), output
 
 
-def _reference(optimizer: str, where: str, workers: int, aggregators: int) -> list[float]:
+def _reference(optimizer: str, where: str, workers: int, aggregators: int, chunk_bytes: int = 4096,
+               hidden: int = 256) -> list[float]:
     """The same job (script, settings) without the kill, in forked workers: nothing in it for the launcher to do."""
     config: dict[str, Any] = {"collective": {"mode": "ps"}, "ps": {"recover": True},
                               "worker": {"optimizer_on": where},
-                              "transport": {"chunk_bytes": 4096, "inflight_bytes": INFLIGHT}}
+                              "transport": {"chunk_bytes": chunk_bytes, "inflight_bytes": INFLIGHT}}
     if aggregators:
         config["aggregation"] = {"mode": "static", "trees": list(TREES)}
-    printed = "".join(script_outputs(workers, 2, config, ROOT / SCRIPT, *_script_args(optimizer, -1), timeout=120,
-                                     aggregators=aggregators))
+    printed = "".join(script_outputs(workers, 2, config, ROOT / SCRIPT, *_script_args(optimizer, -1, hidden),
+                                     timeout=120, aggregators=aggregators))
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
     assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results), printed[-3000:]
     return list(results[0]["params"])
@@ -91,12 +92,14 @@ def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_wit
     """The momentum job through an aggregator, whose worker 0 SIGKILLs aggregator 0 in step 10: the launcher
     restarts it, the scheduler gives it its plans and routings, the workers send it again what it left
     unanswered (worker/replaced.py) and it forwards them, marked as sent again (ps/relay.py); a push of a
-    round the dead one had answered to some children only goes up alone (it hung 3 runs in 10 before)."""
-    reference = _reference("sgd", "server", 3, 1)
-    args = [*_script_args("sgd", -1), "--kill-aggregator-at", "10"]
+    round the dead one had answered to some children only goes up alone (it hung 3 runs in 10 before).
+    Chunks of 64 KiB travel through shared memory: the servers drop what they kept for the dead process
+    when the replacement's HELLO comes (transport/incarnations.py; before, the job hung every time)."""
+    reference = _reference("sgd", "server", 3, 1, chunk_bytes=65536, hidden=1024)
+    args = [*_script_args("sgd", -1, hidden=1024), "--kill-aggregator-at", "10"]
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
             "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", "worker.optimizer_on=server",
-            "--set", "transport.chunk_bytes=4096", "--set", f"transport.inflight_bytes={INFLIGHT}",
+            "--set", "transport.chunk_bytes=65536", "--set", f"transport.inflight_bytes={INFLIGHT}",
             "--set", "aggregation.mode=static", "--set", "aggregation.trees=" + ",".join(TREES),
             "--", sys.executable, SCRIPT, *args]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
@@ -106,6 +109,9 @@ def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_wit
     assert re.search(r"sluice launch: aggregator 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at "
                      r"most 3 restarts\)", output), output[-4000:]
     assert "aggregator 0 was replaced; sending it again" in output, output[-4000:]
+    for server in (0, 1):
+        assert f"[server {server}] INFO sluice.transport: transport server-{server}: aggregator-0 is a new process" \
+            in output, output[-4000:]
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", done.stdout, re.M)]
     assert len(results) == 3 and all(r["params"] == reference for r in results), output[-3000:]
 
