@@ -254,12 +254,13 @@ class Job(Ending):
         return await self._wind_down(roles)
 
     async def _replace(self, dead: Child) -> Child | None:
-        """With ps.recover, start a dead server (ps/snapshot.py, scheduler/recovery.py) or aggregator (on a host
-        still there) again under its name, up to ps.max_restarts times in the job; None when it is not to be
-        replaced."""
+        """With ps.recover, start a dead server (ps/snapshot.py, scheduler/recovery.py) or aggregator (on its host;
+        with ps.replicas on another when its host is lost) again under its name, up to ps.max_restarts times in the
+        job; None when it is not to be replaced."""
         ps = self.config.ps
+        moved_to = self.takeovers.aggregator_host_lost(dead)
         if dead.role not in ("server", "aggregator") or not ps.recover or self.stopping \
-                or (dead.role == "aggregator" and dead.returncode == SSH_FAILED):
+                or (dead.role == "aggregator" and dead.returncode == SSH_FAILED and moved_to is None):
             return None
         if self.restarts >= ps.max_restarts:
             self.complain(f"{dead.name} {exit_description(dead.returncode or 0)}, and the job already restarted "
@@ -267,11 +268,12 @@ class Job(Ending):
             return None
         self.restarts += 1
         if dead.role == "aggregator":
-            self.report(dead, f"; restarting it ({self.restarts} of at most {ps.max_restarts} restarts)")
+            where = f" on {self.plan.address(moved_to)}, as its host is lost" if moved_to and self.plan else ""
+            self.report(dead, f"; restarting it{where} ({self.restarts} of at most {ps.max_restarts} restarts)")
             self.children.remove(dead)
             try:
                 return await self.spawn("aggregator", dead.rank, [sys.executable, "-m", "sluice.launch.cli",
-                                                                  "aggregator"], self.endpoint)
+                                                                  "aggregator"], self.endpoint, moved_to)
             except OSError as exc:
                 self.complain(f"cannot restart {dead.label}: {exc}")
                 return None

@@ -93,6 +93,18 @@ class Takeovers:
         self.moved[dead.rank] = hosts[holder]
         return hosts[holder]
 
+    def aggregator_host_lost(self, dead: Child) -> str | None:
+        """`dead`, an aggregator, was lost with its host (its ssh session failed) in a job with ps.replicas: the
+        live host it starts again on (the first server host left, else the first host; its children replay to
+        it what it summed for a server that took over rounds behind, worker/replaced.py). None: not so."""
+        plan = self.plan
+        if (not self.config.ps.mirrored or plan is None or dead.role != "aggregator" or dead.via != "ssh"
+                or dead.returncode != SSH_FAILED or dead.host is None):
+            return None
+        self.lost_hosts.add(dead.host)
+        servers = [self.moved.get(r) or plan.place("server", r).host for r in range(self.servers)]
+        return next((h for h in [*servers, *(h.name for h in plan.hosts)] if h not in self.lost_hosts), None)
+
     def describe(self, dead: Child, host: str) -> str:
         assert self.plan is not None and dead.host is not None
         return (f"server {dead.rank}'s host {self.plan.address(dead.host)} lost; replica on "

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from sluice.ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
+from sluice.ps.relay_replay import Replays
 from sluice.ps.relay_tables import Tables, TreeView
 from sluice.ps.store import Reply, push_ranks
 from sluice.scheduler.resend import Answered, resent
@@ -71,6 +72,11 @@ class _Buffers:
     replied_value: bool = False
 
 
+def _opt(msg: Message) -> Any:
+    """The optimizer settings a push carries (meta `opt`), or None."""
+    return msg.meta.get("opt") if msg.meta else None
+
+
 class Relay:
     def __init__(self, name: str, workers: int, alloc: Any = None) -> None:
         self.name, self.workers = name, workers
@@ -86,6 +92,8 @@ class Relay:
         #: pushes sent again of a round that was over upstream, passed up alone: (key, chunk, round) -> their
         #: parent and children, answered by the parent's reply of that round
         self._alone: dict[tuple[int, int, int], tuple[str, list[_Child]]] = {}
+        #: rounds the children replay, summed again
+        self.replays = Replays(self.tables, self._spare)
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: str, channel: int, msg: Message, now: float = 0.0) -> list[Reply]:
@@ -112,6 +120,16 @@ class Relay:
         state = self._rounds.get(at)
         buffers = self._buffers.get(at)
         subtree_ok = set(ranks) <= set(view.ranks) and view.child_ranks.get(child, ranks) == ranks
+        if msg.flags & Flag.REPLAY:
+            if not subtree_ok:
+                raise WireError(f"{peer} replayed ranks {brief(list(ranks))}, not its subtree in tree {route}")
+            if state is None or state.round != msg.round or state.forwarded or state.route != route:
+                return self.replays.take(self.node_id, channel, msg, ranks, view, route, self.kept)
+            # the round in progress: its other children were not answered for it, and sent it again
+            if not state.pushed.isdisjoint(ranks) or buffers is None:
+                return []
+            self._add(state, buffers, ranks, np.frombuffer(msg.payload, STORAGE[dtype]), _opt(msg), True)
+            return [self._forward(msg, state, buffers)] if len(state.pushed) == len(view.ranks) else []
         again = self._sent_again(peer, channel, msg, state, buffers, ranks) \
             if msg.flags & Flag.RESEND and subtree_ok else None
         if again is not None:
@@ -142,20 +160,29 @@ class Relay:
         if state is None:
             state = self._rounds[at] = _Round(msg.round, route, view, now)
             buffers.sum.expect(view.ranks)
+            for piece, data, opt in self.replays.claim(msg.key, msg.chunk, msg.round):  # replays of this round
+                if set(piece).isdisjoint(ranks):
+                    self._add(state, buffers, piece, data, opt, True)
         departed = [r for r in self.departed if r in view.ranks and r not in state.pushed]
         state.children.append(_Child(peer, channel, msg.round, msg.priority, bool(msg.flags & Flag.WANT_REPLY),
                                      ranks, keep_payload(msg) if msg.flags & Flag.RESEND else None))
         if departed:  # the round can never complete: say so now rather than at the deadline
             return passed + self._fail(at, state, f"round {msg.round} of key {msg.key} chunk {msg.chunk} can never "
                                          f"complete: worker {departed[0]} has left the job")
-        buffers.sum.take(ranks, np.frombuffer(msg.payload, STORAGE[dtype]), self._spare)
-        state.pushed.update(ranks)
-        state.resent = state.resent or bool(msg.flags & Flag.RESEND)
-        if msg.meta and "opt" in msg.meta and state.opt is None:
-            state.opt = msg.meta["opt"]  # the server checks it; every worker sends the same settings
+        self._add(state, buffers, ranks, np.frombuffer(msg.payload, STORAGE[dtype]), _opt(msg),
+                  bool(msg.flags & Flag.RESEND))
         if len(state.pushed) < len(view.ranks):
             return passed
         return [*passed, self._forward(msg, state, buffers)]
+
+    def _add(self, state: _Round, buffers: _Buffers, ranks: tuple[int, ...], data: np.ndarray, opt: Any,
+             resent: bool) -> None:
+        """A piece covering `ranks` into the round's sum, with the optimizer settings it came with (or None)."""
+        buffers.sum.take(ranks, data, self._spare)
+        state.pushed.update(ranks)
+        state.resent = state.resent or resent
+        if opt is not None and state.opt is None:
+            state.opt = opt  # the server checks it; every worker sends the same settings
 
     def _forward(self, msg: Message, state: _Round, buffers: _Buffers) -> Reply:
         """The complete sum of this subtree, one push up to the parent."""
@@ -212,6 +239,7 @@ class Relay:
             np.copyto(buffers.reply, np.frombuffer(msg.payload, buffers.reply.dtype))
         buffers.replied_value = msg.payload is not None
         del self._rounds[at]
+        self.replays.answered(at, state.round)
         buffers.last_round = state.round
         return self._fan_out(msg, state.children, buffers.reply if msg.payload is not None else None)
 
@@ -304,7 +332,8 @@ class Relay:
         """Server `rank` replaced a dead one (ps.recover): the pushes of answered rounds kept for it (ps.replicas),
         oldest first, then every push forwarded to it and not answered, marked RESEND."""
         server = self.tables.server_names[rank]
-        out: list[Reply] = [(server, self._buffers[m.key, m.chunk].channel, m)
+        out: list[Reply] = [(server, buffers.channel if (buffers := self._buffers.get((m.key, m.chunk))) else
+                             self.replays.channels.get((m.key, m.chunk), 0), m)
                             for m in (self.kept.replays(rank) if self.kept is not None else [])]
         for (key, chunk), state in self._rounds.items():
             if (state.forwarded and state.sent is not None and not state.view.parent_is_aggregator

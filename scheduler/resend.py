@@ -12,7 +12,9 @@ push that went up an aggregation tree is the aggregator's to send again, inside 
 With ps.replicas the server that takes over a lost host's shard may hold its state up to
 ps.mirror_every rounds behind what was answered (ps/mirror.py), and the arrays may have changed
 since: so each sender keeps its pushes of that many answered rounds per chunk, copied (`Answered`),
-and replays them (RESEND | REPLAY) first, oldest first. The server gets the pieces of each round it
+and replays them (RESEND | REPLAY) first, oldest first. A worker keeps those that went up a tree too:
+an aggregator lost with a server's host took its copies of the sums along, and its replacement sums
+the replays of its children again (ps/relay.py). The server gets the pieces of each round it
 redoes exactly as it first did (the same senders, the same sums), so its rank-ordered sum comes out
 bit-identical.
 """
@@ -23,7 +25,7 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,8 +127,9 @@ class Answered:
         np.copyto(buffer, source)
         kept.append((server, dataclasses.replace(request, payload=buffer, shm=None), buffer))
 
-    def replays(self, server: int) -> list[Message]:
-        """The kept pushes that went to `server`, oldest first, marked RESEND | REPLAY (each with the settings it was
-        sent with: a replayed round is stepped as it was)."""
+    def replays(self, server: int, wanted: Callable[[Message], bool] = direct) -> list[Message]:
+        """The kept pushes for `server` that are `wanted` (by default those that went straight to it), oldest first,
+        marked RESEND | REPLAY (each with the settings it was sent with: a replayed round is stepped as it was)."""
         return [dataclasses.replace(request, flags=(request.flags | Flag.RESEND | Flag.REPLAY) & ~Flag.WANT_REPLY)
-                for kept in self._kept.values() for owner, request, _ in kept if owner == server]
+                for kept in self._kept.values() for owner, request, _ in kept
+                if (owner == server or server < 0) and wanted(request)]

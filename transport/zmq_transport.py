@@ -186,9 +186,10 @@ class ZmqTransport:
         sock = make_socket(self._ctx, kind, largest, self._tos[channel] if self._tos else None,
                            self.config.so_priority[channel] if self.config.so_priority else None)
         self._max_header[sock] = header
-        if kind == zmq.ROUTER and self._control:
-            # a replaced server (ps.recover) registers again under its name before the scheduler may
-            # have noticed that the dead one's connection closed: the new connection takes the name
+        if kind == zmq.ROUTER:
+            # a process that replaced a dead one (ps.recover) dials under its name while the dead one's
+            # connection may look open for good (its host lost with its link down: no FIN came): the new
+            # connection takes the name. With CURVE only a member's key can connect, and members are trusted
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         return sock
 

@@ -25,7 +25,7 @@ from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
 from sluice.scheduler.recovery import mirror_rounds
-from sluice.scheduler.resend import Answered, direct, parse_back, parse_server_back
+from sluice.scheduler.resend import Answered, parse_back, parse_server_back
 from sluice.transport.config import LOCAL_ENDPOINTS
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, meta_field
@@ -331,8 +331,7 @@ class Client:
                 op.handle._fail(f"server sent {msg.dtype}{list(msg.shape)} for a {op.dtype}{list(op.out.shape)} chunk")
                 return
             np.copyto(op.out, np.frombuffer(msg.payload, STORAGE[op.dtype]))
-        if self._answered is not None and op.request is not None and op.request.kind == Kind.PUSH \
-                and direct(op.request):  # (one up a tree is in its aggregator's sum, which the aggregator keeps)
+        if self._answered is not None and op.request is not None and op.request.kind == Kind.PUSH:
             self._answered.keep(op.server, op.request)  # before the caller may change the array
         if (trace := self._node.trace) is not None:
             trace.replied(msg.key, msg.round)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+from sluice.scheduler.node import endpoint_host
 from sluice.scheduler.resend import ServerBack, outstanding, resent
 
 if TYPE_CHECKING:
@@ -49,20 +50,30 @@ def server_back(client: Client, back: ServerBack) -> None:
 
 
 def aggregator_back(client: Client, back: ServerBack) -> None:
-    """A dead aggregator's replacement is ready: every push this worker sent up a tree through it, unanswered."""
+    """A dead aggregator's replacement is ready: every push this worker sent up a tree through it, unanswered;
+    first, when it came back on another host (its own was lost, and with it its copies of the sums a server
+    that took over a lost shard may lack: ps.replicas), the answered ones kept, to be summed again."""
+    before = next((p.endpoints for p in client.control.peers if p.name == back.name), ())
     _reconnect(client, back)
     client._aggregator_endpoints[back.name] = back.endpoints
     by_key = {t.key: t for t in client._tensors.values()}
+
+    def through(request: Message) -> bool:
+        route = (request.meta or {}).get("route")
+        return route is not None and client._router.parent(route[0], route[1]) == back.name
+
+    moved = endpoint_host(list(before)) != endpoint_host(list(back.endpoints))
     again: list[tuple[Tensor, Message]] = []
     with client._lock:
-        seen: set[int] = set()
+        if moved and client._answered is not None:
+            again += [(by_key[r.key], r) for r in client._answered.replays(-1, through) if r.key in by_key]
+        replays, seen = len(again), set()
         for _, request in client._pending.requests():
-            route = (request.meta or {}).get("route") if request is not None else None
-            if (request is None or route is None or id(request) in seen or request.key not in by_key
-                    or client._router.parent(route[0], route[1]) != back.name):
+            if request is None or id(request) in seen or request.key not in by_key or not through(request):
                 continue
             seen.add(id(request))
             again.append((by_key[request.key], resent(request, None)))
-    log.warning("aggregator %d was replaced; sending it again %d unanswered pushes", back.rank, len(again))
+    log.warning("aggregator %d was replaced; sending it again %d unanswered pushes%s", back.rank, len(again) - replays,
+                f" after {replays} answered ones (it came back on another host; ps.replicas)" if replays else "")
     for tensor, msg in again:
         client.transport.send(back.name, tensor.channel, msg)

@@ -75,7 +75,7 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     next generation: worker 0 SIGKILLs the scheduler in step 15, and the new standby carries the job on."""
     servers = "1"
     standby = ["--set", "scheduler.standby=1", "--set", "scheduler.heartbeat_interval=0.5",
-               "--set", "scheduler.heartbeat_timeout=2"]
+               "--set", "scheduler.heartbeat_timeout=4"]
     output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", servers, *standby, "--",
                                     sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2",
                                     "--kill-scheduler-at", "15"])

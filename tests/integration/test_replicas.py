@@ -12,9 +12,13 @@ the loss, and nothing is left.
 Three jobs: SGD with momentum on the servers and Adam on the servers (their mirrors carry each
 round's gradient, which the holder steps: its copy must come out bit-identical), and the optimizer
 on the workers (the servers sum; the mirror carries the sum). The momentum job has 3 workers and an
-aggregator (on h1, as the launcher places it on the first server host): in one tree workers 0 and 1
-push through it, in the other workers 1 and 2; the aggregator replays its sums and re-sends its
-unanswered ones, each worker what it pushed straight to the server.
+aggregator, which the launcher places on the first server host: there `--server-hosts h2,h1` puts
+server 0 and the aggregator on h2, the host lost. In one tree workers 0 and 1 push through it, in the
+other workers 1 and 2. The launcher starts the aggregator again on h1; the workers replay to it what
+they pushed through it (it came back on another host), and it sums the replays again for server 0,
+which came back on h1 from the mirror a round behind; each worker replays what it pushed straight to
+the server. (An aggregator that survives a server's host replays its own copies of the sums:
+tests/unit/test_relay_recovery.py.)
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def _reference(optimizer_on: str, optimizer: str, workers: int, aggregators: int
 def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: SshBed, case: str) -> None:
     optimizer_on, optimizer, workers, aggregators = CASES[case]
     launcher, h1, h2 = (bed.netbed.hosts[name].address for name in ("launcher", "h1", "h2"))
+    lost = 0 if aggregators else 1  # the server on h2: the aggregator's goes first in --server-hosts
     # the optimizer-on-workers job takes ps.replicas from the launcher's default: on, as the servers span 2 hosts
     asked = [] if optimizer_on == "worker" else ["ps.recover=true", "ps.replicas=1"]
     sets = ["collective.mode=ps", *asked, f"worker.optimizer_on={optimizer_on}",
@@ -82,9 +87,9 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
             "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3",
             *(["aggregation.mode=static", "aggregation.trees=" + ",".join(TREES)] if aggregators else [])]
     args = ["-H", f"{launcher}:{workers},{h1}:1,{h2}:1", "-w", str(workers), "-s", "2", "-a", str(aggregators),
-            "--server-hosts", f"{h1},{h2}",
+            "--server-hosts", f"{h2},{h1}" if aggregators else f"{h1},{h2}",
             *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--optimizer", optimizer]
-    # server 1's MIRRORs stall first: its replies go a round ahead of its holder's copy
+    # the lost server's MIRRORs stall first: its replies go a round ahead of its holder's copy
     # the job of the launcher's default loses its host silently (link down first: no connection of it is closed),
     # so the launcher learns of it from the scheduler's word and its probe of the host, not from ssh
     silent = not asked
@@ -96,19 +101,20 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
                "hosts)")
     chosen = {2: 16, 3: 14}[workers]  # ceil(40 / W), at most 16 (scheduler/recovery.py)
     assert (default in out) == (not asked) and f"ps.mirror_every = {chosen} (from {workers} workers" in out, out[:3000]
-    assert f"server 1's host {h2} lost; replica on {h1} took shard 1" in out, out[-4000:]
+    assert f"server {lost}'s host {h2} lost; replica on {h1} took shard {lost}" in out, out[-4000:]
     probed = f"server 1 is silent and its host {h2} does not answer on port 22 within 2 s: taking the host as lost"
     assert (probed in out) == silent, out[-4000:]
-    assert "server 0: server 1 took over from its mirror here" in out, out[-4000:]
-    assert re.search(r"\[server 1\] .*server 1: restored \d+ chunks of declaration 0", out), out[-4000:]
-    assert re.search(r"\[server 1\] .*server 1: took \d+ replayed pushes of rounds its state was behind", out), \
-        out[-4000:]
+    assert f"server {1 - lost}: server {lost} took over from its mirror here" in out, out[-4000:]
+    assert re.search(rf"\[server {lost}\] .*server {lost}: restored \d+ chunks of declaration 0", out), out[-4000:]
+    assert re.search(rf"\[server {lost}\] .*server {lost}: took \d+ replayed pushes of rounds its state was behind",
+                     out), out[-4000:]
     results: list[dict[str, Any]] = sorted(
         (json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", out, re.M)),
         key=lambda r: r["rank"])
     if aggregators:
-        assert re.search(r"\[aggregator 0\] .*server 1 was replaced; sending it again \d+ unanswered pushes after "
-                         r"[1-9]\d* answered ones \(ps.replicas\)", out), out[-4000:]
+        assert re.search(rf"aggregator 0 on {h2}, .*; restarting it on {h1}, as its host is lost", out), out[-4000:]
+        assert re.search(r"\[worker [01]\] .*aggregator 0 was replaced; sending it again \d+ unanswered pushes after "
+                         r"[1-9]\d* answered ones \(it came back on another host; ps.replicas\)", out), out[-4000:]
     assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results)
     assert results[0]["params"] == _reference(optimizer_on, optimizer, workers, aggregators)
     wait_gone(bed, ("launcher", "h1", "h2"), JOB_PROCESS)

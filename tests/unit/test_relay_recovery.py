@@ -140,3 +140,55 @@ def test_a_round_of_first_pushes_is_not_taken_as_over_upstream() -> None:
     relay.handle("worker-1", 2, push("worker-1", [2.0] * 4, round_=10))
     with pytest.raises(WireError, match=r"while round 10 .* is in progress"):
         relay.handle("worker-0", 2, push("worker-0", [5.0] * 4, round_=11))
+
+
+REPLAYED = Flag.RESEND | Flag.REPLAY
+
+
+def test_a_replacement_on_another_host_sums_the_replayed_rounds_again_and_keeps_them_for_the_server() -> None:
+    """The aggregator was lost with its host (and its copies of the sums): its children replay their answered
+    pushes, several rounds at once in any interleaving; each round is summed over the same subtree, sent up as
+    it first was (no reply wanted), and kept for a server replaced later. A round one child no longer holds
+    never completes, and goes once a live round of the chunk is answered."""
+    fresh = new_relay()
+    fresh.kept = Answered(4)
+    meta = {"route": [1, 0], "opt": {"lr": 0.5}}
+    assert fresh.handle("worker-0", 2, push("worker-0", [1.0] * 4, round_=4, flags=REPLAYED, meta=meta)) == []
+    assert fresh.handle("worker-0", 2, push("worker-0", [2.0] * 4, round_=5, flags=REPLAYED, meta=meta)) == []
+    up5 = fresh.handle("worker-1", 2, push("worker-1", [10.0] * 4, round_=5, flags=REPLAYED))
+    up6 = fresh.handle("worker-1", 2, push("worker-1", [20.0] * 4, round_=6, flags=REPLAYED))
+    assert up6 == [] and summary(up5) == [("server-0", 2, Kind.PUSH, 3, 7, 0, 5, 0, REPLAYED, "float32", (4,),
+                                           {"ranks": [0, 1], "opt": {"lr": 0.5}})]
+    assert values_of(up5[0][2]) == [12.0] * 4
+    up6 = fresh.handle("worker-0", 2, push("worker-0", [3.0] * 4, round_=6, flags=REPLAYED, meta=meta))
+    assert [(m.round, values_of(m)) for _, _, m in up6] == [(6, [23.0] * 4)]
+    # the same replay again begins a round that never completes (the server would drop it anyway)
+    assert fresh.handle("worker-0", 2, push("worker-0", [3.0] * 4, round_=6, flags=REPLAYED, meta=meta)) == []
+    assert [(m.round, m.flags, values_of(m)) for _, _, m in fresh.server_back(0)] == [
+        (5, REPLAYED, [12.0] * 4), (6, REPLAYED, [23.0] * 4)]
+    # the live round 7, then its reply: round 4 (worker 1 no longer held it) and the stray 6 are dropped
+    _round(fresh, 7)
+    fresh.handle("server-0", 2, reply(round_=7))
+    assert fresh.replays._replaying == {}
+    with pytest.raises(WireError, match="not a child"):  # checked as any push
+        fresh.handle("worker-2", 2, push("worker-2", [1.0] * 4, round_=3, flags=REPLAYED))
+
+
+@pytest.mark.parametrize("replay_first", [True, False], ids=["replay-first", "resend-first"])
+def test_a_round_one_child_replays_and_another_sends_again_is_summed_once_and_answered_to_the_second(
+        replay_first: bool) -> None:
+    """The lost aggregator had answered round 9 to worker 0 only: worker 0 replays it (answered), worker 1 sends it
+    again (unanswered). Whatever their order, the replacement sums the two into round 9 as it first was, forwards
+    it wanting a reply, and fans the reply to worker 1 alone."""
+    fresh = new_relay()
+    replay = push("worker-0", [4.0] * 4, round_=9, flags=REPLAYED, meta={"route": [1, 0], "opt": {"lr": 0.1}})
+    again = push("worker-1", [1.0] * 4, round_=9, flags=RESENT)
+    first, second = (("worker-0", replay), ("worker-1", again)) if replay_first else (("worker-1", again),
+                                                                                      ("worker-0", replay))
+    assert fresh.handle(first[0], 2, first[1]) == []
+    up = fresh.handle(second[0], 2, second[1])
+    assert summary(up) == [("server-0", 2, Kind.PUSH, 3, 7, 0, 9, 0, RESENT, "float32", (4,),
+                            {"ranks": [0, 1], "opt": {"lr": 0.1}})]
+    assert values_of(up[0][2]) == [5.0] * 4
+    down = fresh.handle("server-0", 2, reply(round_=9, values=[3.0] * 4))
+    assert [(peer, m.round, values_of(m)) for peer, _, m in down] == [("worker-1", 9, [3.0] * 4)]
