@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
         return error("--min-workers, --max-workers (--min-np, --max-np) and --in-place need --elastic")
     from sluice.launch.takeover import with_replicas
 
-    config, chosen = with_replicas(config, plan, args.aggregators, elastic is not None, workers)
+    config, chosen = with_replicas(config, plan, elastic is not None, workers)
     if chosen:
         print(f"[launch] {chosen}", flush=True)
     try:

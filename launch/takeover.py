@@ -19,19 +19,17 @@ from sluice.launch.config import SluiceConfig
 from sluice.scheduler.recovery import chosen_mirror_every, holders
 
 
-def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, aggregators: int, elastic: bool,
+def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, elastic: bool,
                   workers: int) -> tuple[SluiceConfig, str]:
     """ps.replicas and ps.mirror_every as the job's processes get them, and a line saying what was chosen
     ("" when nothing was). Left at -1, replicas become 1 (with ps.recover) when the job's servers run on
-    several hosts and recovery can run (ps.sync, not --elastic, which restarts every process anyway), unless
-    aggregators run: they share the server hosts, and a lost aggregator is not replaced, so a lost server host
-    would end the job all the same; a mirror_every left at 0 is chosen from the worker count
-    (scheduler/recovery.py)."""
+    several hosts and recovery can run (ps.sync, not --elastic, which restarts every process anyway; an
+    aggregator lost with a server's host is started on another, `aggregator_host_lost`); a mirror_every left
+    at 0 is chosen from the worker count (scheduler/recovery.py)."""
     ps, said = config.ps, ""
     if ps.replicas == -1:
         hosts = {p.host for p in plan.layout.processes if p.role == "server"} if plan is not None else set()
         why_not = ("the servers run on one host" if len(hosts) < 2 else
-                   "an aggregator (-a) on a lost server host is not replaced" if aggregators else
                    "ps.sync = false is not covered" if not ps.sync else
                    "--elastic restarts every process of a generation" if elastic else "")
         ps = replace(ps, replicas=0 if why_not else 1, recover=ps.recover or not why_not)

@@ -23,8 +23,7 @@ class ServerConfig:
     recover_timeout: float = 60.0
     #: on how many other hosts each server's committed state is mirrored (ps/mirror.py; needs ps.recover); 0: only
     #: in the server's own host's /dev/shm; -1: `sluice launch` chooses 1 (and turns ps.recover on) when the job's
-    #: servers span several hosts and recovery can run (ps.sync, not --elastic) and no aggregator would be lost
-    #: with a server's host (they run on the server hosts), else 0
+    #: servers span several hosts and recovery can run (ps.sync, not --elastic), else 0
     replicas: int = -1
     #: with ps.replicas, mirror each chunk's state every this many rounds; a round's replies wait until the
     #: holder has the round this many before it, and every worker keeps (copies of) its pushes of that many

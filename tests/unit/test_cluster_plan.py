@@ -108,7 +108,7 @@ def _replicas(hosts: list[Host], sets: list[str], servers: int = 2, aggregators:
               elastic: bool = False) -> tuple[int, bool, int, str]:
     config = load_config(None, {}, ["transport.host=192.0.2.1", *sets])
     plan = plan_cluster(hosts, "-H", None, servers, aggregators, None, Reach(), config)
-    chosen, said = with_replicas(config, plan, aggregators, elastic, 4)
+    chosen, said = with_replicas(config, plan, elastic, 4)
     return chosen.ps.replicas, chosen.ps.recover, chosen.ps.mirror_every, said
 
 
@@ -120,9 +120,8 @@ def test_replicas_are_chosen_when_the_servers_span_hosts_and_recovery_can_run() 
     assert on[3].endswith("ps.mirror_every = 10 (from 4 workers: each keeps that many copies of its gradients to "
                           "replay)")
     assert _replicas(two, [], servers=1) == (0, False, 10, "ps.replicas: off (the servers run on one host)")
-    assert _replicas(two, [], aggregators=1) == (0, False, 10, "ps.replicas: off (an aggregator (-a) on a lost server "
-                                                             "host is not replaced)")
-    assert _replicas(two, ["ps.replicas=1", "ps.recover=true"], aggregators=1)[:2] == (1, True)  # asked: kept
+    assert _replicas(two, [], aggregators=1)[:3] == (1, True, 10)  # one lost with a server host starts elsewhere
+    assert _replicas(two, ["ps.replicas=0"], aggregators=1)[:2] == (0, False)  # asked: kept
     assert _replicas(two, ["ps.sync=false"])[3] == "ps.replicas: off (ps.sync = false is not covered)"
     assert _replicas(two, [], elastic=True)[3] == ("ps.replicas: off (--elastic restarts every process of a "
                                                    "generation)")
