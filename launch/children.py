@@ -102,8 +102,9 @@ class Child:
         self.role, self.rank, self.proc = role, rank, proc
         self.host, self.via = host, via
         self._returncode: int | None = None
-        #: scheduler rank 1 is the standby (scheduler.standby)
-        self.label = ("scheduler" if rank == 0 else "standby scheduler") if role == "scheduler" else f"{role} {rank}"
+        #: scheduler rank k >= 1 is the k-th standby (scheduler.standby)
+        self.label = (("scheduler" if rank == 0 else "standby scheduler" if rank == 1 else f"standby scheduler {rank}")
+                      if role == "scheduler" else f"{role} {rank}")
         self.output = ChildOutput(sink, self.label, options or OutputOptions(), log_folder)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.ended_at: float | None = None

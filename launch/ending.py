@@ -77,9 +77,10 @@ class Ending:
     async def _wind_down(self, roles: list[Child]) -> int:
         """The workers are done: give the scheduler and servers `grace` seconds to leave by themselves."""
         if self.schedulers is not None:  # a standby that never took over has nothing to end; a scheduler
-            if (idle := self.schedulers.idle()) is not None:  # that ended while the other went on was told of
-                idle.stop()
-            roles = [c for c in roles if c is not idle and c not in self.schedulers.survived]
+            idle = self.schedulers.idle()  # that ended while another went on was told of
+            for child in idle:
+                child.stop()
+            roles = [c for c in roles if c not in idle and c not in self.schedulers.survived]
         pending: set[asyncio.Future[Any]] = {child.done for child in roles}
         deadline = asyncio.get_running_loop().time() + self.grace
         while pending and not self.interrupted.done():

@@ -35,7 +35,7 @@ from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.run_options import RunOptions
-from sluice.launch.standby import Schedulers, standby_host
+from sluice.launch.standby import Schedulers, standby_hosts
 from sluice.launch.supervisor import Job, free_port, run_on_loop, supervise
 from sluice.scheduler.bootstrap import ENV_ELASTIC_IN_PLACE
 from sluice.scheduler.new_place import Place
@@ -145,69 +145,70 @@ class Generation(Job):
             placed[dead.rank] = moved_to
             self.plan = self.spawner.plan = self.takeovers.plan = self.plan.with_workers(placed)
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
-        previous = self.schedulers.standby
-        # a standby whose host is lost starts elsewhere first: the newcomer must be told its new endpoint
-        standby = await self._standby_again(previous) if previous is not None and previous.host in \
-            self.takeovers.lost_hosts else None
+        previous, lost_hosts = self.schedulers.standbys, self.takeovers.lost_hosts
+        endpoints = {p.rank: p.ready.result() for p in previous if p.ready.done()}
+        standbys: dict[int, Child] = {}
+        for away in [p for p in previous if p.host in lost_hosts]:  # first: the newcomer is told where they went
+            await self._standby_again(away, "", standbys, endpoints)
+        self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
         worker = None if shrink else await self.spawn("worker", dead.rank, self.command, self.endpoint, moved_to,
                                                       self._local_env(moved_to))
         sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
-        if previous is not None and standby is None:  # on its host and port again: everyone has its endpoint
-            standby = await self._standby_again(previous)
+        kept = [p for p in previous if p.host not in lost_hosts]  # on their hosts and ports: everyone has them
+        started = [await self._standby_started(p, endpoints.get(p.rank, "")) for p in kept]
         endpoint = await self._announced(sched)
         if not isinstance(endpoint, str) or (endpoint != self.endpoint and not shrink):
             self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
             return None
         self.endpoint = endpoint
-        if standby is not None and previous is not None and previous.host not in self.takeovers.lost_hosts:
-            standby = await self._standby_ready(standby)
+        for child in started:
+            await self._standby_ready(child, endpoints.get(child.rank, ""), standbys, endpoints)
+        self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
         places: list[Place | None] = list(shrunk(hosts, endpoint, self.spawner.standby)) if shrink else \
-            [self._place(c.rank) for c in survivors] if previous is not None else [None] * len(survivors)
+            [self._place(c.rank) for c in survivors] if previous else [None] * len(survivors)
         for child, place in zip(survivors, places, strict=True):  # they re-form now: their scheduler is there again
             child.notify_reform(place, self.spawner.worker_env[ENV_ELASTIC_DIR])
         new = [sched, *[await self.spawn("server", rank, [*role_argv, "server"], self.endpoint, self._live(rank))
                         for rank in range(self.servers)]]
-        self.schedulers = Schedulers(sched, standby)
-        for child in (sched, standby) if standby is not None else (sched,):
+        self.schedulers = Schedulers(sched, [standbys[rank] for rank in sorted(standbys)])
+        for child in (sched, *self.schedulers.standbys):
             child.on_silent = self._node_silent
-        if standby is not None:
-            new.append(standby)
+        new += self.schedulers.standbys
         what = (f"the job went on with {len(survivors)} workers ({renamed})" if shrink else
                 f"{dead.label} replaced in its slot")
         self.say(f"generation {generation}: {what} and the scheduler and servers started again "
                  f"{time.monotonic() - lost:.2f} s after the loss ({killed} stopped by SIGKILL)")
         return worker, old, new
 
-    async def _standby_again(self, previous: Child) -> Child | None:
-        """The next generation's standby scheduler: on the host and port of the `previous` one while its host is
-        up (every node has that endpoint), else on another host, ready before anyone is told its new endpoint."""
-        if previous.host not in self.takeovers.lost_hosts:
-            port = int(self.spawner.standby.rsplit(":", 1)[1]) if self.spawner.standby else 0
-            self.config = self.spawner.config = dataclasses.replace(
-                self.config, scheduler=dataclasses.replace(self.config.scheduler, standby_port=port))
-            return await self.spawn("scheduler", 1, [sys.executable, "-m", "sluice.launch.cli", "scheduler"], "",
-                                    previous.host)
-        self.spawner.standby = ""
-        self.config = self.spawner.config = dataclasses.replace(
-            self.config, scheduler=dataclasses.replace(self.config.scheduler, standby_port=0))
-        standby = await self.spawn("scheduler", 1, [sys.executable, "-m", "sluice.launch.cli", "scheduler"], "",
-                                   standby_host(self.plan, self.takeovers.lost_hosts))
-        return await self._standby_ready(standby)
+    async def _standby_started(self, previous: Child, endpoint: str) -> Child:
+        """The next generation's standby in place of `previous`: on its host and port (`endpoint`) while its host is
+        up, so that every node still has its endpoint; else on another host, on a port the OS picks."""
+        kept = previous.host not in self.takeovers.lost_hosts and endpoint
+        self.config = self.spawner.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(
+            self.config.scheduler, standby_port=int(endpoint.rsplit(":", 1)[1]) if kept else 0))
+        host = previous.host if kept else standby_hosts(self.plan, previous.rank, self.takeovers.lost_hosts)[-1]
+        return await self.spawn("scheduler", previous.rank, [sys.executable, "-m", "sluice.launch.cli", "scheduler"],
+                                "", host)
 
-    async def _standby_ready(self, standby: Child) -> Child | None:
-        """`standby` once it listens (the spawner tells the nodes started from now on), or None: the job goes on
-        without one."""
-        was, endpoint = self.spawner.standby, await self._announced(standby)
-        if isinstance(endpoint, str) and endpoint == (was or endpoint):
-            self.spawner.standby = endpoint
-            self.say(f"standby scheduler ready at {endpoint}")
-            return standby
-        self.complain(f"the standby scheduler did not come back{f' at {was}' if was else ''}: the job goes on "
-                      "without one")
-        self.spawner.standby = ""
-        return None
+    async def _standby_again(self, previous: Child, endpoint: str, standbys: dict[int, Child],
+                             endpoints: dict[int, str]) -> None:
+        """Start and await the standby in place of `previous` (see _standby_ready)."""
+        await self._standby_ready(await self._standby_started(previous, endpoint), endpoint, standbys, endpoints)
+
+    async def _standby_ready(self, standby: Child, expected: str, standbys: dict[int, Child],
+                             endpoints: dict[int, str]) -> None:
+        """Once `standby` listens (at `expected`, when it was started on its old port), it joins `standbys` and
+        `endpoints` (what the spawner tells the nodes started from now on); if not, the job goes on without it."""
+        endpoint = await self._announced(standby)
+        if isinstance(endpoint, str) and endpoint == (expected or endpoint):
+            standbys[standby.rank], endpoints[standby.rank] = standby, endpoint
+            self.say(f"{standby.label} ready at {endpoint}")
+            return
+        self.complain(f"the {standby.label} did not come back{f' at {expected}' if expected else ''}: the job goes "
+                      "on without it")
+        endpoints.pop(standby.rank, None)
 
     def _place(self, rank: int) -> Place:
         """A worker's place as the spawner would give it now (what a survivor of a replacement is told: the

@@ -31,7 +31,7 @@ def folder(role: str, rank: int, workers: int) -> str:
     if role == "worker":
         return f"rank.{rank:0{len(str(max(workers - 1, 0)))}d}"
     if role == "scheduler":
-        return "scheduler" if rank == 0 else "scheduler.standby"
+        return "scheduler" if rank == 0 else "scheduler.standby" if rank == 1 else f"scheduler.standby.{rank}"
     return f"{role}.{rank}"
 
 

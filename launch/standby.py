@@ -1,16 +1,17 @@
 """The launcher's side of a standby scheduler (scheduler.standby): where it runs, what the end of either means.
 
-The standby is a second scheduler process (rank 1) that waits for the nodes to rejoin it should
-the scheduler fall silent (scheduler/standby.py). It runs on another host than the scheduler when
-the job has one (the first host the launcher reaches over ssh or srun), else beside it. Either one may
-end without ending the job while the other runs: the scheduler killed or its host lost, the nodes
-rejoin the standby; the standby lost, the job goes on without one. When the job ends under the
-scheduler, the standby, which never took over, is stopped at once.
+A standby is another scheduler process (rank k >= 1) that waits for the nodes to rejoin it should
+the scheduler fall silent (scheduler/standby.py); with several, the nodes rejoin the next when the
+one they are on falls silent too. Each runs on another host than the scheduler when the job has one
+(the hosts the launcher reaches over ssh or srun, in order), else beside it. Any of them may end
+without ending the job while another runs: the scheduler killed or its host lost, the nodes rejoin
+the first standby; a standby lost, the job goes on with the others. When the job ends under one of
+them, the standbys that never took over are stopped at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from sluice.launch.blame import exit_description
 from sluice.launch.children import Child
@@ -18,44 +19,47 @@ from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 
 
-def standby_wanted(config: SluiceConfig, plan: ClusterPlan | None) -> bool:
-    """Whether the job gets a standby scheduler: scheduler.standby, or (-1) when the job spans several hosts."""
+def standby_count(config: SluiceConfig, plan: ClusterPlan | None) -> int:
+    """How many standby schedulers the job gets: scheduler.standby, or (-1) one when the job spans several hosts."""
     wanted = config.scheduler.standby
     if wanted == -1:
-        return plan is not None and any(plan.is_remote(p.host) for p in plan.layout.processes)
-    return wanted == 1
+        return int(plan is not None and any(plan.is_remote(p.host) for p in plan.layout.processes))
+    return wanted
 
 
-def standby_host(plan: ClusterPlan | None, lost: Collection[str] = ()) -> str | None:
-    """Where the standby runs: the first host of the job that is not the launcher's machine nor `lost` (None:
-    here)."""
-    if plan is None:
-        return None
-    return next((p.host for p in plan.layout.processes if plan.is_remote(p.host) and p.host not in lost), None)
+def standby_hosts(plan: ClusterPlan | None, count: int, lost: Collection[str] = ()) -> list[str | None]:
+    """Where `count` standbys run: the job's hosts that are not the launcher's machine nor `lost`, one each in
+    the order the job lists them, round again when there are fewer (None: here, when there is none)."""
+    hosts: list[str] = [] if plan is None else list(dict.fromkeys(
+        p.host for p in plan.layout.processes if plan.is_remote(p.host) and p.host not in lost))
+    return [hosts[k % len(hosts)] if hosts else None for k in range(count)]
 
 
 class Schedulers:
-    """The scheduler and its standby, as the launcher watches them."""
+    """The scheduler and its standbys, as the launcher watches them."""
 
-    def __init__(self, primary: Child, standby: Child | None) -> None:
-        self.primary, self.standby = primary, standby
-        #: schedulers that ended while the other carried the job on
+    def __init__(self, primary: Child, standbys: Sequence[Child]) -> None:
+        self.primary, self.standbys = primary, list(standbys)
+        #: schedulers that ended while another carried the job on
         self.survived: list[Child] = []
 
     def survive(self, child: Child, code: int) -> str | None:
         """`child` ended with `code` != 0: the line to log when the job goes on without it; None when it cannot."""
-        other = self.standby if child is self.primary else self.primary if child is self.standby else None
-        if other is None or other.done.done():
+        everyone = [self.primary, *self.standbys]
+        left = [c for c in self.standbys if c is not child and not c.done.done()]
+        if child not in everyone or not [c for c in everyone if c is not child and not c.done.done()]:
             return None
         self.survived.append(child)
         if child is self.primary:
-            return (f"{child.name} {exit_description(code)}; the nodes rejoin the {other.name} once they find the "
-                    "scheduler silent (scheduler.heartbeat_timeout)")
-        return f"{child.name} {exit_description(code)}; the job goes on without a standby scheduler"
+            return (f"{child.name} {exit_description(code)}; the nodes rejoin the {left[0].name} once they find the "
+                    "scheduler silent (scheduler.heartbeat_timeout)") if left else None
+        going_on = (f"with {len(left)} standby schedulers" if len(left) > 1 else f"with the {left[0].name}" if left
+                    else "without a standby scheduler")
+        return f"{child.name} {exit_description(code)}; the job goes on {going_on}"
 
-    def idle(self) -> Child | None:
-        """The standby, if the job ended under the scheduler and the standby still runs (it never took over)."""
-        standby = self.standby
-        if standby is None or standby.done.done() or not self.primary.done.done() or self.primary.returncode != 0:
-            return None
-        return standby
+    def idle(self) -> list[Child]:
+        """The standbys still running once the job ended under one scheduler (they never took over)."""
+        everyone = [self.primary, *self.standbys]
+        if not any(c.done.done() and c.returncode == 0 for c in everyone):
+            return []
+        return [c for c in self.standbys if not c.done.done()]

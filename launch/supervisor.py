@@ -23,7 +23,7 @@ from sluice.launch.master_port import MasterPortError, choose
 from sluice.launch.output import launcher_lines
 from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
-from sluice.launch.standby import Schedulers, standby_host, standby_wanted
+from sluice.launch.standby import Schedulers, standby_count, standby_hosts
 from sluice.launch.takeover import PROBE_S, Takeovers, host_answers
 from sluice.ps.mirror_links import ENV_TAKEOVER
 from sluice.ps.snapshot import remove_state_files, state_path, state_tag
@@ -146,28 +146,28 @@ class Job(Ending):
         except MasterPortError as exc:
             self.complain(str(exc))
             return 2
-        wanted = standby_wanted(self.config, self.plan)
-        # the standby (scheduler.standby) starts beside the scheduler, on another host when there is one; the
-        # roles there then outlive the launcher's host (not under srun: SLURM ends a step whose srun is gone)
-        self.spawner.outlive = wanted and self.plan is not None and self.plan.reach.method == "ssh" \
-            and standby_host(self.plan) is not None
+        hosts = standby_hosts(self.plan, standby_count(self.config, self.plan))
+        # the standbys (scheduler.standby) start beside the scheduler, on other hosts when there are; the roles
+        # there then outlive the launcher's host (not under srun: SLURM ends a step whose srun is gone)
+        self.spawner.outlive = self.plan is not None and self.plan.reach.method == "ssh" \
+            and any(host is not None for host in hosts)
         try:
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
-            standby = await self.spawn("scheduler", 1, [*role_argv, "scheduler"], "",
-                                       standby_host(self.plan)) if wanted else None
+            standbys = [await self.spawn("scheduler", rank, [*role_argv, "scheduler"], "", host)
+                        for rank, host in enumerate(hosts, 1)]
         except OSError as exc:
             self.complain(f"cannot start the scheduler: {exc}")
             return 1
-        for child in (sched, standby) if standby is not None else (sched,):
+        for child in (sched, *standbys):
             announced = await self._announced(child)
             if isinstance(announced, int):
                 return announced
         endpoint = self.endpoint = sched.ready.result()
-        if standby is not None:
-            self.spawner.standby = standby.ready.result()
-            self.say(f"standby scheduler ready at {self.spawner.standby}")
-        self.schedulers = Schedulers(sched, standby)
-        for child in (sched, standby) if standby is not None else (sched,):
+        for standby in standbys:
+            self.say(f"{standby.label} ready at {standby.ready.result()}")
+        self.spawner.standby = ",".join(standby.ready.result() for standby in standbys)
+        self.schedulers = Schedulers(sched, standbys)
+        for child in (sched, *standbys):
             child.on_silent = self._node_silent
         aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
@@ -182,7 +182,7 @@ class Job(Ending):
             except OSError as exc:
                 self.complain(f"cannot start {role} {rank} ({shlex.join(argv)}): {exc}")
                 return 1
-        roles = [sched, *([standby] if standby else []), *(c for c in started if c.role != "worker")]
+        roles = [sched, *standbys, *(c for c in started if c.role != "worker")]
         workers = [c for c in started if c.role == "worker"]
         self.running()
         return await self._watch(roles, workers)

@@ -100,8 +100,13 @@ class NodeEnv:
     secret: bytes = field(default=b"", repr=False, compare=False)
     #: aggregator processes of the job (sum the pushes of a rack and forward one stream up: ps/aggregator.py)
     aggregators: int = 0
-    #: the standby scheduler's endpoint ("": none); a scheduler started with rank 1 is that standby
+    #: the standby schedulers' endpoints, comma-separated, in the order the nodes rejoin them ("": none); a
+    #: scheduler started with rank k >= 1 is the k-th standby
     standby: str = ""
+
+    def standbys(self) -> list[str]:
+        """The standby schedulers' endpoints, in the order the nodes rejoin them."""
+        return [endpoint for endpoint in self.standby.split(",") if endpoint]
 
     def to_environ(self) -> dict[str, str]:
         return {

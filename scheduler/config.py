@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: standby schedulers a job may have (each is an idle process until it takes over)
+MAX_STANDBYS = 4
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -18,9 +21,9 @@ class SchedulerConfig:
     #: the port the scheduler listens on; 0: one the OS picks (`sluice launch` hands it to the others).
     #: `sluice node` sets it from --scheduler, so pods started by Kubernetes find the scheduler there
     port: int = 0
-    #: standby schedulers: 1 starts one on another host (on this one when the job has one host), which takes
-    #: over when the scheduler falls silent (nodes rejoin it, scheduler/standby.py); 0: none; -1: one when the
-    #: job spans several hosts
+    #: standby schedulers: N (1..MAX_STANDBYS) starts N, each on another host where there are enough (on this
+    #: one when the job has one host); the first takes over when the scheduler falls silent (nodes rejoin it,
+    #: scheduler/standby.py), the next when that one does; 0: none; -1: one when the job spans several hosts
     standby: int = -1
     #: the port the standby listens on; 0: one the OS picks. An elastic job re-formed in place starts its
     #: standby again on the same port, so that every node still has its endpoint
@@ -32,9 +35,9 @@ class SchedulerConfig:
         for name in ("rendezvous_timeout", "op_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive")
-        if self.standby not in (-1, 0, 1):
-            raise ValueError(f"scheduler.standby must be -1 (one when the job spans several hosts), 0 or 1, "
-                             f"got {self.standby}")
+        if not -1 <= self.standby <= MAX_STANDBYS:
+            raise ValueError(f"scheduler.standby must be -1 (one when the job spans several hosts), 0 (none) or a "
+                             f"count up to {MAX_STANDBYS}, got {self.standby}")
         for name in ("port", "standby_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"scheduler.{name} must be 0 (the OS picks one) or a TCP port up to 65535, "

@@ -36,7 +36,7 @@ class Place:
     local_size: int
     #: the re-formed job's scheduler ("tcp://HOST:PORT")
     scheduler: str
-    #: its standby scheduler ("": none), started anew with it
+    #: its standby schedulers' endpoints, comma-separated ("": none), started anew with it
     standby: str = ""
 
     def line(self) -> str:
@@ -57,7 +57,7 @@ def parse_place(line: str) -> Place:
     words = line.split()
     if len(words) not in (6, 7) or words[0] != WORD or not all(w.isdigit() for w in words[1:5]):
         raise ValueError(f"not a {WORD} line of four numbers and one or two endpoints: {line[:80]!r}")
-    for word in words[5:]:
+    for word in [words[5], *(words[6].split(",") if len(words) == 7 else [])]:  # the standbys', comma-separated
         if not (word.startswith("tcp://") and len(word) <= MAX_ENDPOINT and word.isprintable()):
             raise ValueError(f"not a scheduler endpoint: {word[:80]!r}")
     rank, workers, local_rank, local_size = (int(w) for w in words[1:5])

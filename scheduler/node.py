@@ -97,8 +97,10 @@ class ControlClient:
         #: what the scheduler told this node, for a standby to rebuild the job from (scheduler/rejoin.py)
         self.recall = Recall()
         self._endpoints: list[str] = []
-        #: the standby scheduler this node rejoined, once the scheduler fell silent ("": not yet)
+        #: the standby scheduler this node rejoined last, once the scheduler fell silent ("": not yet), and how many
+        #: it rejoined (the next silence goes to the next one)
         self.rejoined = ""
+        self._rejoins = 0
         transport.on_failure(self._transport_failed)
 
     # ------------------------------------------------------------------ requests
@@ -284,7 +286,7 @@ class ControlClient:
                 meta["job"] = self.job_report()
             self._send(Kind.HEARTBEAT, **meta)
             silent = time.monotonic() - self._last_ack
-            if silent > limit and self._env.standby and not self.rejoined and self.failure is None:
+            if silent > limit and self._rejoins < len(self._env.standbys()) and self.failure is None:
                 self._fail_over(silent)
             elif silent > limit:
                 error = (f"the scheduler at {self.rejoined or self._env.scheduler} has not answered heartbeats for "
@@ -298,17 +300,19 @@ class ControlClient:
         """A worker with a standby scheduler leaves once the scheduler saw it leave: a goodbye lost with the
         scheduler would leave the standby waiting for this worker (the heartbeats run on, so a silent
         scheduler is failed over and the goodbye asked of the standby)."""
-        waited = 2 * self._config.heartbeat_timeout + 2 * self._config.heartbeat_interval
+        waited = (1 + len(self._env.standbys())) * (self._config.heartbeat_timeout + self._config.heartbeat_interval)
         try:
             self._ask((Kind.SHUTDOWN, None), Kind.BYE, {}, "the scheduler to see this worker leave", waited)
         except SluiceError as exc:
             log.warning("worker %d leaves without the scheduler's word: %s", self.rank, exc)
 
     def _fail_over(self, silent: float) -> None:
-        """The scheduler fell silent: rejoin the standby, telling it what this node was told."""
-        self.rejoined = self._env.standby
+        """The scheduler (or the standby that took over from it) fell silent: rejoin the next standby, telling it
+        what this node was told."""
+        was, self.rejoined = self.rejoined or self._env.scheduler, self._env.standbys()[self._rejoins]
+        self._rejoins += 1
         log.warning("%s %d: the scheduler at %s has not answered heartbeats for %.1f s; rejoining the standby "
-                    "scheduler at %s", self.role, self.rank, self._env.scheduler, silent, self.rejoined)
+                    "scheduler at %s", self.role, self.rank, was, silent, self.rejoined)
         self._transport.replace_peer(SCHEDULER_PEER, [self.rejoined], control=True)
         with self._cond:
             meta = self.recall.rejoin_meta(self.role, self.rank, self.node_id, self._endpoints, os.getpid(),

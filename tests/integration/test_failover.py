@@ -46,23 +46,31 @@ TREES = ("0.5: worker-0>aggregator-0 worker-1>aggregator-0", "0.5: worker-1>aggr
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_identical() -> None:
-    """3 workers, 2 servers and an aggregator of two static trees: the standby rebuilds the routing epoch too."""
+    """3 workers, 2 servers and an aggregator of two static trees: the standby rebuilds the routing epoch too. Two
+    standbys: worker 0 SIGKILLs the scheduler in step 5, then 3.5 s into step 12 (the first standby has taken
+    over by then) that standby too; the nodes rejoin the second, which ends the job."""
     aggregation = {"aggregation": {"mode": "static", "trees": list(TREES)}}
     reference = _results("".join(script_outputs(3, 2, SETTINGS | aggregation, ROOT / SCRIPT, *ARGS, timeout=90,
                                                 aggregators=1)))
     sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
-            "transport.inflight_bytes=4194304", "scheduler.standby=1", "scheduler.heartbeat_interval=0.5",
+            "transport.inflight_bytes=4194304", "scheduler.standby=2", "scheduler.heartbeat_interval=0.5",
             "scheduler.heartbeat_timeout=2", "aggregation.mode=static", "aggregation.trees=" + ",".join(TREES),
             "metrics.port=-1"]  # every process serves its metrics on a free port; the standby once it took over
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
-            *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--kill-scheduler-at", "5"]
+            *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--kill-scheduler-at", "5",
+            "--kill-standby-at", "12", "--kill-standby-pause", "3.5"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert "standby scheduler ready at tcp://127.0.0.1:" in out and "killed the scheduler" in out
     assert re.search(r"sluice launch: scheduler \(pid \d+\) was killed by SIGKILL; the nodes rejoin the standby "
                      r"scheduler \(pid \d+\)", out), out[-4000:]
-    assert len(re.findall(r"has not answered heartbeats for [\d.]+ s; rejoining the standby scheduler", out)) == 6
+    assert "standby scheduler 2 ready at tcp://127.0.0.1:" in out and "killed the standby scheduler" in out
+    assert re.search(r"sluice launch: standby scheduler \(pid \d+\) was killed by SIGKILL; the job goes on with the "
+                     r"standby scheduler 2 \(pid \d+\)", out), out[-4000:]
+    assert len(re.findall(r"has not answered heartbeats for [\d.]+ s; rejoining the standby scheduler", out)) == 12
+    assert re.search(r"\[standby scheduler 2\] .*took over from the silent scheduler: 6 nodes rejoined, "
+                     r"1 declarations replayed", out), out[-4000:]
     assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler: 6 nodes rejoined, "
                      r"1 declarations replayed", out), out[-4000:]
     assert re.search(r"\[standby scheduler\] .*aggregation trees at routing epoch 1\n", out), out[-4000:]
@@ -70,11 +78,11 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
                      out), out[-4000:]
     primary = re.search(r"scheduler ready at (tcp://127\.0\.0\.1:\d+);", out)
     assert primary and f"registry entry is published by this standby now, as {primary[1]}\n" in out, out[-4000:]
-    assert "[standby scheduler] INFO sluice.scheduler: all workers finished; job done" in out
+    assert "[standby scheduler 2] INFO sluice.scheduler: all workers finished; job done" in out
     assert "job failed" not in out and "rejected" not in out.replace("0 messages rejected", "")
     results = _results(done.stdout)
     assert len(results) == 3 and all(r["params"] == reference[0]["params"] for r in results)
-    assert all(r["after"] == [1.0] * 5 for r in results)  # the mean rank, declared and planned under the standby
+    assert all(r["after"] == [1.0] * 5 for r in results)  # the mean rank, declared and planned under standby 2
     left = subprocess.run(["pgrep", "-f", f"{SCRIPT} {' '.join(ARGS)} --kill-scheduler-at"], capture_output=True)
     assert left.returncode == 1, left.stdout
 

@@ -53,6 +53,10 @@ def test_survivors_of_a_shrink_are_numbered_again_in_their_old_order_by_host() -
     assert with_standby.line() == "PLACE 1 2 0 1 tcp://10.0.0.1:4000 tcp://10.0.0.2:4001"
     assert parse_place(with_standby.line()) == with_standby
     assert with_standby.environ()["SLUICE_SCHEDULER_STANDBY"] == "tcp://10.0.0.2:4001"
+    two = shrunk(["a"], "tcp://10.0.0.1:4000", "tcp://10.0.0.2:4001,tcp://10.0.0.3:4001")[0]
+    assert parse_place(two.line()) == two
+    with pytest.raises(ValueError, match="not a scheduler endpoint"):
+        parse_place("PLACE 0 1 0 1 tcp://10.0.0.1:4000 tcp://10.0.0.2:4001,10.0.0.3:4001")
 
 
 @pytest.mark.parametrize("line", [

@@ -4,7 +4,8 @@ Each worker prints one line `CLUSTER_RESULT {json}`: its ranks as sluice.torch r
 torchrun variables the launcher gave it, the address it listens on, and the final parameters.
 With --kill-server-at N, worker 0 SIGKILLs server 0 of its job in step N, after its backward pass
 (its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
-of the workers under a local launcher); with --kill-aggregator-at N, aggregator 0. After training,
+of the workers under a local launcher); with --kill-standby-at N, its first standby; with
+--kill-aggregator-at N, aggregator 0. After training,
 one more tensor is declared and averaged (`after`): a scheduler that took over must plan it.
 """
 
@@ -12,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +28,9 @@ parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
 parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-aggregator-at", type=int, default=-1, metavar="STEP")
+parser.add_argument("--kill-standby-at", type=int, default=-1, metavar="STEP",
+                    help="SIGKILL the first standby scheduler, after a pause of --kill-standby-pause seconds")
+parser.add_argument("--kill-standby-pause", type=float, default=0.0, metavar="S")
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--result-dir", metavar="DIR", help="also write the result to DIR/rank.N.json (a job whose "
                     "launcher is lost prints to no one)")
@@ -71,6 +76,9 @@ for step in range(args.steps):
         kill_server(0)
     if step == args.kill_scheduler_at and rank == 0:
         kill_scheduler(step)
+    if step == args.kill_standby_at and rank == 0:  # the pause: time for it to take over from the scheduler
+        time.sleep(args.kill_standby_pause)
+        kill_scheduler(step, rank=1)
     if step == args.kill_aggregator_at and rank == 0:
         kill_server(0, "aggregator")
     optimizer.step()

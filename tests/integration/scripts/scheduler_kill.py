@@ -5,16 +5,18 @@ import signal
 from pathlib import Path
 
 
-def kill_scheduler(step: int) -> None:
-    """SIGKILL the scheduler that the launcher of this worker started (rank 0: not its standby)."""
+def kill_scheduler(step: int, rank: int = 0) -> None:
+    """SIGKILL the scheduler of `rank` that the launcher of this worker started (0: the scheduler; k: its k-th
+    standby)."""
     for proc in Path("/proc").iterdir():
         try:
             environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
             parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if (environ.get("SLUICE_ROLE"), environ.get("SLUICE_RANK")) == ("scheduler", "0") and parent == os.getppid():
+        if (environ.get("SLUICE_ROLE"), environ.get("SLUICE_RANK")) == ("scheduler", str(rank)) \
+                and parent == os.getppid():
             os.kill(int(proc.name), signal.SIGKILL)
-            print(f"killed the scheduler (pid {proc.name}) in step {step}", flush=True)
+            print(f"killed the {'standby ' * bool(rank)}scheduler (pid {proc.name}) in step {step}", flush=True)
             return
-    raise SystemExit("the scheduler of this job not found")
+    raise SystemExit(f"the scheduler of rank {rank} of this job not found")
