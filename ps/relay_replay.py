@@ -51,6 +51,8 @@ class Replays:
         self._replaying: dict[tuple[int, int, int], _Replay] = {}
         #: (key, chunk) -> the channel its replays came on (what is kept goes again on it)
         self.channels: dict[tuple[int, int], int] = {}
+        #: (key, chunk) -> its rounds being summed (bounded: a job of many chunks replays them all at once)
+        self._rounds: dict[tuple[int, int], set[int]] = {}
 
     def take(self, node_id: int, channel: int, msg: Message, ranks: tuple[int, ...], view: TreeView,
              route: tuple[int, int], kept: Answered | None) -> list[Reply]:
@@ -61,9 +63,10 @@ class Replays:
         entry = self._replaying.get(at)
         length, dtype, server = self.tables.chunk(msg.key, msg.chunk)
         if entry is None:
-            if sum(k[:2] == at[:2] for k in self._replaying) >= MAX_REPLAYED_ROUNDS:
+            if len(self._rounds.get(at[:2], ())) >= MAX_REPLAYED_ROUNDS:
                 raise WireError(f"more than {MAX_REPLAYED_ROUNDS} rounds of key {msg.key} chunk {msg.chunk} replayed")
             entry = self._replaying[at] = _Replay(view, route)
+            self._rounds.setdefault(at[:2], set()).add(at[2])
         if any(not set(ranks).isdisjoint(taken) for taken, _ in entry.pieces.values()):
             return []  # replayed twice: the first copy is in
         entry.pieces[ranks[0]] = (ranks, np.frombuffer(msg.payload or b"", STORAGE[dtype]).copy())
@@ -71,7 +74,7 @@ class Replays:
             entry.opt = msg.meta["opt"]
         if entry.covered() < len(view.ranks):
             return []
-        del self._replaying[at]
+        self._forget(at)
         total = RankedSum(np.zeros(length, np.float32 if dtype == "bfloat16" else STORAGE[dtype]), dtype)
         total.expect(view.ranks)
         for lowest in sorted(entry.pieces):
@@ -96,13 +99,20 @@ class Replays:
         """The replayed pieces of a round that begins here as a round in progress (a child that had not been
         answered sent it again), taken out: (ranks, data, optimizer settings), lowest ranks first. A child
         answered for it replays it; the others send it again: together they are the round."""
-        entry = self._replaying.pop((key, chunk, round_), None) if self._replaying else None
+        entry = self._replaying.get((key, chunk, round_)) if self._replaying else None
         if entry is None:
             return []
+        self._forget((key, chunk, round_))
         return [(ranks, data, entry.opt) for ranks, data in (entry.pieces[k] for k in sorted(entry.pieces))]
 
     def answered(self, at: tuple[int, int], round_: int) -> None:
         """A live round of chunk `at` was answered: its replays have all come; one not whole by now never will be."""
-        if self._replaying:
-            for gone in [k for k in self._replaying if k[:2] == at and k[2] <= round_]:
-                del self._replaying[gone]
+        for gone in [r for r in self._rounds.get(at, ()) if r <= round_]:
+            self._forget((*at, gone))
+
+    def _forget(self, at: tuple[int, int, int]) -> None:
+        del self._replaying[at]
+        rounds = self._rounds[at[:2]]
+        rounds.discard(at[2])
+        if not rounds:
+            del self._rounds[at[:2]]
