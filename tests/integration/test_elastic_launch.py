@@ -72,13 +72,15 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     the job in their own processes, from commit 11: the job ends as 3 workers stopped after step 10 and
     continued by 3 workers from that state. Through a server here; by allreduce (the tree and rings made
     anew) in test_failover.py's lost host. The job has a standby scheduler, started again on its port with the
-    next generation: worker 0 SIGKILLs the scheduler in step 15, and the new standby carries the job on."""
+    next generation: worker 0 SIGKILLs the scheduler in step 15, and the new standby carries the job on. Workers 0
+    and 2 allreduce over a process set each step (hvd.init(process_sets=...)): the survivor registers it again
+    in place, the newcomer in its init, and the sums go on."""
     servers = "1"
     standby = ["--set", "scheduler.standby=1", "--set", "scheduler.heartbeat_interval=0.5",
                "--set", "scheduler.heartbeat_timeout=4"]
     output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", servers, *standby, "--",
                                     sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2",
-                                    "--kill-scheduler-at", "15"])
+                                    "--kill-scheduler-at", "15", "--process-set"])
     ready = re.findall(r"^\[launch\] standby scheduler ready at (tcp://\S+)$", output, re.M)
     assert len(ready) == 2 and ready[0] == ready[1], output[-4000:]  # generation 1's, on generation 0's port
     assert "killed the scheduler" in output and re.search(
@@ -93,6 +95,9 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     assert then[0] == first[0] and then[1] == first[1] and then[2] != first[2]  # the survivors kept their process
     assert [r["size"] for r in results] == [3, 3, 3] and results[0]["params"] == results[2]["params"]
     assert results[0]["params"] == _reference(tmp_path, 3, 3, 11, 20, servers)
+    # worker 0 summed all 20 steps over the set (steps 11.. after the re-form), the newcomer its 9 from commit 11
+    assert results[0]["set_sums"] == [2.0] * 20 and results[2]["set_sums"] == [2.0] * 9, results
+    assert results[1]["set_sums"] == []
     assert_state_dir_removed(output)
 
 

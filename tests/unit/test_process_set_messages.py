@@ -69,3 +69,38 @@ def test_process_set_objects_as_horovods() -> None:
     assert set_id(None) == 0 and set_id(ranks) is None
     with pytest.raises(ValueError, match="process_set must be a ProcessSet"):
         set_id(0)
+
+
+class _Table:
+    """What register_sets needs of a node's sets: the job's size, and `add` numbering sets as the engine does."""
+
+    def __init__(self, size: int) -> None:
+        self.job = type("Job", (), {"size": size})()
+        self.added: list[list[int]] = []
+
+    def add(self, ranks: list[int]) -> int | None:
+        if ranks in self.added:
+            return None
+        self.added.append(list(ranks))
+        return len(self.added)
+
+
+def test_a_job_reformed_in_place_registers_its_sets_again_in_order_unless_it_shrank() -> None:
+    from sluice.worker.collective import process_set
+
+    first, second, removed = ProcessSet([0, 2]), ProcessSet([1, 2]), ProcessSet([0, 1])
+    table = _Table(3)
+    process_set.register_sets(table, 0, [first, removed])  # type: ignore[arg-type]
+    second._own_rank, second.process_set_id = 0, table.add([1, 2])
+    process_set._REGISTERED.append(second)  # as add_process_set does
+    removed._invalidate()
+    process_set._REGISTERED.remove(removed)  # as remove_process_set does
+    process_set.reform(shrank=False)  # a worker replaced: the same ranks are the same workers
+    again = _Table(3)
+    process_set.register_sets(again, 0, None)  # type: ignore[arg-type]
+    assert again.added == [[0, 2], [1, 2]] and (first.process_set_id, second.process_set_id) == (1, 2)
+    process_set.reform(shrank=True)  # ranks renumbered: the old sets name other workers
+    assert first.process_set_id is None and second.process_set_id is None
+    smaller = _Table(2)
+    process_set.register_sets(smaller, 0, None)  # type: ignore[arg-type]
+    assert smaller.added == [] and process_set._REGISTERED == []

@@ -82,19 +82,50 @@ def sets_of(node: Any) -> ProcessSets:
     return sets
 
 
+#: the sets this process registered (init's list, add_process_set) and has not removed, in that order
+_REGISTERED: list[ProcessSet] = []
+#: those to register again at the next init(): the job re-forms in place in this process (`reform`)
+_AGAIN: list[ProcessSet] = []
+
+
+def reform(shrank: bool) -> None:
+    """The job re-forms in this process (--in-place): its sets are registered again at the next init(), in the
+    same order, as the newcomer, which runs the script from the top, registers them before hvd.elastic.run
+    (adding a set is collective: every worker must). Where the job shrank their ranks name other workers now:
+    they are dropped, and a call with one fails as with any set not registered (add it again). Horovod
+    registers none again (an elastic job with process sets hangs there: its issue #4021)."""
+    if shrank:
+        for listed in _REGISTERED:
+            listed._invalidate()
+    _AGAIN[:] = [] if shrank else _REGISTERED
+    _REGISTERED.clear()
+
+
+def _register(sets: ProcessSets, rank: int, listed: ProcessSet) -> None:
+    listed._own_rank = rank
+    assert listed.ranks is not None
+    listed.process_set_id = sets.add(listed.ranks)
+    if listed.process_set_id is not None:
+        _REGISTERED.append(listed)
+
+
 def register_sets(sets: ProcessSets, rank: int, process_sets: Sequence[ProcessSet] | str | None) -> None:
     """hvd.init(process_sets=...): the global set's ranks, then each listed set added in order (every worker
     lists the same); a set listed twice, or the global set's ranks, leaves the later object unregistered, as in
-    Horovod. "dynamic" (Horovod's switch for add/remove later) needs nothing: they always work here."""
+    Horovod. "dynamic" (Horovod's switch for add/remove later) needs nothing: they always work here. After
+    a re-forming in place (`reform`), the sets registered before come first."""
     global_process_set.ranks, global_process_set._own_rank = list(range(sets.job.size)), rank
+    again = list(_AGAIN)
+    _AGAIN.clear()
+    _REGISTERED.clear()  # a new node: a new table of sets
+    for listed in again:
+        _register(sets, rank, listed)
     if process_sets is None or process_sets == "dynamic":
         return
     if isinstance(process_sets, str) or not all(isinstance(p, ProcessSet) for p in process_sets):
         raise ValueError(f"process_sets must be a list of hvd.ProcessSet or 'dynamic', got {process_sets!r:.80}")
     for listed in process_sets:
-        listed._own_rank = rank
-        assert listed.ranks is not None
-        listed.process_set_id = sets.add(listed.ranks)
+        _register(sets, rank, listed)
 
 
 def add_process_set(node: Any, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -107,6 +138,7 @@ def add_process_set(node: Any, process_set: ProcessSet | Sequence[int]) -> Proce
     if added is None:
         raise ValueError(f"Attempted to add a duplicate process set: {listed}")
     listed.process_set_id = added
+    _REGISTERED.append(listed)
     return listed
 
 
@@ -117,4 +149,6 @@ def remove_process_set(node: Any, process_set: ProcessSet) -> bool:
     if registered is None or registered == 0:
         return False
     process_set._invalidate()
+    if process_set in _REGISTERED:
+        _REGISTERED.remove(process_set)
     return sets_of(node).remove(registered)

@@ -38,6 +38,7 @@ from sluice.scheduler.bootstrap import (
 )
 from sluice.scheduler.new_place import take_place
 from sluice.transport.shm_space import SHM_FIX
+from sluice.worker.collective import process_set
 from sluice.worker.elastic.wakeup import on_signal
 
 log = logging.getLogger("sluice.worker")
@@ -263,11 +264,13 @@ def reform_in_place(reason: BaseException, commits: int, close: Callable[[], Non
         place = take_place(os.environ.get(ENV_DIR, ""), os.getpid())
     except ValueError as exc:
         raise SluiceError(f"the launcher's new place for this worker is unreadable: {exc}") from None
+    shrank = place is not None and str(place.workers) != os.environ.get(ENV_WORKERS)
     if place is not None:  # its rank and the job's size (changed when the job shrank), the new standby's endpoint
         if (str(place.rank), str(place.workers)) != (os.environ.get(ENV_RANK), os.environ.get(ENV_WORKERS)):
             print(f"sluice elastic: the job goes on with {place.workers} workers; this one is rank {place.rank} now",
                   file=sys.stderr, flush=True)
         os.environ.update(place.environ())
+    process_set.reform(shrank)  # registered again at init(), unless the job shrank
     os.environ[ENV_GENERATION] = str(int(os.environ.get(ENV_GENERATION, "0")) + 1)
     init()
 

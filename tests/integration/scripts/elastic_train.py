@@ -11,6 +11,8 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --setup S: sleep S seconds before hvd.init(), standing for what a real worker sets up once (reading its
 dataset, a CUDA context, data loader processes).
 --kill-scheduler-at S: worker 0 SIGKILLs the job's scheduler after its commit of step S (a standby takes over).
+--process-set: hvd.init(process_sets=[ProcessSet([0, 2])]); each step its members allreduce their rank over it
+(a sum of 2), and ELASTIC_RESULT lists what each got (`set_sums`).
 --times: rank 0 prints `ELASTIC_STEP {step, t}` as each step ends, the dying worker `ELASTIC_DIE {t}` (wall
 clock seconds), for bench/replace_worker.py.
 """
@@ -38,10 +40,13 @@ parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--times", action="store_true")
 parser.add_argument("--setup", type=float, default=0.0)
 parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="S")
+parser.add_argument("--process-set", action="store_true")
 args = parser.parse_args()
 time.sleep(args.setup)
 
-hvd.init()
+even = hvd.ProcessSet([0, 2])
+hvd.init(process_sets=[even] if args.process_set else None)
+set_sums: list[float] = []
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
 base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -77,6 +82,9 @@ def train(state: hvd.elastic.TorchState) -> None:
         start = (step * size + rank) * 8
         optimizer.zero_grad()
         F.mse_loss(model(x[start:start + 8]), y[start:start + 8]).backward()
+        if args.process_set and even.included():  # a set registered again in place, or by the newcomer's init
+            set_sums.append(float(hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=even,
+                                                name=f"even.{step}").item()))
         optimizer.step()
         state.batch = step + 1
         state.commit()
@@ -98,6 +106,6 @@ train(state)
 hvd.synchronize_parameters()
 if args.save and hvd.rank() == 0:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch}, args.save)
-print("ELASTIC_RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "params": torch.cat(
+print("ELASTIC_RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "set_sums": set_sums, "params": torch.cat(
     [p.detach().reshape(-1) for p in model.parameters()]).tolist()}), flush=True)
 hvd.shutdown()
