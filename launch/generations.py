@@ -149,7 +149,7 @@ class Generation(Job):
         endpoints = {p.rank: p.ready.result() for p in previous if p.ready.done()}
         standbys: dict[int, Child] = {}
         for away in [p for p in previous if p.host in lost_hosts]:  # first: the newcomer is told where they went
-            await self._standby_again(away, "", standbys, endpoints)
+            await self._standby_ready(await self._standby_started(away, ""), "", standbys, endpoints)
         self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
@@ -191,11 +191,6 @@ class Generation(Job):
         host = previous.host if kept else standby_hosts(self.plan, previous.rank, self.takeovers.lost_hosts)[-1]
         return await self.spawn("scheduler", previous.rank, [sys.executable, "-m", "sluice.launch.cli", "scheduler"],
                                 "", host)
-
-    async def _standby_again(self, previous: Child, endpoint: str, standbys: dict[int, Child],
-                             endpoints: dict[int, str]) -> None:
-        """Start and await the standby in place of `previous` (see _standby_ready)."""
-        await self._standby_ready(await self._standby_started(previous, endpoint), endpoint, standbys, endpoints)
 
     async def _standby_ready(self, standby: Child, expected: str, standbys: dict[int, Child],
                              endpoints: dict[int, str]) -> None:

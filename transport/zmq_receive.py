@@ -118,7 +118,7 @@ class Receiver:
                  members: frozenset[str], peers: RouterPeers, dealers: dict[str, list[zmq.Socket[bytes]]],
                  local: set[str] | None, shared: SharedPayloads, metrics: TransportMetrics, rejects: Rejections,
                  cut: Callable[[str, zmq.Frame, float], bool], send_frames: Callable[[Route, Frames], bool],
-                 credit: Callable[[Route, int], None], forget_sent: Callable[[str], list[Route]]) -> None:
+                 credit: Callable[[Route, int], None], forget_peer: Callable[[str], None]) -> None:
         self._name = name
         self._handler = handler
         #: with CURVE, a router-side peer's name must be the one its key proved (ZAP's User-Id)
@@ -135,8 +135,8 @@ class Receiver:
         self._cut = cut
         self._send_frames = send_frames
         self._credit = credit
-        #: drops what is queued for a peer, and its credit (the sending half's `forget`)
-        self._forget_sent = forget_sent
+        #: drops all that is kept for a peer whose process a new one replaced (the transport's)
+        self._forget_peer = forget_peer
         self._incarnations = Incarnations()
         self._unacked: defaultdict[Route, int] = defaultdict(int)
         #: per route with unacknowledged bytes, when the oldest of them arrived (the I/O turn's start)
@@ -312,14 +312,15 @@ class Receiver:
             self._refuse(source, channel, f"dropped a HELLO from {source!r:.60}: {exc}")
             return
         if forget == "peer":
-            self.forget([*self._forget_sent(source), *(r for r in self._unacked if r[0] == source)])
-            self._shared.forget(source)
-            if self._local is not None:
-                self._local.discard(source)
+            self._forget_peer(source)
             log.info("transport %s: %s is a new process: what was kept for the one it replaced is dropped",
                      self._name, source)
         elif forget == "route":
             self.forget([(source, channel)])
+
+    def owed(self, peer: str) -> list[Route]:
+        """The routes of `peer` on which we owe acknowledgements."""
+        return [route for route in self._unacked if route[0] == peer]
 
     def _map_shared(self, peer: str, descriptor: tuple[str, int, int]) -> memoryview:
         try:

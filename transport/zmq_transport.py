@@ -87,7 +87,7 @@ class ZmqTransport:
         self._receiver = Receiver(name, config, handler, curve=self._keys is not None, members=job, peers=peers,
                                   dealers=self._dealers, local=self._local, shared=self._shared, metrics=self.metrics,
                                   rejects=self.rejects, cut=self._guard.cut, send_frames=self._sender.send_frames,
-                                  credit=self._sender.credit, forget_sent=self._sender.forget)
+                                  credit=self._sender.credit, forget_peer=self._forget_peer)
         #: this transport's process token, in the HELLO that opens each of its connections (transport/incarnations.py)
         self._process = secrets.token_hex(8)
         self._enqueue = self._sender.outbox.append  # send()'s one step, bound once
@@ -268,11 +268,16 @@ class ZmqTransport:
             self._socket_channel.pop(sock, None)
             self._max_header.pop(sock, None)
             sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
-        self._receiver.forget(self._sender.forget(peer))  # the queues, the credit, the acknowledgements owed
+        self._forget_peer(peer)
+        self._connect(peer, endpoints, control)
+
+    def _forget_peer(self, peer: str) -> None:
+        """What we kept for `peer`'s process, which a new one replaced: the queues and their credit, the
+        acknowledgements owed, shared memory."""
+        self._receiver.forget([*self._sender.forget(peer), *self._receiver.owed(peer)])
         if self._local is not None:
             self._local.discard(peer)
         self._shared.forget(peer)
-        self._connect(peer, endpoints, control)
 
     def _run(self) -> None:
         receiver, sender = self._receiver, self._sender
