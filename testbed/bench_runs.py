@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,3 +45,17 @@ def run_script(argv: list[str], timeout: float) -> subprocess.CompletedProcess[s
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     return subprocess.CompletedProcess(argv, process.returncode, stdout, None)
+
+
+def check_records(path: Path, count: int | None = None) -> list[dict[str, Any]]:
+    """The benchmark records at `path` (`count` of them, when given), each consistent as the guide's format says."""
+    records = json.loads(path.read_text())
+    assert isinstance(records, list) and records and (count is None or len(records) == count), records
+    for rec in records:
+        assert isinstance(rec["case"], str) and rec["case"], rec
+        assert isinstance(rec["peer_name"], str) and rec["peer_name"], rec
+        assert isinstance(rec["unit"], str) and rec["unit"], rec
+        assert rec["ours"] > 0 and rec["peer"] > 0, rec
+        assert rec["ratio"] == pytest.approx(rec["ours"] / rec["peer"], rel=1e-12), rec
+        assert rec["better"] in ("higher", "lower") and rec["speedup"] > 0, rec
+    return records

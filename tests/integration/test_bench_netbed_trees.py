@@ -1,0 +1,75 @@
+"""Quick runs of the shaped-network benchmarks that build aggregation trees or jobs across ssh hosts (the rest:
+test_bench_netbed.py; two files, so that the two test workers share them)."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from testbed.bench_runs import check_records, requires_testbed, run_script
+from testbed.ssh import unavailable as ssh_unavailable
+
+pytestmark = requires_testbed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(220)
+def test_curve_cost_quick_on_the_testbed(tmp_path: Path) -> None:
+    out = tmp_path / "curve_cost.json"
+    # testbed-train is ssh-train's step without ssh: the full run measures it; here the two ends of the group
+    result = run_script(["bench/curve_cost.py", "--quick", "--cases", "testbed-pushpull", "ssh-train", "--json",
+                         str(out)], timeout=210)
+    assert result.returncode == 0, result.stdout[-3000:]
+    ssh = not ssh_unavailable()  # the case launched over OpenSSH needs sshd too
+    records = check_records(out, 2 if ssh else 1)
+    assert [rec["case"] for rec in records] == ["testbed-pushpull", *(["ssh-train"] if ssh else [])]
+    for rec in records:
+        assert rec["peer_name"] == "sluice, transport.curve = false" and rec["target_cost"] == 10.0, rec
+        faster = rec["ratio"] if rec["better"] == "higher" else 1 / rec["ratio"]
+        assert rec["speedup"] == pytest.approx(faster, rel=1e-12), rec
+        assert rec["cost"] == pytest.approx((1 / rec["speedup"] - 1) * 100, rel=1e-9, abs=1e-9), rec
+        assert rec["case"] in result.stdout
+    pushpull = records[0]
+    # a 1 Gbit/s link carries at most 125 MB/s; both sides must have moved real data through it
+    assert 10 < pushpull["ours"] <= 125 and 10 < pushpull["peer"] <= 125, pushpull
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_aggregation_quick_measures_every_configuration_against_its_bound(tmp_path: Path) -> None:
+    out, plot = tmp_path / "aggregation.json", tmp_path / "aggregation.svg"
+    result = run_script(["bench/aggregation.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=190)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = check_records(out, 5)  # one per rack vs flat; planned and planned+aux vs flat and vs one per rack
+    for rec in records:
+        assert rec["oversubscription"] == "4:1" and rec["better"] == "lower", rec
+        assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12), rec
+        assert 0.5 < rec["measured_vs_predicted"] < 3, rec  # the model's bound is printed beside each case
+    assert [r["aux"] for r in records].count(True) == 2
+    assert ET.parse(plot).getroot().tag == "{http://www.w3.org/2000/svg}svg"
+    assert "measured/predicted" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_replan_quick_switches_trees_after_an_uplink_is_cut_with_every_sum_exact(tmp_path: Path) -> None:
+    out = tmp_path / "replan.json"
+    result = run_script(["bench/replan.py", "--quick", "--json", str(out)], timeout=190)
+    # the benchmark fails when no new trees come into force after the cut, or when any round's sum is off
+    assert result.returncode == 0, result.stdout[-3000:]
+    (rec,) = check_records(out, 1)
+    assert rec["peer_name"] == "fresh plan" and rec["periods_to_new_plan"] > 0, rec
+    assert "throttle to new trees in force" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(bool(ssh_unavailable()), reason=ssh_unavailable() or "sshd is available")
+def test_pipeline_zvc_quick_compares_compression_on_and_off_between_hosts(tmp_path: Path) -> None:
+    out = tmp_path / "pipeline_zvc.json"
+    result = run_script(["bench/pipeline_zvc.py", "--quick", "--json", str(out)], timeout=110)
+    (rec,) = check_records(out, 1)
+    assert rec["compression_ratio"] > 1.5, rec  # ReLU activations: about half zeros
+    assert str(rec["case"]) in result.stdout
