@@ -288,8 +288,9 @@ class Job(Ending):
         try:
             # a moved server's state file is the mirror it took over, restarted or not (ps/mirror_links.py)
             moved = self.takeovers.host_of(dead.rank)
+            took_from = {ENV_TAKEOVER: str(self.takeovers.took_from[dead.rank])} if moved is not None else None
             return await self.spawn("server", dead.rank, [sys.executable, "-m", "sluice.launch.cli", "server"],
-                                    self.endpoint, moved, {ENV_TAKEOVER: "1"} if moved is not None else None)
+                                    self.endpoint, moved, took_from)
         except OSError as exc:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None

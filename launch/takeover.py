@@ -16,7 +16,7 @@ from dataclasses import replace
 from sluice.launch.children import SSH_FAILED, Child
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
-from sluice.scheduler.recovery import chosen_mirror_every, holders
+from sluice.scheduler.recovery import Placement, chosen_mirror_every, holders
 
 
 def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, elastic: bool,
@@ -27,8 +27,11 @@ def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, elastic: bool,
     aggregator lost with a server's host is started on another, `aggregator_host_lost`); a mirror_every left
     at 0 is chosen from the worker count (scheduler/recovery.py)."""
     ps, said = config.ps, ""
+    hosts = {p.host for p in plan.layout.processes if p.role == "server"} if plan is not None else set()
+    if ps.replicas > 1 and plan is not None and len(hosts) <= ps.replicas and not ps.mirror_same_host:
+        said = (f"ps.replicas = {ps.replicas}, but the servers span {len(hosts)} hosts: each server's state is "
+                f"mirrored on {max(len(hosts) - 1, 0)} other host(s)")
     if ps.replicas == -1:
-        hosts = {p.host for p in plan.layout.processes if p.role == "server"} if plan is not None else set()
         why_not = ("the servers run on one host" if len(hosts) < 2 else
                    "ps.sync = false is not covered" if not ps.sync else
                    "--elastic restarts every process of a generation" if elastic else "")
@@ -69,6 +72,8 @@ class Takeovers:
         self.config, self.plan, self.servers = config, plan, servers
         #: server rank -> the host it runs on now, where that is not its planned one
         self.moved: dict[int, str] = {}
+        #: server rank -> the rank of the server whose mirror of it it restores from (on that server's host)
+        self.took_from: dict[int, int] = {}
         self.lost_hosts: set[str] = set()
 
     def host_of(self, rank: int) -> str | None:
@@ -78,17 +83,23 @@ class Takeovers:
     def host_lost(self, dead: Child) -> str | None:
         """`dead`'s ssh session failed (its host is down or cut off, SSH_FAILED; a process killed on a live
         host is reported as its signal or status instead) and ps.replicas keeps its state on another host:
-        that host, now its own. None: restart it where it was, as without replicas."""
+        the host of its first holder whose host is not lost, now its own. None: restart it where it was, as
+        without replicas (its host lost with every copy, the restart fails naming it)."""
         plan = self.plan
         if (not self.config.ps.mirrored or plan is None or dead.role != "server" or dead.via != "ssh"
                 or dead.returncode != SSH_FAILED):
             return None
-        hosts = [self.moved.get(r) or plan.place("server", r).host for r in range(self.servers)]
-        holder = holders([plan.address(h) for h in hosts], self.config.ps.mirror_same_host).get(dead.rank)
-        if holder is None or hosts[holder] == hosts[dead.rank]:
-            return None
+        ps, placed = self.config.ps, [plan.place("server", r).host for r in range(self.servers)]
+        hosts = [self.moved.get(r) or placed[r] for r in range(self.servers)]
         self.lost_hosts.add(hosts[dead.rank])
-        self.moved[dead.rank] = hosts[holder]
+        # the scheduler's placement (scheduler/recovery.py), from where the servers first ran: the first live holder
+        placement = Placement(holders([plan.address(h) for h in placed], ps.mirror_same_host, ps.replicas),
+                              ps.mirror_same_host, set(self.moved))
+        holder = next((h for h in placement.holders(dead.rank, [plan.address(h) for h in hosts])
+                       if hosts[h] not in self.lost_hosts), None)
+        if holder is None:
+            return None
+        self.moved[dead.rank], self.took_from[dead.rank] = hosts[holder], holder
         return hosts[holder]
 
     def aggregator_host_lost(self, dead: Child) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.scheduler.recovery import mirror_rounds
+from sluice.scheduler.recovery import MAX_REPLICAS, mirror_rounds
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,10 @@ class ServerConfig:
     #: with ps.recover, how long the scheduler waits for a silent server's replacement before the
     #: job fails naming it (seconds)
     recover_timeout: float = 60.0
-    #: on how many other hosts each server's committed state is mirrored (ps/mirror.py; needs ps.recover); 0: only
-    #: in the server's own host's /dev/shm; -1: `sluice launch` chooses 1 (and turns ps.recover on) when the job's
-    #: servers span several hosts and recovery can run (ps.sync, not --elastic), else 0
+    #: on how many other hosts each server's committed state is mirrored (ps/mirror.py; needs ps.recover; up to
+    #: 3, fewer where the servers span fewer hosts); 0: only in the server's own host's /dev/shm; -1: `sluice
+    #: launch` chooses 1 (and turns ps.recover on) when the job's servers span several hosts and recovery can run
+    #: (ps.sync, not --elastic), else 0
     replicas: int = -1
     #: with ps.replicas, mirror each chunk's state every this many rounds; a round's replies wait until the
     #: holder has the round this many before it, and every worker keeps (copies of) its pushes of that many
@@ -31,7 +32,7 @@ class ServerConfig:
     #: round's gradient, which the holder steps). More: fewer and cheaper mirrors, more memory on the workers.
     #: 0: `sluice launch` chooses from the worker count (4 to 16: within 10% of the servers' link bytes)
     mirror_every: int = 0
-    #: with ps.replicas, how long a server waits for its mirror's acknowledgement before it fails (seconds)
+    #: with ps.replicas, how long a server waits for its mirrors' acknowledgements before it fails (seconds)
     mirror_timeout: float = 30.0
     #: with ps.replicas, let a server on the same host hold the mirror (tests on one machine only: such a
     #: mirror survives nothing the server's own state file does not)
@@ -40,10 +41,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.recover_timeout <= 0:
             raise ValueError("ps.max_restarts must be 0 or more and ps.recover_timeout positive")
-        if self.replicas not in (-1, 0, 1) or self.mirror_timeout <= 0:
-            raise ValueError(f"ps.replicas must be -1 (chosen by the launcher), 0 or 1 (more replicas are not built "
-                             f"yet), got {self.replicas}, "
-                             "and ps.mirror_timeout positive")
+        if not -1 <= self.replicas <= MAX_REPLICAS or self.mirror_timeout <= 0:
+            raise ValueError(f"ps.replicas must be -1 (chosen by the launcher) or 0..{MAX_REPLICAS}, got "
+                             f"{self.replicas}, and ps.mirror_timeout positive")
         if not 0 <= self.mirror_every <= 64:
             raise ValueError(f"ps.mirror_every must be 1..64 rounds (0: chosen by the launcher), got "
                              f"{self.mirror_every}")

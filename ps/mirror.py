@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -77,10 +77,12 @@ def payload_bytes(length: int, dtype: str, bits: int, with_bcast: bool) -> int:
     return length * (storage * (1 + with_bcast) + compute_dtype(dtype).itemsize * bin(bits).count("1"))
 
 
-def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool, grad: np.ndarray | None = None) -> list[Message]:
+def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool, grad: np.ndarray | None = None,
+                    again: bool = False) -> list[Message]:
     """The MIRROR of `chunk`'s committed state (its round, value, optimizer and state, and broadcast), or with
     `grad` of the gradient its round was stepped with (a private copy: it becomes the payload), in pieces of
-    at most PIECE_BYTES (meta `at`: where each starts; the first one's meta has the rest)."""
+    at most PIECE_BYTES (meta `at`: where each starts; the first one's meta has the rest). `again` (meta
+    `again`): a restored primary's state, which a holder takes at any round."""
     state = chunk.opt_state
     bits = optim.state_bits(state) if state else 0
     if grad is not None:
@@ -92,7 +94,8 @@ def mirror_messages(chunk: Chunk, sender: int, with_bcast: bool, grad: np.ndarra
         payload = np.concatenate([np.ascontiguousarray(part).view(np.uint8) for part in parts])
     first = {"at": 0, "bits": bits, "t": int(state.get("t", 0)), "opt": [optim.optimizer_code(chunk.optimizer),
              *optim.optimizer_settings(chunk.optimizer)], "bv": chunk.bcast_version,
-             "bcast": grad is None and with_bcast and chunk.bcast is not None, "grad": grad is not None}
+             "bcast": grad is None and with_bcast and chunk.bcast is not None, "grad": grad is not None,
+             **({"again": True} if again and grad is None else {})}
     return [Message(Kind.MIRROR, sender=sender, key=chunk.key, chunk=chunk.chunk, round=chunk.round, dtype="uint8",
                     shape=piece.shape, payload=piece, meta=first if at == 0 else {"at": at})
             for at in range(0, max(payload.size, 1), PIECE_BYTES) for piece in (payload[at:at + PIECE_BYTES],)]
@@ -105,47 +108,61 @@ class _Sent:
     pieces: list[Message]
 
 
-class MirrorSender:
-    """The primary's side: a MIRROR every `every` commits of a chunk, and replies held until the holder has the
-    round `every` before theirs."""
+@dataclass
+class Holder:
+    """One server that holds this one's state, as the primary tracks it."""
 
-    def __init__(self, rank: int, holder_rank: int, holder_peer: str, holder_host: str, node_id: int,
-                 timeout: float, ready: bool = True, clock: Callable[[], float] = time.monotonic,
-                 channel: int = 0, every: int = 1) -> None:
-        self.rank, self.holder_rank, self.holder_peer, self.holder_host = rank, holder_rank, holder_peer, holder_host
-        self.node_id, self.timeout, self._clock, self.channel = node_id, timeout, clock, channel
+    rank: int
+    peer: str
+    host: str
+    #: whether it can be sent to: it dials this server, and said hello (`dials`)
+    ready: bool = True
+    #: (key, chunk) -> the newest round it acknowledged
+    acked: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: (key, chunk) -> its MIRRORs not yet acknowledged, oldest first
+    sent: dict[tuple[int, int], deque[_Sent]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"server {self.rank} on {self.host}"
+
+
+class MirrorSender:
+    """The primary's side: a MIRROR every `every` commits of a chunk to each of its holders (primary-backup: all
+    at once), and replies held until every holder has the round `every` before theirs."""
+
+    def __init__(self, rank: int, holders: Sequence[Holder], node_id: int, timeout: float,
+                 clock: Callable[[], float] = time.monotonic, channel: int = 0, every: int = 1) -> None:
+        self.rank, self.node_id, self.timeout, self._clock, self.channel = rank, node_id, timeout, clock, channel
+        #: the servers holding this one's state, by transport name, first the one that takes over
+        self.holders = {holder.peer: holder for holder in holders}
         #: ps.mirror_every: a chunk's state is mirrored every this many rounds (1: each round, as its gradient
-        #: with an optimizer on the servers); a reply of round R waits until the holder has round R - every
+        #: with an optimizer on the servers); a reply of round R waits until the holders have round R - every
         self.every = every
-        #: (key, chunk) -> the newest round the holder acknowledged
-        self._acked: dict[tuple[int, int], int] = {}
-        #: whether the holder can be sent to: it dials this server, and said hello (`dials`)
-        self.ready = ready
         #: MIRRORs made by commits, to send before any reply of the same handling
-        self.outbox: list[Message] = []
-        self._sent: dict[tuple[int, int], deque[_Sent]] = {}
+        self.outbox: list[Reply] = []
         self._held: dict[tuple[int, int], list[Reply]] = {}
-        #: (key, chunk) -> the broadcast version the holder has
+        #: (key, chunk) -> the broadcast version the holders have
         self._bcast_sent: dict[tuple[int, int], int] = {}
-        #: (key, chunk) -> the round of the last MIRROR made for it: the holder has that round before the next
+        #: (key, chunk) -> the round of the last MIRROR made for it: the holders have that round before the next
         self._made: dict[tuple[int, int], int] = {}
         #: (key, chunk) -> (the round it makes, a copy of the gradient the optimizer is stepping with)
         self._grads: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
-        self.mirrored = 0  # MIRRORs acknowledged
-        self.bytes = 0  # payload bytes of the MIRRORs made
+        self.mirrored = 0  # MIRRORs acknowledged, by all holders together
+        self.bytes = 0  # payload bytes of the MIRRORs made, once per holder
 
     def describe(self) -> str:
-        return f"server {self.holder_rank} on {self.holder_host}"
+        return " and ".join(holder.describe() for holder in self.holders.values())
 
     def stepping(self, chunk: Chunk, grad: np.ndarray) -> None:
         """Recovery's before_step: the gradient `chunk`'s next round is about to be stepped with (copied: the
-        step may overwrite it), mirrored instead of the state if the holder has the round before."""
+        step may overwrite it), mirrored instead of the state if the holders have the round before."""
         if self.every == 1:
             self._grads[(chunk.key, chunk.chunk)] = (chunk.round + 1, grad.copy())
 
     def committed(self, chunk: Chunk, force: bool = False) -> None:
         """Recovery's after_commit: `chunk`'s round is in the local file; mirror it if its turn came (`every`
-        rounds since the last, a changed broadcast, its first round, or `force`)."""
+        rounds since the last, a changed broadcast, its first round, or `force`: a state the holders take
+        whatever round they have, as a primary restored from one holder's copy may be behind another's)."""
         key = (chunk.key, chunk.chunk)
         new_bcast = chunk.bcast is not None and self._bcast_sent.get(key) != chunk.bcast_version
         made = self._made.get(key)
@@ -156,14 +173,15 @@ class MirrorSender:
         stepped = self._grads.pop(key, None)
         # the gradient only onto the round before it, in this MIRROR stream's order (a holder takes a stream's
         # MIRRORs in order, as one channel keeps them): else the state, which needs nothing before it
-        follows = stepped is not None and stepped[0] == chunk.round and made == chunk.round - 1
+        follows = stepped is not None and stepped[0] == chunk.round and made == chunk.round - 1 and not force
         grad = stepped[1] if follows and not new_bcast and stepped is not None else None
         self._made[key] = chunk.round
-        pieces = mirror_messages(chunk, self.node_id, new_bcast, grad)
-        if self.ready:
-            self.outbox += pieces
-        self.bytes += sum(piece.nbytes for piece in pieces)
-        self._sent.setdefault(key, deque()).append(_Sent(chunk.round, self._clock(), pieces))
+        pieces = mirror_messages(chunk, self.node_id, new_bcast, grad, again=force)
+        for holder in self.holders.values():
+            if holder.ready:
+                self.outbox += [(holder.peer, self.channel, piece) for piece in pieces]
+            self.bytes += sum(piece.nbytes for piece in pieces)
+            holder.sent.setdefault(key, deque()).append(_Sent(chunk.round, self._clock(), pieces))
 
     def _due(self, key: tuple[int, int], round_: int, made: int) -> bool:
         """Whether a chunk last mirrored at round `made` is mirrored at `round_`: at its own phase among the rounds
@@ -173,29 +191,28 @@ class MirrorSender:
         return round_ - made >= self.every or (round_ + key[0] * 7 + key[1]) % self.every == 0
 
     def restored(self, chunks: Sequence[Chunk]) -> None:
-        """Chunks a replacement restored from its own file: mirrored again, broadcast included, as the holder
-        may have missed the last commit (it takes a round it has again: the same state)."""
+        """Chunks a replacement restored from its file: mirrored again, broadcast included, as the holders may
+        have missed the last commit, or (this server took over from one holder's copy) be ahead of it."""
         for chunk in chunks:
             self._bcast_sent.pop((chunk.key, chunk.chunk), None)
             self.committed(chunk, force=True)
 
-    def hello(self) -> list[Reply]:
-        """The holder dialled this server (again: it was replaced): every MIRROR it has not acknowledged."""
-        self.ready = True
-        self.outbox.clear()
-        return [(self.holder_peer, self.channel, piece) for sent in self._sent.values() for one in sent
-                for piece in one.pieces]
+    def hello(self, peer: str) -> list[Reply]:
+        """Holder `peer` dialled this server (again: it was replaced): every MIRROR it has not acknowledged."""
+        holder = self.holders[peer]
+        holder.ready = True
+        self.outbox = [out for out in self.outbox if out[0] != peer]
+        return [(peer, self.channel, piece) for sent in holder.sent.values() for one in sent for piece in one.pieces]
 
-    def holder_replaced(self, dialled: bool) -> list[Reply]:
-        """The holder was restarted (its file kept what it acknowledged): what to send it again now (`dialled`:
-        this server connected to its new endpoints), or later, at its hello."""
-        self.ready = False
-        return self.hello() if dialled else []
+    def holder_replaced(self, peer: str, dialled: bool) -> list[Reply]:
+        """Holder `peer` was restarted on its host (its file kept what it acknowledged): what to send it again
+        now (`dialled`: this server connected to its new endpoints), or later, at its hello."""
+        self.holders[peer].ready = False
+        return self.hello(peer) if dialled else []
 
     def take(self, replies: list[Reply]) -> list[Reply]:
         """What to send now: the pending MIRRORs first, then the replies that `held` does not keep back."""
-        out: list[Reply] = [(self.holder_peer, self.channel, msg) for msg in self.outbox]
-        self.outbox.clear()
+        out, self.outbox = self.outbox, []
         for reply in replies:
             key = (reply[2].key, reply[2].chunk)
             if self._held.get(key) or self._holds(key, reply[2]):
@@ -205,38 +222,43 @@ class MirrorSender:
         return out
 
     def _holds(self, key: tuple[int, int], msg: Message) -> bool:
-        """Whether a reply waits: one of round R until the holder acknowledged round R - every (so what a worker
-        has seen is at most `every` rounds ahead of the holder, and the workers keep that many pushes to send
-        again); a broadcast's until every MIRROR of the chunk is acknowledged (its round is a version)."""
+        """Whether a reply waits: one of round R until every holder acknowledged round R - every (so what a
+        worker has seen is at most `every` rounds ahead of each holder, and the workers keep that many pushes to
+        send again); a broadcast's until every MIRROR of the chunk is acknowledged (its round is a version)."""
         if msg.kind == Kind.BCAST_REPLY:
-            return bool(self._sent.get(key))
-        return self._acked.get(key, 0) < msg.round - self.every
+            return any(holder.sent.get(key) for holder in self.holders.values())
+        return any(holder.acked.get(key, 0) < msg.round - self.every for holder in self.holders.values())
 
-    def stop(self) -> list[Reply]:
-        """No holder any more: every reply held for a mirror goes now."""
-        self._sent.clear()
-        self.outbox.clear()
-        held = [reply for replies in self._held.values() for reply in replies]
-        self._held.clear()
-        return held
+    def stop(self, peer: str) -> list[Reply]:
+        """Holder `peer` holds this server's state no more (its host was lost): the replies that waited for it
+        alone go now."""
+        self.holders.pop(peer, None)
+        self.outbox = [out for out in self.outbox if out[0] != peer]
+        return [reply for key in list(self._held) for reply in self._release(key)]
 
     def acked(self, peer: str, msg: Message) -> list[Reply]:
-        """A MIRROR_ACK (WireError unless it is the holder's, for the oldest MIRROR of that chunk): the replies
-        it releases."""
+        """A MIRROR_ACK (WireError unless it is a holder's, for its oldest MIRROR of that chunk): the replies it
+        releases."""
         key = (msg.key, msg.chunk)
-        waiting = self._sent.get(key)
-        if peer != self.holder_peer or not waiting:
+        holder = self.holders.get(peer)
+        waiting = holder.sent.get(key) if holder is not None else None
+        if holder is None or not waiting:
             raise WireError(f"a MIRROR_ACK for key {msg.key} chunk {msg.chunk} that nobody awaits (from {peer!r:.60})")
         if waiting[0].round != msg.round or (msg.meta or {}).get("hello"):
             raise WireError(f"a MIRROR_ACK of round {msg.round} for key {msg.key} chunk {msg.chunk}, whose oldest "
-                            f"mirror in flight is of round {waiting[0].round}")
+                            f"mirror in flight to {holder.describe()} is of round {waiting[0].round}")
         waiting.popleft()
         self.mirrored += 1
-        self._acked[key] = max(self._acked.get(key, 0), msg.round)
+        holder.acked[key] = max(holder.acked.get(key, 0), msg.round)
         if not waiting:
-            del self._sent[key]
+            del holder.sent[key]
+        return self._release(key)
+
+    def _release(self, key: tuple[int, int]) -> list[Reply]:
+        """The held replies of `key` that wait no more, in the order they were made: a later one never
+        overtakes."""
         held = self._held.pop(key, [])
-        for at, reply in enumerate(held):  # in the order they were made: a later one never overtakes
+        for at, reply in enumerate(held):
             if self._holds(key, reply[2]):
                 self._held[key] = held[at:]
                 return held[:at]
@@ -244,9 +266,13 @@ class MirrorSender:
 
     def overdue(self, now: float) -> str | None:
         """Why this server cannot go on (a mirror unacknowledged past the timeout), or None."""
-        oldest = min((sent[0].at for sent in self._sent.values() if sent), default=None)
-        if oldest is None or now - oldest <= self.timeout:
+        late = [(min(sent[0].at for sent in holder.sent.values() if sent), holder)
+                for holder in self.holders.values() if any(holder.sent.values())]
+        if not late:
             return None
-        return (f"server {self.rank}: its replica holder {self.describe()} has not acknowledged a mirrored commit "
+        oldest, holder = min(late, key=lambda one: one[0])
+        if now - oldest <= self.timeout:
+            return None
+        return (f"server {self.rank}: its replica holder {holder.describe()} has not acknowledged a mirrored commit "
                 f"for {now - oldest:.0f} s (ps.mirror_timeout = {self.timeout:g} s): is that host or server down? "
                 "The rounds it holds cannot be answered without their copy")

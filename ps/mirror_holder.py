@@ -1,14 +1,15 @@
 """The holder's side of ps.replicas: another server's committed chunks, checked and written to a mirror state file.
 
-A server that mirrors server R (ps/mirror.py `holders`) gets R's part of every PLAN from the scheduler
-(meta `mirrors` of its own PLAN), opens R's mirror file in its host's /dev/shm (the StateFile format,
-named `sluice-state-<tag>-mirror-<R>`), and then, per MIRROR, checks everything before it writes: the
-sender is R's primary on its own connection, the chunk is in R's plan, the round is the next one (a
-state MIRROR: up to ps.mirror_every later, as it skips rounds; or this one again: after a restart either
-side may send what the other already has), and the payload is
-exactly the size the chunk and the optimizer state it names make. Anything else is refused
-(WireError: the transport counts and logs it) and the file keeps its last good round. What it took
-is acknowledged with MIRROR_ACK.
+A server that mirrors server R (scheduler/recovery.py `Placement`) gets R's part of every PLAN from the
+scheduler (meta `mirrors` of its own PLAN), opens R's mirror file in its host's /dev/shm (the
+StateFile format, named `sluice-state-<tag>-mirror-<R>-by-<H>`, H this server's rank), and then, per
+MIRROR, checks everything before it writes: the sender is R's primary on its own connection, the
+chunk is in R's plan, the round is the next one (a state MIRROR: up to ps.mirror_every later, as it
+skips rounds; or this one again: after a restart either side may send what the other already has;
+any round for a restored primary's state, meta `again`), and the payload is exactly the size the
+chunk and the optimizer state it names make. Anything else is refused (WireError: the transport
+counts and logs it) and the file keeps its last good round. What it took is acknowledged with
+MIRROR_ACK.
 """
 
 from __future__ import annotations
@@ -53,13 +54,16 @@ class Mirrored:
     #: per chunk, a zero-byte stand-in for its arrays between commits (made once: the file has the state)
     empty: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     staging: dict[tuple[int, int], _Staged] = field(default_factory=dict)
+    #: restored states taken of rounds behind this copy (the primary came back from another holder's)
+    rewound: int = 0
 
 
 class MirrorHolder:
     """The mirror files this server holds, by the transport name of the primary each belongs to."""
 
-    def __init__(self, tag: str, node_id: int, workers: int, directory: str = STATE_DIR, channel: int = 0,
+    def __init__(self, tag: str, rank: int, node_id: int, workers: int, directory: str = STATE_DIR, channel: int = 0,
                  every: int = 1) -> None:
+        self.rank = rank  # this server's: it names the mirror files kept here
         self.channel = channel  # the mirror channel (ps/mirror.py mirror_channel): acks go where MIRRORs came
         self.every = every  # ps.mirror_every: how many rounds a state MIRROR may skip
         self.tag, self.node_id, self.workers, self.directory = tag, node_id, workers, directory
@@ -70,7 +74,7 @@ class MirrorHolder:
         """Mirror server `rank` (transport name `peer`, node id `node_id`); SluiceError if its file is locked."""
         if peer not in self.primaries:
             self.primaries[peer] = Mirrored(rank, peer, node_id, StateFile.open(self.tag, rank, self.directory,
-                                                                                holder="mirror"))
+                                                                                held_by=self.rank))
 
     def add_plan(self, rank: int, tensors: Any) -> int:
         """Server `rank`'s part of a PLAN (WireError if malformed or not mirrored here); how many chunks the file
@@ -143,6 +147,7 @@ class MirrorHolder:
                 _step(chunk, staged.buffer, bits, t, empty)
             else:  # views of the payload: copied by the commit and _keep below (a shared-memory payload is reused)
                 _unpack(chunk, staged.buffer, bits, t, with_bcast)
+            mirrored.rewound += msg.round < chunk.round
             chunk.round, chunk.bcast_version = msg.round, version
             mirrored.state.commit(chunk)
             if not grad and chunk.optimizer is not None and self.every == 1:
@@ -158,11 +163,15 @@ class MirrorHolder:
         fields = _fields(msg, chunk)
         bits, _, optimizer, version, with_bcast, grad = fields
         # the next round (a state MIRROR: up to ps.mirror_every later), or this one again (a restarted primary
-        # mirrors what it restored; a restarted holder gets again what it may have written but not acknowledged)
-        if not chunk.round <= msg.round <= chunk.round + (1 if grad else self.every) or version < chunk.bcast_version:
+        # mirrors what it restored; a restarted holder gets again what it may have written but not acknowledged);
+        # any round for a restored primary's state (meta `again`): one that took over from another holder's copy
+        # may be behind this one, and redoes those rounds from the workers' replays
+        again = (msg.meta or {}).get("again") is True and not grad
+        if not again and (not chunk.round <= msg.round <= chunk.round + (1 if grad else self.every)
+                          or version < chunk.bcast_version):
             raise WireError(f"a MIRROR of round {msg.round} (broadcast {version}) for server {mirrored.rank}'s "
                             f"{chunk.describe()}, which is at round {chunk.round} (broadcast {chunk.bcast_version})")
-        if version > chunk.bcast_version and not with_bcast:
+        if version != chunk.bcast_version and not with_bcast:
             raise WireError(f"a MIRROR of broadcast {version} for {chunk.describe()} lacks its buffer (the holder "
                             f"has broadcast {chunk.bcast_version})")
         if not grad:

@@ -131,10 +131,10 @@ class Recovery:
         self.state.close(remove)
 
 
-def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_DIR, holder: str = "server",
+def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_DIR, held_by: int = -1,
                   lock_timeout: float = 5.0) -> Recovery:
-    """Server `env.rank`'s state file, locked, or SluiceError saying why recovery cannot run. `holder` "mirror":
-    its copy this host held for it (ps.replicas: the server took over from a lost host, ps/mirror_links.py)."""
+    """Server `env.rank`'s state file, locked, or SluiceError saying why recovery cannot run. `held_by` >= 0:
+    its copy that server held for it on this host (ps.replicas: it took over from a lost host, ps/mirror_links.py)."""
     if not settings.sync:
         raise SluiceError(
             "ps.recover needs ps.sync = true: an asynchronous server applies each push as it comes, so a "
@@ -145,4 +145,4 @@ def open_recovery(env: NodeEnv, settings: ServerConfig, directory: str = STATE_D
     if env.rank < 0:
         raise SluiceError("ps.recover needs each server's rank at start (SLUICE_RANK; sluice launch sets it)")
     lag = settings.mirror_rounds if settings.mirrored else 0
-    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, holder), lag)
+    return Recovery(StateFile.open(state_tag(env.secret), env.rank, directory, lock_timeout, held_by), lag)

@@ -6,7 +6,7 @@ import os
 
 from sluice.errors import SluiceError
 from sluice.ps.config import ServerConfig
-from sluice.ps.mirror_links import ENV_TAKEOVER, MirrorLinks
+from sluice.ps.mirror_links import ENV_TAKEOVER, MirrorLinks, took_over_from
 from sluice.ps.recovered import open_recovery
 from sluice.ps.role import Reply, Role
 from sluice.ps.snapshot import state_tag
@@ -32,11 +32,12 @@ class Server(Role):
 
     def __init__(self, env: NodeEnv) -> None:
         self.settings = ServerConfig(**env.section("ps"))
-        #: ps.replicas: started on the host that held its mirror, its own host lost (the file is opened at the
-        #: first PLAN: its holder unlocks it once the scheduler saw this server register)
-        self.takeover = self.settings.mirrored and os.environ.get(ENV_TAKEOVER) == "1"
+        #: ps.replicas: the rank of the server whose mirror of this one it restores from, started on that server's
+        #: host, its own lost (the file is opened at the first PLAN: the holder unlocks it once the scheduler saw
+        #: this server register); -1: none
+        self.takeover = took_over_from(os.environ.get(ENV_TAKEOVER, "")) if self.settings.mirrored else -1
         # before the transport: a live server holding the state file is refused with nothing to undo
-        recovery = open_recovery(env, self.settings) if self.settings.recover and not self.takeover else None
+        recovery = open_recovery(env, self.settings) if self.settings.recover and self.takeover < 0 else None
         try:
             super().__init__(env)
         except BaseException:
@@ -87,10 +88,10 @@ class Server(Role):
         if self.settings.mirrored:
             self.mirrors = MirrorLinks(self.transport, self.control.rank, self.control.node_id,
                                        state_tag(self.env.secret), self.env.workers, self.settings.mirror_timeout,
-                                       self.settings.mirror_same_host, self.settings.mirror_rounds)
+                                       self.settings.mirror_rounds)
             try:
-                self.mirrors.place(self.control.peers)
-            except SluiceError as exc:
+                self.mirrors.place(self.control.peers, self.control.welcomed.get("mirror"))
+            except (SluiceError, WireError) as exc:
                 self.control.fail(str(exc))
             self._mirror_commits()
             early, self.early_mirrors = self.early_mirrors or [], None
@@ -112,7 +113,7 @@ class Server(Role):
             return
         if msg.kind == Kind.MIRROR_RELEASE and self.mirrors is not None:
             rank = meta_field(msg, "rank", int)
-            path = self.mirrors.holder.release(rank)
+            path = self.mirrors.release(rank)
             self.log.info("server %d: server %d took over from its mirror here (%s)", self.control.rank, rank, path)
             return
         if msg.kind != Kind.PLAN:
@@ -120,8 +121,8 @@ class Server(Role):
         seq = meta_field(msg, "seq", int)
         recovering = bool(msg.meta and msg.meta.get("recovery") is True)  # sent again to a replacement
         try:
-            if self.takeover and self.store.recovery is None:
-                self.store.recovery = open_recovery(self.env, self.settings, holder="mirror",
+            if self.takeover >= 0 and self.store.recovery is None:
+                self.store.recovery = open_recovery(self.env, self.settings, held_by=self.takeover,
                                                     lock_timeout=self.settings.mirror_timeout)
                 self._mirror_commits()
             restored = self.store.add_plan(meta_field(msg, "tensors", list), recovering)

@@ -54,17 +54,19 @@ def state_tag(secret: bytes) -> str:
     return hmac.new(secret, b"state", hashlib.sha256).hexdigest()[:16]
 
 
-def state_path(tag: str, server_rank: int, directory: str = STATE_DIR, holder: str = "server") -> str:
-    """`holder` "server": the server's own file; "mirror": its copy on another host (ps.replicas, ps/mirror.py)."""
-    if not _TAG.fullmatch(tag) or holder not in ("server", "mirror"):
-        raise ValueError(f"a state tag is 16 hex digits, got {tag[:40]!r}, and a holder server or mirror")
-    return os.path.join(directory, f"sluice-state-{tag}-{holder}-{server_rank}")
+def state_path(tag: str, server_rank: int, directory: str = STATE_DIR, held_by: int = -1) -> str:
+    """The server's own file; with `held_by` >= 0 its copy kept by that server on another host (ps.replicas,
+    ps/mirror.py: named by both ranks, as two holders of one server on hosts sharing a /dev/shm must not meet)."""
+    if not _TAG.fullmatch(tag):
+        raise ValueError(f"a state tag is 16 hex digits, got {tag[:40]!r}")
+    name = f"server-{server_rank}" if held_by < 0 else f"mirror-{server_rank}-by-{held_by}"
+    return os.path.join(directory, f"sluice-state-{tag}-{name}")
 
 
 def remove_state_files(tag: str, directory: str = STATE_DIR) -> int:
     """Remove the job's state files (its end, or the janitor's clean-up); how many were removed."""
     state_path(tag, 0, directory)  # checks the tag
-    pattern = re.compile(rf"sluice-state-{tag}-(server|mirror)-\d+")
+    pattern = re.compile(rf"sluice-state-{tag}-(server-\d+|mirror-\d+-by-\d+)")
     removed = 0
     for name in os.listdir(directory):
         if pattern.fullmatch(name):
@@ -151,10 +153,10 @@ class StateFile:
 
     @classmethod
     def open(cls, tag: str, server_rank: int, directory: str = STATE_DIR, lock_timeout: float = 5.0,
-             holder: str = "server") -> StateFile:
+             held_by: int = -1) -> StateFile:
         """Create or open server `server_rank`'s file (or mirror), safely, and lock it; SluiceError if a live
         process holds it."""
-        path = state_path(tag, server_rank, directory, holder)
+        path = state_path(tag, server_rank, directory, held_by)
         try:
             fd = os.open(path, _OPEN_FLAGS, 0o600)
         except OSError as exc:

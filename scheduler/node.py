@@ -89,6 +89,8 @@ class ControlClient:
         self.rank = -1
         self.role = ""
         self.peers: list[PeerInfo] = []
+        #: the WELCOME's meta (a server reads its mirror links there, ps.replicas)
+        self.welcomed: dict[str, Any] = {}
         #: measures this node's link for the network manager (aggregation.mode = "plan" only)
         self.agent: NodeAgent | None = None
         #: a worker with job priorities on: [level, bytes pushed, rounds], sent with each heartbeat
@@ -236,7 +238,7 @@ class ControlClient:
         try:
             peers = parse_address_book(meta_field(msg, "nodes", list))
             self.node_id, self.rank = meta_field(msg, "node_id", int), meta_field(msg, "rank", int)
-            self.peers = peers
+            self.peers, self.welcomed = peers, msg.meta or {}
             self._on_welcome()
         except (TypeError, ValueError) as exc:
             msg = Message(Kind.WELCOME, meta={"malformed": str(exc)})

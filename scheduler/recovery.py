@@ -45,18 +45,48 @@ def chosen_mirror_every(workers: int) -> int:
     return min(MIRROR_EVERY_CHOSEN_MAX, max(MIRROR_EVERY, math.ceil(40 / max(workers, 1))))
 
 
-def holders(hosts: Sequence[str], same_host: bool = False) -> dict[int, int]:
-    """ps.replicas: server rank -> the rank of the server that mirrors its state (ps/mirror.py): the next
-    server in rank order (wrapping) on another host (`hosts[rank]`); a rank with no server on another host
-    has none. `same_host`: any other server will do (ps.mirror_same_host, tests on one machine only)."""
-    mirrored: dict[int, int] = {}
+#: the most hosts besides its own that a server's state is mirrored on (ps.replicas)
+MAX_REPLICAS = 3
+
+
+def holders(hosts: Sequence[str], same_host: bool = False, replicas: int = 1) -> dict[int, list[int]]:
+    """ps.replicas: server rank -> the ranks of the servers that mirror its state (ps/mirror.py), first the one
+    that takes over: the next `replicas` servers in rank order (wrapping) each on another host than the
+    server's and than each other's (`hosts[rank]`); fewer where the servers span fewer hosts, none for a
+    server alone on the servers' hosts. `same_host`: any other servers will do (ps.mirror_same_host, tests
+    on one machine only)."""
+    mirrored: dict[int, list[int]] = {}
     for rank, host in enumerate(hosts):
+        taken: list[int] = []
         for step in range(1, len(hosts)):
             other = (rank + step) % len(hosts)
-            if same_host or hosts[other] != host:
-                mirrored[rank] = other
-                break
+            if len(taken) < replicas and (same_host or hosts[other] not in {host, *(hosts[t] for t in taken)}):
+                taken.append(other)
+        if taken:
+            mirrored[rank] = taken
     return mirrored
+
+
+@dataclass
+class Placement:
+    """Which servers hold each server's mirror: placed once, from the hosts the servers first ran on, and then
+    only shrunk. A server that moved to another host (it took over from a mirror, its own host lost) holds no
+    mirror any more (its files were on the lost host), and no server is mirrored on its own host; a lost
+    holder is not replaced, so a shard keeps the copies that survive."""
+
+    placed: dict[int, list[int]]
+    same_host: bool = False
+    #: ranks that run on another host than they were placed on
+    moved: set[int] = field(default_factory=set)
+
+    def holders(self, rank: int, hosts: Sequence[str]) -> list[int]:
+        """Server `rank`'s live holders, first the one that takes over, with the servers on `hosts` now."""
+        return [h for h in self.placed.get(rank, []) if h not in self.moved and h < len(hosts) and rank < len(hosts)
+                and (self.same_host or hosts[h] != hosts[rank])]
+
+    def holds(self, holder: int, hosts: Sequence[str]) -> list[int]:
+        """The ranks whose mirrors server `holder` keeps, with the servers on `hosts` now."""
+        return [rank for rank in sorted(self.placed) if holder in self.holders(rank, hosts)]
 
 
 @dataclass
@@ -72,31 +102,44 @@ class ServerRecovery:
     incarnations: dict[str, int] = field(default_factory=dict)
     #: servers already said to be silent (logged once)
     silent: set[str] = field(default_factory=set)
-    #: ps.replicas (0 or 1) and ps.mirror_same_host: each holder gets its primaries' part of every PLAN
+    #: ps.replicas and ps.mirror_same_host: each holder gets its primaries' part of every PLAN
     replicas: int = 0
     same_host: bool = False
+    #: where each server's state is mirrored: placed at the first call with every server's endpoints
+    placement: Placement | None = None
+
+    def _placed(self, endpoints: Sequence[Sequence[str]]) -> tuple[Placement, list[str]]:
+        """The placement (made now from `endpoints` if there is none yet) and the servers' hosts now."""
+        hosts = [endpoint_host(e) for e in endpoints]
+        if self.placement is None:
+            self.placement = Placement(holders(hosts, self.same_host, self.replicas), self.same_host)
+        return self.placement, hosts
+
+    def links(self, rank: int, endpoints: Sequence[Sequence[str]]) -> dict[str, list[int]]:
+        """What server `rank`'s WELCOME says of its mirrors (meta `mirror`, {} without ps.replicas): `holders`,
+        the ranks that hold its state, first the one that takes over; `holds`, the ranks whose state it holds."""
+        if not (self.enabled and self.replicas):
+            return {}
+        placement, hosts = self._placed(endpoints)
+        return {"holders": placement.holders(rank, hosts), "holds": placement.holds(rank, hosts)}
 
     def took_over(self, rank: int, before: Sequence[Sequence[str]], endpoints: Sequence[str]) -> int | None:
         """Server `rank`'s replacement registered at `endpoints`: the rank of the server whose host held its
-        mirror when it came up there (the launcher started it on the holder's host: its own was lost)."""
-        holder = self.mirrored_rank(rank, before)
-        moved = endpoint_host(endpoints) != endpoint_host(before[rank])
-        return holder if moved and holder is not None and endpoint_host(before[holder]) == endpoint_host(
-            endpoints) else None
-
-    def mirrored_rank(self, rank: int, endpoints: Sequence[Sequence[str]]) -> int | None:
-        """The rank of the server that mirrors server `rank` (None: none)."""
-        if not (self.enabled and self.replicas):
+        mirror when it came up there (the launcher started it on the holder's host: its own was lost). A server
+        that came up on another host is moved: it holds no mirror from now on."""
+        if not (self.enabled and self.replicas) or endpoint_host(endpoints) == endpoint_host(before[rank]):
             return None
-        return holders([endpoint_host(e) for e in endpoints], self.same_host).get(rank)
+        placement, hosts = self._placed(before)
+        holder = next((h for h in placement.holders(rank, hosts) if hosts[h] == endpoint_host(endpoints)), None)
+        placement.moved.add(rank)
+        return holder
 
     def mirrored_by(self, endpoints: Sequence[Sequence[str]]) -> dict[int, list[int]]:
         """Holder rank -> the ranks of the servers it mirrors, from the servers' endpoints in rank order."""
-        placed: dict[int, list[int]] = {}
-        if self.enabled and self.replicas:
-            for rank, holder in holders([endpoint_host(e) for e in endpoints], self.same_host).items():
-                placed.setdefault(holder, []).append(rank)
-        return placed
+        if not (self.enabled and self.replicas):
+            return {}
+        placement, hosts = self._placed(endpoints)
+        return {holder: held for holder in range(len(hosts)) if (held := placement.holds(holder, hosts))}
 
     def sent(self, server: str, plan: Message) -> None:
         """Remember a PLAN sent to `server` or an aggregator (only with recovery on: plans are small, but not

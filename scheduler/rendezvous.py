@@ -212,12 +212,16 @@ class Rendezvous:
         self.phase = "running"
         self.last_seen = dict.fromkeys(self.nodes, now)
         book = address_book(self.nodes.values())
-        welcomes = [
-            (n.name, self._msg(Kind.WELCOME, node_id=n.node_id, rank=n.rank, role=n.role, nodes=book))
-            for n in self.nodes.values()
-        ]
+        welcomes = [(n.name, self.welcome(n, book)) for n in self.nodes.values()]
         names = {role: [n.name for n in self._of_role(role)] for role in ROLES}
         return welcomes + self.switch.start(names["worker"], names["aggregator"])
+
+    def welcome(self, node: Node, book: list[Any]) -> Message:
+        """`node`'s WELCOME: its id and rank, the address book, and a server's mirror links (ps.replicas)."""
+        servers = [n.endpoints for n in self._of_role("server")]
+        mirror = self.recovery.links(node.rank, servers) if node.role == "server" else {}
+        return self._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role, nodes=book,
+                         **({"mirror": mirror} if mirror else {}))
 
     def propose_routes(self, trees: list[Route]) -> list[Out]:
         """Switch the job to new aggregation trees between rounds (ValueError if they do not fit the job)."""

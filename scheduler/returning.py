@@ -23,10 +23,11 @@ def server_returns(machine: Rendezvous, node: Node, msg: Message, now: float) ->
     """A replaced server registered again (ps.recover): welcome it as before, then re-plan it."""
     servers = machine._of_role("server")
     old = [s.endpoints for s in servers]
-    outs, welcomed = _welcome_again(machine, node, msg, now)
-    if not welcomed:
-        return outs
-    holder = machine.recovery.took_over(node.rank, old, node.endpoints)
+    refused = _refused(machine, node, msg, now)
+    if refused:
+        return refused
+    holder = machine.recovery.took_over(node.rank, old, node.endpoints)  # before the welcome: it names the mirrors
+    outs = [(node.name, machine.welcome(node, address_book(machine.nodes.values())))]
     if holder is not None:  # ps.replicas: its host was lost; it restores from the mirror there
         machine.notes.append(f"{node.describe()} came back on the host of server {holder}, which held its mirror")
         outs.append((servers[holder].name, machine._msg(Kind.MIRROR_RELEASE, rank=node.rank)))
@@ -36,23 +37,25 @@ def server_returns(machine: Rendezvous, node: Node, msg: Message, now: float) ->
 def aggregator_returns(machine: Rendezvous, node: Node, msg: Message, now: float) -> list[Out]:
     """A replaced aggregator registered again (ps.recover): welcome it, give it its plans and the routings in
     use again; once it acknowledged the plans, its children send it again what it left unanswered."""
-    outs, welcomed = _welcome_again(machine, node, msg, now)
-    return outs + _plan_again(machine, node, machine.switch.installed(node.name)) if welcomed else outs
+    refused = _refused(machine, node, msg, now)
+    if refused:
+        return refused
+    outs = [(node.name, machine.welcome(node, address_book(machine.nodes.values())))]
+    return outs + _plan_again(machine, node, machine.switch.installed(node.name))
 
 
-def _welcome_again(machine: Rendezvous, node: Node, msg: Message, now: float) -> tuple[list[Out], bool]:
-    """Its WELCOME with its old id, its new endpoints and pid taken, and True; an ERROR and False for a
-    replacement started with another configuration."""
+def _refused(machine: Rendezvous, node: Node, msg: Message, now: float) -> list[Out]:
+    """An ERROR for a replacement started with another configuration; else nothing, its new endpoints and pid
+    taken (it keeps its old id and rank)."""
     if meta_field(msg, "fingerprint", str) != machine.fingerprint:
         return [(node.name, machine._msg(Kind.ERROR, error=f"the replacement of {node.describe()} was started "
-                                                           "with a different configuration"))], False
+                                                           "with a different configuration"))]
     endpoints = meta_field(msg, "endpoints", list)
     if not all(isinstance(e, str) for e in endpoints) or (node.role == "server" and not endpoints):
         raise WireError("REGISTER endpoints must be a list of strings (non-empty for a server)")
     node.endpoints, node.pid = endpoints, meta_field(msg, "pid", int)
     machine.last_seen[node.name] = now
-    return [(node.name, machine._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role,
-                                     nodes=address_book(machine.nodes.values())))], True
+    return []
 
 
 def _plan_again(machine: Rendezvous, node: Node, routings: list[Out]) -> list[Out]:

@@ -37,11 +37,14 @@ class HostLoss:
 
 def lose_host_in_job(bed: SshBed, args: Sequence[str], host: str, trains: str, *, start_s: float = 60.0,
                      settle_s: float = 0.0, before: Callable[[str], None] | None = None,
-                     ended: Callable[[], bool] | None = None, end_s: float = 60.0, silent: bool = False) -> HostLoss:
+                     ended: Callable[[], bool] | None = None, end_s: float = 60.0, silent: bool = False,
+                     then: Sequence[tuple[str, str, Callable[[], None] | None]] = ()) -> HostLoss:
     """`sluice launch ARGS` (with the bed's ssh options) in the launcher host; once a line matches the regular
-    expression `trains` (within `start_s`), `before(output so far)` is called, `settle_s` waited, and `host` lost. Then
+    expression `trains` (within `start_s`), `before(output so far)` is called, `settle_s` waited, and `host` lost.
+    For each (pattern, host, before) of `then`, once a later line matches the pattern, `before()` is called (if
+    given), `settle_s` waited, and that host lost too. Then
     until the launcher exits (or, given `ended`, until `ended()` holds: the launcher may be on the lost host),
-    within `end_s`; the host comes back in any case. `silent`: see SshBed.lose_host. A job
+    within `end_s`; the hosts come back in any case. `silent`: see SshBed.lose_host. A job
     that does not train or does not end raises AssertionError with its output."""
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(), *args]
     job = bed.netbed.run("launcher", argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,15 +61,30 @@ def lose_host_in_job(bed: SshBed, args: Sequence[str], host: str, trains: str, *
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    lost: list[str] = []
     try:
         if not training.wait(start_s) or job.poll() is not None:
             raise AssertionError(f"the job did not train within {start_s:g} s:\n" + "".join(lines)[-3000:])
         if before is not None:
             before("".join(lines))
         time.sleep(settle_s)
-        lost_at = time.time()
+        lost_at, seen = time.time(), len(lines)  # what follows may be read while the host is being taken away
+        lost.append(host)
         bed.lose_host(host, silent)
         deadline = time.monotonic() + end_s
+        for after, next_host, prepare in then:
+            pattern_after = re.compile(after)
+            while not any(pattern_after.search(line) for line in lines[seen:]):
+                if time.monotonic() > deadline or job.poll() is not None:
+                    raise AssertionError(f"no line matched {after!r} before {next_host} was to be lost:\n"
+                                         + "".join(lines)[-6000:])
+                time.sleep(0.05)
+            if prepare is not None:
+                prepare()
+            time.sleep(settle_s)
+            seen = len(lines)
+            lost.append(next_host)
+            bed.lose_host(next_host, silent)
         while not (ended() if ended is not None else job.poll() is not None):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the job did not end within {end_s:g} s of the loss:\n" + "".join(lines)[-6000:])
@@ -74,7 +92,8 @@ def lose_host_in_job(bed: SshBed, args: Sequence[str], host: str, trains: str, *
         if job.poll() is not None:
             reader.join(10)
     finally:
-        bed.restore_link(host)
+        for each in lost:
+            bed.restore_link(each)
         if job.poll() is None:
             job.kill()
     return HostLoss("".join(lines), job.returncode, lost_at)

@@ -99,9 +99,11 @@ class SshBed:
         return self.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *self.ssh_options(),
                                      *args], timeout, **popen)
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        """Until every sshd admits the bed's key (`ssh HOST true` from the launcher host)."""
+    def wait_ready(self, timeout: float = 20.0, only: str | None = None) -> None:
+        """Until every sshd (or `only` that host's) admits the bed's key (`ssh HOST true` from the launcher host)."""
         for name, address in self.hosts.items():
+            if only is not None and name != only:
+                continue
             deadline = time.monotonic() + timeout
             while True:
                 probe = self.run("launcher", ["ssh", "-i", str(self.identity), "-o", "BatchMode=yes",
@@ -136,7 +138,7 @@ class SshBed:
                 os.kill(int(pid), signal.SIGKILL)
         for pid in pids:
             deadline = time.monotonic() + 5
-            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            while _running(int(pid)) and time.monotonic() < deadline:
                 time.sleep(0.02)
             remove_segments_of(int(pid))
         if not silent:
@@ -149,7 +151,7 @@ class SshBed:
         if host in self.hosts:
             last = max(self.hosts, key=lambda name: int(name[1:]))
             self.start_sshd(host, self.private if host == last else None)
-            self.wait_ready()
+            self.wait_ready(only=host)  # another host may still be lost
 
     def left_on(self, host: str, pattern: re.Pattern[str]) -> list[str]:
         """Processes in `host` whose command line matches `pattern` (all namespaces share the pid space:
@@ -209,3 +211,12 @@ def ssh_bed(keys: Path, ssh_hosts: int = 2, extra_hosts: Sequence[str] = (),
             yield bed
         finally:
             bed.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs: a zombie has exited (one the bed started, its sshd, waits for the bed's
+    wait, and must not hold up a host's loss)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

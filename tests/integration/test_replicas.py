@@ -46,8 +46,7 @@ ARGS = ["--steps", "60", "--hidden", "256"]
 SETTINGS = {"collective": {"mode": "ps"}, "ps": {"recover": True}, "transport": {"chunk_bytes": 4096,
                                                                                  "inflight_bytes": 16 << 20}}
 #: case -> (worker.optimizer_on, the script's --optimizer, workers, aggregators)
-CASES = {"momentum-through-an-aggregator": ("server", "sgd", 3, 1), "adam-on-servers": ("server", "adam", 2, 0),
-         "optimizer-on-workers": ("worker", "sgd", 2, 0)}
+CASES = {"momentum-through-an-aggregator": ("server", "sgd", 3, 1), "optimizer-on-workers": ("worker", "sgd", 2, 0)}
 #: two trees over 3 workers (half the chunks each): workers 0 and 1, then 1 and 2, through aggregator 0
 TREES = ("0.5: worker-0>aggregator-0 worker-1>aggregator-0", "0.5: worker-1>aggregator-0 worker-2>aggregator-0")
 
@@ -62,11 +61,11 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
         pytest.skip(str(exc))
 
 
-def _reference(optimizer_on: str, optimizer: str, workers: int, aggregators: int) -> list[float]:
+def _reference(optimizer_on: str, optimizer: str, workers: int, aggregators: int, servers: int = 2) -> list[float]:
     settings: dict[str, Any] = {**SETTINGS, "worker": {"optimizer_on": optimizer_on}}
     if aggregators:
         settings["aggregation"] = {"mode": "static", "trees": list(TREES)}
-    printed = "".join(script_outputs(workers, 2, settings, ROOT / SCRIPT, *ARGS, "--optimizer", optimizer,
+    printed = "".join(script_outputs(workers, servers, settings, ROOT / SCRIPT, *ARGS, "--optimizer", optimizer,
                                      "--kill-server-at", "-1", timeout=120, aggregators=aggregators))
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
     assert len(results) == workers and all(r["params"] == results[0]["params"] for r in results), printed[-3000:]
@@ -108,9 +107,7 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     assert re.search(rf"\[server {lost}\] .*server {lost}: restored \d+ chunks of declaration 0", out), out[-4000:]
     assert re.search(rf"\[server {lost}\] .*server {lost}: took \d+ replayed pushes of rounds its state was behind",
                      out), out[-4000:]
-    results: list[dict[str, Any]] = sorted(
-        (json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", out, re.M)),
-        key=lambda r: r["rank"])
+    results = _results(out)
     if aggregators:
         assert re.search(rf"aggregator 0 on {h2}, .*; restarting it on {h1}, as its host is lost", out), out[-4000:]
         assert re.search(r"\[worker [01]\] .*aggregator 0 was replaced; sending it again \d+ unanswered pushes after "
@@ -121,3 +118,48 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     # this job's files only (the reference job, and tests running beside this one, have their own)
     tag = re.search(r"/dev/shm/sluice-state-([0-9a-f]+)-server-0-like files", out)
     assert tag is not None and not list(Path("/dev/shm").glob(f"sluice-state-{tag.group(1)}-*")), out[:3000]
+
+
+def _results(out: str) -> list[dict[str, Any]]:
+    return sorted((json.loads(m.group(1)) for m in re.finditer(r"^\[worker \d+\] CLUSTER_RESULT (.*)$", out, re.M)),
+                  key=lambda r: r["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_lost_host_twice_with_two_replicas_each_shard_comes_back_from_a_copy_left_and_the_job_ends_bit_identical(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """ps.replicas = 2, Adam on the servers: servers 0, 1, 2 on h1, h2, h3, each mirrored on both other hosts.
+    h3 is lost (what it sends to h1 stalled just before, so the copy there is behind the one on h2): server 2 comes
+    back on h1 from the copy there, and its restored state takes h2's copy back to its round. Once it is back, h1
+    is lost too (what it sends to h2 stalled just before), with server 0 and the new server 2: both come back on
+    h2, the one host left with their copies."""
+    try:
+        with ssh_bed(tmp_path_factory.mktemp("replicas2"), ssh_hosts=3, second=True) as bed:
+            launcher, h1, h2, h3 = (bed.netbed.hosts[name].address for name in ("launcher", "h1", "h2", "h3"))
+            # mirrors every 4th round: the job stalls within 8 rounds of a choke, well before it ends
+            sets = ["collective.mode=ps", "ps.recover=true", "ps.replicas=2", "ps.mirror_every=4",
+                    "worker.optimizer_on=server", "transport.chunk_bytes=4096", "transport.inflight_bytes=16777216",
+                    "worker.metrics_every=10", "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=3"]
+            args = ["-H", f"{launcher}:2,{h1}:1,{h2}:1,{h3}:1", "-w", "2", "-s", "3", "--server-hosts",
+                    f"{h1},{h2},{h3}", *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS,
+                    "--optimizer", "adam", "--step-sleep", "0.04"]  # 2.4 s of training: time to lose two hosts in
+            loss = lose_host_in_job(bed, args, "h3", r"^\[worker 0\] .*transport, steps \d+-\d+:",
+                                    before=lambda _: bed.netbed.choke("h3", "h1"), settle_s=1.0, end_s=90.0,
+                                    # h1 once server 2 is back there, what h1 sends to h2 stalled just before
+                                    then=[(r"^\[worker 0\] .*server 2 was replaced", "h1",
+                                           lambda: bed.netbed.choke("h1", "h2"))])
+            out = loss.out
+            assert loss.returncode == 0, out[-6000:]
+            for rank, lost, holder in ((2, h3, h1), (0, h1, h2), (2, h1, h2)):
+                assert f"server {rank}'s host {lost} lost; replica on {holder} took shard {rank}" in out, out[-6000:]
+            for holder, rank in ((0, 2), (1, 0), (1, 2)):
+                assert f"server {holder}: server {rank} took over from its mirror here" in out, out[-6000:]
+            # the copy on h2 was ahead of the one server 2 came back from: its restored state took it back
+            assert re.search(r"\[server 1\] .*server 1: took \d+ restored states of server 2", out), out[-6000:]
+            results = _results(out)
+            assert len(results) == 2 and results[0]["params"] == results[1]["params"]
+            assert results[0]["params"] == _reference("server", "adam", 2, 0, servers=3)
+            wait_gone(bed, ("launcher", "h1", "h2", "h3"), JOB_PROCESS)
+    except NetbedUnavailable as exc:
+        pytest.skip(str(exc))

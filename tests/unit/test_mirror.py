@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from sluice.ps.config import ServerConfig
-from sluice.ps.mirror import PIECE_BYTES, MirrorSender, holders
+from sluice.ps.mirror import PIECE_BYTES, Holder, MirrorSender, holders, mirror_messages
 from sluice.ps.mirror_holder import MirrorHolder
 from sluice.ps.recovered import Recovery
 from sluice.ps.snapshot import StateFile, state_tag
 from sluice.ps.store import Chunk, Reply, ShardStore
+from sluice.scheduler.recovery import Placement
 from sluice.transport.wire import Flag, Kind, Message, WireError, decode, encode
 
 TAG = state_tag(b"m" * 32)
@@ -34,14 +35,15 @@ def primary(directory: Path, every: int = 1) -> tuple[ShardStore, MirrorSender]:
     store = ShardStore(node_id=7, workers=WORKERS, sync=True)
     store.worker_ids = {10 + r: (f"w{r}", r) for r in range(WORKERS)}
     store.recovery = Recovery(StateFile.open(TAG, 0, str(directory), lock_timeout=0.2))
-    sender = MirrorSender(0, 1, HOLDER, "198.18.0.4", node_id=7, timeout=5.0, clock=lambda: 100.0, every=every)
+    sender = MirrorSender(0, [Holder(1, HOLDER, "198.18.0.4")], node_id=7, timeout=5.0, clock=lambda: 100.0,
+                          every=every)
     store.recovery.after_commit, store.recovery.before_step = sender.committed, sender.stepping
     store.add_plan(plan())
     return store, sender
 
 
 def holder(directory: Path, every: int = 1) -> MirrorHolder:
-    held = MirrorHolder(TAG, node_id=8, workers=WORKERS, directory=str(directory), every=every)
+    held = MirrorHolder(TAG, 1, node_id=8, workers=WORKERS, directory=str(directory), every=every)
     held.hold(0, PRIMARY, 7)
     held.add_plan(0, plan())
     return held
@@ -77,11 +79,35 @@ def state_of(c: Chunk) -> tuple[Any, ...]:
 
 
 @pytest.mark.timeout(10)
-def test_placement_is_the_next_server_on_another_host() -> None:
-    assert holders(["a", "b"]) == {0: 1, 1: 0}
-    assert holders(["a", "a", "b", "b"]) == {0: 2, 1: 2, 2: 0, 3: 0}
+def test_placement_is_the_next_servers_each_on_another_host() -> None:
+    assert holders(["a", "b"]) == {0: [1], 1: [0]}
+    assert holders(["a", "a", "b", "b"]) == {0: [2], 1: [2], 2: [0], 3: [0]}
     assert holders(["a", "a"]) == {}
-    assert holders(["a", "a"], same_host=True) == {0: 1, 1: 0}
+    assert holders(["a", "a"], same_host=True) == {0: [1], 1: [0]}
+    # ps.replicas = 2: the next two servers on hosts other than the server's and each other's
+    assert holders(["a", "b", "c"], replicas=2) == {0: [1, 2], 1: [2, 0], 2: [0, 1]}
+    assert holders(["a", "a", "b", "b", "c"], replicas=2) == {0: [2, 4], 1: [2, 4], 2: [4, 0], 3: [4, 0],
+                                                               4: [0, 2]}
+    assert holders(["a", "b"], replicas=3) == {0: [1], 1: [0]}  # fewer where the servers span fewer hosts
+    assert holders(["a", "a", "a"], same_host=True, replicas=2) == {0: [1, 2], 1: [2, 0], 2: [0, 1]}
+
+
+@pytest.mark.timeout(10)
+def test_placement_after_hosts_are_lost_keeps_the_copies_that_survive() -> None:
+    """Three servers on hosts a, b, c with ps.replicas = 2. Host a is lost: server 0 moves to b (its first
+    holder's host), holds nothing from then on, and is held on c only; server 2 keeps its copy on b. Then host c:
+    server 2 moves to b too (server 1 holds it), and nothing is left on another host."""
+    placement = Placement(holders(["a", "b", "c"], replicas=2))
+    hosts = ["a", "b", "c"]
+    assert [placement.holders(r, hosts) for r in range(3)] == [[1, 2], [2, 0], [0, 1]]
+    assert [placement.holds(r, hosts) for r in range(3)] == [[1, 2], [0, 2], [0, 1]]
+    placement.moved.add(0)
+    hosts = ["b", "b", "c"]
+    assert [placement.holders(r, hosts) for r in range(3)] == [[2], [2], [1]]
+    assert [placement.holds(r, hosts) for r in range(3)] == [[], [2], [0, 1]]
+    placement.moved.add(2)
+    hosts = ["b", "b", "b"]
+    assert [placement.holders(r, hosts) for r in range(3)] == [[], [], []]
 
 
 @pytest.mark.timeout(30)
@@ -130,10 +156,10 @@ def test_replies_wait_for_the_mirror_and_the_mirror_restores_the_exact_state(tmp
     assert sender.overdue(1000.0) is None and sender.mirrored == held.taken == 3 * len(TENSORS) + 1
     # the holder's host takes over: the mirror, released, is what a replacement there restores
     path = held.release(0)
-    assert path == str(tmp_path / "b" / f"sluice-state-{TAG}-mirror-0") and held.release(0) is None
+    assert path == str(tmp_path / "b" / f"sluice-state-{TAG}-mirror-0-by-1") and held.release(0) is None
     assert store.recovery is not None
     replacement = ShardStore(node_id=7, workers=WORKERS, sync=True)
-    replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, holder="mirror"))
+    replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, held_by=1))
     assert len(replacement.add_plan(plan(), recovering=True)) == len(TENSORS)
     for key in TENSORS:
         assert state_of(replacement.chunks[(key, 0)]) == state_of(store.chunks[(key, 0)])
@@ -177,7 +203,7 @@ def test_every_third_round_mirrors_the_state_and_replies_wait_for_the_round_that
     path = held.release(0)
     assert path is not None and store.recovery is not None
     replacement = ShardStore(node_id=7, workers=WORKERS, sync=True)
-    replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, holder="mirror"))
+    replacement.recovery = Recovery(StateFile.open(TAG, 0, str(tmp_path / "b"), lock_timeout=0.2, held_by=1))
     replacement.add_plan(plan(), recovering=True)
     for key in (1, 2):  # the primary's state at the chunk's last mirrored round
         assert state_of(replacement.chunks[(key, 0)]) == states[(key, mirrored[key][-1])]
@@ -267,9 +293,77 @@ def test_pieces_are_no_larger_than_a_chunk() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_replicas_need_recover_and_are_at_most_one() -> None:
-    assert ServerConfig(recover=True, replicas=1).replicas == 1
+def test_replicas_need_recover_and_are_at_most_three() -> None:
+    assert ServerConfig(recover=True, replicas=3).replicas == 3
     with pytest.raises(ValueError, match=r"set ps\.recover = true too"):
         ServerConfig(replicas=1)
-    with pytest.raises(ValueError, match="more replicas are not built yet"):
-        ServerConfig(recover=True, replicas=2)
+    with pytest.raises(ValueError, match=r"0\.\.3, got 4"):
+        ServerConfig(recover=True, replicas=4)
+
+
+@pytest.mark.timeout(30)
+def test_two_holders_each_get_every_mirror_and_a_reply_waits_for_both_until_one_is_lost(tmp_path: Path) -> None:
+    """ps.replicas = 2 (primary-backup): each MIRROR goes to both holders; a reply waits until both have the round
+    before (mirror_every 1); once the slow holder's host is lost (`stop`), what waited for it alone goes."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    store, _ = primary(tmp_path / "a")
+    sender = MirrorSender(0, [Holder(1, HOLDER, "198.18.0.4"), Holder(2, "server-2", "198.18.0.5")], node_id=7,
+                          timeout=5.0, clock=lambda: 100.0)
+    assert store.recovery is not None
+    store.recovery.after_commit, store.recovery.before_step = sender.committed, sender.stepping
+    first, second = holder(tmp_path / "b"), holder(tmp_path / "c")
+    by_holder = {HOLDER: first, "server-2": second}
+
+    def round_out(round_: int) -> list[Reply]:
+        return sender.take(store.handle("w0", 0, push(1, 0, round_)) + store.handle("w1", 0, push(1, 1, round_)))
+
+    def ack(out: list[Reply], to: str) -> list[Reply]:
+        released: list[Reply] = []
+        for peer, _, msg in out:
+            if peer == to and msg.kind == Kind.MIRROR:
+                for _, _, answer in by_holder[to].take(PRIMARY, wire(msg)):
+                    released += sender.acked(to, wire(answer))
+        return released
+
+    out = round_out(1)
+    assert sorted(peer for peer, _, m in out if m.kind == Kind.MIRROR) == [HOLDER, "server-2"]
+    assert sorted(peer for peer, _, m in out if m.kind == Kind.REPLY) == ["w0", "w1"]  # round 0 is had by all
+    assert ack(out, HOLDER) == []  # only the first holder acknowledged round 1
+    late = round_out(2)
+    assert not [m for _, _, m in late if m.kind == Kind.REPLY]  # round 2's replies wait for the second too
+    assert ack(late, HOLDER) == []  # the first has round 2 too: they still wait
+    assert "server 2 on 198.18.0.5 has not acknowledged" in (sender.overdue(200.0) or "")
+    released = sender.stop("server-2")  # its host was lost
+    assert sorted(peer for peer, _, m in released) == ["w0", "w1"] and sender.describe() == "server 1 on 198.18.0.4"
+    assert sender.overdue(200.0) is None
+    assert state_of(first.primaries[PRIMARY].chunks[(1, 0)])[:3] == state_of(store.chunks[(1, 0)])[:3]
+    first.close()
+    second.close()
+    store.recovery.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_restored_primarys_state_takes_a_holder_back_to_an_earlier_round_and_only_marked_so(tmp_path: Path) -> None:
+    """A primary that took over from one holder's copy (rounds behind) mirrors its restored state to the other
+    holder, which may be ahead: that MIRROR (meta `again`) is taken at any round; any other going back is refused."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    store, sender = primary(tmp_path / "a", every=3)
+    held = holder(tmp_path / "b", every=3)
+    for round_ in (1, 2):
+        deliver(sender.take(store.handle("w0", 0, push(1, 0, round_)) + store.handle("w1", 0, push(1, 1, round_))),
+                held, sender)
+    assert held.primaries[PRIMARY].chunks[(1, 0)].round == 2  # key 1 is mirrored at round 2 (its phase)
+    # the primary's state, as one restored at round 1 would send it (the same size)
+    back = wire(mirror_messages(store.chunks[(1, 0)], 7, with_bcast=False)[0])
+    back.round = 1
+    with pytest.raises(WireError, match="which is at round 2"):
+        held.take(PRIMARY, back)
+    again = wire(mirror_messages(store.chunks[(1, 0)], 7, with_bcast=False, again=True)[0])
+    again.round = 1
+    (ack,) = held.take(PRIMARY, again)
+    assert ack[2].round == 1 and held.primaries[PRIMARY].chunks[(1, 0)].round == 1
+    held.close()
+    assert store.recovery is not None
+    store.recovery.close()

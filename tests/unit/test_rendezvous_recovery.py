@@ -108,9 +108,9 @@ def test_without_recovery_a_silent_server_fails_the_job_at_the_heartbeat_timeout
     assert machine.phase == "failed" and "server 1" in machine.error
 
 
-def formed_with_replicas(hosts: tuple[str, str]) -> Rendezvous:
-    machine = Rendezvous(2, 2, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False,
-                         recovery=ServerRecovery(True, timeout=20.0, replicas=1))
+def formed_with_replicas(hosts: tuple[str, ...], replicas: int = 1) -> Rendezvous:
+    machine = Rendezvous(2, len(hosts), 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False,
+                         recovery=ServerRecovery(True, timeout=20.0, replicas=replicas))
     for rank, host in enumerate(hosts):
         register(machine, f"server-{rank}", "server", rank, endpoint=f"tcp://{host}:1000")
     for rank in range(2):
@@ -147,6 +147,40 @@ def test_a_server_back_on_its_holders_host_has_the_holder_release_the_mirror() -
     # a restart on its own host releases nothing: its own file is there
     again = register(machine, "server-0", "server", 0, now=4.0, endpoint="tcp://10.0.0.1:3000")
     assert Kind.MIRROR_RELEASE not in [m.kind for _, m in again]
+
+
+@pytest.mark.timeout(10)
+def test_with_two_replicas_the_welcomes_name_the_mirrors_and_a_moved_server_holds_none() -> None:
+    """Three servers on three hosts, ps.replicas = 2. Server 2's host is lost: it comes back on server 0's host
+    (its first holder), which releases it; from then on it is held by server 1 only and holds nothing. Then server
+    0's host is lost: server 0 comes back on server 1's, the one holder of it left."""
+    a, b, c = "10.0.0.1", "10.0.0.2", "10.0.0.3"
+    machine = Rendezvous(2, 3, 1 << 20, CONFIG, "cfg", now=0.0, bind_names=False,
+                         recovery=ServerRecovery(True, timeout=20.0, replicas=2))
+    welcomes: dict[str, Message] = {}
+    for rank, host in enumerate((a, b, c)):
+        welcomes.update(register(machine, f"server-{rank}", "server", rank, endpoint=f"tcp://{host}:1000"))
+    for rank in range(2):
+        welcomes.update(register(machine, f"worker-{rank}", "worker", rank))
+    assert {name: meta(m).get("mirror") for name, m in welcomes.items()} == {
+        "server-0": {"holders": [1, 2], "holds": [1, 2]}, "server-1": {"holders": [2, 0], "holds": [0, 2]},
+        "server-2": {"holders": [0, 1], "holds": [0, 1]}, "worker-0": None, "worker-1": None}
+    plans = dict(declare(machine, 1, "a"))
+    assert sorted(meta(plans["server-0"])["mirrors"]) == ["1", "2"]
+    for server in ("server-0", "server-1", "server-2"):
+        machine.on_message(server, Message(Kind.PLAN_ACK, meta={"seq": 1}), 1.5)
+    outs = register(machine, "server-2", "server", 2, now=3.0, endpoint=f"tcp://{a}:2000")
+    assert [(peer, m.kind) for peer, m in outs][:2] == [("server-2", Kind.WELCOME), ("server-0", Kind.MIRROR_RELEASE)]
+    assert meta(outs[0][1])["mirror"] == {"holders": [1], "holds": []}
+    machine.on_message("server-2", Message(Kind.PLAN_ACK, meta={"seq": 1}), 3.1)
+    plans = dict(declare(machine, 2, "b"))
+    assert sorted(meta(plans["server-0"])["mirrors"]) == ["1"] and sorted(meta(plans["server-1"])["mirrors"]) == [
+        "0", "2"] and "mirrors" not in meta(plans["server-2"])
+    for server in ("server-0", "server-1", "server-2"):
+        machine.on_message(server, Message(Kind.PLAN_ACK, meta={"seq": 2}), 3.5)
+    outs = register(machine, "server-0", "server", 0, now=4.0, endpoint=f"tcp://{b}:2000")
+    assert [(peer, m.kind) for peer, m in outs][:2] == [("server-0", Kind.WELCOME), ("server-1", Kind.MIRROR_RELEASE)]
+    assert meta(outs[0][1])["mirror"] == {"holders": [], "holds": []}
 
 
 def test_a_replaced_aggregator_gets_its_plans_and_the_routings_in_use_then_is_announced() -> None:

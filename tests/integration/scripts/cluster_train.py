@@ -32,6 +32,8 @@ parser.add_argument("--kill-standby-at", type=int, default=-1, metavar="STEP",
                     help="SIGKILL the first standby scheduler, after a pause of --kill-standby-pause seconds")
 parser.add_argument("--kill-standby-pause", type=float, default=0.0, metavar="S")
 parser.add_argument("--hidden", type=int, default=32)
+parser.add_argument("--step-sleep", type=float, default=0.0, metavar="S",
+                    help="sleep this long in each step (a job slow enough to lose hosts in)")
 parser.add_argument("--result-dir", metavar="DIR", help="also write the result to DIR/rank.N.json (a job whose "
                     "launcher is lost prints to no one)")
 args = parser.parse_args()
@@ -71,6 +73,7 @@ y = torch.randn(args.steps * per_worker * size, 3, generator=generator)
 for step in range(args.steps):
     start = (step * size + rank) * per_worker
     optimizer.zero_grad()
+    time.sleep(args.step_sleep)
     F.mse_loss(model(x[start:start + per_worker]), y[start:start + per_worker]).backward()
     if step == args.kill_server_at and rank == 0:
         kill_server(0)
