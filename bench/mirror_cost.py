@@ -49,7 +49,7 @@ def measure(name: str, length: int, repeats: int, directory: str) -> dict[str, S
     opt = OPTIMIZERS[name]
     optimizer = optimizer_of(opt, "float32", name)
     rng = np.random.default_rng(0)
-    holder = MirrorHolder(state_tag(b"b" * 32), node_id=2, workers=2, directory=directory)
+    holder = MirrorHolder(state_tag(b"b" * 32), 1, node_id=2, workers=2, directory=directory)
     holder.hold(0, "server-0", 1)
     holder.add_plan(0, [[1, "w", "float32", opt, [[0, length]]]])
     chunk = holder.primaries["server-0"].chunks[(1, 0)]
