@@ -71,7 +71,8 @@ their records' case names start with "replicas-". With --testbed (and --replicas
 of a job runs on a host of its own of the network-namespace testbed (root only), servers and workers
 on links shaped to --rate-mbit (bench/recovery_testbed.py): the servers' mirrors cross real links,
 so ps.mirror_same_host is not set; their case names start with "testbed-replicas-" ("testbed-bands-replicas-"
-with --tos-bands).
+with --tos-bands). --replica-count N: ours keeps each server's state on N other hosts (give --servers N + 1
+or more); the case names end in "-N-copies".
 
 {KILL_CASE}: ours = seconds from the kill to the end of step K (the step that needed the
 replacement for all of server 0's rounds: training resumed); peer = a normal step's time (the
@@ -115,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", action="store_true",
                         help="cost cases: ps.replicas = 1 against 0 (both with ps.recover) instead of ps.recover on "
                              "against off")
+    parser.add_argument("--replica-count", type=int, default=1, choices=(1, 2, 3), metavar="N",
+                        help="with --replicas: ps.replicas of the replicated jobs (default: %(default)s; N > 1 needs "
+                             "--servers N + 1 or more to place every copy on another host)")
     parser.add_argument("--testbed", action="store_true",
                         help="with --replicas: run the cost cases on the network-namespace testbed (root)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, metavar="RATE",
@@ -143,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 3 <= args.kill_at <= args.kill_steps - 4:
         parser.error("--kill-at must leave 3 steps before it and 3 after it (normal steps to compare with)")
     args.cases = [c for c in CASES if c in (args.cases or (COST_CASES if args.replicas else CASES))]
+    if args.replica_count != 1 and not (args.replicas and args.testbed):
+        parser.error("--replica-count places copies on other hosts: give --replicas --testbed too")
     if args.testbed and not args.replicas:
         parser.error("--testbed measures ps.replicas: give --replicas too")
     if args.peer_off and not args.testbed:
@@ -230,11 +236,12 @@ def train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[s
     return result
 
 
-def replicas_settings(replicas: bool, mirror_every: int | None, workers: int, peer_off: bool = False) -> dict[str, Any]:
-    """The ps section of a --replicas job: ps.recover on, ps.replicas 1 (with `mirror_every`, if given, else what
-    sluice launch chooses for `workers`) or 0 (`peer_off`: with ps.recover off too)."""
+def replicas_settings(replicas: bool, mirror_every: int | None, workers: int, peer_off: bool = False,
+                      count: int = 1) -> dict[str, Any]:
+    """The ps section of a --replicas job: ps.recover on, ps.replicas `count` (with `mirror_every`, if given, else
+    what sluice launch chooses for `workers`) or 0 (`peer_off`: with ps.recover off too)."""
     every = mirror_every if mirror_every is not None else chosen_mirror_every(workers)
-    return {"recover": replicas or not peer_off, "replicas": int(replicas),
+    return {"recover": replicas or not peer_off, "replicas": count if replicas else 0,
             **({"mirror_every": every} if replicas else {})}
 
 
@@ -303,14 +310,15 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
         describe += " with ToS bands" if args.tos_bands else ""
     every = f"-every-{args.mirror_every}" if args.replicas and args.mirror_every is not None else ""
     every += "-vs-off" if args.replicas and args.peer_off else ""
+    every += f"-{args.replica_count}-copies" if args.replicas and args.replica_count != 1 else ""
     return record(prefix + case + every, ours, peer,
                   (PEER_NAME if args.peer_off else REPLICAS_PEER_NAME) if args.replicas else PEER_NAME, "ms/step",
                   better="lower", cost=cost,
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
                   state_mib=state / (1 << 20), parameters=parameters, description=describe, pairs=args.repeats,
                   repetitions_per_job=args.inner, samples=len(on), **asdict(job),
-                  **({"mirror_every": replicas_settings(True, args.mirror_every, job.workers)["mirror_every"]}
-                     if args.replicas else {}))
+                  **({"mirror_every": replicas_settings(True, args.mirror_every, job.workers)["mirror_every"],
+                      "replicas": args.replica_count} if args.replicas else {}))
 
 
 # ---------------------------------------------------------------------------- driver
@@ -362,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                      ) as bed:
 
             def on_testbed(job: Job, replicas: bool) -> tuple[list[float], int]:
-                settings = replicas_settings(replicas, args.mirror_every, job.workers, args.peer_off)
+                settings = replicas_settings(replicas, args.mirror_every, job.workers, args.peer_off,
+                                             args.replica_count)
                 return run_testbed_job(bed, job, settings, args.timeout), 0
 
             for case, job in cost_cases.items():
