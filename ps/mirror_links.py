@@ -74,6 +74,12 @@ class MirrorLinks:
         log.info("server %d: mirrors its committed state on %s", self.rank, self.sender.describe())
         return self.sender.committed
 
+    def links(self) -> dict[str, list[int]]:
+        """The ranks that hold this server's state now, first the one that takes over, and those whose state it
+        holds: told a standby scheduler that takes over (its placement may be older than a moved server)."""
+        holders = [holder.rank for holder in self.sender.holders.values()] if self.sender is not None else []
+        return {"holders": holders, "holds": [mirrored.rank for mirrored in self.holder.primaries.values()]}
+
     def handle(self, peer: str, msg: Message) -> list[Reply]:
         """A MIRROR (this server holds the sender's state) or a MIRROR_ACK (a hello, or a holder's ack)."""
         if msg.kind == Kind.MIRROR:

@@ -93,6 +93,7 @@ class Server(Role):
                 self.mirrors.place(self.control.peers, self.control.welcomed.get("mirror"))
             except (SluiceError, WireError) as exc:
                 self.control.fail(str(exc))
+            self.control.mirror_links = self.mirrors.links
             self._mirror_commits()
             early, self.early_mirrors = self.early_mirrors or [], None
             for peer, msg in early:

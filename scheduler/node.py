@@ -91,6 +91,8 @@ class ControlClient:
         self.peers: list[PeerInfo] = []
         #: the WELCOME's meta (a server reads its mirror links there, ps.replicas)
         self.welcomed: dict[str, Any] = {}
+        #: a server's mirror links as they are now (ps.replicas), told a standby that takes over
+        self.mirror_links: Callable[[], dict[str, list[int]]] | None = None
         #: measures this node's link for the network manager (aggregation.mode = "plan" only)
         self.agent: NodeAgent | None = None
         #: a worker with job priorities on: [level, bytes pushed, rounds], sent with each heartbeat
@@ -319,6 +321,8 @@ class ControlClient:
         with self._cond:
             meta = self.recall.rejoin_meta(self.role, self.rank, self.node_id, self._endpoints, os.getpid(),
                                            self._env.fingerprint(), self._env.scheduler)
+        if self.mirror_links is not None:
+            meta["mirror"] = self.mirror_links()
         self._last_ack = time.monotonic()
         self._send(Kind.REJOIN, **meta)
 

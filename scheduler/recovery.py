@@ -115,6 +115,12 @@ class ServerRecovery:
             self.placement = Placement(holders(hosts, self.same_host, self.replicas), self.same_host)
         return self.placement, hosts
 
+    def rebuild(self, holders_now: dict[int, list[int]]) -> None:
+        """A standby that took over: the placement from what each server says its holders are now (ps.replicas;
+        a server that moved before says so by holding none, and is held by the ones left)."""
+        if self.enabled and self.replicas and holders_now:
+            self.placement = Placement(dict(holders_now), self.same_host)
+
     def links(self, rank: int, endpoints: Sequence[Sequence[str]]) -> dict[str, list[int]]:
         """What server `rank`'s WELCOME says of its mirrors (meta `mirror`, {} without ps.replicas): `holders`,
         the ranks that hold its state, first the one that takes over; `holds`, the ranks whose state it holds."""

@@ -330,7 +330,7 @@ class Rendezvous:
         assert self.takeover is not None
         if msg.kind == Kind.REJOIN:
             total = self.workers + self.servers + self.aggregators
-            self.takeover.add(peer, parse_rejoin(peer, msg, self.fingerprint, self.workers, total), now)
+            self.takeover.add(peer, parse_rejoin(peer, msg, self.fingerprint, self.workers, total, self.servers), now)
             if self.takeover.first == now and len(self.takeover.rejoins) == 1:
                 self.notes.append(f"{peer} rejoined this standby: the scheduler fell silent; waiting up to "
                                   f"{self.takeover.wait:g} s for the other nodes")

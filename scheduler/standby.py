@@ -47,6 +47,8 @@ class Rejoin:
     told: Told
     #: the endpoint of the scheduler it registered with: the job's name in the registries
     job: str
+    #: a server's mirror links now (ps.replicas): {"holders": ranks, first the one that takes over; "holds": ranks}
+    mirror: dict[str, list[int]] | None = None
 
 
 def _ints(raw: object, what: str, bound: int) -> list[int]:
@@ -55,7 +57,7 @@ def _ints(raw: object, what: str, bound: int) -> list[int]:
     return list(raw)
 
 
-def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes: int) -> Rejoin:
+def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes: int, servers: int = 0) -> Rejoin:
     """A REJOIN from `peer`, every field checked (WireError): the same job, its name, an id in 1..`nodes`."""
     role, rank, node_id = meta_field(msg, "role", str), meta_field(msg, "rank", int), meta_field(msg, "node_id", int)
     if peer != node_name(role, rank):
@@ -84,10 +86,16 @@ def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes:
     released = meta_field(msg, "released", list)
     if len(released) > 1024 or not all(type(n) is str and len(n) <= 1024 for n in released):
         raise WireError(f"a REJOIN's released barriers must be names, got {brief(released)}")
+    mirror_raw = (msg.meta or {}).get("mirror")
+    if mirror_raw is not None and (role != "server" or type(mirror_raw) is not dict
+                                   or set(mirror_raw) != {"holders", "holds"}):
+        raise WireError(f"a {role}'s REJOIN names mirror links {brief(mirror_raw)}")
+    mirror = None if mirror_raw is None else {name: _ints(mirror_raw[name], f"mirror {name}", servers)
+                                               for name in ("holders", "holds")}
     return Rejoin(role, rank, node_id, list(endpoints), meta_field(msg, "pid", int), declarations,
                   parse_limits(limits_raw) if limits_raw is not None else None,
                   frozenset(_ints(meta_field(msg, "gone", list), "gone workers", workers)), frozenset(released),
-                  parse_told((msg.meta or {}).get("routing")), job)
+                  parse_told((msg.meta or {}).get("routing")), job, mirror)
 
 
 class Takeover:
@@ -160,6 +168,9 @@ def take_over(machine: Rendezvous, now: float) -> list[Out]:
     if missing := takeover.missing():
         return machine._fail(f"{', '.join(missing)} did not rejoin the standby scheduler within {takeover.wait:g} s "
                              "of the first node: lost with the scheduler")
+    # ps.replicas: the copies as the servers keep them now (some may have moved since the placement), before the
+    # replay plans: each holder gets its primaries' part of a PLAN
+    machine.recovery.rebuild({r.rank: r.mirror["holders"] for r in takeover.rejoins.values() if r.mirror is not None})
     try:
         replayed = _replay(machine, takeover)
     except WireError as exc:

@@ -205,3 +205,26 @@ def test_failover_a_standby_whose_scheduler_port_is_silent_and_nobody_rejoined_l
     assert watch.tick(5.0, rejoined=True) is None  # a node rejoined: the takeover goes on
     why = watch.tick(5.0, rejoined=False)
     assert why is not None and endpoint in why and "nothing to take over" in why
+
+
+@pytest.mark.timeout(10)
+def test_failover_with_replicas_places_the_copies_where_the_servers_say_they_are_now() -> None:
+    """ps.replicas: a standby takes the placement from the servers' word (a server that moved before the takeover
+    holds nothing, and its primaries dropped it), not from their endpoints, which would place copies anew:
+    server 1 says it holds server 0's copy and has none of its own left, so the next plan gives server 1 server
+    0's part and server 0 nobody's; a malformed word is refused."""
+    job = Job()
+    machine = Rendezvous(WORKERS, SERVERS, 4096, CONFIG, "cfg", now=0.0, standby=True,
+                         recovery=ServerRecovery(True, replicas=1))
+    outs: list[Out] = []
+    said = {"server-0": {"holders": [1], "holds": []}, "server-1": {"holders": [], "holds": [0]}}
+    for name in [*ENDPOINTS, *job.recall]:
+        outs += machine.on_message(name, msg(Kind.REJOIN, **(job.rejoin(name).meta or {}),
+                                             **({"mirror": said[name]} if name in said else {})), 10.0)
+    assert machine.phase == "running"
+    plans = {p: m.meta or {} for p, m in _declare(machine, 2, tensors("e")) if m.kind == Kind.PLAN}
+    assert set(plans["server-1"]["mirrors"]) == {"0"} and "mirrors" not in plans["server-0"]
+    other = standby()
+    with pytest.raises(WireError, match=r"mirror holders must be a list of ints in 0\.\.1"):
+        other.on_message("server-0", msg(Kind.REJOIN, **(job.rejoin("server-0").meta or {}),
+                                         mirror={"holders": [5], "holds": []}), 10.0)
