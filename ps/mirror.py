@@ -1,16 +1,17 @@
-"""A server's committed chunks mirrored on another host (ps.replicas): placement, the MIRROR message, held replies.
+"""A server's committed chunks mirrored on other hosts (ps.replicas): the MIRROR message, held replies.
 
 With ps.recover each round is committed to the server's state file (ps/snapshot.py) before any reply
-of it exists. With ps.replicas = 1 the same committed state also goes, as a MIRROR per chunk and
-commit, to the server that mirrors this one (`holders`, from scheduler/recovery.py: the next server
-in rank order on another host), which writes it into a state file of the same format in its host's
-/dev/shm (ps/mirror_holder.py) and answers MIRROR_ACK. A chunk is mirrored every ps.mirror_every
-(`every`) rounds, each chunk at its own phase, and a reply of round R is held here until the holder
-acknowledged round R - every: no reply waits for its own round's MIRROR, what a worker has seen is
-at most `every` rounds ahead of the holder's copy, and every worker keeps its pushes of that many
-answered rounds (scheduler/resend.py) to replay to a holder that takes over, which redoes those rounds
-from the same pushes, bit-identically. With one replica, chain replication and primary-backup are
-the same thing (the chain is primary -> holder).
+of it exists. With ps.replicas = N the same committed state also goes, as a MIRROR per chunk and
+commit, to each server that holds this one's state (primary-backup: all at once; placed by the
+scheduler, scheduler/recovery.py `Placement`: the next N servers in rank order on other hosts), which
+writes it into a state file of the same format in its host's /dev/shm (ps/mirror_holder.py) and
+answers MIRROR_ACK. A chunk is mirrored every ps.mirror_every (`every`) rounds, each chunk at its own
+phase, and a reply of round R is held here until every holder acknowledged round R - every: no reply
+waits for its own round's MIRROR, what a worker has seen is at most `every` rounds ahead of any
+holder's copy, and every worker keeps its pushes of that many answered rounds (scheduler/resend.py)
+to replay to a holder that takes over, which redoes those rounds from the same pushes,
+bit-identically. Why not a chain (primary -> holder 1 -> holder 2): every server of a sharded job is
+a primary and a holder, so each host's link carries N copies either way, and a chain takes N hops.
 
 A MIRROR carries one of two things (meta `grad`). With `every` = 1 and an optimizer on the servers, a
 round whose previous round went to the holder in this connection's order carries the round's
