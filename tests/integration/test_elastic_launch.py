@@ -74,7 +74,8 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     anew) in test_failover.py's lost host. The job has a standby scheduler, started again on its port with the
     next generation: worker 0 SIGKILLs the scheduler in step 15, and the new standby carries the job on. Workers 0
     and 2 allreduce over a process set each step (hvd.init(process_sets=...)): the survivor registers it again
-    in place, the newcomer in its init, and the sums go on."""
+    in place, the newcomer in its init, and the sums go on; workers 1 and 2 over one the training function adds
+    (inside hvd.elastic.run): dropped at the re-forming, it is added again by the survivors and the newcomer."""
     servers = "1"
     standby = ["--set", "scheduler.standby=1", "--set", "scheduler.heartbeat_interval=0.5",
                "--set", "scheduler.heartbeat_timeout=4"]
@@ -98,6 +99,9 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     # worker 0 summed all 20 steps over the set (steps 11.. after the re-form), the newcomer its 9 from commit 11
     assert results[0]["set_sums"] == [2.0] * 20 and results[2]["set_sums"] == [2.0] * 9, results
     assert results[1]["set_sums"] == []
+    # the set the training function adds: dropped at the re-forming and added again by every worker, as in Horovod
+    assert results[1]["odd_sums"] == [3.0] * 20 and results[2]["odd_sums"] == [3.0] * 9, results
+    assert results[0]["odd_sums"] == []
     assert_state_dir_removed(output)
 
 

@@ -104,3 +104,24 @@ def test_a_job_reformed_in_place_registers_its_sets_again_in_order_unless_it_shr
     smaller = _Table(2)
     process_set.register_sets(smaller, 0, None)  # type: ignore[arg-type]
     assert smaller.added == [] and process_set._REGISTERED == []
+
+
+def test_a_set_added_inside_the_elastic_training_function_is_dropped_at_a_reforming_for_it_to_add_again() -> None:
+    """Horovod's reset drops every set and hvd.elastic.run's function, called again, adds its sets again: one
+    added inside the function is not registered again in place (the newcomer adds it in that function too)."""
+    from sluice.worker.collective import process_set
+
+    before, inside = ProcessSet([0, 2]), ProcessSet([1, 2])
+    table = _Table(3)
+    process_set.register_sets(table, 0, [before])  # type: ignore[arg-type]
+    node = type("Node", (), {"rank": 0, "process_sets": table})()
+    with process_set.in_elastic_run():
+        process_set.add_process_set(node, inside)
+    outside = process_set.add_process_set(node, [0, 1])  # after the function returned: kept
+    process_set.reform(shrank=False)
+    again = _Table(3)
+    process_set.register_sets(again, 0, None)  # type: ignore[arg-type]
+    assert again.added == [[0, 2], [0, 1]] and inside.process_set_id is None
+    assert (before.process_set_id, outside.process_set_id) == (1, 2)
+    process_set.reform(shrank=True)
+    process_set.register_sets(_Table(2), 0, None)  # type: ignore[arg-type]

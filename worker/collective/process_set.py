@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sluice.errors import InvalidCallError, SluiceError
@@ -30,6 +31,8 @@ class ProcessSet:
         self.ranks = listed
         #: this process's global rank, set when the set is registered (size/rank/included answer from it)
         self._own_rank: int | None = None
+        #: added while hvd.elastic.run's training function ran: that function adds it again after a re-forming
+        self._in_run = False
 
     def _invalidate(self) -> None:
         self.process_set_id = None
@@ -86,18 +89,33 @@ def sets_of(node: Any) -> ProcessSets:
 _REGISTERED: list[ProcessSet] = []
 #: those to register again at the next init(): the job re-forms in place in this process (`reform`)
 _AGAIN: list[ProcessSet] = []
+#: how deep this process is in hvd.elastic.run's training function (`in_elastic_run`)
+_RUNNING = [0]
+
+
+@contextmanager
+def in_elastic_run() -> Iterator[None]:
+    """hvd.elastic.run's training function runs: the sets it adds are its own (`reform`)."""
+    _RUNNING[0] += 1
+    try:
+        yield
+    finally:
+        _RUNNING[0] -= 1
 
 
 def reform(shrank: bool) -> None:
     """The job re-forms in this process (--in-place): its sets are registered again at the next init(), in the
     same order, as the newcomer, which runs the script from the top, registers them before hvd.elastic.run
-    (adding a set is collective: every worker must). Where the job shrank their ranks name other workers now:
-    they are dropped, and a call with one fails as with any set not registered (add it again). Horovod
-    registers none again (an elastic job with process sets hangs there: its issue #4021)."""
-    if shrank:
-        for listed in _REGISTERED:
+    (adding a set is collective: every worker must). Sets added inside the training function are dropped, as
+    Horovod's reset drops every set: the function, called again, adds them again, on the newcomer too. Where
+    the job shrank their ranks name other workers now: all are dropped, and a call with one fails as with any
+    set not registered (add it again). Horovod registers none again (an elastic job with process sets hangs
+    there: its issue #4021)."""
+    kept = [] if shrank else [listed for listed in _REGISTERED if not listed._in_run]
+    for listed in _REGISTERED:
+        if listed not in kept:
             listed._invalidate()
-    _AGAIN[:] = [] if shrank else _REGISTERED
+    _AGAIN[:] = kept
     _REGISTERED.clear()
 
 
@@ -137,7 +155,7 @@ def add_process_set(node: Any, process_set: ProcessSet | Sequence[int]) -> Proce
     added = sets_of(node).add(listed.ranks)
     if added is None:
         raise ValueError(f"Attempted to add a duplicate process set: {listed}")
-    listed.process_set_id = added
+    listed.process_set_id, listed._in_run = added, _RUNNING[0] > 0
     _REGISTERED.append(listed)
     return listed
 

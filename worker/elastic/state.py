@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar
 
 from sluice.errors import SluiceError
+from sluice.worker.collective import process_set
 from sluice.worker.elastic.host import (
     NO_COMMIT,
     Commit,
@@ -261,7 +262,8 @@ def run(func: F, backend: Backend) -> F:
                     state._restored = True
                     if (elastic_env() or env).generation > 0:
                         state.on_reset()
-                return func(state, *args, **kwargs)
+                with process_set.in_elastic_run():
+                    return func(state, *args, **kwargs)
             except BaseException as exc:
                 if not backend.failed(exc):
                     raise

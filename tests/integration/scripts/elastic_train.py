@@ -11,7 +11,9 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --setup S: sleep S seconds before hvd.init(), standing for what a real worker sets up once (reading its
 dataset, a CUDA context, data loader processes).
 --kill-scheduler-at S: worker 0 SIGKILLs the job's scheduler after its commit of step S (a standby takes over).
---process-set: hvd.init(process_sets=[ProcessSet([0, 2])]); each step its members allreduce their rank over it
+--process-set: hvd.init(process_sets=[ProcessSet([0, 2])]); each step its members allreduce their rank over it;
+and the training function adds ProcessSet([1, 2]) each time it is called (Horovod's examples add sets inside
+hvd.elastic.run too), whose members allreduce over it each step
 (a sum of 2), and ELASTIC_RESULT lists what each got (`set_sums`).
 --times: rank 0 prints `ELASTIC_STEP {step, t}` as each step ends, the dying worker `ELASTIC_DIE {t}` (wall
 clock seconds), for bench/replace_worker.py.
@@ -47,6 +49,7 @@ time.sleep(args.setup)
 even = hvd.ProcessSet([0, 2])
 hvd.init(process_sets=[even] if args.process_set else None)
 set_sums: list[float] = []
+odd_sums: list[float] = []
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
 base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -74,6 +77,7 @@ state.register_reset_callbacks([set_lr])
 @hvd.elastic.run
 def train(state: hvd.elastic.TorchState) -> None:
     rank, size = hvd.rank(), hvd.size()
+    odd = hvd.add_process_set([1, 2]) if args.process_set else None  # again after each re-forming, as in Horovod
     generation = int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0"))
     print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch, "rank": rank,
                                          "pid": os.getpid()}), flush=True)
@@ -85,6 +89,9 @@ def train(state: hvd.elastic.TorchState) -> None:
         if args.process_set and even.included():  # a set registered again in place, or by the newcomer's init
             set_sums.append(float(hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=even,
                                                 name=f"even.{step}").item()))
+        if odd is not None and odd.included():
+            odd_sums.append(float(hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=odd,
+                                                name=f"odd.{step}").item()))
         optimizer.step()
         state.batch = step + 1
         state.commit()
@@ -106,6 +113,7 @@ train(state)
 hvd.synchronize_parameters()
 if args.save and hvd.rank() == 0:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch}, args.save)
-print("ELASTIC_RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "set_sums": set_sums, "params": torch.cat(
-    [p.detach().reshape(-1) for p in model.parameters()]).tolist()}), flush=True)
+params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+print("ELASTIC_RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "set_sums": set_sums,
+                                     "odd_sums": odd_sums, "params": params}), flush=True)
 hvd.shutdown()
