@@ -94,8 +94,8 @@ class MirrorLinks:
         return self.sender.acked(peer, msg)
 
     def server_back(self, msg: Message) -> list[Reply]:
-        """The scheduler's SERVER_BACK: a linked server was restarted; what to send it (or, its state being a
-        holder's, release) now."""
+        """The scheduler's SERVER_BACK: a linked server was restarted; what to send now (to it; or, when it held
+        this server's state and came back on another host, the replies that waited for it alone)."""
         name, endpoints = msg.meta.get("name") if msg.meta else None, msg.meta.get("endpoints") if msg.meta else None
         linked = self.linked.get(name) if type(name) is str else None
         if linked is None:

@@ -59,3 +59,12 @@ def check_records(path: Path, count: int | None = None) -> list[dict[str, Any]]:
         assert rec["ratio"] == pytest.approx(rec["ours"] / rec["peer"], rel=1e-12), rec
         assert rec["better"] in ("higher", "lower") and rec["speedup"] > 0, rec
     return records
+
+
+def run_quick(script: str, tmp_path: Path) -> None:
+    """`python SCRIPT --quick --json ...` ends well, writes consistent records, and its printed table names each."""
+    out = tmp_path / "records.json"
+    result = run_script([*script.split(), "--quick", "--json", str(out)], timeout=110)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for rec in check_records(out):
+        assert rec["case"] in result.stdout

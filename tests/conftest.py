@@ -3,4 +3,4 @@
 import pytest
 
 # before anything imports them: a failed assert there then shows its operands, as in a test module
-pytest.register_assert_rewrite("testbed.launch", "tests.integration.pipeline_helpers")
+pytest.register_assert_rewrite("testbed.launch", "testbed.bench_runs", "tests.integration.pipeline_helpers")
