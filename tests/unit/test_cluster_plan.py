@@ -130,3 +130,8 @@ def test_replicas_are_chosen_when_the_servers_span_hosts_and_recovery_can_run() 
     assert _replicas(two, ["ps.recover=true", "ps.replicas=1"])[3] == (
         "ps.replicas: ps.mirror_every = 10 (from 4 workers: each keeps that many copies of its gradients to replay)")
     assert _replicas([Host("127.0.0.1", 4)], [], servers=2) == (0, False, 10, "")  # one machine: nothing to say
+    # more copies than the servers' other hosts: said, and each server keeps what there is room for
+    more = _replicas(two, ["ps.recover=true", "ps.replicas=2"])
+    assert more[:2] == (2, True) and more[3].startswith(
+        "ps.replicas = 2, but the servers span 2 hosts: each server's state is mirrored on 1 other host(s); "
+        "ps.mirror_every = 10"), more
