@@ -148,8 +148,11 @@ class Generation(Job):
         previous, lost_hosts = self.schedulers.standbys, self.takeovers.lost_hosts
         endpoints = {p.rank: p.ready.result() for p in previous if p.ready.done()}
         standbys: dict[int, Child] = {}
-        for away in [p for p in previous if p.host in lost_hosts]:  # first: the newcomer is told where they went
-            await self._standby_ready(await self._standby_started(away, ""), "", standbys, endpoints)
+        # a standby whose host was lost starts on another host, on a port it learns there; with a newcomer it is
+        # awaited first, as the newcomer is told where it went; without one, beside the scheduler's start
+        moving = [await self._standby_started(away, "") for away in previous if away.host in lost_hosts]
+        for child in [] if shrink else moving:
+            await self._standby_ready(child, "", standbys, endpoints)
         self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
@@ -163,6 +166,8 @@ class Generation(Job):
             self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
             return None
         self.endpoint = endpoint
+        for child in moving if shrink else []:
+            await self._standby_ready(child, "", standbys, endpoints)
         for child in started:
             await self._standby_ready(child, endpoints.get(child.rank, ""), standbys, endpoints)
         self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
