@@ -240,7 +240,7 @@ def replicas_settings(replicas: bool, mirror_every: int | None, workers: int, pe
                       count: int = 1) -> dict[str, Any]:
     """The ps section of a --replicas job: ps.recover on, ps.replicas `count` (with `mirror_every`, if given, else
     what sluice launch chooses for `workers`) or 0 (`peer_off`: with ps.recover off too)."""
-    every = mirror_every if mirror_every is not None else chosen_mirror_every(workers)
+    every = mirror_every if mirror_every is not None else chosen_mirror_every(workers, count)
     return {"recover": replicas or not peer_off, "replicas": count if replicas else 0,
             **({"mirror_every": every} if replicas else {})}
 

@@ -41,10 +41,12 @@ def with_replicas(config: SluiceConfig, plan: ClusterPlan | None, elastic: bool,
                     f"ps.replicas: each server's committed state is mirrored on another host (its servers span "
                     f"{len(hosts)} hosts): a lost server host costs nothing; --set ps.replicas=0 turns this off")
     if ps.mirror_every == 0:
-        ps = replace(ps, mirror_every=chosen_mirror_every(workers))
+        copies = ps.replicas if ps.mirror_same_host else min(ps.replicas, max(len(hosts) - 1, 1))
+        ps = replace(ps, mirror_every=chosen_mirror_every(workers, copies))
         if ps.mirrored:
             said += ("; " if said else "ps.replicas: ") + (
-                f"ps.mirror_every = {ps.mirror_every} (from {workers} workers: each keeps that many copies of its "
+                f"ps.mirror_every = {ps.mirror_every} (from {workers} workers"
+                f"{f' and {copies} copies' if copies > 1 else ''}: each worker keeps that many copies of its "
                 "gradients to replay)")
     return replace(config, ps=ps), said
 

@@ -143,7 +143,12 @@ class Server(Role):
             self.mirrors.sender.restored(restored)
             for to, channel, out in self.mirrors.sender.take([]):
                 self.transport.send(to, channel, out)
-        if restored:
+        if restored and self.takeover >= 0:  # the line that says what the job did about a lost host, with the step
+            rounds = [chunk.round for chunk in restored]
+            self.log.info("server %d took shard %d at step %d from server %d's copy on this host (declaration %d: %d "
+                          "chunks at rounds %d..%d; the workers redo the rounds after)", self.control.rank,
+                          self.control.rank, max(rounds), self.takeover, seq, len(restored), min(rounds), max(rounds))
+        elif restored:
             rounds = [chunk.round for chunk in restored]
             self.log.info("server %d: restored %d chunks of declaration %d at rounds %d..%d", self.control.rank,
                           len(restored), seq, min(rounds), max(rounds))

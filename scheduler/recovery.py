@@ -35,14 +35,16 @@ def mirror_rounds(mirror_every: int) -> int:
     return mirror_every if mirror_every > 0 else MIRROR_EVERY
 
 
-def chosen_mirror_every(workers: int) -> int:
-    """ps.mirror_every for a job of `workers` when left at 0: the fewest rounds between a chunk's mirrors whose
-    bytes stay within 7.5% of what a server's link carries anyway (the rest of a 10% budget is the messages'
-    own cost). Per round a server's link carries W pushes and W replies of its shard; mirroring Adam's state
-    (3x the shard: value, m, v) every N rounds adds 3/N of it, so N >= 40 / W (N = 30 / W measured +10% on a
-    job the links bound). At least MIRROR_EVERY (each MIRROR is also a message each way: small shards pay
-    for messages, not bytes), at most MIRROR_EVERY_CHOSEN_MAX (the workers' copies)."""
-    return min(MIRROR_EVERY_CHOSEN_MAX, max(MIRROR_EVERY, math.ceil(40 / max(workers, 1))))
+def chosen_mirror_every(workers: int, copies: int = 1) -> int:
+    """ps.mirror_every for a job of `workers` when left at 0, its servers' state kept in `copies` places
+    (ps.replicas as the hosts allow): the fewest rounds between a chunk's mirrors whose bytes stay within 7.5%
+    of what a server's link carries anyway (the rest of a 10% budget is the messages' own cost). Per round a
+    server's link carries W pushes and W replies of its shard; mirroring Adam's state (3x the shard: value, m,
+    v) to C holders every N rounds adds 3C/N of it, and as much again to check and write on the holders' hosts,
+    so N >= 40 C / W (N = 30 / W measured +10% on a job the links bound; 2 copies at 40 / W measured +18%).
+    At least MIRROR_EVERY (each MIRROR is also a message each way: small shards pay for messages, not bytes), at
+    most MIRROR_EVERY_CHOSEN_MAX (the workers' copies)."""
+    return min(MIRROR_EVERY_CHOSEN_MAX, max(MIRROR_EVERY, math.ceil(40 * max(copies, 1) / max(workers, 1))))
 
 
 #: the most hosts besides its own that a server's state is mirrored on (ps.replicas)

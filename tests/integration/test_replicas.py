@@ -104,7 +104,9 @@ def test_lost_host_replica_takes_the_shard_and_the_job_ends_bit_identical(bed: S
     probed = f"server 1 is silent and its host {h2} does not answer on port 22 within 2 s: taking the host as lost"
     assert (probed in out) == silent, out[-4000:]
     assert f"server {1 - lost}: server {lost} took over from its mirror here" in out, out[-4000:]
-    assert re.search(rf"\[server {lost}\] .*server {lost}: restored \d+ chunks of declaration 0", out), out[-4000:]
+    # the step it took the shard at: the rounds its copy had (a round of a declaration is one of its steps)
+    assert re.search(rf"\[server {lost}\] .*server {lost} took shard {lost} at step \d+ from server {1 - lost}'s "
+                     rf"copy on this host \(declaration 0: \d+ chunks at rounds \d+\.\.\d+", out), out[-4000:]
     assert re.search(rf"\[server {lost}\] .*server {lost}: took \d+ replayed pushes of rounds its state was behind",
                      out), out[-4000:]
     results = _results(out)

@@ -99,9 +99,11 @@ def test_under_srun_every_role_goes_through_slurm() -> None:
     assert plan.launcher_address == "127.0.0.1"
 
 
-@pytest.mark.parametrize(("workers", "every"), [(1, 16), (2, 16), (3, 14), (4, 10), (6, 7), (8, 5), (10, 4), (64, 4)])
-def test_mirror_every_is_chosen_from_the_worker_count(workers: int, every: int) -> None:
-    assert chosen_mirror_every(workers) == every  # ceil(40 / W), 4..16
+@pytest.mark.parametrize(("workers", "copies", "every"), [
+    (1, 1, 16), (2, 1, 16), (3, 1, 14), (4, 1, 10), (6, 1, 7), (8, 1, 5), (10, 1, 4), (64, 1, 4),
+    (4, 2, 16), (8, 2, 10), (8, 3, 15), (16, 2, 5), (64, 3, 4)])
+def test_mirror_every_is_chosen_from_the_worker_count_and_the_copies(workers: int, copies: int, every: int) -> None:
+    assert chosen_mirror_every(workers, copies) == every  # ceil(40 C / W), 4..16
 
 
 def _replicas(hosts: list[Host], sets: list[str], servers: int = 2, aggregators: int = 0,
@@ -117,8 +119,8 @@ def test_replicas_are_chosen_when_the_servers_span_hosts_and_recovery_can_run() 
     on = _replicas(two, [])
     assert on[:3] == (1, True, 10) and on[3].startswith("ps.replicas: each server's committed state is mirrored on "
                                                         "another host (its servers span 2 hosts)"), on
-    assert on[3].endswith("ps.mirror_every = 10 (from 4 workers: each keeps that many copies of its gradients to "
-                          "replay)")
+    assert on[3].endswith("ps.mirror_every = 10 (from 4 workers: each worker keeps that many copies of its "
+                          "gradients to replay)")
     assert _replicas(two, [], servers=1) == (0, False, 10, "ps.replicas: off (the servers run on one host)")
     assert _replicas(two, [], aggregators=1)[:3] == (1, True, 10)  # one lost with a server host starts elsewhere
     assert _replicas(two, ["ps.replicas=0"], aggregators=1)[:2] == (0, False)  # asked: kept
@@ -128,10 +130,16 @@ def test_replicas_are_chosen_when_the_servers_span_hosts_and_recovery_can_run() 
     assert _replicas(two, ["ps.replicas=0"]) == (0, False, 10, "")  # said so: nothing to say
     assert _replicas(two, ["ps.recover=true", "ps.replicas=1", "ps.mirror_every=3"]) == (1, True, 3, "")
     assert _replicas(two, ["ps.recover=true", "ps.replicas=1"])[3] == (
-        "ps.replicas: ps.mirror_every = 10 (from 4 workers: each keeps that many copies of its gradients to replay)")
+        "ps.replicas: ps.mirror_every = 10 (from 4 workers: each worker keeps that many copies of its gradients to "
+        "replay)")
     assert _replicas([Host("127.0.0.1", 4)], [], servers=2) == (0, False, 10, "")  # one machine: nothing to say
     # more copies than the servers' other hosts: said, and each server keeps what there is room for
     more = _replicas(two, ["ps.recover=true", "ps.replicas=2"])
     assert more[:2] == (2, True) and more[3].startswith(
         "ps.replicas = 2, but the servers span 2 hosts: each server's state is mirrored on 1 other host(s); "
         "ps.mirror_every = 10"), more
+    # two copies where three server hosts hold them: twice the bytes, so twice the rounds between mirrors
+    three = [Host("127.0.0.1", 2), Host("192.0.2.10", 2), Host("192.0.2.11", 2)]
+    assert _replicas(three, ["ps.recover=true", "ps.replicas=2"], servers=3)[2:] == (16, (
+        "ps.replicas: ps.mirror_every = 16 (from 4 workers and 2 copies: each worker keeps that many copies of its "
+        "gradients to replay)"))
