@@ -317,7 +317,8 @@ def measure_cost(case: str, job: Job, args: argparse.Namespace, run: Runner) -> 
                   paired_cost=statistics.median(pairs), target_cost=TARGET_COST, met=cost <= TARGET_COST,
                   state_mib=state / (1 << 20), parameters=parameters, description=describe, pairs=args.repeats,
                   repetitions_per_job=args.inner, samples=len(on), **asdict(job),
-                  **({"mirror_every": replicas_settings(True, args.mirror_every, job.workers)["mirror_every"],
+                  **({"mirror_every": replicas_settings(True, args.mirror_every, job.workers,
+                                                           count=args.replica_count)["mirror_every"],
                       "replicas": args.replica_count} if args.replicas else {}))
 
 
@@ -330,7 +331,7 @@ def print_tables(records: list[dict[str, Any]], args: argparse.Namespace) -> Non
              f"{rec['cost']:+.1f}%", f"{rec['paired_cost']:+.1f}%", f"<= {rec['target_cost']:g}%",
              "met" if rec["met"] else "MISSED"] for rec in records if rec["case"] != KILL_CASE]
     if rows:
-        what = (("ps.replicas 1", "recover off" if args.peer_off else "0") if args.replicas else
+        what = ((f"ps.replicas {args.replica_count}", "recover off" if args.peer_off else "0") if args.replicas else
                 ("recover on", "recover off"))
         progress(f"\n{what[0]} against {what[1]}, median [min..max] of {args.repeats} pairs x {args.inner} "
                  f"repetitions; cost = extra step time with {what[0]}")
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.001)
     _, load_data = demo()
     x, y, _, _ = load_data()
-    pair = "ps.replicas 1, 0" if args.replicas else "ps.recover on, off"
+    pair = f"ps.replicas {args.replica_count}, 0" if args.replicas else "ps.recover on, off"
     killed = f", {args.repeats} killed jobs" if KILL_CASE in args.cases else ""
     progress(f"recovery: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs ({pair}) with "
              f"{args.inner} timed repetitions each{killed}")
