@@ -23,11 +23,13 @@ from sluice.scheduler.bootstrap import (
     ENV_CONFIG,
     ENV_ELASTIC_DIR,
     ENV_ELASTIC_GENERATION,
+    ENV_INDEX_FAILURES,
     ENV_RANK,
     ENV_ROLE,
     ENV_SCHEDULER,
     ENV_SECRET_FD,
     ENV_SERVERS,
+    ENV_STANDBY_RING,
     ENV_WORKERS,
 )
 from sluice.scheduler.config import SchedulerConfig
@@ -55,7 +57,8 @@ ENV_PREFIX = "SLUICE_"
 # these tell a child its place in a job; they are not settings
 #: the launcher's variables for a process (not settings): its place, and an elastic job's state
 BOOTSTRAP_VARS = frozenset({ENV_SCHEDULER, ENV_ROLE, ENV_RANK, ENV_WORKERS, ENV_SERVERS, ENV_AGGREGATORS, ENV_CONFIG,
-                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_LOG_LEVEL, ENV_LOG_TIME})
+                            ENV_SECRET_FD, ENV_ELASTIC_DIR, ENV_ELASTIC_GENERATION, ENV_LOG_LEVEL, ENV_LOG_TIME,
+                            ENV_STANDBY_RING, ENV_INDEX_FAILURES})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.launch.config import ConfigError, help_epilog, load_config
-from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, secret_pipe
+from sluice.scheduler.bootstrap import ENV_INDEX_FAILURES, ENV_SECRET_FD, NodeEnv, secret_pipe
 from sluice.transport.auth import SecretFileError, read_secret_file
 
 #: Kubernetes sets it in every pod of an Indexed Job: 0, 1, ... completions - 1
 ENV_INDEX = "JOB_COMPLETION_INDEX"
-USAGE = ("sluice node -w N -s M [-a K] --scheduler HOST:PORT (--secret-file PATH | --set transport.curve=false) "
-         "[--index I] [--master HOST:PORT] [--config PATH] [--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]")
+USAGE = ("sluice node -w N -s M [-a K] --scheduler HOST:PORT [--standby HOST:PORT ...] (--secret-file PATH | "
+         "--set transport.curve=false) [--index I] [--index-failures N] [--master HOST:PORT] [--config PATH] "
+         "[--set SECTION.FIELD=VALUE ...] -- COMMAND [ARGS ...]")
 _LOOPBACK_NAMES = frozenset({"localhost", "::1", "[::1]", "ip6-localhost"})
 # like `sluice launch`: role processes run this very package, wherever it lies
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -41,12 +42,17 @@ class Start:
     notes: tuple[str, ...] = ()
 
 
-def role_of(index: int, workers: int, servers: int, aggregators: int = 0) -> tuple[str, int]:
-    """(role, rank) of process `index`: 0 the scheduler, then the servers, the aggregators, the workers."""
+def role_of(index: int, workers: int, servers: int, aggregators: int = 0, standbys: int = 0) -> tuple[str, int]:
+    """(role, rank) of process `index`: 0 the scheduler, then the servers, the aggregators, the workers, and last
+    the standby schedulers (scheduler k >= 1)."""
     size = 1 + servers + aggregators + workers
-    if not 0 <= index < size:
-        raise NodeError(f"index {index} is outside this job: -w {workers} -s {servers} -a {aggregators} make "
-                        f"{size} processes, indexes 0..{size - 1} (on Kubernetes: completions = {size})")
+    if not 0 <= index < size + standbys:
+        more = f" and {standbys} standby schedulers" if standbys else ""
+        raise NodeError(f"index {index} is outside this job: -w {workers} -s {servers} -a {aggregators}{more} make "
+                        f"{size + standbys} processes, indexes 0..{size + standbys - 1} (on Kubernetes: completions "
+                        f"= {size + standbys})")
+    if index >= size:
+        return "scheduler", index - size + 1
     if index == 0:
         return "scheduler", 0
     if index <= servers:
@@ -69,6 +75,18 @@ def job_index(given: int | None, environ: Mapping[str, str]) -> int:
         raise NodeError(f"{ENV_INDEX}={raw!r} is not a process index; pass --index I instead") from None
 
 
+def index_failures(given: int | None, environ: Mapping[str, str]) -> int:
+    """How many pods of this index failed before this one (--index-failures, else ENV_INDEX_FAILURES, else 0):
+    `sluice kubernetes` sets the variable from the pod's annotation batch.kubernetes.io/job-index-failure-count,
+    which a Job with backoffLimitPerIndex keeps."""
+    if given is not None:
+        return given
+    raw = environ.get(ENV_INDEX_FAILURES, "").strip() or "0"
+    if not raw.isdigit():
+        raise NodeError(f"{ENV_INDEX_FAILURES}={raw!r} is not a count; pass --index-failures N instead")
+    return int(raw)
+
+
 def host_port(text: str, option: str) -> tuple[str, int]:
     host, colon, port = text.rpartition(":")
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -86,7 +104,8 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
     if workers < 1 or servers < 0 or aggregators < 0 or (aggregators and not servers):
         raise NodeError(f"-w {workers} -s {servers} -a {aggregators}: a job needs a worker or more, no negative "
                         "counts, and parameter servers (-s 1 or more) for its aggregators")
-    role, rank = role_of(job_index(args.index, environ), workers, servers, aggregators)
+    standbys = [host_port(text, "--standby") for text in args.standbys]
+    role, rank = role_of(job_index(args.index, environ), workers, servers, aggregators, len(standbys))
     command = list(args.worker_command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -100,6 +119,20 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
     # set on every process, not only the scheduler: the scheduler refuses nodes whose settings differ
     config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=port))
     notes: list[str] = []
+    failures = index_failures(args.index_failures, environ)
+    if role == "scheduler" and rank == 0 and failures:
+        if not standbys:
+            raise NodeError(f"the scheduler's pod failed {failures} time(s) before this one, and the job has no "
+                            "standby scheduler that took over: a new scheduler cannot rejoin a running job. Start "
+                            "the job again; with --standby HOST:PORT (sluice kubernetes --standbys N) a job "
+                            "outlives its scheduler")
+        # the job went on under a standby: this pod is one now, at the scheduler's address (the nodes' ring)
+        rank = len(standbys) + 1
+        notes.append(f"the scheduler's pod failed {failures} time(s) before this one: the job goes on under a "
+                     f"standby scheduler, so this pod stands by at {host}:{port} in turn")
+    if role == "scheduler" and rank:  # a standby listens where the nodes will look for it
+        listen = standbys[rank - 1][1] if rank <= len(standbys) else port
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, standby_port=listen))
     if _loopback(config.transport.host) and not _loopback(host):
         notes.append(f"warning: transport.host is {config.transport.host}, so processes on other hosts (pods) "
                      "cannot reach this one: set SLUICE_TRANSPORT_HOST to this host's address (on Kubernetes: "
@@ -113,8 +146,9 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
         secret = read_secret_file(args.secret_file)
     elif args.secret_file is not None:
         notes.append(f"transport.curve is off: the secret file {args.secret_file} is not used")
-    node = NodeEnv("" if role == "scheduler" else f"tcp://{host}:{port}", role, rank, workers, servers,
-                   config.to_sections(), aggregators=aggregators)
+    node = NodeEnv("" if role == "scheduler" and not rank else f"tcp://{host}:{port}", role, rank, workers, servers,
+                   config.to_sections(), aggregators=aggregators,
+                   standby=",".join(f"tcp://{h}:{p}" for h, p in standbys), ring=bool(standbys))
     env = {**environ, "PYTHONUNBUFFERED": "1", **node.to_environ()}
     env.pop(ENV_SECRET_FD, None)  # one inherited from whoever started us names no pipe of ours
     if role != "worker":
@@ -163,6 +197,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT",
                         help="where the scheduler (index 0) listens; index 0 itself listens on PORT of "
                              "transport.host (SLUICE_TRANSPORT_HOST), e.g. sluice-0.sluice:29400")
+    parser.add_argument("--standby", metavar="HOST:PORT", action="append", default=[], dest="standbys",
+                        help="a standby scheduler, which the nodes rejoin should the scheduler fall silent "
+                             "(repeatable, in the order they are rejoined); standby k runs at index 1 + M + K + N + "
+                             "k - 1. The schedulers form a ring: the scheduler's pod started again (--index-failures "
+                             ">= 1) stands by in turn at --scheduler's address")
     parser.add_argument("--secret-file", metavar="PATH",
                         help="file holding the job secret (at least 16 bytes, the same for every process; "
                              "readable by no one but its owner and group, e.g. mode 0600). Without it, "
@@ -171,6 +210,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", type=int, metavar="I",
                         help=f"this process's index: 0 the scheduler, 1..M the servers, then the aggregators, "
                              f"then the workers (default: the variable {ENV_INDEX}, set by a Kubernetes Indexed Job)")
+    parser.add_argument("--index-failures", type=int, metavar="N",
+                        help=f"how many pods of this index failed before this one (default: the variable "
+                             f"{ENV_INDEX_FAILURES}, which `sluice kubernetes` sets from the pod's annotation "
+                             "batch.kubernetes.io/job-index-failure-count; else 0)")
     parser.add_argument("--master", metavar="HOST:PORT",
                         help="MASTER_ADDR and MASTER_PORT for the workers (torch.distributed's rendezvous)")
     parser.add_argument("--config", metavar="PATH", help="TOML file with the job's settings")

@@ -22,6 +22,11 @@ from sluice.transport.config import TransportConfig
 ENV_SCHEDULER = "SLUICE_SCHEDULER"
 #: the standby scheduler's endpoint (scheduler.standby), which the nodes rejoin when the scheduler falls silent
 ENV_STANDBY = "SLUICE_SCHEDULER_STANDBY"
+#: "1": the schedulers form a ring (`sluice node` under Kubernetes, which starts a lost scheduler's pod again as a
+#: standby at the same address): after the last standby, the nodes rejoin the scheduler's endpoint, and so on
+ENV_STANDBY_RING = "SLUICE_STANDBY_RING"
+#: how many pods of this index failed before this one (`sluice node` under Kubernetes: launch/node.py)
+ENV_INDEX_FAILURES = "SLUICE_INDEX_FAILURES"
 ENV_ROLE = "SLUICE_ROLE"
 ENV_RANK = "SLUICE_RANK"
 ENV_WORKERS = "SLUICE_NUM_WORKERS"
@@ -103,14 +108,28 @@ class NodeEnv:
     #: the standby schedulers' endpoints, comma-separated, in the order the nodes rejoin them ("": none); a
     #: scheduler started with rank k >= 1 is the k-th standby
     standby: str = ""
+    #: the schedulers' endpoints form a ring (ENV_STANDBY_RING): every one of them is started again as a standby
+    #: when lost, so a node that rejoined the last standby rejoins the scheduler's endpoint next, and so on
+    ring: bool = False
 
     def standbys(self) -> list[str]:
         """The standby schedulers' endpoints, in the order the nodes rejoin them."""
         return [endpoint for endpoint in self.standby.split(",") if endpoint]
 
+    def next_scheduler(self, rejoins: int, unanswered: int) -> str | None:
+        """The endpoint a node rejoins at its failover number `rejoins` (0: the first), `unanswered` of them in a
+        row without a standby taking over; None: none left. In a ring, a full round of silent endpoints is the
+        end: every scheduler was tried once since one last answered."""
+        standbys = self.standbys()
+        if not self.ring:
+            return standbys[rejoins] if rejoins < len(standbys) else None
+        ring = [*standbys, self.scheduler]
+        return ring[rejoins % len(ring)] if standbys and unanswered < len(ring) else None
+
     def to_environ(self) -> dict[str, str]:
         return {
             **({ENV_STANDBY: self.standby} if self.standby else {}),
+            **({ENV_STANDBY_RING: "1"} if self.ring else {}),
             ENV_SCHEDULER: self.scheduler,
             ENV_ROLE: self.role,
             ENV_RANK: str(self.rank),
@@ -187,6 +206,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:
             config=config if isinstance(config, dict) else {},
             secret=secret,
             standby=env.get(ENV_STANDBY, ""),
+            ring=env.get(ENV_STANDBY_RING) == "1",
         )
     except ValueError as exc:
         raise SluiceError(f"malformed SLUICE_* environment: {exc}") from None

@@ -105,6 +105,8 @@ class ControlClient:
         #: it rejoined (the next silence goes to the next one)
         self.rejoined = ""
         self._rejoins = 0
+        #: failovers since a standby last took over (in a ring of schedulers, a full round of them ends the job)
+        self._unanswered = 0
         transport.on_failure(self._transport_failed)
 
     # ------------------------------------------------------------------ requests
@@ -290,8 +292,9 @@ class ControlClient:
                 meta["job"] = self.job_report()
             self._send(Kind.HEARTBEAT, **meta)
             silent = time.monotonic() - self._last_ack
-            if silent > limit and self._rejoins < len(self._env.standbys()) and self.failure is None:
-                self._fail_over(silent)
+            following = self._env.next_scheduler(self._rejoins, self._unanswered)
+            if silent > limit and following is not None and self.failure is None:
+                self._fail_over(silent, following)
             elif silent > limit:
                 error = (f"the scheduler at {self.rejoined or self._env.scheduler} has not answered heartbeats for "
                          f"{silent:.1f} s")
@@ -310,11 +313,12 @@ class ControlClient:
         except SluiceError as exc:
             log.warning("worker %d leaves without the scheduler's word: %s", self.rank, exc)
 
-    def _fail_over(self, silent: float) -> None:
-        """The scheduler (or the standby that took over from it) fell silent: rejoin the next standby, telling it
-        what this node was told."""
-        was, self.rejoined = self.rejoined or self._env.scheduler, self._env.standbys()[self._rejoins]
+    def _fail_over(self, silent: float, following: str) -> None:
+        """The scheduler (or the standby that took over from it) fell silent: rejoin the next standby (`following`),
+        telling it what this node was told."""
+        was, self.rejoined = self.rejoined or self._env.scheduler, following
         self._rejoins += 1
+        self._unanswered += 1
         log.warning("%s %d: the scheduler at %s has not answered heartbeats for %.1f s; rejoining the standby "
                     "scheduler at %s", self.role, self.rank, was, silent, self.rejoined)
         self._transport.replace_peer(SCHEDULER_PEER, [self.rejoined], control=True)
@@ -329,6 +333,7 @@ class ControlClient:
     def _taken_over(self) -> None:
         """The standby rebuilt the job (I/O thread): what still waits for an answer is asked of it again."""
         self._last_ack = time.monotonic()
+        self._unanswered = 0
         with self._cond:
             pending = list(self.recall.pending.values())
         log.info("%s %d: the standby scheduler at %s took over; asking it again %d pending requests", self.role,

@@ -108,8 +108,10 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         for peer, msg in outs:
             transport.send(peer, 0, msg)
 
+    # in a ring (Kubernetes) the pods' lifetimes are the JobSet's, and a lost scheduler's pod may take minutes to
+    # come back: a standby waits for as long as it runs
     watch = SchedulerWatch(env.scheduler, settings.heartbeat_interval, standby_patience(settings.heartbeat_timeout),
-                           time.monotonic()) if standby and env.scheduler else None
+                           time.monotonic()) if standby and env.scheduler and not env.ring else None
     next_tick = 0.0
     try:
         while machine.phase in ("standby", "registering", "running"):

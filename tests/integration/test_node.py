@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +16,7 @@ from sluice.launch.supervisor import free_port
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import open_transport
 from sluice.transport.config import TransportConfig
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.node_procs import ROOT, Node, env_without_sluice, secret_file, start_node
 
 # A worker of a real job: it checks it is the process `sluice node` started (exec, not a child), what
 # it was told, and that the secret came only through the pipe; then every worker adds rank + 1.
@@ -53,38 +48,11 @@ node.close()
 """
 
 
-class Node:
-    """One `sluice node` process; its output is collected by a thread, so reads have deadlines."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.launch.node", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running after {timeout} s; output:\n{self.output()}") from None
-        self._reader.join(5)
-        return code
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def kill(self) -> None:
-        with contextlib.suppress(OSError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the role and whatever it started
-        self.proc.wait(5)
+def test_indexes_map_to_roles_in_order() -> None:
+    assert [role_of(i, 2, 2, 1) for i in range(6)] == [
+        ("scheduler", 0), ("server", 0), ("server", 1), ("aggregator", 0), ("worker", 0), ("worker", 1)]
+    with pytest.raises(NodeError, match=r"index 6 is outside this job: .* make 6 processes, indexes 0\.\.5"):
+        role_of(6, 2, 2, 1)
 
 
 @pytest.fixture
@@ -97,33 +65,9 @@ def nodes() -> Iterator[list[Node]]:
             node.kill()
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") and k != "JOB_COMPLETION_INDEX"}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
-
-
-def _secret(path: Path, mode: int = 0o600, text: str | None = None) -> Path:
-    path.write_text(text if text is not None else os.urandom(32).hex() + "\n")
-    path.chmod(mode)
-    return path
-
-
-def _start(nodes: list[Node], index: int | None, args: list[str], env: dict[str, str] | None = None) -> Node:
-    node = Node([*([] if index is None else ["--index", str(index)]), *args], env if env is not None else _env())
-    nodes.append(node)
-    return node
-
-
-def test_indexes_map_to_roles_in_order() -> None:
-    assert [role_of(i, 2, 2, 1) for i in range(6)] == [
-        ("scheduler", 0), ("server", 0), ("server", 1), ("aggregator", 0), ("worker", 0), ("worker", 1)]
-    with pytest.raises(NodeError, match=r"index 6 is outside this job: .* make 6 processes, indexes 0\.\.5"):
-        role_of(6, 2, 2, 1)
-
-
 @pytest.mark.timeout(90)
 def test_a_job_of_nodes_trains_and_every_node_exits_0(nodes: list[Node], tmp_path: Path) -> None:
-    secret = _secret(tmp_path / "secret")
+    secret = secret_file(tmp_path / "secret")
     script = tmp_path / "train.py"
     script.write_text(WORKER)
     port, master = free_port(), free_port()
@@ -131,9 +75,9 @@ def test_a_job_of_nodes_trains_and_every_node_exits_0(nodes: list[Node], tmp_pat
     job = ["-w", "2", "-s", "1", "--scheduler", f"localhost:{port}", "--secret-file", str(secret),
            "--master", f"127.0.0.1:{master}", "--", sys.executable, str(script), str(secret)]
     # workers first: like pods, they may start before the scheduler listens, and wait for it
-    by_index = {index: _start(nodes, index, job) for index in (3, 2, 1)}
+    by_index = {index: start_node(nodes, index, job) for index in (3, 2, 1)}
     # the scheduler takes its index from Kubernetes' variable
-    by_index[0] = _start(nodes, None, job, _env(JOB_COMPLETION_INDEX="0"))
+    by_index[0] = start_node(nodes, None, job, env_without_sluice(JOB_COMPLETION_INDEX="0"))
     started = [by_index[index] for index in range(4)]
     codes = [node.finish(60) for node in started]
     assert codes == [0, 0, 0, 0], "\n\n".join(n.output() for n in started)
@@ -154,19 +98,20 @@ def test_bad_secret_files_and_indexes_are_refused_saying_what_to_do(tmp_path: Pa
         args = [sys.executable, "-m", "sluice.launch.node", "-w", "2", "-s", "1", "--scheduler", "127.0.0.1:1",
                 *([] if index is None else ["--index", index]),
                 *([] if secret is None else ["--secret-file", str(secret)]), "--", "true"]
-        done = subprocess.run(args, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=30)
+        done = subprocess.run(args, cwd=ROOT, env=env or env_without_sluice(), capture_output=True, text=True,
+                              timeout=30)
         return done.returncode, done.stderr
 
-    readable = _secret(tmp_path / "readable", 0o644)
+    readable = secret_file(tmp_path / "readable", 0o644)
     code, err = node("1", readable)
     assert code == 2 and f"the secret file {readable} can be read by others (mode 0644): run chmod 600" in err
-    code, err = node("1", _secret(tmp_path / "short", text="tiny\n"))
+    code, err = node("1", secret_file(tmp_path / "short", text="tiny\n"))
     assert code == 2 and "holds 4 bytes" in err and "openssl rand -hex 32" in err
     code, err = node("1", tmp_path)
     assert code == 2 and "is not a regular file" in err
     code, err = node("1", None)
     assert code == 2 and "no --secret-file" in err and "transport.curve=false" in err
-    code, err = node(None, _secret(tmp_path / "good"))
+    code, err = node(None, secret_file(tmp_path / "good"))
     assert code == 2 and "--index" in err and "JOB_COMPLETION_INDEX" in err
     code, err = node("4", tmp_path / "good")
     assert code == 2 and "index 4 is outside this job" in err and "4 processes, indexes 0..3" in err
@@ -178,8 +123,8 @@ def test_a_taken_scheduler_port_is_named(nodes: list[Node], tmp_path: Path) -> N
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        node = _start(nodes, 0, ["-w", "1", "-s", "0", "--scheduler", f"127.0.0.1:{port}",
-                                 "--secret-file", str(_secret(tmp_path / "secret")), "--", "true"])
+        node = start_node(nodes, 0, ["-w", "1", "-s", "0", "--scheduler", f"127.0.0.1:{port}",
+                                 "--secret-file", str(secret_file(tmp_path / "secret")), "--", "true"])
         assert node.finish(30) == 1
     assert f"cannot listen on tcp://127.0.0.1:{port} (Address already in use): another process holds it" \
         in node.output()
@@ -225,17 +170,17 @@ def test_a_worker_with_another_secret_cannot_join(nodes: list[Node], tmp_path: P
     script = tmp_path / "train.py"
     script.write_text(WORKER)
     port = free_port()
-    secret, stranger = _secret(tmp_path / "secret"), _secret(tmp_path / "other")
+    secret, stranger = secret_file(tmp_path / "secret"), secret_file(tmp_path / "other")
 
     def job(secret_file: Path, rendezvous_s: int = 4) -> list[str]:
         return ["-w", "2", "-s", "1", "--scheduler", f"127.0.0.1:{port}", "--secret-file", str(secret_file),
                 "--set", f"scheduler.rendezvous_timeout={rendezvous_s}", "--", sys.executable, str(script),
                 str(secret_file)]
 
-    members = [_start(nodes, index, job(secret)) for index in (0, 1, 2)]
+    members = [start_node(nodes, index, job(secret)) for index in (0, 1, 2)]
     # a worker waits for its admission rendezvous_timeout + 5 s: the intruder's ends 3 s sooner than the
     # members' would, still after the scheduler's rendezvous timed out
-    intruder = _start(nodes, 3, job(stranger, rendezvous_s=1))
+    intruder = start_node(nodes, 3, job(stranger, rendezvous_s=1))
     codes = [node.finish(40) for node in (*members, intruder)]
     scheduler = members[0].output()
     assert all(code != 0 for code in codes), (codes, scheduler)
