@@ -52,7 +52,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="every pod serves Prometheus metrics on PORT (metrics.port, one process a pod: the same "
                           "port everywhere; the image needs the prometheus extra) and carries the prometheus.io/"
                           "scrape, port and path annotations (default: no metrics)")
-    pods = parser.add_argument_group("pods: resources and placement (ROLE: scheduler, server, aggregator, worker)")
+    job.add_argument("--standbys", type=int, default=-1, metavar="N",
+                     help="standby scheduler pods, which the others rejoin should the scheduler's pod fail or be "
+                          "lost with its node; a scheduler pod started again stands by in turn (default: 1 with "
+                          "--form jobset; the Indexed Job form has none)")
+    pods = parser.add_argument_group("pods: resources and placement (ROLE: scheduler, server, aggregator, worker; the "
+                                     "standby schedulers' pods get the scheduler's)")
     pods.add_argument("--resources", metavar="LIST", help=f"requests and limits of every pod: {_RESOURCES_HELP}")
     for role in ROLES:
         pods.add_argument(f"--{role}-resources", metavar="LIST", dest=f"{role}_resources",
@@ -116,7 +121,7 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
         port=args.port, namespace=args.namespace, form=args.form, queue=args.queue, model_bytes=args.model_bytes,
         shm_size=args.shm_size, master_port=args.master_port, resources={"all": common, **resources} if common
         else resources, node_selectors=tuple(args.node_selector), tolerations=tuple(args.toleration),
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, standbys=args.standbys)
 
 
 def run_manifest(args: argparse.Namespace) -> int:

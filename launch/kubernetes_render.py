@@ -10,17 +10,22 @@ from sluice.launch.kubernetes_spec import (
     DEFAULT_MASTER_PORT,
     DEFAULT_NAME,
     DEFAULT_PORT,
+    SCHEDULER_POD_RETRIES,
     JobSpec,
     RolePods,
     check_spec,
     pod_word,
+    standby_pods,
 )
 from sluice.launch.kubernetes_yaml import documents
+from sluice.scheduler.bootstrap import ENV_INDEX_FAILURES
 
 SECRET_DIR = "/etc/sluice"
 #: the key in the Secret, so the file in SECRET_DIR
 SECRET_KEY = "secret"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+#: the Job controller keeps in each pod how many of its index failed before (with backoffLimitPerIndex)
+FAILURE_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-failure-count"
 #: Kueue admits a workload carrying this label through the named LocalQueue
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: what JobSet pods run to become process FIRST + JOB_COMPLETION_INDEX of the job: their Job counts its
@@ -34,9 +39,14 @@ def scheduler_host(spec: JobSpec) -> str:
     return f"{pod}.{spec.name}"
 
 
+def standby_host(spec: JobSpec, k: int) -> str:
+    """Standby scheduler k's DNS name (k = 0, 1, ...: the JobSet's standby Job's pods)."""
+    return f"{spec.name}-standby-0-{k}.{spec.name}"
+
+
 def master_host(spec: JobSpec, pods: list[RolePods]) -> str:
     """Worker 0's DNS name: torch.distributed's MASTER_ADDR."""
-    first = pods[-1].first_index
+    first = next(p for p in pods if p.role == "worker").first_index
     pod = f"{spec.name}-{first}" if spec.form == "indexed-job" else f"{spec.name}-worker-0-0"
     return f"{pod}.{spec.name}"
 
@@ -55,8 +65,11 @@ def _node_command(spec: JobSpec, pods: list[RolePods], index: int | None) -> lis
     """`sluice node`'s arguments, the same for every pod but the index (None: JOB_COMPLETION_INDEX's)."""
     sizes = ["-w", str(spec.workers), "-s", str(spec.servers), *(["-a", str(spec.aggregators)] if spec.aggregators
                                                                   else [])]
+    standbys = [word for k in range(standby_pods(spec))
+                for word in ("--standby", f"{standby_host(spec, k)}:{spec.port}")]
     return [*sizes, *(["--index", str(index)] if index is not None else []),
-            "--scheduler", f"{scheduler_host(spec)}:{spec.port}", "--secret-file", f"{SECRET_DIR}/{SECRET_KEY}",
+            "--scheduler", f"{scheduler_host(spec)}:{spec.port}", *standbys,
+            "--secret-file", f"{SECRET_DIR}/{SECRET_KEY}",
             "--master", f"{master_host(spec, pods)}:{spec.master_port}", "--", *spec.command]
 
 
@@ -69,7 +82,12 @@ def _pod_template(spec: JobSpec, one: RolePods, command: list[str]) -> dict[str,
         # the address this pod listens on
         "env": [{"name": "SLUICE_TRANSPORT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
     }
-    ports = [{"name": "scheduler", "containerPort": spec.port}] if one.role in ("scheduler", "all") else []
+    if one.role in ("scheduler", "standby") and standby_pods(spec):
+        # started again after a failure (the Job's backoffLimitPerIndex), a scheduler pod stands by (launch/node.py)
+        container["env"].append({"name": ENV_INDEX_FAILURES, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{FAILURE_COUNT_ANNOTATION}']"}}})
+    ports = ([{"name": "scheduler", "containerPort": spec.port}] if one.role in ("scheduler", "standby", "all")
+             else [])
     annotations: dict[str, str] = {}
     if spec.metrics_port:  # one process a pod: every pod on the same port, so one scrape rule finds them all
         container["env"] += [{"name": "SLUICE_METRICS_PORT", "value": str(spec.metrics_port)},
@@ -132,22 +150,30 @@ def _indexed_job(spec: JobSpec, pods: list[RolePods]) -> list[dict[str, Any]]:
 
 def _jobset(spec: JobSpec, pods: list[RolePods]) -> dict[str, Any]:
     replicated = []
+    standby = bool(standby_pods(spec))
     for one in pods:
         if one.role == "scheduler":
             command = ["sluice", "node", *_node_command(spec, pods, 0)]
         else:
             command = ["sh", "-c", _OFFSET_SCRIPT.format(first=one.first_index), "sluice-node",
                        *_node_command(spec, pods, None)]
+        # a scheduler pod lost is started again, up to SCHEDULER_POD_RETRIES times, and stands by; any other pod
+        # lost fails its Job, and so the JobSet
+        retries = ({"backoffLimitPerIndex": SCHEDULER_POD_RETRIES} if standby and one.role in ("scheduler", "standby")
+                   else {"backoffLimit": 0})
         replicated.append({"name": one.role, "replicas": 1, "template": {
             "metadata": {"labels": _labels(spec, one.role)},
             "spec": {"completionMode": "Indexed", "completions": one.count, "parallelism": one.count,
-                     "backoffLimit": 0, "template": _pod_template(spec, one, command)}}})
+                     **retries, "template": _pod_template(spec, one, command)}}})
     return {
         "apiVersion": JOBSET_API, "kind": "JobSet", "metadata": _metadata(spec, True),
         "spec": {
             # the JobSet's headless Service: pod NAME-ROLE-0-I is NAME-ROLE-0-I.NAME, before it is ready
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "failurePolicy": {"maxRestarts": 0},  # a failed pod fails the JobSet: a restart cannot rejoin
+            "failurePolicy": {"maxRestarts": 0},  # a failed Job fails the JobSet: a restart cannot rejoin
+            # done when the workers are: a standby that never took over waits for as long as it runs, and the
+            # JobSet's end deletes it
+            **({"successPolicy": {"operator": "All", "targetReplicatedJobs": ["worker"]}} if standby else {}),
             "replicatedJobs": replicated,
         },
     }
@@ -160,6 +186,15 @@ def _header(spec: JobSpec, pods: list[RolePods], written: str) -> list[str]:
     else:
         shape = [f"Sluice job {spec.name}: {roles}, a JobSet of one replicated Job per role (pods "
                  f"{spec.name}-ROLE-0-I); it needs the JobSet controller (https://jobset.sigs.k8s.io)."]
+    standbys = standby_pods(spec)
+    if standbys:
+        shape.append(f"Standby schedulers: {standbys} (pods {spec.name}-standby-0-K): the job outlives its scheduler's "
+                     f"pod. A scheduler pod that fails or is lost with its node is started again (up to "
+                     f"{SCHEDULER_POD_RETRIES} times: the Job's backoffLimitPerIndex, Kubernetes 1.29 or later) and "
+                     "stands by; the JobSet is done when its workers are")
+    else:
+        shape.append(f"No standby scheduler ({'--standbys N' if spec.form == 'jobset' else '--form jobset'} gives "
+                     "one): losing the scheduler's pod ends the job")
     lines = [*shape, f"Written by: {written}",
              f"First make its secret: kubectl create secret generic {spec.name}-secret"
              f"{f' -n {spec.namespace}' if spec.namespace else ''} --from-literal={SECRET_KEY}=$(openssl rand -hex 32)"]
@@ -198,6 +233,7 @@ def command_line(spec: JobSpec) -> str:
     words += ["--namespace", spec.namespace] if spec.namespace else []
     words += ["--queue", spec.queue] if spec.queue else []
     words += ["--metrics-port", str(spec.metrics_port)] if spec.metrics_port else []
+    words += ["--standbys", str(spec.standbys)] if spec.standbys != -1 else []
     for role in ("all", "scheduler", "server", "aggregator", "worker"):
         if spec.resources.get(role):
             words += ["--resources" if role == "all" else f"--{role}-resources", spec.resources[role]]

@@ -15,6 +15,11 @@ DEFAULT_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
 ROLES = ("scheduler", "server", "aggregator", "worker")
 FORMS = ("jobset", "indexed-job")
+#: the most standby schedulers a JobSet gets (scheduler.standby's bound)
+MAX_STANDBY_PODS = 4
+#: how many times Kubernetes starts each scheduler pod (the scheduler's and the standbys') again when it fails or
+#: its node is lost (the Job's backoffLimitPerIndex): a pod started again stands by for the one that took over
+SCHEDULER_POD_RETRIES = 4
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 #: what a role's /dev/shm holds per byte of the model's gradients (--model-bytes), read off the code:
 #: a worker's fusion buffers are two copies of its gradients (worker/torch/fusion.py); a server holds
@@ -136,6 +141,13 @@ class JobSpec:
     tolerations: tuple[str, ...] = ()
     #: every pod serves Prometheus metrics on this port (0: none), annotated for scraping
     metrics_port: int = 0
+    #: standby scheduler pods (-1: one in a JobSet, none in the Indexed Job form)
+    standbys: int = -1
+
+
+def standby_pods(spec: JobSpec) -> int:
+    """How many standby scheduler pods the job gets."""
+    return spec.standbys if spec.standbys >= 0 else int(spec.form == "jobset")
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,12 @@ def check_spec(spec: JobSpec) -> list[RolePods]:
     for option, size in (("--model-bytes", spec.model_bytes), ("--shm-size", spec.shm_size)):
         if size is not None and parse_quantity(size, option) <= 0:
             raise ValueError(f"{option} {size} must be more than 0")
+    if not -1 <= spec.standbys <= MAX_STANDBY_PODS:
+        raise ValueError(f"--standbys {spec.standbys} must be 0..{MAX_STANDBY_PODS}")
+    if spec.form == "indexed-job" and spec.standbys > 0:
+        raise ValueError(f"--standbys {spec.standbys} needs --form jobset: a standby's Job starts a lost scheduler pod "
+                         "again, while the Indexed Job's one template would start any lost pod again, and a worker's "
+                         "cannot rejoin")
     counts = {"scheduler": 1, "server": spec.servers, "aggregator": spec.aggregators, "worker": spec.workers}
     selectors = [parse_node_selector(text) for text in spec.node_selectors]
     tolerations = [parse_toleration(text) for text in spec.tolerations]
@@ -208,6 +226,8 @@ def check_spec(spec: JobSpec) -> list[RolePods]:
             {key: value for roles, key, value in selectors if role in roles},
             [toleration for roles, toleration in tolerations if role in roles], _shm_limit(spec, role)))
         index += counts[role]
+    if standby_pods(spec):  # after the workers (launch/node.py role_of), placed and sized as the scheduler is
+        pods.append(dataclasses.replace(pods[0], role="standby", count=standby_pods(spec), first_index=index))
     if spec.form == "indexed-job":
         _check_one_template(pods)
         # one template for every role, the scheduler's too: the largest /dev/shm any of them needs

@@ -89,7 +89,8 @@ def test_every_pod_finds_its_place(form: str, workers: int, servers: int, aggreg
             args.secret_file = str(secret)
             start = node.plan(args, {"JOB_COMPLETION_INDEX": str(index), "SLUICE_TRANSPORT_HOST": "10.1.2.3"})
             places.append((start.role, start.rank))
-            assert role in ("all", start.role) and start.notes == ()
+            assert role in ("all", start.role) or (role, start.role) == ("standby", "scheduler")
+            assert start.notes == ()
             assert start.secret == b"0123456789abcdef" * 4
             assert "0123456789abcdef" not in " ".join([*start.argv, *start.env.values()])
             assert '"port": 29400' in start.env["SLUICE_CONFIG_JSON"]
@@ -97,7 +98,8 @@ def test_every_pod_finds_its_place(form: str, workers: int, servers: int, aggreg
                 assert start.argv == list(DEMO) and start.env["MASTER_ADDR"] == master
                 assert (start.env["RANK"], start.env["WORLD_SIZE"]) == (str(start.rank), str(workers))
     expected = [("scheduler", 0), *(("server", r) for r in range(servers)),
-                *(("aggregator", r) for r in range(aggregators)), *(("worker", r) for r in range(workers))]
+                *(("aggregator", r) for r in range(aggregators)), *(("worker", r) for r in range(workers)),
+                *([("scheduler", 1)] if form == "jobset" else [])]  # a standby scheduler, in a JobSet by default
     assert places == expected
 
 
@@ -127,7 +129,9 @@ def test_each_role_gets_its_own_resources_placement_and_shared_memory() -> None:
     shm = {role: [v["emptyDir"] for v in pod["volumes"] if v["name"] == "dshm"] for role, pod in pods.items()}
     # workers: 2 x 1Gi + 64Mi; servers: 3 x their half + 64Mi; the scheduler keeps the default
     assert shm == {"scheduler": [], "server": [{"medium": "Memory", "sizeLimit": "1600Mi"}],
-                   "worker": [{"medium": "Memory", "sizeLimit": "2112Mi"}]}
+                   "worker": [{"medium": "Memory", "sizeLimit": "2112Mi"}], "standby": []}
+    # the standby scheduler's pod is placed and sized as the scheduler's
+    assert (resources["standby"], pods["standby"]["tolerations"]) == (resources["scheduler"], [every])
     assert {"name": "dshm", "mountPath": "/dev/shm"} in pods["worker"]["containers"][0]["volumeMounts"]
     assert "# Gang admission: Kueue admits the whole JobSet through LocalQueue team-a-queue" in render_job(spec)
     # --metrics-port: every pod serves on the same port (one process a pod), annotated for Prometheus
@@ -228,6 +232,8 @@ def test_quantities_are_read_as_kubernetes_reads_them() -> None:
     ({"queue": "a queue"}, "--queue 'a queue' is not a label value"),
     ({"model_bytes": "lots"}, "--model-bytes 'lots' is not a Kubernetes quantity"),
     ({"shm_size": "0"}, "--shm-size 0 must be more than 0"),
+    ({"standbys": 5}, "--standbys 5 must be 0..4"),
+    ({"standbys": 1, "form": "indexed-job"}, "--standbys 1 needs --form jobset"),
     ({"resources": {"worker": "memory=1Gi"}, "shm_size": "2Gi"},
      r"the worker pods' /dev/shm of 2Gi counts against the memory limit of 1Gi .* raise memory in --worker-res"),
     ({"resources": {"all": "memory=1Gi"}, "model_bytes": "1Gi", "form": "indexed-job"},
@@ -260,7 +266,7 @@ def test_the_command_in_the_header_writes_the_same_manifest_again() -> None:
                      form="indexed-job", queue="q", model_bytes="1Gi", master_port=4001, resources={"all": "cpu=1"},
                      metrics_port=9400,
                      node_selectors=("all:pool=a",), tolerations=("all:spot",)),
-             JobSpec("gpu", "img", 2, 1, DEMO, shm_size="2Gi",
+             JobSpec("gpu", "img", 2, 1, DEMO, shm_size="2Gi", standbys=2,
                      resources={"worker": "nvidia.com/gpu=1", "server": "cpu=2"},
                      node_selectors=("worker:a=b", "server:c=d"), tolerations=("worker:g=h:NoSchedule",))]
     parser = argparse.ArgumentParser()
@@ -269,3 +275,39 @@ def test_the_command_in_the_header_writes_the_same_manifest_again() -> None:
         words = shlex.split(kubernetes.command_line(spec))
         assert words[:2] == ["sluice", "kubernetes"]
         assert kubernetes.spec_from_args(parser.parse_args(words[1:])) == spec
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("standbys", [2, 0])
+def test_a_jobset_with_standbys_starts_a_lost_scheduler_pod_again_and_is_done_when_its_workers_are(
+        standbys: int, stub_dir: Path) -> None:
+    spec = JobSpec("job", "img", 2, 1, DEMO, standbys=standbys)
+    text = render_job(spec)
+    (jobset,) = parse(text)
+    jobs = {r["name"]: r["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]}
+    failures = {"name": "SLUICE_INDEX_FAILURES", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-index-failure-count']"}}}
+    if not standbys:  # as before: any pod lost fails its Job, and so the JobSet, which is done when all are
+        assert "successPolicy" not in jobset["spec"] and "standby" not in jobs
+        assert all(job["backoffLimit"] == 0 and "backoffLimitPerIndex" not in job for job in jobs.values())
+        assert failures not in _container(jobs["scheduler"]["template"])["env"]
+        assert "# No standby scheduler (--standbys N gives one): losing the scheduler's pod ends the job" in text
+        return
+    assert jobset["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["worker"]}
+    assert jobset["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    for role in ("scheduler", "standby"):  # started again when lost, and told how often that happened
+        assert "backoffLimit" not in jobs[role] and jobs[role]["backoffLimitPerIndex"] == 4, role
+        assert failures in _container(jobs[role]["template"])["env"], role
+        assert {"name": "scheduler", "containerPort": 29400} in _container(jobs[role]["template"])["ports"]
+    assert jobs["standby"]["completions"] == 2
+    assert jobs["server"]["backoffLimit"] == jobs["worker"]["backoffLimit"] == 0
+    assert "# Standby schedulers: 2 (pods job-standby-0-K): the job outlives its scheduler's pod." in text
+    argv = node_argv(_container(jobs["standby"]["template"])["command"], 1, stub_dir)
+    assert argv[:argv.index("--")].count("--standby") == 2
+    args = node_args(argv)
+    assert args.standbys == ["job-standby-0-0.job:29400", "job-standby-0-1.job:29400"]
+    args.secret_file = None
+    args.sets = ["transport.curve=false"]
+    # pod 1 of the standby Job, the job's last index: standby scheduler 2, at its own DNS name's port
+    start = node.plan(args, {"JOB_COMPLETION_INDEX": "1", "SLUICE_TRANSPORT_HOST": "10.1.2.3"})
+    assert (start.role, start.env["SLUICE_RANK"], start.env["SLUICE_STANDBY_RING"]) == ("scheduler", "2", "1")
