@@ -226,7 +226,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 _DESCRIPTION = textwrap.fill(
     "Runs one process of a job whose processes are started one by one by another launcher, such as the pods of "
     "a Kubernetes Indexed Job (`sluice kubernetes` writes one): index 0 runs the scheduler on the port "
-    "--scheduler names, 1..M the servers, then the aggregators, then the workers, each worker running COMMAND "
+    "--scheduler names, 1..M the servers, then the aggregators, then the workers, then the standby schedulers "
+    "(--standby), each worker running COMMAND "
     "with the SLUICE_* variables and torchrun's RANK, WORLD_SIZE, LOCAL_RANK = 0. It reads the job secret from "
     "--secret-file and hands it over through a pipe, then execs the process, which so receives the signals "
     "sent to this one (Kubernetes' SIGTERM).",
