@@ -83,6 +83,21 @@ def test_gloo_job_gives_each_rank_the_first_hosts_address() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_mirror_topology_quick_times_both_ways_and_the_chain_halves_one_primarys_round(tmp_path: Path) -> None:
+    out = tmp_path / "mirror_topology.json"
+    result = run_script(["bench/mirror_topology.py", "--quick", "--json", str(out)], timeout=80)
+    assert result.returncode == 0, result.stdout[-3000:]
+    sharded, alone = check_records(out, 2)
+    assert (sharded["case"], alone["case"]) == ("mirror-sharded", "mirror-one-primary")
+    for rec in (sharded, alone):
+        # 2 copies of the state on the primary's link at least: the shaping holds
+        assert rec["ours"] >= 1.8 * rec["one_copy_on_the_link_ms"] and rec["peer_name"] == "chain replication", rec
+    # alone, the chain's two hops use two links at once; sharded, every link carries two copies either way
+    assert alone["peer"] < 0.75 * alone["ours"] and 0.75 < sharded["speedup"] < 1.33, (sharded, alone)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
     out = tmp_path / "ps_vs_allreduce.json"
