@@ -64,9 +64,10 @@ def state_path(tag: str, server_rank: int, directory: str = STATE_DIR, held_by: 
 
 
 def remove_state_files(tag: str, directory: str = STATE_DIR) -> int:
-    """Remove the job's state files (its end, or the janitor's clean-up); how many were removed."""
+    """Remove the job's state files (its end, or the janitor's clean-up), a local group's store left by a killed
+    worker among them (worker/local_group.py); how many were removed."""
     state_path(tag, 0, directory)  # checks the tag
-    pattern = re.compile(rf"sluice-state-{tag}-(server-\d+|mirror-\d+-by-\d+)")
+    pattern = re.compile(rf"sluice-state-{tag}-(server-\d+|mirror-\d+-by-\d+|local-\d+-\d+)")
     removed = 0
     for name in os.listdir(directory):
         if pattern.fullmatch(name):

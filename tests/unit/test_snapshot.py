@@ -237,7 +237,8 @@ def test_remove_state_files_removes_that_tag_only(tmp_path: Path) -> None:
         opened(tmp_path, rank).close()
     StateFile.open(other, 0, str(tmp_path)).close()
     (tmp_path / f"sluice-state-{TAG}-server-1x").write_bytes(b"")
-    assert remove_state_files(TAG, str(tmp_path)) == 3
+    (tmp_path / f"sluice-state-{TAG}-local-1-0").write_bytes(b"")  # a local group's store a killed worker left
+    assert remove_state_files(TAG, str(tmp_path)) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"sluice-state-{TAG}-server-1x",
                                                          f"sluice-state-{other}-server-0"]
     assert remove_state_files(TAG, str(tmp_path)) == 0

@@ -1,0 +1,107 @@
+"""The workers of one host as a torch.distributed process group (gloo for CPU tensors, NCCL for CUDA ones).
+
+An existing engine, not written again: torch's own ProcessGroupGloo or ProcessGroupNCCL, made without
+torch's default group (a script may well have one of its own: DDP's), whose members meet through a
+FileStore in this host's /dev/shm. The store's name comes from the job's state tag (a secret's HMAC:
+other jobs and users cannot guess it), the host's index among the job's worker hosts and the elastic
+generation; it is created 0600 and removed by torch when the last member closes it. Gloo listens on
+the loopback only: nothing of a local group reaches the network.
+
+A reduce-scatter gives each local rank an equal share of a flat tensor whose length the caller
+padded to a multiple of the local size (`share_bounds`); an allgather puts the shares back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend, FileStore, Store, Work
+
+from sluice.errors import SluiceError
+from sluice.ps.snapshot import STATE_DIR, state_path
+
+#: how long the members of a local group wait for each other, forming it or in one collective
+TIMEOUT_S = 60.0
+
+
+def store_path(tag: str, host: int, generation: int, directory: str = STATE_DIR) -> str:
+    """Where the local group of the job's `host`-th worker host meets in `generation` (checks the tag)."""
+    state_path(tag, 0, directory)  # a tag is 16 hex digits: nothing else reaches a file name
+    return os.path.join(directory, f"sluice-state-{tag}-local-{host}-{generation}")
+
+
+def share_bounds(length: int, parts: int) -> tuple[int, list[tuple[int, int]]]:
+    """A flat tensor of `length` elements cut in `parts` equal shares: the padded length (a multiple of `parts`)
+    and each share's [start, end) within the unpadded `length` (the last ones shorter, or empty)."""
+    if parts < 1 or length < 0:
+        raise ValueError(f"cannot cut {length} elements in {parts} shares")
+    share = -(-length // parts)
+    return share * parts, [(min(r * share, length), min((r + 1) * share, length)) for r in range(parts)]
+
+
+class LocalGroup:
+    """This worker's place in its host's group of workers: `local_rank` of `local_size`."""
+
+    def __init__(self, tag: str, host: int, generation: int, local_rank: int, local_size: int,
+                 backend: str = "gloo", timeout: float = TIMEOUT_S, directory: str = STATE_DIR) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"a local group runs on gloo or nccl, not {backend!r}")
+        if not 0 <= local_rank < local_size:
+            raise ValueError(f"local rank {local_rank} is not one of {local_size}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise SluiceError("a local group on NCCL needs a CUDA device; this process has none")
+        self.local_rank, self.local_size, self.backend = local_rank, local_size, backend
+        self.path = store_path(tag, host, generation, directory)
+        # made 0600 before torch opens it: the store tells where each member's gloo pairs listen
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        self._store: FileStore | None = FileStore(self.path, local_size)
+        try:
+            self.group: Backend | None = _make(backend, self._store, local_rank, local_size, timeout)
+        except RuntimeError as exc:
+            self._store = None
+            with contextlib.suppress(FileNotFoundError):  # the group failed: no one meets here any more
+                os.unlink(self.path)
+            raise SluiceError(f"the workers of host {host} did not form their local group ({backend}, {local_size} "
+                              f"workers) within {timeout:g} s: is one of them gone? ({str(exc)[:200]})") from None
+
+    def reduce_scatter(self, flat: torch.Tensor, share: torch.Tensor) -> Work:
+        """Start summing `flat` (padded: local_size x share.numel() elements) over the group into this rank's
+        `share`; wait() on what it returns."""
+        work: Work = self._group().reduce_scatter([share], [list(flat.chunk(self.local_size))])
+        return work
+
+    def allgather(self, share: torch.Tensor, flat: torch.Tensor) -> Work:
+        """Start filling `flat` (padded) with every rank's share, in local rank order."""
+        work: Work = self._group().allgather([list(flat.chunk(self.local_size))], [share])
+        return work
+
+    def close(self) -> None:
+        """Leave the group; the store's file goes with its last member."""
+        self.group = None
+        self._store = None
+
+    def _group(self) -> Any:  # torch's stubs lack Backend's collectives
+        if self.group is None:
+            raise SluiceError("this local group was closed")
+        return self.group
+
+
+def _make(backend: str, store: Store, rank: int, size: int, timeout: float) -> Backend:
+    # the options' constructors and fields differ from torch's stubs: reached untyped
+    if backend == "nccl":
+        nccl: Any = dist.ProcessGroupNCCL
+        options = nccl.Options()
+        options._timeout = timedelta(seconds=timeout)
+        made: Backend = nccl(store, rank, size, options)
+        return made
+    gloo: Any = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._devices = [gloo.create_device(hostname="127.0.0.1")]
+    options._timeout = timedelta(seconds=timeout)
+    made = gloo(store, rank, size, options)
+    return made
