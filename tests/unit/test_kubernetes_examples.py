@@ -57,7 +57,8 @@ def test_every_sluice_kubernetes_command_in_the_readme_runs_and_writes_what_is_c
 def test_the_readmes_kubectl_commands_fit_the_manifests() -> None:
     jobset = next(yaml.safe_load_all((EXAMPLES / "sluice-job.yaml").read_text()))
     templates = [r["template"]["spec"]["template"]["metadata"]["labels"] for r in jobset["spec"]["replicatedJobs"]]
-    header = (EXAMPLES / "sluice-job.yaml").read_text().splitlines()[2].removeprefix("# First make its secret: ")
+    header = next(line for line in (EXAMPLES / "sluice-job.yaml").read_text().splitlines()
+                  if line.startswith("# First make its secret: ")).removeprefix("# First make its secret: ")
     kubectl = re.compile(r"^kubectl (?:get pods|logs) .*?-l (\S+)")
     selectors = [found for line in _shell_lines() for found in kubectl.findall(line)]
     assert selectors and header in _shell_lines()

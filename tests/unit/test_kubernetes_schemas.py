@@ -95,7 +95,7 @@ def test_the_validators_catch_what_they_are_for() -> None:
     wrong_type["spec"]["replicatedJobs"][0]["replicas"] = "1"
     with pytest.raises(ValueError, match="replicas"):
         _validate_jobset(wrong_type)
-    workers = jobset["spec"]["replicatedJobs"][-1]
+    (workers,) = [r for r in jobset["spec"]["replicatedJobs"] if r["name"] == "worker"]
     pod = workers["template"]["spec"]["template"]["spec"]
     pod["tolerations"][0]["efect"] = "NoSchedule"  # caught by both: JobSet's models carry the core kinds too
     with pytest.raises(AssertionError, match=r"tolerations\[0\]\.efect is not in JobSet's API"):
