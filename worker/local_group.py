@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -23,15 +24,19 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, FileStore, Store, Work
 
 from sluice.errors import SluiceError
-from sluice.ps.snapshot import STATE_DIR, state_path
 
 #: how long the members of a local group wait for each other, forming it or in one collective
 TIMEOUT_S = 60.0
+#: where the store lives: the host's shared memory, as the servers' state files (ps/snapshot.py, which removes a
+#: store a killed worker left with the job's other files: the same `sluice-state-<tag>-` prefix)
+STATE_DIR = "/dev/shm"
+_TAG = re.compile(r"[0-9a-f]{16}")
 
 
 def store_path(tag: str, host: int, generation: int, directory: str = STATE_DIR) -> str:
     """Where the local group of the job's `host`-th worker host meets in `generation` (checks the tag)."""
-    state_path(tag, 0, directory)  # a tag is 16 hex digits: nothing else reaches a file name
+    if not _TAG.fullmatch(tag):  # nothing else reaches a file name
+        raise ValueError(f"a state tag is 16 hex digits, got {tag[:40]!r}")
     return os.path.join(directory, f"sluice-state-{tag}-local-{host}-{generation}")
 
 
