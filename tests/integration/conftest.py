@@ -11,6 +11,7 @@ import pytest
 
 from sluice.transport.shm_peers import SEGMENT_NAME, SHM_DIR
 from testbed.launch import Launch
+from tests.integration.node_procs import Node
 from tests.integration.slurm_bed import slurm  # noqa: F401 - the one-node SLURM bed, one per session
 
 #: how long the processes that clean up after a dead one (its launcher, the remote stub, a janitor) get
@@ -68,3 +69,14 @@ def launch() -> Iterator[type[Launch]]:
     finally:
         for job in started:
             job.close()
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[Node]]:
+    """The `sluice node` processes a test starts (node_procs.py), each killed with its group at the end."""
+    started: list[Node] = []
+    try:
+        yield started
+    finally:
+        for node in started:
+            node.kill()

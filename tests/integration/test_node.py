@@ -6,7 +6,6 @@ import random
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,16 +52,6 @@ def test_indexes_map_to_roles_in_order() -> None:
         ("scheduler", 0), ("server", 0), ("server", 1), ("aggregator", 0), ("worker", 0), ("worker", 1)]
     with pytest.raises(NodeError, match=r"index 6 is outside this job: .* make 6 processes, indexes 0\.\.5"):
         role_of(6, 2, 2, 1)
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[Node]]:
-    started: list[Node] = []
-    try:
-        yield started
-    finally:
-        for node in started:
-            node.kill()
 
 
 @pytest.mark.timeout(90)

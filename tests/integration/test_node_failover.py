@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,16 +38,6 @@ while not os.path.exists(sys.argv[1]) or step < 20:
 print("sum", out[0], "after", step, "steps", flush=True)
 node.close()
 """
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[Node]]:
-    started: list[Node] = []
-    try:
-        yield started
-    finally:
-        for node in started:
-            node.kill()
 
 
 def test_standby_schedulers_are_the_indexes_after_the_workers() -> None:
