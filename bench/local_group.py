@@ -9,7 +9,7 @@ CURVE on, shared memory on) and a float32 tensor of SIZE MiB:
            into each worker's share, then allgather of the shares (the hierarchy's two steps)
   sluice   the job's collective engine over shared memory (registered arrays): it has no
            reduce-scatter, so an allreduce of the whole tensor (each worker takes its share from it),
-           then an allgather of the shares
+           then an allgather of the shares into a registered buffer (no new array)
   sluice-allreduce  the allreduce alone (what both steps together give back)
 
 Each repetition times ROUNDS of each between two barriers (rank 0's clock), gloo and Sluice
@@ -66,9 +66,7 @@ def worker(count: int, rounds: int, repeats: int, tag: str) -> dict[str, list[fl
         engine.allreduce(f"ar.{next(calls)}", [array], "float32", "sum").wait(120)
         if gather:
             mine = array[rank * share_count:(rank + 1) * share_count]
-            handle = engine.allgather(f"ag.{next(calls)}", mine, "float32")
-            handle.wait(120)
-            gathered[:] = handle.result().reshape(-1)
+            engine.allgather(f"ag.{next(calls)}", mine, "float32", out=gathered).wait(120)  # no new array
 
     def allreduce_alone() -> None:
         sluice(gather=False)

@@ -204,6 +204,25 @@ def test_simulated_allgather_alltoall_broadcast(size: int) -> None:
             assert np.array_equal(kept[r]["bcast"][0], np.arange(40, dtype=np.uint16))
 
 
+@pytest.mark.parametrize("size", [1, 3])
+def test_simulated_allgather_into_the_callers_buffer_and_one_of_the_wrong_size_fails(size: int) -> None:
+    rows = [r + 1 for r in range(size)]
+    total = sum(rows) * 6
+    for seed in range(3):
+        net = Network(size, seed, copy_below=32)
+        outs = [np.full(total + (r == size - 1), -1.0, np.float32) for r in range(size)]  # the last: one too many
+
+        def start(rank: int, out: np.ndarray) -> Callable[[DataPlane], CollectiveHandle]:
+            return lambda plane: plane.allgather(0, np.full((rows[rank], 3, 2), rank, np.float32), "float32", 0, out)
+        handles = net.run([[start(r, outs[r])] for r in range(size)])
+        expected = np.concatenate([np.full(rows[s] * 6, s, np.float32) for s in range(size)])
+        for rank in range(size - 1):  # the rows landed in the caller's buffer itself: no new array
+            assert np.array_equal(outs[rank], expected) and np.shares_memory(handles[rank][0].result(), outs[rank])
+        last = handles[size - 1][0]
+        assert last.done() and last.error == (f"the allgather's output buffer holds {total + 1} elements, and the "
+                                              f"ranks' rows ({rows}) make {total}"), last.error
+
+
 def test_simulated_bad_messages_are_refused_and_change_nothing() -> None:
     net = Network(2, seed=0)
     a, b = np.arange(100, dtype=np.float32), np.ones(100, np.float32)

@@ -134,12 +134,16 @@ class DataPlane:
         return self._start(TreeAllreduce(self._link, seq, dtype, priority, channel, handle, array, op, parent,
                                          children, self._chunk_bytes))
 
-    def allgather(self, seq: int, array: np.ndarray, dtype: str, priority: int) -> CollectiveHandle:
-        """Every rank's rows (shape (rows, *rest), rows may differ), concatenated in rank order."""
+    def allgather(self, seq: int, array: np.ndarray, dtype: str, priority: int,
+                  out: np.ndarray | None = None) -> CollectiveHandle:
+        """Every rank's rows (shape (rows, *rest), rows may differ), concatenated in rank order (into `out`, a flat
+        contiguous buffer of exactly their size, when given)."""
         self._check(array, dtype, flat=False)
+        if out is not None:
+            self._check(out, dtype, flat=True)
         handle, channel = self._handle("allgather", seq, priority)
         return self._start(Exchange(self._link, seq, dtype, priority, channel, handle, "allgather",
-                                    [array] * self.size, self._chunk_bytes, self._max_gather_bytes))
+                                    [array] * self.size, self._chunk_bytes, self._max_gather_bytes, out))
 
     def broadcast(self, seq: int, array: np.ndarray, root: int, dtype: str, priority: int) -> CollectiveHandle:
         """The root's `array` into every rank's `array`, pipelined along the ring from the root."""

@@ -50,6 +50,8 @@ class _Entry:
     arrays: list[np.ndarray]  # the caller's arrays: results land in them (allreduce, broadcast)
     handle: OpHandle
     splits: tuple[int, ...] = ()
+    #: an allgather's output buffer, the caller's (None: a new array)
+    out: np.ndarray | None = None
 
 
 class CollectiveEngine:
@@ -102,9 +104,14 @@ class CollectiveEngine:
         described = op if scale is None else scaled_op(op, *scale)
         return self._enqueue(Request(name, "allreduce", dtype, shapes, described, -1, priority), list(arrays))
 
-    def allgather(self, name: str, array: np.ndarray, dtype: str, priority: int = 0) -> OpHandle:
-        """Rows of every rank's array, concatenated in rank order (the first dimension may differ)."""
-        return self._enqueue(Request(name, "allgather", dtype, (tuple(array.shape),), "sum", -1, priority), [array])
+    def allgather(self, name: str, array: np.ndarray, dtype: str, priority: int = 0,
+                  out: np.ndarray | None = None) -> OpHandle:
+        """Rows of every rank's array, concatenated in rank order (the first dimension may differ); into `out`, a
+        flat contiguous buffer of exactly their size (registered: no new array, no copy), when given."""
+        if out is not None and (out.ndim != 1 or not out.flags.c_contiguous or out.dtype != STORAGE[dtype]):
+            raise InvalidCallError(f"allgather {name!r}: its output must be flat, contiguous {STORAGE[dtype]}")
+        return self._enqueue(Request(name, "allgather", dtype, (tuple(array.shape),), "sum", -1, priority), [array],
+                             out=out)
 
     def broadcast(self, name: str, array: np.ndarray, root: int, dtype: str, priority: int = 0) -> OpHandle:
         """`root`: the job rank whose array every member gets."""
@@ -166,7 +173,8 @@ class CollectiveEngine:
         if not 0 <= rank < self.size:
             raise InvalidCallError(f"{what} {rank} is not a rank of this job (0..{self.size - 1})")
 
-    def _enqueue(self, request: Request, arrays: list[np.ndarray], splits: tuple[int, ...] = ()) -> OpHandle:
+    def _enqueue(self, request: Request, arrays: list[np.ndarray], splits: tuple[int, ...] = (),
+                 out: np.ndarray | None = None) -> OpHandle:
         for array in arrays:
             if request.dtype and array.dtype != STORAGE[request.dtype]:
                 raise SluiceError(f"{request.kind} {request.name!r}: array of {array.dtype} "
@@ -181,7 +189,7 @@ class CollectiveEngine:
                     raise InvalidCallError(
                         f"Requested to {request.kind} a tensor with the same name as another tensor that is "
                         f"currently being processed ({request.name!r}, on rank {self.rank}); use another name")
-                self._waiting[request.name] = _Entry(request, arrays, handle, splits)
+                self._waiting[request.name] = _Entry(request, arrays, handle, splits, out)
         if departed is not None:
             self._report_orphan(f"{handle.what} waited for it: {departed}")
             raise CollectiveError(f"{handle.what} cannot run: {departed}")
@@ -298,7 +306,7 @@ class CollectiveEngine:
             return
         array = np.ascontiguousarray(entry.arrays[0])
         if kind == "allgather":
-            data = self.data.allgather(seq, array, request.dtype, request.priority)
+            data = self.data.allgather(seq, array, request.dtype, request.priority, entry.out)
             data.add_done_callback(lambda h: _settle(handle, h, lambda: h.result()))
         elif kind == "broadcast":
             target = entry.arrays[0]

@@ -28,9 +28,15 @@ class Exchange(Op):
     """blocks[r]: the rows (shape (rows, *row_shape)) this rank sends to rank r (its own: kept)."""
 
     def __init__(self, link: Link, seq: int, dtype: str, priority: int, channel: int, handle: CollectiveHandle,
-                 kind: str, blocks: Sequence[np.ndarray], chunk_bytes: int, max_bytes: int) -> None:
+                 kind: str, blocks: Sequence[np.ndarray], chunk_bytes: int, max_bytes: int,
+                 out: np.ndarray | None = None) -> None:
+        """`out`: the caller's flat contiguous buffer the rows land in (registered memory: no new array, no copy
+        out of it), which must hold exactly every rank's rows; None: a new array."""
         super().__init__(link, seq, dtype, priority, channel, handle)
         self.kind = kind
+        self.out = out
+        #: why `out` cannot take the rows: the op's error once the exchange is over
+        self.mismatch: str | None = None
         self.blocks = list(blocks)
         mine = blocks[link.rank]
         self.row_shape = tuple(int(d) for d in mine.shape[1:])
@@ -64,6 +70,12 @@ class Exchange(Op):
 
     def complete(self) -> bool:
         return self.flat is not None
+
+    def finished(self) -> bool:
+        done = super().finished()
+        if done and self.mismatch is not None:
+            self.error = self.mismatch
+        return done
 
     def waiting_for(self) -> dict[int, str]:
         out = super().waiting_for()
@@ -118,7 +130,13 @@ class Exchange(Op):
         if self.flat is not None or any(rows is None for rows in self.rows):
             return
         rows = [r or 0 for r in self.rows]
-        out = np.empty((sum(rows), *self.row_shape), self.storage)
+        if self.out is not None and self.out.size != sum(rows) * self.row_elems:
+            # the exchange still runs, into a new array, so that the other ranks get their rows and stay in step;
+            # this rank's op fails once it is done
+            self.mismatch = (f"the {self.kind}'s output buffer holds {self.out.size} elements, and the ranks' rows "
+                             f"({rows}) make {sum(rows) * self.row_elems}")
+        out = (self.out.reshape((sum(rows), *self.row_shape)) if self.out is not None and self.mismatch is None
+               else np.empty((sum(rows), *self.row_shape), self.storage))
         self.flat = out.reshape(-1)
         self.starts = [0]
         for count in rows:
