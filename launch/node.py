@@ -80,6 +80,8 @@ def index_failures(given: int | None, environ: Mapping[str, str]) -> int:
     `sluice kubernetes` sets the variable from the pod's annotation batch.kubernetes.io/job-index-failure-count,
     which a Job with backoffLimitPerIndex keeps."""
     if given is not None:
+        if given < 0:
+            raise NodeError(f"--index-failures {given}: a count of failed pods is 0 or more")
         return given
     raw = environ.get(ENV_INDEX_FAILURES, "").strip() or "0"
     if not raw.isdigit():

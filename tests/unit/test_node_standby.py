@@ -49,6 +49,8 @@ def test_the_scheduler_started_again_says_it_stands_by_and_without_standbys_it_r
         plan(alone, {"SLUICE_INDEX_FAILURES": "2"})
     with pytest.raises(NodeError, match="SLUICE_INDEX_FAILURES='x' is not a count"):
         plan(alone, {"SLUICE_INDEX_FAILURES": "x"})
+    with pytest.raises(NodeError, match="--index-failures -1: a count of failed pods is 0 or more"):
+        _plan("--index", "0", "--index-failures", "-1")
 
 
 def _env(standbys: int, ring: bool) -> NodeEnv:
