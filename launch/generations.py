@@ -151,7 +151,8 @@ class Generation(Job):
         # a standby whose host was lost starts on another host, on a port it learns there; with a newcomer it is
         # awaited first, as the newcomer is told where it went; without one, beside the scheduler's start
         moving = [await self._standby_started(away, "") for away in previous if away.host in lost_hosts]
-        for child in [] if shrink else moving:
+        before, beside = ([], moving) if shrink else (moving, [])
+        for child in before:
             await self._standby_ready(child, "", standbys, endpoints)
         self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
@@ -166,7 +167,7 @@ class Generation(Job):
             self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
             return None
         self.endpoint = endpoint
-        for child in moving if shrink else []:
+        for child in beside:
             await self._standby_ready(child, "", standbys, endpoints)
         for child in started:
             await self._standby_ready(child, endpoints.get(child.rank, ""), standbys, endpoints)

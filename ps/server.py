@@ -143,15 +143,14 @@ class Server(Role):
             self.mirrors.sender.restored(restored)
             for to, channel, out in self.mirrors.sender.take([]):
                 self.transport.send(to, channel, out)
-        if restored and self.takeover >= 0:  # the line that says what the job did about a lost host, with the step
-            rounds = [chunk.round for chunk in restored]
+        rounds = [chunk.round for chunk in restored]
+        if rounds and self.takeover >= 0:  # the line that says what the job did about a lost host, with the step
             self.log.info("server %d took shard %d at step %d from server %d's copy on this host (declaration %d: %d "
                           "chunks at rounds %d..%d; the workers redo the rounds after)", self.control.rank,
-                          self.control.rank, max(rounds), self.takeover, seq, len(restored), min(rounds), max(rounds))
-        elif restored:
-            rounds = [chunk.round for chunk in restored]
+                          self.control.rank, max(rounds), self.takeover, seq, len(rounds), min(rounds), max(rounds))
+        elif rounds:
             self.log.info("server %d: restored %d chunks of declaration %d at rounds %d..%d", self.control.rank,
-                          len(restored), seq, min(rounds), max(rounds))
+                          len(rounds), seq, min(rounds), max(rounds))
         if self.take_limits(limits):
             self.transport.stats(reset=True)  # the calibration probes are over: metrics start here
             self.log.info("server %d: %s", self.control.rank, limits.describe())

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, FileStore, Store, Work
 
 from sluice.errors import SluiceError
+from sluice.transport.shm_peers import SHM_DIR
 
 #: how long the members of a local group wait for each other, forming it or in one collective
 TIMEOUT_S = 60.0
 #: where the store lives: the host's shared memory, as the servers' state files (ps/snapshot.py, which removes a
 #: store a killed worker left with the job's other files: the same `sluice-state-<tag>-` prefix)
-STATE_DIR = "/dev/shm"
+STATE_DIR = SHM_DIR
 _TAG = re.compile(r"[0-9a-f]{16}")
 
 
