@@ -33,7 +33,8 @@ from sluice.worker.client import Client
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import COLLECTIVE_KINDS, CollectiveEngine
 from sluice.worker.collective.mailbox import Mailbox
-from sluice.worker.collective.sets import SET_KINDS, ProcessSets, set_engine_factory
+from sluice.worker.collective.sets import EARLY_SET_BYTES, SET_KINDS, ProcessSets, set_engine_factory
+from sluice.worker.hierarchy import Hierarchy
 from sluice.worker.ps_join import ServerJoin
 from sluice.worker.trace import WorkerTrace
 
@@ -93,10 +94,13 @@ class WorkerNode:
         self.collectives: CollectiveEngine | None = None
         #: process sets (Horovod's): their ranks, and an engine for each this worker is in
         self.process_sets: ProcessSets | None = None
+        self._hierarchy: Hierarchy | None = None
         self.transport = open_transport(self.env.name, self.settings, self._on_message, keys=self.env.job_keys(),
                                         members=self.env.members)
         self._early_collective = self._mailbox(COLLECTIVE_KINDS, "a worker's collective", EARLY_COLLECTIVE)
         self._early_pipeline = self._mailbox(PIPELINE_KINDS, "a worker's", EARLY_PIPELINE, EARLY_PIPELINE_BYTES)
+        # a faster worker may start the hierarchy's sets (worker/hierarchy.py) before this one has the address book
+        self._early_sets = self._mailbox(SET_KINDS, "a worker's process set", EARLY_COLLECTIVE, EARLY_SET_BYTES)
         self.control = ControlClient(self.transport, self.env, self.control_settings, on_fatal=self._on_fatal,
                                      on_welcome=self._start_collectives, on_message=self._on_control)
         #: the parameter-server client: its kinds are routed before any server can answer
@@ -176,12 +180,23 @@ class WorkerNode:
             self.transport.tracer = None
             trace.close()
 
+    def hierarchy(self) -> Hierarchy | None:
+        """The hierarchy fused gradients take (collective.hierarchical; started at the first call), or None
+        where the job has none: every host must run as many workers, more than one, on more than one host."""
+        if self._hierarchy is None and self.collective_settings.hierarchical and self.process_sets is not None:
+            engines = self.process_sets.hierarchy()
+            if engines is not None:
+                self._hierarchy = Hierarchy(*engines, self.control_settings.op_timeout)
+        return self._hierarchy
+
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """Close in order: the stages' handshakes, the engine, goodbye to the scheduler, the transport."""
         closing, self._closing = self._closing, []
         for fn in closing:
             fn()
+        if self._hierarchy is not None:
+            self._hierarchy.close()
         if self.process_sets is not None:
             self.process_sets.close()
         if self.collectives is not None:
@@ -243,7 +258,7 @@ class WorkerNode:
                                   lambda priority: self.settings.channel_for(priority, levels), self.control.rank)
         self.process_sets = ProcessSets(engine, self.transport, [p.name for p in workers],
                                         [endpoint_host(p.endpoints) for p in workers], make)
-        self.route(SET_KINDS, self.process_sets.on_message, workers_only=True, what="a worker's process set")
+        self._early_sets.attach(self.process_sets.on_message)
         self.add_handler(self.process_sets)
 
     def _on_message(self, peer: str, channel: int, msg: Message) -> None:

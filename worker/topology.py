@@ -33,3 +33,31 @@ def placement(hosts: Sequence[str], rank: int) -> Placement:
     group = [r for r in range(len(hosts)) if local_of[r] == local_rank]
     homogeneous = len({hosts.count(h) for h in hosts}) == 1
     return Placement(local_rank, hosts.count(hosts[rank]), group.index(rank), len(group), homogeneous)
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """The two sets a hierarchical reduction runs on, for one worker (job ranks, ascending)."""
+
+    #: the workers of this worker's host
+    local: tuple[int, ...]
+    #: the workers with this worker's local rank, one per host
+    cross: tuple[int, ...]
+    #: this host's index among the worker hosts (in the order of their first rank)
+    host: int
+
+
+def host_groups(hosts: Sequence[str], rank: int) -> HostGroups | None:
+    """Worker `rank`'s local and cross sets, or None where a hierarchy has nothing to gain or cannot be
+    built: one host, one worker per host, or hosts that run different numbers of workers."""
+    where = placement(hosts, rank)
+    if not where.homogeneous or where.local_size < 2 or where.cross_size < 2:
+        return None
+    seen: dict[str, int] = {}
+    local_of = []
+    for host in hosts:
+        local_of.append(seen.get(host, 0))
+        seen[host] = local_of[-1] + 1
+    local = tuple(r for r in range(len(hosts)) if hosts[r] == hosts[rank])
+    cross = tuple(r for r in range(len(hosts)) if local_of[r] == where.local_rank)
+    return HostGroups(local, cross, list(seen).index(hosts[rank]))

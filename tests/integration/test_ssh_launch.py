@@ -104,8 +104,33 @@ def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
         time.sleep(0.2)
 
 
+def _summed_in_local_groups(result: dict[str, Any], host_index: int, steps: int) -> None:
+    """Two workers a host: every step's gradients were summed in the host, then each local rank's share
+    across the hosts (worker/hierarchy.py)."""
+    local, cross, groups = result["hierarchy"]
+    assert local == ([0, 1] if host_index == 0 else [2, 3])
+    assert cross == ([0, 2] if result["rank"] % 2 == 0 else [1, 3])
+    assert groups >= steps
+
+
+@pytest.mark.timeout(180)
+def test_local_group_hierarchy_through_the_servers_trains_as_on_one_machine(bed: SshBed) -> None:
+    """Each local rank's share goes through the servers (a key per share, declared by its cross set)."""
+    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--set", "collective.mode=ps", "--", sys.executable, SCRIPT,
+                       "--steps", "8", "--optimizer", "adam"], timeout=150)
+    assert done.returncode == 0, done.stdout[-5000:]
+    results = _results(done.stdout)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        _summed_in_local_groups(r, r["rank"] // 2, 8)
+        assert r["params"] == results[0]["params"]
+    reference = cluster_train_params(8, "adam", workers=4)
+    assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
+    _nothing_left(bed)
+
+
 @pytest.mark.timeout(240)
-def test_ssh_job_trains_across_hosts_as_on_one_machine(bed: SshBed) -> None:
+def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(bed: SshBed) -> None:
     assert bed.private is not None
     timeline = bed.private / "trace.json"  # on h2, this directory is a tmpfs of h2's own
     done = bed.launch(["-H", _hosts(bed), "-s", "2", "--timeline", str(timeline), "--", sys.executable, SCRIPT,
@@ -133,6 +158,7 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine(bed: SshBed) -> None:
                             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": h1}
         assert not r["secret_in_env"]
         assert r["params"] == results[0]["params"]
+        _summed_in_local_groups(r, host_index, 12)
     reference = cluster_train_params(12, "adam", workers=4)  # the same job on one machine
     assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
     _nothing_left(bed)

@@ -38,6 +38,10 @@ class CollectiveConfig:
     allreduce_patterns: tuple[str, ...] = field(default_factory=tuple)
     #: shell-style name patterns of gradients that go through the servers, whatever `mode` says
     ps_patterns: tuple[str, ...] = field(default_factory=tuple)
+    #: fused gradients summed inside each host first, each local rank's share alone crossing the hosts, then
+    #: gathered inside the host (BytePS's hierarchy: worker/hierarchy.py); where every host runs as many
+    #: workers, more than one, on more than one host
+    hierarchical: bool = True
 
     def __post_init__(self) -> None:
         if self.arity < 0 or self.arity == 1:

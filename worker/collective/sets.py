@@ -12,6 +12,11 @@ Adding and removing a set are collectives of the whole job, as in Horovod: every
 in the same order with the same ranks. The job's engine gathers every worker's view first, so a
 disagreement or a duplicate raises on every worker alike, and set ids (1, 2, ... in the order of
 adding; 0 is the job) are the same everywhere.
+
+The hierarchy's two sets (a host's workers, and one local rank's workers across hosts:
+worker/hierarchy.py) are no user's: every worker knows them from the hosts alone, so they take ids of
+their own range, are kept apart from the sets add() dedupes against, and their messages are kept from
+the address book on, before their engines start at the first use.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from sluice.worker.collective.engine import EARLY_COORDINATION, CollectiveEngine
 from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.collective.process_set import set_id
 from sluice.worker.collective.refusal import refusing
+from sluice.worker.topology import host_groups
 
 _INNER = {Kind.SET_UP: Kind.COORD_UP, Kind.SET_DOWN: Kind.COORD_DOWN, Kind.SET_DATA: Kind.COLL_DATA,
           Kind.SET_DONE: Kind.COLL_DONE}
@@ -41,6 +47,8 @@ SET_KINDS = frozenset(_INNER)
 EARLY_SETS = 4
 #: payload kept for each such set until its engine starts (a set's first ops' early chunks)
 EARLY_SET_BYTES = 64 << 20
+#: the hierarchy's set ids: a host's workers LOCAL_SETS + the host's index, one local rank's CROSS_SETS + it
+LOCAL_SETS, CROSS_SETS = 1 << 24, 1 << 25
 
 
 class SetTransport:
@@ -114,6 +122,13 @@ class ProcessSets:
         self._last_id = 0
         self._calls = itertools.count()
         self._failure: str | None = None
+        groups = host_groups(self._hosts, job.rank)
+        #: the hierarchy's sets this worker is in (local, then cross), by id; empty where the job has none
+        self._internal: dict[int, list[int]] = {} if groups is None else {
+            LOCAL_SETS + groups.host: list(groups.local), CROSS_SETS + groups.local.index(job.rank): list(groups.cross)}
+        for internal in self._internal:
+            self._boxes[internal] = Mailbox(EARLY_COORDINATION, self._transport.refuse, EARLY_SET_BYTES)
+        self._internal_lock = threading.Lock()
 
     # ------------------------------------------------------------------ callers (collectives of the job)
     def add(self, ranks: Sequence[int]) -> int | None:
@@ -190,6 +205,21 @@ class ProcessSets:
             return None
         return self.engine(set_id(process_set), "collective")
 
+    def hierarchy(self) -> tuple[CollectiveEngine, CollectiveEngine] | None:
+        """This worker's engines of its host's workers and of its local rank's workers on every host (started at
+        the first call), or None where the job has no hierarchy (worker/topology.py `host_groups`)."""
+        if not self._internal:
+            return None
+        with self._internal_lock:
+            for internal, members in self._internal.items():
+                with self._lock:
+                    started = internal in self._engines
+                if not started:
+                    self._start(internal, members)
+            with self._lock:
+                local, cross = (self._engines[internal] for internal in self._internal)
+        return local, cross
+
     # ------------------------------------------------------------------ the node's handler
     def on_message(self, peer: str, msg: Message) -> None:
         """A SET_* message (I/O thread): to its set's engine, kept for a set about to be added, else refused."""
@@ -210,7 +240,7 @@ class ProcessSets:
 
     def worker_left(self, rank: int, who: str) -> None:
         with self._lock:
-            engines = [(self.ranks[i], e) for i, e in self._engines.items()]
+            engines = [({**self.ranks, **self._internal}[i], e) for i, e in self._engines.items()]
         for ranks, engine in engines:
             if rank in ranks:
                 engine.worker_left(ranks.index(rank), who)

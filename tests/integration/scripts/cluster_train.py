@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from scheduler_kill import kill_scheduler  # beside this script
 
 import sluice.torch as hvd
+from sluice.worker.torch.state import require
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
@@ -95,6 +96,9 @@ result = {
     "listens_on": json.loads(os.environ["SLUICE_CONFIG_JSON"])["transport"]["host"],
     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     "after": hvd.allreduce(torch.full((5,), float(rank)), name="after_training").tolist(),
+    # the sets the fused gradients were summed on in steps (worker/hierarchy.py), and how many groups, or None
+    "hierarchy": None if (tiers := require().hierarchy()) is None else [tiers.local.members, tiers.cross_ranks,
+                                                                        tiers.groups],
 }
 if args.result_dir:
     Path(args.result_dir, f"rank.{rank}.json").write_text(json.dumps(result))
