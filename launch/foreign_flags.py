@@ -78,8 +78,7 @@ HOROVOD_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
      "network to use in -H or the hostfile (transport.host for this machine)"),
     (("--tcp",), 0, "Sluice already uses TCP between hosts (transport.protocol)"),
     (("--cache-capacity",), 1, "Sluice keeps no response cache to size"),
-    (("--hierarchical-allreduce", "--no-hierarchical-allreduce", "--hierarchical-allgather",
-      "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce"), 0,
+    (("--hierarchical-allgather", "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce"), 0,
      "Sluice picks ring or tree allreduce by size (collective.algorithm); sums per rack are its aggregation "
      "trees' (-a K, docs/aggregation.md)"),
     (("--autotune", "--no-autotune"), 0, _NO_AUTOTUNE),
@@ -124,13 +123,13 @@ class _Ignored(argparse.Action):
 
 class _SetKey(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str, key: str = "", scale: int = 1,
-                 **kwargs: Any) -> None:
+                 fixed: str | None = None, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, **kwargs)
-        self.key, self.scale = key, scale
+        self.key, self.scale, self.fixed = key, scale, fixed  # fixed: a switch's value
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        value = int(values * self.scale) if self.scale != 1 else values
+        value = self.fixed if self.fixed is not None else int(values * self.scale) if self.scale != 1 else values
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), f"{self.key}={value}"])
 
 
@@ -180,6 +179,11 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
                            dest=SETS_DEST, default=None, metavar=setting.metavar,
                            help=f"= --set {setting.key}=" + (f"{setting.metavar} x 2^20" if setting.scale > 1
                                                              else setting.metavar) + f": {setting.about}")
+    for flag, value in (("--hierarchical-allreduce", "true"), ("--no-hierarchical-allreduce", "false")):
+        group.add_argument(flag, action=_SetKey, key="collective.hierarchical", fixed=value, nargs=0, dest=SETS_DEST,
+                           default=None, help=f"= --set collective.hierarchical={value}: fused gradients summed "
+                                              "inside each host first, each worker's share alone crossing hosts "
+                                              "(on by default where every host runs as many workers)")
     _add_ignored(group, HOROVOD_IGNORED)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -217,6 +218,12 @@ class Netbed:
                 allowed = _sysctl_value("net.ipv4.tcp_allowed_congestion_control")
                 hint = f" (congestion controls a namespace may choose: {allowed})"
             raise ValueError(f"cannot set {name}={value} in host {host!r}: {done.stderr.strip()}{hint}")
+
+    def link_bytes(self, host: str) -> tuple[int, int]:
+        """Bytes `host` has sent and received on its link so far (its eth0's counters)."""
+        shown = json.loads(self._in(self.hosts[host].netns, "ip", "-s", "-j", "link", "show", "eth0").stdout)
+        stats = shown[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def tc_stats(self, host: str, direction: Direction = "out") -> str:
         """`tc -s qdisc` of one direction of a host's link: bytes and packets per qdisc."""

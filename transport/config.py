@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -106,6 +107,15 @@ class TransportConfig:
 
 #: endpoints of peers on this host (shared memory serves them)
 LOCAL_ENDPOINTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://")
+#: listening on every address: the host's own address is then not known from the setting
+_ANY_ADDRESS = ("", "*", "0.0.0.0", "::")
+
+
+def on_this_host(endpoints: Sequence[str], own_host: str) -> bool:
+    """Whether a peer listening on `endpoints` runs on this machine, whose processes listen on `own_host`: on
+    the loopback, or on this host's own address (the workers of one host of a multi-host job)."""
+    own = () if own_host in _ANY_ADDRESS else (f"tcp://[{own_host}]:" if ":" in own_host else f"tcp://{own_host}:",)
+    return bool(endpoints) and all(e.startswith(LOCAL_ENDPOINTS + own) for e in endpoints)
 
 #: used until a calibration has chosen (1 MiB chunks; ByteScheduler's credit of 4 M float32 parameters)
 DEFAULT_CHUNK_BYTES = 1 << 20

@@ -32,7 +32,7 @@ import zmq
 
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import Handler
-from sluice.transport.config import LOCAL_ENDPOINTS, TransportConfig
+from sluice.transport.config import TransportConfig, on_this_host
 from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
 from sluice.transport.shm import SharedPayloads
@@ -247,7 +247,7 @@ class ZmqTransport:
         if not endpoints:
             raise ValueError(f"no endpoints given for peer {peer}")
         socks = []
-        if self._local is not None and all(e.startswith(LOCAL_ENDPOINTS) for e in endpoints) and not control:
+        if self._local is not None and on_this_host(endpoints, self.config.host) and not control:
             self._local.add(peer)
             self._shared.announce_registered([peer])
         for channel, endpoint in enumerate(endpoints[: self.config.channels]):

@@ -26,7 +26,7 @@ from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
 from sluice.scheduler.recovery import mirror_rounds
 from sluice.scheduler.resend import Answered, parse_back, parse_server_back
-from sluice.transport.config import LOCAL_ENDPOINTS
+from sluice.transport.config import on_this_host
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, meta_field
 from sluice.worker.calibrate import Calibrator
@@ -106,7 +106,7 @@ class Client:
         self._reply_ids |= self._server_ids
         for peer in servers:
             self.transport.connect(peer.name, peer.endpoints)
-        local = all(e.startswith(LOCAL_ENDPOINTS) for p in servers for e in p.endpoints)
+        local = all(on_this_host(p.endpoints, self.settings.host) for p in servers)
         if servers and not (self.settings.chunk_bytes and self.settings.inflight_bytes):
             self._calibrate(local)
 

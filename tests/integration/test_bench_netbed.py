@@ -99,6 +99,18 @@ def test_mirror_topology_quick_times_both_ways_and_the_chain_halves_one_primarys
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_local_group_hierarchy_quick_sends_less_across_hosts_through_the_servers(tmp_path: Path) -> None:
+    out = tmp_path / "hierarchy.json"
+    result = run_script(["bench/hierarchy.py", "--quick", "--json", str(out)], timeout=110)
+    assert result.returncode == 0, result.stdout[-3000:]
+    sent, step = check_records(out, 2)
+    assert (sent["case"], step["case"]) == ("ps mb_per_step", "ps step_ms")
+    # each worker pushes and pulls half its gradients (its share); the job's start-up traffic is the same both ways
+    assert sent["ours"] < 0.85 * sent["peer"] and sent["gradient_mb"] > 4, sent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
     out = tmp_path / "ps_vs_allreduce.json"
     result = run_script(["bench/ps_vs_allreduce.py", "--quick", "--json", str(out)], timeout=110)

@@ -64,9 +64,10 @@ def test_horovodruns_flags_mean_ours_or_are_ignored_with_a_reason() -> None:
     assert (args.ready_timeout, args.min_workers, args.max_workers, args.max_restarts) == (45, 2, 8, 3)
     assert (args.config, args.timeline, args.output_filename) == ("c.toml", "t.json", "/tmp/o")
     assert args.prefix_output_with_timestamp and args.verbose and args.log_level == "DEBUG"
-    assert sets == ["collective.fusion_bytes=33554432", "collective.cycle_ms=2.5", "collective.stall_timeout=90.0",
-                    "scheduler.op_timeout=40.0"]
-    for flag in ("--gloo", "--disable-cache", "--network-interface", "--hierarchical-allreduce", "--tcp",
+    assert sets == ["collective.fusion_bytes=33554432", "collective.cycle_ms=2.5", "collective.hierarchical=true",
+                    "collective.stall_timeout=90.0", "scheduler.op_timeout=40.0"]
+    assert load_config(None, {}, ["collective.hierarchical=false"]).collective.hierarchical is False
+    for flag in ("--gloo", "--disable-cache", "--network-interface", "--no-hierarchical-allgather", "--tcp",
                  "--blacklist-cooldown-range", "--mpi-args", "--autotune-log-file"):
         assert any(note.startswith(f"{flag} is ignored: ") for note in notes), flag
     # the settings they stand for load
