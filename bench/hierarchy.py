@@ -58,7 +58,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             sent = -host_sent()
         started = time.perf_counter()
         optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         if step >= spec["warmup"]:
             seconds.append(time.perf_counter() - started)
