@@ -12,7 +12,8 @@ The steps are chained by their completions; the next is issued on a thread of it
 I/O thread that completes the last (a push may wait there for credit the I/O thread returns). The
 engines negotiate each step by name, so the ranks may issue them in any order. A share whose
 crossing fails is still gathered, so that every worker of the host stays in step, and the group then
-fails with the crossing's error.
+fails with the crossing's error; a sum that fails inside a host (its workers disagree on the group's
+layout) is refused at the crossing by that host's workers, so it fails on every host alike.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Hierarchy:
                   layout: tuple[tuple[int, ...], ...] | None = None, push_pull: PushPull | None = None) -> OpHandle:
         """Sum `flat` (1-D, registered) over every worker of the job, in place; across hosts by allreduce, or
         through the servers with `push_pull` (this rank's share key declared). Its handle completes when the
-        sum is in `flat`."""
+        sum is in `flat`. Where the host's workers disagree on the `layout` (the shapes a fused group holds),
+        it fails on every worker of the job: the host's refuse the crossing, which fails it on the others."""
         done = OpHandle(f"hierarchical allreduce {name!r}", self._timeout)
         self.groups += 1
         start, end = self.share(flat.size)
@@ -71,7 +73,10 @@ class Hierarchy:
 
         def cross() -> None:
             if summed.error is not None:  # every worker of the host saw it fail alike: none gathers
-                done.finish(error=summed.error)
+                error = f"inside the host of workers {self.local.members} (ranks 0.. there): {summed.error}"
+                if push_pull is None:  # the other hosts' workers of this local rank fail at the crossing
+                    self.cross.refuse(f"{name}.cross", error)
+                done.finish(error=error)
                 return
             if share.size == 0:  # every worker of this local rank has an empty share of a small group
                 gather(None)

@@ -194,6 +194,17 @@ class FusedGradients:
             self.node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
             return
         hierarchy = self.hierarchy
+        # a share's key is declared by its local rank's workers only: the job's workers check the groups first,
+        # so that a worker whose model differs fails every worker here, as a flat declaration does
+        job = self.node.collectives
+        assert job is not None  # the hierarchy's sets are made with the job's engine
+        seen = np.asarray(job.allgather(f"{self.names[0]}.lengths", np.array(lengths, np.int64), "int64").result()
+                          ).reshape(self.node.size, -1)
+        if not (seen == seen[0]).all():
+            differs = next(r for r in range(self.node.size) if not (seen[r] == seen[0]).all())
+            raise SluiceError(f"the workers' gradients differ: worker {differs} has fused groups of "
+                              f"{seen[differs].tolist()} elements, worker 0 of {seen[0].tolist()} ({self.route}, "
+                              f"{self.dtype}): every worker must build the same model")
         shares = [(share_key(name, hierarchy.local_rank), hierarchy.share(n), priority)
                   for name, n, priority in zip(self.names, lengths, self.priorities, strict=True)]
         shares = [(key, (start, end), priority) for key, (start, end), priority in shares if end > start]
@@ -273,8 +284,11 @@ class FusedGradients:
         else:
             if self.hierarchy is not None:
                 push_pull = self.node.ps.push_pull if self.route == "ps" else None
+                # through the servers the shapes are not checked, flat or not: a refused sum there would leave
+                # the other hosts' pushes waiting for this host's
+                layout = self.layouts[index] if push_pull is None else None
                 handle = self.hierarchy.allreduce(self.names[index], array, self.dtype, self.priorities[index],
-                                                  self.layouts[index], push_pull)
+                                                  layout, push_pull)
             else:
                 engine = self.engine
                 assert engine is not None
