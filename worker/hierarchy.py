@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from sluice.worker.collective.engine import CollectiveEngine
+from sluice.worker.collective.negotiation_request import data_op, scaled_op
 from sluice.worker.collective.ops import OpHandle
 from sluice.worker.local_group import share_bounds
 
@@ -60,16 +61,20 @@ class Hierarchy:
         return share_bounds(length, self.local_size)[1][self.local_rank]
 
     def allreduce(self, name: str, flat: np.ndarray, dtype: str, priority: int,
-                  layout: tuple[tuple[int, ...], ...] | None = None, push_pull: PushPull | None = None) -> OpHandle:
+                  layout: tuple[tuple[int, ...], ...] | None = None, push_pull: PushPull | None = None,
+                  op: str = "sum", scale: tuple[float, float] | None = None) -> OpHandle:
         """Sum `flat` (1-D, registered) over every worker of the job, in place; across hosts by allreduce, or
         through the servers with `push_pull` (this rank's share key declared). Its handle completes when the
         sum is in `flat`. Where the host's workers disagree on the `layout` (the shapes a fused group holds),
-        it fails on every worker of the job: the host's refuse the crossing, which fails it on the others."""
+        it fails on every worker of the job: the host's refuse the crossing, which fails it on the others.
+        `op` and `scale` as the engine's allreduce takes them (Horovod's API: min, max, product, or an average
+        the caller scales); the crossing runs the reduction the data plane ran inside the host."""
         done = OpHandle(f"hierarchical allreduce {name!r}", self._timeout)
         self.groups += 1
         start, end = self.share(flat.size)
         share = flat[start:end]
-        summed = self.local.allreduce(f"{name}.local", [flat], dtype, "sum", priority, layout=layout)
+        summed = self.local.allreduce(f"{name}.local", [flat], dtype, op, priority, scale=scale, layout=layout)
+        crossing_op = data_op(scaled_op(op, *scale) if scale is not None else op)
 
         def cross() -> None:
             if summed.error is not None:  # every worker of the host saw it fail alike: none gathers
@@ -85,7 +90,7 @@ class Hierarchy:
                 if push_pull is not None:
                     handle = push_pull(share_key(name, self.local_rank), share, share)
                 else:
-                    handle = self.cross.allreduce(f"{name}.cross", [share], dtype, "sum", priority)
+                    handle = self.cross.allreduce(f"{name}.cross", [share], dtype, crossing_op, priority)
             except Exception as exc:  # the node failed, say: the host's other workers still wait to gather
                 gather(f"{type(exc).__name__}: {exc}")
                 return

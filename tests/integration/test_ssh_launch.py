@@ -106,11 +106,13 @@ def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
 
 def _summed_in_local_groups(result: dict[str, Any], host_index: int, steps: int) -> None:
     """Two workers a host: every step's gradients were summed in the host, then each local rank's share
-    across the hosts (worker/hierarchy.py)."""
+    across the hosts (worker/hierarchy.py), and so were Horovod's allreduces of a large tensor."""
     local, cross, groups = result["hierarchy"]
     assert local == ([0, 1] if host_index == 0 else [2, 3])
     assert cross == ([0, 2] if result["rank"] % 2 == 0 else [1, 3])
     assert groups >= steps
+    assert result["large"] == [True, True, True]  # Horovod's allreduce of a large tensor: sum, max, average
+    assert result["groups_after_large"] == groups + 3
 
 
 @pytest.mark.timeout(180)

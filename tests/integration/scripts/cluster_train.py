@@ -87,6 +87,9 @@ for step in range(args.steps):
         kill_server(0, "aggregator")
     optimizer.step()
 hvd.synchronize_parameters()  # with the optimizer on the servers, the last updates may still be landing
+tiers = require().hierarchy()
+# the sets the fused gradients were summed on in steps (worker/hierarchy.py), and how many groups, or None
+hierarchy = None if tiers is None else [tiers.local.members, tiers.cross_ranks, tiers.groups]
 result = {
     "rank": rank, "size": size,
     "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
@@ -96,9 +99,13 @@ result = {
     "listens_on": json.loads(os.environ["SLUICE_CONFIG_JSON"])["transport"]["host"],
     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     "after": hvd.allreduce(torch.full((5,), float(rank)), name="after_training").tolist(),
-    # the sets the fused gradients were summed on in steps (worker/hierarchy.py), and how many groups, or None
-    "hierarchy": None if (tiers := require().hierarchy()) is None else [tiers.local.members, tiers.cross_ranks,
-                                                                        tiers.groups],
+    # Horovod's API on a large tensor (the hierarchy's, where the job has one): exact in float32
+    "large": [bool(torch.equal(hvd.allreduce(torch.arange(1 << 20, dtype=torch.float32) * (rank + 1), op=op),
+                               torch.arange(1 << 20, dtype=torch.float32) * want))
+              for op, want in ((hvd.Sum, size * (size + 1) // 2), (hvd.Max, size), (hvd.Average, (size + 1) / 2))],
+    "groups_after_large": None if tiers is None else tiers.groups,
+    "hierarchy": hierarchy,
+
 }
 if args.result_dir:
     Path(args.result_dir, f"rank.{rank}.json").write_text(json.dumps(result))
