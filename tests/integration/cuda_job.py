@@ -13,6 +13,11 @@ from tests.integration.training import global_batches, make_model, make_optimize
 
 def main(out_path: str, steps: int, batch: int, device: str) -> None:
     hvd.init()
+    if device == "cuda":  # pinned as Horovod's examples pin it: the local rank's GPU, where the host has as many
+        import torch
+
+        pinned = hvd.local_rank() if hvd.local_rank() < torch.cuda.device_count() else 0  # else: the default
+        assert torch.cuda.current_device() == pinned, (torch.cuda.current_device(), hvd.local_rank())
     model = make_model().to(device)
     opt = hvd.DistributedOptimizer(make_optimizer(model, "sgd"), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

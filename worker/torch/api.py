@@ -173,6 +173,15 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             atexit.register(_close)
     assert STATE.node.process_sets is not None
     register_sets(STATE.node.process_sets, STATE.node.rank, process_sets)
+    _pin_gpu()
+
+
+def _pin_gpu() -> None:
+    """Each worker on its own GPU, as Horovod's examples pin it (torch.cuda.set_device(hvd.local_rank())):
+    the GPU of its local rank where the host shows as many; where fewer show (CUDA_VISIBLE_DEVICES chosen
+    per worker), the worker keeps the one it was given."""
+    if torch.cuda.is_available() and local_rank() < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank())
 
 
 def shutdown() -> None:
