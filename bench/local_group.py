@@ -42,8 +42,9 @@ def worker(count: int, rounds: int, repeats: int, tag: str) -> dict[str, list[fl
     """One worker's seconds per round of each way, per repetition (rank 0's are the ones kept)."""
     import torch
 
-    from sluice.worker.local_group import LocalGroup, share_bounds
+    from sluice.worker.local_group import LocalGroup
     from sluice.worker.node import WorkerNode
+    from sluice.worker.topology import share_bounds
 
     node = WorkerNode()
     engine = node.collectives

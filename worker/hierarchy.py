@@ -29,7 +29,7 @@ import numpy as np
 from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.collective.negotiation_request import data_op, scaled_op
 from sluice.worker.collective.ops import OpHandle
-from sluice.worker.local_group import share_bounds
+from sluice.worker.topology import share_bounds
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,9 @@ def share_key(name: str, local_rank: int) -> str:
 class Hierarchy:
     """This worker's place in the hierarchy: its host's engine and its local rank's engine across hosts."""
 
-    def __init__(self, local: CollectiveEngine, cross: CollectiveEngine, timeout: float) -> None:
-        self.local, self.cross, self._timeout = local, cross, timeout
+    def __init__(self, local: CollectiveEngine, cross: CollectiveEngine, job: CollectiveEngine, timeout: float) -> None:
+        """`job`: the job's engine (every worker's checks before a share's key is declared)."""
+        self.local, self.cross, self.job, self._timeout = local, cross, job, timeout
         self.local_rank, self.local_size = local.rank, local.size
         #: the job ranks that share this worker's local rank, one per host (a share key's declaring set)
         self.cross_ranks = list(cross.members)

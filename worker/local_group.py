@@ -8,7 +8,7 @@ generation; it is created 0600 and removed by torch when the last member closes 
 the loopback only: nothing of a local group reaches the network.
 
 A reduce-scatter gives each local rank an equal share of a flat tensor whose length the caller
-padded to a multiple of the local size (`share_bounds`); an allgather puts the shares back.
+padded to a multiple of the local size (worker/topology.py `share_bounds`); an allgather puts the shares back.
 """
 
 from __future__ import annotations
@@ -39,15 +39,6 @@ def store_path(tag: str, host: int, generation: int, directory: str = STATE_DIR)
     if not _TAG.fullmatch(tag):  # nothing else reaches a file name
         raise ValueError(f"a state tag is 16 hex digits, got {tag[:40]!r}")
     return os.path.join(directory, f"sluice-state-{tag}-local-{host}-{generation}")
-
-
-def share_bounds(length: int, parts: int) -> tuple[int, list[tuple[int, int]]]:
-    """A flat tensor of `length` elements cut in `parts` equal shares: the padded length (a multiple of `parts`)
-    and each share's [start, end) within the unpadded `length` (the last ones shorter, or empty)."""
-    if parts < 1 or length < 0:
-        raise ValueError(f"cannot cut {length} elements in {parts} shares")
-    share = -(-length // parts)
-    return share * parts, [(min(r * share, length), min((r + 1) * share, length)) for r in range(parts)]
 
 
 class LocalGroup:

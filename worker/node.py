@@ -186,7 +186,7 @@ class WorkerNode:
         if self._hierarchy is None and self.collective_settings.hierarchical and self.process_sets is not None:
             engines = self.process_sets.hierarchy()
             if engines is not None:
-                self._hierarchy = Hierarchy(*engines, self.control_settings.op_timeout)
+                self._hierarchy = Hierarchy(*engines, self.process_sets.job, self.control_settings.op_timeout)
         return self._hierarchy
 
     # ------------------------------------------------------------------ closing

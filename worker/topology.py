@@ -1,4 +1,4 @@
-"""Where each worker runs (pure): Horovod's local and cross ranks from the host of every worker rank."""
+"""Where each worker runs (pure): Horovod's local and cross ranks, and the hierarchy's sets and shares."""
 
 from __future__ import annotations
 
@@ -61,3 +61,12 @@ def host_groups(hosts: Sequence[str], rank: int) -> HostGroups | None:
     local = tuple(r for r in range(len(hosts)) if hosts[r] == hosts[rank])
     cross = tuple(r for r in range(len(hosts)) if local_of[r] == where.local_rank)
     return HostGroups(local, cross, list(seen).index(hosts[rank]))
+
+
+def share_bounds(length: int, parts: int) -> tuple[int, list[tuple[int, int]]]:
+    """A flat tensor of `length` elements cut in `parts` equal shares: the padded length (a multiple of `parts`)
+    and each share's [start, end) within the unpadded `length` (the last ones shorter, or empty)."""
+    if parts < 1 or length < 0:
+        raise ValueError(f"cannot cut {length} elements in {parts} shares")
+    share = -(-length // parts)
+    return share * parts, [(min(r * share, length), min((r + 1) * share, length)) for r in range(parts)]

@@ -20,7 +20,8 @@ MEMBER = """
 import json, os, stat, sys, time
 import torch
 from sluice.errors import SluiceError
-from sluice.worker.local_group import LocalGroup, share_bounds, store_path
+from sluice.worker.local_group import LocalGroup, store_path
+from sluice.worker.topology import share_bounds
 rank, size, directory, timeout = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 try:
     group = LocalGroup(sys.argv[5], 1, 0, rank, size, timeout=timeout, directory=directory)

@@ -31,7 +31,7 @@ def hierarchy_cases(through_servers: bool) -> dict[str, Any]:
     node, rank = require(), hvd.rank()
     sets = sets_of(node)
     ids = [sets.add(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
-    tiers = Hierarchy(sets.engine(ids[rank // 2], "local"), sets.engine(ids[2 + rank % 2], "cross"), 30.0)
+    tiers = Hierarchy(sets.engine(ids[rank // 2], "local"), sets.engine(ids[2 + rank % 2], "cross"), sets.job, 30.0)
     out: dict[str, Any] = {"shares": [tiers.share(n) for n in LENGTHS]}
     push_pull = node.ps.push_pull if through_servers else None
     if through_servers:

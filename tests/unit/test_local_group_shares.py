@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.worker.local_group import share_bounds, store_path
+from sluice.worker.local_group import store_path
+from sluice.worker.topology import share_bounds
 
 
 @pytest.mark.parametrize(("length", "parts", "padded", "bounds"), [

@@ -28,6 +28,7 @@ from sluice.transport.dtypes import STORAGE
 from sluice.worker.collective.engine import CollectiveEngine
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.config import WorkerConfig
+from sluice.worker.group_route import GroupRoute
 from sluice.worker.node import WorkerNode
 from sluice.worker.plan.fusion import FusionPlan, group_layout, plan_fusion, unfused_plan
 from sluice.worker.plan.priority import Assigned, describe, override_for, parse_overrides, priority_map, to_json
@@ -114,11 +115,10 @@ class _FusedSet:
                         for g in self.plan.groups]
         self.priorities = [min((priority[specs[members[t]].name] for t in g.tensors), default=0)
                            for g in self.plan.groups]
-        if route == "ps":  # a process set's rounds there count its workers only
-            node.ps.declare([(name, ((g.end - g.start) // self.item,), dtype, None)
-                            for name, g in zip(self.names, self.plan.groups, strict=True)],
-                            engine.members if engine.set_id else None)
-            node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
+        # a process set's rounds on the servers count its workers only; the job's groups take the hierarchy
+        self.sending = GroupRoute(node, route, None if engine is node.collectives else engine, self.names,
+                                  [(g.end - g.start) // self.item for g in self.plan.groups], dtype, self.priorities,
+                                  self.layouts, greedy)
 
     def load(self, arrays: Sequence[np.ndarray], prescale: float) -> None:
         for (offset, spec), index in zip(self.slots, self.members, strict=True):
@@ -146,11 +146,7 @@ class _FusedSet:
 
     def send(self, group: int) -> Any:
         g = self.plan.groups[group]
-        array = self.buffer[g.start // self.item: g.end // self.item]
-        if self.route == "ps":
-            return self.node.ps.push_pull(self.names[group], array, array)
-        return self.engine.allreduce(self.names[group], [array], self.dtype, "sum", self.priorities[group],
-                                     layout=self.layouts[group])
+        return self.sending.send(group, self.buffer[g.start // self.item: g.end // self.item])
 
     def unload(self, out: list[np.ndarray | None], scale: float) -> None:
         for (offset, spec), index in zip(self.slots, self.members, strict=True):

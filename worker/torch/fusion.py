@@ -22,7 +22,7 @@ import torch
 from sluice.errors import SluiceError
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.engine import CollectiveEngine
-from sluice.worker.hierarchy import share_key
+from sluice.worker.group_route import GroupRoute
 from sluice.worker.node import WorkerNode
 from sluice.worker.plan.fusion import Group, OnlineFusion, group_layout, grouped_plan, plan_fusion, unfused_plan
 from sluice.worker.staging import wire_dtype
@@ -173,45 +173,9 @@ class FusedGradients:
         self.priorities = [min((priorities.get(self.keys[t], 0) for t in g.tensors), default=0)
                            for g in self.plan.groups]
         self.step = self._new_step()
-        #: the job's groups are summed inside each host first where the job allows (worker/hierarchy.py): not a
-        #: process set's, not Horovod's greedy baseline, and on the servers' route only without aggregators
-        #: (a share's key is its set's, and those go straight to the servers)
-        self.hierarchy = node.hierarchy() if (
-            (engine is None or engine is node.collectives) and not greedy
-            and (route == "allreduce" or not node.hosts("aggregator"))) else None
-        if route == "ps":
-            self._declare(item)
-        elif self.engine is None:
-            raise SluiceError("allreduce is not available: the collective engine did not start")
-
-    def _declare(self, item: int) -> None:
-        """The groups' keys on the servers: each group's, or with the hierarchy this local rank's share of each."""
         lengths = [(g.end - g.start) // item for g in self.plan.groups]
-        if self.hierarchy is None:
-            members = self.engine.members if self.engine is not None and self.engine.set_id else None
-            self.node.ps.declare([(name, (n,), self.dtype, None) for name, n in zip(self.names, lengths, strict=True)],
-                                 members)
-            self.node.ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
-            return
-        hierarchy = self.hierarchy
-        # a share's key is declared by its local rank's workers only: the job's workers check the groups first,
-        # so that a worker whose model differs fails every worker here, as a flat declaration does
-        job = self.node.collectives
-        assert job is not None  # the hierarchy's sets are made with the job's engine
-        seen = np.asarray(job.allgather(f"{self.names[0]}.lengths", np.array(lengths, np.int64), "int64").result()
-                          ).reshape(self.node.size, -1)
-        if not (seen == seen[0]).all():
-            differs = next(r for r in range(self.node.size) if not (seen[r] == seen[0]).all())
-            raise SluiceError(f"the workers' gradients differ: worker {differs} has fused groups of "
-                              f"{seen[differs].tolist()} elements, worker 0 of {seen[0].tolist()} ({self.route}, "
-                              f"{self.dtype}): every worker must build the same model")
-        shares = [(share_key(name, hierarchy.local_rank), hierarchy.share(n), priority)
-                  for name, n, priority in zip(self.names, lengths, self.priorities, strict=True)]
-        shares = [(key, (start, end), priority) for key, (start, end), priority in shares if end > start]
-        if shares:  # every worker of this local rank has the same shares, or none
-            self.node.ps.declare([(key, (end - start,), self.dtype, None) for key, (start, end), _ in shares],
-                                 hierarchy.cross_ranks)
-            self.node.ps.set_priorities({key: priority for key, _, priority in shares})
+        self.sending = GroupRoute(node, route, engine, self.names, lengths, self.dtype, self.priorities, self.layouts,
+                                  greedy)
 
     def view(self, key: int) -> torch.Tensor:
         return self._views[self.active][key]
@@ -278,25 +242,10 @@ class FusedGradients:
             if self._on_device:
                 self._hosts[self.active][span].copy_(self._flats[self.active][span])
         array: np.ndarray = self._arrays[self.active][span]
-        handle: Any
-        if self.route == "ps" and self.hierarchy is None:
-            handle = self.node.ps.push_pull(self.names[index], array, array)
-        else:
-            if self.hierarchy is not None:
-                push_pull = self.node.ps.push_pull if self.route == "ps" else None
-                # through the servers the shapes are not checked, flat or not: a refused sum there would leave
-                # the other hosts' pushes waiting for this host's
-                layout = self.layouts[index] if push_pull is None else None
-                handle = self.hierarchy.allreduce(self.names[index], array, self.dtype, self.priorities[index],
-                                                  layout, push_pull)
-            else:
-                engine = self.engine
-                assert engine is not None
-                handle = engine.allreduce(self.names[index], [array], self.dtype, "sum", self.priorities[index],
-                                          layout=self.layouts[index])
-            if self.node.trace is not None:
-                self.node.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes,
-                                           handle, self.members[index])
+        handle = self.sending.send(index, array)
+        if self.node.trace is not None and (self.route == "allreduce" or self.sending.hierarchy is not None):
+            self.node.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes, handle,
+                                       self.members[index])
         self.step.groups[index].handle = handle
 
 
