@@ -113,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed steps (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="each job's deadline")
-    add_common_options(parser, "the servers' route only, a 1024-wide MLP, 2 + 3 steps, 1 repeat", repeats=3)
+    add_common_options(parser, "the servers' route only, 1 server, a 1024-wide MLP, 2 + 3 steps, 1 repeat",
+                       repeats=3)
     args = parser.parse_args(argv)
     if args.worker is not None:
         emit_result(train(json.loads(args.worker)))
         return 0
     if args.quick:
-        args.routes, args.width, args.warmup, args.steps, args.repeats = ["ps"], 1024, 2, 3, 1
+        args.routes, args.servers, args.width, args.warmup, args.steps, args.repeats = ["ps"], 1, 1024, 2, 3, 1
     if not ready_for("bench/hierarchy.py"):
         return 0
     measured: dict[tuple[str, bool], list[dict[str, float]]] = {}
