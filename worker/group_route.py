@@ -46,7 +46,7 @@ class GroupRoute:
         name, priority = self.names[index], self.priorities[index]
         if self.route == "ps" and self.hierarchy is None:
             return self.node.ps.push_pull(name, array, array)
-        if self.hierarchy is not None:
+        if self.hierarchy is not None and self.hierarchy.takes(array.nbytes, self.route == "ps"):
             if self.route == "ps":  # the servers check no shapes, flat or not: a refused sum would leave the
                 # other hosts' pushes waiting for this host's
                 return self.hierarchy.allreduce(name, array, self.dtype, priority, None, self.node.ps.push_pull)

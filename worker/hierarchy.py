@@ -57,6 +57,13 @@ class Hierarchy:
         self._thread = threading.Thread(target=self._run, name="sluice-hierarchy", daemon=True)
         self._thread.start()
 
+    def takes(self, nbytes: int, through_servers: bool = False) -> bool:
+        """Whether a sum of `nbytes` takes the hierarchy: through the servers always (each worker pushes its share
+        only); by allreduce where the engine would take its ring (collective.tree_below_bytes), since its tree,
+        which the smaller ones take, is built by host and crosses each host's link about as the hierarchy does
+        (bench/results/hierarchy.md)."""
+        return through_servers or nbytes >= self.job.settings.tree_below_bytes
+
     def share(self, length: int) -> tuple[int, int]:
         """This worker's share [start, end) of a flat group of `length` elements."""
         return share_bounds(length, self.local_size)[1][self.local_rank]

@@ -104,15 +104,16 @@ def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
         time.sleep(0.2)
 
 
-def _summed_in_local_groups(result: dict[str, Any], host_index: int, steps: int) -> None:
+def _summed_in_local_groups(result: dict[str, Any], host_index: int, steps: int, small_too: bool = False) -> None:
     """Two workers a host: every step's gradients were summed in the host, then each local rank's share
-    across the hosts (worker/hierarchy.py), and so were Horovod's allreduces of a large tensor."""
+    across the hosts (worker/hierarchy.py), and so were Horovod's allreduces of a large tensor (and of the
+    script's small one where `small_too`: collective.tree_below_bytes = 0)."""
     local, cross, groups = result["hierarchy"]
     assert local == ([0, 1] if host_index == 0 else [2, 3])
     assert cross == ([0, 2] if result["rank"] % 2 == 0 else [1, 3])
     assert groups >= steps
     assert result["large"] == [True, True, True]  # Horovod's allreduce of a large tensor: sum, max, average
-    assert result["groups_after_large"] == groups + 3
+    assert result["groups_after_large"] == groups + 3 + small_too
 
 
 @pytest.mark.timeout(180)
@@ -135,8 +136,10 @@ def test_local_group_hierarchy_through_the_servers_trains_as_on_one_machine(bed:
 def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(bed: SshBed) -> None:
     assert bed.private is not None
     timeline = bed.private / "trace.json"  # on h2, this directory is a tmpfs of h2's own
-    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--timeline", str(timeline), "--", sys.executable, SCRIPT,
-                       "--steps", "12", "--optimizer", "adam"], timeout=150)
+    # the ring's sizes from 0 bytes: the small model's groups take the hierarchy by allreduce too
+    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--timeline", str(timeline), "--set",
+                       "collective.tree_below_bytes=0", "--", sys.executable, SCRIPT, "--steps", "12", "--optimizer",
+                       "adam"], timeout=150)
     assert done.returncode == 0, done.stdout[-5000:]
     # workers 2 and 3 and server 1 ran on h2 and wrote their parts where only h2 sees them: sent, they arrived
     for process in ("worker 2", "worker 3", "server 1"):
@@ -160,7 +163,7 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(b
                             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": h1}
         assert not r["secret_in_env"]
         assert r["params"] == results[0]["params"]
-        _summed_in_local_groups(r, host_index, 12)
+        _summed_in_local_groups(r, host_index, 12, small_too=True)
     reference = cluster_train_params(12, "adam", workers=4)  # the same job on one machine
     assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
     _nothing_left(bed)

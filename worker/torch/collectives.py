@@ -104,10 +104,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
             scaled(array, prescale_factor, dtype, array)
     node = require()
     # one large tensor of the job's: summed inside each host first where the job has hosts of several workers
-    # (worker/hierarchy.py); below the size where the ring takes over from the tree, latency decides, not bytes
-    tiers = node.hierarchy() if (len(arrays) == 1 and on is node.collectives and arrays[0].flags.c_contiguous
-                                 and arrays[0].nbytes >= on.settings.tree_below_bytes) else None
-    if tiers is not None:
+    tiers = node.hierarchy() if len(arrays) == 1 and on is node.collectives and arrays[0].flags.c_contiguous else None
+    if tiers is not None and tiers.takes(arrays[0].nbytes):
         handle = tiers.allreduce(call, arrays[0].reshape(-1), dtype, priority, (tuple(arrays[0].shape),),
                                  op=reduce_op, scale=(prescale_factor, postscale_factor))
     else:
