@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import math
+import os
 import re
 import textwrap
 import tomllib
@@ -186,10 +187,12 @@ _Item = tuple[str, str, object, str]
 
 
 def load_config(path: str | None, environ: Mapping[str, str], overrides: Sequence[str]) -> SluiceConfig:
-    """Defaults, then the TOML file at `path`, then SLUICE_<SECTION>_<FIELD> variables, then --set items."""
+    """Defaults, then the TOML file at `path`, then Horovod's variables of the same meaning (HOROVOD_*, as a
+    Horovod job script exports them), then SLUICE_<SECTION>_<FIELD> variables, then --set items."""
     items: list[_Item] = []
     if path is not None:
         items += _items_from_file(path)
+    items += _items_from_horovod(environ)
     items += _items_from_environ(environ)
     items += _items_from_overrides(overrides)
     return _build(items)
@@ -228,6 +231,30 @@ def _items_from_environ(environ: Mapping[str, str]) -> list[_Item]:
             allowed = ", ".join(f"{ENV_PREFIX}{s.upper()}_*" for s in SECTIONS)
             raise ConfigError(f"unknown setting {var} ({source}); settings variables are {allowed}")
         items.append((section, rest[len(section) + 1 :].lower(), environ[var], source))
+    return items
+
+
+#: Horovod's variables that mean one of our settings (their units are ours): variable -> (section, field)
+HOROVOD_VARS = {"HOROVOD_FUSION_THRESHOLD": ("collective", "fusion_bytes"),
+                "HOROVOD_CYCLE_TIME": ("collective", "cycle_ms"),
+                "HOROVOD_HIERARCHICAL_ALLREDUCE": ("collective", "hierarchical"),
+                "HOROVOD_TIMELINE": ("timeline", "path")}
+
+
+def _items_from_horovod(environ: Mapping[str, str]) -> list[_Item]:
+    items: list[_Item] = []
+    for var, (section, name) in HOROVOD_VARS.items():
+        raw = environ.get(var)
+        if raw is None:
+            continue
+        if name == "hierarchical":  # Horovod's switches: an integer, on when positive
+            try:
+                raw = "true" if int(raw.strip()) > 0 else "false"
+            except ValueError:
+                raise ConfigError(f"{var} = {raw!r} does not parse: Horovod's switches are 0 or 1") from None
+        if name == "path":  # the launcher merges the timeline: a relative path is the launcher's, as --timeline's
+            raw = os.path.abspath(raw)
+        items.append((section, name, raw, f"environment variable {var} (Horovod's)"))
     return items
 
 

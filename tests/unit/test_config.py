@@ -103,6 +103,32 @@ def test_env_and_set_parse_by_type() -> None:
 
 
 @pytest.mark.parametrize(
+    ("environ", "sets", "want"),
+    [
+        ({"HOROVOD_FUSION_THRESHOLD": "8388608", "HOROVOD_CYCLE_TIME": "2.5"}, [], (8388608, 2.5, True, None)),
+        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_TIMELINE": "/tmp/t.json"}, [], (16 << 20, 1.0, False,
+                                                                                        "/tmp/t.json")),
+        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, [], (16 << 20, 1.0, True, None)),
+        # ours win: SLUICE_* variables and --set are Sluice's own words
+        ({"HOROVOD_FUSION_THRESHOLD": "8388608", "SLUICE_COLLECTIVE_FUSION_BYTES": "1024"},
+         ["collective.hierarchical=false"], (1024, 1.0, False, None)),
+        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, ["collective.hierarchical=false"], (16 << 20, 1.0, False, None)),
+    ],
+)
+def test_horovods_variables_mean_our_settings(environ: dict[str, str], sets: list[str],
+                                              want: tuple[int, float, bool, str | None]) -> None:
+    config = load_config(None, environ, sets)
+    got = (config.collective.fusion_bytes, config.collective.cycle_ms, config.collective.hierarchical,
+           config.timeline.path or None)
+    assert got == want
+
+
+def test_a_horovod_switch_that_is_no_integer_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"HOROVOD_HIERARCHICAL_ALLREDUCE = 'yes'.*0 or 1"):
+        load_config(None, {"HOROVOD_HIERARCHICAL_ALLREDUCE": "yes"}, [])
+
+
+@pytest.mark.parametrize(
     ("environ", "sets", "needles"),
     [
         ({}, ["nosuch.field=1"], ["nosuch", "--set nosuch.field=1", "transport, scheduler, ps, worker"]),
