@@ -85,6 +85,7 @@ class Hierarchy:
         crossing_op = data_op(scaled_op(op, *scale) if scale is not None else op)
 
         def cross() -> None:
+            done.started = summed.started  # the timeline's NEGOTIATE: until the host's sum was decided
             if summed.error is not None:  # every worker of the host saw it fail alike: none gathers
                 error = f"inside the host of workers {self.local.members} (ranks 0.. there): {summed.error}"
                 if push_pull is None:  # the other hosts' workers of this local rank fail at the crossing
