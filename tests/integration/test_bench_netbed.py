@@ -124,12 +124,13 @@ def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
 def test_priority_training_quick_writes_records_and_a_plot(tmp_path: Path) -> None:
     out, plot = tmp_path / "priority_training.json", tmp_path / "plot" / "priority_training.svg"
     result = run_script(["bench/priority_training.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=140)
-    records = check_records(out, 3)  # priority against chunked, fifo and ddp
-    assert all(rec["ours_step_ms"] > 0 and rec["peer_step_ms"] > 0 for rec in records), records
+    (rec,) = check_records(out, 1)  # quick: priority against ddp (the full run adds chunked and fifo)
+    assert rec["peer_name"] == "torch DDP (gloo)" and rec["case"].endswith("-vs-ddp"), rec
+    assert rec["ours_step_ms"] > 0 and rec["peer_step_ms"] > 0, rec
     assert "priority speed-up" in result.stdout
     root = ET.parse(plot).getroot()
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
-    assert len(root.findall("{http://www.w3.org/2000/svg}rect")) >= 4 + 1  # the background, then a bar per config
+    assert len(root.findall("{http://www.w3.org/2000/svg}rect")) >= 2 + 1  # the background, then a bar per config
 
 
 @pytest.mark.slow
