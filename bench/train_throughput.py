@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one measurement after this long (default: %(default)s)")
     add_common_options(parser, quick="2 warm-up + 10 timed steps, 1 repeat (overrides those options); with "
-                                     "--framework keras, against MWMS and Keras alone only")
+                                     "--framework keras, against MWMS only")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.steps, args.repeats = 2, 10, 1
@@ -221,9 +221,9 @@ def throughput(args: argparse.Namespace, result: dict[str, Any]) -> Stats:
     return stats([samples / s for s in result["seconds"]])
 
 
-#: --quick --framework keras: the peers measured (MWMS is Keras' own; sluice.torch and the MWMS loop each start
-#: another set of processes, which the full run measures)
-QUICK_KERAS_PEERS = ("keras-vs-mwms", "keras-vs-alone")
+#: --quick --framework keras: the peer measured (MWMS, Keras' own; sluice.torch, the MWMS loop and Keras alone each
+#: start another set of TensorFlow processes, which the full run measures)
+QUICK_KERAS_PEERS = ("keras-vs-mwms",)
 
 
 def keras_cases(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, rows: list[list[str]],
