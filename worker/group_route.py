@@ -43,14 +43,13 @@ class GroupRoute:
 
     def send(self, index: int, array: np.ndarray) -> Any:
         """Start summing group `index`, whose elements are `array` (1-D, registered), in place; its handle."""
-        name, priority = self.names[index], self.priorities[index]
-        if self.route == "ps" and self.hierarchy is None:
+        name, priority, servers = self.names[index], self.priorities[index], self.route == "ps"
+        if self.hierarchy is not None and self.hierarchy.takes(array.nbytes, servers):
+            # the servers check no shapes, flat or not: a refused sum would leave the other hosts' pushes waiting
+            return (self.hierarchy.allreduce(name, array, self.dtype, priority, None, self.node.ps.push_pull)
+                    if servers else self.hierarchy.allreduce(name, array, self.dtype, priority, self.layouts[index]))
+        if servers:
             return self.node.ps.push_pull(name, array, array)
-        if self.hierarchy is not None and self.hierarchy.takes(array.nbytes, self.route == "ps"):
-            if self.route == "ps":  # the servers check no shapes, flat or not: a refused sum would leave the
-                # other hosts' pushes waiting for this host's
-                return self.hierarchy.allreduce(name, array, self.dtype, priority, None, self.node.ps.push_pull)
-            return self.hierarchy.allreduce(name, array, self.dtype, priority, self.layouts[index])
         assert self.engine is not None
         return self.engine.allreduce(name, [array], self.dtype, "sum", priority, layout=self.layouts[index])
 

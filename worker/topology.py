@@ -27,7 +27,7 @@ def placement(hosts: Sequence[str], rank: int) -> Placement:
     """The placement of worker `rank`, given the host of every worker by rank."""
     if not 0 <= rank < len(hosts):
         raise ValueError(f"rank {rank} is not one of the {len(hosts)} workers")
-    local_of = [sum(1 for h in hosts[:r] if h == hosts[r]) for r in range(len(hosts))]
+    local_of = _local_ranks(hosts)
     local_rank = local_of[rank]
     # the cross group: one worker per host, the one with this local rank (hosts in order of first rank)
     group = [r for r in range(len(hosts)) if local_of[r] == local_rank]
@@ -53,14 +53,20 @@ def host_groups(hosts: Sequence[str], rank: int) -> HostGroups | None:
     where = placement(hosts, rank)
     if not where.homogeneous or where.local_size < 2 or where.cross_size < 2:
         return None
+    local_of = _local_ranks(hosts)
+    local = tuple(r for r in range(len(hosts)) if hosts[r] == hosts[rank])
+    cross = tuple(r for r in range(len(hosts)) if local_of[r] == where.local_rank)
+    return HostGroups(local, cross, list(dict.fromkeys(hosts)).index(hosts[rank]))
+
+
+def _local_ranks(hosts: Sequence[str]) -> list[int]:
+    """Each worker's index among the workers of its host, by rank."""
     seen: dict[str, int] = {}
     local_of = []
     for host in hosts:
         local_of.append(seen.get(host, 0))
         seen[host] = local_of[-1] + 1
-    local = tuple(r for r in range(len(hosts)) if hosts[r] == hosts[rank])
-    cross = tuple(r for r in range(len(hosts)) if local_of[r] == where.local_rank)
-    return HostGroups(local, cross, list(seen).index(hosts[rank]))
+    return local_of
 
 
 def share_bounds(length: int, parts: int) -> tuple[int, list[tuple[int, int]]]:
