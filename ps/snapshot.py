@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import hmac
 import mmap
 import os
 import re
@@ -31,6 +29,7 @@ import numpy as np
 from sluice.errors import SluiceError
 from sluice.ps import optim
 from sluice.ps.ranked_sum import FLOAT_DTYPES
+from sluice.scheduler.bootstrap import state_tag as state_tag  # where the ps layer has always found it
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.shm_space import reserve
 
@@ -47,11 +46,6 @@ _LINE, _PAGE = 64, mmap.ALLOCATIONGRANULARITY
 _TAG = re.compile(r"[0-9a-f]{16}")
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _OPTIMIZERS = ("no optimizer", "sgd", "adam")
-
-
-def state_tag(secret: bytes) -> str:
-    """Every member of a job (a replacement too) can compute it; other jobs and users cannot guess it."""
-    return hmac.new(secret, b"state", hashlib.sha256).hexdigest()[:16]
 
 
 def state_path(tag: str, server_rank: int, directory: str = STATE_DIR, held_by: int = -1) -> str:

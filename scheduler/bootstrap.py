@@ -8,6 +8,8 @@ and the descriptor closed, so the worker's own subprocesses do not inherit it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -185,6 +187,12 @@ class NodeEnv:
         shared.get("scheduler", {}).pop("port", None)
         shared.get("scheduler", {}).pop("standby_port", None)  # the same for its standby
         return json.dumps(shared, sort_keys=True)
+
+
+def state_tag(secret: bytes) -> str:
+    """The job's name in this host's shared memory (servers' state files, local groups' stores): every member
+    of a job (a replacement too) can compute it; other jobs and users cannot guess it."""
+    return hmac.new(secret, b"state", hashlib.sha256).hexdigest()[:16]
 
 
 def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:

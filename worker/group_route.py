@@ -36,6 +36,8 @@ class GroupRoute:
         self.hierarchy: Hierarchy | None = node.hierarchy() if (
             (engine is None or engine is node.collectives) and not greedy
             and (route == "allreduce" or not node.hosts("aggregator"))) else None
+        if self.hierarchy is not None:
+            self._check_lengths(list(lengths))
         if route == "ps":
             self._declare(list(lengths))
         elif self.engine is None:
@@ -53,6 +55,30 @@ class GroupRoute:
         assert self.engine is not None
         return self.engine.allreduce(name, [array], self.dtype, "sum", priority, layout=self.layouts[index])
 
+    def cross(self, index: int, share: np.ndarray) -> Any:
+        """Start summing across the hosts this worker's `share` of group `index`, which its host summed already
+        (a device-resident group: worker/torch/device_hierarchy.py); without a hierarchy the share is the group."""
+        if self.hierarchy is None:
+            return self.send(index, share)
+        name = self.names[index]
+        if self.route == "ps":
+            return self.node.ps.push_pull(share_key(name, self.hierarchy.local_rank), share, share)
+        return self.hierarchy.cross.allreduce(f"{name}.cross", [share], self.dtype, "sum", self.priorities[index])
+
+    def _check_lengths(self, lengths: list[int]) -> None:
+        """Every worker's groups are the same, or every worker fails here, as a flat declaration does: a share's
+        key is declared by its local rank's workers only, and a device-resident group's sum inside the host
+        checks nothing."""
+        assert self.hierarchy is not None
+        job = self.hierarchy.job
+        seen = np.asarray(job.allgather(f"{self.names[0]}.lengths", np.array(lengths, np.int64), "int64").result()
+                          ).reshape(job.size, -1)
+        if not (seen == seen[0]).all():
+            differs = next(r for r in range(job.size) if not (seen[r] == seen[0]).all())
+            raise SluiceError(f"the workers' gradients differ: worker {differs} has fused groups of "
+                              f"{seen[differs].tolist()} elements, worker 0 of {seen[0].tolist()} ({self.route}, "
+                              f"{self.dtype}): every worker must build the same model")
+
     def _declare(self, lengths: list[int]) -> None:
         """The groups' keys on the servers: each group's, or with the hierarchy this local rank's share of each."""
         ps, hierarchy = self.node.ps, self.hierarchy
@@ -61,16 +87,6 @@ class GroupRoute:
             ps.declare([(name, (n,), self.dtype, None) for name, n in zip(self.names, lengths, strict=True)], members)
             ps.set_priorities(dict(zip(self.names, self.priorities, strict=True)))
             return
-        # a share's key is declared by its local rank's workers only: every worker checks the groups first, so
-        # that a worker whose model differs fails every worker here, as a flat declaration does
-        job = hierarchy.job
-        seen = np.asarray(job.allgather(f"{self.names[0]}.lengths", np.array(lengths, np.int64), "int64").result()
-                          ).reshape(job.size, -1)
-        if not (seen == seen[0]).all():
-            differs = next(r for r in range(job.size) if not (seen[r] == seen[0]).all())
-            raise SluiceError(f"the workers' gradients differ: worker {differs} has fused groups of "
-                              f"{seen[differs].tolist()} elements, worker 0 of {seen[0].tolist()} ({self.route}, "
-                              f"{self.dtype}): every worker must build the same model")
         shares = [(share_key(name, hierarchy.local_rank), hierarchy.share(n), priority)
                   for name, n, priority in zip(self.names, lengths, self.priorities, strict=True)]
         shares = [(key, (start, end), priority) for key, (start, end), priority in shares if end > start]

@@ -9,6 +9,9 @@ the loopback only: nothing of a local group reaches the network.
 
 A reduce-scatter gives each local rank an equal share of a flat tensor whose length the caller
 padded to a multiple of the local size (worker/topology.py `share_bounds`); an allgather puts the shares back.
+A group may run several lanes, each a process group of its own over the same store: collectives of one
+lane must be issued in the same order by every member, those of different lanes need not be (a caller
+issues reduce-scatters from one thread and allgathers from another).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend, FileStore, Store, Work
+from torch._C._distributed_c10d import Backend, FileStore, PrefixStore, Store, Work
 
 from sluice.errors import SluiceError
 from sluice.transport.shm_peers import SHM_DIR
@@ -45,7 +48,7 @@ class LocalGroup:
     """This worker's place in its host's group of workers: `local_rank` of `local_size`."""
 
     def __init__(self, tag: str, host: int, generation: int, local_rank: int, local_size: int,
-                 backend: str = "gloo", timeout: float = TIMEOUT_S, directory: str = STATE_DIR) -> None:
+                 backend: str = "gloo", timeout: float = TIMEOUT_S, directory: str = STATE_DIR, lanes: int = 1) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"a local group runs on gloo or nccl, not {backend!r}")
         if not 0 <= local_rank < local_size:
@@ -58,7 +61,8 @@ class LocalGroup:
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         self._store: FileStore | None = FileStore(self.path, local_size)
         try:
-            self.group: Backend | None = _make(backend, self._store, local_rank, local_size, timeout)
+            self.lanes: list[Backend] = [_make(backend, PrefixStore(f"lane{lane}", self._store), local_rank, local_size,
+                                               timeout) for lane in range(lanes)]
         except RuntimeError as exc:
             self._store = None
             with contextlib.suppress(FileNotFoundError):  # the group failed: no one meets here any more
@@ -66,26 +70,26 @@ class LocalGroup:
             raise SluiceError(f"the workers of host {host} did not form their local group ({backend}, {local_size} "
                               f"workers) within {timeout:g} s: is one of them gone? ({str(exc)[:200]})") from None
 
-    def reduce_scatter(self, flat: torch.Tensor, share: torch.Tensor) -> Work:
-        """Start summing `flat` (padded: local_size x share.numel() elements) over the group into this rank's
-        `share`; wait() on what it returns."""
-        work: Work = self._group().reduce_scatter([share], [list(flat.chunk(self.local_size))])
+    def reduce_scatter(self, flat: torch.Tensor, share: torch.Tensor, lane: int = 0) -> Work:
+        """Start summing `flat` (padded: local_size x share.numel() elements, contiguous) over the group into
+        this rank's `share`; wait() on what it returns (on CUDA: the current stream waits, not the host)."""
+        work: Work = self._lane(lane)._reduce_scatter_base(share, flat)
         return work
 
-    def allgather(self, share: torch.Tensor, flat: torch.Tensor) -> Work:
-        """Start filling `flat` (padded) with every rank's share, in local rank order."""
-        work: Work = self._group().allgather([list(flat.chunk(self.local_size))], [share])
+    def allgather(self, share: torch.Tensor, flat: torch.Tensor, lane: int = 0) -> Work:
+        """Start filling `flat` (padded, contiguous) with every rank's share, in local rank order."""
+        work: Work = self._lane(lane)._allgather_base(flat, share)
         return work
 
     def close(self) -> None:
         """Leave the group; the store's file goes with its last member."""
-        self.group = None
+        self.lanes = []
         self._store = None
 
-    def _group(self) -> Any:  # torch's stubs lack Backend's collectives
-        if self.group is None:
+    def _lane(self, lane: int) -> Any:  # torch's stubs lack Backend's collectives
+        if not self.lanes:
             raise SluiceError("this local group was closed")
-        return self.group
+        return self.lanes[lane]
 
 
 def _make(backend: str, store: Store, rank: int, size: int, timeout: float) -> Backend:

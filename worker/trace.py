@@ -95,6 +95,11 @@ class WorkerTrace:
 
         handle.add_done_callback(done)
 
+    def copy(self, kind: str, name: str, start: float, end: float, nbytes: int) -> None:
+        """A device-resident group's share between device and host (`kind` D2H or H2D), as the host saw it: from
+        queueing the copy (and the sum inside the host before it, or the gather after) to seeing it done."""
+        self.timeline.span(kind, name, self._us(start), self._us(end), {"bytes": nbytes})
+
     def ready(self, name: str, step: int, priority: int) -> None:
         self.timeline.instant("READY", name, now_us(), {"step": step, "priority": priority})
 

@@ -104,28 +104,35 @@ def _nothing_left(bed: SshBed, within: float = 15.0) -> None:
         time.sleep(0.2)
 
 
-def _summed_in_local_groups(result: dict[str, Any], host_index: int, steps: int, small_too: bool = False) -> None:
+def _summed_in_local_groups(result: dict[str, Any], host_index: int, steps: int, small_too: bool = False,
+                            local_group: str = "sluice") -> None:
     """Two workers a host: every step's gradients were summed in the host, then each local rank's share
-    across the hosts (worker/hierarchy.py), and so were Horovod's allreduces of a large tensor (and of the
-    script's small one where `small_too`: collective.tree_below_bytes = 0)."""
+    across the hosts (worker/hierarchy.py, or with local_group "torch" worker/torch/device_hierarchy.py), and
+    so were Horovod's allreduces of a large tensor (and of the script's small one where `small_too`:
+    collective.tree_below_bytes = 0)."""
     local, cross, groups = result["hierarchy"]
     assert local == ([0, 1] if host_index == 0 else [2, 3])
     assert cross == ([0, 2] if result["rank"] % 2 == 0 else [1, 3])
     assert groups >= steps
+    assert (result["device_resident"] >= steps) == (local_group == "torch"), result["device_resident"]
     assert result["large"] == [True, True, True]  # Horovod's allreduce of a large tensor: sum, max, average
     assert result["groups_after_large"] == groups + 3 + small_too
 
 
 @pytest.mark.timeout(180)
-def test_local_group_hierarchy_through_the_servers_trains_as_on_one_machine(bed: SshBed) -> None:
-    """Each local rank's share goes through the servers (a key per share, declared by its cross set)."""
-    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--set", "collective.mode=ps", "--", sys.executable, SCRIPT,
-                       "--steps", "8", "--optimizer", "adam"], timeout=150)
+@pytest.mark.parametrize("local_group", ["sluice", "torch"])
+def test_local_group_hierarchy_through_the_servers_trains_as_on_one_machine(bed: SshBed, local_group: str) -> None:
+    """Each local rank's share goes through the servers (a key per share, declared by its cross set); the
+    host's sum by Sluice's shared memory, or by torch's gloo group with the gradients in buffers of their own
+    and the share alone copied out (the device-resident path CUDA gradients take: worker/torch/device_hierarchy.py)."""
+    done = bed.launch(["-H", _hosts(bed), "-s", "2", "--set", "collective.mode=ps", "--set",
+                       f"collective.local_group={local_group}", "--", sys.executable, SCRIPT, "--steps", "8",
+                       "--optimizer", "adam"], timeout=150)
     assert done.returncode == 0, done.stdout[-5000:]
     results = _results(done.stdout)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     for r in results:
-        _summed_in_local_groups(r, r["rank"] // 2, 8)
+        _summed_in_local_groups(r, r["rank"] // 2, 8, local_group=local_group)
         assert r["params"] == results[0]["params"]
     reference = cluster_train_params(8, "adam", workers=4)
     assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
@@ -133,13 +140,14 @@ def test_local_group_hierarchy_through_the_servers_trains_as_on_one_machine(bed:
 
 
 @pytest.mark.timeout(240)
-def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(bed: SshBed) -> None:
+@pytest.mark.parametrize("local_group", ["sluice", "torch"])
+def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(bed: SshBed, local_group: str) -> None:
     assert bed.private is not None
     timeline = bed.private / "trace.json"  # on h2, this directory is a tmpfs of h2's own
     # the ring's sizes from 0 bytes: the small model's groups take the hierarchy by allreduce too
     done = bed.launch(["-H", _hosts(bed), "-s", "2", "--timeline", str(timeline), "--set",
-                       "collective.tree_below_bytes=0", "--", sys.executable, SCRIPT, "--steps", "12", "--optimizer",
-                       "adam"], timeout=150)
+                       "collective.tree_below_bytes=0", "--set", f"collective.local_group={local_group}", "--",
+                       sys.executable, SCRIPT, "--steps", "12", "--optimizer", "adam"], timeout=150)
     assert done.returncode == 0, done.stdout[-5000:]
     # workers 2 and 3 and server 1 ran on h2 and wrote their parts where only h2 sees them: sent, they arrived
     for process in ("worker 2", "worker 3", "server 1"):
@@ -149,6 +157,10 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(b
     assert names == {"worker 0", "worker 1", "worker 2", "worker 3", "server 0", "server 1"}
     assert len({e["pid"] for e in events if e.get("name") == "process_name"}) == 6  # a row each
     assert list(bed.private.iterdir()) == [timeline]  # merged, and every part removed
+    # each device-resident group's share out to the host and back, on every worker's row (READY marks backward)
+    copies = {(e["name"], e["pid"]) for e in events if e.get("name") in ("D2H", "H2D")}
+    workers = {e["pid"] for e in events if e.get("name") == "process_name" and "worker" in e["args"]["name"]}
+    assert copies == ({(kind, pid) for kind in ("D2H", "H2D") for pid in workers} if local_group == "torch" else set())
     h1, h2 = bed.hosts["h1"], bed.hosts["h2"]
     assert re.search(rf"\[launch\]   {re.escape(h1)} \({re.escape(h1)}\): workers 0,1, server 0", done.stdout)
     assert re.search(rf"\[launch\]   {re.escape(h2)} \({re.escape(h2)}\): workers 2,3, server 1", done.stdout)
@@ -163,7 +175,7 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(b
                             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": h1}
         assert not r["secret_in_env"]
         assert r["params"] == results[0]["params"]
-        _summed_in_local_groups(r, host_index, 12, small_too=True)
+        _summed_in_local_groups(r, host_index, 12, small_too=True, local_group=local_group)
     reference = cluster_train_params(12, "adam", workers=4)  # the same job on one machine
     assert max(abs(a - b) for a, b in zip(results[0]["params"], reference, strict=True)) < 1e-6
     _nothing_left(bed)

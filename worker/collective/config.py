@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 ALGORITHMS = ("auto", "ring", "tree")
 FUSIONS = ("balanced", "greedy")
 MODES = ("auto", "ps", "allreduce")
+LOCAL_GROUPS = ("auto", "torch", "sluice")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class CollectiveConfig:
     #: gathered inside the host (BytePS's hierarchy: worker/hierarchy.py); where every host runs as many
     #: workers, more than one, on more than one host
     hierarchical: bool = True
+    #: what sums a fused group inside the host and where torch gradients wait meanwhile: "auto" (CUDA gradients
+    #: stay on the device, summed by an NCCL group of the host's workers, only each one's share copied to the
+    #: host; CPU ones by Sluice's shared memory, measured faster than gloo), "torch" (CPU gradients too by
+    #: torch's group, gloo), "sluice" (every gradient staged in host memory, summed by Sluice's shared memory)
+    local_group: str = "auto"
 
     def __post_init__(self) -> None:
         if self.arity < 0 or self.arity == 1:
@@ -54,6 +60,9 @@ class CollectiveConfig:
             raise ValueError(f"collective.algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.fusion not in FUSIONS:
             raise ValueError(f"collective.fusion must be one of {', '.join(FUSIONS)}, got {self.fusion!r}")
+        if self.local_group not in LOCAL_GROUPS:
+            raise ValueError(f"collective.local_group must be one of {', '.join(LOCAL_GROUPS)}, "
+                             f"got {self.local_group!r}")
         if self.mode not in MODES:
             raise ValueError(f"collective.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.fusion_bytes < 0 or self.tree_below_bytes < 0:

@@ -26,6 +26,7 @@ from sluice.worker.group_route import GroupRoute
 from sluice.worker.node import WorkerNode
 from sluice.worker.plan.fusion import Group, OnlineFusion, group_layout, grouped_plan, plan_fusion, unfused_plan
 from sluice.worker.staging import wire_dtype
+from sluice.worker.torch.device_hierarchy import DeviceHierarchy, device_hierarchy
 from sluice.worker.torch.state import require as require_node
 
 _TORCH_STORAGE = {torch.bfloat16: torch.int16}
@@ -150,10 +151,16 @@ class FusedGradients:
             hosts = [f.view(wire) for f in hosts]
         self._hosts = hosts
         device = params[0][2].device
+        #: device-resident groups (collective.local_group): summed inside the host where they are, only this
+        #: worker's share through the registered buffer (not a process set's, not compressed, not greedy)
+        local = node.collective_settings.local_group
+        self.device: DeviceHierarchy | None = device_hierarchy(node, device) if (
+            wire == torch_dtype and not greedy and (engine is None or engine is node.collectives)
+            and (local == "torch" or (local == "auto" and device.type == "cuda"))) else None
         #: where the gradients live: the registered buffers themselves on the CPU; on a GPU, or when they
-        #: travel compressed, buffers of their own, each group copied (cast) to its registered twin before
-        #: it is sent and back when its result is in
-        self._on_device = device.type != "cpu" or wire != torch_dtype
+        #: travel compressed, or stay where they are, buffers of their own, each group copied (cast) to its
+        #: registered twin before it is sent and back when its result is in (the share alone, device-resident)
+        self._on_device = device.type != "cpu" or wire != torch_dtype or self.device is not None
         flats = [torch.zeros(count, dtype=torch_dtype, device=device) for _ in range(2)] if self._on_device else hosts
         self._flats = flats
         self._views = [
@@ -212,7 +219,7 @@ class FusedGradients:
         span = slice(plan_group.start // self._item, plan_group.end // self._item)
         part = self._flats[step.buffer][span]
         with torch.no_grad():
-            if self._on_device:
+            if self._on_device and self.device is None:
                 part.copy_(self._hosts[step.buffer][span])
             post = self.reduction.postscale(self.size)
             if post != 1.0:
@@ -239,10 +246,15 @@ class FusedGradients:
             pre = self.reduction.prescale()
             if pre != 1.0:  # before the cast: predivision is there to keep low-precision sums in range
                 self._flats[self.active][span].mul_(pre)
-            if self._on_device:
+            if self._on_device and self.device is None:
                 self._hosts[self.active][span].copy_(self._flats[self.active][span])
         array: np.ndarray = self._arrays[self.active][span]
-        handle = self.sending.send(index, array)
+        if self.device is not None:
+            handle = self.device.allreduce(self.names[index], self._flats[self.active][span], array,
+                                           lambda share: self.sending.cross(index, share),
+                                           self.sending.hierarchy is not None)
+        else:
+            handle = self.sending.send(index, array)
         if self.node.trace is not None and (self.route == "allreduce" or self.sending.hierarchy is not None):
             self.node.trace.collective(self.names[index], "allreduce", self.priorities[index], array.nbytes, handle,
                                        self.members[index])

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from scheduler_kill import kill_scheduler  # beside this script
 
 import sluice.torch as hvd
+from sluice.worker.torch.device_hierarchy import made as device_paths
 from sluice.worker.torch.state import require
 
 parser = argparse.ArgumentParser()
@@ -105,7 +106,8 @@ result = {
               for op, want in ((hvd.Sum, size * (size + 1) // 2), (hvd.Max, size), (hvd.Average, (size + 1) / 2))],
     "groups_after_large": None if tiers is None else tiers.groups,
     "hierarchy": hierarchy,
-
+    # groups that took the device-resident path (collective.local_group): torch's group in the host
+    "device_resident": sum(path.summed for path in device_paths(require())),
 }
 if args.result_dir:
     Path(args.result_dir, f"rank.{rank}.json").write_text(json.dumps(result))
