@@ -27,6 +27,9 @@ FUSED = {"fusion_bytes": 256}
         ("worker", False, "adam", 4, 0, {"fusion_bytes": 0, "algorithm": "tree"}),
         ("worker", True, "sgd", 4, 2, {"mode": "auto", **FUSED}),  # auto: all on one host, so allreduce
         ("worker", True, "sgd", 4, 1, {"mode": "ps", "allreduce_patterns": ["*.bias"], **FUSED}),  # hybrid
+        # the device-resident path (what CUDA gradients take) on the CPU, each group whole (one host): local_group
+        ("worker", True, "adam", 2, 1, {"mode": "ps", "allreduce_patterns": ["*.bias"], "local_group": "torch",
+                                        **FUSED}),
         ("server", True, "sgd", 4, 2, {}),
         ("server", True, "adam", 2, 3, {}),
     ],

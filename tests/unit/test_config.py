@@ -140,6 +140,8 @@ def test_a_horovod_switch_that_is_no_integer_is_named() -> None:
         ({}, ["scheduler.op_timeout=nan"], ["scheduler.op_timeout", "finite"]),
         ({}, ["transport.channels=9"], ["transport.channels must be 1..8", "--set transport.channels=9"]),
         ({}, ["transport.channels"], ["section.field=value"]),
+        ({}, ["collective.local_group=nccl"], ["collective.local_group must be one of auto, torch, sluice",
+                                              "--set collective.local_group=nccl"]),
     ],
 )
 def test_errors_name_key_and_source(environ: dict[str, str], sets: list[str], needles: list[str]) -> None:

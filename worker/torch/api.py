@@ -309,9 +309,16 @@ def gloo_enabled() -> bool:
     return False
 
 
-def nccl_built() -> bool:
-    """No NCCL: CUDA tensors travel through pinned host memory."""
-    return False
+def nccl_built() -> int:
+    """Horovod's answer: NCCL's version code (major * 10000 + minor * 100 + patch) where this process sums CUDA
+    gradients inside its host with it (a GPU, torch built with NCCL, collective.local_group not "sluice"), else 0."""
+    if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+        return 0
+    node = STATE.node
+    if node is not None and node.collective_settings.local_group == "sluice":
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]  # type: ignore[no-untyped-call]
+    return int(major * 10000 + minor * 100 + patch)
 
 
 def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) -> None:
@@ -331,7 +338,8 @@ def rocm_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """True: CUDA tensors are accepted everywhere (staged through pinned host memory, no GPU-direct path)."""
+    """True: CUDA tensors are accepted everywhere (fused gradients stay on the device, each worker's share
+    through pinned host memory; the other ops staged through it)."""
     return True
 
 

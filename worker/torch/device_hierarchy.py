@@ -82,11 +82,12 @@ class DeviceHierarchy:
             # time they form it (an elastic job's next generation meets in a file of its own)
             nonce = np.array([secrets.randbits(62)], np.int64)
             hierarchy.local.broadcast("local_group.nonce", nonce, hierarchy.local.members[0], "int64").wait()
-            host = hierarchy.job.members.index(hierarchy.local.members[0])
-            self.local = LocalGroup(state_tag(node.env.secret), host, int(nonce[0]), self.local_rank, self.local_size, backend,
-                                    self._timeout, lanes=2)
+            first = hierarchy.local.members[0]  # the host's first worker's rank: a number of this host's own
+            self.local = LocalGroup(state_tag(node.env.secret), first, int(nonce[0]), self.local_rank,
+                                    self.local_size, backend, self._timeout, lanes=2)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._groups: dict[str, _Group] = {}
+        self._pinned: list[torch.Tensor] = []
         #: fused groups summed this way, by their local group or (alone on the host) whole
         self.summed = 0
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -101,12 +102,12 @@ class DeviceHierarchy:
         """This worker's share [start, end) of a group of `length` elements (all of it alone on its host)."""
         return share_bounds(length, self.local_size)[1][self.local_rank]
 
-    def allreduce(self, name: str, flat: torch.Tensor, host: np.ndarray, cross: Cross,
+    def allreduce(self, name: str, flat: torch.Tensor, host: torch.Tensor, array: np.ndarray, cross: Cross,
                   hierarchical: bool = True) -> DeviceHandle:
-        """Sum `flat` (1-D, on the device) over the job in place: this rank's share through `host` (registered,
-        as long as `flat`; only the share's span is used) and `cross`; the whole group where not `hierarchical`
-        (or alone on the host). Call from the thread that fills the groups (the autograd hook), in the same
-        order on every worker of the host."""
+        """Sum `flat` (1-D, on the device) over the job in place: this rank's share through `host` (registered
+        memory as long as `flat`, of its dtype, pinned: only the share's span is used), whose wire storage is
+        `array`, crossing by `cross`; the whole group where not `hierarchical` (or alone on the host). Call
+        from the thread that fills the groups (the autograd hook), in the same order on every worker of the host."""
         done = DeviceHandle(f"device-resident allreduce {name!r}", self._timeout)
         local_size = self.local_size if hierarchical else 1
         self.summed += 1
@@ -117,7 +118,7 @@ class DeviceHierarchy:
             group = self._groups[name] = _Group(flat.numel(), local_size, self.local_rank if local_size > 1 else 0,
                                                 flat)
         ticket, self._tickets = self._tickets, self._tickets + 1
-        host_share = torch.from_numpy(host[group.start:group.end])
+        host_share = host[group.start:group.end]
         valid = group.end - group.start
         queued = time.monotonic()
         with self._on_side():
@@ -146,7 +147,7 @@ class DeviceHierarchy:
                 self._then(ticket, lambda: self._gather(name, flat, group, host_share, done, None))
                 return
             try:
-                handle = cross(host[group.start:group.end])
+                handle = cross(array[group.start:group.end])
             except Exception as exc:  # the node failed, say: the host's other workers still wait to gather
                 lost = f"{type(exc).__name__}: {exc}"
                 self._then(ticket, lambda: self._gather(name, flat, group, host_share, done, lost))
@@ -157,9 +158,27 @@ class DeviceHierarchy:
         self._queue.put(crossing)
         return done
 
+    def pin(self, host: torch.Tensor) -> None:
+        """Page-lock `host` (registered memory a group's shares go through) for CUDA, so that copies to and from
+        it run on the side stream without the host (cudaHostRegister); unpinned, copies are correct but block."""
+        if self._side is None or not host.numel():
+            return
+        size = host.numel() * host.element_size()
+        failed = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)  # type: ignore[no-untyped-call]
+        if int(failed):
+            log.warning("could not page-lock %d bytes for copies from the GPU (CUDA error %d): they will block",
+                        size, int(failed))
+            return
+        self._pinned.append(host)
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5.0)
+        if self._side is not None:
+            self._side.synchronize()  # no copy still reads the buffers unpinned next
+        for host in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())  # type: ignore[no-untyped-call]
+        self._pinned = []
         if self.local is not None:
             self.local.close()
 

@@ -161,6 +161,9 @@ class FusedGradients:
         #: travel compressed, or stay where they are, buffers of their own, each group copied (cast) to its
         #: registered twin before it is sent and back when its result is in (the share alone, device-resident)
         self._on_device = device.type != "cpu" or wire != torch_dtype or self.device is not None
+        if self.device is not None:
+            for host in hosts:
+                self.device.pin(host)
         flats = [torch.zeros(count, dtype=torch_dtype, device=device) for _ in range(2)] if self._on_device else hosts
         self._flats = flats
         self._views = [
@@ -250,7 +253,8 @@ class FusedGradients:
                 self._hosts[self.active][span].copy_(self._flats[self.active][span])
         array: np.ndarray = self._arrays[self.active][span]
         if self.device is not None:
-            handle = self.device.allreduce(self.names[index], self._flats[self.active][span], array,
+            handle = self.device.allreduce(self.names[index], self._flats[self.active][span],
+                                           self._hosts[self.active][span], array,
                                            lambda share: self.sending.cross(index, share),
                                            self.sending.hierarchy is not None)
         else:
