@@ -29,6 +29,8 @@ class Role:
         self.metrics_server: MetricsServer | None = None
         self.control_settings = SchedulerConfig(**env.section("scheduler"))
         self.done = threading.Event()
+        #: the scheduler ended the job (SHUTDOWN): every worker has left
+        self.shut_down = False
         self.exit_code = 0
         self.inflight = 0
         self.transport = open_transport(env.name, env.transport_config(), self._on_message, keys=env.job_keys(),
@@ -86,7 +88,9 @@ class Role:
         finally:  # also when SIGTERM ends the role (SystemExit): what it refused is told either way
             self.before_goodbye()
             self.control.bye()
-            self.transport.close(flush_seconds=2.0)
+            # after SHUTDOWN the scheduler waits for this goodbye only while it gathers a timeline, and then takes
+            # it at once; else it may be gone, and the goodbye would hold the sockets open for their whole linger
+            self.transport.close(flush_seconds=2.0, linger_seconds=0.25 if self.shut_down else 2.0)
             self.on_close()
             stats = self.transport.stats()
             for line in summary_lines(stats, name):
@@ -120,6 +124,7 @@ class Role:
     def _on_control(self, msg: Message) -> None:
         if msg.kind == Kind.SHUTDOWN:
             self.log.info("the scheduler ended the job")
+            self.shut_down = True
             self.done.set()
         elif msg.kind == Kind.BYE:
             rank = meta_field(msg, "rank", int)

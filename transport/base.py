@@ -71,8 +71,9 @@ class Transport(Protocol):
         """Count and log (rate-limited) a message the handler refused; call it from the handler."""
         ...
 
-    def close(self, flush_seconds: float = 1.0) -> None:
-        """Send what is queued (up to `flush_seconds`), stop the I/O thread, close the sockets."""
+    def close(self, flush_seconds: float = 1.0, linger_seconds: float = 2.0) -> None:
+        """Send what is queued (up to `flush_seconds`), stop the I/O thread, close the sockets (what they still
+        hold for a peer gets up to `linger_seconds` to leave)."""
         ...
 
     def on_failure(self, listener: Callable[[str], None]) -> None:

@@ -44,9 +44,6 @@ from sluice.transport.zmq_send import Sender
 
 log = logging.getLogger("sluice.transport")
 
-_LINGER_MS = 2000
-
-
 class ZmqTransport:
     """The sockets, the I/O thread that polls them and runs callers' commands, and the two halves it calls:
     `_receiver` for what a socket brings in, `_sender` for what callers send."""
@@ -95,6 +92,7 @@ class ZmqTransport:
         self._wake = Wakeup()
         self._poller.register(self._wake.fileno(), zmq.POLLIN)
         self._stop_at: float | None = None
+        self._linger_ms = 2000
         #: why the I/O thread stopped, if it stopped on an error, and who wants to know (on_failure)
         self._failure: str | None = None
         self._failure_listeners: list[Callable[[str], None]] = []
@@ -157,8 +155,9 @@ class ZmqTransport:
 
         self._call(apply)
 
-    def close(self, flush_seconds: float = 1.0) -> None:
+    def close(self, flush_seconds: float = 1.0, linger_seconds: float = 2.0) -> None:
         if self._stop_at is None:
+            self._linger_ms = max(0, round(linger_seconds * 1000))
             self._stop_at = time.monotonic() + flush_seconds
             self._wake.ring()
         self._thread.join(flush_seconds + 5.0)
@@ -355,7 +354,7 @@ class ZmqTransport:
         self._shared.close()
         self._guard.close()
         for sock in list(self._socket_channel):
-            sock.close(linger=_LINGER_MS if self._stop_at is not None else 0)
+            sock.close(linger=self._linger_ms if self._stop_at is not None else 0)
         self._ctx.term()
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)

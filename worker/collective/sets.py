@@ -87,7 +87,7 @@ class SetTransport:
     def set_inflight(self, nbytes: int) -> None:
         self._inner.set_inflight(nbytes)
 
-    def close(self, flush_seconds: float = 1.0) -> None:
+    def close(self, flush_seconds: float = 1.0, linger_seconds: float = 2.0) -> None:
         return None
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
