@@ -70,3 +70,27 @@ def test_flood_quick_floods_and_the_servers_count_it(tmp_path: Path) -> None:
     assert len(records["curve-off"]["errors"]) == records["curve-off"]["failed_jobs"]
     # however many strangers come and go, no server forgets how to reach a worker
     assert all(rec["worker_messages_without_route"] == 0 for rec in records.values()), records
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_device_copies_quick_measures_hidden_copies_and_step_time(tmp_path: Path) -> None:
+    """bench/device_copies.py on the CPU twin of the device path: a hidden fraction and both step times, no copy
+    record (a CPU has no PCIe bound)."""
+    out = tmp_path / "device_copies.json"
+    result = run_script(["bench/device_copies.py", "--quick", "--device", "cpu", "--json", str(out)], timeout=80)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = {rec["case"].split("-")[0]: rec for rec in json.loads(out.read_text())}
+    assert set(records) == {"hidden", "step"}, records
+    assert "memcpy: no record (a CPU has no PCIe bound)" in result.stdout
+    for rec in records.values():
+        assert rec["case"] in result.stdout and rec["peer_name"] and rec["unit"], rec
+        assert rec["device"] == "cpu" and rec["device_name"].startswith("CPU") and rec["repeats"] == 1, rec
+        assert rec["peer"] > 0 and rec["ratio"] == pytest.approx(rec["ours"] / rec["peer"], rel=1e-12), rec
+        assert rec["speedup"] == pytest.approx(rec["ratio"] if rec["better"] == "higher" else 1 / rec["ratio"]), rec
+    hidden, step = records["hidden"], records["step"]
+    assert isinstance(hidden["ours"], float) and 0.0 <= hidden["ours"] <= 1.0, hidden
+    assert 0.0 <= hidden["lowest_step"] <= 1.0 and 0.0 <= hidden["pooled"] <= 1.0, hidden
+    assert hidden["peer"] == 1.0 and hidden["better"] == "higher" and hidden["met"] == (hidden["ours"] >= 0.8)
+    assert hidden["spans"] >= 2 * hidden["steps"], hidden  # each worker copied at least one group a timed step
+    assert step["better"] == "lower" and step["ours"] > 0 and step["unit"] == "ms", step
