@@ -35,10 +35,13 @@ def reference(steps: int, batch: int, lr: float = 0.1, grow_at: int = -1, width:
 
 
 def check_matches(results: list[dict[str, Any]], stages: int, want: list[np.ndarray], tolerance: float = 1e-6) -> None:
+    """Every replica's parameters, in the model's order (chunk by chunk, each over the stages: chunk c of
+    stage s is virtual stage c * P + s), within `tolerance` of `want`."""
     replicas = len(results) // stages
     for replica in range(replicas):
         mine = sorted((r for r in results if r["replica"] == replica), key=lambda r: r["stage"])
-        got = [np.asarray(p, np.float32) for r in mine for p in r["params"]]
+        got = [np.asarray(p, np.float32) for chunk in range(len(mine[0]["params"])) for r in mine
+               for p in r["params"][chunk]]
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             assert float(np.abs(a - b).max()) <= tolerance, float(np.abs(a - b).max())

@@ -2,10 +2,12 @@
 
 Real processes; the script is tests/integration/scripts/pipeline_train.py (an MLP of ReLU blocks cut
 into stages, SGD, seeded batches). After 10 steps every stage's parameters are within 1e-6 of the
-single-process model's, for GPipe and 1F1B, with and without ZVC and offload, and with several
-replicas of the pipeline (pipeline + data parallel). Jobs the launcher matters to (a failing stage, the
-example, the GPU) run under `sluice launch`; the others run the script's `train` in workers forked from
-this process (testbed/cluster.py), which start in a fraction of the time a fresh Python importing torch takes.
+single-process model's, for GPipe, 1F1B, interleaved 1F1B (two chunks per worker, the stages in a
+ring) and zero bubble (ZB-H1, and interleaved: the backward split into I and W), with and without ZVC
+and offload, and with several replicas of the pipeline (pipeline + data parallel). Jobs the launcher
+matters to (a failing stage, the example, the GPU) run under `sluice launch`; the others run the
+script's `train` in workers forked from this process (testbed/cluster.py), which start in a fraction of
+the time a fresh Python importing torch takes.
 """
 
 from __future__ import annotations
@@ -65,32 +67,38 @@ def forked(workers: int, *args: str, config: dict[str, Any] | None = None,
     return sorted(results, key=lambda r: r["rank"])
 
 
-CASES = [  # (stages, replicas, micro-batches, schedule, compress, offload, direct lanes)
-    (2, 1, 4, "1f1b", "on", False, True),
-    (2, 1, 4, "gpipe", "off", True, True),
-    (4, 1, 8, "1f1b", "on", True, True),
-    (3, 1, 4, "gpipe", "on", False, False),
-    (2, 2, 4, "1f1b", "on", False, True),
-    (2, 2, 2, "gpipe", "off", True, False),
+CASES = [  # (stages, replicas, micro-batches, schedule, compress, offload, direct lanes, chunks per stage)
+    (2, 1, 4, "1f1b", "on", False, True, 1),
+    (2, 1, 4, "gpipe", "off", True, True, 1),
+    (4, 1, 8, "1f1b", "on", True, True, 1),
+    (3, 1, 4, "gpipe", "on", False, False, 1),
+    (2, 2, 4, "1f1b", "on", False, True, 1),
+    (2, 2, 2, "gpipe", "off", True, False, 1),
+    (2, 1, 4, "interleaved1f1b", "on", False, True, 2),
+    (3, 1, 4, "interleaved1f1b", "off", False, True, 2),  # a ring of three: each stage offers the next a lane
+    (2, 1, 4, "interleavedzerobubble", "on", False, True, 1),  # ZB-H1
+    (4, 1, 8, "interleavedzerobubble", "off", False, True, 1),
+    (2, 2, 4, "interleavedzerobubble", "on", False, True, 2),
+    (2, 1, 2, "interleaved1f1b", "off", False, False, 2),
 ]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("stages", "replicas", "micro", "kind", "compress", "offload", "direct"), CASES,
+@pytest.mark.parametrize(("stages", "replicas", "micro", "kind", "compress", "offload", "direct", "virtual"), CASES,
                          ids=[f"P{c[0]}xR{c[1]}-M{c[2]}-{c[3]}-zvc_{c[4]}{'-offload' if c[5] else ''}"
-                              f"{'' if c[6] else '-transport'}" for c in CASES])
+                              f"{'' if c[6] else '-transport'}{f'-V{c[7]}' if c[7] > 1 else ''}" for c in CASES])
 def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, kind: str, compress: str,
-                                      offload: bool, direct: bool) -> None:
+                                      offload: bool, direct: bool, virtual: int) -> None:
     batch = 16
     results = forked(stages * replicas, "--stages", str(stages), "--micro", str(micro), "--schedule", kind,
-                     "--compress", compress, "--batch", str(batch), "--steps", "10",
+                     "--compress", compress, "--batch", str(batch), "--steps", "10", "--virtual", str(virtual),
                      *(["--offload"] if offload else []), *([] if direct else ["--no-direct"]))
     assert all(r["lanes"] == direct for r in results)  # every neighbour is on this host
     check_matches(results, stages, reference(10, batch * replicas))
-    orders = schedule(kind, stages, micro)
+    orders = schedule(kind, stages, micro, virtual)
     for r in results:  # each stage held as many micro-batches' activations as its schedule needs, no more
         assert set(r["peaks"]) == {peak_activations(orders[r["stage"]])}
-        if compress == "on" and r["stage"] < stages - 1:
+        if compress == "on" and r["stage"] < stages - 1 and virtual == 1:
             assert r["ratio"]["forward"] > 1.2, r["ratio"]  # ReLU outputs: about half zeros
         if compress == "off":
             assert r["ratio"] == {"forward": 1.0, "backward": 1.0}
@@ -186,6 +194,19 @@ def test_eval_steps_give_the_models_outputs_and_keep_the_stages_in_step() -> Non
             x, _ = job.batch(3 + step, 16)
             want = model(x[r["replica"] * 8:(r["replica"] + 1) * 8]).detach().reshape(-1).numpy()
             assert float(np.abs(np.asarray(got, np.float32) - want).max()) <= 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_eval_steps_go_round_a_ring_of_chunks() -> None:
+    """Interleaved (two chunks per worker): eval runs chunk 0's forwards, then chunk 1's, round the ring."""
+    results = forked(2, "--stages", "2", "--micro", "2", "--steps", "2", "--eval-steps", "3", "--batch", "8",
+                     "--schedule", "interleaved1f1b", "--virtual", "2")
+    model = reference_model(2, 8)
+    evaluated = next(r["evaluated"] for r in results if r["stage"] == 1)
+    assert len(evaluated) == 3
+    for step, got in enumerate(evaluated):
+        want = model(job.batch(2 + step, 8)[0]).detach().reshape(-1).numpy()
+        assert float(np.abs(np.asarray(got, np.float32) - want).max()) <= 1e-6
 
 
 @pytest.mark.timeout(120)

@@ -1,14 +1,16 @@
 """Pipeline-parallel schedules and stage splits (pure): what each stage runs, in what order, and when.
 
 A model cut into P stages runs M micro-batches a step. Each stage runs its own list of actions
-(`F m`: the forward of micro-batch m, `B m`: its backward) in order; `clock_table` replays those
-lists against their dependencies (a forward needs the stage before it, a backward the stage after
-it) to show which micro-batch each stage runs at each clock, as torchgpipe's `clock_cycles` tables
-do. GPipe (fill-drain) runs every forward, then every backward: each stage holds the activations of
-all M micro-batches. 1F1B (PipeDream-flush, as Megatron and torch.distributed.pipelining run it)
-warms up with P - 1 - s forwards at stage s, then alternates one forward and one backward: stage s
-holds at most P - s micro-batches' activations. Both leave (P - 1) / (M + P - 1) of each stage idle
-when a forward and a backward take the same time.
+(`F m`: the forward of micro-batch m, `B m`: its backward; `I m` and `W m`: that backward split into
+the inputs' gradient and the weights') in order; `clock_table` replays those lists against their
+dependencies (a forward needs the stage before it, a backward or an I the stage after it, a W its I)
+to show which micro-batch each stage runs at each clock, as torchgpipe's `clock_cycles` tables do.
+GPipe (fill-drain) runs every forward, then every backward: each stage holds the activations of all M
+micro-batches. 1F1B (PipeDream-flush, as Megatron and torch.distributed.pipelining run it) warms up
+with P - 1 - s forwards at stage s, then alternates one forward and one backward: stage s holds at
+most P - s micro-batches' activations. Both leave (P - 1) / (M + P - 1) of each stage idle when a
+forward and a backward take the same time. The interleaved and zero-bubble orders (V chunks of the
+model per worker, each action naming its virtual stage) are in interleave.py.
 """
 
 from __future__ import annotations
@@ -16,16 +18,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
+#: the schedules whose backward is split into I (inputs' gradient) and W (weights' gradient)
+SPLIT_BACKWARD = frozenset(("interleavedzerobubble",))
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" (a whole backward), "I" (its inputs' gradient) or "W" (its weights')
     micro: int
+    #: the virtual stage (chunk c of worker r is c * P + r) where a worker holds several chunks, else None
+    stage: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro}"
+        """`F0`, or with a virtual stage `2F0` (as torch.distributed.pipelining writes its actions)."""
+        return f"{'' if self.stage is None else self.stage}{self.kind}{self.micro}"
 
 
 def _check(stages: int, micro: int) -> None:
@@ -55,43 +62,74 @@ def one_f_one_b(stages: int, micro: int) -> list[list[Action]]:
     return orders
 
 
-def schedule(name: str, stages: int, micro: int) -> list[list[Action]]:
-    if name == "gpipe":
+def canonical(name: str) -> str:
+    """The schedule's name as SCHEDULES spells it: case does not matter, and torch's class names
+    (`ScheduleInterleaved1F1B`, `Interleaved1F1B`) name theirs. ValueError for any other."""
+    key = name.lower().replace("-", "").replace("_", "")
+    key = key.removeprefix("schedule") if key != "schedule" else key
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)} (or torch's "
+                         "class names: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, "
+                         "ScheduleInterleavedZeroBubble)")
+    return key
+
+
+def schedule(name: str, stages: int, micro: int, virtual: int = 1) -> list[list[Action]]:
+    """Each worker's order for schedule `name` (see `canonical`), with `virtual` chunks per worker."""
+    from sluice.worker.pipeline import interleave  # it builds on Action
+
+    key = canonical(name)
+    if key in ("gpipe", "1f1b") and virtual != 1:
+        raise ValueError(f"{key} runs one chunk of the model per stage, not {virtual}: take interleaved1f1b or "
+                         "interleavedzerobubble for several")
+    if key == "gpipe":
         return gpipe(stages, micro)
-    if name == "1f1b":
+    if key == "1f1b":
         return one_f_one_b(stages, micro)
-    raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if key == "interleaved1f1b":
+        return interleave.interleaved_1f1b(stages, micro, virtual)
+    return interleave.interleaved_zero_bubble(stages, micro, virtual)
 
 
-def clock_table(orders: Sequence[Sequence[Action]], forward: int = 1, backward: int = 1) -> list[list[str]]:
-    """Which action each stage runs at each clock ("" when idle), a forward taking `forward` clocks
-    and a backward `backward`: row t, column s. Raises ValueError if the orders deadlock."""
+def clock_table(orders: Sequence[Sequence[Action]], forward: int = 1, backward: int = 1, input_grad: int = 1,
+                weight_grad: int = 1) -> list[list[str]]:
+    """Which action each stage runs at each clock ("" when idle), a forward taking `forward` clocks, a
+    backward `backward`, an I `input_grad` and a W `weight_grad`: row t, column s (the worker). With
+    virtual stages (actions naming theirs), stage k runs on worker k % P and the chain runs through all
+    of them. Raises ValueError if the orders deadlock."""
     stages = len(orders)
-    done: dict[tuple[str, int, int], int] = {}  # (kind, micro, stage) -> the clock it finished
+    named = [a.stage for order in orders for a in order if a.stage is not None]
+    last = max(named) if named else stages - 1
+    length = {"F": forward, "B": backward, "I": input_grad, "W": weight_grad}
+    # (what, micro, virtual stage) -> the clock it finished; "G": the inputs' gradient (a B or an I)
+    done: dict[tuple[str, int, int], int] = {}
     position = [0] * stages
     free_at = [0] * stages
     table: list[list[str]] = []
     while any(position[s] < len(orders[s]) for s in range(stages)):
         progressed = False
-        for stage in range(stages):
-            if position[stage] == len(orders[stage]):
+        for rank in range(stages):
+            if position[rank] == len(orders[rank]):
                 continue
-            action = orders[stage][position[stage]]
+            action = orders[rank][position[rank]]
+            stage = rank if action.stage is None else action.stage
             if action.kind == "F":
                 needs = [("F", action.micro, stage - 1)] if stage > 0 else []
+            elif action.kind == "W":
+                needs = [("G", action.micro, stage)]
             else:
-                needs = [("F", action.micro, stage)] + ([("B", action.micro, stage + 1)] if stage < stages - 1 else [])
+                needs = [("F", action.micro, stage)] + ([("G", action.micro, stage + 1)] if stage < last else [])
             if any(need not in done for need in needs):
                 continue
-            start = max([free_at[stage], *(done[need] for need in needs)])
-            end = start + (forward if action.kind == "F" else backward)
+            start = max([free_at[rank], *(done[need] for need in needs)])
+            end = start + length[action.kind]
             while len(table) < end:
                 table.append([""] * stages)
             for clock in range(start, end):
-                table[clock][stage] = str(action)
-            done[(action.kind, action.micro, stage)] = end
-            free_at[stage] = end
-            position[stage] += 1
+                table[clock][rank] = str(action)
+            done[("F" if action.kind == "F" else "G" if action.kind in "BI" else "W", action.micro, stage)] = end
+            free_at[rank] = end
+            position[rank] += 1
             progressed = True
         if not progressed:
             raise ValueError("these stage orders deadlock: an action waits for one that waits for it")
@@ -99,10 +137,11 @@ def clock_table(orders: Sequence[Sequence[Action]], forward: int = 1, backward: 
 
 
 def peak_activations(order: Sequence[Action]) -> int:
-    """The most micro-batches whose activations a stage holds at once (forward done, backward not)."""
+    """The most micro-batches whose activations a stage holds at once (forward done, its B or W not), all
+    its chunks together."""
     held = peak = 0
     for action in order:
-        held += 1 if action.kind == "F" else -1
+        held += {"F": 1, "B": -1, "W": -1}.get(action.kind, 0)
         peak = max(peak, held)
     return peak
 

@@ -1,8 +1,9 @@
 """A pipeline-parallel training job for the tests: an MLP of ReLU blocks cut into stages, SGD, seeded data.
 
 sluice launch -w P*R -s 0 -- python tests/integration/scripts/pipeline_train.py --stages P ...
-Each worker prints `PIPELINE_RESULT {json}`: its stage, replica, parameters after the last step, the
-most micro-batches it held, the compression ratios and (last stage) the losses.
+Each worker prints `PIPELINE_RESULT {json}`: its stage, replica, parameters after the last step (by
+chunk: with --virtual V each worker runs V chunks of the model, chunk c being virtual stage c * P + s),
+the most micro-batches it held, the compression ratios and (last stage) the losses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 import sluice.torch as hvd
-from sluice.worker.torch.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, split_model
+from sluice.worker.pipeline.schedule import SCHEDULES
+from sluice.worker.torch.pipelining import PipelineStage, get_schedule_class, split_model
 
 WIDTH, CLASSES, INPUTS = 32, 10, 16
 
@@ -46,7 +48,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--virtual", type=int, default=1, help="chunks of the model per worker (interleaved)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16, help="samples per replica per step")
     parser.add_argument("--compress", choices=["on", "off", "auto"], default="auto")
@@ -66,16 +69,16 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
-    parts = split_model(make_model(args.layers, args.width), args.stages)
+    parts = split_model(make_model(args.layers, args.width), args.stages * args.virtual)
     index = hvd.rank() % args.stages
     if index == args.bad_stage:
         parts[index] = nn.Sequential(nn.Linear(args.width + 1, args.width), *parts[index])
-    stage = PipelineStage(parts[index].to(args.device), None, args.stages, compress=args.compress,
+    chunks = [part.to(args.device) for part in parts[index::args.stages]]
+    stage = PipelineStage(chunks[0] if args.virtual == 1 else chunks, None, args.stages, compress=args.compress,
                           offload=args.offload, offload_min_bytes=0,
                           offload_lean=not args.no_lean, offload_compress=args.offload_zvc or None,
                           direct=not args.no_direct)
-    kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
-    schedule = kind(stage, args.micro, loss_fn=nn.functional.cross_entropy)
+    schedule = get_schedule_class(args.schedule)(stage, args.micro, loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=args.lr)
     replicas, replica = stage.place.replicas, stage.place.replica
     losses: list[float] = []
@@ -108,7 +111,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
             evaluated.append(out.reshape(-1).tolist())
     result = {"rank": hvd.rank(), "evaluated": evaluated, "stage": stage.stage_index, "replica": replica,
               "peaks": peaks,
-              "params": [p.detach().cpu().reshape(-1).tolist() for p in stage.submod.parameters()],
+              "params": [[p.detach().cpu().reshape(-1).tolist() for p in chunk.parameters()] for chunk in chunks],
               "ratio": stage.compression_ratio(), "losses": losses,
               "offloaded": [s.raw_bytes for s in stage.offload_stats], "lean": [s.lean for s in stage.offload_stats],
               "offload_ratio": [s.ratio for s in stage.offload_stats],

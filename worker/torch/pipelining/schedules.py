@@ -1,6 +1,9 @@
-"""Pipeline schedules that run a stage's micro-batches: ScheduleGPipe (fill-drain) and Schedule1F1B.
+"""Pipeline schedules that run a stage's micro-batches: GPipe, 1F1B, interleaved 1F1B and zero bubble.
 
-Each stage runs its own order of forwards and backwards (worker/pipeline/schedule.py); stages meet
+ScheduleGPipe (fill-drain), Schedule1F1B, ScheduleInterleaved1F1B (V chunks per stage) and
+ScheduleInterleavedZeroBubble (the backward split into I and W; ZB-H1 with one chunk per stage), named
+as torch.distributed.pipelining's. Each stage runs its own order of forwards and backwards
+(worker/pipeline/schedule.py, interleave.py); stages meet
 only through the activations and gradients they send each other, so no clock is shared and a slow
 stage delays only those that wait on it. The call mirrors
 torch.distributed.pipelining: `step(x)` on the first stage, `step(target=y, losses=losses)` on the
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 
 from sluice.errors import SluiceError
-from sluice.worker.pipeline.schedule import Action, schedule
+from sluice.worker.pipeline.schedule import SPLIT_BACKWARD, canonical, schedule
 from sluice.worker.torch.pipelining.replicas import ReplicaAverager
 from sluice.worker.torch.pipelining.stage import REPLICA_PRIORITY, PipelineStage
 
@@ -43,12 +46,26 @@ class PipelineSchedule:
         if stage.is_last and loss_fn is None:
             raise SluiceError(f"{stage.describe()} is the last stage: give the schedule a loss_fn(output, target)")
         self.stage, self.micro, self.loss_fn, self.scale_grads = stage, n_microbatches, loss_fn, scale_grads
-        self.order = schedule(self.name, stage.num_stages, n_microbatches)[stage.stage_index]
+        if self.name in SPLIT_BACKWARD and stage.offload:
+            raise SluiceError(f"{stage.describe()}: {type(self).__name__} splits the backward in two, which unpacks "
+                              "what the forward saved twice; offload takes a whole backward: "
+                              "PipelineStage(offload=False)")
+        try:
+            orders = schedule(self.name, stage.num_stages, n_microbatches, stage.virtual)
+        except ValueError as exc:
+            raise SluiceError(f"{stage.describe()}: {type(self).__name__}: {exc}") from exc
+        stages = stage.num_stages
+        #: this stage's actions in order: (kind, micro-batch, chunk)
+        self.order = [(a.kind, a.micro, 0 if a.stage is None else a.stage // stages)
+                      for a in orders[stage.stage_index]]
         self.steps = 0
         group = stage.exchange.group
-        #: with replicas, each stage averages its gradients with theirs while its last backward runs
-        self.replicas = None if group is None else ReplicaAverager(group, list(stage.submod.parameters()),
-                                                                  REPLICA_PRIORITY)
+        #: with replicas, each stage averages its gradients with theirs while its last backward runs (the chunk
+        #: of that backward last in the list: its parameters make the first buckets)
+        last = self.order[-1][2]
+        params = [p for c, chunk in enumerate(stage.chunks) if c != last for p in chunk.parameters()]
+        self.replicas = None if group is None else ReplicaAverager(
+            group, params + list(stage.chunks[last].parameters()), REPLICA_PRIORITY)
 
     def step(self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None) -> Any:
         """One training step's forwards and backwards (gradients accumulate in the stage's parameters, as
@@ -73,23 +90,30 @@ class PipelineSchedule:
         stage.begin(step, micro)
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         micro_losses: dict[int, torch.Tensor] = {}
-        order = self.order if train else [Action("F", m) for m in range(micro)]
-        for index, action in enumerate(order):
-            m = action.micro
-            if action.kind == "F":
-                out = stage.forward_one(step, m, inputs[m] if inputs else (), keep=train)
-                if stage.is_last:
+        order = self.order if train else [("F", m, c) for c in range(stage.virtual) for m in range(micro)]
+        final = stage.virtual - 1
+        for index, (kind, m, chunk) in enumerate(order):
+            if kind == "F":
+                out = stage.forward_one(step, m, inputs[m] if inputs and chunk == 0 else (), keep=train,
+                                        chunk=chunk)
+                if stage.is_last and chunk == final:
                     outputs[m] = out
                     if targets:
                         assert self.loss_fn is not None
                         micro_losses[m] = self.loss_fn(out[0] if len(out) == 1 else out, targets[m])
+                continue
+            if self.replicas is not None and index == len(order) - 1:
+                self.replicas.arm()  # the last backward: its gradients are final
+            if kind == "W":
+                stage.backward_weight(m, chunk)
+                continue
+            loss = micro_losses.get(m) if chunk == final else None
+            if loss is not None and self.scale_grads:
+                loss = loss / micro
+            if kind == "I":
+                stage.backward_input(step, m, loss, chunk)
             else:
-                loss = micro_losses.get(m)
-                if loss is not None and self.scale_grads:
-                    loss = loss / micro
-                if self.replicas is not None and index == len(order) - 1:
-                    self.replicas.arm()  # the last backward: its gradients are final
-                stage.backward_one(step, m, loss)
+                stage.backward_one(step, m, loss, chunk)
         if not train:
             stage.settle_forward_only(step)
         elif self.replicas is not None:
@@ -114,3 +138,27 @@ class Schedule1F1B(PipelineSchedule):
     """One forward, one backward (PipeDream-flush): stage s holds at most P - s micro-batches at once."""
 
     name = "1f1b"
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Megatron's interleaved 1F1B over the stage's V chunks (a list of modules): the fill and drain take a
+    V-th of 1F1B's; M must be a multiple of max(1, M // P)."""
+
+    name = "interleaved1f1b"
+
+
+class ScheduleInterleavedZeroBubble(PipelineSchedule):
+    """The backward split into I (inputs' gradient, sent at once) and W (weights', deferred into the
+    bubbles): ZB-H1 with one chunk per stage, torch's interleaved zero bubble with V; no offload."""
+
+    name = "interleavedzerobubble"
+
+
+SCHEDULE_CLASSES: dict[str, type[PipelineSchedule]] = {
+    kind.name: kind for kind in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)}
+
+
+def get_schedule_class(name: str) -> type[PipelineSchedule]:
+    """The schedule class a name stands for: ours ("1f1b", "interleaved1f1b", ...) or torch's ("1F1B",
+    "Interleaved1F1B", "ScheduleInterleavedZeroBubble", ...), in any case (as torch's get_schedule_class)."""
+    return SCHEDULE_CLASSES[canonical(name)]

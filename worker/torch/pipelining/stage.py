@@ -1,8 +1,9 @@
-"""One pipeline stage of a torch model on this worker: its module, its neighbours, a micro-batch's passes."""
+"""One pipeline stage of a torch model on this worker: its module or chunks, its neighbours, a micro-batch's passes."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +15,10 @@ from sluice.errors import SluiceError
 from sluice.worker.pipeline.exchange import Neighbours, StageExchange
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Received
 from sluice.worker.pipeline.layout import StagePlace
+from sluice.worker.pipeline.ring import RingExchange, RingPlace
 from sluice.worker.staging import DTYPES, Staging, tensor_of, wire_dtype
 from sluice.worker.torch.offload import OffloadStats, offloaded
+from sluice.worker.torch.pipelining.backward import WeightGrads, backward_input
 from sluice.worker.torch.state import require
 
 log = logging.getLogger("sluice.worker")
@@ -50,7 +53,10 @@ def _wire(tensor: torch.Tensor) -> tuple[Any, str]:
 
 class PipelineStage:
     """Stage `stage_index` of `num_stages` (torch.distributed.pipelining's PipelineStage): `submodule` runs
-    on this worker, between the stage before it and the stage after it in its pipeline replica.
+    on this worker, between the stage before it and the stage after it in its pipeline replica. A list
+    of V modules makes V chunks for the interleaved schedules: chunk c is virtual stage c * num_stages +
+    stage_index of V * num_stages, and the stages form a ring (the last one's chunk c feeds the first
+    one's chunk c + 1); `submod` is then an nn.ModuleList of them (for the optimizer).
 
     Workers map to stages as stage = rank % num_stages, replica = rank // num_stages (see
     sluice.worker.pipeline.layout); `stage_index` may be left out, and must match when given. With more
@@ -64,33 +70,49 @@ class PipelineStage:
     on this host go over a direct lane, written and read by the stages' own threads (transport/lane.py).
     """
 
-    def __init__(self, submodule: nn.Module, stage_index: int | None, num_stages: int,
+    def __init__(self, submodule: nn.Module | Sequence[nn.Module], stage_index: int | None, num_stages: int,
                  device: torch.device | str | None = None, *, compress: str = "auto", offload: bool = False,
                  offload_min_bytes: int = 1 << 16, offload_lean: bool = True, offload_compress: bool | None = None,
                  timeout: float | None = None, direct: bool = True) -> None:
         node = require()
-        self.place = StagePlace(node.rank, node.size, num_stages)
+        given: list[Any] = list(submodule) if isinstance(submodule, (list, tuple, nn.ModuleList)) else [submodule]
+        if not given or not all(isinstance(c, nn.Module) for c in given):
+            raise SluiceError("a pipeline stage runs an nn.Module, or a list of them (its chunks)")
+        chunks: list[nn.Module] = given
+        if len(chunks) > 1 and num_stages < 2:
+            raise SluiceError(f"{len(chunks)} chunks on one stage: interleaving needs at least two stages")
+        ring = RingPlace(node.rank, node.size, num_stages) if len(chunks) > 1 else None
+        self.place = ring or StagePlace(node.rank, node.size, num_stages)
         if stage_index is not None and stage_index != self.place.stage:
             raise SluiceError(f"worker {node.rank} runs stage {self.place.stage} of {num_stages} (stage = rank % "
                               f"stages), not stage {stage_index}: pass stage_index=None, or hvd.rank() % {num_stages}")
-        self.submod = submodule
+        #: the model chunks this worker runs (one but for interleaved schedules)
+        self.chunks = chunks
+        self.submod: nn.Module = chunks[0] if ring is None else nn.ModuleList(chunks)
         self.device = torch.device(device) if device is not None else next(
-            (p.device for p in submodule.parameters()), torch.device("cpu"))
+            (p.device for p in self.submod.parameters()), torch.device("cpu"))
         self.offload, self.offload_min_bytes, self.offload_lean = offload, offload_min_bytes, offload_lean
         self.offload_compress = offload_compress
         workers = Neighbours(node.names("worker"), node.hosts("worker"))
-        self.exchange = StageExchange(
-            node.transport, self.place, workers, timeout or node.control_settings.op_timeout,
-            lambda priority: node.settings.channel_for(priority, REPLICA_PRIORITY + 1),
-            compress=compress, chunk_bytes=node.settings.chunk_limit, collective=node.collective_settings,
-            direct=direct)
+        timeout = timeout or node.control_settings.op_timeout
+
+        def channel(priority: int) -> int:
+            return node.settings.channel_for(priority, REPLICA_PRIORITY + 1)
+
+        options: dict[str, Any] = {"compress": compress, "chunk_bytes": node.settings.chunk_limit,
+                                   "collective": node.collective_settings, "direct": direct}
+        self.exchange = StageExchange(node.transport, self.place, workers, timeout, channel, **options) if (
+            ring is None) else RingExchange(node.transport, ring, workers, timeout, channel, **options)
         node.attach_pipeline(self.exchange.on_message, self.exchange.fail)
         node.on_close(self.close)
         self._next_step = 0
         self._closed = False
         #: a step began and has not ended (it raised, or is still running)
         self._in_step = False
-        self._held: dict[int, _Held] = {}
+        self._held: dict[tuple[int, int], _Held] = {}  # by (chunk, micro-batch)
+        #: the weights' half of the backwards whose inputs' half ran (split backward), by (chunk, micro-batch)
+        self._weights: dict[tuple[int, int], WeightGrads] = {}
+        self._micro = 1
         #: the most micro-batches whose activations this stage held at once, in the last step
         self.peak_held = 0
         #: offloaded bytes (raw and stored) of the last step, with `offload`
@@ -113,63 +135,115 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.place.last
 
-    def describe(self) -> str:
-        return self.exchange.workers.describe(self.place, self.place.rank)
+    @property
+    def virtual(self) -> int:
+        """V, the chunks of the model this stage runs."""
+        return len(self.chunks)
+
+    def describe(self, chunk: int | None = None) -> str:
+        here = self.exchange.workers.describe(self.place, self.place.rank)
+        return here if chunk is None or self.virtual == 1 else (
+            f"{here}, chunk {chunk} (virtual stage {chunk * self.num_stages + self.stage_index})")
+
+    def _wire(self, micro: int, chunk: int, before: bool) -> int:
+        """The number a message of `micro` carries between virtual stage (chunk, this stage) and the one
+        `before` it (else after it): chunk * M + micro, the chunk being the earlier virtual stage's."""
+        earlier = chunk - 1 if before and self.stage_index == 0 else chunk
+        return earlier * self._micro + micro
 
     # ------------------------------------------------------------------ one micro-batch
-    def forward_one(self, step: int, micro: int, args: tuple[Any, ...], keep: bool = True) -> tuple[torch.Tensor, ...]:
-        """Run the forward of `micro`: on `args` on the first stage, else on what the stage before sent;
-        send the outputs on (but from the last stage), and `keep` what the backward needs. The outputs."""
-        if self.is_first:
+    def forward_one(self, step: int, micro: int, args: tuple[Any, ...], keep: bool = True,
+                    chunk: int = 0) -> tuple[torch.Tensor, ...]:
+        """Run the forward of `micro` through `chunk`: on `args` on the first (virtual) stage, else on what
+        the stage before sent; send the outputs on (but from the last), and `keep` what the backward
+        needs. The outputs."""
+        if self.is_first and chunk == 0:
             inputs = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
         else:
-            inputs = tuple(self._tensor(r, keep) for r in self.exchange.receive(FORWARD, step, micro))
+            inputs = tuple(self._tensor(r, keep)
+                           for r in self.exchange.receive(FORWARD, step, self._wire(micro, chunk, True)))
+        module = self.chunks[chunk]
         try:
             if self.offload and keep:
                 with offloaded(self.offload_compress, self.offload_min_bytes, lean=self.offload_lean) as stats:
-                    outputs = _as_tuple(self.submod(*inputs))
+                    outputs = _as_tuple(module(*inputs))
                 self.offload_stats.append(stats)
             else:
-                outputs = _as_tuple(self.submod(*inputs))
+                outputs = _as_tuple(module(*inputs))
         except Exception as exc:
             shapes = ", ".join(f"{list(x.shape)} {x.dtype}" for x in inputs if isinstance(x, torch.Tensor))
-            raise SluiceError(f"{self.describe()}: its module failed on micro-batch {micro} of step {step}, whose "
-                              f"inputs were {shapes}: {type(exc).__name__}: {exc}") from exc
-        if not self.is_last:
-            self.exchange.send(FORWARD, step, micro, [_wire(o) for o in outputs], ACTIVATION_PRIORITY)
+            raise SluiceError(f"{self.describe(chunk)}: its module failed on micro-batch {micro} of step {step}, "
+                              f"whose inputs were {shapes}: {type(exc).__name__}: {exc}") from exc
+        if not self._last(chunk):
+            self.exchange.send(FORWARD, step, self._wire(micro, chunk, False), [_wire(o) for o in outputs],
+                               ACTIVATION_PRIORITY)
         if keep:
-            self._held[micro] = _Held(inputs, outputs)
+            self._held[(chunk, micro)] = _Held(inputs, outputs)
             self.peak_held = max(self.peak_held, len(self._held))
         return outputs
 
-    def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None) -> None:
-        """Run the backward of `micro`: from `loss` on the last stage, else from the gradients the stage
-        after sent; send the inputs' gradients back (but from the first stage); drop what was held."""
-        held = self._held.pop(micro)
+    def _last(self, chunk: int) -> bool:
+        return self.is_last and chunk == self.virtual - 1
+
+    def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
+        """Run the backward of `micro` through `chunk`: from `loss` on the last (virtual) stage, else from
+        the gradients the stage after sent; send the inputs' gradients back (but from the first); drop
+        what was held."""
+        held = self._held.pop((chunk, micro))
         if loss is not None:
             loss.backward()  # type: ignore[no-untyped-call]
         else:
-            outputs = [o for o in held.outputs if o.is_floating_point()]
-            grads = self.exchange.receive(BACKWARD, step, micro)
-            if len(grads) != len(outputs):
-                raise SluiceError(f"{self.describe()} sent {len(outputs)} floating-point activations for micro-batch "
-                                  f"{micro} of step {step} and got {len(grads)} gradients back")
-            pairs = []
-            for index, (output, grad) in enumerate(zip(outputs, grads, strict=True)):
-                tensor = self._tensor(grad, requires_grad=False)
-                if tensor.shape != output.shape or tensor.dtype != output.dtype:
-                    raise SluiceError(
-                        f"{self.describe()} got a gradient of {list(tensor.shape)} {tensor.dtype} for its output "
-                        f"{index} of micro-batch {micro} of step {step}, which it sent as {list(output.shape)} "
-                        f"{output.dtype}")
-                if output.requires_grad:
-                    pairs.append((output, tensor))
+            pairs = self._output_grads(step, micro, chunk, held)
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if not self.is_first:
-            floats = [x for x in held.inputs if x.is_floating_point()]
-            self.exchange.send(BACKWARD, step, micro, [_wire(x.grad if x.grad is not None else torch.zeros_like(x))
-                                                       for x in floats], GRADIENT_PRIORITY)
+        floats = [x for x in held.inputs if x.is_floating_point()]
+        self._send_back(step, micro, chunk, [x.grad for x in floats], floats)
+
+    def backward_input(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
+        """The first half of a split backward (I): the inputs' gradients of `micro` through `chunk`, sent
+        back at once; the weights' gradients wait for `backward_weight`, and so does what was held."""
+        held = self._held[(chunk, micro)]
+        if loss is not None:
+            pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(loss, None)]
+        else:
+            pairs = list(self._output_grads(step, micro, chunk, held))
+        floats = [x for x in held.inputs if x.is_floating_point()]
+        grads, self._weights[(chunk, micro)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats)
+        self._send_back(step, micro, chunk, grads, floats)
+
+    def backward_weight(self, micro: int, chunk: int = 0) -> None:
+        """The second half of a split backward (W): the weights' gradients of `micro` through `chunk`
+        accumulate into the parameters' `.grad`; what the micro-batch held is dropped."""
+        self._weights.pop((chunk, micro)).run()
+        del self._held[(chunk, micro)]
+
+    def _output_grads(self, step: int, micro: int, chunk: int, held: _Held) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients the stage after sent for `micro`'s outputs, with the outputs that take them."""
+        outputs = [o for o in held.outputs if o.is_floating_point()]
+        grads = self.exchange.receive(BACKWARD, step, self._wire(micro, chunk, False))
+        if len(grads) != len(outputs):
+            raise SluiceError(f"{self.describe(chunk)} sent {len(outputs)} floating-point activations for "
+                              f"micro-batch {micro} of step {step} and got {len(grads)} gradients back")
+        pairs = []
+        for index, (output, grad) in enumerate(zip(outputs, grads, strict=True)):
+            tensor = self._tensor(grad, requires_grad=False)
+            if tensor.shape != output.shape or tensor.dtype != output.dtype:
+                raise SluiceError(
+                    f"{self.describe(chunk)} got a gradient of {list(tensor.shape)} {tensor.dtype} for its output "
+                    f"{index} of micro-batch {micro} of step {step}, which it sent as {list(output.shape)} "
+                    f"{output.dtype}")
+            if output.requires_grad:
+                pairs.append((output, tensor))
+        return pairs
+
+    def _send_back(self, step: int, micro: int, chunk: int, grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor]) -> None:
+        """The inputs' gradients (zeros where none came) to the stage before (none from the first)."""
+        if not (self.is_first and chunk == 0):
+            self.exchange.send(BACKWARD, step, self._wire(micro, chunk, True),
+                               [_wire(g if g is not None else torch.zeros_like(x)) for g, x in zip(grads, inputs,
+                                                                                                    strict=True)],
+                               GRADIENT_PRIORITY)
 
     def end(self) -> None:
         """The step ended well (the schedule calls it last)."""
@@ -205,10 +279,10 @@ class PipelineStage:
             return
         step = self._next_step
         self.exchange.begin(step, 1)
-        try:
-            if not self.is_last:
+        try:  # in a ring (interleaved), the first and the last stage exchange it too
+            if self.place.next is not None:
                 self.exchange.send(FORWARD, step, 0, _EMPTY, ACTIVATION_PRIORITY)
-            if not self.is_first:
+            if self.place.previous is not None:
                 self.exchange.receive(FORWARD, step, 0)
         except SluiceError as exc:
             log.warning("%s: closing without the stage before's last word: %s", self.describe(), exc)
@@ -219,9 +293,11 @@ class PipelineStage:
         self._next_step = step + 1
         self._in_step = True
         self._held.clear()
+        self._weights.clear()
+        self._micro = micro_batches
         self.peak_held = 0
         self.offload_stats = []
-        self.exchange.begin(step, micro_batches)
+        self.exchange.begin(step, micro_batches * self.virtual)
 
     def _tensor(self, received: Received, requires_grad: bool = True) -> torch.Tensor:
         dtype = TORCH_DTYPES[received.dtype]
