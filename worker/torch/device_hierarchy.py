@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import queue
 import secrets
 import threading
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from sluice.scheduler.bootstrap import state_tag
+from sluice.transport.dtypes import STORAGE
 from sluice.worker.collective.ops import OpHandle
 from sluice.worker.hierarchy import Hierarchy
 from sluice.worker.local_group import LocalGroup
@@ -43,6 +45,13 @@ log = logging.getLogger(__name__)
 #: cross(share) starts the share's sum across the hosts (in place); its handle has add_done_callback and error
 Cross = Callable[[np.ndarray], Any]
 _SCATTER, _GATHER = 0, 1  # the local group's lanes
+PAGE = mmap.PAGESIZE
+
+
+def own_pages(address: int, nbytes: int, page: int = PAGE) -> tuple[int, int]:
+    """Where a buffer of `nbytes` has whole pages of its own inside an allocation at `address` a page larger:
+    its offset there (to the next page boundary) and the bytes to lock (`nbytes` rounded up to pages)."""
+    return (-address) % page, -(-max(nbytes, 1) // page) * page
 
 
 class DeviceHandle(OpHandle):
@@ -87,7 +96,7 @@ class DeviceHierarchy:
                                     self.local_size, backend, self._timeout, lanes=2)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._groups: dict[str, _Group] = {}
-        self._pinned: list[torch.Tensor] = []
+        self._pinned: list[np.ndarray] = []
         #: fused groups summed this way, by their local group or (alone on the host) whole
         self.summed = 0
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -158,18 +167,24 @@ class DeviceHierarchy:
         self._queue.put(crossing)
         return done
 
-    def pin(self, host: torch.Tensor) -> None:
-        """Page-lock `host` (registered memory a group's shares go through) for CUDA, so that copies to and from
-        it run on the side stream without the host (cudaHostRegister); unpinned, copies are correct but block."""
-        if self._side is None or not host.numel():
-            return
-        size = host.numel() * host.element_size()
-        failed = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)  # type: ignore[no-untyped-call]
+    def host_buffer(self, alloc: Callable[[tuple[int, ...], str], np.ndarray], count: int, dtype: str) -> np.ndarray:
+        """`count` elements of registered memory from `alloc` (the PS client's) that a group's shares go through;
+        for CUDA page-locked (cudaHostRegister), so that copies to and from it run on the side stream without the
+        host. CUDA locks whole pages and refuses a page locked twice: the buffer gets pages of its own, carved
+        out of an allocation a page larger than it needs. Unlocked (refused), copies are correct but block."""
+        if self._side is None:
+            return alloc((count,), dtype)
+        item = np.dtype(STORAGE[dtype]).itemsize
+        raw = alloc(((own_pages(0, count * item)[1] + PAGE) // item,), dtype)
+        skip, locked = own_pages(raw.ctypes.data, count * item)
+        buffer = raw[skip // item: (skip + locked) // item]
+        failed = torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, locked, 0)  # type: ignore[no-untyped-call]
         if int(failed):
             log.warning("could not page-lock %d bytes for copies from the GPU (CUDA error %d): they will block",
-                        size, int(failed))
-            return
-        self._pinned.append(host)
+                        locked, int(failed))
+        else:
+            self._pinned.append(buffer)
+        return buffer[:count]
 
     def close(self) -> None:
         self._queue.put(None)
@@ -177,7 +192,7 @@ class DeviceHierarchy:
         if self._side is not None:
             self._side.synchronize()  # no copy still reads the buffers unpinned next
         for host in self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())  # type: ignore[no-untyped-call]
+            torch.cuda.cudart().cudaHostUnregister(host.ctypes.data)  # type: ignore[no-untyped-call]
         self._pinned = []
         if self.local is not None:
             self.local.close()

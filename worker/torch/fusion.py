@@ -145,11 +145,6 @@ class FusedGradients:
         self._index = {key: i for i, key in enumerate(self.keys)}
         offsets = {slot.tensor: slot.offset for slot in self.plan.slots}
         count = self.plan.total_bytes // item
-        self._arrays = [node.ps.alloc((count,), self.dtype) for _ in range(2)]
-        hosts = [torch.from_numpy(a) for a in self._arrays]
-        if wire in _TORCH_STORAGE:
-            hosts = [f.view(wire) for f in hosts]
-        self._hosts = hosts
         device = params[0][2].device
         #: device-resident groups (collective.local_group): summed inside the host where they are, only this
         #: worker's share through the registered buffer (not a process set's, not compressed, not greedy)
@@ -157,13 +152,16 @@ class FusedGradients:
         self.device: DeviceHierarchy | None = device_hierarchy(node, device) if (
             wire == torch_dtype and not greedy and (engine is None or engine is node.collectives)
             and (local == "torch" or (local == "auto" and device.type == "cuda"))) else None
+        self._arrays = [node.ps.alloc((count,), self.dtype) if self.device is None else
+                        self.device.host_buffer(node.ps.alloc, count, self.dtype) for _ in range(2)]
+        hosts = [torch.from_numpy(a) for a in self._arrays]
+        if wire in _TORCH_STORAGE:
+            hosts = [f.view(wire) for f in hosts]
+        self._hosts = hosts
         #: where the gradients live: the registered buffers themselves on the CPU; on a GPU, or when they
         #: travel compressed, or stay where they are, buffers of their own, each group copied (cast) to its
         #: registered twin before it is sent and back when its result is in (the share alone, device-resident)
         self._on_device = device.type != "cpu" or wire != torch_dtype or self.device is not None
-        if self.device is not None:
-            for host in hosts:
-                self.device.pin(host)
         flats = [torch.zeros(count, dtype=torch_dtype, device=device) for _ in range(2)] if self._on_device else hosts
         self._flats = flats
         self._views = [
