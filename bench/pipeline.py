@@ -1,15 +1,20 @@
-"""Sluice's pipeline schedules (GPipe, 1F1B): idle time against the bubble bound, samples/s against torch's.
+"""Sluice's pipeline schedules: idle time against each schedule's bubble bound, samples/s against torch's.
 
 Sluice's pipeline parallelism (sluice.worker.torch.pipelining under `sluice launch -w P -s 0`) for P
-stages and M micro-batches a step, by GPipe and 1F1B; every process runs bench/pipeline_job.py with
-one torch thread.
+stages and M micro-batches a step, by GPipe, 1F1B, interleaved 1F1B (V chunks per stage: NAME:V) and
+zero bubble (ZB-H1; interleaved with NAME:V); every process runs bench/pipeline_job.py with one torch
+thread.
 
   idle     stages of fixed compute: each stage's forward takes COMPUTE_MS and its backward as long.
            They sleep rather than compute, so that P processes sharing two cores measure the schedule,
            not the cores. Per stage and timed step: idle = 1 - busy / wall, busy the seconds its
            forwards and backwards took, wall its step's seconds (in the steady state every stage's
            step lasts the pipeline's period); each stage's median over IDLE_STEPS steps after WARMUP.
-           ours = the worst stage's median, against (P-1)/(M+P-1); met within 3 points. The bound
+           ours = the worst stage's median, against (P-1)/(M+P-1); met within 3 points. Interleaved
+           stages run V chunks of COMPUTE_MS/V each: (P-1)/(VM+P-1) for M >= P. Zero bubble splits
+           each backward into I and W of half its time each (the sleeping stage's input and weight
+           branches): (P-1)/(2VM+P-1) for M >= P. Either bound is the schedule's order replayed
+           against its dependencies at those times (worker/pipeline/schedule.py clock_table). The bound
            assumes nothing but compute; what each of a step's 2(M+P-1) slots costs beyond it (Python,
            passing the result on, waking up) is overhead_ms_per_slot, and raises idle by about
            (1 - bound) o / (T + o) for o ms of it on T ms stages. torch's idle on the same stages is
@@ -23,7 +28,9 @@ one torch thread.
            of all processes' threads a step (the libraries' own threads included).
 
 torch's Schedule1F1B refuses M < P; there (1F1B's order then being GPipe's on all but the last
-stage) torch runs ScheduleGPipe, and the record says so (peer_schedule).
+stage) torch runs ScheduleGPipe, and the record says so (peer_schedule). The other schedules run
+against torch's class of the same name: ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble
+(with one stage per rank, ZB-H1), with the same V chunks per rank.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ if __package__ in (None, ""):  # run as `python bench/pipeline.py`: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, Stats, add_common_options, free_port, print_table, progress, record, stats, write_json
-from sluice.worker.pipeline.schedule import bubble
+from sluice.worker.pipeline.schedule import SCHEDULES, bubble, canonical, clock_table, idle_fraction, schedule
 
 JOB = ROOT / "bench" / "pipeline_job.py"
 TORCH = "torch.distributed.pipelining (gloo)"
@@ -58,6 +65,22 @@ LOSS_TOLERANCE = 1e-5
 #: but the last stage, and torch's ScheduleGPipe stands in for it
 GPIPE_INSTEAD = " ScheduleGPipe (its Schedule1F1B needs M >= P)"
 RESULT = re.compile(r"PIPELINE_BENCH (\{.*\})$", re.M)
+#: the bound each schedule's idle cases are measured against (peer_name)
+BOUNDS = {"gpipe": BOUND, "1f1b": BOUND, "interleaved1f1b": "bubble bound (P-1)/(VM+P-1), replayed",
+          "interleavedzerobubble": "zero-bubble bound (P-1)/(2VM+P-1) (I = W = B/2), replayed"}
+DEFAULT_SCHEDULES = ["1f1b", "gpipe", "interleaved1f1b:2", "interleavedzerobubble"]
+
+
+def schedule_spec(text: str) -> tuple[str, int]:
+    """NAME or NAME:V (V chunks per stage) as (the schedule's name, V)."""
+    name, _, chunks = text.partition(":")
+    try:
+        key, virtual = canonical(name), int(chunks or 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if virtual < 1 or (virtual > 1 and key in ("gpipe", "1f1b")):
+        raise argparse.ArgumentTypeError(f"{key} cannot run {virtual} chunks per stage")
+    return key, virtual
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="pipeline stages, one process each (default: %(default)s)")
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8], metavar="M",
                         help="micro-batches per step (default: %(default)s)")
-    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["1f1b", "gpipe"],
-                        help="schedules to measure (default: %(default)s)")
+    parser.add_argument("--schedules", nargs="+", type=schedule_spec, default=DEFAULT_SCHEDULES, metavar="NAME[:V]",
+                        help=f"schedules to measure, of {', '.join(SCHEDULES)} (or torch's class names), each with "
+                             "V chunks per stage (interleaved; default 1) (default: %(default)s)")
     parser.add_argument("--parts", nargs="+", choices=["idle", "samples"], default=["idle", "samples"],
                         help="idle: fixed-compute stages against the bubble bound; samples: samples/s of an MLP "
                              "against torch's (default: %(default)s)")
@@ -87,17 +111,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="give up on one launch after this long (default: %(default)s)")
     parser.add_argument("--profile", metavar="DIR",
                         help="samples: cProfile each process's timed steps into DIR/SIDE-case.rankN.prof")
-    add_common_options(parser, "P=2, M=2, 1F1B, 10 ms stages, 3 steps, 1 warm-up, 1 repeat", repeats=5)
+    add_common_options(parser, "P=2, M=2, 10 ms stages, 3 steps, 1 warm-up, 1 repeat; idle of interleaved 1F1B "
+                               "(V=2), samples of zero bubble (ZB-H1)", repeats=5)
     args = parser.parse_args(argv)
+    args.schedules = [spec if isinstance(spec, tuple) else schedule_spec(spec) for spec in args.schedules]
+    #: which schedules each part measures (--quick: one each, as cheap as one schedule in both)
+    args.part_schedules = {"idle": args.schedules, "samples": args.schedules}
     if args.quick:
-        args.stages, args.micro, args.schedules, args.compute_ms = [2], [2], ["1f1b"], 10.0
+        args.stages, args.micro, args.compute_ms = [2], [2], 10.0
+        args.part_schedules = {"idle": [("interleaved1f1b", 2)], "samples": [("interleavedzerobubble", 1)]}
         args.idle_steps, args.steps, args.warmup, args.repeats, args.rounds = 3, 3, 1, 1, 1
     if min(args.stages) < 2 or min(args.micro) < 1:
         parser.error("a pipeline needs at least 2 stages and 1 micro-batch")
     if min(args.idle_steps, args.steps, args.repeats, args.rounds, args.batch, args.warmup + 1) < 1:
         parser.error("steps, repeats, rounds and batch must be positive, warmup not negative")
-    if any(args.layers % p for p in args.stages) or max(args.micro) > args.batch:
-        parser.error("--layers must be a multiple of every P, and --batch at least every M")
+    if any(args.layers % (p * v) for p in args.stages for _, v in args.part_schedules["samples"]) or (
+            max(args.micro) > args.batch):
+        parser.error("--layers must be a multiple of every P times V, and --batch at least every M")
+    for name, virtual in args.schedules:
+        for p in args.stages:
+            for m in args.micro:
+                try:
+                    schedule(name, p, m, virtual)
+                except ValueError as exc:
+                    parser.error(f"{name} with P={p}, M={m}: {exc}")
     return args
 
 
@@ -143,10 +180,10 @@ def peer_schedule(stages: int, micro: int, schedule: str) -> str:
 
 
 def launch(side: str, stages: int, micro: int, schedule: str, args: argparse.Namespace,
-           *job: str) -> list[dict[str, Any]]:
+           *job: str, virtual: int = 1) -> list[dict[str, Any]]:
     """One run of the pipeline on `side`: each process's PIPELINE_BENCH record, by stage."""
     argv = [sys.executable, str(JOB), "--side", side, "--stages", str(stages), "--micro", str(micro),
-            "--schedule", schedule, "--warmup", str(args.warmup), *job]
+            "--schedule", schedule, "--virtual", str(virtual), "--warmup", str(args.warmup), *job]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if side == "sluice":
         commands = [([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(stages), "-s", "0", "--", *argv],
@@ -163,39 +200,59 @@ def launch(side: str, stages: int, micro: int, schedule: str, args: argparse.Nam
 
 
 # ---------------------------------------------------------------------------- the two parts
-def idle_of(found: list[dict[str, Any]], stages: int, micro: int) -> tuple[Stats, list[float], float]:
+def replayed(stages: int, micro: int, name: str, virtual: int) -> tuple[float, float]:
+    """The schedule's idle fraction on its worst stage, from its order replayed at the sleeping stages'
+    times (a chunk's forward 2 clocks, its backward 2, an I or a W 1), and its step in slots (forwards
+    and backwards, an I and a W making one): (P-1)/(M+P-1) and 2(M+P-1) for GPipe and 1F1B."""
+    if name in ("gpipe", "1f1b"):
+        return bubble(stages, micro), 2 * (micro + stages - 1)
+    table = clock_table(schedule(name, stages, micro, virtual), forward=2, backward=2, input_grad=1, weight_grad=1)
+    return max(idle_fraction(table, s) for s in range(stages)), len(table) / 2
+
+
+def case_name(part: str, stages: int, micro: int, name: str, virtual: int) -> str:
+    return f"{part}-P{stages}-M{micro}-{name}{f'-V{virtual}' if virtual > 1 else ''}"
+
+
+def idle_of(found: list[dict[str, Any]], bound: float, slots: float) -> tuple[Stats, list[float], float]:
     """The worst stage's idle fraction (median, and its min and max over steps), every stage's median,
-    and the ms by which a step outlasts the schedule's ideal, per slot (2(M+P-1) slots a step): the
-    overhead of each forward or backward beyond the compute, and of passing its result on."""
+    and the ms by which a step outlasts the schedule's ideal (busy / (1 - bound)), per slot (2(M+P-1)
+    slots a step in 1F1B): the overhead of each forward or backward beyond the compute, and of passing
+    its result on."""
     per_stage = [[1 - busy / wall for busy, wall in zip(r["busy"], r["wall"], strict=True)] for r in found]
     medians = [statistics.median(values) for values in per_stage]
     index = medians.index(max(medians))
     worst = per_stage[index]
     wall, busy = statistics.median(found[index]["wall"]), statistics.median(found[index]["busy"])
-    excess = (wall - busy / (1 - bubble(stages, micro))) / (2 * (micro + stages - 1)) * 1e3
+    excess = (wall - busy / (1 - bound)) / slots * 1e3
     return Stats(max(medians), min(worst), max(worst)), medians, excess
 
 
-def idle_case(stages: int, micro: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+def idle_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    schedule, virtual = spec
     job = ["--model", "sleep", "--compute-ms", str(args.compute_ms), "--steps", str(args.idle_steps),
            "--batch", str(max(16, micro))]
-    bound = bubble(stages, micro)
-    ours, stage_idle, excess = idle_of(launch("sluice", stages, micro, schedule, args, *job), stages, micro)
-    found = launch("torch", stages, micro, peer_schedule(stages, micro, schedule), args, *job)
-    theirs, torch_stage_idle, torch_excess = idle_of(found, stages, micro)
-    case = f"idle-P{stages}-M{micro}-{schedule}"
+    bound, slots = replayed(stages, micro, schedule, virtual)
+    found = launch("sluice", stages, micro, schedule, args, *job, virtual=virtual)
+    ours, stage_idle, excess = idle_of(found, bound, slots)
+    found = launch("torch", stages, micro, peer_schedule(stages, micro, schedule), args, *job, virtual=virtual)
+    theirs, torch_stage_idle, torch_excess = idle_of(found, bound, slots)
+    case = case_name("idle", stages, micro, schedule, virtual)
     progress(f"  {case:<22} sluice {ours.median:.3f}  torch {theirs.median:.3f}  bound {bound:.3f}  (overhead per "
              f"slot: sluice {excess:.2f} ms, torch {torch_excess:.2f} ms)")
-    return record(case, ours, Stats(bound, bound, bound), BOUND, "fraction", "lower", stages=stages, micro=micro,
-                  schedule=schedule, compute_ms=args.compute_ms, steps=args.idle_steps, warmup=args.warmup,
+    own = {"virtual": virtual} if virtual > 1 or schedule not in ("gpipe", "1f1b") else {}
+    return record(case, ours, Stats(bound, bound, bound), BOUNDS[schedule], "fraction", "lower", stages=stages,
+                  micro=micro, schedule=schedule, **own, compute_ms=args.compute_ms, steps=args.idle_steps,
+                  warmup=args.warmup,
                   measure="worst stage's median", stage_idle=stage_idle, mean_idle=statistics.mean(stage_idle),
                   points_over_bound=(ours.median - bound) * 100, met=abs(ours.median - bound) <= TARGET_POINTS,
                   overhead_ms_per_slot=excess, torch_idle=theirs.median, torch_stage_idle=torch_stage_idle,
                   torch_overhead_ms_per_slot=torch_excess, torch_schedule=peer_schedule(stages, micro, schedule))
 
 
-def samples_case(stages: int, micro: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
-    case = f"samples-P{stages}-M{micro}-{schedule}"
+def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    schedule, virtual = spec
+    case = case_name("samples", stages, micro, schedule, virtual)
     rates: dict[str, list[float]] = {"sluice": [], "torch": []}
     losses: dict[str, list[list[float]]] = {"sluice": [], "torch": []}
     cpu: dict[str, list[float]] = {"sluice": [], "torch": []}  # ms of CPU a step, all processes together
@@ -206,7 +263,7 @@ def samples_case(stages: int, micro: int, schedule: str, args: argparse.Namespac
             if args.profile:
                 job += ["--profile", str(Path(args.profile) / f"{side}-{case}")]
             kind = schedule if side == "sluice" else peer_schedule(stages, micro, schedule)
-            found = launch(side, stages, micro, kind, args, *job)
+            found = launch(side, stages, micro, kind, args, *job, virtual=virtual)
             rates[side] += [args.steps * args.batch / s for s in found[0]["seconds"]]
             losses[side].append(found[-1]["losses"])
             cpu[side].append(sum(r["cpu"] for r in found) / (args.steps * args.repeats) * 1e3)
@@ -220,8 +277,9 @@ def samples_case(stages: int, micro: int, schedule: str, args: argparse.Namespac
     ours, peer = stats(rates["sluice"]), stats(rates["torch"])
     same = first_diff <= LOSS_TOLERANCE
     theirs = peer_schedule(stages, micro, schedule)
+    own = {"virtual": virtual} if virtual > 1 or schedule not in ("gpipe", "1f1b") else {}
     return record(case, ours, peer, TORCH + (GPIPE_INSTEAD if theirs != schedule else ""), "samples/s", "higher",
-                  stages=stages, micro=micro, schedule=schedule, peer_schedule=theirs,
+                  stages=stages, micro=micro, schedule=schedule, **own, peer_schedule=theirs,
                   width=args.width, layers=args.layers, batch=args.batch, steps=args.steps, warmup=args.warmup,
                   repeats=args.repeats, rounds=args.rounds, first_loss=losses["sluice"][0][0],
                   first_loss_diff=first_diff, last_loss_diff=last_diff, same_loss=same,
@@ -246,19 +304,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    cases = [(p, m, s) for p in args.stages for m in args.micro for s in args.schedules]
-    progress(f"pipeline: P {args.stages}, M {args.micro}, {', '.join(args.schedules)}; parts {', '.join(args.parts)}")
+    cases = {part: [(p, m, s) for p in args.stages for m in args.micro for s in specs]
+             for part, specs in args.part_schedules.items()}
+    names = sorted({f"{name}{f':{v}' if v > 1 else ''}" for specs in args.part_schedules.values() for name, v in specs})
+    progress(f"pipeline: P {args.stages}, M {args.micro}, {', '.join(names)}; parts {', '.join(args.parts)}")
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     if "idle" in args.parts:
         progress(f"idle fraction, stages of {args.compute_ms:g} ms forward + {args.compute_ms:g} ms backward, "
                  f"median of {args.idle_steps} steps after {args.warmup}:")
-        records += [idle_case(p, m, s, args) for p, m, s in cases]
+        records += [idle_case(p, m, s, args) for p, m, s in cases["idle"]]
     if "samples" in args.parts:
         progress(f"samples/s, MLP {args.layers} x {args.width}, batch {args.batch}, {args.repeats} x {args.steps} "
                  f"steps after {args.warmup}, {args.rounds} round(s):")
-        records += [samples_case(p, m, s, args) for p, m, s in cases]
-    progress(f"\nidle: the worst stage's, against {BOUND} (target within {TARGET_POINTS * 100:.0f} points); "
+        records += [samples_case(p, m, s, args) for p, m, s in cases["samples"]]
+    progress(f"\nidle: the worst stage's, against {BOUND} (interleaved, zero bubble: their orders replayed; "
+             f"target within {TARGET_POINTS * 100:.0f} points); "
              f"samples/s: median [min..max] of repeats, against {TORCH} (target {TARGET_SPEEDUP}x); "
              f"overhead and CPU: sluice / torch; {time.perf_counter() - started:.0f} s in all")
     print_table(["case", "sluice", "peer", "torch idle", "overhead ms/slot", "CPU ms/step", "vs peer", "target"],
