@@ -1,13 +1,16 @@
-"""The coordinator tree's executor: a Controller (negotiation.py) on its own thread, over the transport.
+"""The coordinator tree's executor: a Controller (negotiation.py) ticked by its callers or its own thread.
 
 Messages arrive on the transport's I/O thread (`on_message`): their sender must be this rank's parent or
 a child, and their format is checked there (refused through `transport.refuse` otherwise); what passes is
-queued for the coordinator thread, which owns the Controller. That thread ticks when woken (a submit, a
-message) or when the Controller has a deadline (a stall alert, a census), but never twice within
-`cycle_ms`: with the Controller's one-unacknowledged-message-per-edge rule, a node sends at most one
-message up per cycle, and its parent takes at most one per child per tick. Everything goes on channel 0
-with priority 0 (control is the most urgent traffic). Decisions are handed to `on_decided` in order on
-the coordinator thread; a failure to `on_error`, once.
+queued. A tick takes what is queued to the Controller, one tick at a time, never two within `cycle_ms`:
+with the Controller's one-unacknowledged-message-per-edge rule, a node sends at most one message up per
+cycle, and its parent takes at most one per child per tick. A tick that is due at once (the first news
+after a quiet cycle: a step's request, the decision coming down) runs in the thread that brought it, a
+submit's caller or the I/O thread, so that no thread is woken for it (measured on 4 workers of the demo
+model on 2 cores: 16 voluntary context switches a step on a worker instead of 22); the coordinator thread
+runs the ticks a cycle holds back and those the Controller's deadlines call for (a stall alert, a
+census). Everything goes on channel 0 with priority 0 (control is the most urgent traffic). Decisions
+are handed to `on_decided` in order, by the thread that ticked; a failure to `on_error`, once.
 
 Connections (see collective.tree.dials): each pair of neighbours is dialled once, by the higher rank. Each
 rank sends a hello to the neighbours it dialled, so that they learn a route back; what it has for a
@@ -34,6 +37,12 @@ log = logging.getLogger("sluice.coordinator")
 
 #: messages kept for a neighbour not heard from yet; more means it never came (the job fails)
 MAX_HELD = 10_000
+#: the coordinator thread looks at the Controller's deadlines (stall alerts, a census: seconds away) at least this
+#: often, so that a tick a caller ran needs no wake-up to tell it of a new one
+IDLE_CHECK_S = 0.25
+
+#: a tick's work: when it began, the messages and requests it takes, the neighbours heard from
+_Turn = tuple[float, list[tuple[int, Up | Down, int]], list[tuple[Request, float]], set[int]]
 
 
 def message_bytes(msg: Message) -> int:
@@ -70,6 +79,8 @@ class Coordinator:
         self._rejects = Rejections(log)
         self._failed = False
         self._closed = False
+        self._ticking = False  # a tick runs (on the coordinator thread or a caller's): one at a time
+        self._last = -self._cycle  # when the last tick began
         for r in sorted(self._heard):
             kind = Kind.COORD_UP if r == self._parent else Kind.COORD_DOWN
             transport.send(peers[r], 0, hello(kind, node_id))
@@ -91,7 +102,11 @@ class Coordinator:
             now = time.monotonic()
             self._submitted.append((request, now))
             self._batch_since = now if self._batch_since is None else self._batch_since
-            self._cond.notify()
+            turn = self._claim(now)
+            if turn is None:
+                self._cond.notify()
+        if turn is not None:
+            self._take_turn(turn)
 
     def stats(self, reset: bool = False) -> dict[str, int]:
         """Counters since the start (or the last reset): messages and bytes (header + payload) each way,
@@ -136,23 +151,21 @@ class Coordinator:
                     self._urgent = True
                 elif self._batch_since is None:
                     self._batch_since = time.monotonic()
-            self._cond.notify()
+            turn = self._claim(time.monotonic())
+            if turn is None:
+                self._cond.notify()
+        if turn is not None:
+            self._take_turn(turn)
 
     # ------------------------------------------------------------------ coordinator thread
     def _run(self) -> None:
-        last = -self._cycle
         try:
             while True:
                 with self._cond:
-                    self._wait(last)
-                    if self._closed:
+                    turn = self._wait()
+                    if turn is None:
                         return
-                    inbox, self._inbox = self._inbox, []
-                    self._batch_since, self._urgent = None, False
-                    submitted, self._submitted = self._submitted, []
-                    heard = set(self._heard)
-                last = now = time.monotonic()
-                self._tick(now, inbox, submitted, heard)
+                self._take_turn(turn, caught=False)
         except Exception as exc:  # a bug here must not leave the job waiting forever: fail it, loudly
             log.exception("coordinator of rank %d failed", self.rank)
             self._fail(f"the coordinator of rank {self.rank} failed: {type(exc).__name__}: {exc}")
@@ -161,23 +174,60 @@ class Coordinator:
                 self._closed = True  # nothing is queued any more
                 self._inbox.clear()
 
-    def _wait(self, last: float) -> None:
-        """Until there is work and a cycle has passed since the last tick (or until closed)."""
+    def _ready_at(self) -> float | None:
+        """When the next tick is due (under the lock): at most one a cycle; None while there is nothing to do."""
+        last = self._last
+        if self._urgent or self._heard & set(self._held):
+            return last + self._cycle
+        if self._batch_since is not None:
+            # at most one tick per cycle, but the first news after a quiet cycle goes at once: a step's last
+            # fusion group waits for no timer (the rest of a burst waits a cycle)
+            return last + self._cycle
+        due = [d for d in (self._controller.deadline(), *(t + self._stall for t in self._held_since.values()))
+               if d is not None]
+        return max(min(due), last + self._cycle) if due else None
+
+    def _claim(self, now: float) -> _Turn | None:
+        """This tick's work, taken (under the lock) if a tick is due at `now` and none runs; else None."""
+        if self._closed or self._ticking:
+            return None
+        ready_at = self._ready_at()
+        if ready_at is None or now < ready_at:
+            return None
+        self._ticking, self._last = True, now
+        inbox, self._inbox = self._inbox, []
+        self._batch_since, self._urgent = None, False
+        submitted, self._submitted = self._submitted, []
+        return now, inbox, submitted, set(self._heard)
+
+    def _wait(self) -> _Turn | None:
+        """On the coordinator thread: until a tick is due and no caller runs one, then its work; None once
+        closed. Callers run a tick that is due at once themselves (`submit`, `on_message`: no thread to wake);
+        this thread takes the rest, and the deadlines, which it looks at again at least every IDLE_CHECK_S."""
         while not self._closed:
             now = time.monotonic()
-            due = [d for d in (self._controller.deadline(), *(t + self._stall for t in self._held_since.values()))
-                   if d is not None]
-            if self._urgent or self._heard & set(self._held):
-                ready_at: float | None = last + self._cycle
-            elif self._batch_since is not None:
-                # at most one tick per cycle, but the first news after a quiet cycle goes at once: a
-                # step's last fusion group waits for no timer (the rest of a burst waits a cycle)
-                ready_at = last + self._cycle
-            else:
-                ready_at = max(min(due), last + self._cycle) if due else None
-            if ready_at is not None and now >= ready_at:
-                return
-            self._cond.wait(None if ready_at is None else ready_at - now)
+            turn = self._claim(now)
+            if turn is not None:
+                return turn
+            ready_at = None if self._ticking else self._ready_at()
+            wait = IDLE_CHECK_S if ready_at is None else min(max(ready_at - now, 0.0), IDLE_CHECK_S)
+            self._cond.wait(wait if not self._ticking else IDLE_CHECK_S)
+        return None
+
+    def _take_turn(self, turn: _Turn, caught: bool = True) -> None:
+        """Run a claimed tick, then let the next one be claimed (by the coordinator thread, or a caller)."""
+        try:
+            self._tick(*turn)
+        except Exception as exc:
+            if not caught:
+                raise
+            log.exception("coordinator of rank %d failed", self.rank)  # a bug: fail the job, loudly
+            self._fail(f"the coordinator of rank {self.rank} failed: {type(exc).__name__}: {exc}")
+        finally:
+            with self._cond:
+                self._ticking = False
+                if self._inbox or self._submitted:  # arrived while this tick ran: due a cycle after it
+                    self._cond.notify()
 
     def _tick(self, now: float, inbox: list[tuple[int, Up | Down, int]], submitted: list[tuple[Request, float]],
               heard: set[int]) -> None:
