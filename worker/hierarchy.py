@@ -53,9 +53,7 @@ class Hierarchy:
         self.cross_ranks = list(cross.members)
         #: fused groups summed this way (a job's check that the hierarchy ran)
         self.groups = 0
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="sluice-hierarchy", daemon=True)
-        self._thread.start()
+        self._steps = StepThread("sluice-hierarchy")
 
     def takes(self, nbytes: int, through_servers: bool = False) -> bool:
         """Whether a sum of `nbytes` takes the hierarchy: through the servers always (each worker pushes its share
@@ -103,7 +101,7 @@ class Hierarchy:
             except Exception as exc:  # the node failed, say: the host's other workers still wait to gather
                 gather(f"{type(exc).__name__}: {exc}")
                 return
-            handle.add_done_callback(lambda h: self._queue.put(lambda: gather(h.error)))
+            handle.add_done_callback(lambda h: self._steps.put(lambda: gather(h.error)))
 
         def gather(crossing_error: str | None) -> None:
             try:
@@ -113,8 +111,24 @@ class Hierarchy:
                 return
             gathered.add_done_callback(lambda h: done.finish(error=crossing_error or h.error))
 
-        summed.add_done_callback(lambda _: self._queue.put(cross))
+        summed.add_done_callback(lambda _: self._steps.put(cross))
         return done
+
+    def close(self) -> None:
+        self._steps.close()
+
+
+class StepThread:
+    """A thread of its own that runs queued steps in order: the next step of a chain, issued off the I/O
+    thread that completed the last (a push may wait there for credit the I/O thread returns)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, step: Callable[[], None]) -> None:
+        self._queue.put(step)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -127,5 +141,5 @@ class Hierarchy:
                 return
             try:
                 step()
-            except Exception:  # a bug: the thread goes on for the other groups; this one's wait names it
-                log.exception("hierarchical allreduce: a step failed")
+            except Exception:  # a bug: the thread goes on for the other steps; the failed one's wait names it
+                log.exception("%s: a step failed", self._thread.name)

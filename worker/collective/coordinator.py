@@ -211,7 +211,7 @@ class Coordinator:
                 return turn
             ready_at = None if self._ticking else self._ready_at()
             wait = IDLE_CHECK_S if ready_at is None else min(max(ready_at - now, 0.0), IDLE_CHECK_S)
-            self._cond.wait(wait if not self._ticking else IDLE_CHECK_S)
+            self._cond.wait(wait)
         return None
 
     def _take_turn(self, turn: _Turn, caught: bool = True) -> None:

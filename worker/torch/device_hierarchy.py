@@ -22,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +33,7 @@ import torch
 from sluice.scheduler.bootstrap import state_tag
 from sluice.transport.dtypes import STORAGE
 from sluice.worker.collective.ops import OpHandle
-from sluice.worker.hierarchy import Hierarchy
+from sluice.worker.hierarchy import Hierarchy, StepThread
 from sluice.worker.local_group import LocalGroup
 from sluice.worker.node import WorkerNode
 from sluice.worker.topology import share_bounds
@@ -99,17 +97,11 @@ class DeviceHierarchy:
         self._pinned: list[np.ndarray] = []
         #: fused groups summed this way, by their local group or (alone on the host) whole
         self.summed = 0
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="sluice-device-hierarchy", daemon=True)
-        self._thread.start()
+        self._steps = StepThread("sluice-device-hierarchy")
         #: groups whose crossing ended, by ticket, and the next ticket to gather: allgathers go in issue order
         self._crossed: dict[int, Callable[[], None]] = {}
         self._next_gather = 0
         self._tickets = 0
-
-    def share(self, length: int) -> tuple[int, int]:
-        """This worker's share [start, end) of a group of `length` elements (all of it alone on its host)."""
-        return share_bounds(length, self.local_size)[1][self.local_rank]
 
     def allreduce(self, name: str, flat: torch.Tensor, host: torch.Tensor, array: np.ndarray, cross: Cross,
                   hierarchical: bool = True) -> DeviceHandle:
@@ -161,10 +153,10 @@ class DeviceHierarchy:
                 lost = f"{type(exc).__name__}: {exc}"
                 self._then(ticket, lambda: self._gather(name, flat, group, host_share, done, lost))
                 return
-            handle.add_done_callback(lambda h: self._queue.put(
+            handle.add_done_callback(lambda h: self._steps.put(
                 lambda: self._then(ticket, lambda: self._gather(name, flat, group, host_share, done, h.error))))
 
-        self._queue.put(crossing)
+        self._steps.put(crossing)
         return done
 
     def host_buffer(self, alloc: Callable[[tuple[int, ...], str], np.ndarray], count: int, dtype: str) -> np.ndarray:
@@ -187,8 +179,7 @@ class DeviceHierarchy:
         return buffer[:count]
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5.0)
+        self._steps.close()
         if self._side is not None:
             self._side.synchronize()  # no copy still reads the buffers unpinned next
         for host in self._pinned:
@@ -258,16 +249,6 @@ class DeviceHierarchy:
         trace = self.node.trace
         if trace is not None:
             trace.copy(kind, name, start, time.monotonic(), nbytes)
-
-    def _run(self) -> None:
-        while True:
-            step = self._queue.get()
-            if step is None:
-                return
-            try:
-                step()
-            except Exception:  # a bug: the thread goes on for the other groups; this one's wait names it
-                log.exception("device-resident allreduce: a step failed")
 
 
 #: one per worker node and device, made by the first fused gradients that need it
