@@ -18,8 +18,10 @@ import numpy as np
 
 from bench.aggregation_setup import PLANNED, Layout, build_testbed, job_config
 from bench.common import add_common_options, print_table, progress, write_json
+from sluice.launch.run_options import ENV_LOG_TIME
 from testbed.job import emit_result, run_sluice_job
 from testbed.netbed import Netbed, ready_for
+from testbed.replan_steps import STEPS, evidence, false_alarms, median_steps, parse_line, steps
 
 DESCRIPTION = """\
 The aggregation testbed (bench/aggregation.py's racks, planned weighted trees, aggregation.mode =
@@ -58,23 +60,40 @@ def worker_main(spec: str) -> int:
     data[:] = client.rank + 1
     want = client.size * (client.size + 1) / 2
     rounds: list[tuple[float, float, int]] = []
+    grad = client._tensors["grad"]
     while True:
-        started, epoch = time.time(), client._router.epoch  # the trees this round's pushes take
+        started = time.time()
         client.push_pull("grad", data, out).wait()
+        # the trees this round's pushes took: a round started during a switch was held until COMMIT and took
+        # the new trees, so it started (on the network) when COMMIT came
+        epoch = client._router.epoch_of(grad.key, grad.round)
+        started = max(started, client._router.committed_at.get(epoch, 0.0))
         rounds.append((started, time.time(), epoch))
         if not (out[0] == want and np.all(out == want)):
             raise SystemExit(f"worker {client.rank}: round {len(rounds)} summed {out[0]}, not {want}")
         client.push_pull("go", np.array([time.time() < work.stop_at], np.int32), go).wait()
         if go[0] < client.size:  # every worker sees the same votes: all stop after the same round
             break
+    committed = dict(client._router.committed_at)  # when each epoch's COMMIT reached this worker
     node.close()
-    emit_result({"rank": client.rank, "rounds": rounds})
+    emit_result({"rank": client.rank, "rounds": rounds, "committed": committed})
     return 0
 
 
+@dataclass
+class Job:
+    """What one job left: each worker's rounds (start, end, epoch) and COMMIT arrivals by epoch, the
+    scheduler's timed log lines, and when r0's uplink was cut (None: it was not)."""
+
+    workers: list[list[tuple[float, float, int]]]
+    committed: list[dict[int, float]]
+    lines: list[tuple[float, str]]
+    cut: float | None
+
+
 def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float, args: argparse.Namespace,
-            throttle_at: float | None = None) -> tuple[list[list[tuple[float, float, int]]], float | None]:
-    """Each worker's rounds (start, end, epoch); with `throttle_at` (s after start), when r0's uplink was cut."""
+            throttle_at: float | None = None) -> Job:
+    """Run one job; with `throttle_at` (s after start), cut r0's uplink to a quarter then."""
     spec = json.dumps(asdict(Work(args.mib << 18, time.time() + seconds)))
     argv = [sys.executable, "-m", "bench.replan", "--worker", spec]
     cut: list[float] = []
@@ -85,9 +104,17 @@ def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float,
             cut.append(time.time())
             progress(f"  uplink of r0 cut to {layout.uplink_mbit / 4:g} Mbit/s")
         threading.Thread(target=throttle, daemon=True).start()
+    lines: list[tuple[float, str]] = []
+
+    def scheduler_line(label: str, text: str) -> None:
+        if label == "scheduler" and (timed := parse_line(text)) is not None:
+            lines.append(timed)
+
     results = run_sluice_job(bed, "sched", layout.server_hosts, layout.worker_hosts, config,
-                             argv, aggregators=layout.worker_hosts, timeout=seconds + 120, echo=args.verbose)
-    return [[tuple(r) for r in w["rounds"]] for w in results], (cut[0] if cut else None)
+                             argv, aggregators=layout.worker_hosts, timeout=seconds + 120, echo=args.verbose,
+                             env={ENV_LOG_TIME: "1"}, on_line=scheduler_line)
+    return Job([[tuple(r) for r in w["rounds"]] for w in results],
+               [{int(e): t for e, t in w["committed"].items()} for w in results], lines, cut[0] if cut else None)
 
 
 def round_times(workers: list[list[tuple[float, float, int]]]) -> list[tuple[float, float, int]]:
@@ -127,6 +154,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The re-plan job: when the new trees came into force, the rounds under them, each step's time."""
+    job = run_job(bed, layout, config, args.seconds, args, throttle_at=args.throttle_after)
+    rounds, cut = round_times(job.workers), job.cut
+    assert cut is not None
+    before = max((e for s, _, e in rounds if s <= cut), default=0)
+    switched = [(s, d, e) for s, d, e in rounds if s > cut and e > before]
+    if not switched:
+        epochs = [e for *_, e in rounds]
+        raise RuntimeError(f"no new trees came into force after the throttle (epochs {epochs})")
+    epoch = switched[0][2]
+    committed = [times[epoch] for times in job.committed if epoch in times]
+    timed = steps(job.lines, cut, args.period, "r0", epoch, committed, switched[0][0])
+    flagged = evidence(job.lines, cut, args.period)
+    progress(f"  new trees (epoch {epoch}) in force {switched[0][0] - cut:.1f} s after the cut; "
+             f"{len(switched)} rounds under them")
+    progress("  " + "; ".join(f"{step} {'-' if t is None else f'{t:.2f}'}" for step, t in timed.items()))
+    progress("  seen after the cut: " + (", ".join(f"{r} p{p} {m:g}{' counted' if c else ''}"
+                                                   for r, p, m, c in flagged) or "nothing"))
+    wrong = false_alarms(job.lines, "r0", cut)
+    return {"delay": (switched[0][0] - cut) / args.period, "after": [d for _, d, _ in switched[2:] or switched[-1:]],
+            "steps": timed, "false_alarms": wrong, "epochs_after_cut": len({e for *_, e in switched}),
+            "measured": [m for r, _, m, c in flagged if r == "r0" and c]}
+
+
+def fresh_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The fresh job, planned for the cut uplink: its round times, and what re-planned it."""
+    uplinks = [u for u in config["aggregation"]["uplinks"] if not u.startswith("r0:")]
+    cut = [*uplinks, f"r0: {layout.uplink_mbit / 4}"]
+    config = {**config, "aggregation": {**config["aggregation"], "uplinks": cut}}
+    bed.set_uplink("r0", layout.uplink_mbit / 4)
+    job = run_job(bed, layout, config, args.fresh_seconds, args)
+    rounds = round_times(job.workers)
+    if not any(e > 0 for *_, e in rounds):
+        raise RuntimeError("the fresh job's trees never came into force")
+    first = min(e for *_, e in rounds if e > 0)
+    planned = [d for _, d, e in rounds if e >= first]
+    wrong = false_alarms(job.lines, "r0", None)
+    if wrong:
+        progress(f"  the fresh job counted uplinks it should not have: {', '.join(wrong)}")
+    # the first rounds under the trees settle; a later epoch is a re-plan of a plan made for the cut uplink
+    return {"rounds": planned[2:] or planned[-1:], "replans": len({e for *_, e in rounds if e > first}),
+            "false_alarms": wrong}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -134,38 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     if not ready_for("replan"):
         return 0
     layout = Layout(args.racks, args.per_rack, args.servers, args.link_mbit, args.ratio)
-    delays, after, fresh, lost = [], [], [], 0
+    replans, freshes = [], []
     for repeat in range(args.repeats):
         with Netbed(queue_ms=1000) as bed:
             build_testbed(bed, layout)
             config = job_config(layout, PLANNED, args.chunk_kib, bed)
             config["aggregation"] = {**config["aggregation"], "report_s": args.period}
             progress(f"repeat {repeat + 1}/{args.repeats}: re-plan ...")
-            workers, cut = run_job(bed, layout, config, args.seconds, args, throttle_at=args.throttle_after)
-            rounds = round_times(workers)
-            assert cut is not None
-            before = max((e for s, _, e in rounds if s <= cut), default=0)
-            switched = [(s, d) for s, d, e in rounds if s > cut and e > before]
-            if not switched:
-                epochs = [e for *_, e in rounds]
-                raise RuntimeError(f"no new trees came into force after the throttle (epochs {epochs})")
-            delays.append((switched[0][0] - cut) / args.period)
-            after += [d for _, d in switched[2:] or switched[-1:]]  # the switch round and the next settle
-            progress(f"  new trees in force {switched[0][0] - cut:.1f} s after the cut; "
-                     f"{len(switched)} rounds under them")
+            replans.append(replan_run(bed, layout, config, args))
             progress(f"repeat {repeat + 1}/{args.repeats}: fresh plan with the uplink already cut ...")
-            uplinks = [u for u in config["aggregation"]["uplinks"] if not u.startswith("r0:")]
-            config["aggregation"] = {**config["aggregation"], "uplinks": [*uplinks, f"r0: {layout.uplink_mbit / 4}"]}
-            bed.set_uplink("r0", layout.uplink_mbit / 4)
-            workers, _ = run_job(bed, layout, config, args.fresh_seconds, args)
-            rounds = round_times(workers)
-            if not any(e > 0 for *_, e in rounds):
-                raise RuntimeError("the fresh job's trees never came into force")
-            first = min(e for *_, e in rounds if e > 0)
-            planned = [d for _, d, e in rounds if e >= first]
-            fresh += planned[2:] or planned[-1:]  # the first rounds under the trees settle
-            lost += len({e for *_, e in rounds if e > first})  # re-plans of a plan made for the cut uplink
-    delay, ours, peer = statistics.median(delays), statistics.median(after), statistics.median(fresh)
+            freshes.append(fresh_run(bed, layout, config, args))
+    delay = statistics.median(r["delay"] for r in replans)
+    ours = statistics.median(d for r in replans for d in r["after"])
+    peer = statistics.median(d for f in freshes for d in f["rounds"])
+    timed = median_steps([r["steps"] for r in replans])
     progress(f"\n{layout.racks} racks x {layout.per_rack} workers at {args.ratio}:1, r0's uplink cut to a quarter; "
              f"medians of {args.repeats} repeat(s)")
     print_table(["measure", "value", "target", ""], [
@@ -174,14 +228,32 @@ def main(argv: list[str] | None = None) -> int:
         ["round after re-plan / fresh plan", f"{ours * 1e3:.0f} / {peer * 1e3:.0f} ms = {ours / peer:.2f}",
          f"<= {TARGET_RATIO}", "PASS" if ours / peer <= TARGET_RATIO else "FAIL"],
         ["rounds with a wrong sum", "0 (every worker checked every round)", "0", "PASS"],
+        ["uplinks counted that were not cut", str(sum(len(r["false_alarms"]) + len(f["false_alarms"])
+                                                      for r, f in zip(replans, freshes, strict=True))), "0", ""],
     ])
+    progress("\nwhere the time went: seconds after the cut (median), and the step's share")
+    print_table(["step", "s after cut", "this step", ""], step_rows(timed))
     write_json(args.json, [{
         "case": f"{args.ratio}:1 r0 uplink to 1/4, re-plan", "ours": ours, "peer": peer, "peer_name": "fresh plan",
         "unit": "s per round", "better": "lower", "ratio": ours / peer, "speedup": peer / ours,
         "periods_to_new_plan": delay, "seconds_to_new_plan": delay * args.period, "period_s": args.period,
-        "fresh_replans": lost, "met": {"periods": delay <= TARGET_PERIODS, "round_time": ours / peer <= TARGET_RATIO},
+        "fresh_replans": sum(f["replans"] for f in freshes),
+        "met": {"periods": delay <= TARGET_PERIODS, "round_time": ours / peer <= TARGET_RATIO},
+        "steps_s": timed, "steps_s_by_repeat": [r["steps"] for r in replans],
+        "measured_mbit": [r["measured"] for r in replans], "cut_mbit": layout.uplink_mbit / 4,
+        "false_alarms": [r["false_alarms"] for r in replans],
+        "fresh_false_alarms": [f["false_alarms"] for f in freshes],
     }])
     return 0
+
+
+def step_rows(timed: dict[str, float | None]) -> list[list[str]]:
+    rows, last = [], 0.0
+    for step, what in STEPS.items():
+        at = timed[step]
+        rows.append([step, "-" if at is None else f"{at:.2f}", "-" if at is None else f"{at - last:+.2f}", what])
+        last = at if at is not None else last
+    return rows
 
 
 if __name__ == "__main__":

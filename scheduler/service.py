@@ -15,6 +15,7 @@ from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.manager import tree_source
 from sluice.scheduler.hierarchy.placement import NodeAt
+from sluice.scheduler.hierarchy.switch import switch_notes
 from sluice.scheduler.jobs_registry import Registry
 from sluice.scheduler.node import endpoint_host
 from sluice.scheduler.recovery import ServerRecovery, report_silent
@@ -107,6 +108,8 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     def send(outs: list[Out]) -> None:
         for peer, msg in outs:
             transport.send(peer, 0, msg)
+        for note in switch_notes(outs) if trees is not None else ():
+            log.info("%s", note)
 
     # in a ring (Kubernetes) the pods' lifetimes are the JobSet's, and a lost scheduler's pod may take minutes to
     # come back: a standby waits for as long as it runs

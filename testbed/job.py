@@ -75,8 +75,8 @@ def _exit_text(code: int) -> str:
 class _Group:
     """The processes of one job: output relayed with a `[label]` prefix; stop() ends and reaps them all."""
 
-    def __init__(self, bed: Netbed, echo: bool) -> None:
-        self.bed, self.echo = bed, echo
+    def __init__(self, bed: Netbed, echo: bool, on_line: Callable[[str, str], None] | None = None) -> None:
+        self.bed, self.echo, self.on_line = bed, echo, on_line
         self.procs: list[_Proc] = []
         self.selector = selectors.DefaultSelector()
         self.hook = _die_with_parent()
@@ -127,6 +127,8 @@ class _Group:
         if text.startswith(READY_PREFIX) and proc.ready is None:
             proc.ready = text[len(READY_PREFIX):].strip()
         proc.tail.append(text)
+        if self.on_line is not None:
+            self.on_line(proc.label, text)
         if self.echo:
             print(f"[{proc.label}] {text}", flush=True)
 
@@ -191,12 +193,13 @@ def run_sluice_job(
     bed: Netbed, scheduler: str, servers: Sequence[str], workers: Sequence[str],
     config: Mapping[str, Mapping[str, Any]], worker_argv: Sequence[str], *, timeout: float = 300.0,
     ready_timeout: float = 60.0, env: Mapping[str, str] | None = None, echo: bool = False, grace: float = 10.0,
-    aggregators: Sequence[str] = (),
+    aggregators: Sequence[str] = (), on_line: Callable[[str, str], None] | None = None,
 ) -> list[Any]:
     """Scheduler, servers, aggregators and workers on the named hosts; each worker's last emitted result, by rank.
 
     `config` holds sections as in SLUICE_CONFIG_JSON (missing keys keep their defaults); every process
-    listens on its own host's address (transport.host). Raises JobError naming the failed process.
+    listens on its own host's address (transport.host). `on_line(label, line)` sees every output line
+    (a result line excepted) as it is read. Raises JobError naming the failed process.
     """
     sections = SluiceConfig.from_sections(config).to_sections()  # validates, and fills in the defaults
     secret = new_secret()
@@ -206,7 +209,7 @@ def run_sluice_job(
         node = NodeEnv(endpoint, role, rank, len(workers), len(servers), mine, aggregators=len(aggregators))
         return {**(env or {}), **node.to_environ()}
 
-    group = _Group(bed, echo)
+    group = _Group(bed, echo, on_line)
     deadline = time.monotonic() + timeout
     try:
         sched = group.start("scheduler", scheduler, [*_ROLE_ARGV, "scheduler"], node_env("scheduler", 0, scheduler, ""),

@@ -11,6 +11,7 @@ worker gets the same assignment whenever it computes it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from sluice.scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing
@@ -18,6 +19,8 @@ from sluice.transport.wire import WireError
 
 #: committed epochs kept (rounds of a tensor are at most one apart across workers: see switch.py)
 KEEP_EPOCHS = 4
+#: epochs whose ROUTES and COMMIT arrival times are kept (for benchmarks: how long a switch took to reach us)
+KEEP_TIMES = 16
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Router:
         self._chunks: list[tuple[int, int, int]] = []
         #: pushes sent up a tree so far (the rest went straight to the servers)
         self.routed = 0
+        #: wall-clock times ROUTES and COMMIT of the latest epochs arrived, by epoch (bench/replan.py reads them)
+        self.routes_at: dict[int, float] = {}
+        self.committed_at: dict[int, float] = {}
 
     @property
     def epoch(self) -> int:
@@ -65,6 +71,7 @@ class Router:
         if strangers:
             raise WireError(f"ROUTES give {self.name} the parent {sorted(strangers)[0]!r:.60}: not an aggregator")
         self.pending = routing
+        _stamp(self.routes_at, routing.epoch)
 
     def commit(self, epoch: int, rounds: list[tuple[int, int]]) -> list[str]:
         """Take the pending trees from the given switch rounds on; the aggregators to connect to."""
@@ -73,6 +80,7 @@ class Router:
         routing, self.pending = self.pending, None
         self._epochs.append(_Epoch(routing, dict(rounds), ChunkAssignment([t.weight for t in routing.trees])))
         del self._epochs[:-KEEP_EPOCHS]
+        _stamp(self.committed_at, epoch)
         return sorted({t.parent(self.name) for t in routing.trees} - {SERVERS})
 
     def route(self, key: int, chunk: int, round_: int) -> tuple[int, int, str] | None:
@@ -86,6 +94,11 @@ class Router:
                 self.routed += 1
                 return epoch.routing.epoch, tree, parent
         return None  # before the first epoch: every worker pushed this round straight to the servers
+
+    def epoch_of(self, key: int, round_: int) -> int:
+        """The routing epoch round `round_` of tensor `key` travels (0: straight to the servers); known for
+        certain once the round's pushes have left (a round held through a switch takes the new epoch)."""
+        return next((e.routing.epoch for e in reversed(self._epochs) if round_ >= e.switch.get(key, 0)), 0)
 
     def parent(self, epoch: int, tree: int) -> str | None:
         """This worker's parent in tree `tree` of routing epoch `epoch` (None: not an epoch kept, or the servers)."""
@@ -102,3 +115,10 @@ class Router:
             assignment.extend(self._chunks[len(assignment):])
             tree = assignment.trees[(key, chunk)]
         return tree
+
+
+def _stamp(times: dict[int, float], epoch: int) -> None:
+    """Note when `epoch`'s message arrived (the first time), forgetting all but the last KEEP_TIMES epochs."""
+    times.setdefault(epoch, time.time())
+    for old in sorted(times)[:-KEEP_TIMES]:
+        del times[old]

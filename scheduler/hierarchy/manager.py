@@ -165,8 +165,12 @@ class NetworkManager:
         # job back two periods running (a false alarm re-plans around a link that is not slow)
         seen, self._uplinks_seen = self._uplinks_seen, {rack: (period, mbit) for rack, mbit in measured.items()}
         confirmed = {rack: mbit for rack, mbit in measured.items() if seen.get(rack, (-2, 0.0))[0] == period - 1}
+        for rack, mbit in measured.items():
+            if rack not in confirmed:
+                log.info("uplink of rack %s held the job back in period %d (%.1f Mbit/s)", rack, period, mbit)
         for rack, mbit in confirmed.items():
-            log.info("uplink of rack %s measured at %.1f Mbit/s (it held the job back)", rack, mbit)
+            log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (it held the job back)", rack, mbit,
+                     period)
         self.observe({f"uplink:{rack}": mbit for rack, mbit in confirmed.items()})
 
     def _changed(self) -> bool:

@@ -210,5 +210,24 @@ class RouteSwitch:
         return [(name, message) for name in self.workers if name not in self._gone] + self._next()
 
 
+def switch_notes(outs: Sequence[Out]) -> list[str]:
+    """Log lines for the switch messages among `outs`: each kind and epoch once, with the roles it went to
+    (the times of these lines are the switch's steps: bench/replan.py reads them)."""
+    sent: dict[tuple[str, int], dict[str, int]] = {}
+    for name, msg in outs:
+        meta = msg.meta or {}
+        if msg.kind == Kind.ROUTES:
+            epoch = meta["routes"][0]
+        elif msg.kind == Kind.COMMIT:
+            epoch = meta["epoch"]
+        else:
+            continue
+        roles = sent.setdefault((msg.kind.name, epoch), {})
+        role = name.rpartition("-")[0] or name
+        roles[role] = roles.get(role, 0) + 1
+    return [f"routing epoch {epoch}: {kind} sent to " + ", ".join(f"{n} {role}s" for role, n in sorted(roles.items()))
+            for (kind, epoch), roles in sent.items()]
+
+
 def _message(kind: Kind, **meta: object) -> Message:
     return Message(kind, sender=0, meta=dict(meta))

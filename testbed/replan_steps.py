@@ -1,0 +1,95 @@
+"""Where the time from a rack uplink's cut to the new trees in force goes, step by step, from timed log lines."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+#: the steps in order, and what each one's time is (seconds after the cut)
+STEPS = {
+    "evidence": "end of the first period whose reports show the uplink holding the job back",
+    "seen": "the scheduler took that period's reports",
+    "confirmed": "the manager counted the uplink (measured rate logged)",
+    "planned": "the re-plan's trees were ready",
+    "routes": "ROUTES sent to the aggregators",
+    "routes_workers": "every aggregator acknowledged: ROUTES sent to the workers",
+    "commit": "every worker answered: COMMIT sent",
+    "committed": "the last worker received COMMIT",
+    "in_force": "the first round started under the new trees",
+}
+
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) [A-Z]+ [\w.]+: (.*)$")
+_HELD = re.compile(r"^uplink of rack (\S+) held the job back in period (\d+) \(([\d.]+) Mbit/s\)")
+_MEASURED = re.compile(r"^uplink of rack (\S+) measured at ([\d.]+) Mbit/s in period (\d+)")
+_SWITCH = re.compile(r"^routing epoch (\d+): (ROUTES|COMMIT) sent to (.*)$")
+
+
+def parse_line(text: str) -> tuple[float, str] | None:
+    """A log line written with SLUICE_LOG_TIME=1 -> (wall-clock time, message); None for any other line."""
+    match = _LINE.match(text)
+    if match is None:
+        return None
+    return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), match.group(2)
+
+
+def evidence(lines: Sequence[tuple[float, str]], cut: float, period: float) -> list[tuple[str, int, float, bool]]:
+    """Every uplink the manager saw holding the job back after the cut, in log order: (rack, period, Mbit/s,
+    counted); a period ends at period x `period` s."""
+    found = []
+    for at, text in lines:
+        if at < cut:
+            continue
+        if held := _HELD.match(text):
+            found.append((held.group(1), int(held.group(2)), float(held.group(3)), False))
+        elif measured := _MEASURED.match(text):
+            found.append((measured.group(1), int(measured.group(3)), float(measured.group(2)), True))
+    return [f for f in found if f[1] * period > cut]
+
+
+def steps(lines: Sequence[tuple[float, str]], cut: float, period: float, rack: str, epoch: int,
+          committed: Sequence[float], in_force: float) -> dict[str, float | None]:
+    """Seconds from the cut to each of STEPS (None: not seen) for the uplink of `rack` cut at `cut` and
+    the switch to routing `epoch`; `committed`: when each worker received that epoch's COMMIT."""
+    def first(pattern: str, after: float = cut) -> float | None:
+        return next((at - cut for at, text in lines if at >= after and re.match(pattern, text)), None)
+
+    out: dict[str, float | None] = dict.fromkeys(STEPS)
+    mine = [(at, text) for at, text in lines if at >= cut and re.match(rf"^uplink of rack {re.escape(rack)} ", text)]
+    seen = evidence(mine, cut, period)
+    if seen:
+        out["evidence"] = seen[0][1] * period - cut
+        out["seen"] = first(rf"^uplink of rack {re.escape(rack)} (held|measured)")
+    out["confirmed"] = first(rf"^uplink of rack {re.escape(rack)} measured")
+    routes = first(rf"^routing epoch {epoch}: ROUTES sent to .*aggregator")
+    planned = [at - cut for at, text in lines if cut <= at and text.startswith("aggregation plan ")
+               and (routes is None or at - cut <= routes)]
+    out["planned"] = planned[-1] if planned else None
+    out["routes"] = routes
+    out["routes_workers"] = first(rf"^routing epoch {epoch}: ROUTES sent to .*worker")
+    out["commit"] = first(rf"^routing epoch {epoch}: COMMIT sent")
+    out["committed"] = max(committed) - cut if committed else None
+    out["in_force"] = in_force - cut
+    return out
+
+
+def false_alarms(lines: Sequence[tuple[float, str]], rack: str, cut: float | None) -> list[str]:
+    """Uplinks the manager counted that were not slow: any but `rack`'s, and `rack`'s before its `cut`
+    (None: it was slow from the start); as 'RACK at M Mbit/s'."""
+    found = []
+    for at, text in lines:
+        measured = _MEASURED.match(text)
+        if measured and (measured.group(1) != rack or (cut is not None and at < cut)):
+            found.append(f"{measured.group(1)} at {measured.group(2)} Mbit/s")
+    return found
+
+
+def median_steps(runs: Sequence[Mapping[str, float | None]]) -> dict[str, float | None]:
+    """Each step's median over the runs that saw it (None: none did)."""
+    from statistics import median
+
+    out: dict[str, float | None] = {}
+    for step in STEPS:
+        seen = [t for r in runs if (t := r.get(step)) is not None]
+        out[step] = median(seen) if seen else None
+    return out

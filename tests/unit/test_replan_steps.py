@@ -1,0 +1,111 @@
+"""Where a re-plan's time goes: the switch's log lines, the workers' arrival times, and bench/replan.py's steps."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from sluice.scheduler.hierarchy.routes import Route, Routing
+from sluice.scheduler.hierarchy.switch import switch_notes
+from sluice.transport.wire import Kind, Message
+from sluice.worker.routing import KEEP_TIMES, Router
+from testbed.replan_steps import STEPS, evidence, false_alarms, median_steps, parse_line, steps
+
+T0 = datetime(2026, 11, 29, 15, 0, 0).timestamp()  # the cut, at a period boundary of 1 s periods
+PERIOD0 = int(T0)  # period k ends at k seconds
+
+
+def at(seconds: float) -> str:
+    whole, frac = divmod(T0 + seconds, 1)
+    return datetime.fromtimestamp(whole).strftime("%Y-%m-%d %H:%M:%S") + f",{round(frac * 1000):03d}"
+
+
+HELD = "(it held the job back)"
+LOG = [
+    f"{at(-5.0)} INFO sluice.manager: aggregation plan 1: 5 trees, ...",
+    f"{at(-4.9)} INFO sluice.scheduler: routing epoch 1: ROUTES sent to 16 aggregators",
+    f"{at(1.1)} INFO sluice.manager: uplink of rack srv held the job back in period {PERIOD0 + 1} (1.5 Mbit/s)",
+    f"{at(2.1)} INFO sluice.manager: uplink of rack r0 held the job back in period {PERIOD0 + 2} (1.2 Mbit/s)",
+    f"{at(3.2)} INFO sluice.manager: uplink of rack r0 measured at 1.4 Mbit/s in period {PERIOD0 + 3} {HELD}",
+    f"{at(3.2)} INFO sluice.manager: re-planning: the spare bandwidth of uplink:r0 moved from 10.0 to 1.4 Mbit/s",
+    f"{at(3.4)} INFO sluice.manager: aggregation plan 2: 1 trees, ...",
+    f"{at(3.4)} INFO sluice.scheduler: routing epoch 2: ROUTES sent to 16 aggregators",
+    f"{at(3.9)} INFO sluice.scheduler: routing epoch 2: ROUTES sent to 16 workers",
+    f"{at(4.5)} INFO sluice.scheduler: routing epoch 2: COMMIT sent to 16 workers",
+    "[worker 3] a line that is not a timed log line",
+    f"{at(9.0)} INFO sluice.manager: uplink of rack srv measured at 2.2 Mbit/s in period {PERIOD0 + 9} {HELD}",
+]
+
+
+def lines() -> list[tuple[float, str]]:
+    return [timed for text in LOG if (timed := parse_line(text)) is not None]
+
+
+def test_timed_log_lines_parse_and_others_do_not() -> None:
+    got = lines()
+    assert len(got) == len(LOG) - 1
+    assert got[0] == (pytest.approx(T0 - 5.0), "aggregation plan 1: 5 trees, ...")
+    assert parse_line("INFO sluice.manager: aggregation plan 1") is None  # without SLUICE_LOG_TIME=1
+
+
+def test_each_step_is_timed_from_the_cut() -> None:
+    got = steps(lines(), T0, 1.0, "r0", 2, committed=[T0 + 4.6, T0 + 4.8], in_force=T0 + 5.0)
+    want = {"evidence": 2.0, "seen": 2.1, "confirmed": 3.2, "planned": 3.4, "routes": 3.4, "routes_workers": 3.9,
+            "commit": 4.5, "committed": 4.8, "in_force": 5.0}
+    assert list(got) == list(STEPS)
+    assert got == {step: pytest.approx(t, abs=1e-3) for step, t in want.items()}
+
+
+def test_a_switch_never_seen_leaves_its_steps_empty() -> None:
+    got = steps(lines(), T0, 1.0, "r0", 3, committed=[], in_force=T0 + 9.0)
+    assert got["routes"] is None and got["commit"] is None and got["committed"] is None
+    assert got["planned"] == pytest.approx(3.4, abs=1e-3)  # the last plan before any ROUTES of epoch 3: none came
+
+
+def test_evidence_after_the_cut_in_log_order() -> None:
+    assert evidence(lines(), T0, 1.0) == [("srv", PERIOD0 + 1, 1.5, False), ("r0", PERIOD0 + 2, 1.2, False),
+                                          ("r0", PERIOD0 + 3, 1.4, True), ("srv", PERIOD0 + 9, 2.2, True)]
+
+
+@pytest.mark.parametrize(("cut", "want"), [
+    (T0, ["srv at 2.2 Mbit/s"]),  # another rack counted
+    (None, ["srv at 2.2 Mbit/s"]),  # slow from the start: r0 counted is right
+    (T0 + 5.0, ["r0 at 1.4 Mbit/s", "srv at 2.2 Mbit/s"]),  # r0 counted before it was cut
+])
+def test_false_alarms_are_other_racks_and_the_cut_rack_before_its_cut(cut: float | None, want: list[str]) -> None:
+    assert false_alarms(lines(), "r0", cut) == want
+
+
+def test_the_median_step_over_repeats_skips_the_ones_not_seen() -> None:
+    runs = [dict.fromkeys(STEPS, 1.0), {**dict.fromkeys(STEPS, 3.0), "routes": None}, dict.fromkeys(STEPS, 2.0)]
+    got = median_steps(runs)
+    assert got["evidence"] == 2.0 and got["routes"] == 1.5
+    assert median_steps([{**dict.fromkeys(STEPS, 1.0), "seen": None}])["seen"] is None
+
+
+def test_switch_notes_name_each_kind_and_epoch_once_with_its_roles() -> None:
+    routes = Message(Kind.ROUTES, meta={"routes": Routing(4, (Route(1.0, {"worker-0": "aggregator-0"}),)).encode()})
+    commit = Message(Kind.COMMIT, meta={"epoch": 4, "rounds": []})
+    ack = Message(Kind.HEARTBEAT_ACK)
+    outs = [("aggregator-0", routes), ("aggregator-1", routes), ("worker-0", commit), ("worker-1", commit),
+            ("worker-1", ack)]
+    assert switch_notes(outs) == ["routing epoch 4: ROUTES sent to 2 aggregators",
+                                  "routing epoch 4: COMMIT sent to 2 workers"]
+    assert switch_notes([("worker-0", ack)]) == []
+
+
+def test_a_router_times_each_epochs_routes_and_commit_and_names_the_epoch_of_a_round() -> None:
+    router = Router("worker-0")
+    router.declare([(7, 0, 100)])
+    trees = (Route(1.0, {"worker-0": "aggregator-0"}),)
+    assert router.epoch_of(7, 1) == 0  # nothing committed: straight to the servers
+    for epoch in range(1, KEEP_TIMES + 3):
+        router.begin(Routing(epoch, trees), {"aggregator-0"})
+        router.commit(epoch, [(7, 10 * epoch)])
+    assert sorted(router.committed_at) == list(range(3, KEEP_TIMES + 3))  # the latest KEEP_TIMES epochs
+    assert sorted(router.routes_at) == sorted(router.committed_at)
+    assert all(router.routes_at[e] <= router.committed_at[e] for e in router.committed_at)
+    # a round takes the newest kept epoch whose switch round it reached (epochs 15..18 kept: KEEP_EPOCHS)
+    last = KEEP_TIMES + 2
+    assert router.epoch_of(7, 10 * last) == last and router.epoch_of(7, 10 * last - 1) == last - 1
