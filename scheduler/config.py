@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 #: standby schedulers a job may have (each is an idle process until it takes over)
 MAX_STANDBYS = 4
+#: DSCP CS6, "network control": the class switches serve first, for the traffic that steers the network
+NETWORK_CONTROL_TOS = 0xC0
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,10 @@ class SchedulerConfig:
     #: the port the standby listens on; 0: one the OS picks. An elastic job re-formed in place starts its
     #: standby again on the same port, so that every node still has its endpoint
     standby_port: int = 0
+    #: the ToS byte of the scheduler's messages when transport.marks is on (default DSCP CS6, network
+    #: control): a switch of aggregation trees, or a node's heartbeat answer, must not queue behind a
+    #: link's data. A node's messages to the scheduler carry its channel 0's mark (transport.tos)
+    control_tos: int = NETWORK_CONTROL_TOS
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -38,6 +44,9 @@ class SchedulerConfig:
         if not -1 <= self.standby <= MAX_STANDBYS:
             raise ValueError(f"scheduler.standby must be -1 (one when the job spans several hosts), 0 (none) or a "
                              f"count up to {MAX_STANDBYS}, got {self.standby}")
+        if not 0 <= self.control_tos <= 255 or self.control_tos & 0x03:
+            raise ValueError(f"scheduler.control_tos must be a ToS byte with the two ECN bits clear, got "
+                             f"{self.control_tos}")
         for name in ("port", "standby_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"scheduler.{name} must be 0 (the OS picks one) or a TCP port up to 65535, "

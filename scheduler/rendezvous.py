@@ -34,6 +34,8 @@ from sluice.transport.config import DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES
 from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 
 Out = tuple[str, Message]
+#: network reports kept per node (the manager takes each period's once all are in)
+NET_REPORTS_KEPT = 4
 
 
 class Rendezvous:
@@ -59,8 +61,9 @@ class Rendezvous:
         #: (role, rank) of the nodes that fell silent since the caller last looked (it tells the launcher, and
         #: clears it)
         self.silent_nodes: list[tuple[str, int]] = []
-        #: each node's latest network report (scheduler/hierarchy/agent.py), by node name
-        self.net_reports: dict[str, Report] = {}
+        #: each node's latest network reports (scheduler/hierarchy/agent.py), oldest first, by node name: the
+        #: last few, as reports that queued behind data arrive together, and the manager needs every period
+        self.net_reports: dict[str, list[Report]] = {}
         #: each worker's latest job-priority report (level, bytes pushed, rounds), for the job registry
         self.job_reports: dict[str, tuple[int, int, int]] = {}
         #: as configured; 0: the workers' calibrations decide (at the first declaration)
@@ -126,7 +129,9 @@ class Rendezvous:
                 if report is None:
                     raise WireError(f"a heartbeat's net report must be four rates in Mbit/s and the number of "
                                     f"its period, got {brief(msg.meta['net'])}")
-                self.net_reports[peer] = report
+                recent = self.net_reports.setdefault(peer, [])
+                recent.append(report)
+                del recent[:-NET_REPORTS_KEPT]
             if msg.meta and "job" in msg.meta:
                 self.job_reports[peer] = parse_job_report(msg.meta["job"])
             return [(peer, self._msg(Kind.HEARTBEAT_ACK))]

@@ -31,6 +31,8 @@ from sluice.transport.wire import Kind, Message, WireError
 log = logging.getLogger("sluice.scheduler")
 
 _TICK_SECONDS = 0.2
+#: how often the loop looks for a plan being made on the planner's thread
+_PLAN_POLL_SECONDS = 0.02
 #: control messages waiting for the state machine; beyond this a flood is refused, not queued
 _INBOX_LIMIT = 10_000
 
@@ -43,7 +45,10 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     ps_section = env.section("ps")  # ps.recover's keys (ps/config.py, validated by the launcher)
     data_settings = env.transport_config()
     inbox: queue.Queue[tuple[str, Message]] = queue.Queue(_INBOX_LIMIT)
-    control_settings = replace(data_settings, channels=1, tos=(), so_priority=(), channel_levels=())
+    # one channel; its packets marked as network control (scheduler.control_tos), so that ROUTES and COMMIT
+    # overtake data on links that serve DSCP classes
+    control_settings = replace(data_settings, channels=1, tos=(settings.control_tos,) if data_settings.marks else (),
+                               so_priority=(), channel_levels=())
     transport: Transport | None = None
 
     members = frozenset(env.members)
@@ -115,15 +120,28 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
     # come back: a standby waits for as long as it runs
     watch = SchedulerWatch(env.scheduler, settings.heartbeat_interval, standby_patience(settings.heartbeat_timeout),
                            time.monotonic()) if standby and env.scheduler and not env.ring else None
+    def plan(now: float) -> list[Out]:
+        """The trees' source takes the network reports in, and may have new trees to switch to."""
+        if trees is None or machine.phase != "running":
+            return []
+        nodes = [NodeAt(n.name, n.role, endpoint_host(n.endpoints)) for n in machine.nodes.values()]
+        trees.observe_reports(machine.net_reports, nodes)
+        due = trees.due(now, nodes)
+        return machine.propose_routes(due) if due is not None else []
+
     next_tick = 0.0
     try:
         while machine.phase in ("standby", "registering", "running"):
             was = machine.phase
+            # while a plan is being made, look for it often: the switch to it should not wait for a tick
+            planning = trees is not None and trees.planning
+            report = False
             try:
-                peer, msg = inbox.get(timeout=_TICK_SECONDS)
+                peer, msg = inbox.get(timeout=_PLAN_POLL_SECONDS if planning else _TICK_SECONDS)
             except queue.Empty:
                 pass
             else:
+                report = msg.kind == Kind.HEARTBEAT and "net" in (msg.meta or {})
                 try:
                     if msg.kind == Kind.TIMELINE and gatherer is not None:
                         send(gatherer.take(machine.nodes.get(peer), msg))
@@ -142,13 +160,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                     machine.phase, machine.exit_code, machine.error = "failed", 1, why
                     break
             if now >= next_tick:
-                outs = machine.on_tick(now)
-                if trees is not None and machine.phase == "running":
-                    nodes = [NodeAt(n.name, n.role, endpoint_host(n.endpoints)) for n in machine.nodes.values()]
-                    trees.observe_reports(machine.net_reports, nodes)
-                    due = trees.due(now, nodes)
-                    if due is not None:
-                        outs += machine.propose_routes(due)
+                outs = machine.on_tick(now) + plan(now)
                 if registry is not None:
                     registry.tick(now, machine.job_reports)
                 if machine.lost is not None:  # named before NODE_LOST makes everyone else fail too
@@ -156,6 +168,8 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                     culprit.report(lost.role, lost.rank, machine.error, pid=lost.pid)
                 send(outs)
                 next_tick = now + _TICK_SECONDS
+            elif report or planning:  # a report may complete a period of evidence; a plan may be ready
+                send(plan(now))
             for note in machine.notes:
                 log.info("%s", note)
             machine.notes.clear()

@@ -73,15 +73,32 @@ def steps(lines: Sequence[tuple[float, str]], cut: float, period: float, rack: s
     return out
 
 
-def false_alarms(lines: Sequence[tuple[float, str]], rack: str, cut: float | None) -> list[str]:
-    """Uplinks the manager counted that were not slow: any but `rack`'s, and `rack`'s before its `cut`
-    (None: it was slow from the start); as 'RACK at M Mbit/s'."""
+def false_alarms(lines: Sequence[tuple[float, str]], configured: Mapping[str, float], change: float, rack: str,
+                 cut: float | None) -> list[str]:
+    """Uplinks the manager counted at a rate that would re-plan (more than `change` below the `configured` one)
+    while they were not slow: any but `rack`'s, and `rack`'s before its `cut` (None: it was slow from the
+    start); as 'RACK at M Mbit/s'. (An uplink measured near its rate, because it is a bottleneck, re-plans
+    nothing and is no alarm.)"""
     found = []
     for at, text in lines:
         measured = _MEASURED.match(text)
-        if measured and (measured.group(1) != rack or (cut is not None and at < cut)):
-            found.append(f"{measured.group(1)} at {measured.group(2)} Mbit/s")
+        if measured is None or (measured.group(1) == rack and (cut is None or at >= cut)):
+            continue
+        name, mbit = measured.group(1), float(measured.group(2))
+        if mbit < (1 - change) * configured.get(name, float("inf")):
+            found.append(f"{name} at {mbit:g} Mbit/s")
     return found
+
+
+def first_switch(lines: Sequence[tuple[float, str]], after: float) -> int | None:
+    """The routing epoch of the first switch begun after `after` (its ROUTES), or None."""
+    return next((int(m.group(1)) for at, text in lines if at >= after and (m := _SWITCH.match(text))
+                 and m.group(2) == "ROUTES"), None)
+
+
+def switches(lines: Sequence[tuple[float, str]], before: float = float("inf")) -> int:
+    """How many switches of trees were committed (the first, to the job's first plan, included) before `before`."""
+    return sum(1 for at, text in lines if at < before and (m := _SWITCH.match(text)) and m.group(2) == "COMMIT")
 
 
 def median_steps(runs: Sequence[Mapping[str, float | None]]) -> dict[str, float | None]:

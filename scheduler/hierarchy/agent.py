@@ -63,8 +63,8 @@ class Report:
     own_rx: float
     #: the wall-clock period the rates were measured over (period k ends at k x period seconds)
     period: int = 0
-    #: per peer this node sent to: (peer, Mbit/s sent, the fraction of the period during which data for
-    #: it waited in our queues); the manager measures rack uplinks from them (uplinks.py)
+    #: per peer this node sent to, or had data waiting for: (peer, Mbit/s sent, the fraction of the period
+    #: during which data for it waited in our queues); the manager measures rack uplinks from them (uplinks.py)
     peers: tuple[tuple[str, float, float], ...] = ()
 
     def encode(self) -> list[Any]:
@@ -122,8 +122,11 @@ class LinkAgent:
         flows = []
         for peer, (sent, backlog) in sorted((peers or {}).items())[:MAX_PEERS]:
             before = last_peers.get(peer, (0, 0.0))
-            if sent > before[0]:
-                flows.append((peer, (sent - before[0]) * scale, min(max(backlog - before[1], 0.0) / seconds, 1.0)))
+            # a peer whose data only waited (nothing got through all period) is the strongest evidence of a
+            # stalled path: it is reported too
+            if sent > before[0] or backlog > before[1]:
+                flows.append((peer, max(sent - before[0], 0) * scale,
+                              min(max(backlog - before[1], 0.0) / seconds, 1.0)))
         return Report((tx - last[2]) * scale, (rx - last[3]) * scale, (own_tx - last[4]) * scale,
                       (own_rx - last[5]) * scale, period, tuple(flows))
 

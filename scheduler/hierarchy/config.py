@@ -41,6 +41,10 @@ class AggregationConfig:
     report_s: float = 1.0
     #: re-plan when a link's measured spare bandwidth moves by more than this fraction
     change: float = 0.25
+    #: a rack uplink counts as measured once it held the job back this many periods running: one
+    #: period's evidence could be a burst of a round's phases, and a false alarm re-plans around a link
+    #: that is not slow (docs/aggregation.md, "Rack uplinks, measured")
+    uplink_periods: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -53,6 +57,8 @@ class AggregationConfig:
             raise ValueError("aggregation.tree_penalty and replan_s must be >= 0, time_limit and report_s > 0")
         if not 0 < self.change < 1:
             raise ValueError(f"aggregation.change must be a fraction in (0, 1), got {self.change}")
+        if not 1 <= self.uplink_periods <= 10:
+            raise ValueError(f"aggregation.uplink_periods must be 1..10, got {self.uplink_periods}")
         if self.mode == "static" and not self.trees:
             raise ValueError("aggregation.mode = \"static\" needs aggregation.trees")
         if self.mode == "plan" and not self.racks:

@@ -21,7 +21,7 @@ from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.placement import NodeAt, Placement, place
 from sluice.scheduler.hierarchy.routes import Route, parse_static_trees
 from sluice.scheduler.hierarchy.topology import Plan, PlanError
-from sluice.scheduler.hierarchy.uplinks import uplink_rates
+from sluice.scheduler.hierarchy.uplinks import UplinkWatch
 
 log = logging.getLogger("sluice.manager")
 
@@ -37,8 +37,13 @@ class StaticTrees:
         self._next_at = now + self.period
         self._started = False
 
-    def observe_reports(self, reports: Mapping[str, Report], nodes: Sequence[NodeAt]) -> None:
+    def observe_reports(self, reports: Mapping[str, Sequence[Report]], nodes: Sequence[NodeAt]) -> None:
         """Static trees do not follow the network."""
+
+    @property
+    def planning(self) -> bool:
+        """Static trees take no time to make."""
+        return False
 
     def due(self, now: float, nodes: Sequence[NodeAt] = ()) -> list[Route] | None:
         """Trees to switch to now, or None."""
@@ -73,14 +78,18 @@ class NetworkManager:
         self._planned_spare: dict[str, float] = {}
         #: each host's spare bandwidth in its last periods, by period: the median of SMOOTHING of them counts
         self._recent: dict[str, dict[int, float]] = {}
-        self._uplinks_period = -1
-        self._uplinks_seen: dict[str, tuple[int, float]] = {}  # rack -> (period, rate) last measured
+        self._uplinks = UplinkWatch(config.uplink_periods)
         self._configured: dict[str, float] = {}  # host -> configured rate, known once the job has formed
         self._placement: Placement | None = None
         self._routes: list[Route] | None = None
         self._next_at = now
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-planner")
         self._running: Future[tuple[Plan, list[Route]]] | None = None
+
+    @property
+    def planning(self) -> bool:
+        """A plan is being made on the planner's thread."""
+        return self._running is not None
 
     def due(self, now: float, nodes: Sequence[NodeAt] = ()) -> list[Route] | None:
         """Once the job has formed (`nodes` known): trees of a finished plan, or None; starts the next
@@ -126,16 +135,16 @@ class NetworkManager:
         """Spare bandwidth measured by host or rack uplink ("uplink:RACK"), Mbit/s."""
         self.spare.update(spare)
 
-    def observe_reports(self, reports: Mapping[str, Report], nodes: Sequence[NodeAt]) -> None:
-        """The agents' latest reports by node: each host's spare bandwidth is its configured rate less the
-        traffic its interface carries beyond the job's own (agent.spare_mbit)."""
+    def observe_reports(self, reports: Mapping[str, Sequence[Report]], nodes: Sequence[NodeAt]) -> None:
+        """The agents' latest reports by node, oldest first: each host's spare bandwidth is its configured rate
+        less the traffic its interface carries beyond the job's own (agent.spare_mbit)."""
         placement = self._place(nodes) if reports else None
         if placement is None:
             return
         by_host: dict[str, list[Report]] = {}
-        for name, report in reports.items():
-            if name in placement.host:
-                by_host.setdefault(placement.host[name], []).append(report)
+        for name, latest in reports.items():
+            if name in placement.host and latest:
+                by_host.setdefault(placement.host[name], []).append(latest[-1])
         for host in placement.configured.hosts:
             mine = by_host.get(host.name)
             rate = spare_mbit(host.link_mbit, mine) if mine else None
@@ -149,29 +158,24 @@ class NetworkManager:
                 self.observe({host.name: statistics.median(recent.values())})
         self._observe_uplinks(reports, placement)
 
-    def _observe_uplinks(self, reports: Mapping[str, Report], placement: Placement) -> None:
-        """Once a period, when every node's latest report is of that period: the uplinks that held the
-        job back, at their measured rates (uplinks.py)."""
-        periods = {r.period for r in reports.values()}
-        if len(periods) != 1 or (period := periods.pop()) == self._uplinks_period:
-            return
-        self._uplinks_period = period
+    def _observe_uplinks(self, reports: Mapping[str, Sequence[Report]], placement: Placement) -> None:
+        """The uplinks that held the job back, period by period once each period's reports are in, at their
+        measured rates (uplinks.py); an uplink counts once it held the job back `uplink_periods` running, or at
+        once below half the rate in the plan."""
         known = [name for name in reports if name in placement.host]
         rates = {h.name: h.link_mbit for h in placement.configured.hosts}
-        measured = uplink_rates({n: reports[n] for n in known},
-                                {n: placement.rack[placement.host[n]] for n in known},
-                                {n: rates[placement.host[n]] for n in known})
-        # one period's evidence can be a burst of the round's phases: an uplink counts once it held the
-        # job back two periods running (a false alarm re-plans around a link that is not slow)
-        seen, self._uplinks_seen = self._uplinks_seen, {rack: (period, mbit) for rack, mbit in measured.items()}
-        confirmed = {rack: mbit for rack, mbit in measured.items() if seen.get(rack, (-2, 0.0))[0] == period - 1}
-        for rack, mbit in measured.items():
-            if rack not in confirmed:
+        planned = {link.partition(":")[2]: self._planned_spare.get(link, rate)
+                   for link, rate in self._configured.items() if link.startswith("uplink:")}
+        found = self._uplinks.observe({n: reports[n] for n in known},
+                                      {n: placement.rack[placement.host[n]] for n in known},
+                                      {n: rates[placement.host[n]] for n in known}, planned)
+        for period, rack, mbit, counted in found:
+            if counted:
+                log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (it held the job back)", rack, mbit,
+                         period)
+                self.observe({f"uplink:{rack}": mbit})
+            else:  # one period's evidence can be a burst of the round's phases: a false alarm would re-plan
                 log.info("uplink of rack %s held the job back in period %d (%.1f Mbit/s)", rack, period, mbit)
-        for rack, mbit in confirmed.items():
-            log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (it held the job back)", rack, mbit,
-                     period)
-        self.observe({f"uplink:{rack}": mbit for rack, mbit in confirmed.items()})
 
     def _changed(self) -> bool:
         for link, rate in self.spare.items():

@@ -7,20 +7,45 @@ period during which data for that peer waited in its queues (transport/metrics.p
 uplink the rack's senders keep a backlog for peers outside the rack the whole period, while their
 own links idle, and the other racks' senders do not (they wait for the round, with empty queues).
 So an uplink is measured when its rack stands out: its cross-rack backlog is at least `busy` of the
-period, at least `stands_out` times the median of comparable racks' (not the racks at the other end
-of its traffic), and no sender's link ran above `free` of its rate. Its rate is then what crossed it,
-per second of backlog. Both directions are measured (traffic leaving the rack, from its senders;
+period and no sender's link ran above `free` of its rate, and either its backlog is at least
+`stands_out` times the median of comparable racks' (not the racks at the other end of its traffic),
+or what crossed it per second of backlog is at most 1/`stands_out` of the median of the comparable
+racks that waited too (at least half of `busy`) and below AT_ONCE of its planned rate: right after a
+cut the other racks are still busy with the round, and only the rate tells. Its rate is then what
+crossed it, per second of backlog. Both directions are measured (traffic leaving the rack, from its senders;
 traffic entering it, from senders elsewhere) and the lower counts. A rack without that evidence in a
 period gets no measurement.
+
+One held pair of racks (A's traffic to B waited) is evidence against A's uplink out and B's uplink in
+alike. When both directions stand out with nothing but such pairs (the servers' rack receiving from the
+last rack still pushing, say), the period cannot tell them apart: the uplink that carried more in its
+busiest recent period (`peaks`, PEAK_PERIODS) is not the slow one, and on a tie neither is measured.
+In a star of worker racks around the servers' rack this never blames the servers' rack; its uplink,
+were it slow, would hold every rack back alike, which no period tells from any other uniform slowness.
+`UplinkWatch` feeds this period by period and counts an uplink once it held the job back `confirm`
+periods running.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.scheduler.hierarchy.agent import Report
+
+#: the directions of a rack's uplink: its traffic out (measured at its senders) and in (at senders elsewhere)
+OUT, IN = 0, 1
+#: how many evaluated periods the busiest traffic of each direction is remembered for (`peaks`)
+PEAK_PERIODS = 10
+#: a counted uplink's rate is the mean of its last this many periods of evidence running: what one period's
+#: senders handed over beyond the link's rate (a queue filling) the next period's miss (it draining), so
+#: a mean over periods cancels what a median keeps (measured: a 2.5 Mbit/s uplink read 2.9 then 1.7)
+SMOOTHING = 5
+#: an uplink measured below this fraction of the rate its plan assumed counts in its first period: in runs
+#: without a change no period came near it (the lowest, 79% of a bottleneck uplink's rate; bench/replan.py)
+AT_ONCE = 0.5
 
 
 @dataclass
@@ -31,13 +56,7 @@ class _Pair:
     senders: set[str] = field(default_factory=set)
 
 
-def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link_mbit: Mapping[str, float],
-                 busy: float = 0.8, stands_out: float = 2.0, free: float = 0.8) -> dict[str, float]:
-    """Measured uplink rate (Mbit/s) by rack, for the racks whose uplink held the job back this period.
-
-    `reports`: one period's report of each node (by node name); `rack_of`: node -> rack; `link_mbit`:
-    node -> the configured rate of its host's link.
-    """
+def _pairs(reports: Mapping[str, Report], rack_of: Mapping[str, str]) -> dict[tuple[str, str], _Pair]:
     pairs: dict[tuple[str, str], _Pair] = {}
     for sender, report in reports.items():
         home = rack_of.get(sender)
@@ -49,6 +68,30 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
             pair.mbit += mbit
             pair.backlog = max(pair.backlog, backlog)
             pair.senders.add(sender)
+    return pairs
+
+
+def direction_mbit(reports: Mapping[str, Report], rack_of: Mapping[str, str]) -> dict[tuple[str, int], float]:
+    """What each rack's uplink carried each way in the period, by (rack, OUT or IN): Mbit/s its senders sent
+    out of the rack, and senders elsewhere sent into it."""
+    carried: dict[tuple[str, int], float] = {}
+    for (home, away), pair in _pairs(reports, rack_of).items():
+        carried[(home, OUT)] = carried.get((home, OUT), 0.0) + pair.mbit
+        carried[(away, IN)] = carried.get((away, IN), 0.0) + pair.mbit
+    return carried
+
+
+def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link_mbit: Mapping[str, float],
+                 peaks: Mapping[tuple[str, int], float] | None = None, planned: Mapping[str, float] | None = None,
+                 busy: float = 0.8, stands_out: float = 2.0, free: float = 0.8) -> dict[str, float]:
+    """Measured uplink rate (Mbit/s) by rack, for the racks whose uplink held the job back this period.
+
+    `reports`: one period's report of each node (by node name); `rack_of`: node -> rack; `link_mbit`:
+    node -> the configured rate of its host's link; `peaks`: the busiest recent traffic of each (rack,
+    direction), Mbit/s (direction_mbit's), which settles a held pair that either end explains alone;
+    `planned`: each rack's uplink rate in the plan in force.
+    """
+    pairs = _pairs(reports, rack_of)
     # a slow uplink holds back what its rack sends to every other rack (or receives from every one):
     # the direction's backlog is the least over those racks. A rack is compared with the racks that
     # are neither it nor at the other end of its traffic (those absent this period waited for nothing):
@@ -57,22 +100,106 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
     directions: list[dict[str, list[_Pair]]] = [{}, {}]
     ends: list[dict[str, set[str]]] = [{}, {}]
     for (home, away), pair in pairs.items():
-        directions[0].setdefault(home, []).append(pair)
-        directions[1].setdefault(away, []).append(pair)
-        ends[0].setdefault(home, set()).add(away)
-        ends[1].setdefault(away, set()).add(home)
-    measured: dict[str, float] = {}
-    for direction, other_ends in zip(directions, ends, strict=True):
+        directions[OUT].setdefault(home, []).append(pair)
+        directions[IN].setdefault(away, []).append(pair)
+        ends[OUT].setdefault(home, set()).add(away)
+        ends[IN].setdefault(away, set()).add(home)
+    held_back: dict[tuple[str, int], float] = {}
+    for way, (direction, other_ends) in enumerate(zip(directions, ends, strict=True)):
         held = {rack: min(p.backlog for p in group) for rack, group in direction.items()}
+        rates = {rack: sum(p.mbit for p in group) / held[rack] for rack, group in direction.items() if held[rack] > 0}
         for rack, group in direction.items():
             comparable = racks - {rack} - other_ends[rack]
-            if not comparable:
-                continue
-            typical = statistics.median(held.get(r, 0.0) for r in comparable)
             senders: set[str] = set().union(*(p.senders for p in group))
-            if (held[rack] < busy or held[rack] < stands_out * typical
+            # nothing got through all period (a queue of older data draining): no rate to tell
+            if (not comparable or held[rack] < busy or not rates.get(rack)
                     or any(reports[s].link_tx > free * link_mbit.get(s, float("inf")) for s in senders)):
                 continue
-            rate = sum(p.mbit for p in group) / held[rack]
+            # it stands out by waiting where the others did not, or, where they waited too, by getting through at
+            # a fraction of their rate and below AT_ONCE of its planned one (right after a cut the other racks are
+            # still busy with the round; rates read while queues fill or drain are noisier than waiting alone)
+            typical = statistics.median(held.get(r, 0.0) for r in comparable)
+            waiting = [rates[r] for r in comparable if held.get(r, 0.0) >= busy / 2 and rates.get(r)]
+            slower = (bool(waiting) and rates[rack] * stands_out <= statistics.median(waiting)
+                      and rates[rack] < AT_ONCE * (planned or {}).get(rack, 0.0))
+            if held[rack] >= stands_out * typical or slower:
+                held_back[(rack, way)] = rates[rack]
+    measured: dict[str, float] = {}
+    for (rack, way), rate in held_back.items():
+        if not _explained_elsewhere(rack, way, ends, held_back, peaks or {}):
             measured[rack] = min(rate, measured.get(rack, rate))
     return measured
+
+
+def _explained_elsewhere(rack: str, way: int, ends: list[dict[str, set[str]]],
+                         held_back: Mapping[tuple[str, int], float], peaks: Mapping[tuple[str, int], float]) -> bool:
+    """Whether every held pair of this direction is explained as well by the far end's direction the other way,
+    held back too, which carried less in its busiest recent period (the link that carried more is not the slow
+    one; on a tie, neither is measured)."""
+    mine = peaks.get((rack, way), 0.0)
+    for other in ends[way][rack]:
+        mirror = (other, 1 - way)
+        if mirror not in held_back or rack not in ends[1 - way][other] or peaks.get(mirror, 0.0) > mine:
+            return False
+    return True
+
+
+class UplinkWatch:
+    """The agents' reports, period by period, into counted uplink rates: a period is evaluated once every
+    node reporting lately has reported it or a later one (each node's reports arrive in order), so one
+    straggler delays a period instead of losing it; an uplink counts once it held the job back `confirm`
+    periods running, at the mean of its last SMOOTHING periods' rates, or in its first period when that
+    fell below AT_ONCE of the rate planned for it."""
+
+    def __init__(self, confirm: int = 2) -> None:
+        self.confirm = confirm
+        self._pending: dict[int, dict[str, Report]] = {}
+        self._done = -1  # the newest period evaluated
+        self._peaks: deque[dict[tuple[str, int], float]] = deque(maxlen=PEAK_PERIODS)
+        self._runs: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods of evidence running
+
+    def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
+                link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None
+                ) -> list[tuple[int, str, float, bool]]:
+        """Take the nodes' latest reports; for each period now evaluated, each uplink that held the job back:
+        (period, rack, Mbit/s, counted), oldest first. `planned`: each rack's uplink rate in the plan in force."""
+        newest: dict[str, int] = {}
+        for name, recent in reports.items():
+            for report in recent:
+                if report.period > self._done:
+                    self._pending.setdefault(report.period, {})[name] = report
+            if recent:
+                newest[name] = max(r.period for r in recent)
+        if not newest:
+            return []
+        lately = max(newest.values()) - 3  # a node silent since then (gone, or without an agent) is not awaited
+        complete = min(p for p in newest.values() if p > lately)
+        found = []
+        for period in sorted(p for p in self._pending if p <= complete):
+            found += self._evaluate(period, self._pending.pop(period), rack_of, link_mbit, planned or {})
+            self._done = period
+        return found
+
+    def _evaluate(self, period: int, reports: Mapping[str, Report], rack_of: Mapping[str, str],
+                  link_mbit: Mapping[str, float], planned: Mapping[str, float]) -> list[tuple[int, str, float, bool]]:
+        known = {name: r for name, r in reports.items() if name in rack_of}
+        self._peaks.append(direction_mbit(known, rack_of))
+        peaks: dict[tuple[str, int], float] = {}
+        for carried in self._peaks:
+            for key, mbit in carried.items():
+                peaks[key] = max(mbit, peaks.get(key, 0.0))
+        measured = uplink_rates(known, rack_of, link_mbit, peaks, planned)
+        found = []
+        for rack in list(self._runs):
+            if rack not in measured:
+                del self._runs[rack]
+        for rack, mbit in sorted(measured.items()):
+            run = self._runs.setdefault(rack, [])
+            if run and run[-1][0] != period - 1:
+                run.clear()  # a period without the evidence between: start over
+            run.append((period, mbit))
+            del run[:-max(self.confirm, SMOOTHING)]
+            counted = len(run) >= self.confirm or mbit < AT_ONCE * planned.get(rack, 0.0)
+            rate = statistics.fmean(m for _, m in run[-SMOOTHING:]) if counted else mbit
+            found.append((period, rack, rate, counted))
+        return found

@@ -77,13 +77,14 @@ def test_malformed_reports_are_refused(raw: object) -> None:
 
 def test_the_agent_reports_each_peers_rate_and_backlog() -> None:
     agent = LinkAgent()
-    agent.sample(3, 10.0, (0, 0), (0, 0), {"server-0": (1000, 0.1), "worker-1": (500, 0.0)})
+    agent.sample(3, 10.0, (0, 0), (0, 0), {"server-0": (1000, 0.1), "worker-1": (500, 0.0), "server-1": (10, 0.0)})
     got = agent.sample(4, 12.0, (0, 0), (0, 0), {"server-0": (251_000, 1.1), "worker-1": (500, 0.0),
-                                                   "aggregator-0": (125_000, 0.5)})
+                                                   "aggregator-0": (125_000, 0.5), "server-1": (10, 2.0)})
     assert got is not None
-    # worker-1 sent nothing this period: left out
+    # worker-1 sent nothing and had nothing waiting this period: left out; server-1 got nothing through while
+    # its data waited all period (a stalled path): reported
     assert got.peers == (("aggregator-0", pytest.approx(0.5), pytest.approx(0.25)),
-                         ("server-0", pytest.approx(1.0), pytest.approx(0.5)))
+                         ("server-0", pytest.approx(1.0), pytest.approx(0.5)), ("server-1", 0.0, 1.0))
 
 
 def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_moves() -> None:
@@ -95,15 +96,15 @@ def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_mov
     try:
         manager._configured = {"10.0.0.1": 40.0, "10.0.0.2": 40.0, "10.0.9.1": 40.0}
         def period(k: int, burst: float = 0.0) -> None:
-            manager.observe_reports({"worker-0": Report(30.0 + burst, 5.0, 4.0, 1.0, k),
-                                     "aggregator-0": Report(30.0 + burst, 5.0, 6.0, 1.0, k),
-                                     "worker-1": Report(4.0, 4.0, 4.0, 4.0, k)}, nodes)
+            manager.observe_reports({"worker-0": [Report(30.0 + burst, 5.0, 4.0, 1.0, k)],
+                                     "aggregator-0": [Report(30.0 + burst, 5.0, 6.0, 1.0, k)],
+                                     "worker-1": [Report(4.0, 4.0, 4.0, 4.0, k)]}, nodes)
 
         period(1)
         period(2, burst=10.0)  # one period's burst (a queue emptying) does not count on its own
         assert manager.spare == {}  # nothing until three periods are in
-        manager.observe_reports({"worker-0": Report(30.0, 5.0, 4.0, 1.0, 3),
-                                 "aggregator-0": Report(40.0, 5.0, 6.0, 1.0, 2)}, nodes)
+        manager.observe_reports({"worker-0": [Report(30.0, 5.0, 4.0, 1.0, 3)],
+                                 "aggregator-0": [Report(40.0, 5.0, 6.0, 1.0, 2)]}, nodes)
         assert manager.spare == {}  # the aggregator on that host has not reported period 3 yet
         period(3)
         assert manager.spare == {"10.0.0.1": pytest.approx(20.0), "10.0.0.2": pytest.approx(40.0)}

@@ -10,7 +10,16 @@ from sluice.scheduler.hierarchy.routes import Route, Routing
 from sluice.scheduler.hierarchy.switch import switch_notes
 from sluice.transport.wire import Kind, Message
 from sluice.worker.routing import KEEP_TIMES, Router
-from testbed.replan_steps import STEPS, evidence, false_alarms, median_steps, parse_line, steps
+from testbed.replan_steps import (
+    STEPS,
+    evidence,
+    false_alarms,
+    first_switch,
+    median_steps,
+    parse_line,
+    steps,
+    switches,
+)
 
 T0 = datetime(2026, 11, 29, 15, 0, 0).timestamp()  # the cut, at a period boundary of 1 s periods
 PERIOD0 = int(T0)  # period k ends at k seconds
@@ -68,13 +77,22 @@ def test_evidence_after_the_cut_in_log_order() -> None:
                                           ("r0", PERIOD0 + 3, 1.4, True), ("srv", PERIOD0 + 9, 2.2, True)]
 
 
-@pytest.mark.parametrize(("cut", "want"), [
-    (T0, ["srv at 2.2 Mbit/s"]),  # another rack counted
-    (None, ["srv at 2.2 Mbit/s"]),  # slow from the start: r0 counted is right
-    (T0 + 5.0, ["r0 at 1.4 Mbit/s", "srv at 2.2 Mbit/s"]),  # r0 counted before it was cut
+CONFIGURED = {"r0": 10.0, "r1": 10.0, "srv": 100_000.0}
+
+
+@pytest.mark.parametrize(("cut", "extra", "want"), [
+    (T0, [], ["srv at 2.2 Mbit/s"]),  # another rack counted
+    (None, [], ["srv at 2.2 Mbit/s"]),  # slow from the start: r0 counted is right
+    (T0 + 5.0, [], ["r0 at 1.4 Mbit/s", "srv at 2.2 Mbit/s"]),  # r0 counted before it was cut
+    # a bottleneck measured near its configured rate re-plans nothing: no alarm; 7.4 is more than 25% below 10
+    (T0, [f"{at(9.5)} INFO m: uplink of rack r1 measured at 8.3 Mbit/s in period {PERIOD0 + 9} {HELD}",
+          f"{at(9.6)} INFO m: uplink of rack r1 measured at 7.4 Mbit/s in period {PERIOD0 + 10} {HELD}"],
+     ["srv at 2.2 Mbit/s", "r1 at 7.4 Mbit/s"]),
 ])
-def test_false_alarms_are_other_racks_and_the_cut_rack_before_its_cut(cut: float | None, want: list[str]) -> None:
-    assert false_alarms(lines(), "r0", cut) == want
+def test_false_alarms_are_other_racks_and_the_cut_rack_before_its_cut_at_rates_that_re_plan(
+        cut: float | None, extra: list[str], want: list[str]) -> None:
+    timed = lines() + [t for text in extra if (t := parse_line(text)) is not None]
+    assert false_alarms(timed, CONFIGURED, 0.25, "r0", cut) == want
 
 
 def test_the_median_step_over_repeats_skips_the_ones_not_seen() -> None:
@@ -109,3 +127,13 @@ def test_a_router_times_each_epochs_routes_and_commit_and_names_the_epoch_of_a_r
     # a round takes the newest kept epoch whose switch round it reached (epochs 15..18 kept: KEEP_EPOCHS)
     last = KEEP_TIMES + 2
     assert router.epoch_of(7, 10 * last) == last and router.epoch_of(7, 10 * last - 1) == last - 1
+
+
+def test_the_first_switch_after_a_time_is_the_first_routes_sent() -> None:
+    assert first_switch(lines(), T0 - 10) == 1 and first_switch(lines(), T0) == 2
+    assert first_switch(lines(), T0 + 5) is None
+
+
+def test_switches_count_the_commits_before_a_time() -> None:
+    assert switches(lines()) == 1  # epoch 1's COMMIT is not in the log above, epoch 2's is
+    assert switches(lines(), before=T0 + 4.0) == 0

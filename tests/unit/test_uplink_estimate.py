@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.scheduler.hierarchy.agent import Report
-from sluice.scheduler.hierarchy.uplinks import uplink_rates
+from sluice.scheduler.hierarchy.uplinks import IN, OUT, direction_mbit, uplink_rates
 
 # two racks of two workers, a server rack; every host link 10 Mbit/s
 RACK = {"w0": "r0", "w1": "r0", "w2": "r1", "w3": "r1", "s0": "srv", "s1": "srv"}
@@ -57,3 +57,69 @@ def test_an_uplink_is_measured_only_when_its_rack_stands_out_with_idle_links(
         reports: dict[str, Report], want: dict[str, float]) -> None:
     got = uplink_rates(reports, RACK, LINK)
     assert got == {rack: pytest.approx(rate) for rack, rate in want.items()}
+
+
+# three racks of one worker each around the servers' rack: a star, as the benchmark's
+STAR = {"w0": "r0", "w1": "r1", "w2": "r2", "s0": "srv"}
+STAR_LINK = {name: 10.0 for name in STAR}
+PEAKS = {("r0", OUT): 10.0, ("r1", OUT): 10.0, ("r2", OUT): 10.0, ("srv", IN): 30.0}
+
+
+@pytest.mark.parametrize(
+    ("reports", "peaks", "want"),
+    [
+        # the last rack still pushing: r0's traffic out and the servers' in are each nothing but the pair
+        # r0 -> srv, held all period; the servers' uplink carried 30 Mbit/s lately, r0's 10: r0 is the slow one
+        ({"w0": report(2.0, ("s0", 2.0, 1.0)), "s0": report(1.0, ("w1", 0.5, 0.1), ("w2", 0.5, 0.1))},
+         PEAKS, {"r0": 2.0}),
+        # the same period, but the servers' uplink carried less lately than r0's: the servers' rack
+        ({"w0": report(2.0, ("s0", 2.0, 1.0)), "s0": report(1.0, ("w1", 0.5, 0.1), ("w2", 0.5, 0.1))},
+         {**PEAKS, ("srv", IN): 5.0}, {"srv": 2.0}),
+        # no history to tell them apart: neither is measured
+        ({"w0": report(2.0, ("s0", 2.0, 1.0)), "s0": report(1.0, ("w1", 0.5, 0.1), ("w2", 0.5, 0.1))}, {}, {}),
+        # two racks still pushing, both held: the servers' uplink in (held from both) is not blamed for them
+        ({"w0": report(2.0, ("s0", 2.0, 1.0)), "w1": report(3.0, ("s0", 3.0, 1.0)),
+          "s0": report(1.0, ("w2", 0.5, 0.1))}, PEAKS, {"r0": 2.0, "r1": 3.0}),
+        # another rack pushed to the servers without waiting: their uplink in is not held; r0's is
+        ({"w0": report(2.0, ("s0", 2.0, 1.0)), "w1": report(5.0, ("s0", 5.0, 0.1))}, {}, {"r0": 2.0}),
+        # r0's sender got nothing through all period (an old queue draining): held, but no rate to tell
+        ({"w0": report(0.1, ("s0", 0.0, 1.0)), "w1": report(5.0, ("s0", 5.0, 0.1))}, PEAKS, {}),
+    ],
+)
+def test_a_pair_either_end_explains_is_blamed_on_the_end_that_carried_less_lately(
+        reports: dict[str, Report], peaks: dict[tuple[str, int], float], want: dict[str, float]) -> None:
+    assert uplink_rates(reports, STAR, STAR_LINK, peaks) == {rack: pytest.approx(r) for rack, r in want.items()}
+
+
+def test_what_each_uplink_carried_each_way() -> None:
+    reports = {"w0": report(2.0, ("s0", 2.0, 1.0), ("w1", 1.0, 0.0)), "s0": report(1.0, ("w0", 0.5, 0.1),
+                                                                                     ("w1", 0.25, 0.0))}
+    assert direction_mbit(reports, STAR) == {("r0", OUT): 3.0, ("r1", IN): 1.25, ("srv", OUT): 0.75,
+                                             ("srv", IN): 2.0, ("r0", IN): 0.5}
+
+
+def pushes(w0: tuple[float, float], others: tuple[float, float]) -> dict[str, Report]:
+    """Every rack pushing to the server: r0's sender (Mbit/s, backlog) and the other racks' senders."""
+    return {"w0": report(w0[0], ("s0", *w0)), "w1": report(others[0], ("s0", *others)),
+            "w2": report(others[0], ("s0", *others))}
+
+
+@pytest.mark.parametrize(
+    ("reports", "planned", "want"),
+    [
+        # right after a cut: the others still push (and wait 85% of the period) at 9 Mbit/s, r0 gets 2
+        # through while it waits all period: half the others' rate and below half its planned 10: measured
+        (pushes((2.0, 1.0), (7.65, 0.85)), {"r0": 10.0}, {"r0": 2.0}),
+        # the same, but the plan already counts on 3 Mbit/s: not a fall below half of it; waiting alone
+        # does not stand out (1.0 against 0.85)
+        (pushes((2.0, 1.0), (7.65, 0.85)), {"r0": 3.0}, {}),
+        (pushes((2.0, 1.0), (7.65, 0.85)), {}, {}),
+        # every rack slow alike (the CPU, say): nobody stands out
+        (pushes((2.0, 1.0), (1.8, 0.9)), {"r0": 10.0, "r1": 10.0, "r2": 10.0}, {}),
+        # the others waited 40%: r0 stands out by waiting twice as long, whatever the plan
+        (pushes((2.0, 0.8), (4.0, 0.4)), {}, {"r0": 2.5}),
+    ],
+)
+def test_right_after_a_cut_a_rack_stands_out_by_its_rate_while_the_others_still_wait(
+        reports: dict[str, Report], planned: dict[str, float], want: dict[str, float]) -> None:
+    assert uplink_rates(reports, STAR, STAR_LINK, PEAKS, planned) == {r: pytest.approx(m) for r, m in want.items()}

@@ -1,0 +1,64 @@
+"""bench/replan.py's figures: the table against the targets, where the time went step by step, the JSON record."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+from bench.aggregation_setup import Layout
+from bench.common import print_table, progress, write_json
+from testbed.replan_steps import STEPS, median_steps
+
+TARGET_PERIODS, TARGET_RATIO = 2.0, 1.15
+
+
+def report(args: argparse.Namespace, layout: Layout, replans: list[dict[str, Any]],
+           freshes: list[dict[str, Any]]) -> None:
+    """Print the figures of the repeats (replan_run's and fresh_run's results) and write the JSON record."""
+    delay = statistics.median(r["delay"] for r in replans)
+    ours = statistics.median(d for r in replans for d in r["after"])
+    peer = statistics.median(d for f in freshes for d in f["rounds"])
+    timed = median_steps([r["steps"] for r in replans])
+    alarms = sum(len(r["false_alarms"]) + len(f["false_alarms"]) for r, f in zip(replans, freshes, strict=True))
+    needless = sum(r["switches_before_cut"] + f["switches"] for r, f in zip(replans, freshes, strict=True))
+    in_flight = statistics.median(r["round_in_flight"] for r in replans)
+    progress(f"\n{layout.racks} racks x {layout.per_rack} workers at {args.ratio}:1, r0's uplink cut to a quarter; "
+             f"medians of {args.repeats} repeat(s); uplinks count after {args.uplink_periods} period(s)")
+    print_table(["measure", "value", "target", ""], [
+        ["throttle to new trees in force", f"{delay:.1f} periods ({delay * args.period:.1f} s)",
+         f"<= {TARGET_PERIODS:g} periods", "PASS" if delay <= TARGET_PERIODS else "FAIL"],
+        ["round after re-plan / fresh plan", f"{ours * 1e3:.0f} / {peer * 1e3:.0f} ms = {ours / peer:.2f}",
+         f"<= {TARGET_RATIO}", "PASS" if ours / peer <= TARGET_RATIO else "FAIL"],
+        ["rounds with a wrong sum", "0 (every worker checked every round)", "0", "PASS"],
+        ["uplinks counted too slow that were not", str(alarms), "0", "PASS" if not alarms else "FAIL"],
+        ["switches with no change (before the cut, fresh job)", str(needless), "0", "PASS" if not needless else "FAIL"],
+    ])
+    progress(f"\nwhere the time went: seconds after the cut (median of each step), the step's share; the round in "
+             f"flight at the switch took {in_flight:.2f} s")
+    print_table(["step", "s after cut", "this step", ""], step_rows(timed))
+    write_json(args.json, [{
+        "case": f"{args.ratio}:1 r0 uplink to 1/4, re-plan", "ours": ours, "peer": peer, "peer_name": "fresh plan",
+        "unit": "s per round", "better": "lower", "ratio": ours / peer, "speedup": peer / ours,
+        "periods_to_new_plan": delay, "seconds_to_new_plan": delay * args.period, "period_s": args.period,
+        "periods_by_repeat": [r["delay"] for r in replans], "uplink_periods": args.uplink_periods,
+        "fresh_replans": sum(f["replans"] for f in freshes),
+        "met": {"periods": delay <= TARGET_PERIODS, "round_time": ours / peer <= TARGET_RATIO},
+        "steps_s": timed, "steps_s_by_repeat": [r["steps"] for r in replans],
+        "round_in_flight_s": [r["round_in_flight"] for r in replans],
+        "measured_mbit": [r["measured"] for r in replans], "cut_mbit": layout.uplink_mbit / 4,
+        "false_alarms": [r["false_alarms"] for r in replans],
+        "fresh_false_alarms": [f["false_alarms"] for f in freshes],
+        "switches_before_cut": [r["switches_before_cut"] for r in replans],
+        "fresh_switches": [f["switches"] for f in freshes],
+    }])
+
+
+def step_rows(timed: dict[str, float | None]) -> list[list[str]]:
+    """One row per step: its time after the cut, and how long it took after the step before it."""
+    rows, last = [], 0.0
+    for step, what in STEPS.items():
+        at = timed[step]
+        rows.append([step, "-" if at is None else f"{at:.2f}", "-" if at is None else f"{at - last:+.2f}", what])
+        last = at if at is not None else last
+    return rows

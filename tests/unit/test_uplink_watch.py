@@ -1,0 +1,120 @@
+"""Uplink evidence period by period: each period once all its reports are in, counted after `confirm` running."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from sluice.scheduler.hierarchy.agent import Report
+from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.scheduler.hierarchy.manager import NetworkManager
+from sluice.scheduler.hierarchy.placement import NodeAt
+from sluice.scheduler.hierarchy.uplinks import AT_ONCE, UplinkWatch
+
+RACK = {"w0": "r0", "w1": "r1", "s0": "srv"}
+LINK = dict.fromkeys(RACK, 10.0)
+
+
+def held(period: int, mbit: float = 2.0) -> dict[str, Report]:
+    """A period in which r0's sender waited all period for the server and w1 did not: r0's uplink ran `mbit`."""
+    return {"w0": Report(mbit, 0.0, mbit, 0.0, period, (("s0", mbit, 1.0),)),
+            "w1": Report(5.0, 0.0, 5.0, 0.0, period, (("s0", 5.0, 0.1),)),
+            "s0": Report(0.0, 7.0, 0.0, 7.0, period)}
+
+
+def quiet(period: int) -> dict[str, Report]:
+    """A period in which nobody waited."""
+    return {"w0": Report(5.0, 0.0, 5.0, 0.0, period, (("s0", 5.0, 0.1),)),
+            "w1": Report(5.0, 0.0, 5.0, 0.0, period, (("s0", 5.0, 0.1),)),
+            "s0": Report(0.0, 10.0, 0.0, 10.0, period)}
+
+
+def feed(watch: UplinkWatch, *periods: dict[str, Report], planned: dict[str, float] | None = None
+         ) -> list[tuple[int, str, float, bool]]:
+    """Each node's reports of these periods, as the scheduler keeps them (oldest first), all at once."""
+    latest: dict[str, list[Report]] = {}
+    for reports in periods:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    return watch.observe(latest, RACK, LINK, planned)
+
+
+@pytest.mark.parametrize(
+    ("periods", "want"),
+    [
+        # held two periods running: counted the second time, at the mean of both
+        ([held(5, 2.0), held(6, 3.0)], [(5, "r0", 2.0, False), (6, "r0", 2.5, True)]),
+        # a quiet period between: the count starts over
+        ([held(5), quiet(6), held(7), held(8, 4.0)], [(5, "r0", 2.0, False), (7, "r0", 2.0, False),
+                                                      (8, "r0", 3.0, True)]),
+        # the mean of the last five: a period that took more than the link's rate (a queue filling) and the
+        # next that took less (it draining) cancel out
+        ([held(5, 2.1), held(6, 2.1), held(7, 2.9), held(8, 1.7), held(9, 1.7), held(10, 2.2)],
+         [(5, "r0", 2.1, False), (6, "r0", 2.1, True), (7, "r0", 7.1 / 3, True), (8, "r0", 8.8 / 4, True),
+          (9, "r0", 10.5 / 5, True), (10, "r0", 10.6 / 5, True)]),
+        ([quiet(5), quiet(6)], []),
+    ],
+)
+def test_an_uplink_counts_once_it_held_the_job_back_periods_running(
+        periods: list[dict[str, Report]], want: list[tuple[int, str, float, bool]]) -> None:
+    got = feed(UplinkWatch(confirm=2), *periods)
+    assert got == [(p, r, pytest.approx(m), c) for p, r, m, c in want]
+
+
+@pytest.mark.parametrize(("mbit", "planned", "counted"), [
+    (2.0, {"r0": 10.0}, True),  # a fifth of the planned rate: at once
+    (AT_ONCE * 10.0 + 0.1, {"r0": 10.0}, False),  # just above half: it waits for a second period
+    (2.0, {"r1": 10.0}, False),  # no planned rate known for r0
+    (2.0, None, False),
+])
+def test_a_fall_below_half_the_planned_rate_counts_in_its_first_period(
+        mbit: float, planned: dict[str, float] | None, counted: bool) -> None:
+    assert feed(UplinkWatch(confirm=2), held(5, mbit), planned=planned) == [(5, "r0", pytest.approx(mbit), counted)]
+
+
+def test_a_period_waits_for_a_straggler_and_is_not_lost() -> None:
+    watch = UplinkWatch(confirm=2)
+    early = {name: report for name, report in held(6).items() if name != "w0"}
+    assert feed(watch, held(5), early) == [(5, "r0", 2.0, False)]  # w0 has not reported period 6: it waits
+    assert feed(watch, held(5), held(6)) == [(6, "r0", 2.0, True)]  # its report came: evaluated, and counted
+
+
+def test_a_node_that_skipped_a_period_or_went_silent_is_not_awaited() -> None:
+    watch = UplinkWatch(confirm=1)
+    skipped = {name: report for name, report in held(6).items() if name != "s0"}
+    # s0 reported 5 and 7, not 6: period 6 is evaluated without it once every node is past it
+    assert [p for p, *_ in feed(watch, held(5), skipped, held(7))] == [5, 6, 7]
+    watch = UplinkWatch(confirm=1)
+    silent = [{name: r for name, r in held(p).items() if name != "w1"} for p in (7, 8, 9)]
+    # w1 last reported period 6: once the others are three periods past it, nobody waits for it
+    assert [p for p, *_ in feed(watch, held(5), held(6), *silent)] == [5, 6, 7, 8, 9]
+    watch = UplinkWatch(confirm=1)
+    assert [p for p, *_ in feed(watch, held(5), held(6), *silent[:2])] == [5, 6]  # two behind: w1 may report 7
+
+
+def test_no_reports_nothing_found() -> None:
+    assert UplinkWatch().observe({}, RACK, LINK) == []
+    assert UplinkWatch().observe({"w0": []}, RACK, LINK) == []
+
+
+@pytest.mark.parametrize(("mbit", "periods_to_count"), [(2.0, 1), (6.0, 2)])
+def test_the_manager_counts_a_deep_fall_of_an_uplink_at_once_and_a_shallow_one_after_two_periods(
+        mbit: float, periods_to_count: int) -> None:
+    config = AggregationConfig(mode="plan", racks=("r0: 10.0.0.1", "r1: 10.0.1.1", "srv: 10.0.9.1"),
+                               link_mbit=10.0, uplink_mbit=10.0)
+    nodes = [NodeAt("worker-0", "worker", "10.0.0.1"), NodeAt("worker-1", "worker", "10.0.1.1"),
+             NodeAt("server-0", "server", "10.0.9.1")]
+    names = {"w0": "worker-0", "w1": "worker-1", "s0": "server-0"}
+    manager = NetworkManager(config, now=0.0)
+    try:
+        latest: dict[str, list[Report]] = {}
+        for period in (5, 6):
+            for name, report in held(period, mbit).items():
+                peers = tuple((names[p], m, b) for p, m, b in report.peers)
+                latest.setdefault(names[name], []).append(replace(report, peers=peers))
+            manager.observe_reports(latest, nodes)
+            counted = period - 4 >= periods_to_count
+            assert manager.spare.get("uplink:r0") == (pytest.approx(mbit) if counted else None), period
+    finally:
+        manager.close()
