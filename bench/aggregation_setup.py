@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.loads import bottleneck, flat_plan
 from sluice.scheduler.hierarchy.planner import plan_trees
 from sluice.scheduler.hierarchy.topology import Host, Rack, Topology, TreeSpec, round_seconds
@@ -99,23 +100,24 @@ def job_config(layout: Layout, case: str, chunk_kib: int, bed: Netbed) -> dict[s
         "time_limit": TIME_LIMIT}}
 
 
-def topology(layout: Layout, aux: bool) -> Topology:
+def topology(layout: Layout, aux: bool, fanout_share: float = 1.0) -> Topology:
     hosts = [Host(h, f"r{r}", layout.link_mbit, workers=1) for r in range(layout.racks) for h in layout.rack_hosts(r)]
     if aux:
         hosts += [Host(a, f"r{r}", layout.link_mbit, aux=True) for r, a in enumerate(layout.aux_hosts)]
     hosts += [Host(s, "srv", layout.server_link, servers=1) for s in layout.server_hosts]
     racks = [Rack(f"r{r}", layout.uplink_mbit) for r in range(layout.racks)] + [Rack("srv", UNSHAPED_MBIT)]
-    return Topology(tuple(hosts), tuple(racks))
+    return Topology(tuple(hosts), tuple(racks), fanout_share)
 
 
 def trees_of(layout: Layout, case: str) -> tuple[Topology, tuple[TreeSpec, ...]]:
-    """The case's topology and trees, as the scheduler builds them."""
+    """The case's topology (its links at their full rates) and trees, as the scheduler plans them."""
     top = topology(layout, case == AUX)
     if case == FLAT:
         return top, flat_plan(top)
     if case == ONE_PER_RACK:
         return top, (TreeSpec(1.0, tuple((f"r{r}", layout.rack_hosts(r)[0]) for r in range(layout.racks))),)
-    return top, plan_trees(top, max_trees=MAX_TREES, tree_penalty=TREE_PENALTY, time_limit=TIME_LIMIT).trees
+    planned = topology(layout, case == AUX, AggregationConfig().fanout_share)
+    return top, plan_trees(planned, max_trees=MAX_TREES, tree_penalty=TREE_PENALTY, time_limit=TIME_LIMIT).trees
 
 
 def aggregates(layout: Layout, case: str) -> bool:
@@ -124,7 +126,8 @@ def aggregates(layout: Layout, case: str) -> bool:
 
 
 def predicted_seconds(layout: Layout, case: str, nbytes: int) -> float:
-    """The model's round time: the busiest link's bytes at its rate, less TCP/IP headers."""
+    """The model's round time: the busiest link's bytes at its rate, less TCP/IP headers (the bare overlapped
+    bound: every link, fan-outs too, busy the whole round)."""
     top, trees = trees_of(layout, case)
     bound, _ = bottleneck(top, trees)
     return round_seconds(bound, nbytes) / PAYLOAD_EFFICIENCY

@@ -102,6 +102,7 @@ class Client:
         """Connect to the servers and, unless the chunk size and in-flight bound are set, calibrate."""
         servers = self._node.by_rank("server")
         self._server_names = [p.name for p in servers]
+        self._router.servers = len(servers)
         self._server_ids = {p.node_id for p in servers}
         self._reply_ids |= self._server_ids
         for peer in servers:

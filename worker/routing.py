@@ -12,6 +12,7 @@ worker gets the same assignment whenever it computes it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing
@@ -37,8 +38,10 @@ class Router:
         self.name = name
         self._epochs: list[_Epoch] = []  # committed, newest last
         self.pending: Routing | None = None
-        #: (key, chunk, nbytes) of every declared chunk, in key order
-        self._chunks: list[tuple[int, int, int]] = []
+        #: (key, chunk, nbytes, server) of every declared chunk, in key order
+        self._chunks: list[tuple[int, ...]] = []
+        #: the job's servers: each tree's chunks go to a few of them (ChunkAssignment); set once known
+        self.servers = 0
         #: pushes sent up a tree so far (the rest went straight to the servers)
         self.routed = 0
         #: wall-clock times ROUTES and COMMIT of the latest epochs arrived, by epoch (bench/replan.py reads them)
@@ -55,8 +58,8 @@ class Router:
         """Between ROUTES and COMMIT: rounds started now wait for the switch round to be known."""
         return self.pending is not None
 
-    def declare(self, chunks: list[tuple[int, int, int]]) -> None:
-        """Chunks of newly declared tensors as (key, chunk, nbytes); keys larger than any before."""
+    def declare(self, chunks: Sequence[tuple[int, ...]]) -> None:
+        """Chunks of newly declared tensors as (key, chunk, nbytes, server); keys larger than any before."""
         self._chunks.extend(sorted(chunks))
 
     def begin(self, routing: Routing, aggregators: set[str]) -> None:
@@ -78,7 +81,8 @@ class Router:
         if self.pending is None or self.pending.epoch != epoch:
             raise WireError(f"COMMIT for epoch {epoch}, which was not announced")
         routing, self.pending = self.pending, None
-        self._epochs.append(_Epoch(routing, dict(rounds), ChunkAssignment([t.weight for t in routing.trees])))
+        assignment = ChunkAssignment([t.weight for t in routing.trees], self.servers)
+        self._epochs.append(_Epoch(routing, dict(rounds), assignment))
         del self._epochs[:-KEEP_EPOCHS]
         _stamp(self.committed_at, epoch)
         return sorted({t.parent(self.name) for t in routing.trees} - {SERVERS})

@@ -67,9 +67,10 @@ def parse_plan(plan: list[Any], known: dict[str, Tensor], settings: TransportCon
     return new
 
 
-def chunk_sizes(tensors: dict[str, Tensor]) -> list[tuple[int, int, int]]:
-    """(key, chunk, bytes) of every chunk of `tensors`."""
-    return [(t.key, c, n * np.dtype(STORAGE[t.dtype]).itemsize) for t in tensors.values() for c, _, n, _ in t.chunks]
+def chunk_sizes(tensors: dict[str, Tensor]) -> list[tuple[int, int, int, int]]:
+    """(key, chunk, bytes, server rank) of every chunk of `tensors`."""
+    return [(t.key, c, n * np.dtype(STORAGE[t.dtype]).itemsize, server)
+            for t in tensors.values() for c, _, n, server in t.chunks]
 
 
 @dataclass

@@ -45,6 +45,10 @@ class AggregationConfig:
     #: period's evidence could be a burst of a round's phases, and a false alarm re-plans around a link
     #: that is not slow (docs/aggregation.md, "Rack uplinks, measured")
     uplink_periods: int = 2
+    #: the share of an aggregating host's link that the sums it sends back to its rack may fill: they
+    #: wait for the first sums from the servers, so they cannot fill a whole round (1: plan as if they
+    #: could; docs/aggregation.md, "Fan-out")
+    fanout_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +63,8 @@ class AggregationConfig:
             raise ValueError(f"aggregation.change must be a fraction in (0, 1), got {self.change}")
         if not 1 <= self.uplink_periods <= 10:
             raise ValueError(f"aggregation.uplink_periods must be 1..10, got {self.uplink_periods}")
+        if not 0 < self.fanout_share <= 1:
+            raise ValueError(f"aggregation.fanout_share must be a fraction in (0, 1], got {self.fanout_share}")
         if self.mode == "static" and not self.trees:
             raise ValueError("aggregation.mode = \"static\" needs aggregation.trees")
         if self.mode == "plan" and not self.racks:

@@ -15,6 +15,13 @@ y[h] is the total weight of the trees in which h aggregates its rack, A_r = sum 
 - Rack r's uplink: its streams' keys owned outside, s_r (1 - sigma_r), plus the other racks' streams'
   keys owned inside, (F - s_r) sigma_r: u_r = s_r (1 - 2 sigma_r) + F sigma_r.
 
+- Fan-out of host h (topology.fanout_share < 1): the sums h sends back to the workers on the rack's
+  other hosts, (n_r - m_h) y[h], over share x its link's rate. That traffic waits for the first sums to
+  come back from the servers, so it cannot fill the link for the whole round: an auxiliary host, which
+  carries nothing else, idled for the first half of each round on the 4:1 testbed while its fan-out
+  ran on after every other link was done (bench/aggregation.py). These rows ("fanout:NAME") are not
+  links; `link_loads` leaves them out.
+
 Each is c + b.y for constants c and b, so a link's load over its rate is affine in y; the LP bound and
 the tree program (milp.py) use exactly these rows, and `link_loads` evaluates them for any trees.
 """
@@ -98,6 +105,14 @@ def load_model(topology: Topology) -> LoadModel:
         rates.append(rack.uplink_mbit)
         const.append(n[rack.name] * (1 - 2 * s) + total_workers * s)
         rows.append(row)
+    if topology.fanout_share < 1:
+        for host in agg:
+            row = np.zeros(len(agg))
+            row[column[host.name]] = n[host.rack] - host.workers
+            links.append(f"fanout:{host.name}")
+            rates.append(host.link_mbit * topology.fanout_share)
+            const.append(0.0)
+            rows.append(row)
     return LoadModel(
         links=tuple(links), rates=np.array(rates, dtype=np.float64), const=np.array(const, dtype=np.float64),
         coef=np.array(rows, dtype=np.float64).reshape(len(links), len(agg)),
@@ -138,7 +153,7 @@ def link_loads(topology: Topology, trees: Sequence[TreeSpec]) -> dict[str, float
     """Every link ("host:NAME", "uplink:RACK") -> its load per round under `trees`, in units of D."""
     model = load_model(topology)
     loads = model.loads(host_weights(model, trees))
-    return {link: float(load) for link, load in zip(model.links, loads, strict=True)}
+    return {link: float(load) for link, load in zip(model.links, loads, strict=True) if not link.startswith("fanout:")}
 
 
 def bottleneck(topology: Topology, trees: Sequence[TreeSpec]) -> tuple[float, str]:

@@ -55,7 +55,7 @@ class Placement:
         hosts = tuple(replace(h, link_mbit=spare.get(h.name, h.link_mbit)) for h in self.configured.hosts)
         racks = tuple(replace(r, uplink_mbit=spare.get(f"uplink:{r.name}", r.uplink_mbit))
                       for r in self.configured.racks)
-        return Topology(hosts, racks)
+        return replace(self.configured, hosts=hosts, racks=racks)
 
     def routes(self, plan: Plan) -> list[Route]:
         """Node-level trees: in each tree a rack's workers send to the aggregator node on the host the
@@ -124,4 +124,5 @@ def place(config: AggregationConfig, nodes: Sequence[NodeAt]) -> Placement:
     for rack in dict.fromkeys(rack_of_host.values()):
         default = config.uplink_mbit or sum(h.link_mbit for h in hosts if h.rack == rack) or config.link_mbit
         racks.append(Rack(rack, uplinks.get(rack, default)))
-    return Placement(tuple(nodes), placed, rack_of_host, Topology(tuple(hosts), tuple(racks)), aggregator_at)
+    return Placement(tuple(nodes), placed, rack_of_host, Topology(tuple(hosts), tuple(racks), config.fanout_share),
+                     aggregator_at)

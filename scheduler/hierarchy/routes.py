@@ -110,37 +110,73 @@ def subtree_ranks(tree: Route, node: str, worker_ranks: Mapping[str, int]) -> tu
 
 
 class ChunkAssignment:
-    """(key, chunk) -> tree index for chunks given as (key, chunk, nbytes) in a fixed order, extendable.
+    """(key, chunk) -> tree index for chunks given as (key, chunk, nbytes[, server]) in a fixed order, extendable.
 
     Each chunk goes to the tree furthest below its share of the bytes so far, so every tensor with
     several chunks is split across the trees by weight, and the carry from one tensor to the next
     keeps the total on the weights too when tensors are single chunks. Ties go to the lower index.
-    A chunk's tree depends only on the chunks before it, so extending the list as tensors are
-    declared gives every worker the same assignment whenever it computes it.
+    With `servers` (the job's server count, chunks naming their server), each tree sends to as few
+    servers as its weight allows: the trees' weights and the servers' equal shares are laid end to end
+    on [0, 1), and a chunk of server s goes only to the trees whose part overlaps s's, by the same rule
+    within s. Fewer streams then share each rack uplink, so its queue (a chunk in flight per stream)
+    is shorter and the trees' pipelines fill sooner (docs/aggregation.md). A tree heavier than one
+    server's share takes its share of every server instead: laid end to end it would bring every
+    worker's stream of it onto two or three servers' links (measured slower). A chunk's tree depends
+    only on the chunks before it, so extending the list as tensors are declared gives every worker the
+    same assignment whenever it computes it.
     """
 
-    def __init__(self, weights: Sequence[float]) -> None:
+    def __init__(self, weights: Sequence[float], servers: int = 0) -> None:
         self.weights = list(weights)
+        self.servers = servers
         self.trees: dict[tuple[int, int], int] = {}
-        self._given = [0.0] * len(self.weights)
-        self._total = 0.0
+        #: per server (one pool without `servers`): each tree's share of its bytes, its bytes so far, and
+        #: each tree's part of them
+        pools = max(servers, 1)
+        total = sum(self.weights) or 1.0
+        spread = [w / total > 1 / servers for w in self.weights] if servers else []
+        self._shares = [_shares(self.weights, spread, s, servers) for s in range(pools)] if servers else [self.weights]
+        self._given = [[0.0] * len(self.weights) for _ in range(pools)]
+        self._total = [0.0] * pools
 
     def __len__(self) -> int:
         return len(self.trees)
 
-    def extend(self, chunks: Iterable[tuple[int, int, int]]) -> None:
-        weights, given = self.weights, self._given
-        for key, chunk, nbytes in chunks:
-            self._total += nbytes
-            total = self._total
-            tree = max(range(len(weights)), key=lambda t: (weights[t] * total - given[t], -t))
+    def extend(self, chunks: Iterable[tuple[int, ...]]) -> None:
+        for key, chunk, nbytes, *server in chunks:
+            pool = server[0] % self.servers if self.servers and server else 0
+            shares, given = self._shares[pool], self._given[pool]
+            self._total[pool] += nbytes
+            total = self._total[pool]
+            tree = max((t for t in range(len(shares)) if shares[t] > 0),
+                       key=lambda t: (shares[t] * total - given[t], -t))
             given[tree] += nbytes
             self.trees[(key, chunk)] = tree
 
 
-def assign_chunks(chunks: Sequence[tuple[int, int, int]], weights: Sequence[float]) -> dict[tuple[int, int], int]:
+def _shares(weights: Sequence[float], spread: Sequence[bool], server: int, servers: int) -> list[float]:
+    """Each tree's share of `server`'s bytes: a spread tree's weight; for the others, the overlap of
+    their stretches of [0, 1) (laid end to end, scaled to their total) with the server's, times their total."""
+    total = sum(weights) or 1.0
+    gathered = sum(w for w, s in zip(weights, spread, strict=True) if not s) / total or 1.0
+    low, high = server / servers, (server + 1) / servers
+    shares, start = [], 0.0
+    for weight, alike in zip(weights, spread, strict=True):
+        if alike:
+            shares.append(weight / total)
+            continue
+        end = start + weight / total / gathered
+        shares.append(max(0.0, min(end, high) - max(start, low)) * servers * gathered)
+        start = end
+    if not any(shares):  # rounding left the last server uncovered: the last tree takes it
+        shares[-1] = 1.0
+    return shares
+
+
+def assign_chunks(chunks: Sequence[tuple[int, ...]], weights: Sequence[float],
+                  servers: int = 0) -> dict[tuple[int, int], int]:
     """(key, chunk) -> tree index (see ChunkAssignment)."""
-    assignment = ChunkAssignment(weights)
+    assignment = ChunkAssignment(weights, servers)
     assignment.extend(chunks)
     return assignment.trees
 

@@ -18,7 +18,9 @@ planner that chooses one is planner.py.
 
 Round time. With every load in units of D, a link of R Mbit/s carrying load L needs L*D*8/(R*1e6)
 seconds. Gather and broadcast overlap (chunks are pipelined), so a round takes as long as its busiest
-link: T = max over links of L/R, and `round_seconds(T, D) = T * D * 8 / 1e6`.
+link: T = max over links of L/R, and `round_seconds(T, D) = T * D * 8 / 1e6`. An aggregator's fan-out
+cannot start before the first sums are back from the servers, so with `fanout_share` < 1 the
+planner also keeps that traffic within that share of the aggregator's link (loads.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class Rack:
 class Topology:
     hosts: tuple[Host, ...]
     racks: tuple[Rack, ...]
+    #: the share of an aggregating host's link that its fan-out (the sums it sends back to the rack's
+    #: other hosts) may fill in a round; 1: the whole link, the bare overlapped model (see loads.py)
+    fanout_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,9 @@ def validate(topology: Topology) -> None:
             seen.add(name)
     for rack in topology.racks:
         _check_rate(f"rack {rack.name!r}: uplink_mbit", rack.uplink_mbit)
+    if not (math.isfinite(topology.fanout_share) and 0 < topology.fanout_share <= 1):
+        raise PlanError(f"fanout_share must be a fraction in (0, 1] (got {topology.fanout_share!r}): the share of "
+                        "an aggregator's link its fan-out may fill, 1 for the whole link")
     known = set(rack_names)
     for host in topology.hosts:
         if host.rack not in known:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -92,6 +93,8 @@ BAD_TOPOLOGIES = [
     (Topology((Host("w", "r", 10.0, workers=1, servers=1), Host("a", "r", 10.0, workers=2, aux=True)),
               (Rack("r", 10.0),)), "is aux and runs 2 workers"),
     (Topology((Host("w", "r", 10.0, workers=1, servers=-1),), (Rack("r", 10.0),)), "has a negative count"),
+    (Topology((Host("w", "r", 10.0, workers=1, servers=1),), (Rack("r", 10.0),), 0.0), "fanout_share must be a"),
+    (Topology((Host("w", "r", 10.0, workers=1, servers=1),), (Rack("r", 10.0),), 1.5), "fanout_share must be a"),
 ]
 
 
@@ -186,6 +189,21 @@ def test_a_full_rate_aux_host_takes_the_largest_share() -> None:
     assert [got[f"w{r}{i}"] for r in range(4) for i in range(4)] == pytest.approx([1 / 7] * 16, abs=1e-6)
 
 
+def test_a_fanout_share_keeps_an_aux_hosts_fanout_to_that_share_of_its_link() -> None:
+    # fan-out 4 y_a <= 0.5 * 40 T binds: y_a = 5 T; worker 1 + 3 y_w = 40 T; uplink 4 - 3 (y_a + 4 y_w) = 40 T:
+    # 8 - 175 T = 40 T, T = 8/215 (0.0372 against 1/28 = 0.0357 with the whole link), y_w = 35/215
+    topology = replace(four_racks(aux_mbit=40.0), fanout_share=0.5)
+    plan = plan_trees(topology)
+    assert plan.objective == pytest.approx(8 / 215, abs=1e-6) and plan.bound == pytest.approx(8 / 215)
+    got = shares(plan)
+    assert [got[f"a{r}"] for r in range(4)] == pytest.approx([40 / 215] * 4, abs=1e-6)
+    assert [got[f"w{r}{i}"] for r in range(4) for i in range(4)] == pytest.approx([35 / 215] * 16, abs=1e-6)
+    # the fan-out rows constrain the plan; they are no links: loads and the bare bound are the links' own
+    assert not any(link.startswith("fanout:") for link in link_loads(topology, plan.trees))
+    assert link_loads(topology, plan.trees) == pytest.approx(link_loads(four_racks(aux_mbit=40.0), plan.trees))
+    assert bottleneck(four_racks(aux_mbit=40.0), plan.trees)[0] == pytest.approx(8 / 215, abs=1e-6)
+
+
 def test_a_thin_aux_host_is_not_worth_a_tree() -> None:
     # at 2 Mbit/s the aux takes y_a = 0.4 T: T = 8/201.2 = 0.03976, 0.6% below 0.04, worth less than a tree
     free = plan_trees(four_racks(aux_mbit=2.0), tree_penalty=0.0)
@@ -225,3 +243,12 @@ def test_a_plan_is_recomputed_by_the_load_model() -> None:
     assert min(t.weight for t in plan.trees) >= 1e-4 and sum(t.weight for t in plan.trees) == pytest.approx(1.0)
     assert all([rack for rack, _ in t.aggregators] == ["r0", "r1", "r2", "r3", "rs"] for t in plan.trees)
     assert plan.bound <= plan.objective + 1e-12 and plan.solve_seconds > 0
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.01])
+def test_the_config_refuses_a_fanout_share_outside_0_to_1(share: float) -> None:
+    from sluice.scheduler.hierarchy.config import AggregationConfig
+
+    with pytest.raises(ValueError, match=r"aggregation\.fanout_share must be a fraction"):
+        AggregationConfig(fanout_share=share)
+    assert AggregationConfig().fanout_share == 0.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from typing import Any
 
 import msgpack
@@ -614,3 +615,53 @@ def test_rounds_of_many_switches_keep_their_epochs() -> None:
         router.commit(epoch, [(7, switch_round)])
     got = [router.route(7, 0, r) for r in range(15)]
     assert got == [None] * 3 + [(1, 0, A0)] * 3 + [(2, 0, A1)] * 3 + [(3, 0, A0)] * 3 + [(4, 0, A1)] * 3
+
+
+def on_servers(servers: list[int], nbytes: int = 100) -> list[tuple[int, int, int, int]]:
+    """One tensor's chunks, chunk i on server servers[i]."""
+    return [(0, chunk, nbytes, server) for chunk, server in enumerate(servers)]
+
+
+@pytest.mark.parametrize(
+    ("weights", "servers", "chunks", "trees"),
+    [
+        # tree 0's half of [0, 1) is server 0's, trees 1 and 2 share server 1's
+        ([0.5, 0.25, 0.25], 2, on_servers([0, 1, 0, 1, 0, 1, 0, 1]), [0, 1, 0, 2, 0, 1, 0, 2]),
+        # five trees over four servers (the 4:1 testbed's planned trees): each tree on one or two servers
+        ([0.2] * 5, 4, on_servers([0, 1, 2, 3] * 2),
+         [0, 1, 3, 4, 0, 2, 2, 4]),
+        # a tree heavier than a server's share takes its share of each; the others are laid end to end
+        ([0.6, 0.2, 0.2], 2, on_servers([0, 1] * 4), [0, 0, 1, 2, 0, 0, 1, 2]),
+        # the direct tree of the 2:1 testbed's plan spread, each aggregating tree on one server
+        ([0.556] + [0.111] * 4, 4, on_servers([0, 1, 2, 3] * 2), [0, 0, 0, 0, 1, 2, 3, 4]),
+        # one server: every tree by weight, as without servers
+        ([0.5, 0.5], 1, on_servers([0, 0, 0, 0]), [0, 1, 0, 1]),
+        # chunks without a server (a 3-tuple) all count as server 0's
+        ([0.5, 0.5], 2, equal(3), [0, 0, 0]),
+    ],
+)
+def test_with_servers_each_tree_takes_the_chunks_of_the_servers_its_weight_covers(
+        weights: list[float], servers: int, chunks: list[tuple[int, ...]], trees: list[int]) -> None:
+    assert assign_chunks(chunks, weights, servers) == {(c[0], c[1]): t for c, t in zip(chunks, trees, strict=True)}
+
+
+@pytest.mark.parametrize(("weights", "servers"), [([0.2] * 5, 4), ([0.186] + [0.163] * 5, 4), ([0.6, 0.3, 0.1], 3)])
+def test_with_servers_trees_keep_their_weights_and_a_chunks_tree_depends_only_on_those_before(
+        weights: list[float], servers: int) -> None:
+    chunks = [(k, c, n, (k + c) % servers) for k, c, n in MIXED]
+    full = assign_chunks(chunks, weights, servers)
+    for split in range(len(chunks) + 1):
+        assignment = ChunkAssignment(weights, servers)
+        assignment.extend(chunks[:split])
+        assignment.extend(chunks[split:])
+        assert assignment.trees == full
+    # with equal bytes per server (the partitioner balances them), each tree gets its weight's share
+    even = [(0, c, 100, c % servers) for c in range(60 * servers)]
+    placed = assign_chunks(even, weights, servers)
+    for tree, weight in enumerate(weights):
+        assert abs(sum(1 for t in placed.values() if t == tree) / len(even) - weight) <= 1.5 * servers / len(even)
+    # a tree no heavier than a server's share touches only the servers its stretch of [0, 1) overlaps
+    gathered = sum(w for w in weights if w <= 1 / servers)
+    for tree, weight in enumerate(weights):
+        used = {c % servers for (_, c), t in placed.items() if t == tree}
+        assert len(used) == servers if weight > 1 / servers else len(used) <= math.ceil(weight / gathered * servers) + 1
