@@ -52,8 +52,25 @@ AT_ONCE = 0.5
 class _Pair:
     """What one rack's nodes sent to another's in the period."""
     mbit: float = 0.0
-    backlog: float = 0.0  # the largest backlog fraction among its flows
-    senders: set[str] = field(default_factory=set)
+    #: the largest backlog fraction of the flows to each receiving node, and from each sending node
+    to_node: dict[str, float] = field(default_factory=dict)
+    from_node: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def senders(self) -> set[str]:
+        return set(self.from_node)
+
+    @property
+    def held(self) -> float:
+        """How long the pair's traffic waited as an uplink between the racks would make it wait: behind a slow
+        uplink the flows of several senders, to several receivers, wait; one slow node (its link, its CPU)
+        holds back only its own flows. So the second longest wait among the senders, and among the
+        receivers (the only one's where there is one), the shorter of the two."""
+        def second(waits: dict[str, float]) -> float:
+            ordered = sorted(waits.values(), reverse=True)
+            return ordered[1] if len(ordered) > 1 else ordered[0]
+
+        return min(second(self.to_node), second(self.from_node))
 
 
 def _pairs(reports: Mapping[str, Report], rack_of: Mapping[str, str]) -> dict[tuple[str, str], _Pair]:
@@ -66,8 +83,8 @@ def _pairs(reports: Mapping[str, Report], rack_of: Mapping[str, str]) -> dict[tu
                 continue
             pair = pairs.setdefault((home, away), _Pair())
             pair.mbit += mbit
-            pair.backlog = max(pair.backlog, backlog)
-            pair.senders.add(sender)
+            pair.to_node[peer] = max(backlog, pair.to_node.get(peer, 0.0))
+            pair.from_node[sender] = max(backlog, pair.from_node.get(sender, 0.0))
     return pairs
 
 
@@ -92,8 +109,8 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
     `planned`: each rack's uplink rate in the plan in force.
     """
     pairs = _pairs(reports, rack_of)
-    # a slow uplink holds back what its rack sends to every other rack (or receives from every one):
-    # the direction's backlog is the least over those racks. A rack is compared with the racks that
+    # a slow uplink holds back what its rack sends to every other rack (or receives from every one): the
+    # direction's backlog is the least over those racks. A rack is compared with the racks that
     # are neither it nor at the other end of its traffic (those absent this period waited for nothing):
     # the servers' rack is not compared with the workers' racks it answers, nor a rack with itself
     racks = set(rack_of.values())
@@ -106,7 +123,7 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
         ends[IN].setdefault(away, set()).add(home)
     held_back: dict[tuple[str, int], float] = {}
     for way, (direction, other_ends) in enumerate(zip(directions, ends, strict=True)):
-        held = {rack: min(p.backlog for p in group) for rack, group in direction.items()}
+        held = {rack: min(p.held for p in group) for rack, group in direction.items()}
         rates = {rack: sum(p.mbit for p in group) / held[rack] for rack, group in direction.items() if held[rack] > 0}
         for rack, group in direction.items():
             comparable = racks - {rack} - other_ends[rack]

@@ -123,3 +123,27 @@ def pushes(w0: tuple[float, float], others: tuple[float, float]) -> dict[str, Re
 def test_right_after_a_cut_a_rack_stands_out_by_its_rate_while_the_others_still_wait(
         reports: dict[str, Report], planned: dict[str, float], want: dict[str, float]) -> None:
     assert uplink_rates(reports, STAR, STAR_LINK, PEAKS, planned) == {r: pytest.approx(m) for r, m in want.items()}
+
+
+# r0 of the star above, but two servers (s0, s1) and r0's two workers; the other racks idle
+TWO_SERVERS = {"w0": "r0", "w3": "r0", "w1": "r1", "w2": "r2", "s0": "srv", "s1": "srv"}
+
+
+@pytest.mark.parametrize(
+    ("reports", "want"),
+    [
+        # every flow out of r0 waited: its uplink
+        ({"w0": report(2.0, ("s0", 1.0, 1.0), ("s1", 1.0, 1.0)), "w3": report(2.0, ("s0", 1.0, 1.0))},
+         {"r0": 3.0}),
+        # only the flows to s0 waited (a slow server, or its link): not r0's uplink, which s1's flows crossed freely
+        ({"w0": report(2.0, ("s0", 1.0, 1.0), ("s1", 1.0, 0.1)), "w3": report(2.0, ("s0", 1.0, 1.0),
+                                                                              ("s1", 1.0, 0.2))}, {}),
+        # one flow to each server waited all period, the others less: the uplink held flows to both
+        ({"w0": report(2.0, ("s0", 1.0, 1.0), ("s1", 1.0, 0.3)), "w3": report(2.0, ("s0", 1.0, 0.2),
+                                                                              ("s1", 1.0, 0.9))}, {"r0": 4.0 / 0.9}),
+    ],
+)
+def test_an_uplink_holds_back_flows_to_several_nodes_a_slow_node_only_its_own(
+        reports: dict[str, Report], want: dict[str, float]) -> None:
+    link = dict.fromkeys(TWO_SERVERS, 10.0)
+    assert uplink_rates(reports, TWO_SERVERS, link, PEAKS) == {r: pytest.approx(m) for r, m in want.items()}
