@@ -29,8 +29,10 @@ class _Epoch:
     routing: Routing
     #: key -> first round on these trees (tensors not listed: every round)
     switch: dict[int, int]
-    #: (key, chunk) -> tree index, extended in key order as tensors are declared
-    assignment: ChunkAssignment
+    #: (key, chunk) -> tree index, extended in key order as tensors are declared; made at the epoch's
+    #: first push, when the job's servers are known (a COMMIT can come before them: every worker must
+    #: compute it with the same server count)
+    assignment: ChunkAssignment | None = None
 
 
 class Router:
@@ -81,8 +83,7 @@ class Router:
         if self.pending is None or self.pending.epoch != epoch:
             raise WireError(f"COMMIT for epoch {epoch}, which was not announced")
         routing, self.pending = self.pending, None
-        assignment = ChunkAssignment([t.weight for t in routing.trees], self.servers)
-        self._epochs.append(_Epoch(routing, dict(rounds), assignment))
+        self._epochs.append(_Epoch(routing, dict(rounds)))
         del self._epochs[:-KEEP_EPOCHS]
         _stamp(self.committed_at, epoch)
         return sorted({t.parent(self.name) for t in routing.trees} - {SERVERS})
@@ -114,6 +115,8 @@ class Router:
 
     def _tree(self, epoch: _Epoch, key: int, chunk: int) -> int:
         assignment = epoch.assignment
+        if assignment is None:
+            assignment = epoch.assignment = ChunkAssignment([t.weight for t in epoch.routing.trees], self.servers)
         tree = assignment.trees.get((key, chunk))
         if tree is None:  # a chunk declared since: extend the assignment up to it
             assignment.extend(self._chunks[len(assignment):])
