@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 FEATURES, HIDDEN, OUTPUTS = 12, 16, 3
 
@@ -97,7 +98,13 @@ def train_distributed(
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = global_batches(steps, batch)
     per = batch // hvd.size()
-    digests, waits_in_forward = [], 0
+    digests, waits_in_forward, optimizer_steps = [], 0, 0
+
+    def count(*_: Any) -> None:
+        nonlocal optimizer_steps
+        optimizer_steps += 1
+
+    counting = register_optimizer_step_post_hook(count)  # every step() of every optimizer
     for step in range(steps):
         start = step * batch + hvd.rank() * per
         if around is not None:
@@ -112,11 +119,13 @@ def train_distributed(
         loss.backward()
         opt.step()
     hvd.synchronize_parameters()
+    counting.remove()
     digests.append(digest(model))
     extra = around.finish() if around is not None else None
     params = [p.detach().clone().numpy() for p in model.parameters()]
     hvd.shutdown()
-    return {"params": params, "digests": digests, "waits_in_forward": waits_in_forward, "extra": extra}
+    return {"params": params, "digests": digests, "waits_in_forward": waits_in_forward,
+            "optimizer_steps": optimizer_steps, "extra": extra}
 
 
 def record_pushes(steps: int) -> list[tuple[str, bool]]:

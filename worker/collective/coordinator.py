@@ -2,10 +2,13 @@
 
 Messages arrive on the transport's I/O thread (`on_message`): their sender must be this rank's parent or
 a child, and their format is checked there (refused through `transport.refuse` otherwise); what passes is
-queued. A tick takes what is queued to the Controller, one tick at a time, never two within `cycle_ms`:
-with the Controller's one-unacknowledged-message-per-edge rule, a node sends at most one message up per
-cycle, and its parent takes at most one per child per tick. A tick that is due at once (the first news
-after a quiet cycle: a step's request, the decision coming down) runs in the thread that brought it, a
+queued. A tick takes what is queued to the Controller, one tick at a time, and at most one more than the
+node has neighbours within any `cycle_ms` (`burst`): each neighbour's news, and this rank's own request,
+can be taken at once once a cycle, so the message that completes an op's round at the root (the last
+child's request) waits for no timer, while a burst of requests still goes up batched. With the
+Controller's one-unacknowledged-message-per-edge rule a node sends at most one message to each
+neighbour per tick, and takes at most one per child. A tick that is due at once (news within the
+cycle's budget: a step's request, the decision coming down) runs in the thread that brought it, a
 submit's caller or the I/O thread, so that no thread is woken for it (measured on 4 workers of the demo
 model on 2 cores: 16 voluntary context switches a step on a worker instead of 22); the coordinator thread
 runs the ticks a cycle holds back and those the Controller's deadlines call for (a stall alert, a
@@ -31,6 +34,7 @@ from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.negotiation import Controller, Decision, Down, Request, Up
 from sluice.worker.collective.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
 from sluice.worker.collective.negotiation_request import check_request
+from sluice.worker.collective.tick_budget import TickBudget
 from sluice.worker.collective.tree import Tree, dials
 
 log = logging.getLogger("sluice.coordinator")
@@ -80,7 +84,8 @@ class Coordinator:
         self._failed = False
         self._closed = False
         self._ticking = False  # a tick runs (on the coordinator thread or a caller's): one at a time
-        self._last = -self._cycle  # when the last tick began
+        #: ticks a cycle may hold (see the module's docstring)
+        self._budget = TickBudget(1 + len(tree.neighbours(rank)), self._cycle)
         for r in sorted(self._heard):
             kind = Kind.COORD_UP if r == self._parent else Kind.COORD_DOWN
             transport.send(peers[r], 0, hello(kind, node_id))
@@ -175,17 +180,15 @@ class Coordinator:
                 self._inbox.clear()
 
     def _ready_at(self) -> float | None:
-        """When the next tick is due (under the lock): at most one a cycle; None while there is nothing to do."""
-        last = self._last
-        if self._urgent or self._heard & set(self._held):
-            return last + self._cycle
-        if self._batch_since is not None:
-            # at most one tick per cycle, but the first news after a quiet cycle goes at once: a step's last
-            # fusion group waits for no timer (the rest of a burst waits a cycle)
-            return last + self._cycle
+        """When the next tick is due (under the lock): at most `burst` a cycle; None while there is nothing to do."""
+        free = self._budget.free_at()
+        if self._urgent or self._heard & set(self._held) or self._batch_since is not None:
+            # news within the cycle's budget goes at once: a step's last fusion group, and the last child's
+            # request at the root, wait for no timer (the rest of a burst waits a cycle)
+            return free
         due = [d for d in (self._controller.deadline(), *(t + self._stall for t in self._held_since.values()))
                if d is not None]
-        return max(min(due), last + self._cycle) if due else None
+        return max(min(due), free) if due else None
 
     def _claim(self, now: float) -> _Turn | None:
         """This tick's work, taken (under the lock) if a tick is due at `now` and none runs; else None."""
@@ -194,7 +197,8 @@ class Coordinator:
         ready_at = self._ready_at()
         if ready_at is None or now < ready_at:
             return None
-        self._ticking, self._last = True, now
+        self._ticking = True
+        self._budget.took(now)
         inbox, self._inbox = self._inbox, []
         self._batch_since, self._urgent = None, False
         submitted, self._submitted = self._submitted, []

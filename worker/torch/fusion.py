@@ -113,6 +113,12 @@ class GroupWait:
         for index in self._groups:
             self.fused.finish_group(self.step, index)
 
+    def arrived(self) -> bool:
+        """Whether `wait` would return at once, without an error: each group's sum is in."""
+        groups = self.step.groups
+        return all(groups[i].averaged or (groups[i].handle is not None and groups[i].handle.done()
+                                          and groups[i].handle.error is None) for i in self._groups)
+
 
 class FusedGradients:
     """One route and dtype: its parameters' gradients in a double registered buffer, sent in groups."""

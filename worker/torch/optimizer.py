@@ -380,11 +380,21 @@ def step_ready() -> None:
 def finish_updates(keys: Iterable[int] | None = None) -> None:
     """Wait for and apply the pending updates of `keys` (ids of parameters; None: all of them), then
     step the parameters whose averaged gradients that queued."""
+    took = False
     for key in list(PENDING) if keys is None else keys:
         entry = PENDING.pop(key, None)
         if entry is not None:
+            took = True
             entry[0].wait()
             entry[1]()
+    # updates whose fused sums are in already join these: one optimizer step for all of them, not one per module
+    # (measured on the demo model, one fused group: 4 steps of SGD a training step became 1)
+    arrived = [key for key, (wait, _) in PENDING.items() if isinstance(wait, GroupWait) and wait.arrived()] if took \
+        else []
+    for key in arrived:
+        wait, step_one = PENDING.pop(key)
+        wait.wait()
+        step_one()
     step_ready()
 
 
