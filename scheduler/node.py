@@ -117,7 +117,9 @@ class ControlClient:
             period = float(aggregation.get("report_s", 1.0))
             self.agent = NodeAgent.for_address(endpoint_host(endpoints), self._transport, period,
                                                deliver=lambda report: self._send(Kind.HEARTBEAT, net=report.encode()))
-        self._transport.connect(SCHEDULER_PEER, [self._env.scheduler], control=True)
+        # marked as network control where this node marks its packets, as the scheduler marks its own: a report
+        # or an acknowledgement of new routes overtakes data on a link that serves DSCP classes
+        self._transport.connect(SCHEDULER_PEER, [self._env.scheduler], control=True, tos=self._config.control_tos)
         self._send(
             Kind.REGISTER,
             role=role,
@@ -321,7 +323,7 @@ class ControlClient:
         self._unanswered += 1
         log.warning("%s %d: the scheduler at %s has not answered heartbeats for %.1f s; rejoining the standby "
                     "scheduler at %s", self.role, self.rank, was, silent, self.rejoined)
-        self._transport.replace_peer(SCHEDULER_PEER, [self.rejoined], control=True)
+        self._transport.replace_peer(SCHEDULER_PEER, [self.rejoined], control=True, tos=self._config.control_tos)
         with self._cond:
             meta = self.recall.rejoin_meta(self.role, self.rank, self.node_id, self._endpoints, os.getpid(),
                                            self._env.fingerprint(), self._env.scheduler)

@@ -30,16 +30,19 @@ class Transport(Protocol):
         told in advance (the scheduler's, on Kubernetes); one already taken raises OSError naming it."""
         ...
 
-    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False, tos: int | None = None) -> None:
         """Open one channel per endpoint to `peer`; with fewer endpoints, higher channels use the last.
 
-        `control`: the peer is the control plane (the scheduler), whose messages carry large headers."""
+        `control`: the peer is the control plane (the scheduler), whose messages carry large headers. `tos`:
+        where this transport marks its packets, the ToS byte of every channel to `peer` (the scheduler's
+        messages: scheduler.control_tos), not each channel's own."""
         ...
 
-    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False,
+                     tos: int | None = None) -> None:
         """`peer` died and a new process of its name listens on `endpoints`: forget everything owed to or
         from the old one (queued messages, in-flight credit, shared memory) and connect to the new one
-        (`control`: as connect's, the standby of a silent scheduler). Messages queued for it are dropped:
+        (`control`, `tos`: as connect's, the standby of a silent scheduler). Messages queued for it are dropped:
         the caller sends again what it still needs."""
         ...
 

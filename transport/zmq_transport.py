@@ -104,11 +104,12 @@ class ZmqTransport:
     def listen(self, port: int = 0) -> list[str]:
         return list(self._call(lambda: self._listen(port)))
 
-    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
-        self._call(lambda: self._connect(peer, list(endpoints), control))
+    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False, tos: int | None = None) -> None:
+        self._call(lambda: self._connect(peer, list(endpoints), control, tos))
 
-    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
-        self._call(lambda: self._replace_peer(peer, list(endpoints), control))
+    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False,
+                     tos: int | None = None) -> None:
+        self._call(lambda: self._replace_peer(peer, list(endpoints), control, tos))
 
     def send(self, peer: str, channel: int, msg: Message) -> None:
         if not 0 <= channel < self.config.channels:
@@ -179,10 +180,12 @@ class ZmqTransport:
         return future.result(timeout)
 
     # ----------------------------------------------------------------- I/O thread
-    def _socket(self, kind: int, channel: int, control: bool) -> zmq.Socket[bytes]:
+    def _socket(self, kind: int, channel: int, control: bool, tos: int | None = None) -> zmq.Socket[bytes]:
+        """`tos`: this socket's mark instead of its channel's, where packets are marked."""
         header = CONTROL_HEADER_BYTES if control else DATA_HEADER_BYTES
         largest = header if control else max(header, self.config.largest_payload)
-        sock = make_socket(self._ctx, kind, largest, self._tos[channel] if self._tos else None,
+        mark = (self._tos[channel] if tos is None else tos) if self._tos else None
+        sock = make_socket(self._ctx, kind, largest, mark,
                            self.config.so_priority[channel] if self.config.so_priority else None)
         self._max_header[sock] = header
         if kind == zmq.ROUTER:
@@ -240,7 +243,7 @@ class ZmqTransport:
                 monitor.close(linger=0)
             sock.close(linger=0)
 
-    def _connect(self, peer: str, endpoints: list[str], control: bool) -> None:
+    def _connect(self, peer: str, endpoints: list[str], control: bool, tos: int | None = None) -> None:
         if peer in self._dealers:
             return
         if not endpoints:
@@ -250,7 +253,7 @@ class ZmqTransport:
             self._local.add(peer)
             self._shared.announce_registered([peer])
         for channel, endpoint in enumerate(endpoints[: self.config.channels]):
-            sock = self._socket(zmq.DEALER, channel, control or self._control)
+            sock = self._socket(zmq.DEALER, channel, control or self._control, tos)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
             self._guard.secure_dialer(sock, peer)
             sock.connect(endpoint)
@@ -261,14 +264,14 @@ class ZmqTransport:
             self._poller.register(sock, zmq.POLLIN)
         self._dealers[peer] = socks
 
-    def _replace_peer(self, peer: str, endpoints: list[str], control: bool) -> None:
+    def _replace_peer(self, peer: str, endpoints: list[str], control: bool, tos: int | None) -> None:
         for sock in self._dealers.pop(peer, []):
             self._poller.unregister(sock)
             self._socket_channel.pop(sock, None)
             self._max_header.pop(sock, None)
             sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
         self._forget_peer(peer)
-        self._connect(peer, endpoints, control)
+        self._connect(peer, endpoints, control, tos)
 
     def _forget_peer(self, peer: str) -> None:
         """What we kept for `peer`'s process, which a new one replaced: the queues and their credit, the

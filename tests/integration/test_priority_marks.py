@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 #: htb classes on both links: the default marks but 0x00 (unmarked traffic has no class of its own, so it
-#: lands in the default class), and the explicit marks of the `tos=` case
-CLASSES = (0x90, 0x28, 0xB8, 0x68, 0x30)
+#: lands in the default class), the explicit marks of the `tos=` case, and network control (a node's
+#: connection to its scheduler: scheduler.control_tos)
+CLASSES = (0x90, 0x28, 0xB8, 0x68, 0x30, 0xC0)
 EXPLICIT = (0xB8, 0x68, 0x30)
 CHUNK = 128 * 1024
 #: channel c carries (c + 1) * PER_CHANNEL payload bytes, so each class's share is told apart
@@ -88,11 +89,14 @@ def _receiver(config: TransportConfig, expected: int, announce: Any) -> list[int
         holder[0].close(1.0)
 
 
-def _sender(config: TransportConfig, endpoints: list[str]) -> None:
+def _sender(config: TransportConfig, endpoints: list[str], control_tos: int | None) -> None:
     finished = threading.Event()
     transport = open_transport("sender", config, lambda *_: finished.set())
     try:
-        transport.connect("receiver", endpoints)
+        if control_tos is None:
+            transport.connect("receiver", endpoints)
+        else:  # as a node dials its scheduler
+            transport.connect("receiver", endpoints, control=True, tos=control_tos)
         chunk = np.ones(CHUNK, np.uint8)
         for channel in range(config.channels):
             for key in range((channel + 1) * PER_CHANNEL // CHUNK):
@@ -104,28 +108,33 @@ def _sender(config: TransportConfig, endpoints: list[str]) -> None:
         transport.close(0.5)
 
 
-def _send_through(bed: Netbed, config: TransportConfig) -> list[int]:
+def _send_through(bed: Netbed, config: TransportConfig, control_tos: int | None) -> list[int]:
     expected = sum((c + 1) * PER_CHANNEL for c in range(config.channels))
     with Children() as children:
         announce = children.queue()
         receiver = replace(config, host=bed.hosts["r"].address)
         start_in(children, bed, "r", "receiver", _receiver, receiver, expected, announce)
         endpoints = announced(children, "receiver", announce, "its endpoints", timeout=20)
-        start_in(children, bed, "s", "sender", _sender, config, endpoints)
+        start_in(children, bed, "s", "sender", _sender, config, endpoints, control_tos)
         got: list[int] = children.collect(["receiver", "sender"], 40)["receiver"]
     return got
 
 
 @requires_testbed
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("settings", "marks"), [
-    ({}, (0x90, None, 0x28)),
-    ({"tos": EXPLICIT}, EXPLICIT),
-    ({"marks": False}, (None, None, None)),
-], ids=["default-marks", "explicit-tos", "marks-off"])
-def test_each_channel_lands_in_the_class_of_its_mark(settings: dict[str, Any], marks: tuple[int | None, ...]) -> None:
+@pytest.mark.parametrize(("settings", "control_tos", "marks"), [
+    ({}, None, (0x90, None, 0x28)),
+    ({"tos": EXPLICIT}, None, EXPLICIT),
+    ({"marks": False}, None, (None, None, None)),
+    ({}, 0xC0, (0xC0, 0xC0, 0xC0)),
+    ({"marks": False}, 0xC0, (None, None, None)),
+], ids=["default-marks", "explicit-tos", "marks-off", "control", "control-marks-off"])
+def test_each_channel_lands_in_the_class_of_its_mark(settings: dict[str, Any], control_tos: int | None,
+                                                     marks: tuple[int | None, ...]) -> None:
     """Bytes counted by the htb class of each ToS, on the sender's link out and the receiver's link in,
-    match what was sent on the channels carrying that mark (None: no mark, the default class)."""
+    match what was sent on the channels carrying that mark (None: no mark, the default class). A connection
+    made with a ToS of its own (a node's to its scheduler) carries it on every channel, where packets are
+    marked at all."""
     # two bare transports, no job: CURVE is off (its cost is bench/curve_cost.py's subject)
     config = TransportConfig(channels=3, chunk_bytes=CHUNK, inflight_bytes=4 * CHUNK, shm=False, curve=False,
                              **settings)
@@ -133,7 +142,7 @@ def test_each_channel_lands_in_the_class_of_its_mark(settings: dict[str, Any], m
         bed.host("s", rate_mbit=1000, tos_classes=CLASSES)
         bed.host("r", rate_mbit=1000, tos_classes=CLASSES)
         before = {"out": bed.class_bytes("s", "out"), "in": bed.class_bytes("r", "in")}
-        got = _send_through(bed, config)
+        got = _send_through(bed, config, control_tos)
         assert got == [(c + 1) * PER_CHANNEL for c in range(3)]
         sides: list[tuple[Direction, str]] = [("out", "s"), ("in", "r")]
         for direction, host in sides:

@@ -407,7 +407,7 @@ class StubTransport:
     def __init__(self) -> None:
         self.sent: list[Message] = []
 
-    def connect(self, peer: str, endpoints: Any, control: bool = False) -> None:
+    def connect(self, peer: str, endpoints: Any, control: bool = False, tos: int | None = None) -> None:
         pass
 
     def send(self, peer: str, channel: int, msg: Message) -> None:

@@ -66,7 +66,7 @@ class SetTransport:
         self._inner.send(peer, channel, Message(_OUTER[msg.kind], msg.sender, msg.key, msg.chunk, msg.round,
                                                 msg.priority, msg.dtype, msg.shape, msg.flags, meta, msg.payload))
 
-    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+    def connect(self, peer: str, endpoints: Sequence[str], control: bool = False, tos: int | None = None) -> None:
         return None
 
     def refuse(self, peer: str, text: str) -> None:
@@ -75,7 +75,8 @@ class SetTransport:
     def listen(self, port: int = 0) -> list[str]:
         raise NotImplementedError("a process set listens through the job's transport")
 
-    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False) -> None:
+    def replace_peer(self, peer: str, endpoints: Sequence[str], control: bool = False,
+                     tos: int | None = None) -> None:
         raise NotImplementedError("a process set's peers are the job's")
 
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
