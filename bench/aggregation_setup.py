@@ -65,16 +65,16 @@ class Layout:
         return []
 
 
-def build_testbed(bed: Netbed, layout: Layout) -> None:
-    """Worker racks behind shaped uplinks, the servers' rack unshaped, the scheduler on the core."""
+def build_testbed(bed: Netbed, layout: Layout, tos_classes: tuple[int, ...] = ()) -> None:
+    """Worker racks behind shaped uplinks, the servers' rack unshaped, the scheduler on the core; `tos_classes`:
+    DSCP classes served in that order on every shaped link (Netbed's), as data centre switches do."""
     for r in range(layout.racks):
-        bed.rack(f"r{r}", uplink_mbit=layout.uplink_mbit)
-        for host in layout.rack_hosts(r):
-            bed.host(host, layout.link_mbit, rack=f"r{r}")
-        bed.host(layout.aux_hosts[r], layout.link_mbit, rack=f"r{r}")
+        bed.rack(f"r{r}", uplink_mbit=layout.uplink_mbit, tos_classes=tos_classes)
+        for host in [*layout.rack_hosts(r), layout.aux_hosts[r]]:
+            bed.host(host, layout.link_mbit, rack=f"r{r}", tos_classes=tos_classes)
     bed.rack("srv")
     for host in layout.server_hosts:
-        bed.host(host, layout.server_link, rack="srv")
+        bed.host(host, layout.server_link, rack="srv", tos_classes=tos_classes)
     bed.host("sched")
     for host in bed.hosts:
         bed.sysctl(host, "net.ipv4.tcp_slow_start_after_idle", "0")

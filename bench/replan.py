@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # run as `python bench/replan.py`: make the repo 
 
 import numpy as np
 
-from bench.aggregation_setup import PLANNED, UNSHAPED_MBIT, Layout, job_config
+from bench.aggregation_setup import PLANNED, UNSHAPED_MBIT, Layout, build_testbed, job_config
 from bench.common import add_common_options, progress
 from bench.replan_report import report
 from sluice.launch.run_options import ENV_LOG_TIME
@@ -58,20 +58,6 @@ CLASSES = (0xC0, 0x90)
 def configured(layout: Layout) -> dict[str, float]:
     """Each rack's uplink as configured (the servers' is not shaped)."""
     return {**{f"r{r}": layout.uplink_mbit for r in range(layout.racks)}, "srv": UNSHAPED_MBIT}
-
-
-def build_testbed(bed: Netbed, layout: Layout) -> None:
-    """bench/aggregation_setup.py's racks and hosts, with the DSCP classes on every shaped link."""
-    for r in range(layout.racks):
-        bed.rack(f"r{r}", uplink_mbit=layout.uplink_mbit, tos_classes=CLASSES)
-        for host in [*layout.rack_hosts(r), layout.aux_hosts[r]]:
-            bed.host(host, layout.link_mbit, rack=f"r{r}", tos_classes=CLASSES)
-    bed.rack("srv")
-    for host in layout.server_hosts:
-        bed.host(host, layout.server_link, rack="srv", tos_classes=CLASSES)
-    bed.host("sched")
-    for host in bed.hosts:
-        bed.sysctl(host, "net.ipv4.tcp_slow_start_after_idle", "0")
 
 
 @dataclass(frozen=True)
@@ -248,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     replans, freshes = [], []
     for repeat in range(args.repeats):
         with Netbed(queue_ms=1000) as bed:
-            build_testbed(bed, layout)
+            build_testbed(bed, layout, CLASSES)
             config = job_config(layout, PLANNED, args.chunk_kib, bed)
             config["aggregation"] = {**config["aggregation"], "report_s": args.period,
                                      "uplink_periods": args.uplink_periods}

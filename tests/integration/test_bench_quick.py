@@ -94,3 +94,18 @@ def test_device_copies_quick_measures_hidden_copies_and_step_time(tmp_path: Path
     assert hidden["peer"] == 1.0 and hidden["better"] == "higher" and hidden["met"] == (hidden["ours"] >= 0.8)
     assert hidden["spans"] >= 2 * hidden["steps"], hidden  # each worker copied at least one group a timed step
     assert step["better"] == "lower" and step["ours"] > 0 and step["unit"] == "ms", step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_allreduce_latency_quick_splits_sluices_time_into_negotiation_and_data(tmp_path: Path) -> None:
+    out = tmp_path / "allreduce_latency.json"
+    result = run_script(["bench/allreduce_latency.py", "--quick", "--json", str(out)], timeout=110)
+    assert result.returncode == 0, result.stdout[-3000:]
+    [rec] = json.loads(out.read_text())
+    assert rec["case"] == "38282f-p2-work0ms" and rec["case"] in result.stdout, rec
+    assert rec["processes"] == 2 and rec["unit"] == "ms" and rec["better"] == "lower", rec
+    assert rec["speedup"] == pytest.approx(rec["peer"] / rec["ours"], rel=1e-12), rec
+    # every part was measured: a decision comes after the submit, the result after the decision
+    assert min(rec["ours"], rec["peer"], rec["ours_latency"], rec["peer_latency"]) > 0, rec
+    assert 0 < rec["negotiation_ms"] < rec["ours_latency"] and 0 < rec["data_ms"] < rec["ours_latency"], rec
