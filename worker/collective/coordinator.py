@@ -3,8 +3,8 @@
 Messages arrive on the transport's I/O thread (`on_message`): their sender must be this rank's parent or
 a child, and their format is checked there (refused through `transport.refuse` otherwise); what passes is
 queued. A tick takes what is queued to the Controller, one tick at a time, and at most one more than the
-node has neighbours within any `cycle_ms` (`burst`): each neighbour's news, and this rank's own request,
-can be taken at once once a cycle, so the message that completes an op's round at the root (the last
+node has neighbours within any `cycle_ms` (tick_budget.py): each neighbour's news, and this rank's own
+request, can be taken at once once a cycle, so the message that completes an op's round at the root (the last
 child's request) waits for no timer, while a burst of requests still goes up batched. With the
 Controller's one-unacknowledged-message-per-edge rule a node sends at most one message to each
 neighbour per tick, and takes at most one per child. A tick that is due at once (news within the
@@ -180,7 +180,7 @@ class Coordinator:
                 self._inbox.clear()
 
     def _ready_at(self) -> float | None:
-        """When the next tick is due (under the lock): at most `burst` a cycle; None while there is nothing to do."""
+        """When the next tick is due (under the lock), within the tick budget; None while there is nothing to do."""
         free = self._budget.free_at()
         if self._urgent or self._heard & set(self._held) or self._batch_since is not None:
             # news within the cycle's budget goes at once: a step's last fusion group, and the last child's
