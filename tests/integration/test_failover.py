@@ -126,6 +126,8 @@ def test_failover_lost_host_of_the_launcher_and_scheduler_the_job_ends_under_the
 
 
 ELASTIC = "tests/integration/scripts/elastic_train.py"
+#: steps of the elastic jobs: the loss comes a few steps in (about 1 s), the job re-forms and trains on
+ELASTIC_STEPS = "40"
 
 
 def _elastic_reference(tmp_path: Path, workers: int, switch: int, steps: int) -> list[float]:
@@ -144,8 +146,8 @@ def _lose_a_workers_host(bed: SshBed, hosts: str, workers: int, options: tuple[s
     steps in (every process in it killed, its link down). The launcher's output, the ELASTIC_STARTs and the
     ELASTIC_RESULTs by rank; nothing of the job left running on h1."""
     args = ["-H", hosts, *options, "-w", str(workers), "-s", "0", "--elastic", "--in-place", "--min-workers", "2",
-            "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=3", "--",
-            sys.executable, ELASTIC, "--steps", "60", "--pause", "0.05"]
+            "--set=scheduler.heartbeat_interval=0.5", "--set=scheduler.heartbeat_timeout=2", "--",
+            sys.executable, ELASTIC, "--steps", ELASTIC_STEPS, "--pause", "0.05"]
     loss = lose_host_in_job(bed, args, "h2", r'ELASTIC_START .*"rank": 0', settle_s=1.0, end_s=120)  # a few steps in
     out = loss.out
     assert loss.returncode == 0, out[-6000:]
@@ -164,7 +166,7 @@ def _assert_worker_0_replaced(tmp_path: Path, starts: list[dict[str, Any]], resu
     assert len(then) == 2 and then[0]["step"] == then[1]["step"] > 0, starts
     assert {s["rank"]: s["pid"] for s in then}[1] == first[1]  # worker 1 kept its process
     assert len(results) == 2 and results[0]["params"] == results[1]["params"]
-    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], 60)
+    assert results[0]["params"] == _elastic_reference(tmp_path, 2, then[0]["step"], int(ELASTIC_STEPS))
 
 
 @pytest.mark.slow
@@ -223,9 +225,10 @@ def test_replace_lost_host_of_a_worker_and_no_free_slot_the_survivors_go_on_in_t
     assert [r["size"] for r in results] == [2, 2] and results[0]["params"] == results[1]["params"]
     # 3 workers over these hosts sum in another order than 3 on one machine: the first part runs where the job did
     saved = tmp_path / "state.pt"
-    done = bed.launch(["-H", f"{h2}:1,{h1}:2", "-w", "3", "-s", "0", "--", sys.executable, ELASTIC, "--steps", "60",
-                       "--stop-at", str(then[0]["step"] - 1), "--save", str(saved)], timeout=100)
+    done = bed.launch(["-H", f"{h2}:1,{h1}:2", "-w", "3", "-s", "0", "--", sys.executable, ELASTIC,
+                       "--steps", ELASTIC_STEPS, "--stop-at", str(then[0]["step"] - 1), "--save", str(saved)],
+                      timeout=100)
     assert done.returncode == 0, done.stdout[-3000:]
-    printed = "".join(script_outputs(2, 0, {}, ROOT / ELASTIC, "--steps", "60", "--load", str(saved)))
+    printed = "".join(script_outputs(2, 0, {}, ROOT / ELASTIC, "--steps", ELASTIC_STEPS, "--load", str(saved)))
     reference = [json.loads(m.group(1)) for m in re.finditer(r"ELASTIC_RESULT (.*)$", printed, re.M)]
     assert results[0]["params"] == reference[0]["params"]
