@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from sluice.worker.torch.elastic_host import ENV_DIR, ENV_GENERATION, REFORM, read_commit
 from sluice.worker.torch.elastic_sampler import ElasticSampler
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
+
+prefork.torch_optimizers()  # once here, not in every forked worker
 
 pytestmark = pytest.mark.slow
 

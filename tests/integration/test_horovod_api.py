@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
 from tests.integration.horovod_jobs import (
     FLOAT8,
     FLOAT_DTYPES,
@@ -26,6 +27,8 @@ from tests.integration.horovod_jobs import (
     sparse_reference,
     sync_batch_norm,
 )
+
+prefork.torch_optimizers()  # once here, not in every forked worker
 
 pytestmark = pytest.mark.slow
 

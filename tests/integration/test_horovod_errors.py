@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
 from tests.integration.horovod_error_jobs import error_cases, join_cases, uneven_epochs, uneven_reference
+
+prefork.torch_optimizers()  # once here, not in every forked worker
 
 pytestmark = pytest.mark.slow
 

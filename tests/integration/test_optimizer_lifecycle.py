@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
 from tests.integration.optimizer_lifecycle_jobs import adasum_reference, adasum_training, lifecycle, reference
+
+prefork.torch_optimizers()  # once here, not in every forked worker
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from testbed.cluster import LocalCluster
+from tests.integration import prefork
+
+prefork.torch_optimizers()  # once here, not in every forked worker
 
 pytestmark = pytest.mark.timeout(90)
 
