@@ -115,9 +115,8 @@ class GroupWait:
 
     def arrived(self) -> bool:
         """Whether `wait` would return at once, without an error: each group's sum is in."""
-        groups = self.step.groups
-        return all(groups[i].averaged or (groups[i].handle is not None and groups[i].handle.done()
-                                          and groups[i].handle.error is None) for i in self._groups)
+        groups = [self.step.groups[i] for i in self._groups]
+        return all(g.averaged or (g.handle is not None and g.handle.done() and g.handle.error is None) for g in groups)
 
 
 class FusedGradients:
