@@ -62,7 +62,9 @@ def add_launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     _add_output_options(launch)
     launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                         help="after every worker exited 0, wait this long for the scheduler and servers to "
-                             "exit by themselves before stopping them (default: %(default)s)")
+                             "exit by themselves before stopping them; once the job ended, workers still "
+                             "running are waited for (their exit codes count), and after this long the "
+                             "launcher says which (default: %(default)s)")
     launch.add_argument("--timeline", metavar="PATH",
                         help="write a Chrome trace of the job to PATH (open it in https://ui.perfetto.dev): per "
                              "tensor and step, when it was ready, queued, pushed, summed on a server, pulled and "

@@ -29,6 +29,9 @@ from sluice.ps.mirror_links import ENV_TAKEOVER
 from sluice.ps.snapshot import remove_state_files, state_path, state_tag
 from sluice.scheduler.bootstrap import new_secret
 
+#: how often the launcher says which workers it still waits for once the job ended
+STILL_RUNNING_EVERY_S = 60.0
+
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
@@ -205,7 +208,7 @@ class Job(Ending):
         running: dict[asyncio.Future[Any], Child] = {child.done: child for child in workers}
         role_tasks: dict[asyncio.Future[Any], Child] = {child.done: child for child in roles}
         ended: Child | None = None  # the first role that exited 0 while workers were still running
-        deadline = math.inf
+        deadline = ended_at = math.inf
         loop = asyncio.get_running_loop()
         while running:
             watched: list[asyncio.Future[Any]] = [*running, *role_tasks, self.interrupted]
@@ -213,11 +216,14 @@ class Job(Ending):
             done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if self.interrupted.done():
                 return self.interrupted.result()
-            if not done:
-                assert ended is not None
+            if not done:  # the job ended: a worker's script may still run (saving, evaluating after shutdown()),
+                assert ended is not None  # as under horovodrun or torchrun: wait for its own exit code, and say so
                 names = ", ".join(child.label for child in running.values())
-                self.report(ended, f", but {names} still ran {self.grace:g} s later; stopping the job")
-                return 1
+                verb, pronoun = ("runs", "it") if len(running) == 1 else ("run", "them")
+                self.say(f"the job ended ({ended.label} exited 0) {loop.time() - ended_at:.0f} s ago and {names} "
+                         f"still {verb}; waiting for {pronoun} to exit (Ctrl-C stops the job)")
+                deadline = loop.time() + STILL_RUNNING_EVERY_S
+                continue
             for task in sorted(done, key=lambda t: t in role_tasks):  # a failed worker is the likelier cause
                 if task not in role_tasks and task not in running:  # a role a replacement took the place of
                     continue
@@ -236,7 +242,8 @@ class Job(Ending):
                     # the scheduler ends the job once every worker said goodbye, which is usually
                     # a moment before those workers exit: give them `grace` to do so
                     if ended is None:
-                        ended, deadline = child, loop.time() + self.grace
+                        ended, ended_at = child, loop.time()
+                        deadline = ended_at + self.grace
                     continue
                 child = running.pop(task)
                 if code != 0 and (swap := await self._replace_worker(child)) is not None:

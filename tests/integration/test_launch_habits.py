@@ -66,3 +66,34 @@ def test_output_cut_by_a_closed_pipe_ends_quietly(words: list[str]) -> None:
     result = subprocess.run(["bash", "-o", "pipefail", "-c", f"{command} | true"], cwd=ROOT, capture_output=True,
                             text=True, timeout=20)
     assert result.returncode == 0 and result.stderr == ""
+
+
+# a Sluice worker whose process outlives its goodbye: an exit handler registered before sluice.torch's runs
+# after it (atexit runs last-registered first), as a slow interpreter teardown or a late user handler would
+SLOW_EXIT = """
+import atexit, os, sys, time
+atexit.register(lambda: (time.sleep(3), os._exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)))
+import torch
+import sluice.torch as hvd
+hvd.init()
+print("sum", float(hvd.allreduce(torch.ones(2), op=hvd.Sum)[0]), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_workers_that_exit_after_the_job_ended_are_waited_for_and_keep_their_exit_codes(
+        launch: type[Launch], tmp_path: Path) -> None:
+    # horovodrun and torchrun wait for every worker's own exit; --grace only says when to tell of the wait
+    script = tmp_path / "slow_exit.py"
+    script.write_text(SLOW_EXIT)
+    job = launch(["-np", "2", "--grace", "1", sys.executable, str(script), "3"])
+    assert job.finish(45) == 3, job.stderr()  # the failed worker's code, as horovodrun returns it
+    out, err = job.stdout(), job.stderr()
+    assert "[worker 0] sum 2.0" in out and "[worker 1] sum 2.0" in out
+    assert re.search(r"^\[launch\] the job ended \(scheduler exited 0\) 1 s ago and "
+                     r"(worker \d still runs; waiting for it|worker \d, worker \d still run; waiting for them) to exit",
+                     out, re.M), out
+    assert re.search(r"worker 1 .*exited with code 3", err), err  # its own code, not a stop by the launcher
+    assert "worker 0" not in err, err
+    job.assert_none_left()

@@ -59,7 +59,7 @@ from sluice.worker.torch.collectives import (
 from sluice.worker.torch.compression import Compression
 from sluice.worker.torch.ddp import DDPHookState, ddp_hook
 from sluice.worker.torch.objects import allgather_object, broadcast_object, broadcast_optimizer_state
-from sluice.worker.torch.optimizer import DistributedOptimizer, synchronize_parameters, wait_for_parameters
+from sluice.worker.torch.optimizer import DistributedOptimizer
 from sluice.worker.torch.scatter import (
     grouped_allgather_async,
     grouped_reducescatter_async,
@@ -68,6 +68,7 @@ from sluice.worker.torch.scatter import (
 )
 from sluice.worker.torch.state import PARKED, STATE, log_metrics, require
 from sluice.worker.torch.sync_batch_norm import SyncBatchNorm
+from sluice.worker.torch.updates import synchronize_parameters, wait_for_parameters
 
 #: Horovod's error for a collective that failed on every rank (the ranks disagreed, or one refused the call)
 HorovodInternalError = CollectiveError

@@ -28,6 +28,7 @@ from sluice.worker.torch.calls import engine, op_name, refusing, register, rewra
 from sluice.worker.torch.calls import poll as poll
 from sluice.worker.torch.calls import synchronize as synchronize
 from sluice.worker.torch.state import require
+from sluice.worker.torch.updates import synchronize_parameters
 
 #: Horovod's reduction ops (horovod.torch.Average, Sum, Min, Max, Product, Adasum)
 Average, Sum, Min, Max, Product, Adasum = "average", "sum", "min", "max", "product", "adasum"
@@ -254,8 +255,6 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 def join(device: Any = None) -> int:
     """This rank has no more batches: take part in the others' collectives, and in their rounds on the
     parameter servers, with zeros until every rank has joined; returns the rank that joined last."""
-    from sluice.worker.torch.optimizer import synchronize_parameters  # (it imports this module)
-
     node = require()
     synchronize_parameters()  # this worker's last pushes are answered before the servers count it out
     joining = engine().join()  # on its way to the coordinators before the servers let the others go on

@@ -25,9 +25,9 @@ from sluice.worker.torch.collectives import broadcast_parameters
 from sluice.worker.torch.elastic_host import ENV_DIR, ENV_GENERATION, FILES, REFORM, reform
 from sluice.worker.torch.elastic_sampler import ElasticSampler
 from sluice.worker.torch.objects import allgather_object, broadcast_object, broadcast_optimizer_state
-from sluice.worker.torch.optimizer import _READY, synchronize_parameters
 from sluice.worker.torch.rebind import rebind_all
 from sluice.worker.torch.state import PENDING, STATE, require
+from sluice.worker.torch.updates import READY, synchronize_parameters
 
 __all__ = ["ENV_DIR", "ENV_GENERATION", "REFORM", "ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State",
            "TorchState", "run"]
@@ -59,7 +59,7 @@ class _Torch(shared.Backend):
         from sluice.worker.torch.api import init, reinit_in_place  # api imports this module
 
         PENDING.clear()  # the committed state is what counts: what was in flight is redone
-        _READY.clear()
+        READY.clear()
         host.reform_in_place(reason, commits, reinit_in_place, init)
         rebind_all()
         return True

@@ -31,8 +31,8 @@ from sluice.worker.elastic.host import (
     hosts_updated,
     watch_host_updates,
 )
-from sluice.worker.torch.optimizer import _READY
 from sluice.worker.torch.state import PENDING
+from sluice.worker.torch.updates import READY
 
 __all__ = ["CLOSE_SECONDS", "ENV_DIR", "ENV_GENERATION", "FILES", "NO_COMMIT", "REFORM", "Commit", "ElasticEnv",
            "HostsUpdatedInterrupt", "Key", "_hosts_updated", "commit_files", "commit_path", "elastic_env",
@@ -84,5 +84,5 @@ def remove_older(directory: Path, key: Key, keep: Path) -> int:
 def reform(reason: BaseException, commits: int) -> NoReturn:
     """Leave with status REFORM: say why, drop the updates in flight, close Sluice without waiting long."""
     PENDING.clear()  # the committed state is what counts; the next generation redoes the rest
-    _READY.clear()
+    READY.clear()
     host.reform(reason, commits, close_at_exit)

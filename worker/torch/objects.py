@@ -18,7 +18,7 @@ from sluice.errors import InvalidCallError, SluiceError
 from sluice.worker.objects_codec import Codec, TensorType
 from sluice.worker.torch.calls import engine, op_name, refusing
 from sluice.worker.torch.collectives import allgather_async, broadcast_, broadcast_parameters, synchronize
-from sluice.worker.torch.optimizer import synchronize_parameters
+from sluice.worker.torch.updates import synchronize_parameters
 
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,

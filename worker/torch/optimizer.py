@@ -30,6 +30,7 @@ from sluice.worker.torch.priority import ParameterPriorities
 from sluice.worker.torch.rebind import track
 from sluice.worker.torch.server_side import seed_servers, server_options
 from sluice.worker.torch.state import OPTIMIZERS, PENDING, STATE, Waitable, declare_missing, log_metrics, require
+from sluice.worker.torch.updates import READY, finish_updates, step_ready, synchronize_parameters
 
 
 class _DistributedMixin(LocalMixin):
@@ -252,7 +253,7 @@ class _DistributedMixin(LocalMixin):
     def _sluice_step_one(self, key: int, average: Callable[[], Any], settings: dict[str, Any]) -> None:
         """Average one parameter's summed gradient and queue it for `step_ready()`, which steps a
         module's parameters together (called just before the forward pass uses it)."""
-        _READY.append((self, key, average(), settings))
+        READY.append((self, key, average(), settings))
 
     def _sluice_step_params(self, ready: list[tuple[int, torch.Tensor, dict[str, Any]]]) -> None:
         """Run the optimizer on these parameters alone, one step per group and step() call, with the
@@ -360,48 +361,3 @@ def DistributedOptimizer(
 
 #: DistributedOptimizers of each process set made in this process (by its engine's label), numbered alike
 _SET_OPTIMIZERS: dict[str, Iterator[int]] = {}
-#: (optimizer, parameter id, averaged gradient, settings at step()): updates waiting for step_ready()
-_READY: list[tuple[_DistributedMixin, int, torch.Tensor, dict[str, Any]]] = []
-
-
-def step_ready() -> None:
-    """Step every parameter whose averaged gradient is queued: one optimizer step per optimizer and
-    group, not one per parameter (each step() costs Python tens of microseconds)."""
-    while _READY:
-        ready = list(_READY)
-        _READY.clear()
-        by_optimizer: dict[int, tuple[_DistributedMixin, list[tuple[int, torch.Tensor, dict[str, Any]]]]] = {}
-        for optimizer, key, grad, settings in ready:
-            by_optimizer.setdefault(id(optimizer), (optimizer, []))[1].append((key, grad, settings))
-        for optimizer, items in by_optimizer.values():
-            optimizer._sluice_step_params(items)
-
-
-def finish_updates(keys: Iterable[int] | None = None) -> None:
-    """Wait for and apply the pending updates of `keys` (ids of parameters; None: all of them), then
-    step the parameters whose averaged gradients that queued."""
-    took = False
-    for key in list(PENDING) if keys is None else keys:
-        entry = PENDING.pop(key, None)
-        if entry is not None:
-            took = True
-            entry[0].wait()
-            entry[1]()
-    if took:  # updates whose fused sums are in already join these: one optimizer step for all, not one per module
-        # (measured on the demo model, one fused group: 4 steps of SGD a training step became 1)
-        for key in [key for key, (wait, _) in PENDING.items() if isinstance(wait, GroupWait) and wait.arrived()]:
-            wait, step_one = PENDING.pop(key)
-            wait.wait()
-            step_one()
-    step_ready()
-
-
-def synchronize_parameters() -> None:
-    """Finish every parameter update still in flight (the next forward pass would), e.g. before saving."""
-    finish_updates()
-
-
-def wait_for_parameters(module: torch.nn.Module, args: Any) -> None:
-    """The global forward pre-hook: a module runs once its own parameters' updates are finished."""
-    if PENDING:
-        finish_updates(id(param) for param in module._parameters.values() if param is not None)
