@@ -269,6 +269,10 @@ class ControlClient:
         self.fail(error)
 
     def _send(self, kind: Kind, **meta: Any) -> None:
+        if self._unanswered and kind not in (Kind.REJOIN, Kind.HEARTBEAT):
+            # a standby takes nothing else until it took over (it would refuse and count it); what waits for an
+            # answer is in `recall.pending` and goes to it then (_taken_over), as does the last ROUTES_ACK
+            return
         self._transport.send(SCHEDULER_PEER, 0, Message(kind, sender=self.node_id, meta=meta))
 
     def _put(self, key: Hashable, msg: Message) -> None:

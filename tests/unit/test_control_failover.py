@@ -1,0 +1,56 @@
+"""A node between its REJOIN and the standby's takeover sends the standby nothing else (scheduler/node.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.node import ControlClient
+from sluice.transport.wire import Kind, Message
+
+STANDBY = "tcp://127.0.0.1:2"
+
+
+class RecordingTransport:
+    """Records what the client sends, and to which scheduler; the unit under test is the client's logic."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Kind]] = []
+        self.scheduler = "tcp://127.0.0.1:1"
+
+    def connect(self, peer: str, endpoints: Any, control: bool = False, tos: int | None = None) -> None:
+        pass
+
+    def replace_peer(self, peer: str, endpoints: list[str], control: bool = False, tos: int | None = None) -> None:
+        self.scheduler = endpoints[0]
+
+    def send(self, peer: str, channel: int, msg: Message) -> None:
+        self.sent.append((self.scheduler, msg.kind))
+
+    def on_failure(self, listener: Any) -> None:
+        pass
+
+
+def test_a_goodbye_asked_before_the_standby_took_over_waits_for_the_takeover_and_goes_once() -> None:
+    # before: the BYE went at once to the standby, which refused it as a message it does not take (counted among
+    # a hostile peer's), and got it again at the takeover
+    transport = RecordingTransport()
+    env = NodeEnv(scheduler=transport.scheduler, role="worker", rank=0, workers=2, servers=1, config={},
+                  standby=STANDBY)
+    config = SchedulerConfig(heartbeat_interval=0.1, heartbeat_timeout=0.5, op_timeout=1.0)
+    client = ControlClient(transport, env, config)  # type: ignore[arg-type]
+    client.role, client.rank, client.node_id = "worker", 0, 2
+    client._fail_over(0.6, STANDBY)
+    leaving = threading.Thread(target=client.bye)
+    leaving.start()
+    time.sleep(0.2)  # the goodbye is asked (a worker with a standby waits for the scheduler's word)
+    client.send(Kind.PLAN_ACK, seq=0)  # a message that is not a request: a standby could not take it either
+    assert transport.sent == [(STANDBY, Kind.REJOIN)] and leaving.is_alive()
+    client.on_message(Message(Kind.WELCOME, sender=0, meta={"rejoined": True}))  # the standby took over
+    assert transport.sent == [(STANDBY, Kind.REJOIN), (STANDBY, Kind.BYE)]
+    client.on_message(Message(Kind.SHUTDOWN, sender=0))  # it saw this worker leave
+    leaving.join(2)
+    assert not leaving.is_alive() and client.failure is None
