@@ -43,8 +43,8 @@ GREETING_BYTES = 64  # all a stranger may read from a raw TCP connection: at mos
 #: the shared job's steps, and how often worker 0 reports them: long enough that the probe ends well
 #: before the job does, which then ends by itself (a job stopped by a signal does not print its
 #: roles' "stopped (... connections refused)" lines). Its workers negotiate every 2.5 ms at most
-#: (collective.cycle_ms; a step takes about 4 rounds), so no machine trains it in less than 7 s.
-SHARED_STEPS, METRICS_EVERY, CYCLE_MS = 700, 50, 2.5
+#: (collective.cycle_ms; a step takes about 4 rounds), so no machine trains it in less than 5 s.
+SHARED_STEPS, METRICS_EVERY, CYCLE_MS = 500, 50, 2.5
 TRAINING = r"^\[worker 0\] .*transport, steps \d+-\d+:"
 
 
