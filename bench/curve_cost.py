@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="testbed-train, ssh-train: untimed steps first, at least 1 (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
+    parser.add_argument("--io-threads", type=int, default=1, metavar="N",
+                        help="transport.io_threads of every job, CURVE on and off: ZeroMQ I/O threads per process, "
+                             "which encrypt and decrypt (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="testbed: show every process's output, prefixed")
     add_common_options(parser, quick="8 MiB in 2 rounds, 1 pair of jobs, 2 timed repetitions each, 2 warm-up + "
                                      "10 training steps (1 + 2 on the testbed, hidden 512, global batch 32) "
@@ -169,7 +172,7 @@ def case_record(case: Case, measured: Measured, args: argparse.Namespace) -> dic
         case.name, ours, peer, PEER_NAME, case.unit, better=case.better, speedup=speedup, cost=cost,
         paired_cost=paired, target_cost=target, met=cost <= target, where=case.where, description=case.describe,
         pairs=args.repeats, repetitions_per_job=args.inner, samples=len(measured.on), workers=args.workers,
-        servers=args.servers, **case.extra,
+        servers=args.servers, io_threads=args.io_threads, **case.extra,
     )
 
 

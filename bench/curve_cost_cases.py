@@ -45,7 +45,7 @@ def loopback_pushpull(args: argparse.Namespace, shm: bool) -> Case:
     rounds = args.rounds or max(2, 256 // args.size)
 
     def run(curve: bool) -> list[float]:
-        config = {"transport": {"curve": curve, "shm": shm}}
+        config = {"transport": _transport(args, curve, shm=shm)}
         with LocalCluster(args.workers, args.servers, config) as cluster:
             results = cluster.run(_pushpull_worker, nbytes, rounds, args.inner, timeout=args.timeout)
             cluster.wait()
@@ -64,7 +64,7 @@ def loopback_train(args: argparse.Namespace) -> Case:
     job = argparse.Namespace(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps, repeats=args.inner)
 
     def run(curve: bool) -> list[float]:
-        config = {"worker": {"optimizer_on": "worker"}, "transport": {"curve": curve}}
+        config = {"worker": {"optimizer_on": "worker"}, "transport": _transport(args, curve)}
         with LocalCluster(args.workers, args.servers, config) as cluster:
             results = cluster.run(train_worker, x, y, job, timeout=args.timeout)
             cluster.wait()
@@ -85,8 +85,8 @@ def testbed_pushpull(args: argparse.Namespace, bed: Netbed) -> Case:
     workers, servers = [f"w{i}" for i in range(args.workers)], [f"s{i}" for i in range(args.servers)]
 
     def run(curve: bool) -> list[float]:
-        config = {"transport": {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes,
-                                "curve": curve}}
+        config = {"transport": _transport(args, curve, chunk_bytes=args.chunk_bytes,
+                                          inflight_bytes=args.inflight_bytes)}
         results = run_sluice_job(bed, "sched", servers, workers, config, argv, timeout=args.timeout,
                                  env={"OMP_NUM_THREADS": "1"}, echo=args.verbose)
         seconds = next(r["seconds"] for r in results if r["rank"] == 0)
@@ -118,8 +118,13 @@ def _training_job(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[s
     return argv, priority_training.sluice_config(job, priority_training.PRIORITY), model, extra
 
 
-def _with_curve(base: dict[str, dict[str, Any]], curve: bool) -> dict[str, dict[str, Any]]:
-    return {**base, "transport": {**base["transport"], "curve": curve}}
+def _transport(args: argparse.Namespace, curve: bool, **settings: Any) -> dict[str, Any]:
+    """A job's transport section: CURVE on or off, the I/O threads asked for (--io-threads), `settings`."""
+    return {**settings, "curve": curve, "io_threads": args.io_threads}
+
+
+def _with_curve(args: argparse.Namespace, base: dict[str, dict[str, Any]], curve: bool) -> dict[str, dict[str, Any]]:
+    return {**base, "transport": _transport(args, curve, **base["transport"])}
 
 
 def testbed_train(args: argparse.Namespace, bed: Netbed) -> Case:
@@ -127,7 +132,7 @@ def testbed_train(args: argparse.Namespace, bed: Netbed) -> Case:
     workers, servers = [f"w{i}" for i in range(args.workers)], [f"t{i}" for i in range(args.servers)]
 
     def run(curve: bool) -> list[float]:
-        results = run_sluice_job(bed, servers[0], servers, workers, _with_curve(base, curve), argv,
+        results = run_sluice_job(bed, servers[0], servers, workers, _with_curve(args, base, curve), argv,
                                  timeout=args.timeout, env={"OMP_NUM_THREADS": "1"}, echo=args.verbose)
         seconds = next(r["seconds"] for r in results if r["rank"] == 0)
         return [s * 1000 for s in seconds]
@@ -157,7 +162,7 @@ def ssh_train(args: argparse.Namespace, bed: SshBed) -> Case:
 
     def run(curve: bool) -> list[float]:
         # one thread per process, as testbed-train's (the launcher would pick cores / processes per host)
-        done = bed.launch([*layout, *_set_options(_with_curve(base, curve)), "--", *argv], timeout=args.timeout,
+        done = bed.launch([*layout, *_set_options(_with_curve(args, base, curve)), "--", *argv], timeout=args.timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
         if args.verbose:
             print(done.stdout, flush=True)

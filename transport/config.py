@@ -40,10 +40,15 @@ class TransportConfig:
     #: authenticate every connection with CURVE keys derived from the job's secret, and encrypt it;
     #: false: anyone who can reach the ports can join, read and forge (only on a network you trust)
     curve: bool = True
+    #: ZeroMQ I/O threads per process: they move every byte on the sockets, and encrypt and decrypt it with
+    #: CURVE (about 1 GB/s each); channel c's connections run on thread c mod io_threads
+    io_threads: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.channels <= 8:
             raise ValueError(f"transport.channels must be 1..8, got {self.channels}")
+        if not 1 <= self.io_threads <= 16:
+            raise ValueError(f"transport.io_threads must be 1..16, got {self.io_threads}")
         if self.chunk_bytes and self.chunk_bytes < 4096:
             raise ValueError(f"transport.chunk_bytes must be 0 (calibrate) or at least 4096, got {self.chunk_bytes}")
         if self.inflight_bytes < 0:

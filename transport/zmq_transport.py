@@ -59,7 +59,7 @@ class ZmqTransport:
         self._control = control
         self._tos = config.channel_tos()
         _keep_large_buffers_mapped()
-        self._ctx = zmq.Context(io_threads=1)
+        self._ctx = zmq.Context(io_threads=config.io_threads)
         self._poller = zmq.Poller()
         self._guard = Guard(self._ctx, name, self._keys)
         if self._guard.zap is not None:
@@ -188,6 +188,8 @@ class ZmqTransport:
         sock = make_socket(self._ctx, kind, largest, mark,
                            self.config.so_priority[channel] if self.config.so_priority else None)
         self._max_header[sock] = header
+        if self.config.io_threads > 1:  # each channel on an I/O thread of its own, where there are enough
+            sock.setsockopt(zmq.AFFINITY, 1 << (channel % self.config.io_threads))
         if kind == zmq.ROUTER:
             # a process that replaced a dead one (ps.recover) dials under its name while the dead one's
             # connection may look open for good (its host lost with its link down: no FIN came): the new

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -66,17 +68,27 @@ def raw_sockets() -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
 SIZES = [0, 1, 4096, 65536 + 3, 1 << 20, 17]
 
 
+def io_thread_names() -> set[str]:
+    """The names of this process's ZeroMQ I/O threads (libzmq names them ZMQbg/IO/<n>)."""
+    return {name for name in (Path(task, "comm").read_text().strip() for task in glob.glob("/proc/self/task/*"))
+            if name.startswith("ZMQbg/IO/")}
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("shm", [False, True], ids=["sockets", "shm"])
+@pytest.mark.parametrize(("shm", "io_threads"), [(False, 1), (True, 1), (False, 3)],
+                         ids=["sockets", "shm", "sockets-3-io-threads"])
 @pytest.mark.parametrize("protocol", ["tcp", "ipc"])
 @pytest.mark.parametrize("direction", ["dealer-to-router", "router-to-dealer"])
 def test_messages_arrive_intact_and_fifo_per_channel(
-    transports: Callable[..., ZmqTransport], protocol: str, direction: str, shm: bool
+    transports: Callable[..., ZmqTransport], protocol: str, direction: str, shm: bool, io_threads: int
 ) -> None:
-    config = TransportConfig(channels=3, inflight_bytes=1 << 20, chunk_bytes=1 << 16, protocol=protocol, shm=shm)
+    # CURVE on (the default), so with 3 I/O threads each channel is encrypted and decrypted on a thread of its own
+    config = TransportConfig(channels=3, inflight_bytes=1 << 20, chunk_bytes=1 << 16, protocol=protocol, shm=shm,
+                             io_threads=io_threads)
     server_inbox, client_inbox = Inbox(), Inbox()
     server = transports(SERVER, config, server_inbox)
     client = transports(CLIENT, config, client_inbox)
+    assert {f"ZMQbg/IO/{n}" for n in range(io_threads)} <= io_thread_names()
     endpoints = server.listen()
     assert len(endpoints) == 3 and len(set(endpoints)) == 3
     if protocol == "tcp":

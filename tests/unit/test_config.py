@@ -139,6 +139,7 @@ def test_a_horovod_switch_that_is_no_integer_is_named() -> None:
         ({"SLUICE_PS_SYNC": "maybe"}, [], ["ps.sync", "SLUICE_PS_SYNC", "true/false"]),
         ({}, ["scheduler.op_timeout=nan"], ["scheduler.op_timeout", "finite"]),
         ({}, ["transport.channels=9"], ["transport.channels must be 1..8", "--set transport.channels=9"]),
+        ({}, ["transport.io_threads=0"], ["transport.io_threads must be 1..16", "--set transport.io_threads=0"]),
         ({}, ["transport.channels"], ["section.field=value"]),
         ({}, ["collective.local_group=nccl"], ["collective.local_group must be one of auto, torch, sluice",
                                               "--set collective.local_group=nccl"]),
