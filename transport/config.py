@@ -41,7 +41,7 @@ class TransportConfig:
     #: false: anyone who can reach the ports can join, read and forge (only on a network you trust)
     curve: bool = True
     #: ZeroMQ I/O threads per process: they move every byte on the sockets, and encrypt and decrypt it with
-    #: CURVE (about 1 GB/s each); channel c's connections run on thread c mod io_threads
+    #: CURVE (about 1 GB/s each); with 2 or more, channel 0 has one to itself and the others share the rest
     io_threads: int = 1
 
     def __post_init__(self) -> None:

@@ -44,6 +44,13 @@ from sluice.transport.zmq_send import Sender
 
 log = logging.getLogger("sluice.transport")
 
+def io_thread_mask(channel: int, io_threads: int) -> int:
+    """The ZeroMQ I/O threads a channel's connections may run on (zmq.AFFINITY): the urgent channel 0 has
+    thread 0 to itself, so that its messages are never encrypted behind bulk; the other channels' connections
+    spread over the rest, each to the least busy (libzmq's choice)."""
+    return 1 if channel == 0 else (1 << io_threads) - 2
+
+
 class ZmqTransport:
     """The sockets, the I/O thread that polls them and runs callers' commands, and the two halves it calls:
     `_receiver` for what a socket brings in, `_sender` for what callers send."""
@@ -188,8 +195,8 @@ class ZmqTransport:
         sock = make_socket(self._ctx, kind, largest, mark,
                            self.config.so_priority[channel] if self.config.so_priority else None)
         self._max_header[sock] = header
-        if self.config.io_threads > 1:  # each channel on an I/O thread of its own, where there are enough
-            sock.setsockopt(zmq.AFFINITY, 1 << (channel % self.config.io_threads))
+        if self.config.io_threads > 1:
+            sock.setsockopt(zmq.AFFINITY, io_thread_mask(channel, self.config.io_threads))
         if kind == zmq.ROUTER:
             # a process that replaced a dead one (ps.recover) dials under its name while the dead one's
             # connection may look open for good (its host lost with its link down: no FIN came): the new

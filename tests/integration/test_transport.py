@@ -82,7 +82,7 @@ def io_thread_names() -> set[str]:
 def test_messages_arrive_intact_and_fifo_per_channel(
     transports: Callable[..., ZmqTransport], protocol: str, direction: str, shm: bool, io_threads: int
 ) -> None:
-    # CURVE on (the default), so with 3 I/O threads each channel is encrypted and decrypted on a thread of its own
+    # CURVE on (the default): with 3 I/O threads, channel 0 is encrypted and decrypted on a thread of its own
     config = TransportConfig(channels=3, inflight_bytes=1 << 20, chunk_bytes=1 << 16, protocol=protocol, shm=shm,
                              io_threads=io_threads)
     server_inbox, client_inbox = Inbox(), Inbox()
