@@ -239,8 +239,8 @@ class Job(Ending):
                         continue
                     if code != 0:
                         return await self._failed(child)
-                    # the scheduler ends the job once every worker said goodbye, which is usually
-                    # a moment before those workers exit: give them `grace` to do so
+                    # the scheduler ends the job once every worker said goodbye, which is usually a moment
+                    # before those workers exit: after `grace`, say which still run (and go on waiting)
                     if ended is None:
                         ended, ended_at = child, loop.time()
                         deadline = ended_at + self.grace

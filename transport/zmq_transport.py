@@ -44,6 +44,7 @@ from sluice.transport.zmq_send import Sender
 
 log = logging.getLogger("sluice.transport")
 
+
 def io_thread_mask(channel: int, io_threads: int) -> int:
     """The ZeroMQ I/O threads a channel's connections may run on (zmq.AFFINITY): the urgent channel 0 has
     thread 0 to itself, so that its messages are never encrypted behind bulk; the other channels' connections
