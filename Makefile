@@ -48,15 +48,10 @@ test-system-deps:
 		|| echo "warning: could not install $(SYSTEM_DEPS); the ssh and SLURM tests will skip"; \
 	fi
 
-# mypy --strict (about 25 s of one core, cold) runs beside the parallel tests, which keep about 1.7 of 2
-# cores busy; its report follows theirs, and either failing fails the target
 test: $(STAMP) test-system-deps
 	$(VENV)/bin/ruff check .
-	@echo "$(VENV)/bin/mypy (beside the tests) & $(PY) -m pytest -q -n 2 --dist loadfile -m 'not serial' tests"
-	@$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 -m 'not serial' tests; tests=$$?; \
-	wait $$mypy; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
-	test $$tests = 0 && test $$typed = 0
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 -m 'not serial' tests
 	$(PY) -m pytest -q -m serial tests
 
 clean:
