@@ -84,11 +84,12 @@ print("sum", float(hvd.allreduce(torch.ones(2), op=hvd.Sum)[0]), flush=True)
 @pytest.mark.timeout(60)
 def test_workers_that_exit_after_the_job_ended_are_waited_for_and_keep_their_exit_codes(
         launch: type[Launch], tmp_path: Path) -> None:
-    # horovodrun and torchrun wait for every worker's own exit; --grace only says when to tell of the wait
+    # horovodrun (launch_gloo: every process run to its end, then the first non-zero exit named with its code) and
+    # torchrun wait for every worker's own exit; --grace only says when to tell of the wait
     script = tmp_path / "slow_exit.py"
     script.write_text(SLOW_EXIT)
     job = launch(["-np", "2", "--grace", "1", sys.executable, str(script), "3"])
-    assert job.finish(45) == 3, job.stderr()  # the failed worker's code, as horovodrun returns it
+    assert job.finish(45) == 3, job.stderr()  # the failed worker's own code (horovodrun would exit 1, naming it)
     out, err = job.stdout(), job.stderr()
     assert "[worker 0] sum 2.0" in out and "[worker 1] sum 2.0" in out
     assert re.search(r"^\[launch\] the job ended \(scheduler exited 0\) 1 s ago and "
