@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import add_common_options, free_port, print_table, progress, record, stats, write_json
+from sluice.launch.config import ConfigError, load_config
 from testbed.children import Children
 from testbed.cluster import LocalCluster
 
@@ -46,8 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s; the first fifth are a warm-up)")
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="one job's limit in seconds (default: %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="settings",
+                        help="a Sluice setting, as `sluice launch --set` takes it, e.g. collective.carry_bytes=0 "
+                             "(repeatable)")
     add_common_options(parser, "2 processes, no compute between, 60 allreduces, one repetition", repeats=3)
     args = parser.parse_args(argv)
+    try:
+        args.config = load_config(None, {}, args.settings).to_sections()
+    except ConfigError as exc:
+        parser.error(str(exc))
     args.cases = CASES
     if args.quick:
         args.cases, args.iters, args.repeats = ((2, 0.0),), 60, 1
@@ -106,7 +114,7 @@ def critical_path(submitted: np.ndarray, done: np.ndarray) -> float:
 
 
 def measure_sluice(args: argparse.Namespace, size: int, work: float) -> dict[str, float]:
-    with LocalCluster(size, 0, {}) as cluster:
+    with LocalCluster(size, 0, args.config) as cluster:
         ranks = cluster.run(_sluice_rank, args.floats, args.iters, work, timeout=args.timeout)
         cluster.wait()
     kept = np.array([rows[args.iters // 5:] for rows in ranks])  # rank x allreduce x (submitted, decided, done)
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                               floats=args.floats, metric="last submit -> last done",
                               ours_latency=stats([o["latency"] for o in ours]).median,
                               peer_latency=stats([p["latency"] for p in peer]).median,
-                              negotiation_ms=part["negotiation"], data_ms=part["data"]))
+                              negotiation_ms=part["negotiation"], data_ms=part["data"], settings=args.settings))
         rec = records[-1]
         rows.append([case, f"{rec['ours']:.3f}", f"{rec['peer']:.3f}", f"{rec['speedup']:.2f}x",
                      f"{rec['ours_latency']:.3f}", f"{rec['peer_latency']:.3f}", f"{part['negotiation']:.3f}",

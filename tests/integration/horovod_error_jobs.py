@@ -101,19 +101,20 @@ def error_cases() -> dict[str, Any]:
 
 
 def _duplicate_name(hvd: Any, rank: int) -> list[str]:
-    """Horovod's test_horovod_allreduce_duplicate_name_error: rank 0 has an op in flight while the others
-    pass a barrier; a second op of that name raises ValueError where it is made; both ops complete."""
-    tensor, raised = torch.ones(17), []
-    first = hvd.allreduce_async(tensor, name="duplicate_name") if rank == 0 else None
-    if rank == 0:
-        raised.append(_outcome(lambda: hvd.allreduce_async(tensor, name="duplicate_name")))
-    hvd.barrier()
-    if rank > 0:
-        first = hvd.allreduce_async(tensor, name="duplicate_name")
-        raised.append(_outcome(lambda: hvd.allreduce_async(tensor, name="duplicate_name")))
-    hvd.barrier()
-    raised.append(str(hvd.synchronize(first).tolist()[:2]))
-    return raised
+    """Horovod's test_horovod_allreduce_duplicate_name_error: a second op of a name whose first is in flight
+    raises ValueError where it is made; both ops complete. Each rank tries while another has not submitted
+    the first yet, so that it cannot have completed (the last rank to submit races the op's completion):
+    the ranks but 0 under one name, rank 0 under another."""
+    tensor, raised, results = torch.ones(17), [], []
+    for name, tries in (("duplicate_name", rank > 0), ("duplicate_name.0", rank == 0)):
+        if tries:
+            first = hvd.allreduce_async(tensor, name=name)
+            raised.append(_outcome(lambda: hvd.allreduce_async(tensor, name=name)))  # noqa: B023 (called at once)
+        hvd.barrier()
+        if not tries:
+            first = hvd.allreduce_async(tensor, name=name)
+        results.append(str(hvd.synchronize(first).tolist()[:2]))
+    return raised + results
 
 
 def join_cases() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""64 light ranks (no torch) run the whole collective engine: the coordinator tree and small allreduces."""
+"""64 light ranks (no torch) run the whole collective engine: the coordinator tree and small allreduces, which
+from their second step on carry their data up the tree with their requests (worker/collective/carry.py)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def test_64_ranks_allreduce_through_the_tree() -> None:
         done.set()
         children.collect(keys, timeout=60)
     assert all(ok for ok, _, _ in got.values()), "a sum was wrong on some rank"
-    assert {seqs for _, seqs, _ in got.values()} == {STEPS * OPS}  # every rank ran every op, numbered alike
+    # the first step's ops take the slow path and the data plane (numbered alike on every rank); every later
+    # one is in the table, and its sum came down with its decision
+    assert {seqs for _, seqs, _ in got.values()} == {OPS}
+    assert {stats["carried"] for _, _, stats in got.values()} == {(STEPS - 1) * OPS}
     root = got[0][2]
     assert 0 < root["max_received_per_tick"] <= ARITY, root

@@ -92,7 +92,10 @@ def test_messages_arrive_intact_and_fifo_per_channel(
     server_inbox, client_inbox = Inbox(), Inbox()
     server = transports(SERVER, config, server_inbox)
     client = transports(CLIENT, config, client_inbox)
-    assert {f"ZMQbg/IO/{n}" for n in range(io_threads)} <= io_thread_names()
+    wanted, deadline = {f"ZMQbg/IO/{n}" for n in range(io_threads)}, time.monotonic() + 5.0
+    while not wanted <= io_thread_names() and time.monotonic() < deadline:  # each thread names itself as it starts
+        time.sleep(0.01)
+    assert wanted <= io_thread_names()
     endpoints = server.listen()
     assert len(endpoints) == 3 and len(set(endpoints)) == 3
     if protocol == "tcp":

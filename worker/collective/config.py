@@ -25,6 +25,10 @@ class CollectiveConfig:
     algorithm: str = "auto"
     #: with algorithm "auto", tensors smaller than this many bytes use the tree
     tree_below_bytes: int = 4 << 20
+    #: allreduces of at most this many bytes carry their data up the coordinator tree with their request,
+    #: and get their result down with the decision: two hops instead of four (0: never; carry.py; not
+    #: with fusion = "greedy", Horovod's way)
+    carry_bytes: int = 256 << 10
     #: gradients of one dtype are laid out in one registered buffer, cut into equal groups of at most
     #: this many bytes, each sent as one message stream (0: no fusion, each gradient alone)
     fusion_bytes: int = 16 << 20
@@ -65,5 +69,6 @@ class CollectiveConfig:
                              f"got {self.local_group!r}")
         if self.mode not in MODES:
             raise ValueError(f"collective.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.fusion_bytes < 0 or self.tree_below_bytes < 0:
-            raise ValueError("collective.fusion_bytes and collective.tree_below_bytes must be 0 or positive")
+        if self.fusion_bytes < 0 or self.tree_below_bytes < 0 or not 0 <= self.carry_bytes <= 16 << 20:
+            raise ValueError("collective.fusion_bytes and collective.tree_below_bytes must be 0 or positive, "
+                             "collective.carry_bytes from 0 to 16 MiB")

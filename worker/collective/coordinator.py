@@ -26,10 +26,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from sluice.transport.base import Transport
 from sluice.transport.rejects import Rejections
 from sluice.transport.wire import Kind, Message, WireError, encode
+from sluice.worker.collective.carry import Carrier, check_blobs
 from sluice.worker.collective.config import CollectiveConfig
 from sluice.worker.collective.negotiation import Controller, Decision, Down, Request, Up
 from sluice.worker.collective.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
@@ -45,8 +47,10 @@ MAX_HELD = 10_000
 #: often, so that a tick a caller ran needs no wake-up to tell it of a new one
 IDLE_CHECK_S = 0.25
 
+#: a request with the data it carries (carry.py; None: the data plane moves it)
+_Submitted = tuple[Request, Any]
 #: a tick's work: when it began, the messages and requests it takes, the neighbours heard from
-_Turn = tuple[float, list[tuple[int, Up | Down, int]], list[tuple[Request, float]], set[int]]
+_Turn = tuple[float, list[tuple[int, Up | Down, int]], list[_Submitted], set[int]]
 
 
 def message_bytes(msg: Message) -> int:
@@ -67,11 +71,12 @@ class Coordinator:
         self._cycle = settings.cycle_ms / 1e3
         self._stall = settings.stall_timeout
         self._controller = Controller(rank, tree, settings.stall_timeout)
+        self._carrier = Carrier(tree.children[rank], tree.size, settings.carry_bytes)
         self._parent = tree.parent[rank]
         self._rank_of = {peers[r]: r for r in tree.neighbours(rank)}
         self._cond = threading.Condition()
         self._inbox: list[tuple[int, Up | Down, int]] = []
-        self._submitted: list[tuple[Request, float]] = []
+        self._submitted: list[_Submitted] = []
         self._pending: set[str] = set()  # names submitted here and not decided yet
         self._heard = {r for r in tree.neighbours(rank) if dials(rank, r)}  # we dialled these: routes known
         self._held: dict[int, list[Message]] = {}
@@ -93,8 +98,9 @@ class Coordinator:
         self._thread.start()
 
     # ------------------------------------------------------------------ callers (any thread)
-    def submit(self, request: Request) -> None:
-        """Queue this rank's request; ValueError for a malformed one or a name already pending here."""
+    def submit(self, request: Request, data: Any = None) -> None:
+        """Queue this rank's request; ValueError for a malformed one or a name already pending here. `data`: an
+        allreduce's (flat, contiguous, left as it is until decided), to carry up with the request if it may."""
         check_request(request, self.tree.size)
         key = "\0join" if request.kind == "join" else request.name
         with self._cond:
@@ -105,7 +111,7 @@ class Coordinator:
                                  " is already pending")
             self._pending.add(key)
             now = time.monotonic()
-            self._submitted.append((request, now))
+            self._submitted.append((request, data))
             self._batch_since = now if self._batch_since is None else self._batch_since
             turn = self._claim(now)
             if turn is None:
@@ -115,9 +121,11 @@ class Coordinator:
 
     def stats(self, reset: bool = False) -> dict[str, int]:
         """Counters since the start (or the last reset): messages and bytes (header + payload) each way,
-        the most controller messages taken in one tick, ticks, refused messages, decisions, held messages."""
+        the most controller messages taken in one tick, ticks, refused messages, decisions (`carried`: those
+        whose result came with them), held messages."""
         with self._cond:
             taken = dict(self._counts)
+            taken["carried"] = self._carrier.carried
             if reset:
                 self._counts = dict.fromkeys(self._counts, 0)
         return taken
@@ -233,22 +241,31 @@ class Coordinator:
                 if self._inbox or self._submitted:  # arrived while this tick ran: due a cycle after it
                     self._cond.notify()
 
-    def _tick(self, now: float, inbox: list[tuple[int, Up | Down, int]], submitted: list[tuple[Request, float]],
+    def _tick(self, now: float, inbox: list[tuple[int, Up | Down, int]], submitted: list[_Submitted],
               heard: set[int]) -> None:
-        controller = self._controller
-        for request, _ in submitted:
+        controller, carrier = self._controller, self._carrier
+        for request, data in submitted:
             try:
                 controller.submit(request, now)
             except ValueError as exc:  # submit() checked it already; a disagreement is a bug, and ends the job
                 self._fail(f"rank {self.rank}: {exc}")
+                continue
+            carrier.own(controller.fast_index(request.name), request, data)
         for sender, message, _ in inbox:
             try:
+                check_blobs(message, controller.table, f"rank {sender}'s message")
                 controller.receive(sender, message, now)
             except WireError as exc:  # a message that does not fit this rank's state: dropped, nothing changed
                 self._rejects.refuse(self._peers[sender], f"coordinator of rank {self.rank}: {exc}", now)
                 with self._cond:
                     self._counts["refused"] += 1
-        out = controller.tick(now)
+                continue
+            if isinstance(message, Up):
+                carrier.take_up(sender, message, controller.epoch)
+            else:
+                carrier.take_down(message, controller.table)
+        out, decisions = carrier.attach(controller.tick(now), controller.take_decisions(), controller.table,
+                                        root=self._parent is None)
         sent = 0
         for dest, message in out:
             msg = encode_up(message, self._node_id) if isinstance(message, Up) else encode_down(message,
@@ -258,7 +275,6 @@ class Coordinator:
                 sent += message_bytes(msg)
             else:
                 self._hold(dest, msg, now)
-        decisions = controller.take_decisions()
         with self._cond:
             for dest in heard & set(self._held):  # a neighbour that dialled us has spoken: its route is known
                 for msg in self._held.pop(dest):

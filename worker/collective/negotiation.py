@@ -135,6 +135,16 @@ class Controller(UpPath):
         self._forward.clear()
         return out
 
+    def fast_index(self, name: str) -> int | None:
+        """The table entry of this rank's pending request `name` if it went the fast path; else None."""
+        index = self._index.get(name)
+        return index if index is not None and name in self._own and self._own_bits >> index & 1 else None
+
+    @property
+    def epoch(self) -> int:
+        """The join epoch: a new one begins each time every rank has joined."""
+        return self._epoch
+
     def take_decisions(self) -> list[Decision]:
         """Decisions since the last call, in the order every rank sees them."""
         taken, self._decisions = self._decisions, []

@@ -20,6 +20,10 @@ about 25 bytes plus ceil(table / 8) bytes.
                       f: [[name, text], ...] ops decided as failed (their ranks disagree): each rank's fails
     hello       either kind, meta {hello: true} and nothing else: sent once by the side that dialled
 
+Either direction may carry small operations' data (worker/collective/carry.py): meta `v: [[index, nbytes],
+...]`, and the payload is the bit-vector followed by those blobs in order (an Up's subtree sums of entries
+it marks ready, a Down's results of entries it decides).
+
 Bits are little-endian: bit i of the vector is bit i % 8 of byte i // 8. `decode_up` and `decode_down`
 check the format; `check_up` and `check_down` whether the content fits the receiver's state (sequence,
 join epoch, table, subtree). All raise WireError only. `pack_decisions` splits the root's decisions into
@@ -29,7 +33,7 @@ messages whose headers stay under META_BUDGET of descriptions.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.transport.wire import MAX_DIMS, Kind, Message, WireError, brief
@@ -41,6 +45,11 @@ MAX_TEXT = 8192
 MAX_TABLE = 1 << 20
 #: bytes of op descriptions put in one message; a header stays well under DATA_HEADER_BYTES (64 KiB)
 META_BUDGET = 24 << 10
+#: no message carries more data blobs than this (one per table entry it marks)
+MAX_BLOBS = 4096
+
+#: (table index, data) pairs: outgoing, arrays (any buffer); received, bytes of their own
+Blobs = tuple[tuple[int, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class Up:
     error: str | None = None
     #: (name, what disagrees) of ops every rank below has submitted, in descriptions that disagree
     conflicts: tuple[tuple[str, str], ...] = ()
+    #: (index, the subtree's sum) of entries in `ready` whose data travels with the request (carry.py)
+    sums: Blobs = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class Down:
     error: str | None = None
     #: (name, why) of ops decided as failed: every rank's submission of each ends with the error; the job goes on
     failed: tuple[tuple[str, str], ...] = ()
+    #: (index, the op's result) of entries in `decided` whose data came up with the requests (carry.py)
+    results: Blobs = field(default=(), compare=False)
 
 
 MAX_OTHERS = 16
@@ -100,11 +113,16 @@ def _bits(value: int) -> bytes | None:
     return value.to_bytes((value.bit_length() + 7) // 8, "little") if value else None
 
 
-def _message(kind: Kind, sender: int, round_: int, key: int, meta: dict[str, Any], bits: int) -> Message:
+def _message(kind: Kind, sender: int, round_: int, key: int, meta: dict[str, Any], bits: int,
+             blobs: Blobs = ()) -> Message:
     if not bits:
         return Message(kind, sender=sender, key=key, round=round_, meta=meta or None)
     skip = ((bits & -bits).bit_length() - 1) // 8  # leading zero bytes are not sent: ops become ready in order
     payload = (bits >> 8 * skip).to_bytes(((bits >> 8 * skip).bit_length() + 7) // 8, "little")
+    if blobs:  # one buffer: the bit-vector, then the data (a copy, made as the message is composed)
+        views = [memoryview(blob).cast("B") for _, blob in blobs]
+        meta["v"] = [[index, view.nbytes] for (index, _), view in zip(blobs, views, strict=True)]
+        payload = b"".join([payload, *views])
     return Message(kind, sender=sender, key=key, chunk=skip, round=round_, meta=meta or None, dtype="uint8",
                    shape=(len(payload),), payload=payload)
 
@@ -127,7 +145,7 @@ def encode_up(up: Up, sender: int = -1) -> Message:
         meta["e"] = up.error
     if up.conflicts:
         meta["x"] = [list(pair) for pair in up.conflicts]
-    return _message(Kind.COORD_UP, sender, up.seq, up.epoch, meta, up.ready)
+    return _message(Kind.COORD_UP, sender, up.seq, up.epoch, meta, up.ready, up.sums)
 
 
 def encode_down(down: Down, sender: int = -1) -> Message:
@@ -144,7 +162,7 @@ def encode_down(down: Down, sender: int = -1) -> Message:
         meta["e"] = down.error
     if down.failed:
         meta["f"] = [list(pair) for pair in down.failed]
-    return _message(Kind.COORD_DOWN, sender, down.ack, 0, meta, down.decided)
+    return _message(Kind.COORD_DOWN, sender, down.ack, 0, meta, down.decided, down.results)
 
 
 def hello(kind: Kind, sender: int = -1) -> Message:
@@ -209,14 +227,33 @@ def _conflicts(value: Any, what: str) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
-def _payload_bits(msg: Message) -> int:
+def _payload(msg: Message, meta: dict[str, Any]) -> tuple[int, Blobs]:
+    """The bit-vector and the data blobs (each bytes of its own, for a bit it sets) in a payload."""
     if msg.payload is None:
-        return 0
+        if "v" in meta:
+            raise WireError("data blobs without a payload")
+        return 0, ()
     if msg.dtype != "uint8" or len(msg.shape) != 1:
         raise WireError(f"a bit-vector is a 1-D uint8 payload, got {msg.dtype} {list(msg.shape)}")
-    if msg.chunk + msg.shape[0] > MAX_TABLE // 8:  # before building an int of that many bytes
-        raise WireError(f"a bit-vector reaches byte {msg.chunk + msg.shape[0]}, beyond {MAX_TABLE // 8}")
-    return int.from_bytes(msg.payload, "little") << 8 * msg.chunk
+    rows = [_row(r, 2, "a data blob") for r in _list(meta.get("v", []), "data blobs", MAX_BLOBS)]
+    sizes = [(_int(index, "a table index", 0, MAX_TABLE), _int(nbytes, "a blob's size", 0, 1 << 31))
+             for index, nbytes in rows]
+    if len({index for index, _ in sizes}) != len(sizes):
+        raise WireError("data blobs name a table entry twice")
+    length = msg.shape[0] - sum(nbytes for _, nbytes in sizes)
+    if length <= 0:
+        raise WireError(f"data blobs of {msg.shape[0] - length} bytes leave no bit-vector in {msg.shape[0]}")
+    if msg.chunk + length > MAX_TABLE // 8:  # before building an int of that many bytes
+        raise WireError(f"a bit-vector reaches byte {msg.chunk + length}, beyond {MAX_TABLE // 8}")
+    view = memoryview(msg.payload).cast("B")
+    bits = int.from_bytes(view[:length], "little") << 8 * msg.chunk
+    blobs, at = [], length
+    for index, nbytes in sizes:
+        if not bits >> index & 1:
+            raise WireError(f"data for table entry {index}, which the message does not mark")
+        blobs.append((index, bytes(view[at:at + nbytes])))  # its own: a received payload may be reused
+        at += nbytes
+    return bits, tuple(blobs)
 
 
 def _answer(value: Any) -> Answer:
@@ -234,15 +271,16 @@ def _answer(value: Any) -> Answer:
 def decode_up(msg: Message) -> Up:
     """The Up in a COORD_UP message (not a hello); WireError if it does not follow the format."""
     meta = msg.meta or {}
-    unknown = set(meta) - {"n", "w", "j", "st", "c", "e", "x"}
+    unknown = set(meta) - {"n", "w", "j", "st", "c", "e", "x", "v"}
     if unknown:
         raise WireError(f"COORD_UP meta has unknown fields {sorted(unknown)[:4]}")
     new = tuple((_request(row[:6], _int(row[6], "a priority", 0, 1 << 31)), _int(row[7], "a rank", 0, MAX_RANKS))
                 for row in (_row(r, 8, "a new op") for r in _list(meta.get("n", []), "new ops", MAX_TENSORS)))
     if meta.get("w", False) is not True and "w" in meta:
         raise WireError(f"COORD_UP field 'w' must be true, got {brief(meta['w'])}")
+    ready, sums = _payload(msg, meta)
     return Up(
-        seq=_int(msg.round, "a sequence number", 1, 1 << 62), epoch=msg.key, ready=_payload_bits(msg), new=new,
+        seq=_int(msg.round, "a sequence number", 1, 1 << 62), epoch=msg.key, ready=ready, sums=sums, new=new,
         wild="w" in meta, joined=_ranks(meta.get("j", []), "a joined rank"),
         stalled=_names(meta.get("st", []), "a stalled op", MAX_TENSORS),
         answer=_answer(meta["c"]) if "c" in meta else None,
@@ -254,7 +292,7 @@ def decode_up(msg: Message) -> Up:
 def decode_down(msg: Message) -> Down:
     """The Down in a COORD_DOWN message (not a hello); WireError if it does not follow the format."""
     meta = msg.meta or {}
-    unknown = set(meta) - {"t", "j", "jl", "q", "e", "f"}
+    unknown = set(meta) - {"t", "j", "jl", "q", "e", "f", "v"}
     if unknown:
         raise WireError(f"COORD_DOWN meta has unknown fields {sorted(unknown)[:4]}")
     entries = tuple((_int(row[0], "a table index", 0, MAX_TABLE), _request(row[1:7], _int(row[7], "a priority", 0,
@@ -264,8 +302,10 @@ def decode_down(msg: Message) -> Down:
     if "q" in meta:
         qid, names = _row(meta["q"], 2, "a census query")
         query = (_int(qid, "a census query", 1, 1 << 62), _names(names, "a queried op", MAX_OTHERS))
+    decided, results = _payload(msg, meta)
     return Down(
-        ack=msg.round, entries=entries, decided=_payload_bits(msg), joined=_ranks(meta.get("j", []), "a joined rank"),
+        ack=msg.round, entries=entries, decided=decided, results=results,
+        joined=_ranks(meta.get("j", []), "a joined rank"),
         join_last=_int(meta["jl"], "the last rank to join", 0, MAX_RANKS) if "jl" in meta else -1, query=query,
         error=_text(meta["e"], "an error", MAX_TEXT) if "e" in meta else None,
         failed=_conflicts(meta.get("f", []), "a failed op"),

@@ -9,7 +9,8 @@ stalls) negotiation.py's, in worker/collective/. No sockets, no clocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.worker.collective.negotiation_census import Census
 from sluice.worker.collective.negotiation_codec import MAX_TABLE, Answer, Down
@@ -30,6 +31,8 @@ class Decision:
     batch: int = 0
     #: the op failed on every rank (its ranks disagree: index -2, request = this rank's own); None: run it
     error: str | None = None
+    #: the op's result, when its data came up the tree with the requests (worker/collective/carry.py)
+    result: Any = field(default=None, compare=False)
 
 
 class ControllerState:

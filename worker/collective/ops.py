@@ -286,3 +286,25 @@ class Op:
 def as_view(payload: Any, dtype: np.dtype[Any]) -> np.ndarray:
     """A received payload as an array, without a copy (it may be the sender's read-only shared memory)."""
     return np.frombuffer(payload, dtype)
+
+
+def scatter(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+    """`flat`'s elements written back into `arrays` in order (an allreduce of several arrays, or of one)."""
+    offset = 0
+    for array in arrays:
+        array.reshape(-1)[...] = flat[offset:offset + array.size]
+        offset += array.size
+
+
+def copy_back(source: np.ndarray, target: np.ndarray) -> None:
+    if not np.shares_memory(source, target):
+        target.reshape(-1)[...] = source
+
+
+def settle(handle: OpHandle, data: CollectiveHandle, finish: Callable[[], Any]) -> None:
+    """Complete the caller's handle from the data plane's, running `finish` (copy-backs) first."""
+    try:
+        data.wait(0)
+        handle.finish(result=finish())
+    except Exception as exc:
+        handle.finish(error=str(exc))
