@@ -143,7 +143,7 @@ def three() -> Iterator[Three]:
     for coordinator in coordinators:
         coordinator.close()
     for transport in transports:
-        transport.close(0.2)
+        transport.close(0.2, 0.2)  # rank 2 still holds its message to a peer that is not its neighbour
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
