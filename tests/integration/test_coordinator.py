@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from sluice.transport.base import Transport, open_transport
@@ -170,6 +171,12 @@ def test_strangers_and_malformed_messages_are_refused_and_the_job_goes_on(three:
         coordinator.submit(Request("after", "barrier"))
     wait_until(lambda: all(len(d) == 1 for d in decided))
     assert [d[0].request.name for d in decided] == ["after"] * 3
+    # in sequence, marking table entry 0 (the barrier) ready, but with data no barrier carries (carry.py): the
+    # whole message is refused before the controller takes its bit
+    following = coordinators[1]._controller._seq_out + 1
+    transports[1].send("worker-0", 0, encode_up(Up(following, ready=1, sums=((0, np.ones(4, np.float32)),))))
+    wait_until(lambda: coordinators[0].stats()["refused"] >= 2)
+    assert not coordinators[0]._controller._child_bits[1]
     coordinators[0].submit(Request("x", "barrier"))
     with pytest.raises(ValueError, match="already pending"):
         coordinators[0].submit(Request("x", "barrier"))
