@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sluice import close_at_exit
@@ -15,11 +18,25 @@ from sluice import close_at_exit
 _ctx = mp.get_context("fork")
 
 
+@contextlib.contextmanager
+def own_tempdir() -> Iterator[None]:
+    """A forked child's temporary files in a directory of its own, removed as it ends: what it leaves there
+    would outlive it, as os._exit skips the atexit handlers that remove them (TensorFlow's autograph writes a
+    file for each function it converts)."""
+    path = tempfile.mkdtemp(prefix="sluice-child-")
+    tempfile.tempdir = path
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _child_main(key: str, target: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     code = 0
     try:
-        value = target(*args)
-        close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
+        with own_tempdir():
+            value = target(*args)
+            close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
         results.put((key, "ok", value))
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         results.put((key, "error", f"{type(exc).__name__}: {exc}"))

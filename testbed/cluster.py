@@ -13,6 +13,7 @@ from typing import Any
 from sluice import close_at_exit
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from sluice.transport.shm import remove_segments_of
+from testbed.children import own_tempdir
 
 _ctx = mp.get_context("fork")
 
@@ -43,8 +44,9 @@ def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], re
         torch.set_num_threads(1)
     code = 0
     try:
-        value = fn(*args)
-        close_at_exit()
+        with own_tempdir():
+            value = fn(*args)
+            close_at_exit()
         results.put((env.rank, "ok", value))
     except BaseException as exc:  # report every failure to the test, then exit non-zero
         results.put((env.rank, "error", f"{type(exc).__name__}: {exc}"))
