@@ -156,3 +156,21 @@ def test_blobs_that_do_not_fit_the_table_are_refused() -> None:
         check_blobs(Down(decided=4, results=((2, bytes(16)),)), table, "x")
     with pytest.raises(WireError, match="a table entry it sets"):
         check_blobs(Down(decided=1, entries=((0, grad(0)),), results=((0, bytes(48)),)), table, "x")
+
+
+def test_data_held_for_an_op_that_failed_is_not_summed_into_its_next_round() -> None:
+    net = CarryNet(3, 2)  # rank 0 the root, ranks 1 and 2 its children
+    request, other = grad(0), Request("grad.0", "allreduce", "float32", ((2, 3),))
+    ones = [np.ones(12, np.float32)] * 3
+    _step(net, request, ones)  # slow path: the table gets the entry
+    before = [len(d) for d in net.decided]
+    net.submit_data(0, request, ones[0])
+    net.submit_data(1, request, np.full(12, 100, np.float32))  # its sum reaches the root, which holds it
+    net.submit_data(2, other, None)  # another shape: the op fails on every rank
+    net.settle()
+    assert all(d[before[r]].error is not None for r, d in enumerate(net.decided))
+    net.carrier[1].limit = 0  # rank 1 now sends its request without data: nothing may stand in for it
+    assert [r is None for r in _step(net, request, ones)] == [True] * 3
+    net.carrier[1].limit = LIMIT
+    for result in _step(net, request, ones):  # every rank's data again: carried, and the right sum
+        np.testing.assert_array_equal(result, np.full(12, 3, np.float32))
