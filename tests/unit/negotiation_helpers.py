@@ -37,23 +37,32 @@ class Net:
     def round(self, skip: frozenset[int] = frozenset(), dt: float = 0.001) -> list[Sent]:
         self.now += dt
         sent: list[Sent] = []
-        for rank, ctl in enumerate(self.ctl):
+        for rank in range(len(self.ctl)):
             if rank in skip:
                 continue
             box, self.inbox[rank] = self.inbox[rank], []
             self.taken_per_tick[rank].append(len(box))
             for source, message in box:
-                ctl.receive(source, message, self.now)
-            out = ctl.tick(self.now)
+                self.take(rank, source, message)
+            out, decisions = self.tick(rank)
             assert sum(isinstance(m, Up) for _, m in out) <= 1  # at most one message up per tick
             sent += [(rank, dest, m) for dest, m in out]
-            self.decided[rank] += ctl.take_decisions()
+            self.decided[rank] += decisions
         for source, dest, message in sent:
             parsed, size = wire(message)
             assert parsed == message
             self.bytes.append(size)
             self.inbox[dest].append((source, parsed))
         return sent
+
+    def take(self, rank: int, source: int, message: Up | Down) -> None:
+        """Rank `rank` takes a message from `source` (a subclass may do more with it)."""
+        self.ctl[rank].receive(source, message, self.now)
+
+    def tick(self, rank: int) -> tuple[list[tuple[int, Up | Down]], list[Decision]]:
+        """Rank `rank`'s tick: what it sends, and what it decided."""
+        ctl = self.ctl[rank]
+        return ctl.tick(self.now), ctl.take_decisions()
 
     def settle(self, rounds: int = 40) -> None:
         for _ in range(rounds):

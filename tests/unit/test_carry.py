@@ -8,7 +8,7 @@ import pytest
 
 from sluice.transport.wire import Kind, Message, WireError
 from sluice.worker.collective.carry import Carrier, carried_bytes, check_blobs
-from sluice.worker.collective.negotiation import Down, Request, Up
+from sluice.worker.collective.negotiation import Decision, Down, Request, Up
 from sluice.worker.collective.negotiation_codec import decode_down, decode_up
 from tests.unit.negotiation_helpers import Net, grad, wire
 
@@ -26,26 +26,18 @@ class CarryNet(Net):
         self.ctl[rank].submit(request, self.now)
         self.carrier[rank].own(self.ctl[rank].fast_index(request.name), request, data)
 
-    def round(self, skip: frozenset[int] = frozenset(), dt: float = 0.001) -> list[tuple[int, int, Up | Down]]:
-        self.now += dt
-        sent: list[tuple[int, int, Up | Down]] = []
-        for rank, (ctl, carrier) in enumerate(zip(self.ctl, self.carrier, strict=True)):
-            box, self.inbox[rank] = self.inbox[rank], []
-            for source, message in box:
-                check_blobs(message, ctl.table, "test")
-                ctl.receive(source, message, self.now)
-                if isinstance(message, Up):
-                    carrier.take_up(source, message, ctl.epoch)
-                else:
-                    carrier.take_down(message, ctl.table)
-            out, decisions = carrier.attach(ctl.tick(self.now), ctl.take_decisions(), ctl.table,
-                                            root=ctl.parent is None)
-            sent += [(rank, dest, m) for dest, m in out]
-            self.decided[rank] += decisions
-        for source, dest, message in sent:
-            parsed, _ = wire(message)
-            self.inbox[dest].append((source, parsed))
-        return sent
+    def take(self, rank: int, source: int, message: Up | Down) -> None:
+        ctl = self.ctl[rank]
+        check_blobs(message, ctl.table, "test")
+        ctl.receive(source, message, self.now)
+        if isinstance(message, Up):
+            self.carrier[rank].take_up(source, message, ctl.epoch)
+        else:
+            self.carrier[rank].take_down(message, ctl.table)
+
+    def tick(self, rank: int) -> tuple[list[tuple[int, Up | Down]], list[Decision]]:
+        ctl = self.ctl[rank]
+        return self.carrier[rank].attach(ctl.tick(self.now), ctl.take_decisions(), ctl.table, root=ctl.parent is None)
 
 
 def _step(net: CarryNet, request: Request, data: list[np.ndarray | None]) -> list[np.ndarray | None]:

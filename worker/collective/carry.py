@@ -81,7 +81,7 @@ class Carrier:
         """The parent's Down the controller took: what it decides or fails is over; its results kept."""
         for entry in bit_list(down.decided):
             self._drop(entry)
-        self._drop_failed(down, table)
+        self._drop_names({name for name, _ in down.failed}, table)
         if down.join_last >= 0:
             self._own.clear()
             for held in self._below.values():
@@ -95,9 +95,8 @@ class Carrier:
         parent's as they came), and its decisions with their results."""
         if root:
             results = self._root_results(decisions, table)
-            for _, message in out:  # what the ranks that agreed sent for an op that failed must not outlive it
-                if isinstance(message, Down):
-                    self._drop_failed(message, table)
+            # what the ranks that agreed sent for an op that failed must not outlive it (each child gets those Downs)
+            self._drop_names({name for _, m in out if isinstance(m, Down) for name, _ in m.failed}, table)
             out = [(dest, replace(m, results=tuple((i, results[i]) for i in bit_list(m.decided) if i in results))
                     if isinstance(m, Down) else m) for dest, m in out]
         else:
@@ -147,11 +146,10 @@ class Carrier:
             accumulate(total, np.frombuffer(blob, total.dtype), request.dtype, op)
         return total
 
-    def _drop_failed(self, down: Down, table: Sequence[Request]) -> None:
-        if down.failed:
-            failed = {name for name, _ in down.failed}
+    def _drop_names(self, names: set[str], table: Sequence[Request]) -> None:
+        if names:
             for entry, request in enumerate(table):
-                if request.name in failed:
+                if request.name in names:
                     self._drop(entry)
 
     def _drop(self, index: int) -> None:

@@ -31,7 +31,7 @@ from sluice.worker.collective.greedy import GreedyFusion
 from sluice.worker.collective.mailbox import Mailbox
 from sluice.worker.collective.negotiation import Decision, Request
 from sluice.worker.collective.negotiation_request import MAX_REASON, data_op, ranks_text, scaled_op
-from sluice.worker.collective.ops import OpHandle, copy_back, scatter, settle
+from sluice.worker.collective.ops import OpHandle, copy_back, flatten, scatter, settle
 from sluice.worker.collective.reduce import identity
 from sluice.worker.collective.tree import build_tree, ring_order
 
@@ -195,10 +195,8 @@ class CollectiveEngine:
             raise CollectiveError(f"{handle.what} cannot run: {departed}")
         if self.coordinator is None:
             raise SluiceError("the collective engine is not connected yet (Client.__init__ connects it)")
-        carried = None  # a small allreduce's data goes up with its request (carry.py); not in Horovod's way
-        if self.greedy is None and carried_bytes(request, self.settings.carry_bytes):
-            carried = (arrays[0].reshape(-1) if len(arrays) == 1 and arrays[0].flags.c_contiguous
-                       else np.concatenate([a.reshape(-1) for a in arrays]))
+        # a small allreduce's data goes up with its request (carry.py); not in Horovod's way
+        carried = flatten(arrays) if self.greedy is None and carried_bytes(request, self.settings.carry_bytes) else None
         try:
             self.coordinator.submit(request, carried)
         except ValueError as exc:
@@ -331,8 +329,8 @@ class CollectiveEngine:
     def _allreduce(self, seq: int, entry: _Entry) -> None:
         request, handle = entry.request, entry.handle
         arrays = entry.arrays
-        single = len(arrays) == 1 and arrays[0].flags.c_contiguous
-        flat = arrays[0].reshape(-1) if single else np.concatenate([a.reshape(-1) for a in arrays])
+        flat = flatten(arrays)
+        single = np.may_share_memory(flat, arrays[0])  # a view of the caller's one array: nothing to write back
         algorithm = self.settings.algorithm
         if algorithm == "auto":
             algorithm = "tree" if flat.nbytes < self.settings.tree_below_bytes else "ring"

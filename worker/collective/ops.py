@@ -288,6 +288,13 @@ def as_view(payload: Any, dtype: np.dtype[Any]) -> np.ndarray:
     return np.frombuffer(payload, dtype)
 
 
+def flatten(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """An allreduce's arrays as one flat array: a view of a single contiguous one, else a copy of them all."""
+    if len(arrays) == 1 and arrays[0].flags.c_contiguous:
+        return arrays[0].reshape(-1)
+    return np.concatenate([a.reshape(-1) for a in arrays])
+
+
 def scatter(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
     """`flat`'s elements written back into `arrays` in order (an allreduce of several arrays, or of one)."""
     offset = 0
