@@ -215,16 +215,16 @@ class Receiver:
                 self._unacked_since[(source, channel)] = float("-inf")
         arrived.append((msg.priority, len(arrived), source, channel, msg))
 
-    def flush_acks(self, arrived_at: float, everything: bool = False) -> None:
+    def flush_acks(self, arrived_at: float) -> None:
         """Acknowledge each route whose unacknowledged bytes reached the threshold or whose oldest
-        arrived ACK_DELAY_S ago (`everything`: all of them, when stopping); note when the next is due."""
+        arrived ACK_DELAY_S ago; note when the next is due."""
         self.ack_due = None
         if not self._unacked:
             return
         threshold, now = self.ack_bytes, time.monotonic()
         for route, nbytes in list(self._unacked.items()):
             due = self._unacked_since.setdefault(route, arrived_at) + ACK_DELAY_S
-            if (everything or nbytes >= threshold or now >= due) and self._send_frames(
+            if (nbytes >= threshold or now >= due) and self._send_frames(
                     route, encode(Message(Kind.ACK, key=route[1], round=nbytes))):
                 del self._unacked[route], self._unacked_since[route]
                 self._metrics.acks_sent[route[1]] += 1
