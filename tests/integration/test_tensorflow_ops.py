@@ -118,8 +118,10 @@ def test_added_collectives_values_gradients_and_errors_on_two_workers() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers", [3, 4])
-def test_adasum_matches_the_formula_on_3_and_4_workers(workers: int) -> None:
+def test_adasum_matches_the_formula_on_3_workers() -> None:
+    """An odd rank carried up through TensorFlow's ops (2 workers: the test above; the algorithm on 2, 3 and 4
+    workers: test_horovod_api.py's, where a worker costs no TensorFlow import)."""
+    workers = 3
     with LocalCluster(workers, 0) as cluster:
         results = cluster.run(tf_adasum, timeout=110)
     vectors = [[adasum_vector(r, i) for i in range(2)] for r in range(workers)]

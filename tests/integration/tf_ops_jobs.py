@@ -253,7 +253,7 @@ def tensorflow_ops() -> dict[str, Any]:
 
 
 def tf_adasum() -> dict[str, Any]:
-    """Adasum on this job's size (3 or 4 workers): a float64 vector alone, a float32 pair grouped with
+    """Adasum on this job's size (3 workers): a float64 vector alone, a float32 pair grouped with
     scale factors, and traced."""
     import os
 
