@@ -53,12 +53,13 @@ test-system-deps:
 		|| echo "warning: could not install $(SYSTEM_DEPS); the ssh and SLURM tests will skip"; \
 	fi
 
+# The tests marked serial run alone, after the others; only the files that mark one are collected (all: 9 s).
 test: $(STAMP) test-system-deps
 	$(PY) -m compileall -q $(PACKAGES)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 -m 'not serial' tests
-	$(PY) -m pytest -q -m serial tests
+	$(PY) -m pytest -q -m serial $$(grep -rl --include='*.py' 'mark\.serial' tests)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
