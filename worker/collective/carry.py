@@ -16,6 +16,7 @@ decided or fails (its round is over); everything at a join (a new epoch). No soc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,7 +39,7 @@ def carried_bytes(request: Request, limit: int) -> int:
     bytes of a reducible dtype); 0 if not."""
     if request.kind != "allreduce" or request.dtype not in REDUCIBLE or data_op(request.op) not in OPS:
         return 0
-    nbytes = sum(int(np.prod(shape)) for shape in request.shapes) * storage(request.dtype).itemsize
+    nbytes = sum(math.prod(shape) for shape in request.shapes) * storage(request.dtype).itemsize  # np.prod: 20x slower
     return nbytes if 0 < nbytes <= limit else 0
 
 

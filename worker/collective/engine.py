@@ -12,6 +12,7 @@ no data and takes no sequence number; the engine goes on.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -98,9 +99,8 @@ class CollectiveEngine:
         is a sum, and the ranks must agree on the factors. `layout`: the shapes a fused buffer holds
         (as many elements in all), which the ranks must agree on instead of the buffer's length."""
         shapes = tuple(tuple(a.shape) for a in arrays) if layout is None else layout
-        if layout is not None and sum(int(np.prod(s)) for s in layout) != sum(a.size for a in arrays):
-            raise InvalidCallError(f"allreduce {name!r}: a layout of {sum(int(np.prod(s)) for s in layout)} "
-                                   f"elements for {sum(a.size for a in arrays)}")
+        if layout is not None and (held := sum(math.prod(s) for s in layout)) != sum(a.size for a in arrays):
+            raise InvalidCallError(f"allreduce {name!r}: a layout of {held} elements for {sum(a.size for a in arrays)}")
         described = op if scale is None else scaled_op(op, *scale)
         return self._enqueue(Request(name, "allreduce", dtype, shapes, described, -1, priority), list(arrays))
 
