@@ -70,9 +70,11 @@ def _reference(optimizer: str, where: str, workers: int, aggregators: int, chunk
 
 
 @pytest.mark.timeout(300)
+# Adam on the servers, its moments restored: bench/recovery.py's resume-after-kill case, whose quick run
+# (test_bench_quick_jobs.py) fails unless the killed job ends bit-identical to the same job without the kill
 @pytest.mark.parametrize(("optimizer", "where", "workers", "aggregators"),
-                         [("sgd", "worker", 2, 0), ("sgd", "server", 3, 1), ("adam", "server", 2, 0)],
-                         ids=["sum-mode", "server-momentum-through-an-aggregator", "server-adam"])
+                         [("sgd", "worker", 2, 0), ("sgd", "server", 3, 1)],
+                         ids=["sum-mode", "server-momentum-through-an-aggregator"])
 def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimizer: str, where: str, workers: int,
                                                                          aggregators: int) -> None:
     reference = _reference(optimizer, where, workers, aggregators)
