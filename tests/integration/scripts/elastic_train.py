@@ -7,6 +7,7 @@ a generation starts training and `ELASTIC_RESULT {rank, size, params}` at the en
 --die-at S --die-rank R: worker R SIGKILLs itself right after its commit of step S (a worker lost).
 --stop-at S --save PATH: stop after step S and save the state (rank 0), for a reference run;
 --load PATH: start from such a state.
+--save-start PATH: rank 0 saves, as --save does, the state each generation after the first starts from.
 --pause S: each step of generation 0 sleeps S seconds after its commit (time for the launcher to find a slot).
 --setup S: sleep S seconds before hvd.init(), standing for what a real worker sets up once (reading its
 dataset, a CUDA context, data loader processes).
@@ -38,6 +39,7 @@ parser.add_argument("--die-rank", type=int, default=-1)
 parser.add_argument("--stop-at", type=int, default=-1)
 parser.add_argument("--save", default="")
 parser.add_argument("--load", default="")
+parser.add_argument("--save-start", default="")
 parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--times", action="store_true")
 parser.add_argument("--setup", type=float, default=0.0)
@@ -81,6 +83,9 @@ def train(state: hvd.elastic.TorchState) -> None:
     generation = int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0"))
     print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch, "rank": rank,
                                          "pid": os.getpid()}), flush=True)
+    if args.save_start and generation > 0 and rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch},
+                   args.save_start)
     while state.batch < args.steps:
         step = state.batch
         start = (step * size + rank) * 8
