@@ -207,8 +207,8 @@ def test_replace_lost_host_of_a_worker_in_a_slot_the_discovery_script_reports_no
 def test_replace_lost_host_of_a_worker_and_no_free_slot_the_survivors_go_on_in_their_processes(
         bed: SshBed, tmp_path: Path) -> None:
     """--elastic --in-place with no slot free: worker 0's host h2 is lost; workers 1 and 2 (on h1) go on as
-    ranks 0 and 1 of a job of 2 in their own processes (Horovod's elastic shrink), and the job ends as 3
-    workers stopped at the commit and 2 continuing from it, run deliberately."""
+    ranks 0 and 1 of a job of 2 in their own processes (Horovod's elastic shrink), and the job ends as 2 workers
+    continuing, run deliberately, from the state generation 1 started from (the commit)."""
     h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
     saved = tmp_path / "state.pt"  # what generation 1 starts from: the commit it resumed at
     out, starts, results = _lose_a_workers_host(bed, f"{h2}:1,{h1}:2", 3, script=("--save-start", str(saved)))

@@ -67,6 +67,11 @@ if args.load:
     state.commit()
 
 
+def save_state(path: str) -> None:
+    """What --load reads: the parameters, the optimizer's state and the next step."""
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch}, path)
+
+
 def set_lr() -> None:
     for group in optimizer.param_groups:
         group["lr"] = 0.05 * hvd.size()
@@ -84,8 +89,7 @@ def train(state: hvd.elastic.TorchState) -> None:
     print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch, "rank": rank,
                                          "pid": os.getpid()}), flush=True)
     if args.save_start and generation > 0 and rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch},
-                   args.save_start)
+        save_state(args.save_start)
     while state.batch < args.steps:
         step = state.batch
         start = (step * size + rank) * 8
@@ -117,7 +121,7 @@ def train(state: hvd.elastic.TorchState) -> None:
 train(state)
 hvd.synchronize_parameters()
 if args.save and hvd.rank() == 0:
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batch": state.batch}, args.save)
+    save_state(args.save)
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 print("ELASTIC_RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "set_sums": set_sums,
                                      "odd_sums": odd_sums, "params": params}), flush=True)
