@@ -25,7 +25,13 @@ thread.
            REPEATS repetitions of STEPS steps (between barriers, on the first stage) after WARMUP;
            the sides alternate, ROUNDS launches each. The first step's loss must agree within 1e-5,
            so both compute the same thing. met at a speedup of 1.2. cpu_ms_per_step: the CPU time
-           of all processes' threads a step (the libraries' own threads included).
+           of all processes' threads a step (the libraries' own threads included). compute_bound:
+           the samples/s of the schedule with nothing but the compute (bench/pipeline_compute.py
+           times each stage's forward, backward and optimizer step in min(P, cores) processes at
+           once, one torch thread each; the schedule is replayed at those times, one action a core
+           at a time); bound_speedup = compute_bound / torch's: the most any pipelining library
+           could beat torch's by on this machine (exact for P <= cores; an estimate beyond, where
+           the OS's time slices share the cores, not the replay's queue).
 
 torch's Schedule1F1B refuses M < P; there (1F1B's order then being GPipe's on all but the last
 stage) torch runs ScheduleGPipe, and the record says so (peer_schedule). The other schedules run
@@ -53,9 +59,20 @@ if __package__ in (None, ""):  # run as `python bench/pipeline.py`: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, Stats, add_common_options, free_port, print_table, progress, record, stats, write_json
-from sluice.worker.pipeline.schedule import SCHEDULES, bubble, canonical, clock_table, idle_fraction, schedule
+from sluice.worker.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    bubble,
+    canonical,
+    clock_table,
+    idle_fraction,
+    replay,
+    schedule,
+)
 
 JOB = ROOT / "bench" / "pipeline_job.py"
+COMPUTE = ROOT / "bench" / "pipeline_compute.py"
+COMPUTED = re.compile(r"PIPELINE_COMPUTE (\{.*\})$", re.M)
 TORCH = "torch.distributed.pipelining (gloo)"
 BOUND = "bubble bound (P-1)/(M+P-1)"
 TARGET_POINTS = 0.03
@@ -250,6 +267,33 @@ def idle_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Nam
                   torch_overhead_ms_per_slot=torch_excess, torch_schedule=peer_schedule(stages, micro, schedule))
 
 
+def compute_bound(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> tuple[float, int]:
+    """The samples/s of the schedule with nothing but the compute, and the cores it ran on: the times of
+    bench/pipeline_compute.py (measured in min(P, cores) processes at once, so that they share the
+    caches and memory as the stages do; each the median of theirs), the schedule replayed at them with
+    at most one action a core at a time (the first ready goes first), then the slowest optimizer step.
+    Nothing passes tensors between stages, nothing pays a library's Python. With P <= cores no
+    pipelining library can take a shorter step; with more stages than cores the queueing is the
+    replay's, not the OS's time slices, so it is an estimate there."""
+    name, virtual = spec
+    cores = len(os.sched_getaffinity(0))
+    argv = [sys.executable, str(COMPUTE), "--stages", str(stages), "--micro", str(micro), "--virtual", str(virtual),
+            "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
+            "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    output = run_processes([(argv, env)] * min(stages, cores), args.timeout)
+    found = [json.loads(m.group(1)) for m in COMPUTED.finditer(output)]
+    times = {key: [statistics.median(values) for values in zip(*(f[key] for f in found), strict=True)]
+             for key in found[0]}
+    kinds = {"F": times["forward"], "B": times["backward"], "I": times["input_grad"], "W": times["weight_grad"]}
+
+    def duration(action: Action, stage: int) -> float:
+        return float(kinds[action.kind][stage])
+
+    makespan = max(end for *_, end in replay(schedule(name, stages, micro, virtual), duration, cores))
+    return args.batch / (makespan + max(times["optimizer"])), cores
+
+
 def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> dict[str, Any]:
     schedule, virtual = spec
     case = case_name("samples", stages, micro, schedule, virtual)
@@ -275,6 +319,9 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
         progress(f"  WARNING {case}: the first step's losses differ by {first_diff:.3g}: the sides compute "
                  "different things, so the comparison is not fair")
     ours, peer = stats(rates["sluice"]), stats(rates["torch"])
+    limit, cores = compute_bound(stages, micro, spec, args)
+    progress(f"  {case:<22} compute alone {limit:8.0f} samples/s: at most {limit / peer.median:.2f}x torch's; "
+             f"ours {ours.median / limit:.0%} of it, torch's {peer.median / limit:.0%}")
     same = first_diff <= LOSS_TOLERANCE
     theirs = peer_schedule(stages, micro, schedule)
     own = {"virtual": virtual} if virtual > 1 or schedule not in ("gpipe", "1f1b") else {}
@@ -285,18 +332,20 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
                   first_loss_diff=first_diff, last_loss_diff=last_diff, same_loss=same,
                   cpu_ms_per_step=statistics.median(cpu["sluice"]),
                   peer_cpu_ms_per_step=statistics.median(cpu["torch"]),
-                  met=same and ours.median / peer.median >= TARGET_SPEEDUP)
+                  compute_bound=limit, cores=cores, of_bound=ours.median / limit, peer_of_bound=peer.median / limit,
+                  bound_speedup=limit / peer.median, met=same and ours.median / peer.median >= TARGET_SPEEDUP)
 
 
 def row(rec: dict[str, Any]) -> list[str]:
     if rec["unit"] == "fraction":
         overhead = f"{rec['overhead_ms_per_slot']:.2f} / {rec['torch_overhead_ms_per_slot']:.2f}"
         return [rec["case"], f"{rec['ours']:.3f} [{rec['ours_min']:.3f}..{rec['ours_max']:.3f}]", f"{rec['peer']:.3f}",
-                f"{rec['torch_idle']:.3f}", overhead, "", f"{rec['points_over_bound']:+.1f} pts",
+                f"{rec['torch_idle']:.3f}", overhead, "", "", f"{rec['points_over_bound']:+.1f} pts",
                 "met" if rec["met"] else "MISSED"]
     return [rec["case"], f"{rec['ours']:.0f} [{rec['ours_min']:.0f}..{rec['ours_max']:.0f}]",
             f"{rec['peer']:.0f} [{rec['peer_min']:.0f}..{rec['peer_max']:.0f}]", "", "",
-            f"{rec['cpu_ms_per_step']:.1f} / {rec['peer_cpu_ms_per_step']:.1f}", f"{rec['speedup']:.2f}x",
+            f"{rec['cpu_ms_per_step']:.1f} / {rec['peer_cpu_ms_per_step']:.1f}",
+            f"{rec['compute_bound']:.0f} ({rec['bound_speedup']:.2f}x)", f"{rec['speedup']:.2f}x",
             "met" if rec["met"] else "MISSED"]
 
 
@@ -321,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"\nidle: the worst stage's, against {BOUND} (interleaved, zero bubble: their orders replayed; "
              f"target within {TARGET_POINTS * 100:.0f} points); "
              f"samples/s: median [min..max] of repeats, against {TORCH} (target {TARGET_SPEEDUP}x); "
-             f"overhead and CPU: sluice / torch; {time.perf_counter() - started:.0f} s in all")
-    print_table(["case", "sluice", "peer", "torch idle", "overhead ms/slot", "CPU ms/step", "vs peer", "target"],
+             f"overhead and CPU: sluice / torch; compute alone: samples/s with nothing but the compute (the most "
+             f"any library could beat torch's by); {time.perf_counter() - started:.0f} s in all")
+    print_table(["case", "sluice", "peer", "torch idle", "overhead ms/slot", "CPU ms/step", "compute alone",
+                 "vs peer", "target"],
                 [row(rec) for rec in records])
     write_json(args.json, records)
     return 0

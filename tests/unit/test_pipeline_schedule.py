@@ -15,6 +15,7 @@ from sluice.worker.pipeline.schedule import (
     idle_fraction,
     one_f_one_b,
     peak_activations,
+    replay,
     schedule,
 )
 
@@ -107,6 +108,29 @@ def test_a_backward_twice_as_long_stretches_the_table() -> None:
         B1 .
         B1 .
     """)
+
+
+#: stage 0's forward 1 and backward 2, stage 1's 0.5 and 1.5 (the times bench/pipeline.py measures)
+_TIMES = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 0.5, (1, "B"): 1.5}
+
+
+def _runs(cores: int | None) -> list[tuple[int, str, float, float]]:
+    runs = replay(one_f_one_b(2, 2), lambda action, stage: _TIMES[(stage, action.kind)], cores)
+    return [(rank, str(action), start, end) for rank, action, start, end in runs]
+
+
+def test_replay_at_measured_times_starts_each_action_once_its_inputs_are_there() -> None:
+    assert _runs(None) == [
+        (0, "F0", 0.0, 1.0), (0, "F1", 1.0, 2.0), (1, "F0", 1.0, 1.5), (1, "B0", 1.5, 3.0),
+        (0, "B0", 3.0, 5.0), (1, "F1", 3.0, 3.5), (1, "B1", 3.5, 5.0), (0, "B1", 5.0, 7.0)]
+
+
+def test_replay_on_fewer_cores_than_workers_queues_what_is_ready() -> None:
+    """On one core the step is all the compute (10), each action after the one before it, the one ready
+    first (the lower worker on a tie) going next."""
+    assert _runs(1) == [
+        (0, "F0", 0.0, 1.0), (0, "F1", 1.0, 2.0), (1, "F0", 2.0, 2.5), (1, "B0", 2.5, 4.0),
+        (0, "B0", 4.0, 6.0), (1, "F1", 6.0, 6.5), (1, "B1", 6.5, 8.0), (0, "B1", 8.0, 10.0)]
 
 
 def test_orders_that_wait_on_each_other_are_refused() -> None:

@@ -15,7 +15,7 @@ model per worker, each action naming its virtual stage) are in interleave.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
@@ -91,48 +91,68 @@ def schedule(name: str, stages: int, micro: int, virtual: int = 1) -> list[list[
     return interleave.interleaved_zero_bubble(stages, micro, virtual)
 
 
-def clock_table(orders: Sequence[Sequence[Action]], forward: int = 1, backward: int = 1, input_grad: int = 1,
-                weight_grad: int = 1) -> list[list[str]]:
-    """Which action each stage runs at each clock ("" when idle), a forward taking `forward` clocks, a
-    backward `backward`, an I `input_grad` and a W `weight_grad`: row t, column s (the worker). With
-    virtual stages (actions naming theirs), stage k runs on worker k % P and the chain runs through all
-    of them. Raises ValueError if the orders deadlock."""
+def replay(orders: Sequence[Sequence[Action]], duration: Callable[[Action, int], float],
+           cores: int | None = None) -> list[tuple[int, Action, float, float]]:
+    """Each action as (worker, action, start, end), the orders run against their dependencies (a forward
+    needs the stage before it, a backward or an I the stage after it, a W its I), taking
+    `duration(action, virtual stage)`: the action that can start first goes next, once its worker is
+    free, its inputs are there and one of `cores` processors is free (by default one per worker, so
+    every action starts as soon as it can). With virtual stages (actions naming theirs), stage k runs
+    on worker k % P and the chain runs through all of them. Raises ValueError if the orders deadlock."""
     stages = len(orders)
     named = [a.stage for order in orders for a in order if a.stage is not None]
     last = max(named) if named else stages - 1
-    length = {"F": forward, "B": backward, "I": input_grad, "W": weight_grad}
-    # (what, micro, virtual stage) -> the clock it finished; "G": the inputs' gradient (a B or an I)
-    done: dict[tuple[str, int, int], int] = {}
+    # (what, micro, virtual stage) -> when it finished; "G": the inputs' gradient (a B or an I)
+    done: dict[tuple[str, int, int], float] = {}
     position = [0] * stages
-    free_at = [0] * stages
-    table: list[list[str]] = []
+    free_at = [0.0] * stages
+    core_free = [0.0] * (cores or stages)
+    runs: list[tuple[int, Action, float, float]] = []
     while any(position[s] < len(orders[s]) for s in range(stages)):
-        progressed = False
+        best: tuple[float, int] | None = None
         for rank in range(stages):
             if position[rank] == len(orders[rank]):
                 continue
-            action = orders[rank][position[rank]]
-            stage = rank if action.stage is None else action.stage
-            if action.kind == "F":
-                needs = [("F", action.micro, stage - 1)] if stage > 0 else []
-            elif action.kind == "W":
-                needs = [("G", action.micro, stage)]
-            else:
-                needs = [("F", action.micro, stage)] + ([("G", action.micro, stage + 1)] if stage < last else [])
-            if any(need not in done for need in needs):
-                continue
-            start = max([free_at[rank], *(done[need] for need in needs)])
-            end = start + length[action.kind]
-            while len(table) < end:
-                table.append([""] * stages)
-            for clock in range(start, end):
-                table[clock][rank] = str(action)
-            done[("F" if action.kind == "F" else "G" if action.kind in "BI" else "W", action.micro, stage)] = end
-            free_at[rank] = end
-            position[rank] += 1
-            progressed = True
-        if not progressed:
+            needs = _needs(orders[rank][position[rank]], rank, last)
+            if all(need in done for need in needs):
+                ready = max([free_at[rank], *(done[need] for need in needs)])
+                best = (ready, rank) if best is None or ready < best[0] else best
+        if best is None:
             raise ValueError("these stage orders deadlock: an action waits for one that waits for it")
+        ready, rank = best
+        action = orders[rank][position[rank]]
+        stage = rank if action.stage is None else action.stage
+        core = min(range(len(core_free)), key=core_free.__getitem__)
+        start = max(ready, core_free[core])
+        end = start + duration(action, stage)
+        runs.append((rank, action, start, end))
+        done[("F" if action.kind == "F" else "G" if action.kind in "BI" else "W", action.micro, stage)] = end
+        free_at[rank] = core_free[core] = end
+        position[rank] += 1
+    return runs
+
+
+def _needs(action: Action, rank: int, last: int) -> list[tuple[str, int, int]]:
+    """What `action` (on worker `rank`) waits for: (what, micro, virtual stage) as `replay` records them."""
+    stage = rank if action.stage is None else action.stage
+    if action.kind == "F":
+        return [("F", action.micro, stage - 1)] if stage > 0 else []
+    if action.kind == "W":
+        return [("G", action.micro, stage)]
+    return [("F", action.micro, stage)] + ([("G", action.micro, stage + 1)] if stage < last else [])
+
+
+def clock_table(orders: Sequence[Sequence[Action]], forward: int = 1, backward: int = 1, input_grad: int = 1,
+                weight_grad: int = 1) -> list[list[str]]:
+    """Which action each stage runs at each clock ("" when idle), a forward taking `forward` clocks, a
+    backward `backward`, an I `input_grad` and a W `weight_grad`: row t, column s (the worker), from
+    `replay`. Raises ValueError if the orders deadlock."""
+    length = {"F": forward, "B": backward, "I": input_grad, "W": weight_grad}
+    runs = replay(orders, lambda action, _: length[action.kind])
+    table = [[""] * len(orders) for _ in range(int(max((end for *_, end in runs), default=0)))]
+    for rank, action, start, end in runs:
+        for clock in range(int(start), int(end)):
+            table[clock][rank] = str(action)
     return table
 
 
