@@ -26,12 +26,13 @@ thread.
            the sides alternate, ROUNDS launches each. The first step's loss must agree within 1e-5,
            so both compute the same thing. met at a speedup of 1.2. cpu_ms_per_step: the CPU time
            of all processes' threads a step (the libraries' own threads included). compute_bound:
-           the samples/s of the schedule with nothing but the compute (bench/pipeline_compute.py
-           times each stage's forward, backward and optimizer step in min(P, cores) processes at
-           once, one torch thread each; the schedule is replayed at those times, one action a core
-           at a time); bound_speedup = compute_bound / torch's: the most any pipelining library
-           could beat torch's by on this machine (exact for P <= cores; an estimate beyond, where
-           the OS's time slices share the cores, not the replay's queue).
+           the samples/s of the schedule with nothing but the compute, measured once a round (the
+           median taken): bench/pipeline_compute.py times each stage's forward, backward and
+           optimizer step in min(P, cores) processes at once, one torch thread each, and the
+           schedule is replayed at those times, one action a core at a time. bound_speedup =
+           compute_bound / torch's: the most any pipelining library could beat torch's by on this
+           machine (exact for P <= cores; an estimate beyond, where the OS's time slices share the
+           cores, not the replay's queue).
 
 torch's Schedule1F1B refuses M < P; there (1F1B's order then being GPipe's on all but the last
 stage) torch runs ScheduleGPipe, and the record says so (peer_schedule). The other schedules run
@@ -300,6 +301,7 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
     rates: dict[str, list[float]] = {"sluice": [], "torch": []}
     losses: dict[str, list[list[float]]] = {"sluice": [], "torch": []}
     cpu: dict[str, list[float]] = {"sluice": [], "torch": []}  # ms of CPU a step, all processes together
+    bounds: list[tuple[float, int]] = []  # (compute_bound, cores) of each round
     for round_ in range(args.rounds):
         for side in ("sluice", "torch") if round_ % 2 == 0 else ("torch", "sluice"):  # alternating: drift hits both
             job = ["--model", "mlp", "--width", str(args.width), "--layers", str(args.layers), "--batch",
@@ -313,13 +315,14 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
             cpu[side].append(sum(r["cpu"] for r in found) / (args.steps * args.repeats) * 1e3)
             progress(f"  {case:<22} {side:<6} {statistics.median(rates[side][-args.repeats:]):8.0f} samples/s, "
                      f"{cpu[side][-1]:.1f} CPU ms a step, first loss {found[-1]['losses'][0]:.6f}")
+        bounds.append(compute_bound(stages, micro, spec, args))  # each round: the machine drifts between them
     first_diff = max(abs(a[0] - b[0]) for a in losses["sluice"] for b in losses["torch"])
     last_diff = max(abs(a[1] - b[1]) for a in losses["sluice"] for b in losses["torch"])
     if first_diff > LOSS_TOLERANCE:
         progress(f"  WARNING {case}: the first step's losses differ by {first_diff:.3g}: the sides compute "
                  "different things, so the comparison is not fair")
     ours, peer = stats(rates["sluice"]), stats(rates["torch"])
-    limit, cores = compute_bound(stages, micro, spec, args)
+    limit, cores = statistics.median(b for b, _ in bounds), bounds[0][1]
     progress(f"  {case:<22} compute alone {limit:8.0f} samples/s: at most {limit / peer.median:.2f}x torch's; "
              f"ours {ours.median / limit:.0%} of it, torch's {peer.median / limit:.0%}")
     same = first_diff <= LOSS_TOLERANCE
