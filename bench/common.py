@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: options, medians, tables, JSON records, keep_alive, a timed push_pull."""
+"""Shared benchmark helpers: options, medians, tables, JSON records, keep_alive, a timed push_pull, core use."""
 
 from __future__ import annotations
 
@@ -90,6 +90,25 @@ def write_json(path: str | None, records: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------------- processes
+class CoreUse:
+    """How busy this machine's cores were, all together, from its creation to `busy()` (/proc/stat):
+    the evidence that a run is bound by the cores (both full) rather than by its links."""
+
+    def __init__(self) -> None:
+        self._start = _cpu_ticks()
+
+    def busy(self) -> float:
+        """The share of all cores' time spent busy since creation, 0..1."""
+        (busy0, total0), (busy1, total1) = self._start, _cpu_ticks()
+        return (busy1 - busy0) / max(1, total1 - total0)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of all cores since boot; idle and iowait are the idle ones."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
 def keep_alive(*objects: Any) -> None:
     """Never free `objects` in this child: it ends with os._exit, which skips their destructors.
 

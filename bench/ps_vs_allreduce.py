@@ -15,6 +15,7 @@ if __package__ in (None, ""):  # run as `python bench/ps_vs_allreduce.py`: make 
 
 
 from bench.common import (
+    CoreUse,
     Stats,
     add_common_options,
     print_table,
@@ -45,6 +46,12 @@ directions of its link at once), so a round takes at least bytes / RATE; a ring 
 frames TCP payload is at most about 95.7% of the link rate (the shaper counts headers too).
 Every process does one untimed warm-up round; each repetition times ROUNDS rounds between two
 barriers on worker 0's clock. MB/s = 1e6 bytes/s.
+
+Sluice runs as it does by default: CURVE on, so that every payload byte between hosts is encrypted
+and decrypted (about 1 GB/s a core). --compare-curve (the default but for --quick) runs its job again
+with transport.curve = false, and every job records how busy the machine's cores were through its
+timed rounds (/proc/stat, read by worker 0): cores full while a link idles say the run is bound by
+the CPU (the cipher, the kernel's TCP over the testbed's veths, the processes' own work), not the link.
 """
 
 
@@ -66,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="transport.chunk_bytes, fixed so runs compare (default: %(default)s)")
     parser.add_argument("--inflight-bytes", type=int, default=MIB // 2, metavar="B",
                         help="transport.inflight_bytes, fixed so runs compare (default: %(default)s)")
+    parser.add_argument("--compare-curve", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run Sluice's job with transport.curve = false: on separate hosts every payload "
+                             "byte is encrypted (CURVE, the default), which on 2 cores bounds the rate "
+                             "(default: %(default)s; --quick: off)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -75,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_options(parser, quick="2 workers, 8 MiB, 2 rounds, 2 repeats (overrides those options)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.workers, args.sizes, args.rounds, args.repeats = 2, [8], 2, 2
+        args.workers, args.sizes, args.rounds, args.repeats, args.compare_curve = 2, [8], 2, 2, False
     if min(args.sizes) < 1 or args.workers < 2 or args.repeats < 1 or args.servers < 0 or args.rounds < 0:
         parser.error("sizes and repeats must be positive, workers at least 2, servers and rounds not negative")
     if args.rate_mbit <= 0:
@@ -89,9 +100,11 @@ def rounds_for(size_mib: int, rounds: int) -> int:
 
 # ---------------------------------------------------------------------------- inside the testbed hosts
 def sluice_worker(nbytes: int, rounds: int, repeats: int) -> dict[str, Any]:
-    """Per-round seconds of each repetition, on this worker's clock."""
+    """Per-round seconds of each repetition, on this worker's clock, and how busy the machine's cores
+    were meanwhile (the warm-up round included)."""
+    cores = CoreUse()
     rank, seconds = timed_push_pull(nbytes, rounds, repeats)
-    return {"rank": rank, "seconds": seconds}
+    return {"rank": rank, "seconds": seconds, "cores_busy": cores.busy()}
 
 
 def gloo_worker(nbytes: int, rounds: int, repeats: int) -> dict[str, Any]:
@@ -105,7 +118,7 @@ def gloo_worker(nbytes: int, rounds: int, repeats: int) -> dict[str, Any]:
     if not bool((tensor == dist.get_world_size()).all()):
         raise AssertionError("all_reduce returned a wrong sum")
     tensor.zero_()  # sums of zeros stay finite however many rounds run
-    seconds = []
+    seconds, cores = [], CoreUse()
     for _ in range(repeats):
         dist.barrier()
         started = time.perf_counter()
@@ -113,7 +126,7 @@ def gloo_worker(nbytes: int, rounds: int, repeats: int) -> dict[str, Any]:
             dist.all_reduce(tensor)
         dist.barrier()
         seconds.append((time.perf_counter() - started) / rounds)
-    return {"rank": dist.get_rank(), "seconds": seconds}
+    return {"rank": dist.get_rank(), "seconds": seconds, "cores_busy": cores.busy()}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -132,29 +145,41 @@ def worker_argv(args: argparse.Namespace, role: str, nbytes: int, rounds: int) -
             "--rounds", str(rounds), "--repeats", str(args.repeats)]
 
 
-def bandwidth(nbytes: int, results: list[Any]) -> Stats:
-    """MB/s of worker 0's repetitions."""
-    seconds = next(r["seconds"] for r in results if r["rank"] == 0)
-    return stats([nbytes / t / 1e6 for t in seconds])
+def bandwidth(nbytes: int, results: list[Any]) -> tuple[Stats, float]:
+    """MB/s of worker 0's repetitions, and how busy the cores were through them (by worker 0)."""
+    first = next(r for r in results if r["rank"] == 0)
+    return stats([nbytes / t / 1e6 for t in first["seconds"]]), float(first["cores_busy"])
 
 
-def measure(bed: Netbed, args: argparse.Namespace, size: int, servers: int) -> tuple[Stats, Stats]:
+Run = tuple[Stats, float]  # MB/s, and the share of the machine's cores busy through the job
+
+
+def measure(bed: Netbed, args: argparse.Namespace, size: int, servers: int) -> tuple[Run, Run, Run | None]:
+    """Sluice's MB/s (CURVE on, the default), gloo's, and Sluice's with CURVE off (with --compare-curve),
+    each with how busy the cores were."""
     nbytes, rounds = size * MIB, rounds_for(size, args.rounds)
     workers = [f"w{i}" for i in range(args.workers)]
-    config = {"transport": {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes}}
     env = {"OMP_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    results = run_sluice_job(bed, "sched", [f"s{i}" for i in range(servers)], workers, config,
-                             worker_argv(args, "sluice", nbytes, rounds), timeout=args.timeout, env=env,
-                             echo=args.verbose)
-    ours = bandwidth(nbytes, results)
-    progress(f"  {size:>4} MiB  sluice {ours.brief(1)} MB/s  ({time.perf_counter() - t0:.1f} s)")
+
+    def sluice(curve: bool) -> Run:
+        t0 = time.perf_counter()
+        config = {"transport": {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes,
+                                "curve": curve}}
+        results = run_sluice_job(bed, "sched", [f"s{i}" for i in range(servers)], workers, config,
+                                 worker_argv(args, "sluice", nbytes, rounds), timeout=args.timeout, env=env,
+                                 echo=args.verbose)
+        ours, busy = bandwidth(nbytes, results)
+        progress(f"  {size:>4} MiB  sluice {ours.brief(1)} MB/s{'' if curve else ' (CURVE off)'}, cores {busy:.0%} "
+                 f"busy  ({time.perf_counter() - t0:.1f} s)")
+        return ours, busy
+
+    ours = sluice(True)
     t0 = time.perf_counter()
     results = run_gloo_job(bed, workers, worker_argv(args, "gloo", nbytes, rounds), timeout=args.timeout, env=env,
                            echo=args.verbose)
-    gloo = bandwidth(nbytes, results)
-    progress(f"  {size:>4} MiB  gloo   {gloo.brief(1)} MB/s  ({time.perf_counter() - t0:.1f} s)")
-    return ours, gloo
+    gloo, busy = bandwidth(nbytes, results)
+    progress(f"  {size:>4} MiB  gloo   {gloo.brief(1)} MB/s, cores {busy:.0%} busy  ({time.perf_counter() - t0:.1f} s)")
+    return ours, (gloo, busy), sluice(False) if args.compare_curve else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,20 +203,29 @@ def main(argv: list[str] | None = None) -> int:
             bed.host(f"s{i}", args.rate_mbit)
         bed.host("sched")  # control traffic only: unshaped
         for size in args.sizes:
-            ours, gloo = measure(bed, args, size, servers)
+            (ours, ours_busy), (gloo, gloo_busy), without_curve = measure(bed, args, size, servers)
+            plain, plain_busy = without_curve or (None, 0.0)
             case = f"{size}MiB-w{w}-s{servers}-{args.rate_mbit:g}mbit"
             fraction, ratio = ours.median / link, ours.median / gloo.median
             rows.append([case, ours.brief(1), f"{link:.1f}", f"{fraction:.1%}", gloo.brief(1),
-                         f"{gloo.median / ring:.1%}", f"{ratio:.2f}x"])
+                         f"{gloo.median / ring:.1%}", f"{ratio:.2f}x",
+                         "" if plain is None else f"{plain.brief(1)} ({plain.median / link:.0%}, "
+                                                  f"{plain.median / gloo.median:.2f}x)"])
+            without = {} if plain is None else {
+                "curve_off": plain.median, "curve_off_min": plain.low, "curve_off_max": plain.high,
+                "curve_off_fraction_of_bound": plain.median / link, "curve_off_ratio": plain.median / gloo.median,
+                "curve_off_cores_busy": plain_busy}
             records.append(record(
                 case, ours, gloo, GLOO, "MB/s", size_mib=size, workers=w, servers=servers, rate_mbit=args.rate_mbit,
                 rounds=rounds_for(size, args.rounds), repeats=args.repeats, link_bound=link,
                 fraction_of_bound=fraction, peer_bound=ring, peer_fraction_of_bound=gloo.median / ring,
-                target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO,
+                target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO, curve=True, cores_busy=ours_busy,
+                peer_cores_busy=gloo_busy, **without,
             ))
     progress(f"\nalgorithm bandwidth in MB/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")
-    print_table(["case", "sluice", "PS bound", "sluice/bound", "gloo", "gloo/ring bound", "sluice/gloo"], rows)
+    print_table(["case", "sluice", "PS bound", "sluice/bound", "gloo", "gloo/ring bound", "sluice/gloo",
+                 "sluice, CURVE off (bound, gloo)"], rows)
     for rec in records:
         fraction_met = "met" if rec["fraction_of_bound"] >= TARGET_FRACTION else "MISSED"
         ratio_met = "met" if rec["ratio"] >= TARGET_RATIO else "MISSED"
