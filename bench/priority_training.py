@@ -18,16 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import ROOT, Stats, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import ROOT, CoreUse, Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.plot import bar_chart, write_svg
 from testbed.job import emit_result, run_gloo_job, run_sluice_job
 from testbed.netbed import Netbed, ready_for
 
 KIB = 1 << 10
-PRIORITY, CHUNKED, FIFO, DDP = "priority", "chunked", "fifo", "ddp"
-CONFIGS = (PRIORITY, CHUNKED, FIFO, DDP)
+PRIORITY, CHUNKED, FIFO, DDP, UNENCRYPTED = "priority", "chunked", "fifo", "ddp", "priority-nocurve"
+CONFIGS = (PRIORITY, CHUNKED, FIFO, DDP, UNENCRYPTED)
 LABELS = {
     PRIORITY: "Sluice, priority (forward order, 3 channels, marks)",
+    UNENCRYPTED: "Sluice, priority, CURVE off",
     CHUNKED: "Sluice, chunks without priority",
     FIFO: "Sluice, one FIFO channel, tensors uncut",
     DDP: "torch DDP (gloo)",
@@ -49,10 +50,14 @@ Every worker runs one torch thread. Configurations, all in the same run:
   chunked   the same with worker.priority = "none": every chunk first come, first served
   fifo      one channel, worker.priority = "none", chunks as large as the largest tensor (not cut)
   ddp       torch DistributedDataParallel over gloo on the same worker hosts, optimizer on each worker
+  priority-nocurve
+            priority with transport.curve = false: every other Sluice configuration encrypts each byte
+            between hosts (CURVE, the default), which DDP does not
 
 Sluice's S servers sit on hosts of their own (links unshaped unless --server-mbit), the scheduler on
 the first server's host. Each worker trains WARMUP untimed steps; each repetition then times STEPS
-steps between two barriers on worker 0 (Sluice waits for the last parameters inside the span).
+steps between two barriers on worker 0 (Sluice waits for the last parameters inside the span), and
+how busy the machine's cores were through them (/proc/stat).
 """
 
 
@@ -147,7 +152,7 @@ def train(args: argparse.Namespace, rank: int, optimizer: torch.optim.Optimizer,
 
     loss = steps(args.warmup)
     settle()
-    seconds = []
+    seconds, cores = [], CoreUse()
     for _ in range(args.repeats):
         barrier()
         started = time.perf_counter()
@@ -155,7 +160,7 @@ def train(args: argparse.Namespace, rank: int, optimizer: torch.optim.Optimizer,
         settle()
         barrier()
         seconds.append((time.perf_counter() - started) / args.steps)
-    return {"rank": rank, "seconds": seconds, "loss": loss}
+    return {"rank": rank, "seconds": seconds, "loss": loss, "cores_busy": cores.busy()}
 
 
 def sluice_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,9 +202,9 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- driver
 def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, Any]]:
     chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes}
-    if name == PRIORITY:
+    if name in (PRIORITY, UNENCRYPTED):
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "forward"},
-                "transport": {"channels": 3, "marks": True, **chunked}}
+                "transport": {"channels": 3, "marks": True, **chunked, "curve": name == PRIORITY}}
     if name == CHUNKED:
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
                 "transport": {"channels": 3, **chunked}}
@@ -208,7 +213,8 @@ def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, An
             "transport": {"channels": 1, "chunk_bytes": whole, "inflight_bytes": max(whole, args.inflight_bytes)}}
 
 
-def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> Stats:
+def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> tuple[Stats, float]:
+    """ms a step (worker 0's repetitions), and the share of the cores busy through them."""
     batch = args.global_batch // workers
     argv = [sys.executable, "-m", "bench.priority_training", "--worker", "sluice" if name != DDP else "ddp",
             "--batch", str(batch), "--width", str(args.width), "--hidden", str(args.hidden),
@@ -225,8 +231,9 @@ def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> S
     first = next(r for r in results if r["rank"] == 0)
     step = stats([s * 1000 for s in first["seconds"]])
     progress(f"  w{workers} {name:<8} {step.brief(1)} ms/step, {args.global_batch / step.median * 1000:.0f} "
-             f"samples/s, last loss {first['loss']:.3g} ({time.perf_counter() - t0:.1f} s)")
-    return step
+             f"samples/s, cores {first['cores_busy']:.0%} busy, last loss {first['loss']:.3g} "
+             f"({time.perf_counter() - t0:.1f} s)")
+    return step, float(first["cores_busy"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{'unshaped' if args.server_mbit is None else f'{args.server_mbit:g} Mbit/s'}; "
              f"{args.warmup} warm-up + {args.steps} timed steps x {args.repeats} repeats")
     measured: dict[tuple[int, str], Stats] = {}
+    busy: dict[tuple[int, str], float] = {}
     started = time.perf_counter()
     with Netbed() as bed:
         for i in range(max(args.workers)):
@@ -251,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             bed.host(f"s{i}", args.server_mbit, tos_bands=args.server_mbit is not None)
         for workers in args.workers:
             for name in args.configs:
-                measured[(workers, name)] = measure(bed, args, name, workers)
+                measured[(workers, name)], busy[(workers, name)] = measure(bed, args, name, workers)
     progress(f"\nstep time in ms, median [min..max] of {args.repeats} repeats; global samples/s "
              f"({time.perf_counter() - started:.0f} s in all)")
     rows, records = [], []
@@ -262,26 +270,29 @@ def main(argv: list[str] | None = None) -> int:
             if name != PRIORITY and (workers, PRIORITY) in measured:
                 speedup = f"{step.median / measured[(workers, PRIORITY)].median:.2f}x"
             rows.append([f"w{workers}", name, step.brief(1), f"{args.global_batch / step.median * 1000:.0f}",
-                         speedup])
-    print_table(["workers", "config", "ms/step", "samples/s", "priority speed-up"], rows)
+                         f"{busy[(workers, name)]:.0%}", speedup])
+    print_table(["workers", "config", "ms/step", "samples/s", "cores busy", "priority speed-up"], rows)
     for workers in args.workers:
         if (workers, PRIORITY) not in measured:
             continue
-        ours = throughput(args, measured[(workers, PRIORITY)])
-        for name in args.configs:
-            if name == PRIORITY:
-                continue
-            peer = throughput(args, measured[(workers, name)])
+        # each peer against priority; DDP also against priority with CURVE off (neither then encrypts)
+        pairs = [(PRIORITY, name) for name in args.configs if name in TARGETS]
+        pairs += [(UNENCRYPTED, DDP)] if {UNENCRYPTED, DDP} <= set(args.configs) else []
+        for mine, name in pairs:
+            ours, peer = throughput(args, measured[(workers, mine)]), throughput(args, measured[(workers, name)])
             on = "" if args.optimizer_on == "server" else "-opt_worker"
-            case = f"vgg{args.width}-h{args.hidden}-w{workers}-s{args.servers}-b{args.global_batch}{on}-vs-{name}"
+            nocurve = "-nocurve" if mine == UNENCRYPTED else ""
+            case = (f"vgg{args.width}-h{args.hidden}-w{workers}-s{args.servers}-b{args.global_batch}{on}{nocurve}"
+                    f"-vs-{name}")
             ratio = ours.median / peer.median
             met = "met" if ratio >= TARGETS[name] else "MISSED"
-            progress(f"{case}: priority {ratio:.2f}x {name} (target {TARGETS[name]}x: {met})")
+            progress(f"{case}: {mine} {ratio:.2f}x {name} (target {TARGETS[name]}x: {met})")
             records.append(record(
                 case, ours, peer, LABELS[name], "samples/s", workers=workers, servers=args.servers,
                 global_batch=args.global_batch, rate_mbit=args.rate_mbit, steps=args.steps, warmup=args.warmup,
-                repeats=args.repeats, optimizer_on=args.optimizer_on, ours_step_ms=measured[(workers, PRIORITY)].median,
-                peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name],
+                repeats=args.repeats, optimizer_on=args.optimizer_on, ours_step_ms=measured[(workers, mine)].median,
+                peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name], curve=mine == PRIORITY,
+                cores_busy=busy[(workers, mine)], peer_cores_busy=busy[(workers, name)],
             ))
     write_json(args.json, records)
     if args.plot:

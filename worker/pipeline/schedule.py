@@ -2,9 +2,10 @@
 
 A model cut into P stages runs M micro-batches a step. Each stage runs its own list of actions
 (`F m`: the forward of micro-batch m, `B m`: its backward; `I m` and `W m`: that backward split into
-the inputs' gradient and the weights') in order; `clock_table` replays those lists against their
-dependencies (a forward needs the stage before it, a backward or an I the stage after it, a W its I)
-to show which micro-batch each stage runs at each clock, as torchgpipe's `clock_cycles` tables do.
+the inputs' gradient and the weights') in order; `replay` runs those lists against their dependencies
+(a forward needs the stage before it, a backward or an I the stage after it, a W its I) at given
+times, on as many cores as wanted (bench/pipeline.py replays measured compute), and `clock_table`
+shows from it which micro-batch each stage runs at each clock, as torchgpipe's `clock_cycles` tables do.
 GPipe (fill-drain) runs every forward, then every backward: each stage holds the activations of all M
 micro-batches. 1F1B (PipeDream-flush, as Megatron and torch.distributed.pipelining run it) warms up
 with P - 1 - s forwards at stage s, then alternates one forward and one backward: stage s holds at
