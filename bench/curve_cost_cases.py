@@ -7,9 +7,13 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import zmq
 
 from bench import priority_training, ps_vs_allreduce
 from bench.common import timed_push_pull
@@ -26,7 +30,7 @@ MIB, KIB = 1 << 20, 1 << 10
 @dataclass(frozen=True)
 class Case:
     name: str
-    where: str  # "loopback" or "testbed"
+    where: str  # "loopback", "testbed" or "zeromq" (no Sluice in it: no target)
     unit: str
     better: str  # "higher" or "lower"
     describe: str
@@ -56,6 +60,44 @@ def loopback_pushpull(args: argparse.Namespace, shm: bool) -> Case:
     describe = f"loopback push_pull of {args.size} MiB, {args.workers} workers x {args.servers} servers, {how}"
     return Case(name, "loopback", "GB/s", "higher", describe, run,
                 {"size_mib": args.size, "rounds": rounds, "shm": shm})
+
+
+def zmq_pair(args: argparse.Namespace) -> Case:
+    """ZeroMQ alone: what its CURVE costs per byte, without Sluice's own work around it."""
+    count = max(16, args.size * 8)  # messages of 512 KiB: size * 4 MiB a repetition
+
+    def run(curve: bool) -> list[float]:
+        return [_pair_cpu_per_gb(curve, count, 512 * KIB) for _ in range(args.inner)]
+
+    describe = (f"one pyzmq PUSH -> PULL pair in one process over TCP on loopback, {count} messages of 512 KiB, "
+                "a thread sending: CPU seconds of all threads (ZeroMQ's I/O thread encrypts and decrypts) per GB")
+    return Case("zmq-pair", "zeromq", "CPU s/GB", "lower", describe, run, {"messages": count, "message_kib": 512})
+
+
+def _pair_cpu_per_gb(curve: bool, count: int, size: int) -> float:
+    context = zmq.Context()
+    push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    if curve:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        pull.curve_server, pull.curve_secretkey, pull.curve_publickey = True, server_secret, server_public
+        push.curve_serverkey, push.curve_publickey, push.curve_secretkey = server_public, client_public, client_secret
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    data = os.urandom(size)
+    push.send(data)
+    pull.recv()  # connected (and the handshake done) before the clock starts
+    started = time.process_time()
+    sender = threading.Thread(target=lambda: [push.send(data, copy=False) for _ in range(count)])
+    sender.start()
+    for _ in range(count):
+        pull.recv(copy=False)
+    sender.join()
+    cpu = time.process_time() - started
+    push.close(0)
+    pull.close(0)
+    context.term()
+    return cpu / (count * size / 1e9)
 
 
 def loopback_train(args: argparse.Namespace) -> Case:
