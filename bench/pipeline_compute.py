@@ -1,12 +1,12 @@
-"""The compute alone of bench/pipeline.py's MLP pipeline: each virtual stage's forward and backward of one
-micro-batch, and each stage's optimizer step, timed in one process with one torch thread.
+"""The compute alone of bench/pipeline.py's MLP pipeline, timed per stage without any pipelining library.
 
     python bench/pipeline_compute.py --stages P --micro M [--virtual V] [--width W --layers L --batch B]
 
-bench/pipeline.py replays the schedule at these times (sluice.worker.pipeline.schedule.replay) for the
-step no pipelining library can beat on this machine: it passes nothing between stages and pays no
-Python beyond the modules' own calls. Prints one line `PIPELINE_COMPUTE {json}`: per virtual stage
-the median seconds of a forward (the last stage's with the loss), of a backward, and of that
+One process, one torch thread, every stage's chunks in turn: nothing passes between stages, no Python
+beyond the modules' own calls. bench/pipeline.py runs min(P, cores) of these at once and replays the
+schedule at their times (sluice.worker.pipeline.schedule.replay): with P <= cores, the step no
+pipelining library can beat on this machine. Prints one line `PIPELINE_COMPUTE {json}`: per virtual
+stage the median seconds of a forward (the last stage's with the loss), of a backward, and of that
 backward split into the inputs' gradient (I) and the weights' (W) in the proportion their separate
 passes take (the first stage's inputs need none); per stage (worker) the median seconds of its
 optimizer step and zero_grad.
