@@ -203,8 +203,9 @@ def worker_main(args: argparse.Namespace) -> int:
 def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, Any]]:
     chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes}
     if name in (PRIORITY, UNENCRYPTED):
+        off = {"curve": False} if name == UNENCRYPTED else {}  # the default stays unsaid (curve_cost sets it)
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "forward"},
-                "transport": {"channels": 3, "marks": True, **chunked, "curve": name == PRIORITY}}
+                "transport": {"channels": 3, "marks": True, **chunked, **off}}
     if name == CHUNKED:
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
                 "transport": {"channels": 3, **chunked}}
