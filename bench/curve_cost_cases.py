@@ -74,30 +74,33 @@ def zmq_pair(args: argparse.Namespace) -> Case:
     return Case("zmq-pair", "zeromq", "CPU s/GB", "lower", describe, run, {"messages": count, "message_kib": 512})
 
 
-def _pair_cpu_per_gb(curve: bool, count: int, size: int) -> float:
+def _pair_cpu_per_gb(curve: bool, count: int, size: int, deadline_ms: int = 30_000) -> float:
     context = zmq.Context()
     push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
-    if curve:
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
-        pull.curve_server, pull.curve_secretkey, pull.curve_publickey = True, server_secret, server_public
-        push.curve_serverkey, push.curve_publickey, push.curve_secretkey = server_public, client_public, client_secret
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push.connect(f"tcp://127.0.0.1:{port}")
-    data = os.urandom(size)
-    push.send(data)
-    pull.recv()  # connected (and the handshake done) before the clock starts
-    started = time.process_time()
-    sender = threading.Thread(target=lambda: [push.send(data, copy=False) for _ in range(count)])
-    sender.start()
-    for _ in range(count):
-        pull.recv(copy=False)
-    sender.join()
-    cpu = time.process_time() - started
-    push.close(0)
-    pull.close(0)
-    context.term()
-    return cpu / (count * size / 1e9)
+    try:
+        push.sndtimeo = pull.rcvtimeo = deadline_ms  # a stuck pair raises zmq.Again rather than hang the run
+        if curve:
+            server_public, server_secret = zmq.curve_keypair()
+            client_public, client_secret = zmq.curve_keypair()
+            pull.curve_server, pull.curve_secretkey, pull.curve_publickey = True, server_secret, server_public
+            push.curve_serverkey, push.curve_publickey = server_public, client_public
+            push.curve_secretkey = client_secret
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        data = os.urandom(size)
+        push.send(data)
+        pull.recv()  # connected (and the handshake done) before the clock starts
+        started = time.process_time()
+        sender = threading.Thread(target=lambda: [push.send(data, copy=False) for _ in range(count)])
+        sender.start()
+        for _ in range(count):
+            pull.recv(copy=False)
+        sender.join()
+        return (time.process_time() - started) / (count * size / 1e9)
+    finally:
+        push.close(0)
+        pull.close(0)
+        context.term()
 
 
 def loopback_train(args: argparse.Namespace) -> Case:

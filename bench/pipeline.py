@@ -74,6 +74,8 @@ from sluice.worker.pipeline.schedule import (
 JOB = ROOT / "bench" / "pipeline_job.py"
 COMPUTE = ROOT / "bench" / "pipeline_compute.py"
 COMPUTED = re.compile(r"PIPELINE_COMPUTE (\{.*\})$", re.M)
+#: the cores this benchmark's processes may run on (the compute alone is replayed on as many)
+CORES = len(os.sched_getaffinity(0))
 TORCH = "torch.distributed.pipelining (gloo)"
 BOUND = "bubble bound (P-1)/(M+P-1)"
 TARGET_POINTS = 0.03
@@ -268,8 +270,8 @@ def idle_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Nam
                   torch_overhead_ms_per_slot=torch_excess, torch_schedule=peer_schedule(stages, micro, schedule))
 
 
-def compute_bound(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> tuple[float, int]:
-    """The samples/s of the schedule with nothing but the compute, and the cores it ran on: the times of
+def compute_bound(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> float:
+    """The samples/s of the schedule with nothing but the compute on CORES cores: the times of
     bench/pipeline_compute.py (measured in min(P, cores) processes at once, so that they share the
     caches and memory as the stages do; each the median of theirs), the schedule replayed at them with
     at most one action a core at a time (the first ready goes first), then the slowest optimizer step.
@@ -277,12 +279,11 @@ def compute_bound(stages: int, micro: int, spec: tuple[str, int], args: argparse
     pipelining library can take a shorter step; with more stages than cores the queueing is the
     replay's, not the OS's time slices, so it is an estimate there."""
     name, virtual = spec
-    cores = len(os.sched_getaffinity(0))
     argv = [sys.executable, str(COMPUTE), "--stages", str(stages), "--micro", str(micro), "--virtual", str(virtual),
             "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
             "--warmup", str(args.warmup), "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    output = run_processes([(argv, env)] * min(stages, cores), args.timeout)
+    output = run_processes([(argv, env)] * min(stages, CORES), args.timeout)
     found = [json.loads(m.group(1)) for m in COMPUTED.finditer(output)]
     times = {key: [statistics.median(values) for values in zip(*(f[key] for f in found), strict=True)]
              for key in found[0]}
@@ -291,8 +292,8 @@ def compute_bound(stages: int, micro: int, spec: tuple[str, int], args: argparse
     def duration(action: Action, stage: int) -> float:
         return float(kinds[action.kind][stage])
 
-    makespan = max(end for *_, end in replay(schedule(name, stages, micro, virtual), duration, cores))
-    return args.batch / (makespan + max(times["optimizer"])), cores
+    makespan = max(end for *_, end in replay(schedule(name, stages, micro, virtual), duration, CORES))
+    return float(args.batch / (makespan + max(times["optimizer"])))
 
 
 def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> dict[str, Any]:
@@ -301,7 +302,7 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
     rates: dict[str, list[float]] = {"sluice": [], "torch": []}
     losses: dict[str, list[list[float]]] = {"sluice": [], "torch": []}
     cpu: dict[str, list[float]] = {"sluice": [], "torch": []}  # ms of CPU a step, all processes together
-    bounds: list[tuple[float, int]] = []  # (compute_bound, cores) of each round
+    bounds: list[float] = []  # compute_bound of each round
     for round_ in range(args.rounds):
         for side in ("sluice", "torch") if round_ % 2 == 0 else ("torch", "sluice"):  # alternating: drift hits both
             job = ["--model", "mlp", "--width", str(args.width), "--layers", str(args.layers), "--batch",
@@ -322,7 +323,7 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
         progress(f"  WARNING {case}: the first step's losses differ by {first_diff:.3g}: the sides compute "
                  "different things, so the comparison is not fair")
     ours, peer = stats(rates["sluice"]), stats(rates["torch"])
-    limit, cores = statistics.median(b for b, _ in bounds), bounds[0][1]
+    limit = statistics.median(bounds)
     progress(f"  {case:<22} compute alone {limit:8.0f} samples/s: at most {limit / peer.median:.2f}x torch's; "
              f"ours {ours.median / limit:.0%} of it, torch's {peer.median / limit:.0%}")
     same = first_diff <= LOSS_TOLERANCE
@@ -335,7 +336,7 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
                   first_loss_diff=first_diff, last_loss_diff=last_diff, same_loss=same,
                   cpu_ms_per_step=statistics.median(cpu["sluice"]),
                   peer_cpu_ms_per_step=statistics.median(cpu["torch"]),
-                  compute_bound=limit, cores=cores, of_bound=ours.median / limit, peer_of_bound=peer.median / limit,
+                  compute_bound=limit, cores=CORES, of_bound=ours.median / limit, peer_of_bound=peer.median / limit,
                   bound_speedup=limit / peer.median, met=same and ours.median / peer.median >= TARGET_SPEEDUP)
 
 
