@@ -12,7 +12,10 @@ Set-up: one side listens on a random abstract-namespace name and tells the other
 (authenticated) transport, the name and a random secret; the other connects and sends the secret
 first. The listener takes only a connection whose peer runs as our user (SO_PEERCRED) and whose first
 datagram is the secret. Every datagram after it is one wire message (4-byte header length, 1-byte
-frame count, header, payload) that `wire.decode` checks like any other; anything else is refused.
+frame count, header, zero bytes up to a multiple of 16, payload) that `wire.decode` checks like any
+other; anything else is refused. Each datagram is read into memory of its own, so a received payload
+is the message's to keep: a stage's activation becomes its tensor without a copy (the padding keeps
+it aligned for any dtype).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import struct
 import sys
 from collections.abc import Iterator
 
+import numpy as np
+
 from sluice.transport.wire import DATA_HEADER_BYTES, Message, WireError, decode, encode
 
 #: the largest payload of a lane message; `piece_bytes` says how much this host's socket buffers take
@@ -35,12 +40,21 @@ MAX_PIECE = 1 << 20
 _WANTED_BUFFER = 4 << 20
 _KERNEL_OVERHEAD = 32  # a datagram may be at most the socket's send buffer less this (af_unix.c)
 _LENGTH = struct.Struct("<IB")  # header bytes, frames (1 or 2)
+_ALIGN = 16  # the payload's offset in a datagram, and malloc's alignment: any dtype can view it in place
+_PADDING = bytes(_ALIGN)
+#: the largest datagram a lane takes; a larger one is refused
+LARGEST = _LENGTH.size + DATA_HEADER_BYTES + _ALIGN + MAX_PIECE
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 NAME = re.compile(r"sluice-lane-[0-9a-f]{32}")
 SECRET_HEX = 32
 _CANDIDATES = 4  # connections held at once until they send the secret (the oldest goes first)
 _ACCEPTS_PER_CALL = 16
 AVAILABLE = sys.platform.startswith("linux")  # abstract Unix names and SO_PEERCRED
+
+
+def _padding(header: int) -> int:
+    """Zero bytes after a header of `header` bytes, so that the payload starts at a multiple of _ALIGN."""
+    return -(_LENGTH.size + header) % _ALIGN
 
 
 def _peer_uid(sock: socket.socket) -> int:
@@ -60,7 +74,7 @@ def piece_bytes() -> int:
 
 
 def _piece_of(sock: socket.socket) -> int:
-    room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - _KERNEL_OVERHEAD - _LENGTH.size
+    room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - _KERNEL_OVERHEAD - _LENGTH.size - _ALIGN
     return max(4096, min(MAX_PIECE, (room - DATA_HEADER_BYTES) // 4096 * 4096))
 
 
@@ -163,9 +177,9 @@ class Lane:
         self._sock = sock
         self._pending: list[tuple[int, int, list[bytes | memoryview]]] = []
         self._order = itertools.count()
-        self._buffer = bytearray(_LENGTH.size + DATA_HEADER_BYTES + MAX_PIECE + 1)
+        self._overflow = bytearray(LARGEST)  # a datagram larger than LARGEST is read into it: truncated, refused
+        self._size = bytearray(1)  # what a peek at the next datagram's length reads into
         self._piece = _piece_of(sock)
-        self._view = memoryview(self._buffer)
         #: the peer closed its end (it exited): nothing more will come
         self.closed = False
         #: datagrams and their bytes sent and received (for the stage's log at the end)
@@ -185,7 +199,8 @@ class Lane:
         frames = encode(msg)
         if len(frames) > 1 and (size := memoryview(frames[1]).nbytes) > self._piece:
             raise ValueError(f"a lane message here carries at most {self._piece} bytes, got {size}")
-        datagram = [_LENGTH.pack(len(frames[0]), len(frames)), *frames]
+        header = len(frames[0])
+        datagram = [_LENGTH.pack(header, len(frames)), frames[0], _PADDING[:_padding(header)], *frames[1:]]
         heapq.heappush(self._pending, (msg.priority, next(self._order), datagram))
         self.flush()
 
@@ -205,13 +220,15 @@ class Lane:
 
     def receive(self, limit: int = 256) -> Iterator[Message | WireError]:
         """What arrived, without waiting, at most `limit` datagrams (a peer that keeps sending cannot hold
-        the reader here): each decoded (a Message whose payload is valid until the next one is read) or
+        the reader here): each decoded (a Message whose payload is its own, in memory read for it alone) or
         the WireError that refuses it."""
         for _ in range(limit):
             if self.closed:
                 return
-            try:
-                size, _, flags, _ = self._sock.recvmsg_into([self._view])
+            try:  # the next datagram's length (MSG_TRUNC: the whole length, not what fits the peek's byte)
+                size = self._sock.recv_into(self._size, 1, socket.MSG_PEEK | socket.MSG_TRUNC)
+                datagram = np.empty(size, np.uint8).data if size <= LARGEST else memoryview(self._overflow)
+                size, _, flags, _ = self._sock.recvmsg_into([datagram])
             except (BlockingIOError, InterruptedError):
                 return
             except (ConnectionResetError, OSError):
@@ -221,18 +238,20 @@ class Lane:
                 return
             self.received[0] += 1
             self.received[1] += size
-            yield self._parse(size, flags)
+            yield self._parse(datagram, size, flags)
 
-    def _parse(self, size: int, flags: int) -> Message | WireError:
+    def _parse(self, datagram: memoryview, size: int, flags: int) -> Message | WireError:
         if flags & socket.MSG_TRUNC:
-            return WireError(f"a lane datagram is larger than {len(self._buffer)} bytes")
+            return WireError(f"a lane datagram is larger than {LARGEST} bytes")
         if size < _LENGTH.size:
             return WireError(f"a lane datagram of {size} bytes has no header length")
-        header, count = _LENGTH.unpack_from(self._buffer)
+        header, count = _LENGTH.unpack_from(datagram)
         end = _LENGTH.size + header
-        if not 0 < header <= DATA_HEADER_BYTES or end > size or count not in (1, 2) or (count == 1 and end < size):
+        start = end + _padding(header)
+        if not 0 < header <= DATA_HEADER_BYTES or start > size or count not in (1, 2) or (
+                count == 1 and start < size):
             return WireError(f"a lane datagram of {size} bytes declares a {header}-byte header and {count} frames")
-        frames = [self._view[_LENGTH.size:end]] + ([self._view[end:size]] if count == 2 else [])
+        frames = [datagram[_LENGTH.size:end]] + ([datagram[start:size]] if count == 2 else [])
         try:
             msg = decode(frames)
         except WireError as exc:

@@ -15,7 +15,7 @@ import pytest
 
 from sluice.errors import SluiceError
 from sluice.transport import lane as lanes
-from sluice.transport.wire import DATA_HEADER_BYTES, Flag, Kind, Message, WireError, encode
+from sluice.transport.wire import Flag, Kind, Message, WireError, encode
 from sluice.worker.pipeline.exchange import Neighbours, StageExchange
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD
 from sluice.worker.pipeline.layout import StagePlace
@@ -40,14 +40,20 @@ def pair() -> tuple[lanes.Lane, lanes.Lane]:
 
 
 def received(lane: lanes.Lane, count: int, seconds: float = 5.0) -> list[Message | WireError]:
-    """`count` datagrams from `lane`, their payloads copied (a Message's is valid only until the next read)."""
+    """`count` datagrams from `lane`, their payloads as bytes (to compare)."""
+    got = received_raw(lane, count, seconds)
+    for item in got:
+        if isinstance(item, Message) and item.payload is not None:
+            item.payload = bytes(item.payload)
+    return got
+
+
+def received_raw(lane: lanes.Lane, count: int, seconds: float = 5.0) -> list[Message | WireError]:
+    """`count` datagrams from `lane` as they came (each payload in memory of its own)."""
     got: list[Message | WireError] = []
     deadline = time.monotonic() + seconds
     while len(got) < count and time.monotonic() < deadline:
-        for item in lane.receive():
-            if isinstance(item, Message) and item.payload is not None:
-                item.payload = bytes(item.payload)
-            got.append(item)
+        got.extend(lane.receive())
     return got
 
 
@@ -81,6 +87,17 @@ def test_messages_cross_a_lane_whole_and_checked() -> None:
 
 
 @pytest.mark.serial
+def test_each_payload_arrives_in_memory_of_its_own_aligned_for_any_dtype() -> None:
+    a, b = pair()
+    for nbytes in (8, 4096, 4097):
+        b.send(tensor_message(nbytes=nbytes, fill=3))
+    got = received_raw(a, 3)
+    arrays = [np.frombuffer(m.payload, np.uint8) for m in got if isinstance(m, Message)]
+    assert [x.size for x in arrays] == [8, 4096, 4097] and all(x.ctypes.data % 16 == 0 for x in arrays)
+    assert not any(np.shares_memory(x, y) for i, x in enumerate(arrays) for y in arrays[i + 1:])
+    assert all((x == 3).all() for x in arrays)
+
+
 def test_a_full_lane_queues_without_blocking_and_sends_the_most_urgent_first() -> None:
     a, b = pair()
     started = time.monotonic()
@@ -153,7 +170,8 @@ def test_a_process_of_another_user_is_refused_even_with_the_secret() -> None:
 
 
 def raw_datagram(header: bytes, count: int, payload: bytes = b"") -> bytes:
-    return len(header).to_bytes(4, "little") + bytes([count]) + header + payload
+    padding = bytes(-(5 + len(header)) % 16)  # the payload starts at a multiple of 16
+    return len(header).to_bytes(4, "little") + bytes([count]) + header + padding + payload
 
 
 def malformed() -> list[tuple[bytes, str]]:
@@ -170,7 +188,7 @@ def malformed() -> list[tuple[bytes, str]]:
         (raw_datagram(b"\xc1" * 10, 1), "not valid msgpack"),
         (raw_datagram(header, 2, payload + b"extra"), "payload bytes"),
         (raw_datagram(shm_frames[0], 2, shm_frames[1]), "shared memory"),
-        (b"\0" * (5 + DATA_HEADER_BYTES + lanes.MAX_PIECE + 2), "larger than"),
+        (b"\0" * (lanes.LARGEST + 1), "larger than"),
     ]
 
 

@@ -203,7 +203,7 @@ class StageExchange:
     def _take_direct(self, peer: str, msg: Message) -> None:
         """A message from a direct lane, on the stage's thread: taken, or refused (counted, logged)."""
         try:
-            problem = self._take(peer, msg)
+            problem = self._take(peer, msg, adopt=True)
         except Exception as exc:  # a bug here must not end the stage with a confusing error
             problem = f"handling it failed ({type(exc).__name__}: {exc})"
         if problem:
@@ -249,7 +249,8 @@ class StageExchange:
             self.transport.refuse(peer, f"stage {self.place.stage} dropped {msg.kind.name} of step {msg.round} "
                                         f"micro-batch {msg.chunk} slot {msg.key} from {peer!r:.60}: {problem}")
 
-    def _take(self, peer: str, msg: Message) -> str | None:
+    def _take(self, peer: str, msg: Message, adopt: bool = False) -> str | None:
+        """`adopt`: the payload is the message's own (a lane's), so a tensor in one piece keeps it."""
         source = self._sources.get(msg.kind)
         if source is None or peer != self.workers.names[source] or msg.sender != source:
             return f"{WHAT.get(msg.kind, msg.kind.name)} for this stage come only from worker {source}"
@@ -272,12 +273,15 @@ class StageExchange:
                 cost = piece.size + OVERHEAD_BYTES
                 if self._held + cost > self._max_held:
                     return f"this stage already holds {self._held} bytes (limit {self._max_held})"
-                assembly = entry.partial[piece.slot] = Assembly(piece)
+                assembly = entry.partial[piece.slot] = Assembly(piece, adopt)
                 entry.nbytes += cost
                 self._held += cost
-            problem = assembly.add(piece)
-            if problem or not assembly.complete():
-                return problem
+            else:
+                problem = assembly.add(piece)
+                if problem:
+                    return problem
+            if not assembly.complete():
+                return None
             del entry.partial[piece.slot]
             try:
                 entry.tensors[piece.slot] = assembly.tensor()

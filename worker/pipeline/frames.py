@@ -117,12 +117,20 @@ def read(msg: Message, max_elements: int) -> Piece:
 
 
 class Assembly:
-    """One tensor's pieces as they come (in any order); `add` says why a piece does not fit, or None."""
+    """One tensor's pieces as they come (in any order), the first one taken at once; `add` says why a
+    later piece does not fit, or None."""
 
-    def __init__(self, first: Piece) -> None:
+    def __init__(self, first: Piece, adopt: bool = False) -> None:
+        """`adopt`: `first.data` is memory of its own (a lane's datagram), which a tensor in one piece keeps
+        instead of a copy."""
         self.spec = first
+        if adopt and first.at == 0 and len(first.data) == first.size:
+            self.buffer = np.frombuffer(first.data, np.uint8)
+            self._missing: set[int] = set()
+            return
         self.buffer = np.empty(first.size, np.uint8)
         self._missing = set(range(0, max(first.size, 1), first.piece))
+        self.add(first)
 
     @property
     def nbytes(self) -> int:
