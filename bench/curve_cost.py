@@ -34,7 +34,7 @@ from testbed.ssh import ssh_bed
 from testbed.ssh import unavailable as ssh_unavailable
 
 PEER_NAME = "sluice, transport.curve = false"
-LOOPBACK = ("pushpull-shm", "pushpull-tcp", "train", "zmq-pair")
+LOOPBACK = ("pushpull-shm", "pushpull-tcp", "train", "zmq-pair", "zmq-pair-sealed")
 TESTBED = ("testbed-pushpull", "testbed-train", "ssh-train")
 GROUPS = {"loopback": LOOPBACK, "testbed": TESTBED, "all": LOOPBACK + TESTBED}
 #: the most CURVE may cost, in percent of the time without it
@@ -55,6 +55,10 @@ a job the figures are taken after a warm-up, as in the benchmarks they reuse. Ca
   zmq-pair          ZeroMQ alone (no Sluice): one pyzmq PUSH -> PULL pair in one process over TCP on
                     loopback, 512 KiB messages, CPU seconds of all its threads per GB: the cipher's
                     own price per byte, which no setting of Sluice's changes
+  zmq-pair-sealed   the same pair without CURVE, each message sealed with AES-256-GCM by the sending
+                    thread and opened by the receiving one (transport/seal.py): "curve on" is sealed,
+                    "curve off" the same pair in plain; the price of the cipher Sluice could use for
+                    payloads instead (not used by the transport yet)
   testbed-pushpull  shaped testbed, one role per host, every worker and server link at RATE Mbit/s
                     (bench/ps_vs_allreduce.py's job: fixed chunk and in-flight bytes), payload bytes
                     all encrypted since the hosts are not local to each other
@@ -233,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             loopback.append(loopback_pushpull(args, shm=name == "pushpull-shm"))
         elif name == "train":
             loopback.append(loopback_train(args))
-        elif name == "zmq-pair":
-            loopback.append(zmq_pair(args))
+        elif name in ("zmq-pair", "zmq-pair-sealed"):
+            loopback.append(zmq_pair(args, sealed=name == "zmq-pair-sealed"))
     done += run_cases(loopback, args)
     testbed = [name for name in args.cases if name in TESTBED and name != "ssh-train"]
     if (testbed or "ssh-train" in args.cases) and ready_for("curve_cost"):

@@ -19,6 +19,7 @@ from bench import priority_training, ps_vs_allreduce
 from bench.common import timed_push_pull
 from bench.train_throughput import _sluice_worker as train_worker
 from bench.train_throughput import demo
+from sluice.transport.seal import KEY_BYTES, Opener, Sealer
 from testbed.cluster import LocalCluster
 from testbed.job import RESULT_PREFIX, run_sluice_job
 from testbed.netbed import Netbed
@@ -62,21 +63,28 @@ def loopback_pushpull(args: argparse.Namespace, shm: bool) -> Case:
                 {"size_mib": args.size, "rounds": rounds, "shm": shm})
 
 
-def zmq_pair(args: argparse.Namespace) -> Case:
-    """ZeroMQ alone: what its CURVE costs per byte, without Sluice's own work around it."""
+def zmq_pair(args: argparse.Namespace, sealed: bool = False) -> Case:
+    """ZeroMQ alone: what its CURVE costs per byte, without Sluice's own work around it; `sealed`: what
+    AES-256-GCM (transport/seal.py) on the same sockets without CURVE costs instead."""
     count = max(16, args.size * 8)  # messages of 512 KiB: size * 4 MiB a repetition
 
-    def run(curve: bool) -> list[float]:
-        return [_pair_cpu_per_gb(curve, count, 512 * KIB) for _ in range(args.inner)]
+    def run(on: bool) -> list[float]:
+        return [_pair_cpu_per_gb(on and not sealed, count, 512 * KIB, sealed=on and sealed) for _ in range(args.inner)]
 
+    how = ("each message sealed by the sending thread and opened by the receiving one (transport/seal.py's "
+           "AES-256-GCM, no CURVE on the sockets) against the same pair in plain" if sealed else
+           "ZeroMQ's I/O thread encrypts and decrypts")
     describe = (f"one pyzmq PUSH -> PULL pair in one process over TCP on loopback, {count} messages of 512 KiB, "
-                "a thread sending: CPU seconds of all threads (ZeroMQ's I/O thread encrypts and decrypts) per GB")
-    return Case("zmq-pair", "zeromq", "CPU s/GB", "lower", describe, run, {"messages": count, "message_kib": 512})
+                f"a thread sending: CPU seconds of all threads per GB; {how}")
+    return Case("zmq-pair-sealed" if sealed else "zmq-pair", "zeromq", "CPU s/GB", "lower", describe, run,
+                {"messages": count, "message_kib": 512, "cipher": "AES-256-GCM" if sealed else "CURVE"})
 
 
-def _pair_cpu_per_gb(curve: bool, count: int, size: int, deadline_ms: int = 30_000) -> float:
+def _pair_cpu_per_gb(curve: bool, count: int, size: int, deadline_ms: int = 30_000, sealed: bool = False) -> float:
     context = zmq.Context()
     push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    key = os.urandom(KEY_BYTES)
+    sealer, opener = Sealer(key), Opener(key)
     try:
         push.sndtimeo = pull.rcvtimeo = deadline_ms  # a stuck pair raises zmq.Again rather than hang the run
         if curve:
@@ -91,10 +99,17 @@ def _pair_cpu_per_gb(curve: bool, count: int, size: int, deadline_ms: int = 30_0
         push.send(data)
         pull.recv()  # connected (and the handshake done) before the clock starts
         started = time.process_time()
-        sender = threading.Thread(target=lambda: [push.send(data, copy=False) for _ in range(count)])
+        if sealed:
+            sender = threading.Thread(target=lambda: [push.send_multipart(sealer.seal([b"h", data]), copy=False)
+                                                      for _ in range(count)])
+        else:
+            sender = threading.Thread(target=lambda: [push.send(data, copy=False) for _ in range(count)])
         sender.start()
         for _ in range(count):
-            pull.recv(copy=False)
+            if sealed:
+                opener.open(pull.recv_multipart(copy=False))
+            else:
+                pull.recv(copy=False)
         sender.join()
         return (time.process_time() - started) / (count * size / 1e9)
     finally:

@@ -24,6 +24,7 @@ import zmq
 import zmq.utils.z85
 
 _CONTEXT = b"sluice curve key v1\x00"
+_SEAL_CONTEXT = b"sluice seal key v1\x00"
 MIN_SECRET_BYTES = 16
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
@@ -49,6 +50,14 @@ class JobKeys:
         """The Z85-encoded CURVE secret key of member `name`."""
         raw = hmac.new(self._secret, _CONTEXT + name.encode(), hashlib.sha256).digest()
         return bytes(zmq.utils.z85.encode(raw))
+
+    def seal_key(self, sender: str, receiver: str, channel: int, session: bytes) -> bytes:
+        """The 32-byte AES-256-GCM key of the messages `sender` sends `receiver` on `channel` of the
+        connection whose (random, per connection) `session` both know (transport/seal.py)."""
+        if not sender or not receiver or "\0" in sender + receiver or not 0 <= channel < 256 or not session:
+            raise ValueError("a sealing key needs two member names without NUL, a channel in [0, 256), a session")
+        context = b"\0".join((_SEAL_CONTEXT, sender.encode(), receiver.encode(), bytes([channel]), session))
+        return hmac.new(self._secret, context, hashlib.sha256).digest()
 
     def public_key(self, name: str) -> bytes:
         """The Z85-encoded CURVE public key of member `name` (cached: a scalar multiplication each)."""

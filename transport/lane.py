@@ -225,7 +225,7 @@ class Lane:
         for _ in range(limit):
             if self.closed:
                 return
-            try:  # the next datagram's length (MSG_TRUNC: the whole length, not what fits the peek's byte)
+            try:  # the next datagram's length (MSG_TRUNC: its whole length, on Linux since 3.4), then all of it
                 size = self._sock.recv_into(self._size, 1, socket.MSG_PEEK | socket.MSG_TRUNC)
                 datagram = np.empty(size, np.uint8).data if size <= LARGEST else memoryview(self._overflow)
                 size, _, flags, _ = self._sock.recvmsg_into([datagram])

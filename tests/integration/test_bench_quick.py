@@ -28,7 +28,8 @@ def test_curve_cost_quick_measures_every_loopback_case(tmp_path: Path) -> None:
     result = run_script(["bench/curve_cost.py", "--quick", "--cases", "loopback", "--json", str(out)], timeout=140)
     assert result.returncode == 0, result.stdout[-3000:]
     records = json.loads(out.read_text())
-    assert [rec["case"] for rec in records] == ["pushpull-shm", "pushpull-tcp", "train", "zmq-pair"], records
+    assert [rec["case"] for rec in records] == ["pushpull-shm", "pushpull-tcp", "train", "zmq-pair",
+                                                "zmq-pair-sealed"], records
     for rec in records:
         assert rec["peer_name"] == "sluice, transport.curve = false", rec
         assert min(rec["ours"], rec["peer"], rec["ours_min"], rec["peer_min"]) > 0, rec
@@ -38,11 +39,14 @@ def test_curve_cost_quick_measures_every_loopback_case(tmp_path: Path) -> None:
         faster = rec["ratio"] if rec["better"] == "higher" else 1 / rec["ratio"]
         assert rec["speedup"] == pytest.approx(faster, rel=1e-12), rec
         assert rec["cost"] == pytest.approx((1 / rec["speedup"] - 1) * 100, rel=1e-9, abs=1e-9), rec
-        if rec["case"] == "zmq-pair":  # ZeroMQ alone: the cipher's price, no target; it costs CPU
-            assert rec["target_cost"] is None and rec["met"] is None and rec["ours"] > 2 * rec["peer"], rec
+        if rec["case"].startswith("zmq-pair"):  # ZeroMQ alone: a cipher's price, no target; each costs CPU
+            assert rec["target_cost"] is None and rec["met"] is None and rec["ours"] > rec["peer"], rec
         else:
             assert rec["target_cost"] == 25.0 and rec["met"] == (rec["cost"] <= 25.0), rec
         assert rec["case"] in result.stdout
+    curve, sealed = records[3], records[4]
+    assert curve["ours"] > 2 * curve["peer"], curve  # CURVE more than doubles the pair's CPU a GB
+    assert sealed["ours"] < curve["ours"], (sealed, curve)  # AES-GCM in the threads costs less than CURVE
 
 
 @pytest.mark.slow
