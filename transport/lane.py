@@ -15,7 +15,7 @@ datagram is the secret. Every datagram after it is one wire message (4-byte head
 frame count, header, zero bytes up to a multiple of 16, payload) that `wire.decode` checks like any
 other; anything else is refused. Each datagram is read into memory of its own, so a received payload
 is the message's to keep: a stage's activation becomes its tensor without a copy (the padding keeps
-it aligned for any dtype).
+it aligned for any dtype; after a header of more than KEPT_HEADER bytes the payload is copied out).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ _ALIGN = 16  # the payload's offset in a datagram, and malloc's alignment: any d
 _PADDING = bytes(_ALIGN)
 #: the largest datagram a lane takes; a larger one is refused
 LARGEST = _LENGTH.size + DATA_HEADER_BYTES + _ALIGN + MAX_PIECE
+#: a payload after a longer header is copied out, so that what a receiver keeps of a datagram is at most its
+#: payload and this (a peer cannot make it hold 64 KiB headers behind one-byte payloads)
+KEPT_HEADER = 1024
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 NAME = re.compile(r"sluice-lane-[0-9a-f]{32}")
 SECRET_HEX = 32
@@ -251,7 +254,8 @@ class Lane:
         if not 0 < header <= DATA_HEADER_BYTES or start > size or count not in (1, 2) or (
                 count == 1 and start < size):
             return WireError(f"a lane datagram of {size} bytes declares a {header}-byte header and {count} frames")
-        frames = [datagram[_LENGTH.size:end]] + ([datagram[start:size]] if count == 2 else [])
+        payload = datagram[start:size] if start <= KEPT_HEADER else memoryview(bytes(datagram[start:size]))
+        frames = [datagram[_LENGTH.size:end]] + ([payload] if count == 2 else [])
         try:
             msg = decode(frames)
         except WireError as exc:

@@ -96,6 +96,13 @@ def test_each_payload_arrives_in_memory_of_its_own_aligned_for_any_dtype() -> No
     assert [x.size for x in arrays] == [8, 4096, 4097] and all(x.ctypes.data % 16 == 0 for x in arrays)
     assert not any(np.shares_memory(x, y) for i, x in enumerate(arrays) for y in arrays[i + 1:])
     assert all((x == 3).all() for x in arrays)
+    big = tensor_message(nbytes=64, fill=5)
+    big.meta = {"x": "y" * 2000}  # a header over KEPT_HEADER: the payload is copied out of the datagram
+    b.send(big)
+    kept = received_raw(a, 1)[0]
+    assert isinstance(kept, Message) and bytes(kept.payload) == bytes([5]) * 64
+    owner = memoryview(kept.payload).obj
+    assert isinstance(owner, bytes) and len(owner) == 64  # its own 64 bytes, not the 2 KiB datagram
 
 
 def test_a_full_lane_queues_without_blocking_and_sends_the_most_urgent_first() -> None:
