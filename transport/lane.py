@@ -181,7 +181,7 @@ class Lane:
         self._pending: list[tuple[int, int, list[bytes | memoryview]]] = []
         self._order = itertools.count()
         self._overflow = bytearray(LARGEST)  # a datagram larger than LARGEST is read into it: truncated, refused
-        self._size = bytearray(1)  # what a peek at the next datagram's length reads into
+        self._peek = bytearray(1)  # what a peek at the next datagram's length reads into
         self._piece = _piece_of(sock)
         #: the peer closed its end (it exited): nothing more will come
         self.closed = False
@@ -229,7 +229,7 @@ class Lane:
             if self.closed:
                 return
             try:  # the next datagram's length (MSG_TRUNC: its whole length, on Linux since 3.4), then all of it
-                size = self._sock.recv_into(self._size, 1, socket.MSG_PEEK | socket.MSG_TRUNC)
+                size = self._sock.recv_into(self._peek, 1, socket.MSG_PEEK | socket.MSG_TRUNC)
                 datagram = np.empty(size, np.uint8).data if size <= LARGEST else memoryview(self._overflow)
                 size, _, flags, _ = self._sock.recvmsg_into([datagram])
             except (BlockingIOError, InterruptedError):

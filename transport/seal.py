@@ -28,7 +28,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from sluice.transport.wire import WireError
+from sluice.transport.wire import WireError, frame_view
 
 KEY_BYTES = 32
 TAG_BYTES = 16
@@ -39,11 +39,6 @@ MAX_FRAMES = 2  # a wire message has a header and at most one payload
 LAST_COUNTER = (1 << 64) - 1 - MAX_FRAMES
 #: bytes a sealed message carries beyond its frames'
 OVERHEAD = _COUNTER.size + MAX_FRAMES * TAG_BYTES
-
-
-def _frame_view(frame: Any) -> memoryview:
-    buffer = getattr(frame, "buffer", None)  # zmq.Frame when received with copy=False
-    return memoryview(buffer if buffer is not None else frame).cast("B")
 
 
 class Sealer:
@@ -67,7 +62,7 @@ class Sealer:
         self._next += len(frames)
         sealed = []
         for place, frame in enumerate(frames):
-            data = _frame_view(frame)
+            data = frame_view(frame).cast("B")
             skip = _COUNTER.size if place == 0 else 0
             out = np.empty(skip + data.nbytes + TAG_BYTES, np.uint8).data  # not zeroed: every byte is written
             if skip:
@@ -95,7 +90,7 @@ class Opener:
         under this key, altered, out of format, or not newer than the last message opened."""
         if not 1 <= len(frames) <= MAX_FRAMES:
             raise WireError(f"a sealed message has 1 to {MAX_FRAMES} frames, got {len(frames)}")
-        views = [_frame_view(frame) for frame in frames]
+        views = [frame_view(frame).cast("B") for frame in frames]
         if views[0].nbytes < _COUNTER.size + TAG_BYTES or any(v.nbytes < TAG_BYTES for v in views[1:]):
             raise WireError("a sealed frame is shorter than its counter and tag")
         counter = _COUNTER.unpack_from(views[0])[0]

@@ -301,7 +301,8 @@ def _unpack_error(exc: Exception, what: str) -> WireError:
     return WireError(f"{what} is not valid msgpack: {type(exc).__name__}")
 
 
-def _payload_view(frame: Any) -> memoryview:
+def frame_view(frame: Any) -> memoryview:
+    """A received or outgoing frame's bytes (a zmq.Frame's buffer, or any buffer); WireError for anything else."""
     buffer = getattr(frame, "buffer", None)  # zmq.Frame when received with copy=False
     try:
         return memoryview(buffer if buffer is not None else frame)
@@ -314,7 +315,7 @@ def decode(frames: Sequence[Any], max_header: int = DATA_HEADER_BYTES) -> Messag
     anything out of format, before msgpack builds anything where a limit can tell."""
     if not 1 <= len(frames) <= 2:
         raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
-    header_bytes = _payload_view(frames[0])
+    header_bytes = frame_view(frames[0])
     size = header_bytes.nbytes
     if size > max_header:
         raise WireError(f"header of {size} bytes exceeds {max_header}")
@@ -370,9 +371,9 @@ def decode(frames: Sequence[Any], max_header: int = DATA_HEADER_BYTES) -> Messag
         raise WireError(f"shape {msg.shape} of {dtype} does not match {declared} bytes")
     msg.dtype = dtype
     if msg.flags & Flag.SHM:
-        msg.shm = _descriptor(_payload_view(frames[1]), declared)
+        msg.shm = _descriptor(frame_view(frames[1]), declared)
         return msg
-    payload = _payload_view(frames[1])
+    payload = frame_view(frames[1])
     if payload.nbytes != declared:
         raise WireError(f"header declares {declared} payload bytes, frame has {payload.nbytes}")
     msg.payload = payload
