@@ -52,6 +52,7 @@ class Plan:
     join_after: tuple[tuple[int, int], ...] = ()  # (rank, steps): that rank joins after this many steps
     join_at_end: bool = False  # every rank joins after its last step
     timeout: float = 60.0  # for any one wait of a rank
+    lanes: bool = False  # the coordinator's messages between ranks of one host over direct lanes
 
 
 @dataclass
@@ -140,7 +141,8 @@ def _rank_main(plan: Plan, rank: int, endpoints: Any, book: Any, reports: Any, d
             if dials(rank, other):
                 transport.connect(names[other], addresses[other])
         settings = CollectiveConfig(arity=plan.arity, cycle_ms=plan.cycle_ms, stall_timeout=plan.stall_timeout)
-        coordinator = Coordinator(transport, rank, tree, names, settings, seen.on_decided, seen.on_error)
+        local = [r for r, host in enumerate(hosts) if host == hosts[rank]] if plan.lanes else []
+        coordinator = Coordinator(transport, rank, tree, names, settings, seen.on_decided, seen.on_error, local=local)
         box.attach(coordinator.on_message)
         try:
             _run_steps(plan, rank, coordinator, seen, report)

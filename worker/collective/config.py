@@ -29,6 +29,9 @@ class CollectiveConfig:
     #: and get their result down with the decision: two hops instead of four (0: never; carry.py; not
     #: with fusion = "greedy", Horovod's way)
     carry_bytes: int = 256 << 10
+    #: the coordinator's messages between workers on one host go over direct lanes (Unix sockets its own threads
+    #: write and read: two thread wake-ups a hop instead of five) rather than through the transport
+    lanes: bool = True
     #: gradients of one dtype are laid out in one registered buffer, cut into equal groups of at most
     #: this many bytes, each sent as one message stream (0: no fusion, each gradient alone)
     fusion_bytes: int = 16 << 20

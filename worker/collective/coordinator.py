@@ -25,14 +25,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from sluice.transport import lane as lanes
 from sluice.transport.base import Transport
 from sluice.transport.rejects import Rejections
 from sluice.transport.wire import Kind, Message, WireError, encode
 from sluice.worker.collective.carry import Carrier, check_blobs
 from sluice.worker.collective.config import CollectiveConfig
+from sluice.worker.collective.coord_lanes import CoordinatorLanes
 from sluice.worker.collective.negotiation import Controller, Decision, Down, Request, Up
 from sluice.worker.collective.negotiation_codec import decode_down, decode_up, encode_down, encode_up, hello, is_hello
 from sluice.worker.collective.negotiation_request import check_request
@@ -61,8 +63,9 @@ def message_bytes(msg: Message) -> int:
 class Coordinator:
     def __init__(self, transport: Transport, rank: int, tree: Tree, peers: Sequence[str], settings: CollectiveConfig,
                  on_decided: Callable[[Decision], None], on_error: Callable[[str], None], node_id: int = -1,
-                 on_cycle_end: Callable[[], None] = lambda: None) -> None:
-        """`on_cycle_end` is called after each cycle's decisions have been handed to `on_decided`."""
+                 on_cycle_end: Callable[[], None] = lambda: None, local: Collection[int] = ()) -> None:
+        """`on_cycle_end` is called after each cycle's decisions have been handed to `on_decided`. `local`: ranks on
+        this host; messages to those of them that are neighbours go over direct lanes (coord_lanes.py)."""
         if len(peers) != tree.size:
             raise ValueError(f"{len(peers)} peer names for a tree of {tree.size} ranks")
         self.rank, self.tree = rank, tree
@@ -84,7 +87,8 @@ class Coordinator:
         self._batch_since: float | None = None  # first submit or Up since the last tick
         self._urgent = False  # a Down came: forward it as soon as a cycle allows
         self._counts = dict.fromkeys(("messages_received", "bytes_received", "messages_sent", "bytes_sent",
-                                      "max_received_per_tick", "ticks", "refused", "decisions", "held"), 0)
+                                      "max_received_per_tick", "ticks", "refused", "decisions", "held",
+                                      "received_on_lanes"), 0)
         self._rejects = Rejections(log)
         self._failed = False
         self._closed = False
@@ -94,6 +98,10 @@ class Coordinator:
         for r in sorted(self._heard):
             kind = Kind.COORD_UP if r == self._parent else Kind.COORD_DOWN
             transport.send(peers[r], 0, hello(kind, node_id))
+        near = set(local) & set(self._rank_of.values())
+        pairs = {r: (peers[r], Kind.COORD_UP if r == self._parent else Kind.COORD_DOWN) for r in near}
+        self._lanes = CoordinatorLanes(transport, rank, node_id, pairs, {r for r in near if dials(rank, r)},
+                                       self._arrived) if near and lanes.AVAILABLE else None
         self._thread = threading.Thread(target=self._run, name=f"sluice-coordinator-{rank}", daemon=True)
         self._thread.start()
 
@@ -122,7 +130,7 @@ class Coordinator:
     def stats(self, reset: bool = False) -> dict[str, int]:
         """Counters since the start (or the last reset): messages and bytes (header + payload) each way,
         the most controller messages taken in one tick, ticks, refused messages, decisions (`carried`: those
-        whose result came with them), held messages."""
+        whose result came with them), held messages, messages received over direct lanes."""
         with self._cond:
             taken = dict(self._counts)
             taken["carried"] = self._carrier.carried
@@ -136,26 +144,41 @@ class Coordinator:
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
+        if self._lanes is not None:
+            self._lanes.close()
 
     # ------------------------------------------------------------------ transport I/O thread
     def on_message(self, peer: str, msg: Message) -> None:
         """Check and queue a COORD_UP (from a child) or COORD_DOWN (from the parent); refuse anything else."""
         sender = self._rank_of.get(peer)
-        expected = Kind.COORD_DOWN if sender == self._parent else Kind.COORD_UP
-        if sender is None or msg.kind != expected:
+        if sender is None or msg.kind != (Kind.COORD_DOWN if sender == self._parent else Kind.COORD_UP):
             self._transport.refuse(peer, f"coordinator of rank {self.rank}: a {msg.kind.name} from {peer!r:.60}, "
                                          "which is not what its parent or a child of it sends")
-            return
+        elif self._lanes is not None and sender in self._lanes:
+            if why := self._lanes.arrive(sender, msg, on_lane=False):
+                self._transport.refuse(peer, f"coordinator of rank {self.rank}: {msg.kind.name} from {peer!r:.60}: "
+                                             f"{why}")
+        else:
+            self._arrived(sender, msg, False)
+
+    def _arrived(self, sender: int, msg: Message, on_lane: bool) -> None:
+        """A message of the kind `sender` sends, in its order (on the I/O thread, or the lanes' thread)."""
+        peer = self._peers[sender]
         try:
-            parsed = None if is_hello(msg) else decode_up(msg) if expected == Kind.COORD_UP else decode_down(msg)
+            parsed = None if is_hello(msg) else decode_up(msg) if msg.kind == Kind.COORD_UP else decode_down(msg)
         except WireError as exc:
-            self._transport.refuse(peer, f"coordinator of rank {self.rank}: {msg.kind.name} from {peer!r:.60}: {exc}")
+            text = f"coordinator of rank {self.rank}: {msg.kind.name} from {peer!r:.60}: {exc}"
+            if self._lanes is not None and self._lanes.on_own_thread():
+                self._lanes.rejects.refuse(peer, text, time.monotonic())
+            else:
+                self._transport.refuse(peer, text)
             return
         size = message_bytes(msg)
         with self._cond:
             if self._closed:
                 return
             self._counts["messages_received"] += 1
+            self._counts["received_on_lanes"] += on_lane
             self._counts["bytes_received"] += size
             self._heard.add(sender)
             if parsed is not None:
@@ -310,7 +333,10 @@ class Coordinator:
         self._rejects.tick(now)
 
     def _send(self, dest: int, msg: Message) -> None:
-        self._transport.send(self._peers[dest], 0, msg)
+        if self._lanes is not None and dest in self._lanes:
+            self._lanes.send(dest, msg)
+        else:
+            self._transport.send(self._peers[dest], 0, msg)
 
     def _hold(self, dest: int, msg: Message, now: float) -> None:
         with self._cond:

@@ -70,6 +70,7 @@ class CollectiveEngine:
         self.label, self.set_id = label, set_id
         self._timeout = timeout
         self.tree = build_tree(hosts, settings.arity)
+        self._hosts = list(hosts)
         self.ring = ring_order(hosts)
         self._lock = threading.Lock()
         self._waiting: dict[str, _Entry] = {}
@@ -153,8 +154,10 @@ class CollectiveEngine:
         """Connect to every other rank (each pair once; alltoall and allgather reach every rank) and wait
         until every lower rank has connected here; not on the I/O thread."""
         self.data.connect(endpoints, self._timeout)
+        here = self._hosts[self.rank]
+        local = [r for r, host in enumerate(self._hosts) if host == here] if self.settings.lanes else []
         self.coordinator = Coordinator(self._transport, self.rank, self.tree, self._peers, self.settings,
-                                       self._on_decided, self.fail, on_cycle_end=self.flush)
+                                       self._on_decided, self.fail, on_cycle_end=self.flush, local=local)
         self._coordination.attach(self.coordinator.on_message)
 
     def close(self) -> None:
