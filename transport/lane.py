@@ -182,7 +182,8 @@ class Lane:
         self._order = itertools.count()
         self._overflow = bytearray(LARGEST)  # a datagram larger than LARGEST is read into it: truncated, refused
         self._peek = bytearray(1)  # what a peek at the next datagram's length reads into
-        self._piece = _piece_of(sock)
+        #: the largest payload this lane's messages carry (its socket buffer's room)
+        self.piece = _piece_of(sock)
         #: the peer closed its end (it exited): nothing more will come
         self.closed = False
         #: datagrams and their bytes sent and received (for the stage's log at the end)
@@ -200,8 +201,8 @@ class Lane:
         """Queue `msg` (a payload of at most `piece_bytes()`, not in shared memory) and send what the
         socket takes now. The payload must not change until it has left (`pending` is 0)."""
         frames = encode(msg)
-        if len(frames) > 1 and (size := memoryview(frames[1]).nbytes) > self._piece:
-            raise ValueError(f"a lane message here carries at most {self._piece} bytes, got {size}")
+        if len(frames) > 1 and (size := memoryview(frames[1]).nbytes) > self.piece:
+            raise ValueError(f"a lane message here carries at most {self.piece} bytes, got {size}")
         header = len(frames[0])
         datagram = [_LENGTH.pack(header, len(frames)), frames[0], _PADDING[:_padding(header)], *frames[1:]]
         heapq.heappush(self._pending, (msg.priority, next(self._order), datagram))

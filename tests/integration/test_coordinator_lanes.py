@@ -77,6 +77,7 @@ def start(side: Side, rank: int) -> CoordinatorLanes:
     kind = Kind.COORD_DOWN if rank == 0 else Kind.COORD_UP
     side.lanes = CoordinatorLanes(side.transport, rank, -1, {1 - rank: (NAMES[1 - rank], kind)},
                                   {0} if rank == 1 else set(), side.deliver)
+    side.lanes.start()
     return side.lanes
 
 

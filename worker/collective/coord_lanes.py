@@ -87,6 +87,9 @@ class CoordinatorLanes:
                 continue
             self._control(pair, {"lane": pair.listener.name, "secret": pair.listener.secret})
         self._thread = threading.Thread(target=self._run, name=f"sluice-coordinator-lanes-{rank}", daemon=True)
+
+    def start(self) -> None:
+        """Start reading the lanes (once the owner is ready to take what they bring)."""
         self._thread.start()
 
     def __contains__(self, rank: object) -> bool:
@@ -102,7 +105,7 @@ class CoordinatorLanes:
         pair = self._pairs[rank]
         with pair.send_lock:
             lane = pair.lane
-            on_lane = lane is not None and not lane.closed and msg.nbytes <= self.piece
+            on_lane = lane is not None and not lane.closed and msg.nbytes <= min(self.piece, lane.piece)
             if on_lane != pair.out_on_lane:
                 if pair.out_on_lane and lane is not None and not lane.closed:  # a closed lane says it by closing
                     lane.send(self._word(pair, {"path": "transport"}))
@@ -238,7 +241,7 @@ class CoordinatorLanes:
         """Stop the lane thread, give what the lanes still hold up to `seconds` to leave, and close them."""
         self._closed = True
         self._wake.ring()
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread and self._thread.ident is not None:
             self._thread.join(5.0)
         deadline = time.monotonic() + seconds
         for pair in self._pairs.values():

@@ -102,6 +102,8 @@ class Coordinator:
         pairs = {r: (peers[r], Kind.COORD_UP if r == self._parent else Kind.COORD_DOWN) for r in near}
         self._lanes = CoordinatorLanes(transport, rank, node_id, pairs, {r for r in near if dials(rank, r)},
                                        self._arrived) if near and lanes.AVAILABLE else None
+        if self._lanes is not None:
+            self._lanes.start()
         self._thread = threading.Thread(target=self._run, name=f"sluice-coordinator-{rank}", daemon=True)
         self._thread.start()
 
