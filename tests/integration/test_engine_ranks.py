@@ -1,5 +1,6 @@
-"""64 light ranks (no torch) run the whole collective engine: the coordinator tree and small allreduces, which
-from their second step on carry their data up the tree with their requests (worker/collective/carry.py)."""
+"""64 light ranks (no torch) run the whole collective engine: the coordinator tree (over direct lanes, the ranks
+sharing a host) and small allreduces, which from their second step on carry their data up the tree with their
+requests (worker/collective/carry.py)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,5 @@ def test_64_ranks_allreduce_through_the_tree() -> None:
     assert {stats["carried"] for _, _, stats in got.values()} == {(STEPS - 1) * OPS}
     root = got[0][2]
     assert 0 < root["max_received_per_tick"] <= ARITY, root
+    # every rank is on "host-0": from the lanes' set-up on, the tree's messages come over direct lanes
+    assert all(stats["received_on_lanes"] > 0 for _, _, stats in got.values())
