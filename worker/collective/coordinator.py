@@ -12,7 +12,8 @@ cycle's budget: a step's request, the decision coming down) runs in the thread t
 submit's caller or the I/O thread, so that no thread is woken for it (measured on 4 workers of the demo
 model on 2 cores: 16 voluntary context switches a step on a worker instead of 22); the coordinator thread
 runs the ticks a cycle holds back and those the Controller's deadlines call for (a stall alert, a
-census). Everything goes on channel 0 with priority 0 (control is the most urgent traffic). Decisions
+census). Everything goes on channel 0 with priority 0 (control is the most urgent traffic), or, to a neighbour
+on this host, over a direct lane (coord_lanes.py: its own thread reads it and ticks inline). Decisions
 are handed to `on_decided` in order, by the thread that ticked; a failure to `on_error`, once.
 
 Connections (see collective.tree.dials): each pair of neighbours is dialled once, by the higher rank. Each
