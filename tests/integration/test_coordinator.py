@@ -34,8 +34,9 @@ def check_same_order(reports: list[Report], steps: int, ops: int) -> None:
 @pytest.mark.parametrize("arity", [4, 2])
 def test_64_ranks_decide_the_same_order_and_the_root_hears_at_most_arity_per_tick(arity: int) -> None:
     steps, ops = 4, 200
-    reports = run(Plan(ranks=64, arity=arity, steps=steps, ops=ops, ranks_per_host=8, timeout=60))
+    reports = run(Plan(ranks=64, arity=arity, steps=steps, ops=ops, ranks_per_host=8, timeout=60, lanes=True))
     check_same_order(reports, steps, ops)
+    assert all(r.steady["received_on_lanes"] > 0 for r in reports)  # each has a neighbour on its host
     root = reports[0]
     assert root.first["max_received_per_tick"] <= arity, root.first  # the slow path, too
     assert 0 < root.steady["max_received_per_tick"] <= arity, root.steady
