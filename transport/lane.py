@@ -151,6 +151,15 @@ class LaneListener:
         self._candidates.clear()
 
 
+def offer_of(meta: object) -> tuple[str, str]:
+    """The (name, secret) a lane offer's meta carries; ValueError saying why it is not one."""
+    if type(meta) is not dict or set(meta) != {"lane", "secret"} or not all(type(v) is str for v in meta.values()):
+        raise ValueError("a lane offer's meta must be {lane, secret} strings")
+    if not NAME.fullmatch(meta["lane"]) or len(meta["secret"]) != SECRET_HEX:
+        raise ValueError("a lane offer must name a sluice lane and a secret of 32 hex digits")
+    return meta["lane"], meta["secret"]
+
+
 def connect(name: str, secret: str) -> Lane | None:
     """A lane to the listener `name`, or None while its backlog is full; ConnectionRefusedError when
     nothing listens there (another network namespace's name), ValueError for a name or secret out of

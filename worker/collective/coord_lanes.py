@@ -157,10 +157,10 @@ class CoordinatorLanes:
             return None
         if pair.listener is not None or pair.offer is not None or pair.declined:
             return "a lane offer where none is expected"
-        if set(meta) != {"lane", "secret"} or type(meta["lane"]) is not str or type(meta["secret"]) is not str or (
-                not lanes.NAME.fullmatch(meta["lane"]) or len(meta["secret"]) != lanes.SECRET_HEX):
-            return "a lane offer must be {lane, secret}: a sluice lane's name and 32 hex digits"
-        pair.offer = (meta["lane"], meta["secret"])
+        try:
+            pair.offer = lanes.offer_of(meta)
+        except ValueError as exc:
+            return str(exc)
         self._wake.ring()
         return None
 

@@ -91,12 +91,10 @@ class Links:
             return "this stage takes no direct lane from that worker"
         if link.offer is not None:
             return "it offered a direct lane twice"
-        if type(meta) is not dict or set(meta) != {"lane", "secret"} or not all(
-                type(v) is str for v in meta.values()):
-            return "a lane offer's meta must be {lane, secret} strings"
-        if not lanes.NAME.fullmatch(meta["lane"]) or len(meta["secret"]) != lanes.SECRET_HEX:
-            return "a lane offer must name a sluice lane and a secret of 32 hex digits"
-        link.offer = (meta["lane"], meta["secret"])
+        try:
+            link.offer = lanes.offer_of(meta)
+        except ValueError as exc:
+            return str(exc)
         self.wake()
         return None
 
