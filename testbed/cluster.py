@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,25 +20,34 @@ from testbed.children import own_tempdir
 _ctx = mp.get_context("fork")
 
 
+def _dump_stacks_on_request() -> None:
+    """A process the test finds late prints every thread's stack (to the captured stderr) on SIGUSR1."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _scheduler_main(env: NodeEnv, announce: Any) -> None:
     from sluice.scheduler.service import run_scheduler
 
+    _dump_stacks_on_request()
     os._exit(run_scheduler(env, announce.put))
 
 
 def _server_main(env: NodeEnv) -> None:
     from sluice.ps.server import run_server
 
+    _dump_stacks_on_request()
     os._exit(run_server(env))
 
 
 def _aggregator_main(env: NodeEnv) -> None:
     from sluice.ps.aggregator import run_aggregator
 
+    _dump_stacks_on_request()
     os._exit(run_aggregator(env))
 
 
 def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    _dump_stacks_on_request()
     os.environ.update(env.to_environ())
     os.environ[ENV_SECRET_FD] = str(secret_pipe(env.secret))  # as the launcher hands it over
     torch = sys.modules.get("torch")
@@ -99,9 +110,20 @@ class LocalCluster:
         """The first `count` worker reports, by rank; raises queue.Empty if they are late."""
         out: dict[int, tuple[str, Any]] = {}
         for _ in range(count):
-            rank, status, value = results.get(timeout=timeout)
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                self.dump_stacks()
+                raise
             out[rank] = (status, value)
         return out
+
+    def dump_stacks(self) -> None:
+        """Every live process of the job prints its threads' stacks, so a late report says where it waits."""
+        for process in self.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
         """Run fn(*args) in every worker; its return values by rank. Raises if any worker fails."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -108,6 +109,30 @@ def test_each_direction_keeps_its_order_while_messages_too_large_for_a_lane_go_t
         assert (False, False) in paths[first:], paths
     assert parent.rejects.total == child.rejects.total == 0
     assert sides[0].transport.stats()["rejected"] == sides[1].transport.stats()["rejected"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_what_a_full_lane_holds_back_leaves_once_its_reader_catches_up(sides: list[Side]) -> None:
+    parent, child = start(sides[0], 0), start(sides[1], 1)
+    wait_until(lambda: child._pairs[0].lane is not None)
+    child.send(0, numbered(Kind.COORD_UP, 0, 10))
+    wait_until(lambda: any(on_lane for _, _, on_lane in sides[0].got))  # the lane is up and in use
+    reading = threading.Event()
+    deliver = sides[0].deliver
+
+    def stalled(rank: int, msg: Message, on_lane: bool) -> None:  # the parent's lane thread busy elsewhere
+        reading.wait(10.0)
+        deliver(rank, msg, on_lane)
+
+    sides[0].lanes._deliver = stalled  # type: ignore[union-attr]
+    count = 64  # 16 MiB: more than the socket's buffer, so some wait in the child's queue
+    for i in range(1, count + 1):
+        child.send(0, numbered(Kind.COORD_UP, i, 256 << 10))
+    assert child._pairs[0].lane is not None and child._pairs[0].lane.pending > 0
+    reading.set()  # the child then sends nothing more: its lane thread alone must send what it holds
+    wait_until(lambda: len(sides[0].got) == count + 1)
+    assert [msg.meta["i"] for _, msg, _ in sides[0].got] == list(range(count + 1))  # type: ignore[index]
+    assert parent.rejects.total == child.rejects.total == 0
 
 
 @pytest.mark.timeout(30)

@@ -114,6 +114,8 @@ class CoordinatorLanes:
                 pair.out_on_lane = on_lane
             if on_lane and lane is not None:
                 lane.send(msg)
+                if lane.pending:  # the socket is full: the lane thread must wait for room, not only for input
+                    self._wake.ring()
             else:
                 self._transport.send(pair.peer, 0, msg)
 
