@@ -162,7 +162,8 @@ class RegistryServer:
         self._sock = make_socket(self._ctx, zmq.ROUTER, REQUEST_FRAME_CAP, None, None)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IPV6, int(":" in address))
-        self._monitor = self._guard.secure_listener(self._sock)
+        self._monitor = self._guard.watch(self._sock)
+        self._guard.secure_listener(self._sock, self.endpoint)
         try:
             self._sock.bind(self.endpoint)
         except zmq.ZMQError:

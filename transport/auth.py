@@ -23,8 +23,11 @@ from collections.abc import Iterable, Sequence
 import zmq
 import zmq.utils.z85
 
+from sluice.transport.local_endpoints import DOMAIN_PREFIX, peer_uid
+
 _CONTEXT = b"sluice curve key v1\x00"
 _SEAL_CONTEXT = b"sluice seal key v1\x00"
+_LOCAL_CONTEXT = b"sluice local ticket v1\x00"
 MIN_SECRET_BYTES = 16
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
@@ -59,6 +62,12 @@ class JobKeys:
         context = b"\0".join((_SEAL_CONTEXT, sender.encode(), receiver.encode(), bytes([channel]), session))
         return hmac.new(self._secret, context, hashlib.sha256).digest()
 
+    def local_ticket(self, name: str, domain: bytes) -> bytes:
+        """The PLAIN password with which member `name` dials the local listener of ZAP domain `domain`
+        (transport/local_endpoints.py): bound to that one socket."""
+        context = _LOCAL_CONTEXT + name.encode() + b"\0" + domain
+        return hmac.new(self._secret, context, hashlib.sha256).hexdigest().encode()
+
     def public_key(self, name: str) -> bytes:
         """The Z85-encoded CURVE public key of member `name` (cached: a scalar multiplication each)."""
         key = self._public.get(name)
@@ -89,11 +98,23 @@ class JobKeys:
         """
         if len(request) < 6 or request[0] != ZAP_VERSION:
             return [ZAP_VERSION, request[1] if len(request) > 1 else b"", b"500", b"malformed request", b"", b""]
-        request_id, mechanism, credentials = request[1], request[5], request[6:]
-        name = self.member(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else None
+        request_id, domain, address = request[1], request[2], request[3]
+        mechanism, credentials = request[5], request[6:]
+        if domain.startswith(DOMAIN_PREFIX.encode()):  # a local listener: PLAIN, our user, a ticket for this socket
+            name = self._local_member(domain, address, credentials) if mechanism == b"PLAIN" else None
+        else:
+            name = self.member(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else None
         if name is None:
             return [ZAP_VERSION, request_id, b"400", b"not a member of this job", b"", b""]
         return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]
+
+    def _local_member(self, domain: bytes, address: bytes, credentials: Sequence[bytes]) -> str | None:
+        if len(credentials) != 2 or peer_uid(address) != os.getuid():
+            return None
+        name = credentials[0].decode("utf-8", "replace")
+        if name not in self.names or not hmac.compare_digest(credentials[1], self.local_ticket(name, domain)):
+            return None
+        return name
 
 
 MAX_SECRET_FILE = 4096

@@ -4,10 +4,11 @@
   body and drops the connection of a peer that announces more, so an oversized frame is never held.
   Data sockets cap at the job's largest chunk, control sockets (to and from the scheduler) at the
   largest control header.
-- With job keys, listening sockets are CURVE servers and a ZAP handler on the transport's own I/O
-  thread admits only clients whose key belongs to a member, whose name becomes the connection's
-  User-Id; connecting sockets authenticate the server they connect to by its key. A monitor counts
-  handshakes that failed (strangers never get a message through).
+- With job keys, listening sockets are CURVE servers on the network and PLAIN servers on their local
+  Unix sockets (transport/local_endpoints.py); a ZAP handler on the transport's own I/O thread admits
+  only clients whose key (or ticket, from our user) belongs to a member, whose name becomes the
+  connection's User-Id; connecting sockets authenticate the server they connect to by its key. A
+  monitor counts handshakes that failed (strangers never get a message through).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from sluice.transport import local_endpoints
 from sluice.transport.auth import ZAP_ENDPOINT, JobKeys
 
 _HWM = 100_000
@@ -29,6 +31,8 @@ _LINGER_MS = 2000
 _FAILED_HANDSHAKES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+#: the ZAP domain of listeners on the network (CURVE)
+NETWORK_DOMAIN = b"sluice"
 #: at most one cut-off per banned peer per this many seconds (its DEALER reconnects by itself)
 _CUT_INTERVAL = 1.0
 
@@ -62,17 +66,36 @@ class Guard:
             self.zap.setsockopt(zmq.LINGER, 0)
             self.zap.bind(ZAP_ENDPOINT)
 
-    def secure_listener(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
-        """CURVE-server settings for a socket about to bind; its handshake monitor (to poll), if any."""
+    def watch(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
+        """The handshake monitor (to poll) of a listening socket, when handshakes can fail (job keys)."""
         if self.keys is None:
             return None
-        self.keys.secure_server(sock, self.name)
         monitor = sock.get_monitor_socket(_FAILED_HANDSHAKES)
         self.monitors.append(monitor)
         return monitor
 
-    def secure_dialer(self, sock: zmq.Socket[bytes], peer: str) -> None:
-        if self.keys is not None:
+    def secure_listener(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
+        """The mechanism of the socket's next bind, at `endpoint`: PLAIN with tickets on a local one, else CURVE.
+        libzmq copies a socket's options into each listener as it binds, so one ROUTER runs both."""
+        if self.keys is None:
+            return
+        if endpoint.startswith(local_endpoints.PREFIX):
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, local_endpoints.domain_of(endpoint).encode())
+        else:
+            self.keys.secure_server(sock, self.name)
+            sock.setsockopt(zmq.ZAP_DOMAIN, NETWORK_DOMAIN)  # not a local one (libzmq refuses an empty one)
+
+    def secure_dialer(self, sock: zmq.Socket[bytes], peer: str, endpoint: str) -> None:
+        """Dial `peer` at `endpoint` as this member: with a ticket on a local endpoint (never reconnecting: a
+        socket name that went away could be another user's next), else as a CURVE client that checks it."""
+        if endpoint.startswith(local_endpoints.PREFIX):
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)
+            if self.keys is not None:
+                sock.setsockopt(zmq.PLAIN_USERNAME, self.name.encode())
+                domain = local_endpoints.domain_of(endpoint).encode()
+                sock.setsockopt(zmq.PLAIN_PASSWORD, self.keys.local_ticket(self.name, domain))
+        elif self.keys is not None:
             self.keys.secure_client(sock, self.name, peer)
 
     def answer_zap(self) -> None:

@@ -16,8 +16,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from sluice.transport import local_endpoints
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import Handler
 from sluice.transport.config import TransportConfig, on_this_host
@@ -95,7 +94,7 @@ class ZmqTransport:
         #: this transport's process token, in the HELLO that opens each of its connections (transport/incarnations.py)
         self._process = secrets.token_hex(8)
         self._enqueue = self._sender.outbox.append  # send()'s one step, bound once
-        self._ipc_dir: str | None = None
+        self._local_dials: set[str] = set()
         self._wake = Wakeup()
         self._poller.register(self._wake.fileno(), zmq.POLLIN)
         self._stop_at: float | None = None
@@ -144,6 +143,7 @@ class ZmqTransport:
             taken = self.metrics.snapshot()
             taken["rejected"] = self.rejects.total
             taken["refused_connections"] = self._guard.refused_handshakes
+            taken["local_peers"] = sorted(self._local_dials)  # dialled over their Unix sockets
             taken["acks_sent"] = list(self.metrics.acks_sent)
             if reset:
                 self.metrics.reset()
@@ -212,14 +212,23 @@ class ZmqTransport:
             raise ValueError(f"cannot listen on port {port}: a fixed port needs transport.protocol = tcp and "
                              f"{channels} ports from it up to 65535")
         made: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]] = []
+        # each channel's ROUTER binds its local Unix socket, then (protocol tcp) its port: both published
+        local = local_endpoints.new_names(channels) if local_endpoints.AVAILABLE else []
+        if not local and self.config.protocol == "ipc":
+            raise ValueError("transport.protocol = ipc needs Linux's abstract Unix sockets; use tcp here")
+        network: list[str] = []
         address = ""
         try:
             for channel in range(channels):
                 sock = self._socket(zmq.ROUTER, channel, self._control)
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                made.append((sock, self._guard.secure_listener(sock)))
-                address = self._address(channel, port)
-                sock.bind(address)
+                made.append((sock, self._guard.watch(sock)))
+                for address in local[channel:channel + 1] + ([self._address(channel, port)]
+                                                             if self.config.protocol == "tcp" else []):
+                    self._guard.secure_listener(sock, address)
+                    sock.bind(address)
+                if self.config.protocol == "tcp":
+                    network.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except zmq.ZMQError as exc:
             self._drop(made)
             in_use = exc.errno == EADDRINUSE
@@ -234,12 +243,9 @@ class ZmqTransport:
             self._routers.append(sock)
             self._socket_channel[sock] = (None, channel)
             self._poller.register(sock, zmq.POLLIN)
-        return [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in self._routers]
+        return network + local
 
     def _address(self, channel: int, port: int) -> str:
-        if self.config.protocol == "ipc":
-            self._ipc_dir = self._ipc_dir or tempfile.mkdtemp(prefix="sluice-")
-            return f"ipc://{self._ipc_dir}/ch{channel}"
         return f"tcp://{self.config.host}:{port + channel if port else 0}"
 
     def _drop(self, made: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]]) -> None:
@@ -261,10 +267,13 @@ class ZmqTransport:
         if self._local is not None and on_this_host(endpoints, self.config.host) and not control:
             self._local.add(peer)
             self._shared.announce_registered([peer])
-        for channel, endpoint in enumerate(endpoints[: self.config.channels]):
+        dialled, local = local_endpoints.choose(endpoints, self.config.channels, self.config.host)
+        if local:
+            self._local_dials.add(peer)
+        for channel, endpoint in enumerate(dialled):
             sock = self._socket(zmq.DEALER, channel, control or self._control, tos)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
-            self._guard.secure_dialer(sock, peer)
+            self._guard.secure_dialer(sock, peer, endpoint)
             sock.connect(endpoint)
             # the first message on the connection, before anything queued: a restarted process is told apart
             sock.send_multipart(encode(Message(Kind.HELLO, meta={"process": self._process})), zmq.NOBLOCK)
@@ -279,6 +288,7 @@ class ZmqTransport:
             self._socket_channel.pop(sock, None)
             self._max_header.pop(sock, None)
             sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
+        self._local_dials.discard(peer)
         self._forget_peer(peer)
         self._connect(peer, endpoints, control, tos)
 
@@ -304,8 +314,8 @@ class ZmqTransport:
                         self._guard.answer_zap()
                     elif sock in self._monitors:
                         if self._guard.read_monitor(sock):  # counted there; logged here, at a bounded rate
-                            self.rejects.refuse("a stranger", "refused a connection whose CURVE handshake failed "
-                                                "(no job secret, or a key that is no member's)", time.monotonic())
+                            self.rejects.refuse("a stranger", "refused a connection whose handshake failed (no job "
+                                                "secret: a key or a ticket that is no member's)", time.monotonic())
                     else:
                         peer, channel = self._socket_channel[sock]
                         receiver.receive(sock, peer, channel, self._max_header[sock], arrived)
@@ -368,7 +378,5 @@ class ZmqTransport:
         for sock in list(self._socket_channel):
             sock.close(linger=self._linger_ms if self._stop_at is not None else 0)
         self._ctx.term()
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
         while self._commands:
             self._commands.popleft()[1].set_exception(RuntimeError(f"transport {self.name} closed"))

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from sluice.scheduler.bootstrap import member_names, node_name
+from sluice.transport import local_endpoints
 from sluice.transport.auth import JobKeys
 from sluice.transport.shm import SHM_DIR, Segment
 from sluice.transport.wire import VERSION, Flag, Kind, Message, encode
@@ -165,6 +166,39 @@ def own_connection_attacks(key: int, chunk: int, length: int, sender: int, forge
     }
 
 
+def _dial_as(sock: zmq.Socket[bytes], keys: JobKeys, name: str, server: str, endpoint: str) -> None:
+    """Make `sock` dial `server` at `endpoint` as member `name` (whose keys a compromised member can derive):
+    with its ticket on a local Unix socket, with its CURVE key on the network."""
+    if endpoint.startswith(local_endpoints.PREFIX):
+        sock.setsockopt(zmq.PLAIN_USERNAME, name.encode())
+        sock.setsockopt(zmq.PLAIN_PASSWORD, keys.local_ticket(name, local_endpoints.domain_of(endpoint).encode()))
+    else:
+        keys.secure_client(sock, name, server)
+
+
+def _strangers(ctx: zmq.Context[zmq.Socket[bytes]], keys: JobKeys, names: list[str], server: str,
+               endpoint: str) -> list[zmq.Socket[bytes]]:
+    """Dealers that must be refused at the door, calling themselves worker 0: on the network one guesses the
+    keys and one knows the server's public key (leaked, say); on a Unix socket one shows a ticket made with
+    another secret and one shows none."""
+    guessed = JobKeys(secrets.token_bytes(32), names)
+    made = []
+    for attempt in range(2):
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
+        if endpoint.startswith(local_endpoints.PREFIX) and attempt == 0:
+            _dial_as(stranger, guessed, node_name("worker", 0), server, endpoint)
+        elif not endpoint.startswith(local_endpoints.PREFIX):
+            stranger.setsockopt(zmq.CURVE_SERVERKEY, (guessed, keys)[attempt].public_key(server))
+            public, secret = zmq.curve_keypair()
+            stranger.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            stranger.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        stranger.connect(endpoint)
+        made.append(stranger)
+    return made
+
+
 class Attacker(threading.Thread):
     """Sends every attack to every server endpoint once per `attack()` call, on its own thread, so each
     round overlaps the training step that asked for it; `finish()` waits for the rounds asked for."""
@@ -212,23 +246,12 @@ class Attacker(threading.Thread):
                     sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
                 elif big:
                     sock.setsockopt(zmq.IDENTITY, b"scheduler")
-                    keys.secure_client(sock, "scheduler", server.name)
+                    _dial_as(sock, keys, "scheduler", server.name, endpoint)
                 else:
                     other = node_name("server", (server.rank + 1) % env.servers)
                     sock.setsockopt(zmq.IDENTITY, other.encode())
-                    keys.secure_client(sock, other, server.name)
-                    # one stranger guesses the keys, one knows the server's public key (leaked, say)
-                    guessed = JobKeys(secrets.token_bytes(32), names)
-                    for server_key in (guessed.public_key(server.name), keys.public_key(server.name)):
-                        stranger = ctx.socket(zmq.DEALER)
-                        stranger.setsockopt(zmq.LINGER, 0)
-                        stranger.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
-                        stranger.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-                        public, secret = zmq.curve_keypair()
-                        stranger.setsockopt(zmq.CURVE_PUBLICKEY, public)
-                        stranger.setsockopt(zmq.CURVE_SECRETKEY, secret)
-                        stranger.connect(endpoint)
-                        self.strangers.append(stranger)
+                    _dial_as(sock, keys, other, server.name, endpoint)
+                    self.strangers.extend(_strangers(ctx, keys, names, server.name, endpoint))
                 sock.connect(endpoint)
                 sockets.append(sock)
         if not big:  # the scheduler too; with CURVE under its own name, the one member that never dials it

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
+from sluice.transport import local_endpoints
 from sluice.transport.auth import JobKeys
 from sluice.transport.config import TransportConfig
 from sluice.transport.shm import SHM_MIN_BYTES, Segment
@@ -81,14 +82,16 @@ def io_thread_names() -> set[str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("shm", "io_threads"), [(False, 1), (True, 1), (False, 3)],
                          ids=["sockets", "shm", "sockets-3-io-threads"])
-@pytest.mark.parametrize("protocol", ["tcp", "ipc"])
+@pytest.mark.parametrize("protocol", ["tcp", "local", "ipc"])
 @pytest.mark.parametrize("direction", ["dealer-to-router", "router-to-dealer"])
 def test_messages_arrive_intact_and_fifo_per_channel(
     transports: Callable[..., ZmqTransport], protocol: str, direction: str, shm: bool, io_threads: int
 ) -> None:
+    """tcp: the client dials the TCP ports (as a peer on another host would); local: it is given every endpoint
+    and dials the Unix sockets; ipc: the server listens on those alone (transport.protocol = ipc)."""
     # CURVE on (the default): with 3 I/O threads, channel 0 is encrypted and decrypted on a thread of its own
-    config = TransportConfig(channels=3, inflight_bytes=1 << 20, chunk_bytes=1 << 16, protocol=protocol, shm=shm,
-                             io_threads=io_threads)
+    config = TransportConfig(channels=3, inflight_bytes=1 << 20, chunk_bytes=1 << 16, shm=shm, io_threads=io_threads,
+                             protocol="ipc" if protocol == "ipc" else "tcp")
     server_inbox, client_inbox = Inbox(), Inbox()
     server = transports(SERVER, config, server_inbox)
     client = transports(CLIENT, config, client_inbox)
@@ -97,10 +100,12 @@ def test_messages_arrive_intact_and_fifo_per_channel(
         time.sleep(0.01)
     assert wanted <= io_thread_names()
     endpoints = server.listen()
-    assert len(endpoints) == 3 and len(set(endpoints)) == 3
-    if protocol == "tcp":
-        assert all(e.startswith("tcp://127.0.0.1:") and not e.endswith(":0") for e in endpoints)
-    client.connect(SERVER, endpoints)
+    network, local = local_endpoints.split(endpoints)
+    assert len(local) == 3 and len(set(endpoints)) == len(endpoints)
+    assert len(network) == (0 if protocol == "ipc" else 3)
+    assert all(e.startswith("tcp://127.0.0.1:") and not e.endswith(":0") for e in network)
+    client.connect(SERVER, network if protocol == "tcp" else endpoints)
+    assert client.stats()["local_peers"] == ([] if protocol == "tcp" else [SERVER])
     warm_up(client, SERVER, server_inbox, 3)
     sender, receiver, to, inbox = client, server, SERVER, server_inbox
     if direction == "router-to-dealer":
@@ -289,7 +294,8 @@ def test_garbage_from_a_raw_dealer_does_not_break_a_listener(
     from_client = [(r.channel, r.key) for r in got if r.peer == CLIENT]
     assert [k for c, k in from_client if c == 0] == [1 << 30, *range(100, 100 + rounds)]
     assert [k for c, k in from_client if c == 1] == [(1 << 30) + 1, *range(200, 200 + rounds)]
-    assert sorted((r.peer, r.key) for r in got if r.peer != CLIENT) == [("attacker-0", 900), ("attacker-1", 901)]
+    # one raw socket on each TCP port and each local Unix socket
+    assert sorted((r.peer, r.key) for r in got if r.peer != CLIENT) == [(f"attacker-{i}", 900 + i) for i in range(4)]
 
     # every one counted; each kind of reason logged, but not one line per message
     assert server.stats()["rejected"] == rounds * len(attackers) * len(bad)
