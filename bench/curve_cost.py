@@ -49,7 +49,9 @@ a job the figures are taken after a warm-up, as in the benchmarks they reuse. Ca
   pushpull-shm      loopback: W workers push_pull one float32 tensor through S servers (LocalCluster,
                     pushing from a Client.alloc array; bench/push_pull.py's measurement). Payloads go
                     through shared memory, so CURVE encrypts only headers and descriptors.
-  pushpull-tcp      the same with transport.shm = false: CURVE encrypts every payload byte
+  pushpull-tcp      the same with transport.shm = false: every payload byte through the sockets, which
+                    between processes of one host are Unix sockets (authenticated by a ticket with
+                    CURVE on, never encrypted: transport/local_endpoints.py)
   train             loopback: bench/train_throughput.py's digits model and job (W workers, S servers,
                     optimizer on the workers), time per training step
   zmq-pair          ZeroMQ alone (no Sluice): one pyzmq PUSH -> PULL pair in one process over TCP on

@@ -1,4 +1,4 @@
-"""CURVE keys of a job's members, derived from the job secret, and the ZAP answers that admit only them.
+"""Members' CURVE keys and Unix-socket tickets, derived from the job secret; ZAP answers that admit only them.
 
 Every process of a job holds the job secret (made by the launcher, handed to each child through an
 inherited pipe, never on a command line or in a log). From it each member name ("scheduler",
@@ -8,8 +8,10 @@ before the handshake) and a listening socket can tell, from the key a client pro
 member it is: that name becomes the connection's ZAP User-Id, and the transport drops any message
 whose self-chosen ZeroMQ identity differs from it. A process without the secret cannot complete a
 handshake at all: it does not know the servers' public keys, and no key it has maps to a member.
-A secret kept in a file (`sluice node --secret-file`, `jobs.registry_secret_file`) is read by
-`read_secret_file`, which refuses one that others can read.
+At a listener's Unix socket (peers on one host: local_endpoints.py) a member shows a ticket instead,
+HMAC-SHA256(job secret, its name, that socket's name), from a process of our user. A secret kept
+in a file (`sluice node --secret-file`, `jobs.registry_secret_file`) is read by `read_secret_file`,
+which refuses one that others can read.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class Transport(Protocol):
 def open_transport(name: str, config: TransportConfig, handler: Handler, keys: JobKeys | None = None,
                    control: bool = False, members: Iterable[str] = ()) -> Transport:
     """The transport implementation named by config.backend. With config.curve (the default), `keys`
-    authenticate and encrypt every connection, `name` being this member's name among them.
+    authenticate every connection and encrypt those between hosts, `name` being this member's name among them.
     `control`: this transport serves the control plane (the scheduler). `members`: the names of the
     job's processes (known from `keys` too): their routes are never forgotten, they are never banned,
     and only they may share memory with this process."""

@@ -37,7 +37,8 @@ class TransportConfig:
     backend: str = "zmq"
     #: payloads to peers on this host travel through shared memory (/dev/shm) instead of sockets
     shm: bool = True
-    #: authenticate every connection with CURVE keys derived from the job's secret, and encrypt it;
+    #: authenticate every connection (CURVE keys derived from the job's secret; tickets on this host's Unix
+    #: sockets) and encrypt those between hosts;
     #: false: anyone who can reach the ports can join, read and forge (only on a network you trust)
     curve: bool = True
     #: ZeroMQ I/O threads per process: they move every byte on the sockets, and encrypt and decrypt it with

@@ -1,7 +1,8 @@
 """ZeroMQ transport: one socket per channel and peer, one I/O thread, credit-bounded priority queues.
 
-Listening nodes bind one ROUTER per channel; connecting nodes open one DEALER per channel to each
-peer, with their node name as identity. All sockets live on a single I/O thread that polls them
+Listening nodes bind one ROUTER per channel (on an abstract Unix socket and a TCP port: peers on this
+host dial the first, local_endpoints.py); connecting nodes open one DEALER per channel to each peer,
+with their node name as identity. All sockets live on a single I/O thread that polls them
 with a zmq Poller (blocking sockets, no asyncio: see docs/architecture.md). Callers hand it
 messages through a lock-free deque and an eventfd. Every received payload is acknowledged back to
 its sender (lazily: zmq_receive.py); the sender keeps at most `inflight_bytes` unacknowledged per
