@@ -15,6 +15,7 @@ import msgpack
 import zmq
 
 from sluice.scheduler.bootstrap import member_names, node_name
+from sluice.transport import local_endpoints
 from sluice.transport.auth import JobKeys
 from sluice.transport.wire import VERSION, Kind
 
@@ -129,16 +130,20 @@ class Flood:
         if self.mode == MEMBER:
             assert self.keys is not None
             sock.setsockopt(zmq.IDENTITY, target.claim.encode())
-            self.keys.secure_client(sock, target.claim, target.server)
+            self.keys.secure_dialer(sock, target.claim, target.server, target.endpoint)
         elif self.mode == STRANGERS:
             assert self.keys is not None
             # a stranger claiming a member's name; half know the server's public key (leaked), half guess it
             sock.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
-            server_key = self.keys.public_key(target.server) if n % 2 == 0 else zmq.curve_keypair()[0]
-            public, secret = zmq.curve_keypair()
-            sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            if target.endpoint.startswith(local_endpoints.PREFIX):  # a ticket made with a guessed secret
+                JobKeys(self.rng.randbytes(32), self.keys.names).secure_dialer(
+                    sock, node_name("worker", 0), target.server, target.endpoint)
+            else:
+                server_key = self.keys.public_key(target.server) if n % 2 == 0 else zmq.curve_keypair()[0]
+                public, secret = zmq.curve_keypair()
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             # each retry is a refused handshake: paced, they come at about the rate asked for in all
             retry_ms = 1 if not self.rate else max(1, int(1000 * len(self.targets) * 4 / self.rate))
             sock.setsockopt(zmq.RECONNECT_IVL, retry_ms)
@@ -172,20 +177,23 @@ class Flood:
         return self.report
 
     def _connections(self, stop: Any, started: float, limit: float) -> None:
-        """TCP connections that send a garbage greeting and reset, round robin over the endpoints (the
-        CURVE strangers meanwhile retry their handshakes on ZeroMQ's I/O thread)."""
-        addresses = []
+        """Connections (TCP, or Unix at a local endpoint) that send a garbage greeting and reset, round robin over
+        the endpoints (the CURVE strangers meanwhile retry their handshakes on ZeroMQ's I/O thread)."""
+        addresses: list[tuple[Target, socket.AddressFamily, Any]] = []
         for target in self.targets:
-            host, port = target.endpoint.removeprefix("tcp://").rsplit(":", 1)
-            addresses.append((target, (host, int(port))))
+            if target.endpoint.startswith(local_endpoints.PREFIX):  # an abstract Unix socket: "\0" + its name
+                addresses.append((target, socket.AF_UNIX, "\0" + target.endpoint.removeprefix("ipc://@")))
+            else:
+                host, port = target.endpoint.removeprefix("tcp://").rsplit(":", 1)
+                addresses.append((target, socket.AF_INET, (host, int(port))))
         count = 0
         while count % 64 or not (stop.is_set() or time.monotonic() - started > limit):
             if self.rate and count >= self.rate * (time.monotonic() - started):
                 time.sleep(0.001)
                 continue
-            target, address = addresses[count % len(addresses)]
+            target, family, address = addresses[count % len(addresses)]
             count += 1
-            with socket.socket() as sock:
+            with socket.socket(family) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _SO_LINGER_RESET)
                 sock.settimeout(0.5)
                 try:

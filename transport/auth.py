@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import zmq
 import zmq.utils.z85
 
-from sluice.transport.local_endpoints import DOMAIN_PREFIX, peer_uid
+from sluice.transport.local_endpoints import DOMAIN_PREFIX, PREFIX, domain_of, peer_uid
 
 _CONTEXT = b"sluice curve key v1\x00"
 _SEAL_CONTEXT = b"sluice seal key v1\x00"
@@ -92,6 +92,15 @@ class JobKeys:
         sock.setsockopt(zmq.CURVE_SERVERKEY, self.public_key(server))
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public_key(name))
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret_key(name))
+
+    def secure_dialer(self, sock: zmq.Socket[bytes], name: str, server: str, endpoint: str) -> None:
+        """Make a connecting socket prove it is member `name` to member `server` listening at `endpoint`: with
+        its ticket at a local Unix socket (local_endpoints.py), else as a CURVE client that checks the server."""
+        if endpoint.startswith(PREFIX):
+            sock.setsockopt(zmq.PLAIN_USERNAME, name.encode())
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self.local_ticket(name, domain_of(endpoint).encode()))
+        else:
+            self.secure_client(sock, name, server)
 
     def zap_reply(self, request: Sequence[bytes]) -> list[bytes]:
         """The reply to one ZAP request: 200 with the member's name as User-Id, or 400 for a stranger.

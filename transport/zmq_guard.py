@@ -31,6 +31,10 @@ _LINGER_MS = 2000
 _FAILED_HANDSHAKES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+#: a local dialler tries again this long after its Unix socket's peer went away: a Unix connection breaks only
+#: when that process exits, and a name that went away could be another user's next, who would hear what is still
+#: sent to it. Not "never" (-1): libzmq then drops what had arrived but was not yet read when the peer closed
+LOCAL_RECONNECT_MS = 600_000
 #: the ZAP domain of listeners on the network (CURVE)
 NETWORK_DOMAIN = b"sluice"
 #: at most one cut-off per banned peer per this many seconds (its DEALER reconnects by itself)
@@ -87,16 +91,12 @@ class Guard:
             sock.setsockopt(zmq.ZAP_DOMAIN, NETWORK_DOMAIN)  # not a local one (libzmq refuses an empty one)
 
     def secure_dialer(self, sock: zmq.Socket[bytes], peer: str, endpoint: str) -> None:
-        """Dial `peer` at `endpoint` as this member: with a ticket on a local endpoint (never reconnecting: a
-        socket name that went away could be another user's next), else as a CURVE client that checks it."""
+        """Dial `peer` at `endpoint` as this member: with a ticket on a local endpoint (reconnecting only after
+        LOCAL_RECONNECT_MS), else as a CURVE client that checks it."""
         if endpoint.startswith(local_endpoints.PREFIX):
-            sock.setsockopt(zmq.RECONNECT_IVL, -1)
-            if self.keys is not None:
-                sock.setsockopt(zmq.PLAIN_USERNAME, self.name.encode())
-                domain = local_endpoints.domain_of(endpoint).encode()
-                sock.setsockopt(zmq.PLAIN_PASSWORD, self.keys.local_ticket(self.name, domain))
-        elif self.keys is not None:
-            self.keys.secure_client(sock, self.name, peer)
+            sock.setsockopt(zmq.RECONNECT_IVL, LOCAL_RECONNECT_MS)
+        if self.keys is not None:
+            self.keys.secure_dialer(sock, self.name, peer, endpoint)
 
     def answer_zap(self) -> None:
         """Answer pending ZAP requests. A refusal is not counted here: libzmq reports it to the

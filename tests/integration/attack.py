@@ -166,16 +166,6 @@ def own_connection_attacks(key: int, chunk: int, length: int, sender: int, forge
     }
 
 
-def _dial_as(sock: zmq.Socket[bytes], keys: JobKeys, name: str, server: str, endpoint: str) -> None:
-    """Make `sock` dial `server` at `endpoint` as member `name` (whose keys a compromised member can derive):
-    with its ticket on a local Unix socket, with its CURVE key on the network."""
-    if endpoint.startswith(local_endpoints.PREFIX):
-        sock.setsockopt(zmq.PLAIN_USERNAME, name.encode())
-        sock.setsockopt(zmq.PLAIN_PASSWORD, keys.local_ticket(name, local_endpoints.domain_of(endpoint).encode()))
-    else:
-        keys.secure_client(sock, name, server)
-
-
 def _strangers(ctx: zmq.Context[zmq.Socket[bytes]], keys: JobKeys, names: list[str], server: str,
                endpoint: str) -> list[zmq.Socket[bytes]]:
     """Dealers that must be refused at the door, calling themselves worker 0: on the network one guesses the
@@ -188,7 +178,7 @@ def _strangers(ctx: zmq.Context[zmq.Socket[bytes]], keys: JobKeys, names: list[s
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
         if endpoint.startswith(local_endpoints.PREFIX) and attempt == 0:
-            _dial_as(stranger, guessed, node_name("worker", 0), server, endpoint)
+            guessed.secure_dialer(stranger, node_name("worker", 0), server, endpoint)
         elif not endpoint.startswith(local_endpoints.PREFIX):
             stranger.setsockopt(zmq.CURVE_SERVERKEY, (guessed, keys)[attempt].public_key(server))
             public, secret = zmq.curve_keypair()
@@ -246,11 +236,11 @@ class Attacker(threading.Thread):
                     sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
                 elif big:
                     sock.setsockopt(zmq.IDENTITY, b"scheduler")
-                    _dial_as(sock, keys, "scheduler", server.name, endpoint)
+                    keys.secure_dialer(sock, "scheduler", server.name, endpoint)
                 else:
                     other = node_name("server", (server.rank + 1) % env.servers)
                     sock.setsockopt(zmq.IDENTITY, other.encode())
-                    _dial_as(sock, keys, other, server.name, endpoint)
+                    keys.secure_dialer(sock, other, server.name, endpoint)
                     self.strangers.extend(_strangers(ctx, keys, names, server.name, endpoint))
                 sock.connect(endpoint)
                 sockets.append(sock)

@@ -79,7 +79,9 @@ def probe(scheduler: str, servers: list[str], seconds: float) -> dict[str, Any]:
                 sockets.append(pushing := dealer(endpoint, "worker-0", curve))
                 _send(pushing, push)
             sockets += [dealer(endpoint, "listener", curve) for endpoint in (scheduler, *servers)]
-        for endpoint in (scheduler, *servers):  # no ZeroMQ at all: connect and read
+        for endpoint in (scheduler, *servers):  # no ZeroMQ at all: connect and read (the TCP ports: another host's)
+            if not endpoint.startswith("tcp://"):
+                continue
             host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
             raw.append(socket.create_connection((host, int(port)), timeout=5))
         heard = _heard(sockets, seconds)

@@ -149,7 +149,7 @@ def test_a_transport_listens_on_a_fixed_port_or_releases_it() -> None:
             with pytest.raises(ValueError, match="a fixed port needs"):
                 transport.listen(65535)
         # what the failed try bound was closed again: the same ports can be had now
-        assert transport.listen(base) == [f"tcp://127.0.0.1:{base + c}" for c in range(3)]
+        assert transport.listen(base)[:3] == [f"tcp://127.0.0.1:{base + c}" for c in range(3)]  # then its Unix sockets
     finally:
         transport.close()
 
