@@ -182,7 +182,7 @@ class Flood:
         addresses: list[tuple[Target, socket.AddressFamily, Any]] = []
         for target in self.targets:
             if target.endpoint.startswith(local_endpoints.PREFIX):  # an abstract Unix socket: "\0" + its name
-                addresses.append((target, socket.AF_UNIX, "\0" + target.endpoint.removeprefix("ipc://@")))
+                addresses.append((target, socket.AF_UNIX, "\0" + local_endpoints.socket_name(target.endpoint)))
             else:
                 host, port = target.endpoint.removeprefix("tcp://").rsplit(":", 1)
                 addresses.append((target, socket.AF_INET, (host, int(port))))

@@ -8,8 +8,9 @@ names itself and shows a ticket, HMAC(job secret, its name, that socket's name),
 checks together with the connecting process's user (the kernel's SO_PEERCRED, in ZAP's address); the
 connection's name is then the proven member's, as with CURVE. Nothing is encrypted: what passes through a
 Unix socket can be read only by root (out of scope), as shared memory, never on a network. A name is
-chosen at bind time, so nobody can hold it first; a dialler never reconnects to it (a socket of a process
-that exited could be taken by another user after it), so a ticket is worth nothing once its socket is gone.
+chosen at bind time, so nobody can hold it first; a dialler comes back to a name that went away only after
+10 minutes (zmq_guard.LOCAL_RECONNECT_MS: a socket of a process that exited could be taken by another user
+after it), and a ticket is good for its one name.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import zmq
 
 from sluice.transport.config import on_this_host
 
-#: the prefix of a local endpoint; ZeroMQ binds "ipc://@name" in the abstract namespace (Linux)
-PREFIX = "ipc://@sluice-"
+#: ZeroMQ binds "ipc://@name" in the abstract namespace (Linux); a local endpoint's prefix
+ABSTRACT = "ipc://@"
+PREFIX = ABSTRACT + "sluice-"
 #: the ZAP domain of local listeners starts so; the rest is the socket's name (the ticket is bound to it)
 DOMAIN_PREFIX = "sluice-local:"
 AVAILABLE = sys.platform == "linux" and zmq.has("ipc")
@@ -36,9 +38,14 @@ def new_names(channels: int) -> list[str]:
     return [f"{PREFIX}{token}-ch{channel}" for channel in range(channels)]
 
 
+def socket_name(endpoint: str) -> str:
+    """A local endpoint's abstract socket name (without the leading NUL the kernel's address has)."""
+    return endpoint[len(ABSTRACT):]
+
+
 def domain_of(endpoint: str) -> str:
     """The ZAP domain a local listener at `endpoint` sets (its name, which the tickets to it name)."""
-    return DOMAIN_PREFIX + endpoint[len("ipc://@"):]
+    return DOMAIN_PREFIX + socket_name(endpoint)
 
 
 def split(endpoints: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -49,7 +56,7 @@ def split(endpoints: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def listening(endpoints: Sequence[str]) -> bool:
     """Whether every one of these local endpoints is a listening socket in this network namespace."""
-    wanted = {"@" + e[len("ipc://@"):] for e in endpoints}
+    wanted = {"@" + socket_name(e) for e in endpoints}  # /proc/net/unix writes the NUL as "@"
     try:
         with open("/proc/net/unix") as table:
             lines = table.read().splitlines()[1:]
@@ -82,4 +89,3 @@ def peer_uid(address: bytes) -> int | None:
     if len(parts) != 4 or parts[0] != b"localhost" or not parts[1].isdigit():
         return None
     return int(parts[1])
-

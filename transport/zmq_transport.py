@@ -224,8 +224,10 @@ class ZmqTransport:
                 sock = self._socket(zmq.ROUTER, channel, self._control)
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 made.append((sock, self._guard.watch(sock)))
-                for address in local[channel:channel + 1] + ([self._address(channel, port)]
-                                                             if self.config.protocol == "tcp" else []):
+                binds = local[channel:channel + 1]
+                if self.config.protocol == "tcp":
+                    binds.append(self._address(channel, port))
+                for address in binds:
                     self._guard.secure_listener(sock, address)
                     sock.bind(address)
                 if self.config.protocol == "tcp":

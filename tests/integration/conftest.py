@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+import zmq
 
 from sluice.transport.shm_peers import SEGMENT_NAME, SHM_DIR
 from testbed.launch import Launch
@@ -80,3 +81,21 @@ def nodes() -> Iterator[list[Node]]:
     finally:
         for node in started:
             node.kill()
+
+
+@pytest.fixture
+def raw_sockets() -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
+    """Raw ZeroMQ sockets for misbehaving peers; all closed at the end."""
+    ctx = zmq.Context()
+    made: list[zmq.Socket[bytes]] = []
+
+    def make(kind: int) -> zmq.Socket[bytes]:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        made.append(sock)
+        return sock
+
+    yield make
+    for sock in made:
+        sock.close(linger=0)
+    ctx.term()

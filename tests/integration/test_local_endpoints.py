@@ -40,21 +40,14 @@ def pair() -> Iterator[tuple[ZmqTransport, ZmqTransport, Inbox, list[str]]]:
 
 
 @pytest.fixture
-def raw() -> Iterator[Callable[[str], zmq.Socket[bytes]]]:
-    ctx = zmq.Context()
-    made: list[zmq.Socket[bytes]] = []
-
+def raw(raw_sockets: Callable[[int], zmq.Socket[bytes]]) -> Callable[[str], zmq.Socket[bytes]]:
+    """Raw DEALERs under a chosen identity (conftest's raw_sockets closes them)."""
     def make(identity: str) -> zmq.Socket[bytes]:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = raw_sockets(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
-        made.append(sock)
         return sock
 
-    yield make
-    for sock in made:
-        sock.close(linger=0)
-    ctx.term()
+    return make
 
 
 def _ticket(keys: JobKeys, name: str, endpoint: str) -> bytes:

@@ -47,22 +47,6 @@ def transports() -> Iterator[Callable[..., ZmqTransport]]:
         transport.close(flush_seconds=0.2)
 
 
-@pytest.fixture
-def raw_sockets() -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
-    """Raw ZeroMQ sockets for misbehaving peers; all closed at the end."""
-    ctx = zmq.Context()
-    made: list[zmq.Socket[bytes]] = []
-
-    def make(kind: int) -> zmq.Socket[bytes]:
-        sock = ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        made.append(sock)
-        return sock
-
-    yield make
-    for sock in made:
-        sock.close(linger=0)
-    ctx.term()
 
 
 # ------------------------------------------------------------------------------------------ (a) ordering
