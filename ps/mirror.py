@@ -63,8 +63,10 @@ def dials(rank: int, other: int) -> bool:
     return rank > other
 
 
-def hello_message(node_id: int) -> Message:
-    return Message(Kind.MIRROR_ACK, sender=node_id, meta={"hello": True})
+def hello_message(node_id: int, endpoints: Sequence[str]) -> Message:
+    """The dialler's hello, naming its process by the endpoints it listens on (as the scheduler's SERVER_BACK
+    names a restarted one's)."""
+    return Message(Kind.MIRROR_ACK, sender=node_id, meta={"hello": True, "endpoints": list(endpoints)})
 
 
 def compute_dtype(dtype: str) -> np.dtype:
@@ -118,6 +120,9 @@ class Holder:
     host: str
     #: whether it can be sent to: it dials this server, and said hello (`dials`)
     ready: bool = True
+    #: the endpoints of the process whose hello came last: a holder restarted on its host dials at once, and its
+    #: hello may come before the scheduler's SERVER_BACK tells of the restart
+    hello_from: tuple[str, ...] = ()
     #: (key, chunk) -> the newest round it acknowledged
     acked: dict[tuple[int, int], int] = field(default_factory=dict)
     #: (key, chunk) -> its MIRRORs not yet acknowledged, oldest first
@@ -198,18 +203,24 @@ class MirrorSender:
             self._bcast_sent.pop((chunk.key, chunk.chunk), None)
             self.committed(chunk, force=True)
 
-    def hello(self, peer: str) -> list[Reply]:
-        """Holder `peer` dialled this server (again: it was replaced): every MIRROR it has not acknowledged."""
+    def hello(self, peer: str, endpoints: tuple[str, ...] = ()) -> list[Reply]:
+        """Holder `peer` dialled this server (again: it was replaced; `endpoints`: its process's), or this server
+        dialled it: every MIRROR it has not acknowledged."""
         holder = self.holders[peer]
-        holder.ready = True
+        holder.ready, holder.hello_from = True, endpoints or holder.hello_from
         self.outbox = [out for out in self.outbox if out[0] != peer]
         return [(peer, self.channel, piece) for sent in holder.sent.values() for one in sent for piece in one.pieces]
 
-    def holder_replaced(self, peer: str, dialled: bool) -> list[Reply]:
-        """Holder `peer` was restarted on its host (its file kept what it acknowledged): what to send it again
-        now (`dialled`: this server connected to its new endpoints), or later, at its hello."""
-        self.holders[peer].ready = False
-        return self.hello(peer) if dialled else []
+    def holder_replaced(self, peer: str, dialled: bool, endpoints: tuple[str, ...]) -> list[Reply]:
+        """Holder `peer` was restarted on its host (its file kept what it acknowledged) and listens on `endpoints`:
+        what to send it again now (`dialled`: this server connected to them), or at its hello: none if that came
+        already (it was sent everything unacknowledged then)."""
+        holder = self.holders[peer]
+        if dialled:
+            return self.hello(peer)
+        if holder.hello_from != endpoints:
+            holder.ready = False
+        return []
 
     def take(self, replies: list[Reply]) -> list[Reply]:
         """What to send now: the pending MIRRORs first, then the replies that `held` does not keep back."""

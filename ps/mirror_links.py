@@ -46,6 +46,8 @@ class MirrorLinks:
         self.holder = MirrorHolder(tag, rank, node_id, workers, channel=self.channel, every=every)
         #: the servers linked to this one, by transport name
         self.linked: dict[str, PeerInfo] = {}
+        #: where this server listens, as the scheduler's address book says: its hellos name its process so
+        self.endpoints: tuple[str, ...] = ()
 
     def place(self, peers: Sequence[PeerInfo], links: Any) -> Callable[[Chunk], None] | None:
         """Open the mirror files of the servers this one holds and connect, as the WELCOME's meta `mirror` (`links`:
@@ -53,6 +55,8 @@ class MirrorLinks:
         after_commit, or None when no server on another host holds this one's state. WireError if `links` is
         malformed, SluiceError if a mirror file is locked."""
         servers = {p.rank: p for p in peers if p.role == "server"}
+        if self.rank not in servers:
+            raise WireError(f"a WELCOME's address book must list this server (rank {self.rank})")
         holder_ranks, held_ranks = (_ranks(links, name, servers, self.rank) for name in ("holders", "holds"))
         for rank in held_ranks:
             primary = servers[rank]
@@ -63,10 +67,11 @@ class MirrorLinks:
             self.sender = MirrorSender(self.rank, [
                 Holder(rank, servers[rank].name, endpoint_host(servers[rank].endpoints), ready=dials(self.rank, rank))
                 for rank in holder_ranks], self.node_id, self.timeout, channel=self.channel, every=self.every)
+        self.endpoints = servers[self.rank].endpoints
         for peer in self.linked.values():
             if dials(self.rank, peer.rank):
                 self.transport.connect(peer.name, peer.endpoints)
-                self.transport.send(peer.name, self.channel, hello_message(self.node_id))
+                self.transport.send(peer.name, self.channel, hello_message(self.node_id, self.endpoints))
         if self.sender is None:
             log.warning("server %d: no server on another host holds its state (ps.replicas): it survives a restart "
                         "on its own host, not the loss of its host", self.rank)
@@ -88,7 +93,9 @@ class MirrorLinks:
             linked = self.linked.get(peer)
             if linked is None or linked.node_id != msg.sender or dials(self.rank, linked.rank):
                 raise WireError(f"a mirror hello from {peer!r:.60}, which does not dial this server")
-            return self.sender.hello(peer) if self.sender is not None and peer in self.sender.holders else []
+            endpoints = _endpoints((msg.meta or {}).get("endpoints"), "a mirror hello")
+            return self.sender.hello(peer, endpoints) if self.sender is not None and peer in self.sender.holders \
+                else []
         if self.sender is None:
             raise WireError(f"a MIRROR_ACK from {peer!r:.60}, but this server mirrors nothing")
         return self.sender.acked(peer, msg)
@@ -96,12 +103,11 @@ class MirrorLinks:
     def server_back(self, msg: Message) -> list[Reply]:
         """The scheduler's SERVER_BACK: a linked server was restarted; what to send now (to it; or, when it held
         this server's state and came back on another host, the replies that waited for it alone)."""
-        name, endpoints = msg.meta.get("name") if msg.meta else None, msg.meta.get("endpoints") if msg.meta else None
+        name = msg.meta.get("name") if msg.meta else None
         linked = self.linked.get(name) if type(name) is str else None
         if linked is None:
             return []  # not linked to this server: nothing to redo
-        if type(endpoints) is not list or not endpoints or not all(type(e) is str and e for e in endpoints):
-            raise WireError(f"SERVER_BACK endpoints must be a non-empty list of strings, got {brief(endpoints)}")
+        endpoints = _endpoints((msg.meta or {}).get("endpoints"), "SERVER_BACK")
         moved = endpoint_host(endpoints) != endpoint_host(linked.endpoints)
         linked = self.linked[linked.name] = replace(linked, endpoints=tuple(endpoints))
         holds_me = self.sender is not None and linked.name in self.sender.holders
@@ -119,10 +125,10 @@ class MirrorLinks:
         dialled = dials(self.rank, linked.rank)
         if dialled:
             self.transport.replace_peer(linked.name, endpoints)
-            self.transport.send(linked.name, self.channel, hello_message(self.node_id))
+            self.transport.send(linked.name, self.channel, hello_message(self.node_id, self.endpoints))
         if moved or not holds_me or self.sender is None:
             return released  # a moved primary this server holds mirrors its restored state at the hello
-        return self.sender.holder_replaced(linked.name, dialled)
+        return self.sender.holder_replaced(linked.name, dialled, endpoints)
 
     def add_plans(self, mirrors: Any) -> None:
         """A PLAN's meta `mirrors`: {primary rank: its part of the plan} for the servers this one mirrors."""
@@ -154,6 +160,13 @@ class MirrorLinks:
         if self.sender is not None:
             log.info("server %d: %d commits mirrored on %s (%d bytes)", self.rank, self.sender.mirrored,
                      self.sender.describe(), self.sender.bytes)
+
+
+def _endpoints(value: Any, what: str) -> tuple[str, ...]:
+    """A message's endpoints: a non-empty list of strings (WireError if not)."""
+    if type(value) is not list or not value or not all(type(e) is str and e for e in value):
+        raise WireError(f"{what}'s endpoints must be a non-empty list of strings, got {brief(value)}")
+    return tuple(value)
 
 
 def _ranks(links: Any, name: str, servers: dict[int, PeerInfo], rank: int) -> list[int]:

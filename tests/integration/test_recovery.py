@@ -4,7 +4,11 @@ Worker 0 kills server 0 in step 10, right after its backward pass (pushes in fli
 committed on the server, some not). The launcher restarts the server; it restores its committed
 state (ps/snapshot.py); the workers send it again what it had not answered (scheduler/resend.py). The
 job must end with exactly the parameters of the same job without the kill, in sum mode (the
-optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments). The
+optimizer on the workers) and with the optimizer on the servers (momentum, Adam moments). The sum-mode
+job mirrors each server's state on the other (ps.replicas, on one host here) and kills server 1 instead:
+it holds server 0's mirror and dials server 0, so its hello after the restart may reach server 0 before
+the scheduler's SERVER_BACK does (ps/mirror.py `holder_replaced`; before, server 0 then sent it no mirror
+again and failed ps.mirror_timeout later). The
 momentum job runs 3 workers through an aggregator: in one tree workers 0 and 1 push to it, in the
 other workers 1 and 2, the third pushing straight to the servers; the aggregator sends its sums
 again (ps/relay.py `server_back`), the direct pushes their workers. The reference runs the same
@@ -29,15 +33,21 @@ SCRIPT = "tests/integration/scripts/cluster_train.py"
 INFLIGHT = 4 << 20
 
 
-def _script_args(optimizer: str, kill_at: int, hidden: int = 256) -> list[str]:
-    return ["--steps", "20", "--optimizer", optimizer, "--hidden", str(hidden), "--kill-server-at", str(kill_at)]
+def _script_args(optimizer: str, kill_at: int, hidden: int = 256, kill_rank: int = 0) -> list[str]:
+    return ["--steps", "20", "--optimizer", optimizer, "--hidden", str(hidden), "--kill-server-at", str(kill_at),
+            "--kill-server-rank", str(kill_rank)]
+
+
+#: each server's state mirrored on the other, both on this host; a mirror missing for 10 s fails the job
+REPLICAS = ("ps.replicas=1", "ps.mirror_same_host=true", "ps.mirror_timeout=10")
 
 
 #: two trees over 3 workers (half the chunks each): workers 0 and 1, then 1 and 2, through aggregator 0
 TREES = ("0.5: worker-0>aggregator-0 worker-1>aggregator-0", "0.5: worker-1>aggregator-0 worker-2>aggregator-0")
 
 
-def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: int) -> tuple[list[float], str]:
+def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: int, kill_rank: int = 0,
+           settings: tuple[str, ...] = ()) -> tuple[list[float], str]:
     # every tensor through the servers (collective.mode = auto would allreduce small ones among the
     # workers), in chunks of 4 KiB: every tensor, fused or not, has chunks on both servers. The in-flight
     # bound is set as well (what calibration chooses here): calibrating it with 4 KiB probes takes seconds
@@ -45,7 +55,8 @@ def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: 
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(workers), "-s", "2", "-a", str(aggregators),
             "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", f"worker.optimizer_on={where}",
             "--set", "transport.chunk_bytes=4096", "--set", f"transport.inflight_bytes={INFLIGHT}",
-            *(f"--set={s}" for s in trees), "--", sys.executable, SCRIPT, *_script_args(optimizer, kill_at)]
+            *(f"--set={s}" for s in (*trees, *settings)), "--", sys.executable, SCRIPT,
+            *_script_args(optimizer, kill_at, kill_rank=kill_rank)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
@@ -72,16 +83,21 @@ def _reference(optimizer: str, where: str, workers: int, aggregators: int, chunk
 @pytest.mark.timeout(300)
 # Adam on the servers, its moments restored: bench/recovery.py's resume-after-kill case, whose quick run
 # (test_bench_quick_jobs.py) fails unless the killed job ends bit-identical to the same job without the kill
-@pytest.mark.parametrize(("optimizer", "where", "workers", "aggregators"),
-                         [("sgd", "worker", 2, 0), ("sgd", "server", 3, 1)],
-                         ids=["sum-mode", "server-momentum-through-an-aggregator"])
+@pytest.mark.parametrize(("optimizer", "where", "workers", "aggregators", "killed", "settings"),
+                         [("sgd", "worker", 2, 0, 1, REPLICAS), ("sgd", "server", 3, 1, 0, ())],
+                         ids=["sum-mode-mirrored-holder-killed", "server-momentum-through-an-aggregator"])
 def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimizer: str, where: str, workers: int,
-                                                                         aggregators: int) -> None:
+                                                                         aggregators: int, killed: int,
+                                                                         settings: tuple[str, ...]) -> None:
     reference = _reference(optimizer, where, workers, aggregators)
-    recovered, output = _train(optimizer, where, 10, workers, aggregators)
-    assert "killed server 0" in output
-    assert re.search(r"sluice launch: server 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at most 3 "
-                     r"restarts\)", output), output[-4000:]
+    recovered, output = _train(optimizer, where, 10, workers, aggregators, killed, settings)
+    assert f"killed server {killed}" in output
+    assert re.search(rf"sluice launch: server {killed} \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at "
+                     r"most 3 restarts\)", output), output[-4000:]
+    if settings:  # the restarted holder is sent server 0's mirrors again: each acknowledged, no restart more
+        assert "has not acknowledged a mirrored commit" not in output, output[-4000:]
+        assert output.count("; restarting it (") == 1, output[-4000:]
+        assert re.search(r"server 0: \d+ commits mirrored on server 1", output), output[-4000:]
     assert "is back: telling the workers its endpoints" in output
     if aggregators:
         assert re.search(r"aggregator 0: server 0 was replaced; sending it again \d+ unanswered pushes", output), \

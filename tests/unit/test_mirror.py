@@ -367,3 +367,37 @@ def test_a_restored_primarys_state_takes_a_holder_back_to_an_earlier_round_and_o
     held.close()
     assert store.recovery is not None
     store.recovery.close()
+
+
+@pytest.mark.parametrize("hello_first", [True, False], ids=["hello-before-server-back", "server-back-before-hello"])
+def test_a_holder_restarted_on_its_host_is_sent_every_unacknowledged_mirror_once_its_new_process_said_hello(
+        tmp_path: Path, hello_first: bool) -> None:
+    """The holder dials the primary (the higher rank), so after its restart its hello and the scheduler's SERVER_BACK
+    come by different ways, in either order: the MIRRORs go to it from its new process's hello on, never before."""
+    (tmp_path / "a").mkdir()
+    store, _ = primary(tmp_path / "a")
+    sender = MirrorSender(0, [Holder(1, HOLDER, "198.18.0.4", ready=False)], node_id=7, timeout=5.0,
+                          clock=lambda: 100.0)
+    assert store.recovery is not None
+    store.recovery.after_commit, store.recovery.before_step = sender.committed, sender.stepping
+    old, new = ("tcp://198.18.0.4:4000",), ("tcp://198.18.0.4:5000",)
+
+    def mirrors(out: list[Reply]) -> list[int]:
+        return [m.round for _, _, m in out if m.kind == Kind.MIRROR]
+
+    def round_out(round_: int) -> list[Reply]:
+        return sender.take(store.handle("w0", 0, push(1, 0, round_)) + store.handle("w1", 0, push(1, 1, round_)))
+
+    assert mirrors(round_out(1)) == []  # not before its first hello
+    assert mirrors(sender.hello(HOLDER, old)) == [1]
+    assert mirrors(round_out(2)) == [2]  # it died with rounds 1 and 2 unacknowledged; the new process listens on `new`
+    if hello_first:
+        assert mirrors(sender.hello(HOLDER, new)) == [1, 2]
+        assert sender.holder_replaced(HOLDER, False, new) == []  # it has them
+    else:
+        assert sender.holder_replaced(HOLDER, False, new) == []
+        assert mirrors(round_out(3)) == []  # made, kept until the new process's hello
+        assert mirrors(sender.hello(HOLDER, new)) == [1, 2, 3]
+    after = 3 if hello_first else 4
+    assert mirrors(round_out(after)) == [after]
+    store.recovery.close()

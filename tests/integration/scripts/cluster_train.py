@@ -2,8 +2,8 @@
 
 Each worker prints one line `CLUSTER_RESULT {json}`: its ranks as sluice.torch reports them, the
 torchrun variables the launcher gave it, the address it listens on, and the final parameters.
-With --kill-server-at N, worker 0 SIGKILLs server 0 of its job in step N, after its backward pass
-(its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
+With --kill-server-at N, worker 0 SIGKILLs server 0 (--kill-server-rank) of its job in step N, after its
+backward pass (its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
 of the workers under a local launcher); with --kill-standby-at N, its first standby; with
 --kill-aggregator-at N, aggregator 0. After training,
 one more tensor is declared and averaged (`after`): a scheduler that took over must plan it.
@@ -28,6 +28,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
 parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
+parser.add_argument("--kill-server-rank", type=int, default=0, metavar="RANK")
 parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-aggregator-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-standby-at", type=int, default=-1, metavar="STEP",
@@ -78,7 +79,7 @@ for step in range(args.steps):
     time.sleep(args.step_sleep)
     F.mse_loss(model(x[start:start + per_worker]), y[start:start + per_worker]).backward()
     if step == args.kill_server_at and rank == 0:
-        kill_server(0)
+        kill_server(args.kill_server_rank)
     if step == args.kill_scheduler_at and rank == 0:
         kill_scheduler(step)
     if step == args.kill_standby_at and rank == 0:  # the pause: time for it to take over from the scheduler
