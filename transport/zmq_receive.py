@@ -108,6 +108,12 @@ class RouterPeers:
     def ident(self, peer: str) -> bytes | None:
         return self.router_idents.get(peer) or self.strangers.get(peer)
 
+    def new_process(self, source: str, channel: int) -> None:
+        """`source` is a new process, whose HELLO came on `channel`: the channel the old one was heard on first may
+        not be connected by this one yet (what is sent there, a shared-memory announcement, would be lost)."""
+        if source in self.heard_on:
+            self.heard_on[source] = channel
+
 
 class Receiver:
     """The receiving half of ZmqTransport, run on its I/O thread: reads a socket the transport polled,
@@ -312,6 +318,7 @@ class Receiver:
             self._refuse(source, channel, f"dropped a HELLO from {source!r:.60}: {exc}")
             return
         if forget == "peer":
+            self.peers.new_process(source, channel)
             self._forget_peer(source)
             log.info("transport %s: %s is a new process: what was kept for the one it replaced is dropped",
                      self._name, source)
