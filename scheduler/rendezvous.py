@@ -246,7 +246,9 @@ class Rendezvous:
         if raw_ranks is not None:
             if self.aggregators:
                 raise WireError("a process set's tensors cannot go through aggregators: its workers use allreduce")
-            seq = self._set_seqs.setdefault((tuple(members), seq), -1 - len(self._set_seqs))
+            # below every key in use: a standby knows only the keys some worker saw planned, not one a set took
+            # at its first declaration before the scheduler died (counting them would give a planned one again)
+            seq = self._set_seqs.setdefault((tuple(members), seq), min(self._set_seqs.values(), default=0) - 1)
         if seq in self._replayed:  # planned before this standby took over: the worker did not get it then
             return [(node.name, self._replayed[seq])]
         decl = self._declarations.setdefault(seq, Declaration(members=members, reply_seq=meta_field(msg, "seq", int)))

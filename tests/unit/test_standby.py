@@ -228,3 +228,24 @@ def test_failover_with_replicas_places_the_copies_where_the_servers_say_they_are
     with pytest.raises(WireError, match=r"mirror holders must be a list of ints in 0\.\.1"):
         other.on_message("server-0", msg(Kind.REJOIN, **(job.rejoin("server-0").meta or {}),
                                          mirror={"holders": [5], "holds": []}), 10.0)
+
+
+def test_failover_a_process_set_half_declared_when_the_scheduler_died_gets_a_key_of_its_own() -> None:
+    """Set {0, 1} took key -1 at worker 0's declaration; set {1, 2} declared fully and was planned as -2; then the
+    scheduler died. The standby learns only -2 (what a worker saw planned): {0, 1} must not get -2 again, which
+    would answer its workers with {1, 2}'s plan (they then waited for theirs until a timeout)."""
+    job = Job()
+    job.machine.on_message("worker-0", msg(Kind.DECLARE, seq=0, tensors=tensors("y"), ranks=[0, 1]), 1)
+    job.declare(0, tensors("z"), ranks=[1, 2])
+    machine = standby()
+    take_over(job, machine, [*ENDPOINTS, *job.recall])
+    outs: list[Out] = []
+    for rank in (0, 1):
+        outs += machine.on_message(f"worker-{rank}", msg(Kind.DECLARE, seq=0, tensors=tensors("y"), ranks=[0, 1]), 11)
+    assert {p for p, m in outs if m.kind == Kind.PLAN} == set(ENDPOINTS)  # planned anew: the servers first
+    key = next(m.meta["seq"] for p, m in outs if p == "server-0")
+    for server in ENDPOINTS:
+        outs += machine.on_message(server, msg(Kind.PLAN_ACK, seq=key), 12)
+    plans = {p: [t[1] for t in m.meta["tensors"]] for p, m in outs if m.kind == Kind.PLAN and p in job.recall}
+    assert key == -3 and plans == {"worker-0": ["y"], "worker-1": ["y"]}, plans
+    assert sorted(machine._set_seqs.values()) == [-3, -2]
