@@ -58,7 +58,10 @@ class Aggregator(Role):
                 self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch)
         elif msg.kind == Kind.AGGREGATOR_BACK:  # ps.recover: another aggregator was replaced: its parent?
             back = parse_back(msg, [node_name("aggregator", r) for r in range(self.env.aggregators)])
-            self._moved(back.name, back.endpoints)
+            # an aggregator dials only its parents, all of lower rank (scheduler/hierarchy/routes.py): a child (or
+            # one of higher rank, a child some epoch) dials this one again itself, and a message on a connection
+            # this one dialled to it would be refused as an impostor's (transport)
+            self._moved(back.name, back.endpoints, dial=back.rank < self.control.rank)
             for to, channel, push in self.relay.parent_back(back.name):
                 self.transport.send(to, channel, push)
         elif msg.kind == Kind.SERVER_BACK:  # ps.recover: a server was replaced; what it owes this one goes again
@@ -74,11 +77,15 @@ class Aggregator(Role):
         else:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
 
-    def _moved(self, name: str, endpoints: tuple[str, ...]) -> None:
-        """A peer replaced by a new process: its endpoints from now on (a connection to it is made again)."""
+    def _moved(self, name: str, endpoints: tuple[str, ...], dial: bool = True) -> None:
+        """A peer replaced by a new process: its endpoints from now on, and (`dial`) a connection to it made again,
+        unless this one connected to those already (it was welcomed after the replacement registered; each
+        process listens on endpoints of its own: a second connection would drop what the first set up)."""
+        before = next((p.endpoints for p in self.control.peers if p.name == name), ())
         self.control.peers = [dataclasses.replace(p, endpoints=endpoints) if p.name == name else p
                               for p in self.control.peers]
-        self.transport.replace_peer(name, endpoints)
+        if dial and tuple(before) != tuple(endpoints):
+            self.transport.replace_peer(name, endpoints)
 
     def readings(self) -> Readings:
         readings = super().readings()

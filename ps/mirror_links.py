@@ -108,6 +108,8 @@ class MirrorLinks:
         if linked is None:
             return []  # not linked to this server: nothing to redo
         endpoints = _endpoints((msg.meta or {}).get("endpoints"), "SERVER_BACK")
+        if endpoints == linked.endpoints:  # this server was welcomed after that one's replacement registered: it
+            return []  # knows that process already (a second connection would drop what the first set up)
         moved = endpoint_host(endpoints) != endpoint_host(linked.endpoints)
         linked = self.linked[linked.name] = replace(linked, endpoints=tuple(endpoints))
         holds_me = self.sender is not None and linked.name in self.sender.holders

@@ -66,13 +66,13 @@ def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: 
 
 
 def _reference(optimizer: str, where: str, workers: int, aggregators: int, chunk_bytes: int = 4096,
-               hidden: int = 256) -> list[float]:
+               hidden: int = 256, trees: tuple[str, ...] = TREES) -> list[float]:
     """The same job (script, settings) without the kill, in forked workers: nothing in it for the launcher to do."""
     config: dict[str, Any] = {"collective": {"mode": "ps"}, "ps": {"recover": True},
                               "worker": {"optimizer_on": where},
                               "transport": {"chunk_bytes": chunk_bytes, "inflight_bytes": INFLIGHT}}
     if aggregators:
-        config["aggregation"] = {"mode": "static", "trees": list(TREES)}
+        config["aggregation"] = {"mode": "static", "trees": list(trees)}
     printed = "".join(script_outputs(workers, 2, config, ROOT / SCRIPT, *_script_args(optimizer, -1, hidden),
                                      timeout=120, aggregators=aggregators))
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)]
@@ -105,31 +105,39 @@ def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimiz
     assert recovered == reference
 
 
+#: three levels: worker 2 under aggregator 1, which sends to aggregator 0 (an aggregator's parent has a lower rank)
+CHILD_TREE = ("1: worker-0>aggregator-0 worker-1>aggregator-0 worker-2>aggregator-1 aggregator-1>aggregator-0",)
+
+
 @pytest.mark.timeout(300)
-def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_with_the_same_parameters() -> None:
-    """The momentum job through an aggregator, whose worker 0 SIGKILLs aggregator 0 in step 10: the launcher
-    restarts it, the scheduler gives it its plans and routings, the workers send it again what it left
-    unanswered (worker/replaced.py) and it forwards them, marked as sent again (ps/relay.py); a push of a
-    round the dead one had answered to some children only goes up alone (it hung 3 runs in 10 before).
-    Chunks of 64 KiB travel through shared memory: the servers drop what they kept for the dead process
-    when the replacement's HELLO comes (transport/incarnations.py; before, the job hung every time)."""
-    reference = _reference("sgd", "server", 3, 1, chunk_bytes=65536, hidden=1024)
-    args = [*_script_args("sgd", -1, hidden=1024), "--kill-aggregator-at", "10"]
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
+@pytest.mark.parametrize(("trees", "killed"), [(TREES, 0), (CHILD_TREE, 1)], ids=["root", "child-of-an-aggregator"])
+def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_with_the_same_parameters(
+        trees: tuple[str, ...], killed: int) -> None:
+    """The momentum job through aggregators, whose worker 0 SIGKILLs one in step 10: the launcher restarts it, the
+    scheduler gives it its plans and routings, the workers send it again what it left unanswered
+    (worker/replaced.py) and it forwards them, marked as sent again (ps/relay.py); a push of a round the dead one
+    had answered to some children only goes up alone (it hung 3 runs in 10 before). Chunks of 64 KiB travel through
+    shared memory: what the dead one sent to is dropped when the replacement's HELLO comes (transport/
+    incarnations.py; before, the job hung every time). The root sends to the servers; the child to aggregator 0,
+    which must not dial it (before, each refused the other's messages as an impostor's and the job failed)."""
+    reference = _reference("sgd", "server", 3, 1 + killed, chunk_bytes=65536, hidden=1024, trees=trees)
+    args = [*_script_args("sgd", -1, hidden=1024), "--kill-aggregator-at", "10", "--kill-aggregator-rank", str(killed)]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", str(1 + killed),
             "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", "worker.optimizer_on=server",
             "--set", "transport.chunk_bytes=65536", "--set", f"transport.inflight_bytes={INFLIGHT}",
-            "--set", "aggregation.mode=static", "--set", "aggregation.trees=" + ",".join(TREES),
+            "--set", "aggregation.mode=static", "--set", "aggregation.trees=" + ",".join(trees),
             "--", sys.executable, SCRIPT, *args]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
-    assert "killed aggregator 0" in output
-    assert re.search(r"sluice launch: aggregator 0 \(pid \d+\) was killed by SIGKILL; restarting it \(1 of at "
-                     r"most 3 restarts\)", output), output[-4000:]
-    assert "aggregator 0 was replaced; sending it again" in output, output[-4000:]
-    for server in (0, 1):
-        assert f"[server {server}] INFO sluice.transport: transport server-{server}: aggregator-0 is a new process" \
-            in output, output[-4000:]
+    assert f"killed aggregator {killed}" in output
+    assert re.search(rf"sluice launch: aggregator {killed} \(pid \d+\) was killed by SIGKILL; restarting it \(1 of "
+                     r"at most 3 restarts\)", output), output[-4000:]
+    assert f"aggregator {killed} was replaced; sending it again" in output, output[-4000:]
+    for peer in ("server 0", "server 1") if killed == 0 else ("aggregator 0",):
+        assert f"[{peer}] INFO sluice.transport: transport {peer.replace(' ', '-')}: aggregator-{killed} is a new " \
+            "process" in output, output[-4000:]
+    assert "a peer we connected to" not in output, output[-4000:]
     results = [json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", done.stdout, re.M)]
     assert len(results) == 3 and all(r["params"] == reference for r in results), output[-3000:]
 

@@ -5,7 +5,7 @@ torchrun variables the launcher gave it, the address it listens on, and the fina
 With --kill-server-at N, worker 0 SIGKILLs server 0 (--kill-server-rank) of its job in step N, after its
 backward pass (its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
 of the workers under a local launcher); with --kill-standby-at N, its first standby; with
---kill-aggregator-at N, aggregator 0. After training,
+--kill-aggregator-at N, aggregator 0 (--kill-aggregator-rank). After training,
 one more tensor is declared and averaged (`after`): a scheduler that took over must plan it.
 """
 
@@ -31,6 +31,7 @@ parser.add_argument("--kill-server-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-server-rank", type=int, default=0, metavar="RANK")
 parser.add_argument("--kill-scheduler-at", type=int, default=-1, metavar="STEP")
 parser.add_argument("--kill-aggregator-at", type=int, default=-1, metavar="STEP")
+parser.add_argument("--kill-aggregator-rank", type=int, default=0, metavar="RANK")
 parser.add_argument("--kill-standby-at", type=int, default=-1, metavar="STEP",
                     help="SIGKILL the first standby scheduler, after a pause of --kill-standby-pause seconds")
 parser.add_argument("--kill-standby-pause", type=float, default=0.0, metavar="S")
@@ -86,7 +87,7 @@ for step in range(args.steps):
         time.sleep(args.kill_standby_pause)
         kill_scheduler(step, rank=1)
     if step == args.kill_aggregator_at and rank == 0:
-        kill_server(0, "aggregator")
+        kill_server(args.kill_aggregator_rank, "aggregator")
     optimizer.step()
 hvd.synchronize_parameters()  # with the optimizer on the servers, the last updates may still be landing
 tiers = require().hierarchy()
