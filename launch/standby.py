@@ -57,6 +57,13 @@ class Schedulers:
                     else "without a standby scheduler")
         return f"{child.name} {exit_description(code)}; the job goes on {going_on}"
 
+    def acting(self) -> Child:
+        """The scheduler the nodes are on (that a restarted role registers with): the scheduler while it runs, else
+        the first standby still running (the nodes rejoin them in order), else the scheduler."""
+        if not self.primary.done.done():
+            return self.primary
+        return next((c for c in self.standbys if not c.done.done()), self.primary)
+
     def idle(self) -> list[Child]:
         """The standbys still running once the job ended under one scheduler (they never took over)."""
         everyone = [self.primary, *self.standbys]

@@ -280,7 +280,7 @@ class Job(Ending):
             self.children.remove(dead)
             try:
                 return await self.spawn("aggregator", dead.rank, [sys.executable, "-m", "sluice.launch.cli",
-                                                                  "aggregator"], self.endpoint, moved_to)
+                                                                  "aggregator"], self._acting_scheduler(), moved_to)
             except OSError as exc:
                 self.complain(f"cannot restart {dead.label}: {exc}")
                 return None
@@ -297,10 +297,17 @@ class Job(Ending):
             moved = self.takeovers.host_of(dead.rank)
             took_from = {ENV_TAKEOVER: str(self.takeovers.took_from[dead.rank])} if moved is not None else None
             return await self.spawn("server", dead.rank, [sys.executable, "-m", "sluice.launch.cli", "server"],
-                                    self.endpoint, moved, took_from)
+                                    self._acting_scheduler(), moved, took_from)
         except OSError as exc:
             self.complain(f"cannot restart {dead.label}: {exc}")
             return None
+
+    def _acting_scheduler(self) -> str:
+        """Where a restarted role registers: the scheduler, or the standby that took the job over from it."""
+        if self.schedulers is None:
+            return self.endpoint
+        acting = self.schedulers.acting()
+        return acting.ready.result() if acting.ready.done() and not acting.ready.cancelled() else self.endpoint
 
     def _node_silent(self, role: str, rank: int) -> None:
         """The scheduler says `role` `rank` fell silent: if it runs on another host reached over ssh, check at once

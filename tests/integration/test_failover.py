@@ -90,6 +90,30 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
     assert left.returncode == 1, left.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failover_a_server_restarted_after_the_standby_took_over_registers_with_the_standby() -> None:
+    """ps.recover under a standby: worker 0 SIGKILLs the scheduler in step 3 and server 1 in step 12 (3 s later, the
+    standby has taken over by then); the launcher restarts the server, which registers with the standby (before,
+    with the dead scheduler: the standby failed the job for the server it never saw come back)."""
+    reference = _results("".join(script_outputs(2, 2, SETTINGS, ROOT / SCRIPT, "--steps", "16", "--hidden", "256",
+                                                timeout=90)))
+    sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
+            "transport.inflight_bytes=4194304", "scheduler.standby=1", "scheduler.heartbeat_interval=0.5",
+            "scheduler.heartbeat_timeout=2", "ps.recover=true"]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", *(f"--set={s}" for s in sets),
+            "--", sys.executable, SCRIPT, "--steps", "16", "--hidden", "256", "--step-sleep", "0.35",
+            "--kill-scheduler-at", "3", "--kill-server-at", "12", "--kill-server-rank", "1"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler", out), out[-4000:]
+    assert re.search(r"sluice launch: server 1 \(pid \d+\) was killed by SIGKILL; restarting it", out), out[-4000:]
+    assert re.search(r"\[standby scheduler\] .*server 1 \(node \d+, pid \d+\) is back", out), out[-4000:]
+    results = _results(done.stdout)
+    assert len(results) == 2 and all(r["params"] == reference[0]["params"] for r in results), out[-3000:]
+
+
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshBed]:
     try:
