@@ -156,15 +156,20 @@ class Job(Ending):
             and any(host is not None for host in hosts)
         try:
             sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
-            standbys = [await self.spawn("scheduler", rank, [*role_argv, "scheduler"], "", host)
+            announced = await self._announced(sched)
+            if isinstance(announced, int):
+                return announced
+            # the standbys once the scheduler's endpoint is known: each watches that port, and leaves when it stays
+            # silent and no node rejoins (the launcher was SIGKILLed: scheduler/standby_watch.py)
+            standbys = [await self.spawn("scheduler", rank, [*role_argv, "scheduler"], announced, host)
                         for rank, host in enumerate(hosts, 1)]
         except OSError as exc:
             self.complain(f"cannot start the scheduler: {exc}")
             return 1
-        for child in (sched, *standbys):
-            announced = await self._announced(child)
-            if isinstance(announced, int):
-                return announced
+        for child in standbys:
+            announced_standby = await self._announced(child)
+            if isinstance(announced_standby, int):
+                return announced_standby
         endpoint = self.endpoint = sched.ready.result()
         for standby in standbys:
             self.say(f"{standby.label} ready at {standby.ready.result()}")

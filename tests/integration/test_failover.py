@@ -95,7 +95,8 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
 def test_failover_a_server_restarted_after_the_standby_took_over_registers_with_the_standby() -> None:
     """ps.recover under a standby: worker 0 SIGKILLs the scheduler in step 3 and server 1 in step 12 (3 s later, the
     standby has taken over by then); the launcher restarts the server, which registers with the standby (before,
-    with the dead scheduler: the standby failed the job for the server it never saw come back)."""
+    with the dead scheduler: the standby failed the job for the server it never saw come back). The standby, started
+    once the scheduler's endpoint was known, watches that port (before, none: it never left on its own)."""
     reference = _results("".join(script_outputs(2, 2, SETTINGS, ROOT / SCRIPT, "--steps", "16", "--hidden", "256",
                                                 timeout=90)))
     sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
@@ -107,6 +108,8 @@ def test_failover_a_server_restarted_after_the_standby_took_over_registers_with_
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
+    primary = re.search(r"scheduler ready at (tcp://127\.0\.0\.1:\d+);", out)
+    assert primary and f"it takes over if the scheduler at {primary[1]} falls silent" in out, out[-4000:]  # watched
     assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler", out), out[-4000:]
     assert re.search(r"sluice launch: server 1 \(pid \d+\) was killed by SIGKILL; restarting it", out), out[-4000:]
     assert re.search(r"\[standby scheduler\] .*server 1 \(node \d+, pid \d+\) is back", out), out[-4000:]
