@@ -5,9 +5,9 @@ is not replaced: the job goes on with the survivors in their own processes, numb
 their old order. Each survivor must know its new rank before it joins the re-formed job (its node
 name, and so its CURVE keys, come from it), and the new scheduler's endpoint: a port of its own,
 where no socket of a survivor's old connection (named by its old rank, which is another survivor's
-new one) finds it. A job with a standby scheduler gets a new standby in each generation, on a port
-of its own, so every survivor is told its place then, also when a worker was replaced and nothing
-else changed. The launcher writes a `PLACE` line into a file named by
+new one) finds it. A job with a standby scheduler gets a new standby in each generation (on its old
+port while its host is up, else on another host), so every survivor is told its place then, also
+when a worker was replaced and nothing else changed. The launcher writes a `PLACE` line into a file named by
 the survivor's pid in the job's elastic directory on the survivor's host (itself here; on another
 host the remote stub does, told the same line on its session), then sends SIGUSR2; the survivor
 reads and removes the file as it re-forms (worker/elastic/host.py). No file: its place is unchanged.
