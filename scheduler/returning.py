@@ -64,7 +64,10 @@ def _plan_again(machine: Rendezvous, node: Node, routings: list[Out]) -> list[Ou
     routed = f" and {len(routings)} routings" if routings else ""
     machine.notes.append(f"{node.describe()} registered again (replacement "
                          f"{machine.recovery.incarnations[node.name]}); re-sending its {len(plans)} plans{routed}")
-    outs = [(node.name, plan) for plan in plans] + routings
+    # the workers that left: its rounds waiting for one fail at once, naming it, as the dead one's would have
+    left = [(node.name, machine._msg(Kind.BYE, rank=worker.rank)) for worker in machine._of_role("worker")
+            if worker.name in machine.byes]
+    outs = [(node.name, plan) for plan in plans] + routings + left
     if not plans:
         machine.recovery.pending.pop(node.name, None)
         outs += node_back(machine, node)

@@ -73,6 +73,16 @@ def test_a_server_replaced_before_any_plan_is_announced_at_once() -> None:
                                                     ("worker-1", Kind.SERVER_BACK)]
 
 
+def test_a_replacement_is_told_which_workers_left() -> None:
+    """A worker's BYE went to the servers of then; the one replaced after it would wait for its pushes."""
+    machine = formed(recover=True)
+    bye = machine.on_message("worker-1", msg(Kind.BYE), 1.0)
+    assert ("server-0", Kind.BYE) in [(peer, m.kind) for peer, m in bye]
+    outs = register(machine, "server-0", "server", 0, now=2.0, endpoint="tcp://10.0.0.1:3000")
+    assert [(peer, m.kind, m.meta.get("rank")) for peer, m in outs if peer == "server-0"] == [
+        ("server-0", Kind.WELCOME, 0), ("server-0", Kind.BYE, 1)]
+
+
 def test_without_recovery_a_second_registration_is_refused() -> None:
     machine = formed(recover=False)
     outs = register(machine, "server-1", "server", 1, now=2.0)
