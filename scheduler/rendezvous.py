@@ -83,7 +83,7 @@ class Rendezvous:
         self.takeover = Takeover(workers, servers, aggregators, config.heartbeat_timeout) if standby else None
         #: the workers' PLAN of each declaration planned before a standby took over (by key), for one asking again
         self._replayed: dict[int, Message] = {}
-        self._released_before: set[str] = set()
+        self._released_before: dict[str, set[int]] = {}
         self._plan_count = 0
         self.exit_code: int | None = None
         self.error = ""
@@ -322,7 +322,11 @@ class Rendezvous:
 
     def _on_barrier(self, node: Node, msg: Message) -> list[Out]:
         name = meta_field(msg, "name", str)
-        if name in self._released_before:  # released before a standby took over; this worker missed it
+        missed = self._released_before.get(name)
+        if missed is not None and node.rank in missed:  # released before a standby took over; this worker missed it
+            missed.discard(node.rank)
+            if not missed:  # each told: the name may be used again
+                del self._released_before[name]
             return [(node.name, self._msg(Kind.RELEASE, name=name))]
         arrived = self._barriers.setdefault(name, set())
         arrived.add(node.rank)

@@ -151,8 +151,10 @@ class Takeover:
     def limits(self) -> Limits | None:
         return next((r.limits for r in self.rejoins.values() if r.limits is not None), None)
 
-    def released(self) -> set[str]:
-        return {name for r in self.rejoins.values() for name in r.released}
+    def released(self) -> dict[str, set[int]]:
+        """The barriers released before the takeover, each with the workers that missed its release (to answer)."""
+        workers = [r for r in self.rejoins.values() if r.role == "worker"]
+        return {name: {r.rank for r in workers if name not in r.released} for r in workers for name in r.released}
 
 
 def take_over(machine: Rendezvous, now: float) -> list[Out]:

@@ -124,6 +124,13 @@ def test_failover_answers_what_a_worker_missed_before_the_takeover() -> None:
     outs = machine.on_message("worker-1", msg(Kind.BARRIER, name="epoch-1"), 11)
     assert [(p, m.kind) for p, m in outs] == [("worker-1", Kind.RELEASE)]
     assert machine.on_message("worker-1", msg(Kind.BARRIER, name="epoch-2"), 11) == []
+    # worker 0 passed epoch-1 before the takeover: its next barrier of that name waits for every worker
+    assert machine.on_message("worker-0", msg(Kind.BARRIER, name="epoch-1"), 11) == []
+    outs = machine.on_message("worker-2", msg(Kind.BARRIER, name="epoch-1"), 11)
+    assert [(p, m.kind) for p, m in outs] == [("worker-2", Kind.RELEASE)]  # it missed the release too
+    assert machine.on_message("worker-1", msg(Kind.BARRIER, name="epoch-1"), 11) == []
+    outs = machine.on_message("worker-2", msg(Kind.BARRIER, name="epoch-1"), 11)
+    assert sorted(p for p, m in outs if m.kind == Kind.RELEASE) == ["worker-0", "worker-1", "worker-2"]
 
 
 def test_failover_waits_for_every_node_but_the_workers_gone_and_names_the_missing() -> None:
