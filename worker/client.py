@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +70,8 @@ class Client:
         #: who may answer a push: the servers, and the aggregators of the trees
         self._reply_ids: set[int] = set()
         self._aggregator_endpoints: dict[str, tuple[str, ...]] = {}
+        #: told a replaced server's name (I/O thread) before the requests it owes go again (worker/replaced.py)
+        self.server_back_hooks: list[Callable[[str], None]] = []
         self._server_names: list[str] = []
         self._server_ids: set[int] = set()
         #: this worker's calibrated limits, proposed to the scheduler with the first declaration

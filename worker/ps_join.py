@@ -32,7 +32,10 @@ class ServerJoin:
         self._cond = threading.Condition()
         self._echoes: set[str] = set()
         self._epoch = 0
+        #: what this worker told the servers last (None: nothing): a server's replacement is told it again
+        self._joined: bool | None = None
         node.route((Kind.JOIN,), self._on_echo)
+        client.server_back_hooks.append(self.server_back)
 
     def enter(self) -> None:
         """This worker is inside join(): every server counts it as pushing zeros."""
@@ -64,8 +67,20 @@ class ServerJoin:
         engine.allreduce(name, [rounds], "int64", "max").wait()
         self._client.set_rounds(dict(zip(names, rounds.tolist(), strict=True)))
 
-    def _send(self, joined: bool) -> None:
-        for server in self._client.server_names:
+    def server_back(self, server: str) -> None:
+        """`server` was replaced (ps.recover; I/O thread): what this worker told the dead one, again, while it
+        matters: inside join() (else the replacement's rounds wait for its pushes), or back from it with that
+        server's echo not yet in (else leave() waits for it in vain)."""
+        with self._cond:
+            joined = self._joined
+            again = joined is True or (joined is False and server not in self._echoes)
+        if again and joined is not None:
+            self._send(joined, [server])
+
+    def _send(self, joined: bool, servers: list[str] | None = None) -> None:
+        with self._cond:
+            self._joined = joined
+        for server in self._client.server_names if servers is None else servers:
             msg = Message(Kind.JOIN, sender=self._node.control.node_id, round=self._epoch, meta={"joined": joined})
             self._node.transport.send(server, 0, msg)
 

@@ -32,8 +32,11 @@ def _reconnect(client: Client, back: ServerBack) -> None:
 
 
 def server_back(client: Client, back: ServerBack) -> None:
-    """A dead server's replacement is ready: every request it owes an answer to, again."""
+    """A dead server's replacement is ready: every request it owes an answer to, again (first what the worker's
+    parts told the dead one, as join())."""
     _reconnect(client, back)
+    for hook in client.server_back_hooks:
+        hook(back.name)
     by_key = {t.key: t for t in client._tensors.values()}
     with client._lock:
         requests = outstanding(client._pending.requests(), back.rank)

@@ -105,6 +105,32 @@ def test_recovery_server_killed_at_step_10_ends_with_the_same_parameters(optimiz
     assert recovered == reference
 
 
+@pytest.mark.timeout(300)
+def test_recovery_a_server_replaced_while_a_worker_waits_in_join_counts_it_as_joined() -> None:
+    """Worker 1 has fewer batches: after 4 steps it waits in hvd.join() while worker 0 trains on, and SIGKILLs server
+    0 in step 10. The replacement is told again that worker 1 joined (worker/ps_join.py): before, its rounds waited
+    for worker 1's pushes until op_timeout. Each worker ends with the parameters of the same job without the kill."""
+    join = ["--join-rank", "1", "--join-at", "4"]
+    config: dict[str, Any] = {"collective": {"mode": "ps"}, "ps": {"recover": True},
+                              "worker": {"optimizer_on": "server"},
+                              "transport": {"chunk_bytes": 4096, "inflight_bytes": INFLIGHT}}
+    printed = "".join(script_outputs(2, 2, config, ROOT / SCRIPT, *_script_args("sgd", -1), *join, timeout=120))
+    reference = sorted((json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)),
+                       key=lambda r: r["rank"])
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "collective.mode=ps",
+            "--set", "ps.recover=true", "--set", "worker.optimizer_on=server", "--set", "transport.chunk_bytes=4096",
+            "--set", f"transport.inflight_bytes={INFLIGHT}", "--set", "scheduler.op_timeout=30", "--",
+            sys.executable, SCRIPT, *_script_args("sgd", 10), *join]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert "killed server 0" in output and "is back: telling the workers its endpoints" in output, output[-4000:]
+    results = sorted((json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", done.stdout, re.M)),
+                     key=lambda r: r["rank"])
+    assert [r["params"] for r in results] == [r["params"] for r in reference], output[-3000:]
+    assert results[0]["params"] != results[1]["params"]  # worker 1 stopped early
+
+
 #: three levels: worker 2 under aggregator 1, which sends to aggregator 0 (an aggregator's parent has a lower rank)
 CHILD_TREE = ("1: worker-0>aggregator-0 worker-1>aggregator-0 worker-2>aggregator-1 aggregator-1>aggregator-0",)
 

@@ -5,7 +5,8 @@ torchrun variables the launcher gave it, the address it listens on, and the fina
 With --kill-server-at N, worker 0 SIGKILLs server 0 (--kill-server-rank) of its job in step N, after its
 backward pass (its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
 of the workers under a local launcher); with --kill-standby-at N, its first standby; with
---kill-aggregator-at N, aggregator 0 (--kill-aggregator-rank). After training,
+--kill-aggregator-at N, aggregator 0 (--kill-aggregator-rank). With --join-rank R, worker R trains
+only --join-at steps and waits in hvd.join() while the others go on. After training,
 one more tensor is declared and averaged (`after`): a scheduler that took over must plan it.
 """
 
@@ -35,6 +36,9 @@ parser.add_argument("--kill-aggregator-rank", type=int, default=0, metavar="RANK
 parser.add_argument("--kill-standby-at", type=int, default=-1, metavar="STEP",
                     help="SIGKILL the first standby scheduler, after a pause of --kill-standby-pause seconds")
 parser.add_argument("--kill-standby-pause", type=float, default=0.0, metavar="S")
+parser.add_argument("--join-rank", type=int, default=-1, metavar="RANK",
+                    help="this worker stops training after --join-at steps and waits in hvd.join() for the others")
+parser.add_argument("--join-at", type=int, default=0, metavar="STEP")
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--step-sleep", type=float, default=0.0, metavar="S",
                     help="sleep this long in each step (a job slow enough to lose hosts in)")
@@ -75,6 +79,8 @@ per_worker = 8
 x = torch.randn(args.steps * per_worker * size, 12, generator=generator)
 y = torch.randn(args.steps * per_worker * size, 3, generator=generator)
 for step in range(args.steps):
+    if rank == args.join_rank and step == args.join_at:
+        break  # fewer batches than the others: hvd.join() below lets them finish
     start = (step * size + rank) * per_worker
     optimizer.zero_grad()
     time.sleep(args.step_sleep)
@@ -90,6 +96,8 @@ for step in range(args.steps):
         kill_server(args.kill_aggregator_rank, "aggregator")
     optimizer.step()
 hvd.synchronize_parameters()  # with the optimizer on the servers, the last updates may still be landing
+if args.join_rank >= 0:
+    hvd.join()
 tiers = require().hierarchy()
 # the sets the fused gradients were summed on in steps (worker/hierarchy.py), and how many groups, or None
 hierarchy = None if tiers is None else [tiers.local.members, tiers.cross_ranks, tiers.groups]
