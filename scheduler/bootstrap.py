@@ -195,6 +195,13 @@ def state_tag(secret: bytes) -> str:
     return hmac.new(secret, b"state", hashlib.sha256).hexdigest()[:16]
 
 
+def elastic_generation(environ: Mapping[str, str] | None = None) -> int:
+    """The generation of the elastic job this process serves (ENV_ELASTIC_GENERATION, which the launcher gives its
+    workers and schedulers); 0 when there is none."""
+    raw = (os.environ if environ is None else environ).get(ENV_ELASTIC_GENERATION, "0")
+    return int(raw) if raw.isdigit() else 0
+
+
 def from_environ(environ: Mapping[str, str] | None = None) -> NodeEnv:
     env = os.environ if environ is None else environ
     if ENV_SCHEDULER not in env:

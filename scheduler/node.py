@@ -244,6 +244,9 @@ class ControlClient:
         try:
             peers = parse_address_book(meta_field(msg, "nodes", list))
             self.node_id, self.rank = meta_field(msg, "node_id", int), meta_field(msg, "rank", int)
+            generation = meta_field(msg, "generation", int)
+            with self._cond:
+                self.recall.generation = generation
             self.peers, self.welcomed = peers, msg.meta or {}
             self._on_welcome()
         except (TypeError, ValueError) as exc:

@@ -43,6 +43,8 @@ class Recall:
     routes: Any = None
     routes_acked: Any = None
     committed: Any = None
+    #: the job's generation, as the WELCOME said (a standby of a later one refuses this node's REJOIN)
+    generation: int = 0
 
     def asked(self, key: Hashable, kind: Kind, meta: dict[str, Any]) -> None:
         self.pending[key] = (kind, meta)
@@ -84,6 +86,7 @@ class Recall:
                     fingerprint: str, job: str) -> dict[str, Any]:
         """`job`: the endpoint of the scheduler the node registered with, which names the job in the registries."""
         return {"role": role, "rank": rank, "node_id": node_id, "endpoints": list(endpoints), "pid": pid,
-                "fingerprint": fingerprint, "job": job, "declarations": self.declarations, "limits": self.limits,
+                "fingerprint": fingerprint, "job": job, "generation": self.generation,
+                "declarations": self.declarations, "limits": self.limits,
                 "gone": sorted(self.gone), "released": list(self.released),
                 "routing": {"routes": self.routes, "acked": self.routes_acked, "committed": self.committed}}

@@ -52,8 +52,12 @@ class Rendezvous:
         aggregators: int = 0,
         recovery: ServerRecovery | None = None,
         standby: bool = False,
+        generation: int = 0,
     ) -> None:
         self.workers, self.servers, self.aggregators, self.config = workers, servers, aggregators, config
+        #: the job's generation (sluice launch --elastic): told in each WELCOME, and a REJOIN of another refused (a
+        #: survivor's connection from before the job re-formed in place finds the standby on the same port)
+        self.generation = generation
         #: server replacement under ps.recover (scheduler/recovery.py)
         self.recovery = recovery or ServerRecovery()
         #: the switch to new aggregation trees between rounds (scheduler/hierarchy/switch.py)
@@ -226,7 +230,7 @@ class Rendezvous:
         servers = [n.endpoints for n in self._of_role("server")]
         mirror = self.recovery.links(node.rank, servers) if node.role == "server" else {}
         return self._msg(Kind.WELCOME, node_id=node.node_id, rank=node.rank, role=node.role, nodes=book,
-                         **({"mirror": mirror} if mirror else {}))
+                         generation=self.generation, **({"mirror": mirror} if mirror else {}))
 
     def propose_routes(self, trees: list[Route]) -> list[Out]:
         """Switch the job to new aggregation trees between rounds (ValueError if they do not fit the job)."""
@@ -341,7 +345,8 @@ class Rendezvous:
         assert self.takeover is not None
         if msg.kind == Kind.REJOIN:
             total = self.workers + self.servers + self.aggregators
-            self.takeover.add(peer, parse_rejoin(peer, msg, self.fingerprint, self.workers, total, self.servers), now)
+            self.takeover.add(peer, parse_rejoin(peer, msg, self.fingerprint, self.workers, total, self.servers,
+                                                 self.generation), now)
             if self.takeover.first == now and len(self.takeover.rejoins) == 1:
                 self.notes.append(f"{peer} rejoined this standby: the scheduler fell silent; waiting up to "
                                   f"{self.takeover.wait:g} s for the other nodes")

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from sluice.errors import SluiceError
 from sluice.scheduler import culprit
-from sluice.scheduler.bootstrap import NodeEnv
+from sluice.scheduler.bootstrap import NodeEnv, elastic_generation
 from sluice.scheduler.config import SchedulerConfig
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.manager import tree_source
@@ -74,7 +74,7 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         recovery=ServerRecovery(bool(ps_section.get("recover", False)), float(ps_section.get("recover_timeout", 60)),
                                 replicas=max(0, int(ps_section.get("replicas", 0))),
                                 same_host=bool(ps_section.get("mirror_same_host", False))),
-        standby=standby,
+        standby=standby, generation=elastic_generation(),
     )
     trees = tree_source(AggregationConfig(**env.section("aggregation")), time.monotonic())
     first = trees.due(time.monotonic()) if trees is not None else None

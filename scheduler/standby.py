@@ -57,13 +57,18 @@ def _ints(raw: object, what: str, bound: int) -> list[int]:
     return list(raw)
 
 
-def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes: int, servers: int = 0) -> Rejoin:
-    """A REJOIN from `peer`, every field checked (WireError): the same job, its name, an id in 1..`nodes`."""
+def parse_rejoin(peer: str, msg: Message, fingerprint: str, workers: int, nodes: int, servers: int = 0,
+                 generation: int = 0) -> Rejoin:
+    """A REJOIN from `peer`, every field checked (WireError): the same job and `generation`, its name, an id in
+    1..`nodes`."""
     role, rank, node_id = meta_field(msg, "role", str), meta_field(msg, "rank", int), meta_field(msg, "node_id", int)
     if peer != node_name(role, rank):
         raise WireError(f"REJOIN as {brief(role)} {rank} from a connection named {peer!r:.60}")
     if meta_field(msg, "fingerprint", str) != fingerprint:
         raise WireError(f"{peer} rejoins with a different configuration than the standby's")
+    if (theirs := meta_field(msg, "generation", int)) != generation:
+        raise WireError(f"{peer} rejoins from generation {theirs} of the job; this standby serves generation "
+                        f"{generation} (a connection from before the job re-formed)")
     if not 1 <= node_id <= nodes:
         raise WireError(f"REJOIN with node id {node_id}, not in 1..{nodes}")
     endpoints = meta_field(msg, "endpoints", list)

@@ -91,7 +91,7 @@ def mutants(draw: st.DrawFn, template: Any) -> Any:
     return value
 
 
-WELCOME = {"node_id": 2, "rank": 0, "role": "worker",
+WELCOME = {"node_id": 2, "rank": 0, "role": "worker", "generation": 0,
            "nodes": [[1, "server", 0, "server-0", ["tcp://127.0.0.1:9"]], [2, "worker", 0, "worker-0", []]]}
 PLAN = {"seq": 0, "tensors": [[0, "a", [4], "float32", 0, [[0, 0, 4, 0]]]], "limits": [1 << 20, 1 << 22]}
 #: a valid meta of each control kind, as its receiver expects it

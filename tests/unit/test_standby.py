@@ -159,6 +159,9 @@ def test_failover_waits_for_every_node_but_the_workers_gone_and_names_the_missin
     ("worker-0", {"job": ""}, "job must name the scheduler's endpoint"),
     ("worker-0", {"job": "x" * 201}, "job must name the scheduler's endpoint"),
     ("worker-0", {"job": 7}, "job"),
+    # a survivor's connection from before its job re-formed in place, at the next generation's standby
+    ("worker-0", {"generation": 1}, "rejoins from generation 1 of the job; this standby serves generation 0"),
+    ("worker-0", {"generation": "0"}, "generation"),
 ])
 def test_failover_standby_refuses_a_malformed_rejoin(name: str, changes: dict[str, Any], problem: str) -> None:
     job = served(Job())
