@@ -214,6 +214,8 @@ class ControlClient:
             self.fail(error if isinstance(error, str) and error else f"the scheduler sent {msg.kind.name}")
         elif msg.kind == Kind.WELCOME and (msg.meta or {}).get("rejoined") is True:
             self._taken_over()
+            for back in self._replaced_meanwhile(msg):
+                self._on_other(back)
         elif msg.kind == Kind.WELCOME:
             self._welcome(msg)
         elif msg.kind == Kind.PLAN and self.role == "worker":
@@ -338,6 +340,21 @@ class ControlClient:
             meta["mirror"] = self.mirror_links()
         self._last_ack = time.monotonic()
         self._send(Kind.REJOIN, **meta)
+
+    def _replaced_meanwhile(self, welcome: Message) -> list[Message]:
+        """The SERVER_BACK or AGGREGATOR_BACK of each server or aggregator the standby's address book gives other
+        endpoints than this node knows: one re-admitted by a scheduler that died before it told the others (a
+        server handles only its mirror links' SERVER_BACK, from the scheduler itself)."""
+        raw = (welcome.meta or {}).get("nodes")
+        if self.role == "server" or raw is None:
+            return []
+        book = parse_address_book(raw)
+        known = {peer.name: peer.endpoints for peer in self.peers}
+        return [Message(Kind.SERVER_BACK if peer.role == "server" else Kind.AGGREGATOR_BACK, sender=0,
+                        meta={"node_id": peer.node_id, "rank": peer.rank, "name": peer.name,
+                              "endpoints": list(peer.endpoints)})
+                for peer in book if peer.role in ("server", "aggregator") and peer.name in known
+                and tuple(known[peer.name]) != tuple(peer.endpoints)]
 
     def _taken_over(self) -> None:
         """The standby rebuilt the job (I/O thread): what still waits for an answer is asked of it again."""

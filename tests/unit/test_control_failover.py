@@ -8,7 +8,7 @@ from typing import Any
 
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.config import SchedulerConfig
-from sluice.scheduler.node import ControlClient
+from sluice.scheduler.node import ControlClient, PeerInfo
 from sluice.transport.wire import Kind, Message
 
 STANDBY = "tcp://127.0.0.1:2"
@@ -54,3 +54,25 @@ def test_a_goodbye_asked_before_the_standby_took_over_waits_for_the_takeover_and
     client.on_message(Message(Kind.SHUTDOWN, sender=0))  # it saw this worker leave
     leaving.join(2)
     assert not leaving.is_alive() and client.failure is None
+
+
+def test_a_server_the_dead_scheduler_readmitted_without_telling_is_told_by_the_standbys_address_book() -> None:
+    """The scheduler re-admitted server 0's replacement (ps.recover) and died before its SERVER_BACK went out: the
+    standby's WELCOME lists the new endpoints, which the node hands on as that SERVER_BACK (before: it kept the dead
+    ones, and its requests to that server waited until op_timeout)."""
+    transport, told = RecordingTransport(), []
+    env = NodeEnv(scheduler=transport.scheduler, role="worker", rank=0, workers=2, servers=1, config={},
+                  standby=STANDBY)
+    client = ControlClient(transport, env, SchedulerConfig(), on_message=told.append)  # type: ignore[arg-type]
+    client.role, client.rank, client.node_id = "worker", 0, 2
+    client.peers = [PeerInfo(1, "server", 0, "server-0", ("tcp://10.0.0.1:1",)),
+                    PeerInfo(2, "worker", 0, "worker-0", ())]
+    book = [[1, "server", 0, "server-0", ["tcp://10.0.0.1:7"]], [2, "worker", 0, "worker-0", []]]
+    client._fail_over(9.0, STANDBY)
+    client.on_message(Message(Kind.WELCOME, sender=0, meta={"rejoined": True, "nodes": book}))
+    assert [(m.kind, m.meta) for m in told] == [(Kind.SERVER_BACK, {"node_id": 1, "rank": 0, "name": "server-0",
+                                                                    "endpoints": ["tcp://10.0.0.1:7"]})]
+    told.clear()
+    client.peers[0] = PeerInfo(1, "server", 0, "server-0", ("tcp://10.0.0.1:7",))  # as the SERVER_BACK left it
+    client.on_message(Message(Kind.WELCOME, sender=0, meta={"rejoined": True, "nodes": book}))
+    assert told == []
