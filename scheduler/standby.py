@@ -197,7 +197,12 @@ def take_over(machine: Rendezvous, now: float) -> list[Out]:
     if machine.switch.epoch:
         machine.notes.append(f"aggregation trees at routing epoch {machine.switch.epoch}"
                              f"{'; finishing the switch to it' if switching else ''}")
-    return welcomes + switching
+    # a worker's goodbye that the scheduler told some nodes only before it died: the others too, or their rounds
+    # and collectives waiting for that worker would wait until their timeouts
+    gone = takeover.gone()
+    late = [(name, machine._msg(Kind.BYE, rank=rank)) for name, r in takeover.rejoins.items()
+            for rank in sorted(gone - r.gone)]
+    return welcomes + late + switching
 
 
 def _replay(machine: Rendezvous, takeover: Takeover) -> int:

@@ -259,3 +259,14 @@ def test_failover_a_process_set_half_declared_when_the_scheduler_died_gets_a_key
     plans = {p: [t[1] for t in m.meta["tensors"]] for p, m in outs if m.kind == Kind.PLAN and p in job.recall}
     assert key == -3 and plans == {"worker-0": ["y"], "worker-1": ["y"]}, plans
     assert sorted(machine._set_seqs.values()) == [-3, -2]
+
+
+def test_failover_a_goodbye_the_scheduler_told_some_nodes_only_is_told_the_others_at_the_takeover() -> None:
+    job = served(Job())
+    bye = job.machine.on_message("worker-2", msg(Kind.BYE), 5)
+    assert {p for p, m in bye if m.kind == Kind.BYE} == {"server-0", "server-1", "worker-0", "worker-1"}
+    job.deliver([(p, m) for p, m in bye if p == "worker-0"], {})  # then the scheduler died: only worker 0 heard
+    machine = standby()
+    outs = take_over(job, machine, [*ENDPOINTS, "worker-0", "worker-1"])
+    assert sorted((p, m.meta["rank"]) for p, m in outs if m.kind == Kind.BYE) == [
+        ("server-0", 2), ("server-1", 2), ("worker-1", 2)]
