@@ -84,7 +84,7 @@ class Aggregator(Role):
         before = next((p.endpoints for p in self.control.peers if p.name == name), ())
         self.control.peers = [dataclasses.replace(p, endpoints=endpoints) if p.name == name else p
                               for p in self.control.peers]
-        if dial and tuple(before) != tuple(endpoints):
+        if dial and before != endpoints:
             self.transport.replace_peer(name, endpoints)
 
     def readings(self) -> Readings:

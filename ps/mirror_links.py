@@ -21,6 +21,7 @@ from sluice.ps.mirror import Holder, MirrorSender, dials, hello_message, mirror_
 from sluice.ps.mirror_holder import Mirrored, MirrorHolder
 from sluice.ps.store import Chunk, Reply
 from sluice.scheduler.node import PeerInfo, endpoint_host
+from sluice.scheduler.resend import parse_endpoints
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message, WireError, brief
 
@@ -93,7 +94,7 @@ class MirrorLinks:
             linked = self.linked.get(peer)
             if linked is None or linked.node_id != msg.sender or dials(self.rank, linked.rank):
                 raise WireError(f"a mirror hello from {peer!r:.60}, which does not dial this server")
-            endpoints = _endpoints((msg.meta or {}).get("endpoints"), "a mirror hello")
+            endpoints = parse_endpoints((msg.meta or {}).get("endpoints"), "a mirror hello's")
             return self.sender.hello(peer, endpoints) if self.sender is not None and peer in self.sender.holders \
                 else []
         if self.sender is None:
@@ -107,7 +108,7 @@ class MirrorLinks:
         linked = self.linked.get(name) if type(name) is str else None
         if linked is None:
             return []  # not linked to this server: nothing to redo
-        endpoints = _endpoints((msg.meta or {}).get("endpoints"), "SERVER_BACK")
+        endpoints = parse_endpoints((msg.meta or {}).get("endpoints"), "SERVER_BACK")
         if endpoints == linked.endpoints:  # this server was welcomed after that one's replacement registered: it
             return []  # knows that process already (a second connection would drop what the first set up)
         moved = endpoint_host(endpoints) != endpoint_host(linked.endpoints)
@@ -162,13 +163,6 @@ class MirrorLinks:
         if self.sender is not None:
             log.info("server %d: %d commits mirrored on %s (%d bytes)", self.rank, self.sender.mirrored,
                      self.sender.describe(), self.sender.bytes)
-
-
-def _endpoints(value: Any, what: str) -> tuple[str, ...]:
-    """A message's endpoints: a non-empty list of strings (WireError if not)."""
-    if type(value) is not list or not value or not all(type(e) is str and e for e in value):
-        raise WireError(f"{what}'s endpoints must be a non-empty list of strings, got {brief(value)}")
-    return tuple(value)
 
 
 def _ranks(links: Any, name: str, servers: dict[int, PeerInfo], rank: int) -> list[int]:

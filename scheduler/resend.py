@@ -43,15 +43,20 @@ class ServerBack:
     endpoints: tuple[str, ...]
 
 
+def parse_endpoints(value: object, what: str) -> tuple[str, ...]:
+    """A message's endpoints: a non-empty list of strings (WireError naming `what` if not)."""
+    if type(value) is not list or not value or not all(isinstance(e, str) and e for e in value):
+        raise WireError(f"{what} endpoints must be a non-empty list of strings, got {brief(value)}")
+    return tuple(value)
+
+
 def parse_back(msg: Message, names: Sequence[str]) -> ServerBack:
     """The scheduler's SERVER_BACK or AGGREGATOR_BACK, checked against `names`, that role's names by rank."""
     rank, name = meta_field(msg, "rank", int), meta_field(msg, "name", str)
     endpoints = meta_field(msg, "endpoints", list)
     if not 0 <= rank < len(names) or names[rank] != name:
         raise WireError(f"{msg.kind.name} names {brief(name)} as number {rank}, which is not one of this job's")
-    if not endpoints or not all(isinstance(e, str) and e for e in endpoints):
-        raise WireError(f"{msg.kind.name} endpoints must be a non-empty list of strings, got {brief(endpoints)}")
-    return ServerBack(rank, name, tuple(endpoints))
+    return ServerBack(rank, name, parse_endpoints(endpoints, msg.kind.name))
 
 
 def parse_server_back(msg: Message, server_names: Sequence[str]) -> ServerBack:
