@@ -148,27 +148,32 @@ class Generation(Job):
         previous, lost_hosts = self.schedulers.standbys, self.takeovers.lost_hosts
         endpoints = {p.rank: p.ready.result() for p in previous if p.ready.done()}
         standbys: dict[int, Child] = {}
-        # a standby whose host was lost starts on another host, on a port it learns there; with a newcomer it is
-        # awaited first, as the newcomer is told where it went; without one, beside the scheduler's start
-        moving = [await self._standby_started(away, "") for away in previous if away.host in lost_hosts]
-        before, beside = ([], moving) if shrink else (moving, [])
-        for child in before:
-            await self._standby_ready(child, "", standbys, endpoints)
+        # each standby is told the scheduler's endpoint, the port it watches (and leaves when that stays silent with
+        # no node rejoining: scheduler/standby_watch.py); a replacement's scheduler comes back at the same one, a
+        # shrunk job's at a port known once it is up: there the standbys start after it
+        moving = [away for away in previous if away.host in lost_hosts]
+        kept = [p for p in previous if p.host not in lost_hosts]  # on their hosts and ports: everyone has them
+        if not shrink:  # a standby whose host was lost starts on another host, on a port it learns there; awaited
+            # first, as the newcomer is told where it went
+            for child in [await self._standby_started(away, "", self.endpoint) for away in moving]:
+                await self._standby_ready(child, "", standbys, endpoints)
         self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
         # the newcomer first: its start (Python, the framework) is the longest; it finds the scheduler at the
         # same address once that is up
         worker = None if shrink else await self.spawn("worker", dead.rank, self.command, self.endpoint, moved_to,
                                                       self._local_env(moved_to))
         sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
-        kept = [p for p in previous if p.host not in lost_hosts]  # on their hosts and ports: everyone has them
-        started = [await self._standby_started(p, endpoints.get(p.rank, "")) for p in kept]
+        started = [] if shrink else [await self._standby_started(p, endpoints.get(p.rank, ""), self.endpoint)
+                                     for p in kept]
         endpoint = await self._announced(sched)
         if not isinstance(endpoint, str) or (endpoint != self.endpoint and not shrink):
             self.complain(f"the scheduler of generation {generation} did not come back at {self.endpoint}")
             return None
         self.endpoint = endpoint
-        for child in beside:
-            await self._standby_ready(child, "", standbys, endpoints)
+        if shrink:
+            for child in [await self._standby_started(away, "", endpoint) for away in moving]:
+                await self._standby_ready(child, "", standbys, endpoints)
+            started = [await self._standby_started(p, endpoints.get(p.rank, ""), endpoint) for p in kept]
         for child in started:
             await self._standby_ready(child, endpoints.get(child.rank, ""), standbys, endpoints)
         self.spawner.standby = ",".join(endpoints[rank] for rank in sorted(endpoints))
@@ -188,15 +193,16 @@ class Generation(Job):
                  f"{time.monotonic() - lost:.2f} s after the loss ({killed} stopped by SIGKILL)")
         return worker, old, new
 
-    async def _standby_started(self, previous: Child, endpoint: str) -> Child:
-        """The next generation's standby in place of `previous`: on its host and port (`endpoint`) while its host is
-        up, so that every node still has its endpoint; else on another host, on a port the OS picks."""
+    async def _standby_started(self, previous: Child, endpoint: str, scheduler: str) -> Child:
+        """The next generation's standby in place of `previous`, watching the scheduler at `scheduler`: on its host
+        and port (`endpoint`) while its host is up, so that every node still has its endpoint; else on another
+        host, on a port the OS picks."""
         kept = previous.host not in self.takeovers.lost_hosts and endpoint
         self.config = self.spawner.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(
             self.config.scheduler, standby_port=int(endpoint.rsplit(":", 1)[1]) if kept else 0))
         host = previous.host if kept else standby_hosts(self.plan, previous.rank, self.takeovers.lost_hosts)[-1]
         return await self.spawn("scheduler", previous.rank, [sys.executable, "-m", "sluice.launch.cli", "scheduler"],
-                                "", host)
+                                scheduler, host)
 
     async def _standby_ready(self, standby: Child, expected: str, standbys: dict[int, Child],
                              endpoints: dict[int, str]) -> None:

@@ -84,6 +84,10 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
                                     "--kill-scheduler-at", "15", "--process-set"])
     ready = re.findall(r"^\[launch\] standby scheduler ready at (tcp://\S+)$", output, re.M)
     assert len(ready) == 2 and ready[0] == ready[1], output[-4000:]  # generation 1's, on generation 0's port
+    primary = re.search(r"^\[launch\] scheduler ready at (tcp://\S+);", output, re.M)
+    assert primary, output[-4000:]  # both generations' standbys watch the scheduler's port (generation 1's: the same)
+    assert re.findall(r"it takes over if the scheduler at (\S+) falls silent", output) == [primary[1]] * 2, \
+        output[-4000:]
     assert "killed the scheduler" in output and re.search(
         r"\[standby scheduler\] .*took over from the silent scheduler: 4 nodes rejoined", output), output[-4000:]
     assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; replacing worker 2 in place: the "

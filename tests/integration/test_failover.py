@@ -235,10 +235,14 @@ def test_replace_lost_host_of_a_worker_and_no_free_slot_the_survivors_go_on_in_t
         bed: SshBed, tmp_path: Path) -> None:
     """--elastic --in-place with no slot free: worker 0's host h2 is lost; workers 1 and 2 (on h1) go on as
     ranks 0 and 1 of a job of 2 in their own processes (Horovod's elastic shrink), and the job ends as 2 workers
-    continuing, run deliberately, from the state generation 1 started from (the commit)."""
+    continuing, run deliberately, from the state generation 1 started from (the commit). With a standby scheduler:
+    generation 1's starts once its scheduler is up, on a new port, and watches that port."""
     h1, h2 = (bed.netbed.hosts[name].address for name in ("h1", "h2"))
     saved = tmp_path / "state.pt"  # what generation 1 starts from: the commit it resumed at
-    out, starts, results = _lose_a_workers_host(bed, f"{h2}:1,{h1}:2", 3, script=("--save-start", str(saved)))
+    out, starts, results = _lose_a_workers_host(bed, f"{h2}:1,{h1}:2", 3, ("--set=scheduler.standby=1",),
+                                                script=("--save-start", str(saved)))
+    watched = re.findall(r"it takes over if the scheduler at (\S+) falls silent", out)
+    assert len(watched) == 2 and watched[1] != watched[0] and "(unknown)" not in watched, out[-4000:]
     assert f"worker 0's host {h2} is lost; no other host has a free slot" in out, out[-4000:]
     assert ("going on without worker 0: the other 2 workers keep their processes, numbered again from 0 "
             "(--in-place)") in out, out[-4000:]
