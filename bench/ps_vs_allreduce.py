@@ -25,6 +25,7 @@ from bench.common import (
     timed_push_pull,
     write_json,
 )
+from bench.raw_mesh import run_raw_mesh
 from testbed.job import emit_result, run_gloo_job, run_sluice_job
 from testbed.netbed import Netbed, ready_for
 
@@ -39,6 +40,9 @@ every host has its own link shaped to RATE Mbit/s both ways (tbf), all on one sw
   sluice  W workers push_pull the tensor through S servers, each on its own host (worker.client.Client,
           pushing from a Client.alloc array); the scheduler sits on an unshaped host of its own
   gloo    torch.distributed all_reduce (gloo) on the same tensor, one process on each worker host
+  raw     (--raw-zmq) the same rounds in raw ZeroMQ (bench/raw_mesh.py): each chunk to its server, the
+          server's answer once every worker's copy came, nothing of Sluice (no sums, credit, cipher):
+          what the links, the kernel and libzmq carry in these rounds, the floor under Sluice's figure
 
 Link-rate bound: in a PS round each worker sends its bytes once and receives them once (both
 directions of its link at once), so a round takes at least bytes / RATE; a ring all_reduce sends
@@ -77,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run Sluice's job with transport.curve = false: on separate hosts every payload "
                              "byte is encrypted (CURVE, the default), which on 2 cores bounds the rate "
                              "(default: %(default)s; --quick: off)")
+    parser.add_argument("--raw-zmq", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the rounds in raw ZeroMQ, nothing of Sluice, with the same chunks "
+                             "(bench/raw_mesh.py): what the network carries in them (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -154,9 +161,10 @@ def bandwidth(nbytes: int, results: list[Any]) -> tuple[Stats, float]:
 Run = tuple[Stats, float]  # MB/s, and the share of the machine's cores busy through the job
 
 
-def measure(bed: Netbed, args: argparse.Namespace, size: int, servers: int) -> tuple[Run, Run, Run | None]:
+def measure(bed: Netbed, args: argparse.Namespace, size: int,
+            servers: int) -> tuple[Run, Run, Run | None, Stats | None]:
     """Sluice's MB/s (CURVE on, the default), gloo's, and Sluice's with CURVE off (with --compare-curve),
-    each with how busy the cores were."""
+    each with how busy the cores were; raw ZeroMQ's (with --raw-zmq)."""
     nbytes, rounds = size * MIB, rounds_for(size, args.rounds)
     workers = [f"w{i}" for i in range(args.workers)]
     env = {"OMP_NUM_THREADS": "1"}
@@ -179,7 +187,13 @@ def measure(bed: Netbed, args: argparse.Namespace, size: int, servers: int) -> t
                            echo=args.verbose)
     gloo, busy = bandwidth(nbytes, results)
     progress(f"  {size:>4} MiB  gloo   {gloo.brief(1)} MB/s, cores {busy:.0%} busy  ({time.perf_counter() - t0:.1f} s)")
-    return ours, (gloo, busy), sluice(False) if args.compare_curve else None
+    raw = None
+    if args.raw_zmq:
+        t0 = time.perf_counter()
+        raw = run_raw_mesh(bed, workers, [f"s{i}" for i in range(servers)], nbytes, args.chunk_bytes, rounds,
+                           args.repeats, args.timeout)
+        progress(f"  {size:>4} MiB  raw ZeroMQ rounds {raw.brief(1)} MB/s  ({time.perf_counter() - t0:.1f} s)")
+    return ours, (gloo, busy), sluice(False) if args.compare_curve else None, raw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,29 +217,33 @@ def main(argv: list[str] | None = None) -> int:
             bed.host(f"s{i}", args.rate_mbit)
         bed.host("sched")  # control traffic only: unshaped
         for size in args.sizes:
-            (ours, ours_busy), (gloo, gloo_busy), without_curve = measure(bed, args, size, servers)
+            (ours, ours_busy), (gloo, gloo_busy), without_curve, raw = measure(bed, args, size, servers)
             plain, plain_busy = without_curve or (None, 0.0)
             case = f"{size}MiB-w{w}-s{servers}-{args.rate_mbit:g}mbit"
             fraction, ratio = ours.median / link, ours.median / gloo.median
             rows.append([case, ours.brief(1), f"{link:.1f}", f"{fraction:.1%}", gloo.brief(1),
                          f"{gloo.median / ring:.1%}", f"{ratio:.2f}x",
                          "" if plain is None else f"{plain.brief(1)} ({plain.median / link:.0%}, "
-                                                  f"{plain.median / gloo.median:.2f}x)"])
+                                                  f"{plain.median / gloo.median:.2f}x)",
+                         "" if raw is None else f"{raw.brief(1)} ({raw.median / link:.0%})"])
             without = {} if plain is None else {
                 "curve_off": plain.median, "curve_off_min": plain.low, "curve_off_max": plain.high,
                 "curve_off_fraction_of_bound": plain.median / link, "curve_off_ratio": plain.median / gloo.median,
                 "curve_off_cores_busy": plain_busy}
+            floor = {} if raw is None else {
+                "raw_zmq": raw.median, "raw_zmq_min": raw.low, "raw_zmq_max": raw.high,
+                "raw_zmq_fraction_of_bound": raw.median / link, "ratio_to_raw_zmq": ours.median / raw.median}
             records.append(record(
                 case, ours, gloo, GLOO, "MB/s", size_mib=size, workers=w, servers=servers, rate_mbit=args.rate_mbit,
                 rounds=rounds_for(size, args.rounds), repeats=args.repeats, link_bound=link,
                 fraction_of_bound=fraction, peer_bound=ring, peer_fraction_of_bound=gloo.median / ring,
                 target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO, curve=True, cores_busy=ours_busy,
-                peer_cores_busy=gloo_busy, **without,
+                peer_cores_busy=gloo_busy, **without, **floor,
             ))
     progress(f"\nalgorithm bandwidth in MB/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")
     print_table(["case", "sluice", "PS bound", "sluice/bound", "gloo", "gloo/ring bound", "sluice/gloo",
-                 "sluice, CURVE off (bound, gloo)"], rows)
+                 "sluice, CURVE off (bound, gloo)", "raw ZeroMQ rounds (bound)"], rows)
     for rec in records:
         fraction_met = "met" if rec["fraction_of_bound"] >= TARGET_FRACTION else "MISSED"
         ratio_met = "met" if rec["ratio"] >= TARGET_RATIO else "MISSED"

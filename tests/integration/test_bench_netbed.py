@@ -116,6 +116,9 @@ def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
     result = run_script(["bench/ps_vs_allreduce.py", "--quick", "--json", str(out)], timeout=110)
     (rec,) = check_records(out, 1)
     assert rec["link_bound"] == pytest.approx(125.0) and rec["fraction_of_bound"] > 0, rec
+    # the raw ZeroMQ rounds ran on the same hosts: their rate and Sluice's against it
+    assert 0 < rec["raw_zmq_fraction_of_bound"] < 1 and rec["ratio_to_raw_zmq"] == pytest.approx(
+        rec["ours"] / rec["raw_zmq"]), rec
     assert str(rec["case"]) in result.stdout
 
 
