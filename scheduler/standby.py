@@ -150,6 +150,17 @@ class Takeover:
                 if (entry[0], entry[1], entry[2]) != (order, seq, ranks):
                     raise WireError(f"workers disagree on declaration {key}: {entry[:3]} and {(order, seq, ranks)}")
                 entry[3][rejoin.rank] = tensors
+        # Keys are given in planning order (rendezvous.py), so a replay rebuilds them only from every declaration up
+        # to the last one seen. One planned before it that no worker saw (its PLAN lost with the scheduler while a
+        # later one's arrived, or its set's workers all gone) would have its keys, which the servers hold, given to
+        # the next: their pushes would be refused, and their workers wait until op_timeout.
+        orders = sorted(entry[0] for entry in found.values())
+        if len(set(orders)) < len(orders):
+            raise WireError(f"workers report two declarations at one place in the planning order ({brief(orders)})")
+        if orders != list(range(len(orders))):
+            lost = min(set(range(len(orders) + 1)) - set(orders))
+            raise WireError(f"no worker saw declaration {lost} (in planning order) planned, but later ones were: "
+                            "planned again without it, they would take its keys, which the servers hold for it")
         for key, (_order, seq, ranks, tables) in sorted(found.items(), key=lambda item: item[1][0]):
             yield key, seq, ranks, tables
 

@@ -261,6 +261,27 @@ def test_failover_a_process_set_half_declared_when_the_scheduler_died_gets_a_key
     assert sorted(machine._set_seqs.values()) == [-3, -2]
 
 
+def test_failover_a_declaration_no_worker_saw_planned_before_one_they_saw_fails_the_takeover_naming_it() -> None:
+    """Set {0, 2} was planned first (the servers have its keys), set {1} next; the scheduler died with the first
+    set's PLANs not yet at its workers, the second's delivered. Replayed alone, {1}'s tensor would take {0, 2}'s key,
+    which the servers hold for that set: its pushes refused, its worker waiting until op_timeout. The standby fails
+    the job at once, saying why."""
+    job = Job()
+    for rank in (0, 2):  # planned, and acknowledged by the servers, but its workers' PLANs lost
+        outs = job.machine.on_message(f"worker-{rank}", msg(Kind.DECLARE, seq=0, tensors=tensors("y"), ranks=[0, 2]),
+                                      1)
+    key = next(m.meta["seq"] for p, m in outs if p == "server-0")
+    for server in ENDPOINTS:
+        job.machine.on_message(server, msg(Kind.PLAN_ACK, seq=key), 1)
+    job.declare(0, tensors("z"), ranks=[1])
+    assert [d[0] for d in job.recall["worker-1"].declarations] == [1]  # planned second
+    machine = standby()
+    take_over(job, machine, [*ENDPOINTS, *job.recall])
+    assert machine.phase == "failed", machine.phase
+    assert machine.error is not None and "no worker saw declaration 0 (in planning order) planned, but later ones " \
+        "were" in machine.error, machine.error
+
+
 def test_failover_a_goodbye_the_scheduler_told_some_nodes_only_is_told_the_others_at_the_takeover() -> None:
     job = served(Job())
     bye = job.machine.on_message("worker-2", msg(Kind.BYE), 5)
