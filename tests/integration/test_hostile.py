@@ -112,7 +112,10 @@ def test_server_rejects_malformed_messages_and_training_is_unharmed(
     refused_by_scheduler = (
         r"sluice.scheduler:rejected \w+ from 'scheduler': \w+ from unregistered peer" if curve
         else r"sluice.transport:rejected \w+ from 'stranger-[0-9a-f]{12}': not a member of this job")
-    assert re.search(refused_by_scheduler, err), err[-2000:]
+    # (failed once in 17 suites, not reproduced in 32 runs: the scheduler's own lines say what it refused instead)
+    scheduler_lines = "\n".join(line for line in err.splitlines()
+                                if "sluice.scheduler" in line or "'scheduler'" in line)
+    assert re.search(refused_by_scheduler, err), scheduler_lines[-4000:]
     assert "sent no heartbeat" not in err
     counted = re.findall(r"scheduler stopped \((\d+) messages rejected, (\d+) connections refused\)", err)
     assert counted and int(counted[0][0]) >= report["rounds"], err[-2000:]
