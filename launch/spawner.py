@@ -68,8 +68,8 @@ class Spawner:
         env = node.to_environ()
         if role != "worker":  # role processes run our own module, wherever the launcher was started
             env["PYTHONPATH"] = self._pythonpath()
-        if role == "scheduler" and ENV_ELASTIC_GENERATION in self.worker_env:  # it refuses a REJOIN of another
-            env[ENV_ELASTIC_GENERATION] = self.worker_env[ENV_ELASTIC_GENERATION]
+            if role == "scheduler" and ENV_ELASTIC_GENERATION in self.worker_env:  # it refuses another's REJOIN
+                env[ENV_ELASTIC_GENERATION] = self.worker_env[ENV_ELASTIC_GENERATION]
         else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
             local_rank, local_size = rank, self.workers
             if place is not None and self.plan is not None:

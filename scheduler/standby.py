@@ -158,7 +158,7 @@ class Takeover:
         if len(set(orders)) < len(orders):
             raise WireError(f"workers report two declarations at one place in the planning order ({brief(orders)})")
         if orders != list(range(len(orders))):
-            lost = min(set(range(len(orders) + 1)) - set(orders))
+            lost = next(i for i, order in enumerate(orders) if order != i)  # the first gap (sorted, distinct)
             raise WireError(f"no worker saw declaration {lost} (in planning order) planned, but later ones were: "
                             "planned again without it, they would take its keys, which the servers hold for it")
         for key, (_order, seq, ranks, tables) in sorted(found.items(), key=lambda item: item[1][0]):
