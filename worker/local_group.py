@@ -4,8 +4,10 @@ An existing engine, not written again: torch's own ProcessGroupGloo or ProcessGr
 torch's default group (a script may well have one of its own: DDP's), whose members meet through a
 FileStore in this host's /dev/shm. The store's name comes from the job's state tag (a secret's HMAC:
 other jobs and users cannot guess it), the host's index among the job's worker hosts and the elastic
-generation; it is created 0600 and removed by torch when the last member closes it. Gloo listens on
-the loopback only: nothing of a local group reaches the network.
+generation; it is created 0600. A gloo group removes it as soon as every member has connected (gloo needs
+the store only to connect), so a member killed later leaves nothing behind; an NCCL group, which meets
+through the store at each lane's first collective, leaves that to torch, whose last member to close removes
+it. Gloo listens on the loopback only: nothing of a local group reaches the network.
 
 A reduce-scatter gives each local rank an equal share of a flat tensor whose length the caller
 padded to a multiple of the local size (worker/topology.py `share_bounds`); an allgather puts the shares back.
@@ -63,12 +65,26 @@ class LocalGroup:
         try:
             self.lanes: list[Backend] = [_make(backend, PrefixStore(f"lane{lane}", self._store), local_rank, local_size,
                                                timeout) for lane in range(lanes)]
+            if backend == "gloo":
+                self._remove_store()
         except RuntimeError as exc:
             self._store = None
             with contextlib.suppress(FileNotFoundError):  # the group failed: no one meets here any more
                 os.unlink(self.path)
             raise SluiceError(f"the workers of host {host} did not form their local group ({backend}, {local_size} "
                               f"workers) within {timeout:g} s: is one of them gone? ({str(exc)[:200]})") from None
+
+    def _remove_store(self) -> None:
+        # Torch's own removal counts the members' stores as they are destroyed: one that is not (a killed
+        # member, or one whose group outlived its interpreter) leaves the file in /dev/shm. Here: once every
+        # member is past the first barrier, none reads the store again; local rank 0 removes it; the second
+        # barrier keeps each member's store from being destroyed before that (a store destroyed while the file
+        # is still there adds to it, and one adding just after the removal would create it again).
+        self._lane(0).barrier().wait()
+        if self.local_rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self._lane(0).barrier().wait()
 
     def reduce_scatter(self, flat: torch.Tensor, share: torch.Tensor, lane: int = 0) -> Work:
         """Start summing `flat` (padded: local_size x share.numel() elements, contiguous) over the group into
