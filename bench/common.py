@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import Any
 from sluice.launch.supervisor import free_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 #: Objects a child keeps until os._exit ends it without running their destructors (see keep_alive).
 _kept: list[Any] = []
@@ -147,3 +150,11 @@ def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = T
         seconds.append((time.perf_counter() - started) / rounds)
     node.close()
     return client.rank, seconds
+
+
+def import_example(name: str) -> Any:
+    """examples/NAME.py as a module, imported as the examples import each other: from their own directory
+    (they are scripts, not a package)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.append(str(EXAMPLES))
+    return importlib.import_module(name)

@@ -23,7 +23,6 @@ imported in the children only: nothing of its runtime is ever forked.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import free_port
+from bench.common import free_port, import_example
 from testbed.children import Children
 from testbed.cluster import LocalCluster
 
@@ -55,7 +54,7 @@ def _keras() -> Any:
 
 
 def _model(keras: Any, optimizer: Any) -> Any:
-    example: Any = importlib.import_module("examples.train_digits_keras")
+    example: Any = import_example("train_digits_keras")
     keras.utils.set_random_seed(0)
     model = example.make_model()
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -4,7 +4,6 @@ sluice.torch, TF's MultiWorkerMirroredStrategy and Keras alone."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from bench.common import (
     Stats,
     add_common_options,
     free_port,
+    import_example,
     keep_alive,
     print_table,
     progress,
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def demo() -> tuple[Callable[[], torch.nn.Module], Callable[[], tuple[torch.Tensor, ...]]]:
     """make_model and load_data of examples/train_digits.py (imported by name: examples/ is not type-checked)."""
-    module: Any = importlib.import_module("examples.train_digits")
+    module: Any = import_example("train_digits")
     return module.make_model, module.load_data
 
 

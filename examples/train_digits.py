@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
+from digits import load_digits  # examples/digits.py: scikit-learn's bundled digits
 
 import sluice.torch as hvd
 
@@ -36,9 +36,9 @@ def make_model() -> torch.nn.Module:
 
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
+    images_8x8, targets = load_digits()
+    images = torch.tensor(images_8x8, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(targets, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     test, train = order[:360], order[360:]
     return images[train], labels[train], images[test], labels[test]

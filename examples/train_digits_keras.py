@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ start-up chatter,
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+from digits import load_digits  # examples/digits.py: scikit-learn's bundled digits
 
 import sluice.keras as hvd
 
@@ -42,9 +42,9 @@ def make_model() -> keras.Model:
 
 
 def load_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    digits = load_digits()
-    images = (digits.images[..., None] / 16.0).astype(np.float32)
-    labels = digits.target.astype(np.int64)
+    images_8x8, targets = load_digits()
+    images = (images_8x8[..., None] / 16.0).astype(np.float32)
+    labels = targets
     order = np.random.default_rng(0).permutation(len(labels))
     test, train = order[:360], order[360:]
     return images[train], labels[train], images[test], labels[test]
