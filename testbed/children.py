@@ -18,12 +18,17 @@ from sluice import close_at_exit
 _ctx = mp.get_context("fork")
 
 
+def child_tempdir() -> str:
+    """A directory for one forked child's temporary files, made by the parent before the fork: the parent
+    removes it once the child is reaped, so that a child killed before its end leaves nothing either."""
+    return tempfile.mkdtemp(prefix="sluice-child-")
+
+
 @contextlib.contextmanager
-def own_tempdir() -> Iterator[None]:
-    """A forked child's temporary files in a directory of its own, removed as it ends: what it leaves there
+def own_tempdir(path: str) -> Iterator[None]:
+    """A forked child's temporary files in `path` (from `child_tempdir`), emptied as it ends: what it leaves there
     would outlive it, as os._exit skips the atexit handlers that remove them (TensorFlow's autograph writes a
     file for each function it converts)."""
-    path = tempfile.mkdtemp(prefix="sluice-child-")
     tempfile.tempdir = path
     try:
         yield
@@ -31,10 +36,17 @@ def own_tempdir() -> Iterator[None]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _child_main(key: str, target: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+def remove_tempdirs(paths: list[str]) -> None:
+    """The directories of reaped children, with whatever a killed one left there."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    paths.clear()
+
+
+def _child_main(key: str, target: Callable[..., Any], args: tuple[Any, ...], tempdir: str, results: Any) -> None:
     code = 0
     try:
-        with own_tempdir():
+        with own_tempdir(tempdir):
             value = target(*args)
             close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
         results.put((key, "ok", value))
@@ -53,6 +65,7 @@ class Children:
         self._processes: dict[str, Any] = {}
         self._results: Any = _ctx.Queue()
         self._early: dict[str, Any] = {}
+        self._tempdirs: list[str] = []
 
     def queue(self) -> Any:
         """A fresh queue a child can use to talk to the parent before it returns."""
@@ -63,7 +76,9 @@ class Children:
         return _ctx.Barrier(parties)
 
     def start(self, key: str, target: Callable[..., Any], *args: Any) -> None:
-        process = _ctx.Process(target=_child_main, args=(key, target, args, self._results), daemon=True)
+        self._tempdirs.append(child_tempdir())
+        process = _ctx.Process(target=_child_main, args=(key, target, args, self._tempdirs[-1], self._results),
+                               daemon=True)
         process.start()
         self._processes[key] = process
 
@@ -102,6 +117,7 @@ class Children:
                 os.kill(process.pid, signal.SIGKILL)
             process.join(5.0)
         self._processes.clear()
+        remove_tempdirs(self._tempdirs)
 
     def __enter__(self) -> Children:
         return self

@@ -15,7 +15,7 @@ from typing import Any
 from sluice import close_at_exit
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from sluice.transport.shm import remove_segments_of
-from testbed.children import own_tempdir
+from testbed.children import child_tempdir, own_tempdir, remove_tempdirs
 
 _ctx = mp.get_context("fork")
 
@@ -46,7 +46,7 @@ def _aggregator_main(env: NodeEnv) -> None:
     os._exit(run_aggregator(env))
 
 
-def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], tempdir: str, results: Any) -> None:
     _dump_stacks_on_request()
     os.environ.update(env.to_environ())
     os.environ[ENV_SECRET_FD] = str(secret_pipe(env.secret))  # as the launcher hands it over
@@ -55,7 +55,7 @@ def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], re
         torch.set_num_threads(1)
     code = 0
     try:
-        with own_tempdir():
+        with own_tempdir(tempdir):
             value = fn(*args)
             close_at_exit()
         results.put((env.rank, "ok", value))
@@ -75,6 +75,7 @@ class LocalCluster:
         self.config = config or {}
         self.secret = new_secret()
         self.processes: list[Any] = []
+        self._tempdirs: list[str] = []  # the workers' (the servers' and scheduler's use none)
         announce = _ctx.Queue()
         base = NodeEnv("", "scheduler", 0, workers, servers, self.config, self.secret, aggregators)
         self._start(_scheduler_main, base, announce)
@@ -103,7 +104,8 @@ class LocalCluster:
         """Fork every worker running fn(*args); the queue their (rank, status, value) reports arrive on."""
         results = _ctx.Queue()
         for rank in range(self.workers):
-            self._start(_worker_main, self.env("worker", rank), fn, args, results)
+            self._tempdirs.append(child_tempdir())
+            self._start(_worker_main, self.env("worker", rank), fn, args, self._tempdirs[-1], results)
         return results
 
     def collect(self, results: Any, count: int, timeout: float) -> dict[int, tuple[str, Any]]:
@@ -145,6 +147,7 @@ class LocalCluster:
                 os.kill(process.pid, signal.SIGKILL)
             process.join(5)
             remove_segments_of(process.pid)
+        remove_tempdirs(self._tempdirs)
 
     def __enter__(self) -> LocalCluster:
         return self
