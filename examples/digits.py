@@ -1,7 +1,7 @@
 """scikit-learn's 8x8 digits, read from the file its package ships: nothing is downloaded.
 
-Read here rather than through `sklearn.datasets.load_digits`: importing scikit-learn costs about 2 s of
-CPU in every worker (scipy and all), ten times the training a worker of the demo does in its first second.
+Read here rather than through `sklearn.datasets.load_digits`: importing scikit-learn (scipy and all) costs
+every worker about 2 s of CPU for one small table, and the demo's four workers share two cores.
 """
 
 from __future__ import annotations
