@@ -77,10 +77,12 @@ class LocalGroup:
     def _remove_store(self) -> None:
         # Torch's own removal counts the members' stores as they are destroyed: one that is not (a killed
         # member, or one whose group outlived its interpreter) leaves the file in /dev/shm. Here: once every
-        # member is past the first barrier, none reads the store again; local rank 0 removes it; the second
-        # barrier keeps each member's store from being destroyed before that (a store destroyed while the file
-        # is still there adds to it, and one adding just after the removal would create it again).
-        self._lane(0).barrier().wait()
+        # member is past a first barrier on every lane (each lane connected, also under TORCH_GLOO_LAZY_INIT,
+        # which connects a lane at its first collective), none reads the store again; local rank 0 removes it;
+        # the second barrier keeps each member's store from being destroyed before that (a store destroyed
+        # while the file is still there adds to it, and one adding just after the removal would create it again).
+        for lane in range(len(self.lanes)):
+            self._lane(lane).barrier().wait()
         if self.local_rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
