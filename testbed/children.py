@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -10,7 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sluice import close_at_exit
@@ -24,16 +23,11 @@ def child_tempdir() -> str:
     return tempfile.mkdtemp(prefix="sluice-child-")
 
 
-@contextlib.contextmanager
-def own_tempdir(path: str) -> Iterator[None]:
-    """A forked child's temporary files in `path` (from `child_tempdir`), emptied as it ends: what it leaves there
-    would outlive it, as os._exit skips the atexit handlers that remove them (TensorFlow's autograph writes a
-    file for each function it converts)."""
+def use_tempdir(path: str) -> None:
+    """A forked child's temporary files go to `path` (from `child_tempdir`), which its parent removes: what it leaves
+    would outlive it otherwise, as os._exit skips the atexit handlers that remove them (TensorFlow's autograph
+    writes a file for each function it converts)."""
     tempfile.tempdir = path
-    try:
-        yield
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_tempdirs(paths: list[str]) -> None:
@@ -46,9 +40,9 @@ def remove_tempdirs(paths: list[str]) -> None:
 def _child_main(key: str, target: Callable[..., Any], args: tuple[Any, ...], tempdir: str, results: Any) -> None:
     code = 0
     try:
-        with own_tempdir(tempdir):
-            value = target(*args)
-            close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
+        use_tempdir(tempdir)
+        value = target(*args)
+        close_at_exit()  # os._exit below skips what a script's exit runs for Sluice
         results.put((key, "ok", value))
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         results.put((key, "error", f"{type(exc).__name__}: {exc}"))

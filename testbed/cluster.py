@@ -15,7 +15,7 @@ from typing import Any
 from sluice import close_at_exit
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, NodeEnv, new_secret, secret_pipe
 from sluice.transport.shm import remove_segments_of
-from testbed.children import child_tempdir, own_tempdir, remove_tempdirs
+from testbed.children import child_tempdir, remove_tempdirs, use_tempdir
 
 _ctx = mp.get_context("fork")
 
@@ -55,9 +55,9 @@ def _worker_main(env: NodeEnv, fn: Callable[..., Any], args: tuple[Any, ...], te
         torch.set_num_threads(1)
     code = 0
     try:
-        with own_tempdir(tempdir):
-            value = fn(*args)
-            close_at_exit()
+        use_tempdir(tempdir)
+        value = fn(*args)
+        close_at_exit()
         results.put((env.rank, "ok", value))
     except BaseException as exc:  # report every failure to the test, then exit non-zero
         results.put((env.rank, "error", f"{type(exc).__name__}: {exc}"))

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from bench.common import EXAMPLES, import_example
 
 
 def test_the_images_and_labels_are_scikit_learns() -> None:
     datasets = pytest.importorskip("sklearn.datasets")
-    sys.path.append(str(EXAMPLES))
-    try:
-        from digits import load_digits  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    images, labels = load_digits()
+    images, labels = import_example("digits").load_digits()
     expected = datasets.load_digits()
     assert images.dtype == expected.images.dtype and labels.dtype == np.int64
     assert np.array_equal(images, expected.images) and np.array_equal(labels, expected.target)
