@@ -10,6 +10,7 @@ import signal
 import sys
 from types import FrameType
 
+import sluice.launch.lean_roles  # noqa: F401  (first: it must run before anything imports numpy)
 from sluice import __version__
 from sluice.errors import SluiceError
 from sluice.launch import kubernetes, node

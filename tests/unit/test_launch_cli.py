@@ -206,3 +206,31 @@ def test_the_remote_stub_takes_split_streams_only_as_a_boolean() -> None:
         parse_header(b'{"argv": ["p"], "env": {}, "cwd": "/", "secret": "", "split": "yes"}')
     with pytest.raises(ValueError, match="must be an object with argv"):
         parse_header(b'{"argv": ["p"], "env": {}, "cwd": "/", "secret": "", "other": 1}')
+
+
+_THREADS_AT_IMPORT = ("import os, sys; sys.argv = ['sluice', *sys.argv[1:]]; import sluice.launch.cli, numpy; "
+                      "print(os.environ.get('OPENBLAS_NUM_THREADS'), len(os.listdir('/proc/self/task')))")
+
+
+@pytest.mark.parametrize(("command", "preset", "blas", "threads"), [
+    ("server", None, "1", 1), ("scheduler", None, "1", 1), ("aggregator", None, "1", 1),
+    ("server", "3", "3", None),  # the user's value is kept
+    ("launch", None, None, None),  # the launcher's environment is its workers': theirs to choose
+])
+def test_a_roles_process_starts_openblas_with_one_thread(command: str, preset: str | None, blas: str | None,
+                                                        threads: int | None) -> None:
+    """numpy's OpenBLAS pool (a spinning thread per core) costs a role 0.2 of its 0.54 CPU-s start here;
+    a role never calls BLAS (launch/lean_roles.py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    if preset is not None:
+        env["OPENBLAS_NUM_THREADS"] = preset
+    done = subprocess.run([sys.executable, "-c", _THREADS_AT_IMPORT, command], env=env, capture_output=True,
+                          text=True, timeout=25, check=True)
+    seen_blas, seen_threads = done.stdout.split()
+    assert seen_blas == str(blas)
+    if threads is not None:
+        assert int(seen_threads) == threads  # no pool: the main thread alone after numpy's import
