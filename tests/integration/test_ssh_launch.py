@@ -32,8 +32,10 @@ from tests.integration.cluster_reference import cluster_train_params
 from tests.integration.elastic_dirs import assert_state_dir_removed
 
 SCRIPT = "tests/integration/scripts/cluster_train.py"
+#: a worker without a framework, for the tests of the launcher alone (a torch worker costs ten times its start)
+PLAIN = "tests/integration/scripts/plain_train.py"
 #: what a role started over ssh looks like in `ps` on its host
-_REMOTE = re.compile(r"sluice\.launch\.remote|(cluster|elastic|pipeline)_train\.py|"
+_REMOTE = re.compile(r"sluice\.launch\.remote|(cluster|elastic|pipeline|plain)_train\.py|"
                      r"sluice\.launch\.cli (server|aggregator)")
 
 
@@ -178,7 +180,7 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(b
 def test_ssh_refused_host_is_named_with_what_to_do(bed: SshBed) -> None:
     h3 = bed.netbed.hosts["h3"].address  # a host with no ssh server: the connection is refused
     started = time.monotonic()
-    done = bed.launch(["-H", f"{bed.hosts['h1']}:1,{h3}:1", "-s", "1", "--", sys.executable, SCRIPT],
+    done = bed.launch(["-H", f"{bed.hosts['h1']}:1,{h3}:1", "-s", "1", "--", sys.executable, PLAIN],
                       timeout=90)
     assert done.returncode != 0
     assert time.monotonic() - started < 45, "a refused host must end the job promptly"
@@ -193,15 +195,14 @@ def test_ssh_lost_host_is_named_and_the_rest_stopped(bed: SshBed) -> None:
     """h2's link goes down mid-run: the launcher names what was lost and stops the job; nothing is left.
     Heartbeats every 0.5 s, missed for 3 (1 and 8 by default), name the silent worker sooner."""
     job = bed.netbed.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(),
-                                      "-H", _hosts(bed, 1), "-s", "1", "--set", "worker.metrics_every=10",
-                                      "--set", "scheduler.heartbeat_interval=0.5",
-                                      "--set", "scheduler.heartbeat_timeout=3", "--", sys.executable, SCRIPT,
+                                      "-H", _hosts(bed, 1), "-s", "1", "--set", "scheduler.heartbeat_interval=0.5",
+                                      "--set", "scheduler.heartbeat_timeout=3", "--", sys.executable, PLAIN,
                                       "--steps", "100000"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     h2 = bed.netbed.hosts["h2"]
     try:
         # registered and training: worker 0 reports its first steps
-        seen = _lines_until(job, r"^\[worker 0\] .*transport, steps \d+-\d+:", timeout=60)
+        seen = _lines_until(job, r"^\[worker 0\] PLAIN_STEP \d+", timeout=60)
         assert job.poll() is None, seen[-3000:]
         subprocess.run(["ip", "netns", "exec", h2.netns, "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
         out, _ = job.communicate(timeout=60)
@@ -218,7 +219,7 @@ def test_ssh_lost_host_is_named_and_the_rest_stopped(bed: SshBed) -> None:
 @pytest.mark.timeout(120)
 def test_ssh_ctrl_c_leaves_no_process_on_any_host(bed: SshBed) -> None:
     job = bed.netbed.run("launcher", [sys.executable, "-m", "sluice.launch.cli", "launch", *bed.ssh_options(),
-                                      "-H", _hosts(bed), "-s", "2", "--", sys.executable, SCRIPT,
+                                      "-H", _hosts(bed), "-s", "2", "--", sys.executable, PLAIN,
                                       "--steps", "100000"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
