@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -213,18 +216,14 @@ _THREADS_AT_IMPORT = ("import os, sys; sys.argv = ['sluice', *sys.argv[1:]]; imp
 
 
 @pytest.mark.parametrize(("command", "preset", "blas", "threads"), [
-    ("server", None, "1", 1), ("scheduler", None, "1", 1), ("aggregator", None, "1", 1),
+    ("scheduler", None, "1", 1),
     ("server", "3", "3", None),  # the user's value is kept
     ("launch", None, None, None),  # the launcher's environment is its workers': theirs to choose
 ])
 def test_a_roles_process_starts_openblas_with_one_thread(command: str, preset: str | None, blas: str | None,
                                                         threads: int | None) -> None:
-    """numpy's OpenBLAS pool (a spinning thread per core) costs a role 0.2 of its 0.54 CPU-s start here;
-    a role never calls BLAS (launch/lean_roles.py)."""
-    import os
-    import subprocess
-    import sys
-
+    """numpy's OpenBLAS pool (a spinning thread per core) costs a role 0.2 of its 0.54 CPU-s start here,
+    and a role's BLAS work is too small to share among threads (launch/lean_roles.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     if preset is not None:
         env["OPENBLAS_NUM_THREADS"] = preset
