@@ -10,7 +10,7 @@ import signal
 import sys
 from types import FrameType
 
-import sluice.launch.lean_roles  # noqa: F401  (first: it must run before anything imports numpy)
+import sluice.launch.lean_roles  # first: it must run before anything imports numpy
 from sluice import __version__
 from sluice.errors import SluiceError
 from sluice.launch import kubernetes, node
@@ -201,7 +201,7 @@ def _main(argv: list[str]) -> int:
         return run_launch(args)
     if args.command == "config":
         return _show_config(args)
-    if args.command in ("scheduler", "server", "aggregator"):
+    if args.command in sluice.launch.lean_roles.ROLES:
         return _run_role(args.command)
     if args.command == "jobs":
         return _list_jobs(args.json, args.registry, args.registry_secret_file)
