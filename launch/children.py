@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from sluice.launch.output import ChildOutput
+from sluice.launch.preload import ForkedProcess
 from sluice.launch.run_options import OutputOptions
 from sluice.scheduler import culprit
 from sluice.scheduler.new_place import Place, write_place
@@ -96,7 +97,7 @@ class Child:
     """`host`: set for a role started on another host through `via` ("ssh" or "srun", running
     launch/remote.py there); `proc` is then the local ssh or srun, whose stdin keeps the role alive."""
 
-    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process, sink: Sink,
+    def __init__(self, role: str, rank: int, proc: asyncio.subprocess.Process | ForkedProcess, sink: Sink,
                  host: str | None = None, via: str = "", options: OutputOptions | None = None,
                  log_folder: str | None = None) -> None:
         self.role, self.rank, self.proc = role, rank, proc
@@ -104,7 +105,7 @@ class Child:
         self._returncode: int | None = None
         #: scheduler rank k >= 1 is the k-th standby (scheduler.standby)
         self.label = (("scheduler" if rank == 0 else "standby scheduler" if rank == 1 else f"standby scheduler {rank}")
-                      if role == "scheduler" else f"{role} {rank}")
+                      if role == "scheduler" else role if role == "preload" else f"{role} {rank}")
         self.output = ChildOutput(sink, self.label, options or OutputOptions(), log_folder)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.ended_at: float | None = None

@@ -34,9 +34,10 @@ from sluice.launch.elastic import (
 from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import Host, HostsError
+from sluice.launch.master_port import free_port
 from sluice.launch.run_options import RunOptions
 from sluice.launch.standby import Schedulers, standby_hosts
-from sluice.launch.supervisor import Job, free_port, run_on_loop, supervise
+from sluice.launch.supervisor import Job, run_on_loop, supervise
 from sluice.scheduler.bootstrap import ENV_ELASTIC_IN_PLACE
 from sluice.scheduler.new_place import Place
 

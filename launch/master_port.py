@@ -93,3 +93,10 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS just handed out (torch.distributed's rendezvous in DDP scripts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

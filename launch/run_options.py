@@ -73,6 +73,8 @@ class RunOptions:
     verbose: bool = False
     #: MASTER_PORT wanted for the workers; None: one found free on worker 0's host
     master_port: int | None = None
+    #: modules imported once by the process that forks the local workers (--preload; launch/preload.py)
+    preload: tuple[str, ...] = ()
 
     def environ(self) -> dict[str, str]:
         """The variables every process of the job gets for these options."""
@@ -108,5 +110,10 @@ def run_options(args: argparse.Namespace, environ: Mapping[str, str]) -> RunOpti
         master_port = int(raw)
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port {master_port} is not a port: give one from 1 to 65535")
+    preload = tuple(name.strip() for words in args.preload for name in words.split(",") if name.strip())
+    for name in preload:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"--preload {name!r} is not a module name: give names as `import` takes them, "
+                             "e.g. --preload torch,sluice.torch")
     return RunOptions(output, level, args.log_with_timestamp or environ.get(ENV_LOG_TIME) == "1", args.verbose,
-                      master_port)
+                      master_port, preload)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 from sluice.launch.children import Child, Sink
@@ -21,6 +21,7 @@ from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 from sluice.launch.layout import Process
 from sluice.launch.output import folder
+from sluice.launch.preload import ForkedProcess, Preloader, forkable
 from sluice.launch.reach import forwarded_env, header_line, stub_argv
 from sluice.launch.run_options import OutputOptions
 from sluice.scheduler.bootstrap import ENV_ELASTIC_GENERATION, ENV_SECRET_FD, NodeEnv, secret_pipe
@@ -44,6 +45,9 @@ class Spawner:
         self.standby = ""
         #: roles on other hosts outlive the end of their session (a standby runs on one: launch/remote.py)
         self.outlive = False
+        #: local workers are forked from it (`--preload`) when their command allows (launch/preload.py)
+        self.preloader: Preloader | None = None
+        self.starting: Preloader | None = None  # started, maybe not ready yet
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
 
@@ -84,7 +88,12 @@ class Spawner:
                     extra_env: Mapping[str, str] | None = None) -> Child:
         env, host = self.node_environ(role, rank, scheduler, moved_to)
         env.update(extra_env or {})
-        if host is None:
+        proc: asyncio.subprocess.Process | ForkedProcess
+        command = forkable(argv, sys.executable, self.base_env.get("PATH")) \
+            if self.preloader is not None and role == "worker" else None
+        if host is None and command is not None:
+            proc = await self._fork_here(argv, command, {**self.base_env, **env})
+        elif host is None:
             proc = await self._start_here(argv, {**self.base_env, **env})
         else:
             proc = await self._start_there(host, argv, env, split=self.output.split, outlive=self.outlive)
@@ -135,6 +144,33 @@ class Spawner:
                 start_new_session=True, preexec_fn=self.preexec,
                 pass_fds=(secret_fd,),
             )
+        finally:
+            os.close(secret_fd)
+
+    async def start_preloader(self, modules: Sequence[str]) -> Child:
+        """Start the process local workers are forked from (`--preload`); its own output is relayed as
+        `[preload]`'s. Workers are forked from it only once `preloaded()` said it is ready."""
+        self.starting = await Preloader.launch(modules, self.base_env, self.preexec)
+        return Child("preload", 0, self.starting.proc, self.sink, options=self.output)
+
+    async def preloaded(self, timeout: float) -> None:
+        """Wait for the preloader to have imported its modules (PreloadError saying why it did not)."""
+        if self.starting is not None:
+            await self.starting.imported(timeout)
+            self.preloader = self.starting
+
+    async def stop_preloader(self) -> None:
+        if self.starting is not None:
+            await self.starting.close()
+            self.starting = self.preloader = None
+
+    async def _fork_here(self, argv: list[str], command: list[str], env: dict[str, str]) -> ForkedProcess:
+        """A worker forked from the preloader (`command` as launch/preload.py's forkable() gives it)."""
+        assert self.preloader is not None
+        secret_fd = secret_pipe(self.secret)
+        env[ENV_SECRET_FD] = str(secret_fd)  # the worker's own descriptor number replaces it there
+        try:
+            return await self.preloader.spawn(argv, command, env, secret_fd, self.output.split)
         finally:
             os.close(secret_fd)
 

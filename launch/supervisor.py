@@ -8,7 +8,6 @@ import math
 import os
 import shlex
 import signal
-import socket
 import sys
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, BinaryIO, TextIO
@@ -19,8 +18,9 @@ from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
 from sluice.launch.ending import Ending
 from sluice.launch.janitor import Janitor
-from sluice.launch.master_port import MasterPortError, choose
+from sluice.launch.master_port import MasterPortError, choose, free_port
 from sluice.launch.output import launcher_lines
+from sluice.launch.preload import PreloadError
 from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
 from sluice.launch.standby import Schedulers, standby_count, standby_hosts
@@ -96,11 +96,14 @@ class Job(Ending):
         child = await self.spawner.start(role, rank, argv, scheduler, moved_to, extra_env)
         self.children.append(child)
         self.say(f"started {child.name}: {shlex.join(argv)}", debug=True)
+        self._tell_janitor(child)
+        return child
+
+    def _tell_janitor(self, child: Child) -> None:
         if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
             pid = child.pid
             janitor.spawned(pid)
             child.done.add_done_callback(lambda _: janitor.reaped(pid))
-        return child
 
     def report(self, child: Child, why: str) -> None:
         self.complain(f"{child.name} {exit_description(child.returncode or 0)}{why}")
@@ -126,6 +129,7 @@ class Job(Ending):
         finally:
             self.ended()
             await self.stop_all()
+            await self.spawner.stop_preloader()  # after the workers forked from it
             state = self.state_items()
             if self.config.ps.recover:  # the servers' committed state dies with the job
                 remove_state_files(state_tag(self.spawner.secret))
@@ -144,6 +148,8 @@ class Job(Ending):
             self.say(f"ps.recover: the servers commit their state to {state_path(state_tag(self.spawner.secret), 0)}"
                      "-like files on their hosts")
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
+        if self.options.preload:  # it imports them while the roles start
+            self._tell_janitor(await self.spawner.start_preloader(self.options.preload))
         try:  # before anything starts: a port taken there is the user's to change
             self.spawner.master_port = await choose(self.spawner, self.options.master_port)
         except MasterPortError as exc:
@@ -183,6 +189,12 @@ class Job(Ending):
         plan = [("server", rank, [*role_argv, "server"]) for rank in range(self.servers)]
         plan += [("aggregator", rank, [*role_argv, "aggregator"]) for rank in range(self.aggregators)]
         plan += [("worker", rank, self.command) for rank in range(self.workers)]
+        try:
+            await self.spawner.preloaded(self.ready_timeout)
+        except PreloadError as exc:
+            self.complain(f"--preload {','.join(self.options.preload)}: {exc}; fix the module names or leave "
+                          "--preload out")
+            return 2
         started: list[Child] = []
         for role, rank, argv in plan:
             try:
@@ -366,13 +378,6 @@ class Job(Ending):
 
     async def _worker_failed(self, child: Child) -> int:
         return await self._failed(child)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS just handed out (torch.distributed's rendezvous in DDP scripts)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def supervise(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *,

@@ -65,9 +65,14 @@ def _job(workers: int, servers: int, *extra: str) -> list[str]:
     return ["-w", str(workers), "-s", str(servers), *extra]
 
 
+#: each worker started afresh, or forked from the preloader (launch/preload.py): the launcher must not tell apart
+STARTS = pytest.mark.parametrize("start", [[], ["--preload", "sluice.worker.node"]], ids=["exec", "preload"])
+
+
 @pytest.mark.timeout(60)
-def test_workers_exit_zero(launch: type[Launch], worker_script: str) -> None:
-    job = launch([*_job(2, 1, "--grace", "1"), "--", sys.executable, worker_script, "exit0"])
+@STARTS
+def test_workers_exit_zero(launch: type[Launch], worker_script: str, start: list[str]) -> None:
+    job = launch([*_job(2, 1, "--grace", "1", *start), "--", sys.executable, worker_script, "exit0"])
     job.worker_pids(2)
     job.snapshot()
     assert job.finish(30) == 0, job.stderr()
@@ -81,10 +86,11 @@ def test_workers_exit_zero(launch: type[Launch], worker_script: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_real_job_ends_by_itself(launch: type[Launch], tmp_path: Path) -> None:
+@STARTS
+def test_real_job_ends_by_itself(launch: type[Launch], tmp_path: Path, start: list[str]) -> None:
     script = tmp_path / "train.py"
     script.write_text(SLUICE_WORKER)
-    job = launch([*_job(2, 2), "--", sys.executable, str(script)])
+    job = launch([*_job(2, 2, *start), "--", sys.executable, str(script)])
     assert job.finish(45) == 0, job.stderr()
     out = job.stdout()
     assert "[worker 0] sum 3.0" in out and "[worker 1] sum 3.0" in out
@@ -95,8 +101,9 @@ def test_real_job_ends_by_itself(launch: type[Launch], tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_killed_worker_ends_the_job(launch: type[Launch], worker_script: str) -> None:
-    job = launch([*_job(3, 2), "--", sys.executable, worker_script, "sleep"])
+@STARTS
+def test_killed_worker_ends_the_job(launch: type[Launch], worker_script: str, start: list[str]) -> None:
+    job = launch([*_job(3, 2, *start), "--", sys.executable, worker_script, "sleep"])
     pids = job.worker_pids(3)
     assert len(job.snapshot()) >= 1 + 2 + 3 * 2
     victim = pids[1][0]
@@ -109,8 +116,9 @@ def test_killed_worker_ends_the_job(launch: type[Launch], worker_script: str) ->
 
 
 @pytest.mark.timeout(60)
-def test_worker_exit_code_is_returned(launch: type[Launch], worker_script: str) -> None:
-    job = launch([*_job(2, 1), "--", sys.executable, worker_script, "exit3"])
+@STARTS
+def test_worker_exit_code_is_returned(launch: type[Launch], worker_script: str, start: list[str]) -> None:
+    job = launch([*_job(2, 1, *start), "--", sys.executable, worker_script, "exit3"])
     pids = job.worker_pids(2)
     job.snapshot()
     assert job.finish(15) == 3
@@ -144,11 +152,16 @@ def test_signal_stops_everything(launch: type[Launch], worker_script: str, sig: 
 
 
 @pytest.mark.timeout(60)
-def test_killed_launcher_takes_its_children(launch: type[Launch], worker_script: str) -> None:
-    job = launch([*_job(2, 1), "--", sys.executable, worker_script, "sleep"])
-    grandchildren = {pair[1] for pair in job.worker_pids(2).values()}
+@STARTS
+def test_killed_launcher_takes_its_children(launch: type[Launch], worker_script: str, start: list[str]) -> None:
+    job = launch([*_job(2, 1, *start), "--", sys.executable, worker_script, "sleep"])
+    pids = job.worker_pids(2)
+    grandchildren = {pair[1] for pair in pids.values()}
     direct = {p for p in _children(job.proc.pid) if "sluice.launch.janitor" not in _cmdline(p)}
-    assert len(direct) == 1 + 1 + 2
+    if start:  # the workers are the preloader's children, which dies with the launcher, and they with it
+        assert len(direct) == 1 + 1 + 1 and not {pair[0] for pair in pids.values()} & direct
+        direct |= {pair[0] for pair in pids.values()}
+    assert len(direct) == 1 + 1 + 2 + (1 if start else 0)
     os.kill(job.proc.pid, signal.SIGKILL)
     job.finish(10)
     # the kernel's parent-death signal reaches the direct children; their own children, in their

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from sluice.launch.master_port import free_port
 from sluice.launch.node import NodeError, role_of
-from sluice.launch.supervisor import free_port
 from sluice.transport.auth import JobKeys
 from sluice.transport.base import open_transport
 from sluice.transport.config import TransportConfig

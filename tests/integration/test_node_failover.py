@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from sluice.launch.master_port import free_port
 from sluice.launch.node import role_of
-from sluice.launch.supervisor import free_port
 from tests.integration.node_procs import Node, env_without_sluice, secret_file, start_node
 
 # Each worker pushes (rank + 1) * (step + 1) and checks the sum of both, every step, until told to stop.
