@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration import preloads
 from tests.integration.script_workers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 def _launch(tmp_path: Path, name: str, servers: int, *extra: str) -> list[float]:
     out = tmp_path / f"{name}.json"
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", str(servers), *extra, "--",
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+            "-w", "2", "-s", str(servers), *extra, "--",
             sys.executable, str(SCRIPT), "--out", str(out), "--sluice"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

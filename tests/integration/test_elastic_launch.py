@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration import preloads
 from tests.integration.elastic_dirs import assert_state_dir_removed
 from tests.integration.script_workers import script_outputs
 
@@ -55,7 +56,8 @@ def _reference(tmp_path: Path, first: int, then: int, switch: int, steps: int, s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("servers", ["0", "1"], ids=["allreduce", "ps"])
 def test_elastic_job_that_loses_a_worker_ends_as_one_with_a_worker_fewer(tmp_path: Path, servers: str) -> None:
-    output, starts, results = _run([*LAUNCH, "--elastic", "--min-workers", "2", "-w", "3", "-s", servers, "--",
+    output, starts, results = _run([*LAUNCH, *preloads.TORCH,
+                                    "--elastic", "--min-workers", "2", "-w", "3", "-s", servers, "--",
                                     sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2"])
     assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; dropping worker 2 and "
                      r"re-forming the job \(--elastic\)", output), output[-4000:]
@@ -79,7 +81,8 @@ def test_elastic_replace_in_place_keeps_the_survivors_processes_and_ends_as_the_
     servers = "1"
     standby = ["--set", "scheduler.standby=1", "--set", "scheduler.heartbeat_interval=0.5",
                "--set", "scheduler.heartbeat_timeout=4"]
-    output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", servers, *standby, "--",
+    output, starts, results = _run([*LAUNCH, *preloads.TORCH,
+                                    "--elastic", "--in-place", "-w", "3", "-s", servers, *standby, "--",
                                     sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2",
                                     "--kill-scheduler-at", "15", "--process-set"])
     ready = re.findall(r"^\[launch\] standby scheduler ready at (tcp://\S+)$", output, re.M)
@@ -123,7 +126,8 @@ def test_elastic_replace_in_place_tensorflow_keeps_the_survivors_processes_and_e
     tracing their step again, and all three start again from that commit. Then every worker runs, deliberately,
     the same sequence (3 workers fit from rank 0's start, stopped after that batch, and fit again from there):
     the job ends with exactly its variables."""
-    output, starts, results = _run([*LAUNCH, "--elastic", "--in-place", "-w", "3", "-s", "0", "--", sys.executable,
+    output, starts, results = _run([*LAUNCH, *preloads.KERAS,
+                                    "--elastic", "--in-place", "-w", "3", "-s", "0", "--", sys.executable,
                                     KERAS_SCRIPT, "--epochs", "3", "--die-epoch", "1", "--die-batch", "1",
                                     "--die-rank", "2", "--reference"], timeout=140)
     assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; replacing worker 2 in place: the "
@@ -152,7 +156,8 @@ def test_elastic_job_grows_when_discovery_finds_a_slot(tmp_path: Path) -> None:
     script.chmod(0o755)
     # generation 0's steps pause, so that it still trains when discovery finds the slot, and generation 1
     # has fewer steps left to train
-    job = subprocess.Popen([*LAUNCH, "--elastic", "-w", "2", "--max-workers", "3", "--host-discovery-script",
+    job = subprocess.Popen([*LAUNCH, *preloads.TORCH,
+                            "--elastic", "-w", "2", "--max-workers", "3", "--host-discovery-script",
                             str(script), "--discovery-interval", "0.5", "-s", "0", "--", sys.executable, SCRIPT,
                             "--steps", str(GROW_STEPS), "--pause", "0.05"], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)

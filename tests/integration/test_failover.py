@@ -23,6 +23,7 @@ import pytest
 from testbed.host_loss import lose_host_in_job, wait_gone
 from testbed.netbed import NetbedUnavailable
 from testbed.ssh import SshBed, ssh_bed
+from tests.integration import preloads
 from tests.integration.script_workers import script_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +57,7 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
             "transport.inflight_bytes=4194304", "scheduler.standby=2", "scheduler.heartbeat_interval=0.5",
             "scheduler.heartbeat_timeout=2", "aggregation.mode=static", "aggregation.trees=" + ",".join(TREES),
             "metrics.port=-1"]  # every process serves its metrics on a free port; the standby once it took over
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH, "-w", "3", "-s", "2", "-a", "1",
             *(f"--set={s}" for s in sets), "--", sys.executable, SCRIPT, *ARGS, "--kill-scheduler-at", "5",
             "--kill-standby-at", "12", "--kill-standby-pause", "3.5"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
@@ -102,7 +103,8 @@ def test_failover_a_server_restarted_after_the_standby_took_over_registers_with_
     sets = ["collective.mode=ps", "worker.optimizer_on=server", "transport.chunk_bytes=4096",
             "transport.inflight_bytes=4194304", "scheduler.standby=1", "scheduler.heartbeat_interval=0.5",
             "scheduler.heartbeat_timeout=2", "ps.recover=true"]
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", *(f"--set={s}" for s in sets),
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+            "-w", "2", "-s", "2", *(f"--set={s}" for s in sets),
             "--", sys.executable, SCRIPT, "--steps", "16", "--hidden", "256", "--step-sleep", "0.35",
             "--kill-scheduler-at", "3", "--kill-server-at", "12", "--kill-server-rank", "1"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import preloads
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "horovod"
 pytestmark = pytest.mark.slow
@@ -26,7 +28,8 @@ def test_only_the_import_line_names_sluice(script: str) -> None:
 
 
 def _launch(servers: int, script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", str(servers), "--",
+    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+                           "-w", "2", "-s", str(servers), "--",
                            sys.executable, str(EXAMPLES / script), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

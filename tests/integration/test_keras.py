@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
-from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
+from tests.integration import (
+    prefork,  # noqa: F401 - imports the forked roles would make
+    preloads,
+)
 from tests.integration.keras_jobs import keras_api
 
 # the `tensorflow` extra (the Makefile installs it). Not imported here: each forked worker imports it itself,
@@ -59,7 +62,8 @@ LR_WARMUP = [0.1 / 2 * (x / 2 + 1) for x in (1 / 3, 2 / 3, 1, 4 / 3, 5 / 3, 2)] 
 def test_example_reaches_the_target_through_launch(launch: type) -> None:
     """The example trains to its 95% target (it exits 1 below it) under `sluice launch -w 2 -s 1`, in 5 of its 12
     epochs (it passes 95% in the third)."""
-    job = launch(["-w", "2", "-s", "1", "--", sys.executable, str(ROOT / "examples" / "train_digits_keras.py"),
+    job = launch(["-w", "2", "-s", "1", *preloads.KERAS,
+                  "--", sys.executable, str(ROOT / "examples" / "train_digits_keras.py"),
                   "--epochs", "5"])
     code = job.finish(140)
     assert code == 0, job.stdout()[-2000:] + job.stderr()[-3000:]

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from testbed.cluster import LocalCluster
-from tests.integration import prefork  # noqa: F401 - imports the forked roles would make
+from tests.integration import (
+    prefork,  # noqa: F401 - imports the forked roles would make
+    preloads,
+)
 from tests.integration.elastic_dirs import assert_state_dir_removed
 from tests.integration.keras_api_jobs import keras_names
 
@@ -79,7 +82,8 @@ def _said(output: str, what: str) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(150)
 def test_elastic_keras_job_loses_a_worker_and_goes_on_from_its_last_commit() -> None:
-    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "--elastic", "--min-workers", "2",
+    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.KERAS,
+                           "--elastic", "--min-workers", "2",
                            "-w", "3", "-s", "0", "--", sys.executable, "tests/integration/scripts/elastic_keras.py",
                            "--epochs", "3", "--die-epoch", "1", "--die-batch", "1", "--die-rank", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=140)

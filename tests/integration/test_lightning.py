@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import preloads
+
 # found, not imported: importing Lightning would cost every test process that collects this module seconds
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                                 reason="Lightning is not installed: pip install 'sluice-ps[lightning]'")
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(120)
 def test_the_lightning_example_trains_under_sluice_launch(tmp_path: Path) -> None:
     out = tmp_path / "lightning"
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "1", "--set", "collective.mode=ps",
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.LIGHTNING,
+            "-w", "2", "-s", "1", "--set", "collective.mode=ps",
             "--", sys.executable, str(ROOT / "examples" / "train_lightning.py"), "--epochs", "3", "--out", str(out)]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -27,12 +27,12 @@ import torch
 from sluice.launch.config import SluiceConfig
 from sluice.worker.pipeline.schedule import peak_activations, schedule
 from testbed.cluster import LocalCluster
-from tests.integration import prefork
+from tests.integration import prefork, preloads
 from tests.integration.pipeline_helpers import SCRIPT, check_matches, job, reference, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
 prefork.torch_optimizers()  # once here, not in every forked worker
-LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch", "-s", "0"]
+LAUNCH = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH, "-s", "0"]
 
 
 def run(workers: int, *args: str, settings: tuple[str, ...] = (), fails: bool = False,

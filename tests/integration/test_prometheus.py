@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import preloads
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/integration/scripts/metrics_train.py"
 STEPS = 6
@@ -66,7 +68,7 @@ class _Job:
 @pytest.mark.timeout(120)
 def test_every_process_serves_metrics_that_grow_with_the_run(tmp_path: Path) -> None:
     go, end = tmp_path / "go", tmp_path / "end"
-    job = _Job([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "1",
+    job = _Job([sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH, "-w", "2", "-s", "1",
                 "--set", "metrics.port=-1", "--set", "collective.mode=ps", "--",
                 sys.executable, SCRIPT, "--steps", str(STEPS), "--go", str(go), "--end", str(end)])
     try:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration import preloads
 from tests.integration.script_workers import script_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,8 @@ def _train(optimizer: str, where: str, kill_at: int, workers: int, aggregators: 
     # workers), in chunks of 4 KiB: every tensor, fused or not, has chunks on both servers. The in-flight
     # bound is set as well (what calibration chooses here): calibrating it with 4 KiB probes takes seconds
     trees = ["aggregation.mode=static", "aggregation.trees=" + ",".join(TREES)] if aggregators else []
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(workers), "-s", "2", "-a", str(aggregators),
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+            "-w", str(workers), "-s", "2", "-a", str(aggregators),
             "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", f"worker.optimizer_on={where}",
             "--set", "transport.chunk_bytes=4096", "--set", f"transport.inflight_bytes={INFLIGHT}",
             *(f"--set={s}" for s in (*trees, *settings)), "--", sys.executable, SCRIPT,
@@ -117,7 +119,8 @@ def test_recovery_a_server_replaced_while_a_worker_waits_in_join_counts_it_as_jo
     printed = "".join(script_outputs(2, 2, config, ROOT / SCRIPT, *_script_args("sgd", -1), *join, timeout=120))
     reference = sorted((json.loads(m.group(1)) for m in re.finditer(r"CLUSTER_RESULT (.*)$", printed, re.M)),
                        key=lambda r: r["rank"])
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "collective.mode=ps",
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+            "-w", "2", "-s", "2", "--set", "collective.mode=ps",
             "--set", "ps.recover=true", "--set", "worker.optimizer_on=server", "--set", "transport.chunk_bytes=4096",
             "--set", f"transport.inflight_bytes={INFLIGHT}", "--set", "scheduler.op_timeout=30", "--",
             sys.executable, SCRIPT, *_script_args("sgd", 10), *join]
@@ -148,7 +151,8 @@ def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_wit
     which must not dial it (before, each refused the other's messages as an impostor's and the job failed)."""
     reference = _reference("sgd", "server", 3, 1 + killed, chunk_bytes=65536, hidden=1024, trees=trees)
     args = [*_script_args("sgd", -1, hidden=1024), "--kill-aggregator-at", "10", "--kill-aggregator-rank", str(killed)]
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", str(1 + killed),
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+            "-w", "3", "-s", "2", "-a", str(1 + killed),
             "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set", "worker.optimizer_on=server",
             "--set", "transport.chunk_bytes=65536", "--set", f"transport.inflight_bytes={INFLIGHT}",
             "--set", "aggregation.mode=static", "--set", "aggregation.trees=" + ",".join(trees),
@@ -170,7 +174,8 @@ def test_recovery_aggregator_killed_at_step_10_is_restarted_and_the_job_ends_wit
 
 @pytest.mark.timeout(120)
 def test_recovery_without_restarts_left_fails_naming_the_server() -> None:
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--set", "ps.recover=true",
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+            "-w", "2", "-s", "2", "--set", "ps.recover=true",
             "--set", "ps.max_restarts=0", "--", sys.executable, SCRIPT, "--steps", "20", "--kill-server-at", "5"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert done.returncode != 0

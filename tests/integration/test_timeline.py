@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from testbed.cluster import LocalCluster
-from tests.integration import prefork
+from tests.integration import prefork, preloads
 
 prefork.torch_workers()  # once here, not in each forked worker
 
@@ -31,7 +31,8 @@ def _tracks(events: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
 def test_launch_timeline_records_every_tensor_and_step_in_order(tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
     done = subprocess.run(
-        [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "2", "--timeline", str(path),
+        [sys.executable, "-m", "sluice.launch.cli", "launch", *preloads.TORCH,
+         "-w", "2", "-s", "2", "--timeline", str(path),
          "--set", "collective.mode=ps", "--set", "collective.fusion_bytes=65536", "--",
          sys.executable, str(ROOT / "examples" / "train_digits.py"), "--epochs", "1", "--target", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
