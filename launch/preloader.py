@@ -155,6 +155,9 @@ def become(request: Request, fds: list[int], preloader: int) -> None:
         env[ENV_SECRET_FD] = str(secret)
     else:
         os.close(secret)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # its global generator was seeded in the preloader (`random` reseeds at fork)
+        numpy_random.seed()  # from the OS's entropy, as in a fresh process
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request.cwd)

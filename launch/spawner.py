@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from sluice.launch.children import Child, Sink
 from sluice.launch.cluster import ClusterPlan
@@ -153,11 +154,24 @@ class Spawner:
         self.starting = await Preloader.launch(modules, self.base_env, self.preexec)
         return Child("preload", 0, self.starting.proc, self.sink, options=self.output)
 
-    async def preloaded(self, timeout: float) -> None:
-        """Wait for the preloader to have imported its modules (PreloadError saying why it did not)."""
-        if self.starting is not None:
-            await self.starting.imported(timeout)
-            self.preloader = self.starting
+    def local_workers(self) -> bool:
+        """Does any worker run on this machine (where `--preload` forks them)?"""
+        return self.plan is None or any(not self.plan.is_remote(self.plan.place("worker", rank).host)
+                                        for rank in range(self.workers))
+
+    async def preloaded(self, timeout: float, interrupted: asyncio.Future[int]) -> None:
+        """Wait for the preloader to have imported its modules (PreloadError saying why it did not), or for
+        the launcher to be `interrupted`."""
+        if self.starting is None:
+            return
+        imported = asyncio.ensure_future(self.starting.imported(timeout))
+        either: list[asyncio.Future[Any]] = [imported, interrupted]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not imported.done():
+            imported.cancel()
+            return
+        imported.result()
+        self.preloader = self.starting
 
     async def stop_preloader(self) -> None:
         if self.starting is not None:

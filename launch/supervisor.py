@@ -148,7 +148,7 @@ class Job(Ending):
             self.say(f"ps.recover: the servers commit their state to {state_path(state_tag(self.spawner.secret), 0)}"
                      "-like files on their hosts")
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
-        if self.options.preload:  # it imports them while the roles start
+        if self.options.preload and self.spawner.local_workers():  # it imports them while the roles start
             self._tell_janitor(await self.spawner.start_preloader(self.options.preload))
         try:  # before anything starts: a port taken there is the user's to change
             self.spawner.master_port = await choose(self.spawner, self.options.master_port)
@@ -190,11 +190,12 @@ class Job(Ending):
         plan += [("aggregator", rank, [*role_argv, "aggregator"]) for rank in range(self.aggregators)]
         plan += [("worker", rank, self.command) for rank in range(self.workers)]
         try:
-            await self.spawner.preloaded(self.ready_timeout)
+            await self.spawner.preloaded(self.ready_timeout, self.interrupted)
         except PreloadError as exc:
-            self.complain(f"--preload {','.join(self.options.preload)}: {exc}; fix the module names or leave "
-                          "--preload out")
+            self.complain(f"--preload {','.join(self.options.preload)}: {exc}; fix the module names, or leave it out")
             return 2
+        if self.interrupted.done():  # Ctrl-C while the preloader imported
+            return self.interrupted.result()
         started: list[Child] = []
         for role, rank, argv in plan:
             try:

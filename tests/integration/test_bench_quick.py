@@ -116,3 +116,17 @@ def test_allreduce_latency_quick_splits_sluices_time_into_negotiation_and_data(t
     # every part was measured: a decision comes after the submit, the result after the decision
     assert min(rec["ours"], rec["peer"], rec["ours_latency"], rec["peer_latency"]) > 0, rec
     assert 0 < rec["negotiation_ms"] < rec["ours_latency"] and 0 < rec["data_ms"] < rec["ours_latency"], rec
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_start_quick_forks_preloaded_workers_for_a_fraction_of_the_cpu(tmp_path: Path) -> None:
+    """Three torch workers that import torch and build an optimizer: `sluice launch --preload` against torchrun
+    and a plain launch, a fresh Python per worker. Each of those pays 3-5 CPU-s a worker; forked from one
+    preloaded process, a worker pays 0.1."""
+    out = tmp_path / "launch_start.json"
+    result = run_script(["bench/launch_start.py", "--quick", "--json", str(out)], timeout=110)
+    assert result.returncode == 0, result.stdout[-3000:]
+    wall, cpu = check_records(out, 2)
+    assert (wall["case"], cpu["case"]) == ("wall-w3", "cpu-w3") and cpu["unit"] == "CPU-s", (wall, cpu)
+    assert cpu["ours"] < 0.7 * cpu["peer"] and cpu["ours"] < 0.7 * cpu["plain"], cpu

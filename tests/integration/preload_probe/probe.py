@@ -27,7 +27,16 @@ def fail() -> None:
     raise ValueError("a worker's own error")
 
 
+def draws() -> list[float]:
+    """Numbers from the generators a script uses unseeded: every worker's own, not its siblings'."""
+    import random
+
+    import numpy as np
+
+    return [random.random(), float(np.random.random())]
+
+
 if __name__ == "__main__":
-    print("PROBE", json.dumps({**seen(), "preloaded": PRELOADED}), flush=True)
+    print("PROBE", json.dumps({**seen(), "preloaded": PRELOADED, "draws": draws()}), flush=True)
     if sys.argv[1:2] == ["fail"] and os.environ.get("RANK") == "1":
         fail()
