@@ -26,7 +26,8 @@ _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 #: the preloader's command line: `python -c BOOT ROOT FD ROOM MODULE...`; ROOT first on sys.path, so that it runs
 #: our module wherever the launcher was started (a worker forked from it gets its own sys.path[0]); ROOM, blanks
 #: over which each forked worker writes its own command line (ps shows it as for a worker started afresh)
-BOOT = "import sys; sys.path[0] = sys.argv[1]; from sluice.launch.preloader import main; main()"
+BOOT = ("import sys; sys.path[0:0 if sys.flags.safe_path else 1] = [sys.argv[1]]; "
+        "from sluice.launch.preloader import main; main()")
 #: how long a worker whose preloader died unexpectedly may take to die of it (PR_SET_PDEATHSIG) before SIGKILL
 _ORPHAN_S = 5.0
 _ROOM = " " * 4096

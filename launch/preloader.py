@@ -183,22 +183,32 @@ def _execute(command: list[str]) -> None:
     """`python -m MODULE ARGS`, `python -c CODE ARGS` or `python SCRIPT.py ARGS`, with their sys.argv, sys.path[0]
     and a fresh __main__ module (as `python` makes it)."""
     if command[0] == "-m":
-        sys.argv, sys.path[0] = ["-m", *command[2:]], os.getcwd()
+        sys.argv = ["-m", *command[2:]]
+        _path0(os.getcwd())
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
     elif command[0] == "-c":
-        sys.argv, sys.path[0] = ["-c", *command[2:]], ""
+        sys.argv = ["-c", *command[2:]]
+        _path0("")
         main_module = sys.modules["__main__"] = types.ModuleType("__main__")  # a fresh one, as `python -c` has
         main_module.__loader__ = BuiltinImporter
         exec(compile(command[1], "<string>", "exec"), main_module.__dict__)
     else:
         sys.argv, path = list(command), os.path.abspath(command[0])
-        sys.path[0] = os.path.dirname(os.path.realpath(path))
+        _path0(os.path.dirname(os.path.realpath(path)))
         with io.open_code(path) as source:  # not runpy.run_path, which would make sys.argv[0] absolute too
             code = compile(source.read(), path, "exec", dont_inherit=True)
         main_module = sys.modules["__main__"] = types.ModuleType("__main__")
         vars(main_module).update(__file__=path, __cached__=None, __package__=None, __spec__=None,
                                  __loader__=SourceFileLoader("__main__", path), __builtins__=builtins)
         exec(code, vars(main_module))
+
+
+def _path0(entry: str) -> None:
+    """sys.path[0] as `python` sets it for the command, in place of our ROOT; with PYTHONSAFEPATH, nothing."""
+    if sys.flags.safe_path:  # BOOT inserted ROOT before the path python made
+        del sys.path[0]
+    else:
+        sys.path[0] = entry
 
 
 def main() -> None:

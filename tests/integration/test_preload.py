@@ -33,8 +33,13 @@ def _probes(job: Launch) -> dict[int, dict[str, object]]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("form", list(FORMS))
-def test_a_forked_worker_sees_what_a_started_one_sees(launch: type[Launch], form: str) -> None:
+@pytest.mark.parametrize("form", [*FORMS, "script-safe-path"])
+def test_a_forked_worker_sees_what_a_started_one_sees(launch: type[Launch], form: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each form of a Python command; and a script under PYTHONSAFEPATH=1 (python -P: no sys.path[0] at all)."""
+    if form == "script-safe-path":
+        monkeypatch.setenv("PYTHONSAFEPATH", "1")
+        form = "script"
     seen = {}
     for start in ([], PRELOAD):
         job = launch(["-w", "2", "-s", "0", *start, "--", sys.executable, "-u", *FORMS[form]])
