@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import SluiceError
+from sluice.scheduler import culprit
 from sluice.transport import lane as lanes
 from sluice.transport.base import Transport
 from sluice.transport.wire import Kind, Message, WireError
@@ -165,7 +166,10 @@ class StageExchange:
                 if self._failure is not None:
                     raise SluiceError(f"{waiting}: the job failed: {self._failure}")
                 if link is not None and link.lane is not None and link.lane.closed:
-                    raise SluiceError(f"{waiting}: {link.state()} before sending it")
+                    error = f"{waiting}: {link.state()} before sending it"
+                    # named for the launcher: this worker's own failure follows from it, and may end first
+                    culprit.report("worker", source, error)
+                    raise SluiceError(error)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     count, reason = self._refused.get(self.workers.names[source], (0, ""))
