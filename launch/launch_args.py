@@ -80,8 +80,8 @@ def add_launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                              "machine: a worker then starts without importing them again (torch: 2-3 CPU-s a "
                              "worker, a fork 0.03), also when one is replaced. Only for a COMMAND that runs this "
                              "Python on a script, -m MODULE or -c CODE (with -u at most); others start as before. "
-                             "The modules must not start CUDA or threads when imported (torch and tensorflow do "
-                             "not); `ps` shows a forked worker with the preloader's command line")
+                             "The modules must not start CUDA when imported, nor threads a fork would lose (torch, "
+                             "tensorflow and keras are tested so); `ps` shows each worker's own command line")
     add_horovodrun_flags(launch)
     add_torchrun_flags(launch)
     launch.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="[--] COMMAND [ARGS ...]",
