@@ -16,15 +16,17 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from sluice.launch.output import ChildOutput
-from sluice.launch.preload import ForkedProcess
 from sluice.launch.run_options import OutputOptions
 from sluice.scheduler import culprit
 from sluice.scheduler.new_place import Place, write_place
 from sluice.scheduler.recovery import parse_silent
 from sluice.transport.shm import remove_segments_of
+
+if TYPE_CHECKING:  # the preloader imports this module for its death signal: no cycle at run time
+    from sluice.launch.preload import ForkedProcess
 
 READY_PREFIX = "SLUICE_SCHEDULER_READY "
 TAIL_LINES = 20

@@ -29,15 +29,16 @@ import signal
 import socket
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from pathlib import Path
 
+from sluice.launch.children import death_signal_hook
 from sluice.scheduler.bootstrap import ENV_SECRET_FD
 
 #: the largest request (a worker's environment dominates it); the launcher starts a larger one as before
 MAX_REQUEST = 192 * 1024
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -138,13 +139,11 @@ def serve(sock: socket.socket) -> tuple[Request, list[int]] | None:
         _send(sock, {"id": request.id, "pid": pid})
 
 
-def become(request: Request, fds: list[int], preloader: int) -> None:
+def become(request: Request, fds: list[int], die_with_preloader: Callable[[], None] | None) -> None:
     """In the forked child: the worker's session, descriptors, environment, directory and argv."""
     os.setsid()  # its own process group, as every child of the launcher: signalled as a group
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != preloader:  # the preloader died before prctl took effect
-        os._exit(1)
+    if die_with_preloader is not None:  # as the launcher's own children die with it
+        die_with_preloader()
     stdout, stderr, secret = fds
     devnull = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((devnull, 0), (stdout, 1), (stderr, 2)):
@@ -230,11 +229,11 @@ def main() -> None:
     # (and so copy) those pages, which at its exit cost 0.95 CPU-s for torch's objects, 0.31 frozen (gc's docs)
     gc.freeze()
     _send(sock, {"ready": os.getpid()})
-    preloader = os.getpid()
+    die_with_preloader = death_signal_hook()  # made here: a forked child should not load libc
     forked = serve(sock)
     if forked is None:
         return
     request, fds = forked
-    become(request, fds, preloader)
+    become(request, fds, die_with_preloader)
     del sock, forked, fds
     run(request)
