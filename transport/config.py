@@ -107,8 +107,8 @@ class TransportConfig:
     @property
     def largest_payload(self) -> int:
         """No legal payload frame of this job is larger: a chunk (as configured, or the calibration's
-        largest candidate). Larger frames are refused by ZeroMQ before they are received."""
-        return max(self.chunk_bytes, MAX_CHUNK_BYTES)
+        largest candidate, a local one's). Larger frames are refused by ZeroMQ before they are received."""
+        return max(self.chunk_bytes, LOCAL_MAX_CHUNK_BYTES)
 
 
 #: endpoints of peers on this host (shared memory serves them)
@@ -128,6 +128,8 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_INFLIGHT_BYTES = 16 << 20
 #: the largest chunk a calibration may choose (scheduler/calibration.py)
 MAX_CHUNK_BYTES = 1 << 20
+#: the same between a worker and servers that all share its memory, where a chunk is a descriptor on the wire
+LOCAL_MAX_CHUNK_BYTES = 4 << 20
 
 #: Linux maps a socket's ToS to a priority and pfifo_fast maps that to a band (0 first). These marks
 #: land in bands 0, 1 and 2 and are also DSCP classes: AF42 (0x90), best effort (0x00), AF11 (0x28).

@@ -17,7 +17,7 @@ import numpy as np
 
 from sluice.errors import SluiceError
 from sluice.scheduler.calibration import (
-    MAX_CHUNK,
+    LOCAL_MAX_CHUNK,
     MAX_INFLIGHT,
     Limits,
     choose_chunk,
@@ -42,7 +42,7 @@ class Calibrator:
         self._replies = 0
         self._seq = 0
         self._burst_after = 0
-        self._buffer = transport.alloc(MAX_CHUNK, np.dtype(np.uint8))  # registered: no copy to local peers
+        self._buffer = transport.alloc(LOCAL_MAX_CHUNK, np.dtype(np.uint8))  # registered: no copy to local peers
 
     def on_reply(self, msg: Message) -> None:
         with self._cond:
@@ -75,7 +75,7 @@ class Calibrator:
         per_message = self._burst(_SMALL_PROBES, 0) / _SMALL_PROBES
         self._transport.set_inflight(MAX_INFLIGHT)
         bandwidth = max(_BURST_BYTES / self._burst(_BURST_BYTES // _PROBE_BYTES, _PROBE_BYTES) for _ in range(2))
-        chunk = chunk_bytes or choose_chunk(bandwidth, per_message)
+        chunk = chunk_bytes or choose_chunk(bandwidth, per_message, local)
         inflight = inflight_bytes
         if not inflight:
             trials: list[tuple[int, float]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.scheduler.calibration import (
+    LOCAL_MAX_CHUNK,
     MAX_CHUNK,
     MAX_INFLIGHT,
     MIN_CHUNK,
@@ -37,6 +38,20 @@ def test_chunk_keeps_the_per_message_overhead_under_two_and_a_half_percent(
     bandwidth: float, per_message: float, chunk: int
 ) -> None:
     assert choose_chunk(bandwidth, per_message) == chunk
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "per_message", "chunk"),
+    [
+        (3e9, 30e-6, 4 * MiB),  # shared memory: 3.6 MB needed, a descriptor on the wire
+        (10e9, 30e-6, LOCAL_MAX_CHUNK),  # capped
+        (1.5e9, 10e-6, 1 * MiB),  # a fast path needs no more than the network's cap
+        (125e6, 30e-6, 256 * KiB),  # what a network link needs stands
+    ],
+)
+def test_servers_sharing_memory_allow_chunks_up_to_the_local_cap(bandwidth: float, per_message: float,
+                                                                 chunk: int) -> None:
+    assert choose_chunk(bandwidth, per_message, local=True) == chunk
 
 
 @pytest.mark.parametrize(("bandwidth", "per_message"), [(0.0, 1e-5), (-1.0, 1e-5), (1e9, -1e-6)])
@@ -80,6 +95,11 @@ def test_inflight_is_the_smallest_bound_reaching_ninety_percent(
         ([Limits(128 * KiB, 256 * KiB), Limits(MiB, 2 * MiB)], Limits(128 * KiB, 2 * MiB)),
         ([Limits(MiB, 2 * MiB)] * 3 + [Limits(64 * KiB, 16 * MiB)], Limits(MiB, 2 * MiB)),  # one outlier
         ([Limits(MiB, 256 * KiB)], Limits(MiB, 2 * MiB)),  # at least two chunks in flight
+        ([Limits(4 * MiB, 8 * MiB)] * 2, Limits(4 * MiB, 8 * MiB)),  # every worker shares its servers' memory
+        ([Limits(4 * MiB, 8 * MiB), Limits(2 * MiB, 4 * MiB)], Limits(2 * MiB, 8 * MiB)),
+        # a worker across a network keeps the network's cap, however many local workers outvote it
+        ([Limits(4 * MiB, 8 * MiB)] * 3 + [Limits(MiB, 2 * MiB)], Limits(MAX_CHUNK, 8 * MiB)),
+        ([Limits(4 * MiB, 8 * MiB)] * 3 + [Limits(256 * KiB, MiB)], Limits(MAX_CHUNK, 8 * MiB)),
     ],
 )
 def test_workers_agree_on_the_medians(proposals: list[Limits], agreed: Limits) -> None:
