@@ -16,14 +16,14 @@ from sluice.launch.blame import exit_description
 from sluice.launch.children import SSH_FAILED, Child, Sink, death_signal_hook
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
-from sluice.launch.ending import Ending
 from sluice.launch.janitor import Janitor
 from sluice.launch.master_port import MasterPortError, choose, free_port
 from sluice.launch.output import launcher_lines
 from sluice.launch.preload import PreloadError
 from sluice.launch.run_options import RunOptions
 from sluice.launch.spawner import Spawner
-from sluice.launch.standby import Schedulers, standby_count, standby_hosts
+from sluice.launch.standby import Schedulers
+from sluice.launch.starting import Starting
 from sluice.launch.takeover import PROBE_S, Takeovers, host_answers
 from sluice.ps.mirror_links import ENV_TAKEOVER
 from sluice.ps.snapshot import remove_state_files, state_path, state_tag
@@ -37,7 +37,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-class Job(Ending):
+class Job(Starting):
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str],
                  grace: float, ready_timeout: float, out: BinaryIO, err: TextIO, aggregators: int = 0,
                  plan: ClusterPlan | None = None, worker_env: Mapping[str, str] | None = None,
@@ -155,34 +155,10 @@ class Job(Ending):
         except MasterPortError as exc:
             self.complain(str(exc))
             return 2
-        hosts = standby_hosts(self.plan, standby_count(self.config, self.plan))
-        # the standbys (scheduler.standby) start beside the scheduler, on other hosts when there are; the roles
-        # there then outlive the launcher's host (not under srun: SLURM ends a step whose srun is gone)
-        self.spawner.outlive = self.plan is not None and self.plan.reach.method == "ssh" \
-            and any(host is not None for host in hosts)
-        try:
-            sched = await self.spawn("scheduler", 0, [*role_argv, "scheduler"], "")
-            announced = await self._announced(sched)
-            if isinstance(announced, int):
-                return announced
-            # the standbys once the scheduler's endpoint is known: each watches that port, and leaves when it stays
-            # silent and no node rejoins (the launcher was SIGKILLed: scheduler/standby_watch.py)
-            standbys = [await self.spawn("scheduler", rank, [*role_argv, "scheduler"], announced, host)
-                        for rank, host in enumerate(hosts, 1)]
-        except OSError as exc:
-            self.complain(f"cannot start the scheduler: {exc}")
-            return 1
-        for child in standbys:
-            announced_standby = await self._announced(child)
-            if isinstance(announced_standby, int):
-                return announced_standby
-        endpoint = self.endpoint = sched.ready.result()
-        for standby in standbys:
-            self.say(f"{standby.label} ready at {standby.ready.result()}")
-        self.spawner.standby = ",".join(standby.ready.result() for standby in standbys)
-        self.schedulers = Schedulers(sched, standbys)
-        for child in (sched, *standbys):
-            child.on_silent = self._node_silent
+        schedulers = await self._start_schedulers(role_argv)
+        if isinstance(schedulers, int):
+            return schedulers
+        self.schedulers, sched, standbys, endpoint = schedulers, schedulers.primary, schedulers.standbys, self.endpoint
         aggregators = f", {_count(self.aggregators, 'aggregator')}" if self.aggregators else ""
         self.say(f"scheduler ready at {endpoint}; starting {_count(self.servers, 'server')}, "
                  f"{_count(self.workers, 'worker')}{aggregators}")
@@ -207,20 +183,6 @@ class Job(Ending):
         workers = [c for c in started if c.role == "worker"]
         self.running()
         return await self._watch(roles, workers)
-
-    async def _announced(self, child: Child) -> str | int:
-        """A scheduler's endpoint once it announced it, or the launcher's exit code if it did not."""
-        first: list[asyncio.Future[Any]] = [child.ready, child.done, self.interrupted]
-        await asyncio.wait(first, timeout=self.ready_timeout, return_when=asyncio.FIRST_COMPLETED)
-        if self.interrupted.done():
-            return self.interrupted.result()
-        if not child.ready.done():
-            if child.done.done():
-                self.report(child, " before announcing its endpoint")
-            else:
-                self.complain(f"{child.name} did not announce its endpoint within {self.ready_timeout:g} s")
-            return 1
-        return child.ready.result()
 
     async def _watch(self, roles: list[Child], workers: list[Child]) -> int:
         running: dict[asyncio.Future[Any], Child] = {child.done: child for child in workers}
