@@ -35,6 +35,7 @@ from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.master_port import free_port
+from sluice.launch.preload import Preloader
 from sluice.launch.run_options import RunOptions
 from sluice.launch.standby import Schedulers, standby_hosts
 from sluice.launch.supervisor import Job, run_on_loop, supervise
@@ -66,6 +67,10 @@ class Generation(Job):
     def swept(self, items: list[str]) -> list[str]:
         """The committed state outlives a generation that hands over to the next."""
         return [item for item in items if self.reform is None or not item.startswith("/")]
+
+    def hands_over_preloader(self) -> bool:
+        """A generation that ends for the next leaves its preloader running: the next forks its workers at once."""
+        return self.reform is not None
 
     def running(self) -> None:
         if self.elastic.discovery is not None:
@@ -322,13 +327,17 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
           flush=True)
     if elastic.in_place:  # the survivors of a lost worker find the scheduler again where it was
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=free_port()))
+    held: tuple[Preloader, Child] | None = None  # the preloader (--preload), handed from one generation to the next
     try:
         while True:
             env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation),
                    **({ENV_ELASTIC_IN_PLACE: "1"} if elastic.in_place else {})}
             job = Generation(config, workers, servers, command, grace, ready_timeout, sys.stdout.buffer,
                              sys.stderr, aggregators, plan, elastic, env, options)
+            if held is not None:
+                job.spawner.adopt_preloader(held)
             code = await job.run()
+            held = job.spawner.hand_over_preloader()
             generation = int(job.spawner.worker_env[ENV_GENERATION])  # workers replaced in place count too
             if job.reform is None:
                 return code
@@ -348,6 +357,8 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
             plan = replan(hosts)
             job.say(f"re-forming the job: generation {generation} with {workers} workers")
     finally:
+        if held is not None:
+            await held[0].close()
         remove_state_dir(directory)
 
 

@@ -78,8 +78,9 @@ def add_launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     launch.add_argument("--preload", metavar="MODULE[,MODULE...]", action="append", default=[],
                         help="import these modules (e.g. torch) once in a process that forks each worker of this "
                              "machine: a worker then starts without importing them again (torch: 2-3 CPU-s a "
-                             "worker, a fork 0.03), also when one is replaced. Only for a COMMAND that runs this "
-                             "Python on a script, -m MODULE or -c CODE (with -u at most); others start as before. "
+                             "worker, a fork 0.03), also when one is replaced or an elastic job re-forms. Only for "
+                             "a COMMAND that runs this Python on a script, -m MODULE or -c CODE (with -u at most); "
+                             "others start as before. "
                              "The modules must not start CUDA when imported, nor threads a fork would lose (torch, "
                              "tensorflow and keras are tested so); `ps` shows each worker's own command line")
     add_horovodrun_flags(launch)

@@ -49,6 +49,7 @@ class Spawner:
         #: local workers are forked from it (`--preload`) when their command allows (launch/preload.py)
         self.preloader: Preloader | None = None
         self.starting: Preloader | None = None  # started, maybe not ready yet
+        self.preloader_child: Child | None = None  # its output relayed, its exit watched
         # torch.distributed's rendezvous (ddp_hook) is worker 0's
         self.master_addr = "127.0.0.1" if plan is None else plan.address(plan.place("worker", 0).host)
 
@@ -152,7 +153,8 @@ class Spawner:
         """Start the process local workers are forked from (`--preload`); its own output is relayed as
         `[preload]`'s. Workers are forked from it only once `preloaded()` said it is ready."""
         self.starting = await Preloader.launch(modules, self.base_env, self.preexec)
-        return Child("preload", 0, self.starting.proc, self.sink, options=self.output)
+        self.preloader_child = Child("preload", 0, self.starting.proc, self.sink, options=self.output)
+        return self.preloader_child
 
     def local_workers(self) -> bool:
         """Does any worker run on this machine (where `--preload` forks them)?"""
@@ -176,7 +178,21 @@ class Spawner:
     async def stop_preloader(self) -> None:
         if self.starting is not None:
             await self.starting.close()
-            self.starting = self.preloader = None
+            self.starting = self.preloader = self.preloader_child = None
+
+    def hand_over_preloader(self) -> tuple[Preloader, Child] | None:
+        """The preloader, ready and still running, for an elastic job's next generation, whose workers are then
+        forked at once; this spawner no longer stops it. None when there is none to hand over."""
+        preloader, child = self.preloader, self.preloader_child
+        if preloader is None or child is None or preloader.proc.returncode is not None:
+            return None
+        self.starting = self.preloader = self.preloader_child = None
+        return preloader, child
+
+    def adopt_preloader(self, held: tuple[Preloader, Child]) -> None:
+        """Fork local workers from the preloader a previous generation handed over."""
+        self.starting = self.preloader = held[0]
+        self.preloader_child = held[1]
 
     async def _fork_here(self, argv: list[str], command: list[str], env: dict[str, str]) -> ForkedProcess:
         """A worker forked from the preloader (`command` as launch/preload.py's forkable() gives it)."""

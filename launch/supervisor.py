@@ -69,6 +69,10 @@ class Job(Starting):
         self.probes: set[asyncio.Task[None]] = set()
         self.schedulers: Schedulers | None = None  # the scheduler and its standby, once started
 
+    def hands_over_preloader(self) -> bool:
+        """Whether the preloader outlives this job, for the next (an elastic job's generations)."""
+        return False
+
     def busiest_host(self) -> int:
         """The most workers any one host runs."""
         if self.plan is None:
@@ -129,7 +133,8 @@ class Job(Starting):
         finally:
             self.ended()
             await self.stop_all()
-            await self.spawner.stop_preloader()  # after the workers forked from it
+            if not self.hands_over_preloader():
+                await self.spawner.stop_preloader()  # after the workers forked from it
             state = self.state_items()
             if self.config.ps.recover:  # the servers' committed state dies with the job
                 remove_state_files(state_tag(self.spawner.secret))
@@ -149,7 +154,8 @@ class Job(Starting):
                      "-like files on their hosts")
         role_argv = [sys.executable, "-m", "sluice.launch.cli"]
         if self.options.preload and self.spawner.local_workers():  # it imports them while the roles start
-            self._tell_janitor(await self.spawner.start_preloader(self.options.preload))
+            adopted = self.spawner.preloader_child  # an elastic job's earlier generation's, still running
+            self._tell_janitor(adopted or await self.spawner.start_preloader(self.options.preload))
         try:  # before anything starts: a port taken there is the user's to change
             self.spawner.master_port = await choose(self.spawner, self.options.master_port)
         except MasterPortError as exc:

@@ -66,6 +66,8 @@ def test_elastic_job_that_loses_a_worker_ends_as_one_with_a_worker_fewer(tmp_pat
     assert [r["size"] for r in results] == [2, 2] and results[0]["params"] == results[1]["params"]
     assert results[0]["params"] == _reference(tmp_path, 3, 2, 11, 20, servers)
     assert_state_dir_removed(output)
+    if preloads.TORCH:  # every generation's workers forked from the one preloader the first generation started
+        assert len({s["ppid"] for s in starts}) == 1 and len(starts) == 5, starts
 
 
 @pytest.mark.timeout(300)

@@ -87,7 +87,7 @@ def train(state: hvd.elastic.TorchState) -> None:
     odd = hvd.add_process_set([1, 2]) if args.process_set else None  # again after each re-forming, as in Horovod
     generation = int(os.environ.get("SLUICE_ELASTIC_GENERATION", "0"))
     print("ELASTIC_START " + json.dumps({"generation": generation, "size": size, "step": state.batch, "rank": rank,
-                                         "pid": os.getpid()}), flush=True)
+                                         "pid": os.getpid(), "ppid": os.getppid()}), flush=True)
     if args.save_start and generation > 0 and rank == 0:
         save_state(args.save_start)
     while state.batch < args.steps:
