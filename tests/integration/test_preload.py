@@ -23,6 +23,8 @@ PROBE_MODULE = "tests.integration.preload_probe.probe"
 PROBE_CODE = ("import json; from tests.integration.preload_probe.probe import seen; "
               "print('PROBE', json.dumps(seen()), flush=True)")
 PRELOAD = ["--preload", "sluice.worker.node"]
+#: the probes never join their job: without this the launcher gives its scheduler 10 s to leave by itself
+NO_GRACE = ["--grace", "0"]
 FORMS = {"script": [PROBE, "a", "-b"], "module": ["-m", PROBE_MODULE, "a"], "code": ["-c", PROBE_CODE, "a"]}
 
 
@@ -42,7 +44,7 @@ def test_a_forked_worker_sees_what_a_started_one_sees(launch: type[Launch], form
         form = "script"
     seen = {}
     for start in ([], PRELOAD):
-        job = launch(["-w", "2", "-s", "0", *start, "--", sys.executable, "-u", *FORMS[form]])
+        job = launch(["-w", "2", "-s", "0", *NO_GRACE, *start, "--", sys.executable, "-u", *FORMS[form]])
         assert job.finish(45) == 0, job.stderr()
         seen["preload" if start else "exec"] = _probes(job)
         job.assert_none_left()
@@ -102,6 +104,6 @@ def test_ctrl_c_while_the_preloader_imports_stops_the_job_at_once(launch: type[L
 @pytest.mark.timeout(60)
 def test_a_command_the_preloader_cannot_run_starts_as_before(launch: type[Launch]) -> None:
     """Another program (here a shell running the probe): started afresh, the preloader unused but harmless."""
-    job = launch(["-w", "1", "-s", "0", *PRELOAD, "--", "sh", "-c", f"exec {sys.executable} {PROBE}"])
+    job = launch(["-w", "1", "-s", "0", *NO_GRACE, *PRELOAD, "--", "sh", "-c", f"exec {sys.executable} {PROBE}"])
     assert job.finish(45) == 0, job.stderr()
     assert _probes(job)[0]["preloaded"] is False
