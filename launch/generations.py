@@ -336,8 +336,10 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
                              sys.stderr, aggregators, plan, elastic, env, options)
             if held is not None:
                 job.spawner.adopt_preloader(held)
-            code = await job.run()
-            held = job.spawner.hand_over_preloader()
+            try:
+                code = await job.run()
+            finally:  # also when run() raised: the finally below then stops it
+                held = job.spawner.hand_over_preloader()
             generation = int(job.spawner.worker_env[ENV_GENERATION])  # workers replaced in place count too
             if job.reform is None:
                 return code

@@ -4,14 +4,16 @@ Two costs pull the chunk size apart. An urgent chunk waits behind at most one ch
 wire, so smaller chunks preempt sooner; but every message costs a fixed time in Python and ZeroMQ
 (`per_message`), so at link rate B a chunk of c bytes spends `per_message * B / c` of the link's
 time on overhead. The chunk is the smallest power of two that keeps that share under 2.5%, between
-64 KiB and 1 MiB: 1 MiB on loopback (B = 1-2 GB/s), 256-512 KiB on a 1 Gbit/s link. Between a worker
-and servers that all share its memory the cap is 4 MiB: a chunk crosses as a descriptor, so an urgent
-one waits only for the server's sum of the chunk before it (about 0.4 ms for 4 MiB), while every
-message costs the same Python on four hops (2 workers x 2 servers, 16 MiB push_pull on 2 cores: 1 MiB
-chunks 16.2 ms a round, 4 MiB 12.0). A job takes a local size only if every worker proposed one. The share is
+64 KiB and 1 MiB: 1 MiB on loopback (B = 1-2 GB/s), 256-512 KiB on a 1 Gbit/s link. The share is
 set low because the probes measure an idle path: in training the same message also costs the
 server's summing and the kernel's work on a busy machine (4 workers x 4 servers at 1 Gbit/s on
 2 cores: 256 KiB chunks ran at 74% of the link, 512 KiB at 85-88%).
+
+Between a worker and servers that all share its memory the cap is 4 MiB: a chunk crosses as a
+descriptor, so an urgent one waits only for the server's sum of the chunk before it (about 0.4 ms
+for 4 MiB), while every message costs the same Python on four hops (2 workers x 2 servers, 16 MiB
+push_pull on 2 cores: 1 MiB chunks 16.2 ms a round, calibrated to 4 MiB 10.4). A job takes such a
+size only if every worker proposed one: a worker across a network keeps the network's cap.
 
 The in-flight bound must cover the bandwidth-delay product, or the link idles while credit returns;
 anything beyond it only adds to the queue an urgent chunk waits behind in the network, and on a
