@@ -167,12 +167,15 @@ class ControlClient:
 
     def _ask(self, key: Hashable, kind: Kind, meta: dict[str, Any], what: str,
              timeout: float | None = None) -> Message:
-        """Send a request and wait for its answer; a standby taking over is sent it again."""
+        """Send a request and wait for its answer; a standby taking over is sent it again. A DECLARE is also
+        sent again each heartbeat_timeout while its PLAN has not come: one dropped in a brief disconnect
+        would otherwise be waited for until op_timeout (the scheduler answers a repeat as the first)."""
         with self._cond:
             self.recall.asked(key, kind, meta)
         try:
             self._send(kind, **meta)
-            return self._wait(key, self._config.op_timeout if timeout is None else timeout, what)
+            again = (lambda: self._send(kind, **meta)) if kind == Kind.DECLARE else None
+            return self._wait(key, self._config.op_timeout if timeout is None else timeout, what, again)
         finally:
             with self._cond:
                 self.recall.answered(key)
@@ -285,14 +288,22 @@ class ControlClient:
             self._replies[key] = msg
             self._cond.notify_all()
 
-    def _wait(self, key: Hashable, timeout: float, what: str) -> Message:
-        with self._cond:
-            self._cond.wait_for(lambda: key in self._replies or self.failure is not None, timeout)
-            if self.failure is not None:
-                raise SluiceError(self.failure)
-            if key not in self._replies:
-                raise SluiceError(f"timed out after {timeout:.0f} s waiting for {what}")
-            return self._replies.pop(key)
+    def _wait(self, key: Hashable, timeout: float, what: str, again: Callable[[], None] | None = None) -> Message:
+        """The answer filed under `key`; `again` (the request sent once more) each heartbeat_timeout meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            span = left if again is None else min(left, self._config.heartbeat_timeout)
+            with self._cond:
+                answered = self._cond.wait_for(lambda: key in self._replies or self.failure is not None, max(0.0, span))
+                if answered or span >= left:
+                    if self.failure is not None:
+                        raise SluiceError(self.failure)
+                    if key not in self._replies:
+                        raise SluiceError(f"timed out after {timeout:.0f} s waiting for {what}")
+                    return self._replies.pop(key)
+            if again is not None:
+                again()  # outside the lock, as every send
 
     def _heartbeats(self) -> None:
         interval, limit = self._config.heartbeat_interval, self._config.heartbeat_timeout

@@ -36,6 +36,8 @@ from sluice.transport.wire import Kind, Message, WireError, brief, meta_field
 Out = tuple[str, Message]
 #: network reports kept per node (the manager takes each period's once all are in)
 NET_REPORTS_KEPT = 4
+#: the workers' PLANs kept for a worker that asks again (the latest declarations': a worker waits for one at a time)
+KEPT_PLANS = 64
 
 
 class Rendezvous:
@@ -253,12 +255,14 @@ class Rendezvous:
             # below every key in use: a standby knows only the keys some worker saw planned, not one a set took
             # at its first declaration before the scheduler died (counting them would give a planned one again)
             seq = self._set_seqs.setdefault((tuple(members), seq), min(self._set_seqs.values(), default=0) - 1)
-        if seq in self._replayed:  # planned before this standby took over: the worker did not get it then
+        if seq in self._replayed:  # its PLAN went out (or before this standby took over): a worker asking again
             return [(node.name, self._replayed[seq])]
         decl = self._declarations.setdefault(seq, Declaration(members=members, reply_seq=meta_field(msg, "seq", int)))
         if decl.members != members:
             raise WireError(f"worker {node.rank} declares set {members}'s tensors under declaration {seq} of "
                             f"workers {decl.members}")
+        if decl.order >= 0:  # asked again while the servers acknowledge its plan: the PLAN comes after them
+            return []
         decl.by_rank[node.rank] = table
         if limits_proposed is not None:
             decl.proposals[node.rank] = limits_proposed
@@ -318,11 +322,14 @@ class Rendezvous:
         limits = (self.limits or Limits(DEFAULT_CHUNK_BYTES, DEFAULT_INFLIGHT_BYTES)).as_list()
         # order and key: what a standby replays it by, should the workers rejoin one (scheduler/standby.py)
         if seq >= 0:
-            return [(w.name, self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits, order=decl.order, key=seq))
-                    for w in self._of_role("worker")]
-        return [(w.name, self._msg(Kind.PLAN, seq=decl.reply_seq, tensors=table, limits=limits, ranks=decl.members,
-                                   order=decl.order, key=seq))
-                for w in self._of_role("worker") if w.rank in decl.members]
+            plan = self._msg(Kind.PLAN, seq=seq, tensors=table, limits=limits, order=decl.order, key=seq)
+        else:
+            plan = self._msg(Kind.PLAN, seq=decl.reply_seq, tensors=table, limits=limits, ranks=decl.members,
+                             order=decl.order, key=seq)
+        self._replayed[seq] = plan  # for a worker that asks again: one dropped in a brief disconnect
+        while len(self._replayed) > KEPT_PLANS:
+            del self._replayed[next(iter(self._replayed))]
+        return [(w.name, plan) for w in self._of_role("worker") if w.rank in decl.members]
 
     def _on_barrier(self, node: Node, msg: Message) -> list[Out]:
         name = meta_field(msg, "name", str)

@@ -1,10 +1,13 @@
-"""A node between its REJOIN and the standby's takeover sends the standby nothing else (scheduler/node.py)."""
+"""A node between its REJOIN and the standby's takeover sends the standby nothing else; a worker waiting for a
+declaration's PLAN sends its DECLARE again each heartbeat_timeout (scheduler/node.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from typing import Any
+
+import pytest
 
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.config import SchedulerConfig
@@ -76,3 +79,42 @@ def test_a_server_the_dead_scheduler_readmitted_without_telling_is_told_by_the_s
     client.peers[0] = PeerInfo(1, "server", 0, "server-0", ("tcp://10.0.0.1:7",))  # as the SERVER_BACK left it
     client.on_message(Message(Kind.WELCOME, sender=0, meta={"rejoined": True, "nodes": book}))
     assert told == []
+
+
+def _client(transport: RecordingTransport) -> ControlClient:
+    env = NodeEnv(scheduler=transport.scheduler, role="worker", rank=0, workers=2, servers=1, config={})
+    config = SchedulerConfig(heartbeat_interval=0.05, heartbeat_timeout=0.2, op_timeout=3.0)
+    client = ControlClient(transport, env, config)  # type: ignore[arg-type]
+    client.role, client.rank, client.node_id = "worker", 0, 2
+    return client
+
+
+@pytest.mark.timeout(10)
+def test_a_declaration_whose_plan_does_not_come_is_asked_again_until_it_comes() -> None:
+    transport = RecordingTransport()
+    client = _client(transport)
+    answer: list[object] = []
+    waiting = threading.Thread(target=lambda: answer.append(client.declare([["g", [2], "float32", None]])))
+    waiting.start()
+    time.sleep(0.7)  # about three heartbeat_timeouts
+    asked = [kind for _, kind in transport.sent]
+    assert 3 <= asked.count(Kind.DECLARE) <= 5 and set(asked) == {Kind.DECLARE}, asked
+    plan = [[0, "g", [2], "float32", 0, [[0, 0, 2, 0]]]]
+    client.on_message(Message(Kind.PLAN, sender=0, meta={"seq": 0, "tensors": plan, "limits": [1 << 20, 1 << 21]}))
+    waiting.join(2)
+    assert not waiting.is_alive() and answer and answer[0][0] == plan  # type: ignore[index]
+    time.sleep(0.3)
+    assert [kind for _, kind in transport.sent].count(Kind.DECLARE) == asked.count(Kind.DECLARE)  # not after it
+
+
+@pytest.mark.timeout(10)
+def test_a_barrier_is_asked_once() -> None:
+    """Only a declaration is asked again: the scheduler answers its repeat as the first, which a barrier's need not."""
+    transport = RecordingTransport()
+    client = _client(transport)
+    waiting = threading.Thread(target=client.barrier, args=("b",))
+    waiting.start()
+    time.sleep(0.5)
+    client.on_message(Message(Kind.RELEASE, sender=0, meta={"name": "b"}))
+    waiting.join(2)
+    assert not waiting.is_alive() and [kind for _, kind in transport.sent] == [Kind.BARRIER]

@@ -105,6 +105,32 @@ def test_declare_plans_on_servers_before_workers() -> None:
     assert [(k, name, priority) for k, name, _, _, priority, _ in plan] == [(0, "a", 0), (1, "b", 1)]
 
 
+def test_a_declaration_asked_again_is_answered_as_the_first_at_every_stage() -> None:
+    """A worker sends its DECLARE again while it waits (its PLAN may have been dropped in a brief disconnect)."""
+    machine = formed(workers=2, servers=1)
+    table = [["a", [3], "float32", None]]
+    assert machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=table), 1.0) == []
+    assert machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=table), 2.0) == []  # still waiting for w1
+    outs = machine.on_message("w1", msg(Kind.DECLARE, seq=0, tensors=table), 3.0)
+    assert [(p, m.kind) for p, m in outs] == [("s0", Kind.PLAN)]  # planned once
+    assert machine.on_message("w1", msg(Kind.DECLARE, seq=0, tensors=table), 4.0) == []  # not planned again
+    outs = machine.on_message("s0", msg(Kind.PLAN_ACK, seq=0), 5.0)
+    assert sorted(p for p, _ in outs) == ["w0", "w1"]
+    first = outs[0][1]
+    again = machine.on_message("w0", msg(Kind.DECLARE, seq=0, tensors=table), 6.0)
+    assert [(p, m.kind, m.meta) for p, m in again] == [("w0", Kind.PLAN, first.meta)]  # the same PLAN, to it alone
+    # the next declaration is a new one, and a set's is answered again under its own numbering
+    assert machine.on_message("w0", msg(Kind.DECLARE, seq=1, tensors=[["b", [2], "float32", None]]), 7.0) == []
+    sets = [machine.on_message(w, msg(Kind.DECLARE, seq=0, tensors=[["s", [2], "float32", None]], ranks=[0, 1]), 8.0)
+            for w in ("w0", "w1")]
+    assert sets[0] == [] and [m.kind for _, m in sets[1]] == [Kind.PLAN]
+    outs = machine.on_message("s0", msg(Kind.PLAN_ACK, seq=-1), 9.0)
+    again = machine.on_message("w1", msg(Kind.DECLARE, seq=0, tensors=[["s", [2], "float32", None]], ranks=[0, 1]),
+                               10.0)
+    assert [(p, m.meta["seq"], m.meta["ranks"]) for p, m in again] == [("w1", 0, [0, 1])]
+    assert again[0][1] is outs[0][1]
+
+
 def test_a_process_sets_declaration_waits_for_its_workers_only_and_is_numbered_apart() -> None:
     machine = formed(workers=3, servers=1)  # w2 is rank 0, w1 rank 1, w0 rank 2
     table = [["set1.g", [4], "float32", None]]
