@@ -87,7 +87,8 @@ class Rendezvous:
         self.phase = "standby" if standby else "registering"
         #: a standby scheduler's (scheduler.standby): the nodes' REJOINs until it takes over (scheduler/standby.py)
         self.takeover = Takeover(workers, servers, aggregators, config.heartbeat_timeout) if standby else None
-        #: the workers' PLAN of each declaration planned before a standby took over (by key), for one asking again
+        #: the workers' PLAN of each declaration (by key) that went out, here or before a standby took over, for a
+        #: worker asking again (the last KEPT_PLANS)
         self._replayed: dict[int, Message] = {}
         self._released_before: dict[str, set[int]] = {}
         self._plan_count = 0
