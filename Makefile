@@ -57,9 +57,10 @@ test-system-deps:
 test: $(STAMP) test-system-deps
 	$(PY) -m compileall -q $(PACKAGES)
 	$(VENV)/bin/ruff check .
-	@# mypy (40 s of one core) checks the types while the tests run, which leave a third of two cores idle
+	@# mypy (40 s of one core) checks the types while the tests run; three test processes on two cores, as the
+	@# tests often wait (sshd, srun, heartbeat timeouts): 821 s against 955 with two (docs/architecture.md)
 	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 -m 'not serial' tests; tests=$$?; \
+	$(PY) -m pytest -q -n 3 --dist loadfile --durations=30 -m 'not serial' tests; tests=$$?; \
 	wait $$types; typed=$$?; cat $(VENV)/mypy.log; [ $$tests = 0 ] && [ $$typed = 0 ]
 	$(PY) -m pytest -q -m serial $$(grep -rl --include='*.py' 'mark\.serial' tests)
 
