@@ -38,6 +38,12 @@ Two jobs run in turn:
   fresh     a job started with the uplink already cut, told so in its config (uplinks = r0: RATE),
             so that its first plan is the one a re-plan should reach
 
+  mended    in the re-plan job, --restore-after s after the cut r0's uplink is set back to its rate; the
+            trees planned around the cut leave it lightly loaded, so it no longer holds the job back: the
+            manager counts it at its configured rate again once its traffic crossed it periods running
+            without keeping a sender waiting (uplinks.py eased), and re-plans; its rounds after, against
+            the rounds before the cut
+
 Every worker checks every round's sum (integer-valued data: exact), so an update lost or counted twice
 across the switch fails the run. Figures: the time from the throttle to the first round under the new
 trees, in measurement periods (target <= 2), and where it went (the evidence's period, the scheduler
@@ -101,26 +107,34 @@ def worker_main(spec: str) -> int:
 @dataclass
 class Job:
     """What one job left: each worker's rounds (start, end, epoch) and COMMIT arrivals by epoch, the
-    scheduler's timed log lines, and when r0's uplink was cut (None: it was not)."""
+    scheduler's timed log lines, and when r0's uplink was cut and set back (None: it was not)."""
 
     workers: list[list[tuple[float, float, int]]]
     committed: list[dict[int, float]]
     lines: list[tuple[float, str]]
     cut: float | None
+    restored: float | None = None
 
 
 def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float, args: argparse.Namespace,
-            throttle_at: float | None = None) -> Job:
-    """Run one job; with `throttle_at` (s after start), cut r0's uplink to a quarter then."""
+            throttle_at: float | None = None, restore_after: float = 0.0) -> Job:
+    """Run one job; with `throttle_at` (s after start), cut r0's uplink to a quarter then, and with
+    `restore_after`, set it back to its configured rate that many seconds later."""
     spec = json.dumps(asdict(Work(args.mib << 18, time.time() + seconds)))
     argv = [sys.executable, "-m", "bench.replan", "--worker", spec]
     cut: list[float] = []
+    ended = threading.Event()  # no change to the links once the job is over (the next job runs on them)
     if throttle_at is not None:
         def throttle() -> None:
-            time.sleep(throttle_at)
+            if ended.wait(throttle_at):
+                return
             bed.set_uplink("r0", layout.uplink_mbit / 4)
             cut.append(time.time())
             progress(f"  uplink of r0 cut to {layout.uplink_mbit / 4:g} Mbit/s")
+            if restore_after and not ended.wait(restore_after):
+                bed.set_uplink("r0", layout.uplink_mbit)
+                cut.append(time.time())
+                progress(f"  uplink of r0 back to {layout.uplink_mbit:g} Mbit/s")
         threading.Thread(target=throttle, daemon=True).start()
     lines: list[tuple[float, str]] = []
 
@@ -128,11 +142,15 @@ def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float,
         if label == "scheduler" and (timed := parse_line(text)) is not None:
             lines.append(timed)
 
-    results = run_sluice_job(bed, "sched", layout.server_hosts, layout.worker_hosts, config,
-                             argv, aggregators=layout.worker_hosts, timeout=seconds + 120, echo=args.verbose,
-                             env={ENV_LOG_TIME: "1"}, on_line=scheduler_line)
+    try:
+        results = run_sluice_job(bed, "sched", layout.server_hosts, layout.worker_hosts, config,
+                                 argv, aggregators=layout.worker_hosts, timeout=seconds + 120, echo=args.verbose,
+                                 env={ENV_LOG_TIME: "1"}, on_line=scheduler_line)
+    finally:
+        ended.set()
     return Job([[tuple(r) for r in w["rounds"]] for w in results],
-               [{int(e): t for e, t in w["committed"].items()} for w in results], lines, cut[0] if cut else None)
+               [{int(e): t for e, t in w["committed"].items()} for w in results], lines, cut[0] if cut else None,
+               cut[1] if len(cut) > 1 else None)
 
 
 def round_times(workers: list[list[tuple[float, float, int]]]) -> list[tuple[float, float, int]]:
@@ -157,7 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "period, s (default: %(default)s)")
     parser.add_argument("--throttle-after", type=float, default=30.0, help="seconds after the job starts that r0's "
                         "uplink is cut (default: %(default)s)")
-    parser.add_argument("--seconds", type=float, default=70.0, help="how long each job runs rounds "
+    parser.add_argument("--restore-after", type=float, default=25.0, help="seconds after the cut that r0's uplink "
+                        "is set back to its configured rate; 0: never (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="how long each job runs rounds "
                         "(default: %(default)s)")
     parser.add_argument("--uplink-periods", type=int, default=AggregationConfig().uplink_periods,
                         help="aggregation.uplink_periods: periods running an uplink must hold the job back before "
@@ -165,25 +185,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, the uplink cut after 5 s of a "
-                       "11 s job, a 12 s fresh job", repeats=1)
+                       "16 s job and set back 5 s later, a 12 s fresh job", repeats=1)
     args = parser.parse_args(argv)
-    #: how long the fresh job runs rounds: as long as the re-plan job's rounds after the cut, and 10 s to settle
-    args.fresh_seconds = args.seconds - args.throttle_after + 10
+    #: how long the fresh job runs rounds: as long as the re-plan job's rounds under the cut, and 10 s to settle
+    args.fresh_seconds = (args.restore_after or args.seconds - args.throttle_after) + 10
     if args.quick:
         args.racks, args.per_rack, args.servers, args.link_mbit = 2, 2, 2, 40.0
         # the fresh job's 12 s include its start (its processes import on 2 cores): with 8 s a slow machine
         # ended it before its first plan came into force
-        args.throttle_after, args.seconds, args.fresh_seconds = 5.0, 11.0, 12.0
+        args.throttle_after, args.restore_after, args.seconds, args.fresh_seconds = 5.0, 5.0, 16.0, 12.0
+    if args.restore_after and args.throttle_after + args.restore_after + 5 > args.seconds:
+        parser.error("--seconds must leave at least 5 s of the job after --throttle-after + --restore-after")
     return args
 
 
 def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The re-plan job: when the new trees came into force, the rounds under them, each step's time."""
-    job = run_job(bed, layout, config, args.seconds, args, throttle_at=args.throttle_after)
+    job = run_job(bed, layout, config, args.seconds, args, throttle_at=args.throttle_after,
+                  restore_after=args.restore_after)
     rounds, cut = round_times(job.workers), job.cut
     assert cut is not None
     before = max((e for s, _, e in rounds if s <= cut), default=0)
-    switched = [(s, d, e) for s, d, e in rounds if s > cut and e > before]
+    until = job.restored or float("inf")
+    switched = [(s, d, e) for s, d, e in rounds if until > s > cut and e > before]
     if not switched:
         epochs = [e for *_, e in rounds]
         raise RuntimeError(f"no new trees came into force after the throttle (epochs {epochs})")
@@ -203,7 +227,33 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
     return {"delay": (switched[0][0] - cut) / args.period, "after": [d for _, d, _ in switched[2:] or switched[-1:]],
             "steps": timed, "false_alarms": wrong, "epochs_after_cut": len({e for *_, e in switched}),
             "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
-            "switches_before_cut": switches(job.lines, before=cut) - 1}
+            "switches_before_cut": switches(job.lines, before=cut) - 1,
+            "restore": restore_run(job, rounds, [d for s, d, e in rounds if s <= cut and e == before][-10:], args)}
+
+
+def restore_run(job: Job, rounds: list[tuple[float, float, int]], planned: list[float],
+                args: argparse.Namespace) -> dict[str, Any] | None:
+    """After r0's uplink was set back (None: it was not): when trees planned for it came into force (delay None:
+    never), the rounds under them against `planned` (the rounds before the cut, under the configured plan)."""
+    restored = job.restored
+    if restored is None:
+        return None
+    in_force = max((e for s, _, e in rounds if s <= restored), default=0)
+    back = [(s, d, e) for s, d, e in rounds if s > restored and e > in_force]
+    flagged = evidence(job.lines, restored, args.period)
+    progress("  seen after the uplink was mended: " + (", ".join(
+        f"{r} p{p} {m:g}{' counted' if c else ''}" for r, p, m, c in flagged) or "nothing"))
+    if not back:  # the rounds it ran on the trees planned for the cut
+        progress("  no new trees came into force after the uplink was mended")
+        return {"delay": None, "after": [d for s, d, _ in rounds if s > restored][1:] or [rounds[-1][1]],
+                "planned": planned, "steps": {}, "measured": []}
+    epoch = first_switch(job.lines, restored) or back[0][2]
+    committed = [times[epoch] for times in job.committed if epoch in times]
+    progress(f"  trees for the mended uplink (epoch {back[0][2]}) in force {back[0][0] - restored:.1f} s after it; "
+             f"{len(back)} rounds under them")
+    return {"delay": (back[0][0] - restored) / args.period, "after": [d for _, d, _ in back[2:] or back[-1:]],
+            "planned": planned, "steps": steps(job.lines, restored, args.period, "r0", epoch, committed, back[0][0]),
+            "measured": [m for r, _, m, c in flagged if r == "r0" and c]}
 
 
 def fresh_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -4,7 +4,8 @@ The network manager lives in the scheduler: it holds the job's topology (racks a
 [aggregation], nodes placed by the address book) and plans weighted trees with the ILP planner once
 the job has formed, again every `replan_s` seconds, and whenever `observe` is told that a link's
 spare bandwidth moved by more than `change`. Planning runs on a thread of its own, so the
-scheduler's loop keeps answering heartbeats while HiGHS searches (up to `time_limit` seconds).
+scheduler's loop keeps answering heartbeats while HiGHS searches (up to `time_limit` seconds); rates
+that an earlier plan was made for (within `change`) take that plan again at once.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class StaticTrees:
         """Nothing runs in the background."""
 
 
+#: plans kept with the rates they were made for: a re-plan for rates each within `change` of a kept plan's takes
+#: that plan instead of searching again. An uplink counted slow and then mended brings back the rates of the
+#: job's first plan, whose search can take the planner's whole `time_limit` (5 s in bench/replan.py)
+KEPT_PLANS = 8
+
 #: a host's spare bandwidth is the median of its last this many periods: one period can be off by what
 #: the link's queue took in or let out in it (the agent counts our bytes as they enter the queue, the
 #: interface as they leave it), while another job's traffic lasts
@@ -84,7 +90,11 @@ class NetworkManager:
         self._routes: list[Route] | None = None
         self._next_at = now
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-planner")
-        self._running: Future[tuple[Plan, list[Route]]] | None = None
+        self._running: Future[tuple[Plan, list[Route], int]] | None = None
+        #: the plans made (the last KEPT_PLANS), each with the rates it was made for and its number, and the rates
+        #: of the plan being made
+        self._kept: list[tuple[dict[str, float], Plan, list[Route], int]] = []
+        self._planning_rates: dict[str, float] = {}
 
     @property
     def planning(self) -> bool:
@@ -103,13 +113,18 @@ class NetworkManager:
                 return None
             self._running = None
             try:
-                self.plan, routes = running.result()
+                self.plan, routes, again = running.result()
             except PlanError as exc:  # the topology does not fit the job: say so and keep the trees in use
                 log.error("cannot plan aggregation trees: %s", exc)
                 self._next_at = float("inf") if not self.config.replan_s else now + self.config.replan_s
                 return None
             self.plans += 1
-            log.info("aggregation plan %d: %s", self.plans, describe(self.plan))
+            if again:
+                log.info("aggregation plan %d: plan %d again (every rate within %.0f%% of those it was made for)",
+                         self.plans, again, self.config.change * 100)
+            else:
+                log.info("aggregation plan %d: %s", self.plans, describe(self.plan))
+                self._kept = [*self._kept[1 - KEPT_PLANS:], (self._planning_rates, self.plan, routes, self.plans)]
             if routes == self._routes:
                 return None  # the same trees: nothing to switch
             self._routes = routes
@@ -117,8 +132,23 @@ class NetworkManager:
         if now >= self._next_at or self._changed():
             self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
             self._planned_spare = dict(self.spare)
-            self._running = self._pool.submit(self._solve, nodes, dict(self.spare))
+            self._planning_rates = {link: self.spare.get(link, rate) for link, rate in self._configured.items()}
+            kept = self._kept_for(self._planning_rates)
+            if kept is None:
+                self._running = self._pool.submit(self._solve, nodes, dict(self.spare))
+            else:  # a plan for these rates was made: no need to search again
+                self._running = Future()
+                self._running.set_result(kept)
         return None
+
+    def _kept_for(self, rates: Mapping[str, float]) -> tuple[Plan, list[Route], int] | None:
+        """The latest kept plan made for rates each within `change` of `rates`: (plan, routes, its number)."""
+        def near(kept: Mapping[str, float]) -> bool:
+            return kept.keys() == rates.keys() and all(
+                abs(rates[link] - rate) <= self.config.change * max(rate, 1e-9) for link, rate in kept.items())
+
+        return next(((plan, routes, number) for made, plan, routes, number in reversed(self._kept) if near(made)),
+                    None)
 
     def _place(self, nodes: Sequence[NodeAt]) -> Placement | None:
         """The job's placement, worked out once (the nodes of a formed job do not change); None if the
@@ -161,20 +191,26 @@ class NetworkManager:
     def _observe_uplinks(self, reports: Mapping[str, Sequence[Report]], placement: Placement) -> None:
         """The uplinks that held the job back, period by period once each period's reports are in, at their
         measured rates (uplinks.py); an uplink counts once it held the job back `uplink_periods` running, or at
-        once below half the rate in the plan."""
+        once below half the rate in the plan. One planned below its configured rate counts at that rate again
+        once its traffic crossed it `uplink_periods` periods running without keeping a sender waiting."""
         known = [name for name in reports if name in placement.host]
         rates = {h.name: h.link_mbit for h in placement.configured.hosts}
-        planned = {link.partition(":")[2]: self._planned_spare.get(link, rate)
-                   for link, rate in self._configured.items() if link.startswith("uplink:")}
+        configured = {link.partition(":")[2]: rate for link, rate in self._configured.items()
+                      if link.startswith("uplink:")}
+        planned = {rack: self._planned_spare.get(f"uplink:{rack}", rate) for rack, rate in configured.items()}
         found = self._uplinks.observe({n: reports[n] for n in known},
                                       {n: placement.rack[placement.host[n]] for n in known},
-                                      {n: rates[placement.host[n]] for n in known}, planned)
-        for period, rack, mbit, counted in found:
+                                      {n: rates[placement.host[n]] for n in known}, planned, configured)
+        for period, rack, mbit, counted, mended in found:
             if counted:
-                log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (it held the job back)", rack, mbit,
-                         period)
+                why = (f"mended: its traffic crossed {self.config.uplink_periods} periods running without keeping a "
+                       f"sender waiting; the plan assumed {planned[rack]:.1f}") if mended else "it held the job back"
+                log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (%s)", rack, mbit, period, why)
                 self.observe({f"uplink:{rack}": mbit})
-            else:  # one period's evidence can be a burst of the round's phases: a false alarm would re-plan
+            elif mended:  # one period at ease can fall between a slow uplink's busy ones: a false alarm would re-plan
+                log.info("uplink of rack %s got through at %.1f Mbit/s in period %d (no sender waited long; the plan "
+                         "assumes %.1f)", rack, mbit, period, planned[rack])
+            else:
                 log.info("uplink of rack %s held the job back in period %d (%.1f Mbit/s)", rack, period, mbit)
 
     def _changed(self) -> bool:
@@ -186,14 +222,14 @@ class NetworkManager:
                 return True
         return False
 
-    def _solve(self, nodes: Sequence[NodeAt], spare: dict[str, float]) -> tuple[Plan, list[Route]]:
+    def _solve(self, nodes: Sequence[NodeAt], spare: dict[str, float]) -> tuple[Plan, list[Route], int]:
         placement = self._placement or place(self.config, nodes)  # (raises PlanError, said by due())
         config = self.config
         from sluice.scheduler.hierarchy.planner import plan_trees
 
         plan = plan_trees(placement.topology(spare), max_trees=config.max_trees, tree_penalty=config.tree_penalty,
                           time_limit=config.time_limit)
-        return plan, placement.routes(plan)
+        return plan, placement.routes(plan), 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

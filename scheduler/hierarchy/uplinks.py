@@ -24,14 +24,22 @@ In a star of worker racks around the servers' rack this never blames the servers
 were it slow, would hold every rack back alike, which no period tells from any other uniform slowness.
 `UplinkWatch` feeds this period by period and counts an uplink once it held the job back `confirm`
 periods running.
+
+An uplink that was counted slow and then mended no longer holds the job back, and the trees planned
+around it leave it lightly loaded, so the rack never stands out again and nothing above would notice.
+What does tell is how long its senders wait: at the slow rate the plan is made for, the uplink is a
+bottleneck of that plan, and some sender waits most of a period in every round; once mended, none
+waits long for the same bytes (`eased`). A rate per second of backlog does not tell: where several
+senders take turns, it read 5-24 Mbit/s of a cut 2.5 Mbit/s uplink.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sluice.scheduler.hierarchy.agent import Report
 
@@ -46,6 +54,12 @@ SMOOTHING = 5
 #: an uplink measured below this fraction of the rate its plan assumed counts in its first period: in runs
 #: without a change no period came near it (the lowest, 79% of a bottleneck uplink's rate; bench/replan.py)
 AT_ONCE = 0.5
+#: an uplink the plan in force assumes slower than configured (by more than SLOWED of its rate) is watched for
+#: having been mended: it is, once its traffic crossed `confirm` periods running with no sender waiting EASY of a
+#: period or more for a peer across it. A slow uplink the plan was made for is a bottleneck of that plan, and keeps
+#: a sender waiting most of some period of every round: measured (bench/replan.py, 4:1, a cut to a quarter) its
+#: longest wait reached 0.6-1.0 of a period in all but single periods between; once mended, 0.04-0.27 in every one
+SLOWED, EASY = 0.1, 0.4
 
 
 @dataclass
@@ -114,17 +128,10 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
     # are neither it nor at the other end of its traffic (those absent this period waited for nothing):
     # the servers' rack is not compared with the workers' racks it answers, nor a rack with itself
     racks = set(rack_of.values())
-    directions: list[dict[str, list[_Pair]]] = [{}, {}]
-    ends: list[dict[str, set[str]]] = [{}, {}]
-    for (home, away), pair in pairs.items():
-        directions[OUT].setdefault(home, []).append(pair)
-        directions[IN].setdefault(away, []).append(pair)
-        ends[OUT].setdefault(home, set()).add(away)
-        ends[IN].setdefault(away, set()).add(home)
+    directions, ends = _directions(pairs)
     held_back: dict[tuple[str, int], float] = {}
     for way, (direction, other_ends) in enumerate(zip(directions, ends, strict=True)):
-        held = {rack: min(p.held for p in group) for rack, group in direction.items()}
-        rates = {rack: sum(p.mbit for p in group) / held[rack] for rack, group in direction.items() if held[rack] > 0}
+        held, rates = _through(direction)
         for rack, group in direction.items():
             comparable = racks - {rack} - other_ends[rack]
             senders: set[str] = set().union(*(p.senders for p in group))
@@ -148,6 +155,46 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
     return measured
 
 
+_Directions = tuple[list[dict[str, list[_Pair]]], list[dict[str, set[str]]]]
+
+
+def _directions(pairs: Mapping[tuple[str, str], _Pair]) -> _Directions:
+    """Each rack's pairs by direction (OUT: its traffic to other racks, IN: theirs to it), and the racks at
+    the other end of each direction."""
+    directions: list[dict[str, list[_Pair]]] = [{}, {}]
+    ends: list[dict[str, set[str]]] = [{}, {}]
+    for (home, away), pair in pairs.items():
+        directions[OUT].setdefault(home, []).append(pair)
+        directions[IN].setdefault(away, []).append(pair)
+        ends[OUT].setdefault(home, set()).add(away)
+        ends[IN].setdefault(away, set()).add(home)
+    return directions, ends
+
+
+def _through(direction: Mapping[str, list[_Pair]]) -> tuple[dict[str, float], dict[str, float]]:
+    """For one direction, each rack's backlog (the least over the racks at the other end) and what crossed its
+    uplink per second of that backlog, Mbit/s (racks whose traffic never waited have no rate)."""
+    held = {rack: min(p.held for p in group) for rack, group in direction.items()}
+    rates = {rack: sum(p.mbit for p in group) / held[rack] for rack, group in direction.items() if held[rack] > 0}
+    return held, rates
+
+
+def eased(reports: Mapping[str, Report], rack_of: Mapping[str, str], slowed: Collection[str]) -> dict[str, float]:
+    """Of the racks whose uplink the plan in force assumes slowed (`slowed`), those whose traffic crossed it
+    this period with no sender waiting EASY of the period or more for a peer across it: by rack, what crossed
+    it (the busier direction), Mbit/s."""
+    longest: dict[str, float] = {}
+    carried: dict[tuple[str, int], float] = {}
+    for (home, away), pair in _pairs(reports, rack_of).items():
+        wait = max(pair.from_node.values())
+        for rack, way in ((home, OUT), (away, IN)):
+            if rack in slowed:
+                longest[rack] = max(wait, longest.get(rack, 0.0))
+                carried[(rack, way)] = carried.get((rack, way), 0.0) + pair.mbit
+    return {rack: max(carried.get((rack, OUT), 0.0), carried.get((rack, IN), 0.0))
+            for rack, wait in longest.items() if wait < EASY}
+
+
 def _explained_elsewhere(rack: str, way: int, ends: list[dict[str, set[str]]],
                          held_back: Mapping[tuple[str, int], float], peaks: Mapping[tuple[str, int], float]) -> bool:
     """Whether every held pair of this direction is explained as well by the far end's direction the other way,
@@ -161,12 +208,25 @@ def _explained_elsewhere(rack: str, way: int, ends: list[dict[str, set[str]]],
     return True
 
 
+class Finding(NamedTuple):
+    """An uplink's evidence in one period: a rate, Mbit/s (counted: the one the manager plans with); whether it
+    says the uplink was mended (else: that it held the job back)."""
+
+    period: int
+    rack: str
+    mbit: float
+    counted: bool
+    mended: bool = False
+
+
 class UplinkWatch:
     """The agents' reports, period by period, into counted uplink rates: a period is evaluated once every
     node reporting lately has reported it or a later one (each node's reports arrive in order), so one
     straggler delays a period instead of losing it; an uplink counts once it held the job back `confirm`
     periods running, at the mean of its last SMOOTHING periods' rates, or in its first period when that
-    fell below AT_ONCE of the rate planned for it."""
+    fell below AT_ONCE of the rate planned for it. One the plan assumes slowed counts at its configured rate
+    again once its traffic crossed it `confirm` periods running without keeping a sender waiting (eased); if it
+    is still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
 
     def __init__(self, confirm: int = 2) -> None:
         self.confirm = confirm
@@ -174,12 +234,14 @@ class UplinkWatch:
         self._done = -1  # the newest period evaluated
         self._peaks: deque[dict[tuple[str, int], float]] = deque(maxlen=PEAK_PERIODS)
         self._runs: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods of evidence running
+        self._rises: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods running of crossing at ease
 
     def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
-                link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None
-                ) -> list[tuple[int, str, float, bool]]:
-        """Take the nodes' latest reports; for each period now evaluated, each uplink that held the job back:
-        (period, rack, Mbit/s, counted), oldest first. `planned`: each rack's uplink rate in the plan in force."""
+                link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None,
+                configured: Mapping[str, float] | None = None) -> list[Finding]:
+        """Take the nodes' latest reports; for each period now evaluated, each uplink that held the job back or
+        was mended, oldest first. `planned`: each rack's uplink rate in the plan in force;
+        `configured`: as configured (an uplink planned below it is watched for being mended)."""
         newest: dict[str, int] = {}
         for name, recent in reports.items():
             for report in recent:
@@ -193,12 +255,14 @@ class UplinkWatch:
         complete = min(p for p in newest.values() if p > lately)
         found = []
         for period in sorted(p for p in self._pending if p <= complete):
-            found += self._evaluate(period, self._pending.pop(period), rack_of, link_mbit, planned or {})
+            found += self._evaluate(period, self._pending.pop(period), rack_of, link_mbit, planned or {},
+                                    configured or {})
             self._done = period
         return found
 
     def _evaluate(self, period: int, reports: Mapping[str, Report], rack_of: Mapping[str, str],
-                  link_mbit: Mapping[str, float], planned: Mapping[str, float]) -> list[tuple[int, str, float, bool]]:
+                  link_mbit: Mapping[str, float], planned: Mapping[str, float],
+                  configured: Mapping[str, float]) -> list[Finding]:
         known = {name: r for name, r in reports.items() if name in rack_of}
         self._peaks.append(direction_mbit(known, rack_of))
         peaks: dict[tuple[str, int], float] = {}
@@ -207,16 +271,32 @@ class UplinkWatch:
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
         measured = uplink_rates(known, rack_of, link_mbit, peaks, planned)
         found = []
-        for rack in list(self._runs):
-            if rack not in measured:
-                del self._runs[rack]
+        runs = _running(self._runs, measured, period, max(self.confirm, SMOOTHING))
         for rack, mbit in sorted(measured.items()):
-            run = self._runs.setdefault(rack, [])
-            if run and run[-1][0] != period - 1:
-                run.clear()  # a period without the evidence between: start over
-            run.append((period, mbit))
-            del run[:-max(self.confirm, SMOOTHING)]
+            run = runs[rack]
             counted = len(run) >= self.confirm or mbit < AT_ONCE * planned.get(rack, 0.0)
             rate = statistics.fmean(m for _, m in run[-SMOOTHING:]) if counted else mbit
-            found.append((period, rack, rate, counted))
+            found.append(Finding(period, rack, rate, counted))
+        slowed = {rack: rate for rack, rate in planned.items() if rate < (1 - SLOWED) * configured.get(rack, 0.0)}
+        quiet = eased(known, rack_of, slowed)
+        runs = _running(self._rises, quiet, period, self.confirm)
+        for rack, mbit in sorted(quiet.items()):
+            counted = len(runs[rack]) >= self.confirm
+            found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True))
         return found
+
+
+def _running(runs: dict[str, list[tuple[int, float]]], evidence: Mapping[str, float], period: int,
+             keep: int) -> dict[str, list[tuple[int, float]]]:
+    """Each rack's periods of `evidence` running, this period's included (the last `keep`): a rack without
+    evidence this period is dropped, and one whose evidence skipped a period starts over."""
+    for rack in list(runs):
+        if rack not in evidence:
+            del runs[rack]
+    for rack, mbit in evidence.items():
+        run = runs.setdefault(rack, [])
+        if run and run[-1][0] != period - 1:
+            run.clear()
+        run.append((period, mbit))
+        del run[:-keep]
+    return runs

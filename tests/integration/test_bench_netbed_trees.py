@@ -57,14 +57,17 @@ def test_aggregation_quick_measures_planned_trees_and_flat_ps_against_their_boun
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_replan_quick_switches_trees_after_an_uplink_is_cut_with_every_sum_exact(tmp_path: Path) -> None:
+def test_replan_quick_switches_trees_after_an_uplink_is_cut_and_set_back_with_every_sum_exact(tmp_path: Path) -> None:
     out = tmp_path / "replan.json"
     result = run_script(["bench/replan.py", "--quick", "--json", str(out)], timeout=190)
     # the benchmark fails when no new trees come into force after the cut, or when any round's sum is off
     assert result.returncode == 0, result.stdout[-3000:]
-    (rec,) = check_records(out, 1)
+    rec, mended = check_records(out, 2)
     assert rec["peer_name"] == "fresh plan" and rec["periods_to_new_plan"] > 0, rec
     assert "throttle to new trees in force" in result.stdout
+    # the uplink set back: the record of the rounds after it, against those before the cut
+    assert mended["peer_name"] == "rounds before the cut" and mended["restore_after_s"] == 5.0, mended
+    assert "mended to new trees in force" in result.stdout
 
 
 @pytest.mark.slow

@@ -137,3 +137,28 @@ def test_the_first_switch_after_a_time_is_the_first_routes_sent() -> None:
 def test_switches_count_the_commits_before_a_time() -> None:
     assert switches(lines()) == 1  # epoch 1's COMMIT is not in the log above, epoch 2's is
     assert switches(lines(), before=T0 + 4.0) == 0
+
+
+EASED = "(no sender waited long; the plan assumes 1.4)"
+COUNTED = "(mended: its traffic crossed 2 periods running without keeping a sender waiting; the plan assumed 1.4)"
+MENDED = [  # r0's uplink set back at T0 + 20 s
+    f"{at(21.2)} INFO sluice.manager: uplink of rack r0 got through at 2.1 Mbit/s in period {PERIOD0 + 21} {EASED}",
+    f"{at(22.2)} INFO sluice.manager: uplink of rack r0 measured at 10.0 Mbit/s in period {PERIOD0 + 22} {COUNTED}",
+    f"{at(22.2)} INFO sluice.manager: re-planning: the spare bandwidth of uplink:r0 moved from 1.4 to 10.0 Mbit/s",
+    f"{at(22.3)} INFO sluice.manager: aggregation plan 3: 5 trees, ...",
+    f"{at(22.3)} INFO sluice.scheduler: routing epoch 3: ROUTES sent to 16 aggregators",
+    f"{at(22.5)} INFO sluice.scheduler: routing epoch 3: ROUTES sent to 16 workers",
+    f"{at(22.7)} INFO sluice.scheduler: routing epoch 3: COMMIT sent to 16 workers",
+]
+
+
+def test_a_mended_uplink_is_timed_from_when_it_was_set_back_and_is_no_false_alarm() -> None:
+    timed = [t for text in LOG + MENDED if (t := parse_line(text)) is not None]
+    mended = T0 + 20.0
+    assert evidence(timed, mended, 1.0) == [("r0", PERIOD0 + 21, 2.1, False), ("r0", PERIOD0 + 22, 10.0, True)]
+    assert first_switch(timed, mended) == 3
+    got = steps(timed, mended, 1.0, "r0", 3, committed=[T0 + 22.8], in_force=T0 + 24.0)
+    want = {"evidence": 1.0, "seen": 1.2, "confirmed": 2.2, "planned": 2.3, "routes": 2.3, "routes_workers": 2.5,
+            "commit": 2.7, "committed": 2.8, "in_force": 4.0}
+    assert got == {step: pytest.approx(t, abs=1e-3) for step, t in want.items()}
+    assert false_alarms(timed, CONFIGURED, 0.25, "r0", T0) == ["srv at 2.2 Mbit/s"]  # as before: r0's rise is none

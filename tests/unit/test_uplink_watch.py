@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -10,7 +12,7 @@ from sluice.scheduler.hierarchy.agent import Report
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.manager import NetworkManager
 from sluice.scheduler.hierarchy.placement import NodeAt
-from sluice.scheduler.hierarchy.uplinks import AT_ONCE, UplinkWatch
+from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, UplinkWatch
 
 RACK = {"w0": "r0", "w1": "r1", "s0": "srv"}
 LINK = dict.fromkeys(RACK, 10.0)
@@ -23,6 +25,19 @@ def held(period: int, mbit: float = 2.0) -> dict[str, Report]:
             "s0": Report(0.0, 7.0, 0.0, 7.0, period)}
 
 
+def mended(period: int, waited: float = 0.2, mbit: float = 2.0) -> dict[str, Report]:
+    """A period in which r0's sender waited `waited` of it for the server to send `mbit` Mbit/s, and w1 waited
+    less: r0's uplink did not hold the job back."""
+    return {"w0": Report(mbit, 0.0, mbit, 0.0, period, (("s0", mbit, waited),)),
+            "w1": Report(5.0, 0.0, 5.0, 0.0, period, (("s0", 5.0, 0.1),)),
+            "s0": Report(0.0, 7.0, 0.0, 7.0, period)}
+
+
+#: r0's uplink configured at 10 Mbit/s and planned at the 2.4 measured after a cut (r1's as configured)
+SLOWED_PLAN = {"r0": 2.4, "r1": 10.0}
+CONFIGURED = {"r0": 10.0, "r1": 10.0}
+
+
 def quiet(period: int) -> dict[str, Report]:
     """A period in which nobody waited."""
     return {"w0": Report(5.0, 0.0, 5.0, 0.0, period, (("s0", 5.0, 0.1),)),
@@ -30,14 +45,14 @@ def quiet(period: int) -> dict[str, Report]:
             "s0": Report(0.0, 10.0, 0.0, 10.0, period)}
 
 
-def feed(watch: UplinkWatch, *periods: dict[str, Report], planned: dict[str, float] | None = None
-         ) -> list[tuple[int, str, float, bool]]:
+def feed(watch: UplinkWatch, *periods: dict[str, Report], planned: dict[str, float] | None = None,
+         configured: dict[str, float] | None = None) -> list[tuple[Any, ...]]:
     """Each node's reports of these periods, as the scheduler keeps them (oldest first), all at once."""
     latest: dict[str, list[Report]] = {}
     for reports in periods:
         for name, report in reports.items():
             latest.setdefault(name, []).append(report)
-    return watch.observe(latest, RACK, LINK, planned)
+    return [tuple(found) for found in watch.observe(latest, RACK, LINK, planned, configured)]
 
 
 @pytest.mark.parametrize(
@@ -59,7 +74,7 @@ def feed(watch: UplinkWatch, *periods: dict[str, Report], planned: dict[str, flo
 def test_an_uplink_counts_once_it_held_the_job_back_periods_running(
         periods: list[dict[str, Report]], want: list[tuple[int, str, float, bool]]) -> None:
     got = feed(UplinkWatch(confirm=2), *periods)
-    assert got == [(p, r, pytest.approx(m), c) for p, r, m, c in want]
+    assert got == [(p, r, pytest.approx(m), c, False) for p, r, m, c in want]
 
 
 @pytest.mark.parametrize(("mbit", "planned", "counted"), [
@@ -70,14 +85,15 @@ def test_an_uplink_counts_once_it_held_the_job_back_periods_running(
 ])
 def test_a_fall_below_half_the_planned_rate_counts_in_its_first_period(
         mbit: float, planned: dict[str, float] | None, counted: bool) -> None:
-    assert feed(UplinkWatch(confirm=2), held(5, mbit), planned=planned) == [(5, "r0", pytest.approx(mbit), counted)]
+    assert feed(UplinkWatch(confirm=2), held(5, mbit), planned=planned) == [
+        (5, "r0", pytest.approx(mbit), counted, False)]
 
 
 def test_a_period_waits_for_a_straggler_and_is_not_lost() -> None:
     watch = UplinkWatch(confirm=2)
     early = {name: report for name, report in held(6).items() if name != "w0"}
-    assert feed(watch, held(5), early) == [(5, "r0", 2.0, False)]  # w0 has not reported period 6: it waits
-    assert feed(watch, held(5), held(6)) == [(6, "r0", 2.0, True)]  # its report came: evaluated, and counted
+    assert feed(watch, held(5), early) == [(5, "r0", 2.0, False, False)]  # w0 has not reported period 6: it waits
+    assert feed(watch, held(5), held(6)) == [(6, "r0", 2.0, True, False)]  # its report came: evaluated, and counted
 
 
 def test_a_node_that_skipped_a_period_or_went_silent_is_not_awaited() -> None:
@@ -116,5 +132,70 @@ def test_the_manager_counts_a_deep_fall_of_an_uplink_at_once_and_a_shallow_one_a
             manager.observe_reports(latest, nodes)
             counted = period - 4 >= periods_to_count
             assert manager.spare.get("uplink:r0") == (pytest.approx(mbit) if counted else None), period
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize(("periods", "planned", "want"), [
+    # its traffic crossed two periods running with no sender waiting long: counted at its configured rate
+    ([mended(5), mended(6, 0.3)], SLOWED_PLAN, [(5, "r0", 2.0, False, True), (6, "r0", 10.0, True, True)]),
+    # a period between in which a sender waited EASY of it: the count starts over
+    ([mended(5), mended(6, EASY), mended(7), mended(8)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (7, "r0", 2.0, False, True), (8, "r0", 10.0, True, True)]),
+    # ... or held the job back (at the rate the plan assumes: counted slow, as before)
+    ([mended(5), held(6, 2.4), mended(7)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (6, "r0", 2.4, False, False), (7, "r0", 2.0, False, True)]),
+    # ... or nothing crossed it (the rack silent): no evidence that period
+    ([mended(5), {"w1": quiet(6)["w1"], "s0": quiet(6)["s0"]}, mended(7)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (7, "r0", 2.0, False, True)]),
+    # the plan already assumes the configured rate (or knows none): nothing to watch
+    ([mended(5), mended(6)], CONFIGURED, []),
+    ([mended(5), mended(6)], None, []),
+    # still a bottleneck: a sender waits most of a period, and the uplink holds the job back
+    ([held(5, 2.4), held(6, 2.4)], SLOWED_PLAN, [(5, "r0", 2.4, False, False), (6, "r0", 2.4, True, False)]),
+])
+def test_an_uplink_planned_slow_counts_at_its_rate_again_once_its_traffic_crossed_it_at_ease_periods_running(
+        periods: list[dict[str, Report]], planned: dict[str, float] | None,
+        want: list[tuple[int, str, float, bool, bool]]) -> None:
+    got = feed(UplinkWatch(confirm=2), *periods, planned=planned, configured=CONFIGURED)
+    assert got == [(p, r, pytest.approx(m), c, f) for p, r, m, c, f in want]
+
+
+def settle(manager: NetworkManager, nodes: list[NodeAt]) -> None:
+    """Let the manager's plan under way finish (on the planner's thread) and take it."""
+    deadline = time.monotonic() + 30
+    while manager.planning and time.monotonic() < deadline:
+        manager.due(0.0, nodes)
+        time.sleep(0.01)
+    assert not manager.planning
+
+
+def test_the_manager_plans_again_once_an_uplink_is_mended_taking_the_plan_it_made_for_those_rates() -> None:
+    config = AggregationConfig(mode="plan", racks=("r0: 10.0.0.1", "r1: 10.0.1.1", "srv: 10.0.9.1"),
+                               link_mbit=10.0, uplink_mbit=10.0)
+    nodes = [NodeAt("worker-0", "worker", "10.0.0.1"), NodeAt("worker-1", "worker", "10.0.1.1"),
+             NodeAt("server-0", "server", "10.0.9.1")]
+    names = {"w0": "worker-0", "w1": "worker-1", "s0": "server-0"}
+    manager = NetworkManager(config, now=0.0)
+    try:
+        assert manager.due(0.0, nodes) is None and manager.planning  # the first plan, for the configured rates
+        settle(manager, nodes)
+        first = manager.plan
+        manager.observe({"uplink:r0": 2.4})  # counted after a cut: the next plan is searched for
+        assert manager.due(0.0, nodes) is None and manager.planning
+        settle(manager, nodes)
+        assert manager.plans == 2 and manager.plan is not first
+        latest: dict[str, list[Report]] = {}
+        for period in (5, 6):
+            for name, report in mended(period).items():
+                peers = tuple((names[p], m, b) for p, m, b in report.peers)
+                latest.setdefault(names[name], []).append(replace(report, peers=peers))
+            manager.observe_reports(latest, nodes)
+            assert manager.spare["uplink:r0"] == (2.4 if period == 5 else pytest.approx(10.0)), period
+        # the rates are the first plan's again: the next due() takes that plan, without a search
+        manager.due(0.0, nodes)
+        assert manager.planning  # done at once: taken by the due() after
+        manager.due(0.0, nodes)
+        assert not manager.planning and manager.plans == 3 and manager.plan is first
     finally:
         manager.close()
