@@ -228,7 +228,14 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
             "steps": timed, "false_alarms": wrong, "epochs_after_cut": len({e for *_, e in switched}),
             "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
             "switches_before_cut": switches(job.lines, before=cut) - 1,
-            "restore": restore_run(job, rounds, [d for s, d, e in rounds if s <= cut and e == before][-10:], args)}
+            "restore": restore_run(job, rounds, planned_rounds(rounds, cut, before), args)}
+
+
+def planned_rounds(rounds: list[tuple[float, float, int]], cut: float, epoch: int) -> list[float]:
+    """The last ten rounds' times before the cut on the trees in force then (routing `epoch`, planned for the
+    configured uplinks), or the last ten of any trees where none ran on those (a short job's plan came late)."""
+    before = [(d, e) for s, d, e in rounds if s <= cut]
+    return [d for d, e in before if e == epoch][-10:] or [d for d, _ in before][-10:] or [rounds[0][1]]
 
 
 def restore_run(job: Job, rounds: list[tuple[float, float, int]], planned: list[float],
