@@ -192,7 +192,7 @@ class NetworkManager:
         """The uplinks that held the job back, period by period once each period's reports are in, at their
         measured rates (uplinks.py); an uplink counts once it held the job back `uplink_periods` running, or at
         once below half the rate in the plan. One planned below its configured rate counts at that rate again
-        once its traffic crossed it `uplink_periods` periods running without keeping a sender waiting."""
+        once its traffic crossed it `uplink_periods` + 1 periods running without keeping a sender waiting."""
         known = [name for name in reports if name in placement.host]
         rates = {h.name: h.link_mbit for h in placement.configured.hosts}
         configured = {link.partition(":")[2]: rate for link, rate in self._configured.items()
@@ -203,8 +203,8 @@ class NetworkManager:
                                       {n: rates[placement.host[n]] for n in known}, planned, configured)
         for period, rack, mbit, counted, mended in found:
             if counted:
-                why = (f"mended: its traffic crossed {self.config.uplink_periods} periods running without keeping a "
-                       f"sender waiting; the plan assumed {planned[rack]:.1f}") if mended else "it held the job back"
+                why = (f"mended: its traffic crossed {self.config.uplink_periods + 1} periods running without keeping "
+                       f"a sender waiting; the plan assumed {planned[rack]:.1f}") if mended else "it held the job back"
                 log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (%s)", rack, mbit, period, why)
                 self.observe({f"uplink:{rack}": mbit})
             elif mended:  # one period at ease can fall between a slow uplink's busy ones: a false alarm would re-plan

@@ -55,10 +55,12 @@ SMOOTHING = 5
 #: without a change no period came near it (the lowest, 79% of a bottleneck uplink's rate; bench/replan.py)
 AT_ONCE = 0.5
 #: an uplink the plan in force assumes slower than configured (by more than SLOWED of its rate) is watched for
-#: having been mended: it is, once its traffic crossed `confirm` periods running with no sender waiting EASY of a
-#: period or more for a peer across it. A slow uplink the plan was made for is a bottleneck of that plan, and keeps
-#: a sender waiting most of some period of every round: measured (bench/replan.py, 4:1, a cut to a quarter) its
-#: longest wait reached 0.6-1.0 of a period in all but single periods between; once mended, 0.04-0.27 in every one
+#: having been mended: it is, once its traffic crossed `confirm` + 1 periods running with no sender waiting EASY
+#: of a period or more for a peer across it. A slow uplink the plan was made for is a bottleneck of that plan, and
+#: keeps a sender waiting most of some period of every round: measured (bench/replan.py, 4:1, a cut to a quarter)
+#: its longest wait reached 0.6-1.0 of a period in all but single periods between (0.13-0.34 in those); once
+#: mended, 0.04-0.27 in every one. With `confirm` periods (2) two cuts of three were taken for mended once, for a
+#: period (the deep-fall rule counted them again in the next): hence one more
 SLOWED, EASY = 0.1, 0.4
 
 
@@ -128,10 +130,17 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
     # are neither it nor at the other end of its traffic (those absent this period waited for nothing):
     # the servers' rack is not compared with the workers' racks it answers, nor a rack with itself
     racks = set(rack_of.values())
-    directions, ends = _directions(pairs)
+    directions: list[dict[str, list[_Pair]]] = [{}, {}]
+    ends: list[dict[str, set[str]]] = [{}, {}]
+    for (home, away), pair in pairs.items():
+        directions[OUT].setdefault(home, []).append(pair)
+        directions[IN].setdefault(away, []).append(pair)
+        ends[OUT].setdefault(home, set()).add(away)
+        ends[IN].setdefault(away, set()).add(home)
     held_back: dict[tuple[str, int], float] = {}
     for way, (direction, other_ends) in enumerate(zip(directions, ends, strict=True)):
-        held, rates = _through(direction)
+        held = {rack: min(p.held for p in group) for rack, group in direction.items()}
+        rates = {rack: sum(p.mbit for p in group) / held[rack] for rack, group in direction.items() if held[rack] > 0}
         for rack, group in direction.items():
             comparable = racks - {rack} - other_ends[rack]
             senders: set[str] = set().union(*(p.senders for p in group))
@@ -153,30 +162,6 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
         if not _explained_elsewhere(rack, way, ends, held_back, peaks or {}):
             measured[rack] = min(rate, measured.get(rack, rate))
     return measured
-
-
-_Directions = tuple[list[dict[str, list[_Pair]]], list[dict[str, set[str]]]]
-
-
-def _directions(pairs: Mapping[tuple[str, str], _Pair]) -> _Directions:
-    """Each rack's pairs by direction (OUT: its traffic to other racks, IN: theirs to it), and the racks at
-    the other end of each direction."""
-    directions: list[dict[str, list[_Pair]]] = [{}, {}]
-    ends: list[dict[str, set[str]]] = [{}, {}]
-    for (home, away), pair in pairs.items():
-        directions[OUT].setdefault(home, []).append(pair)
-        directions[IN].setdefault(away, []).append(pair)
-        ends[OUT].setdefault(home, set()).add(away)
-        ends[IN].setdefault(away, set()).add(home)
-    return directions, ends
-
-
-def _through(direction: Mapping[str, list[_Pair]]) -> tuple[dict[str, float], dict[str, float]]:
-    """For one direction, each rack's backlog (the least over the racks at the other end) and what crossed its
-    uplink per second of that backlog, Mbit/s (racks whose traffic never waited have no rate)."""
-    held = {rack: min(p.held for p in group) for rack, group in direction.items()}
-    rates = {rack: sum(p.mbit for p in group) / held[rack] for rack, group in direction.items() if held[rack] > 0}
-    return held, rates
 
 
 def eased(reports: Mapping[str, Report], rack_of: Mapping[str, str], slowed: Collection[str]) -> dict[str, float]:
@@ -225,8 +210,8 @@ class UplinkWatch:
     straggler delays a period instead of losing it; an uplink counts once it held the job back `confirm`
     periods running, at the mean of its last SMOOTHING periods' rates, or in its first period when that
     fell below AT_ONCE of the rate planned for it. One the plan assumes slowed counts at its configured rate
-    again once its traffic crossed it `confirm` periods running without keeping a sender waiting (eased); if it
-    is still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
+    again once its traffic crossed it `confirm` + 1 periods running without keeping a sender waiting (eased); if
+    it is still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
 
     def __init__(self, confirm: int = 2) -> None:
         self.confirm = confirm
@@ -234,7 +219,7 @@ class UplinkWatch:
         self._done = -1  # the newest period evaluated
         self._peaks: deque[dict[tuple[str, int], float]] = deque(maxlen=PEAK_PERIODS)
         self._runs: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods of evidence running
-        self._rises: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods running of crossing at ease
+        self._eased: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods running of crossing at ease
 
     def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
                 link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None,
@@ -279,9 +264,9 @@ class UplinkWatch:
             found.append(Finding(period, rack, rate, counted))
         slowed = {rack: rate for rack, rate in planned.items() if rate < (1 - SLOWED) * configured.get(rack, 0.0)}
         quiet = eased(known, rack_of, slowed)
-        runs = _running(self._rises, quiet, period, self.confirm)
+        runs = _running(self._eased, quiet, period, self.confirm + 1)
         for rack, mbit in sorted(quiet.items()):
-            counted = len(runs[rack]) >= self.confirm
+            counted = len(runs[rack]) > self.confirm
             found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True))
         return found
 

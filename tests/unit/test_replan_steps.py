@@ -140,7 +140,7 @@ def test_switches_count_the_commits_before_a_time() -> None:
 
 
 EASED = "(no sender waited long; the plan assumes 1.4)"
-COUNTED = "(mended: its traffic crossed 2 periods running without keeping a sender waiting; the plan assumed 1.4)"
+COUNTED = "(mended: its traffic crossed 3 periods running without keeping a sender waiting; the plan assumed 1.4)"
 MENDED = [  # r0's uplink set back at T0 + 20 s
     f"{at(21.2)} INFO sluice.manager: uplink of rack r0 got through at 2.1 Mbit/s in period {PERIOD0 + 21} {EASED}",
     f"{at(22.2)} INFO sluice.manager: uplink of rack r0 measured at 10.0 Mbit/s in period {PERIOD0 + 22} {COUNTED}",

@@ -137,24 +137,29 @@ def test_the_manager_counts_a_deep_fall_of_an_uplink_at_once_and_a_shallow_one_a
 
 
 @pytest.mark.parametrize(("periods", "planned", "want"), [
-    # its traffic crossed two periods running with no sender waiting long: counted at its configured rate
-    ([mended(5), mended(6, 0.3)], SLOWED_PLAN, [(5, "r0", 2.0, False, True), (6, "r0", 10.0, True, True)]),
+    # its traffic crossed three periods running (confirm + 1) with no sender waiting long: counted at its rate
+    ([mended(5), mended(6, 0.3), mended(7)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (6, "r0", 2.0, False, True), (7, "r0", 10.0, True, True)]),
+    # two are not enough: a slow uplink's single periods at ease can meet
+    ([mended(5), mended(6)], SLOWED_PLAN, [(5, "r0", 2.0, False, True), (6, "r0", 2.0, False, True)]),
     # a period between in which a sender waited EASY of it: the count starts over
-    ([mended(5), mended(6, EASY), mended(7), mended(8)], SLOWED_PLAN,
-     [(5, "r0", 2.0, False, True), (7, "r0", 2.0, False, True), (8, "r0", 10.0, True, True)]),
+    ([mended(5), mended(6), mended(7, EASY), mended(8), mended(9), mended(10)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (6, "r0", 2.0, False, True), (8, "r0", 2.0, False, True),
+      (9, "r0", 2.0, False, True), (10, "r0", 10.0, True, True)]),
     # ... or held the job back (at the rate the plan assumes: counted slow, as before)
-    ([mended(5), held(6, 2.4), mended(7)], SLOWED_PLAN,
-     [(5, "r0", 2.0, False, True), (6, "r0", 2.4, False, False), (7, "r0", 2.0, False, True)]),
+    ([mended(5), mended(6), held(7, 2.4), mended(8)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (6, "r0", 2.0, False, True), (7, "r0", 2.4, False, False),
+      (8, "r0", 2.0, False, True)]),
     # ... or nothing crossed it (the rack silent): no evidence that period
-    ([mended(5), {"w1": quiet(6)["w1"], "s0": quiet(6)["s0"]}, mended(7)], SLOWED_PLAN,
-     [(5, "r0", 2.0, False, True), (7, "r0", 2.0, False, True)]),
+    ([mended(5), mended(6), {"w1": quiet(7)["w1"], "s0": quiet(7)["s0"]}, mended(8)], SLOWED_PLAN,
+     [(5, "r0", 2.0, False, True), (6, "r0", 2.0, False, True), (8, "r0", 2.0, False, True)]),
     # the plan already assumes the configured rate (or knows none): nothing to watch
-    ([mended(5), mended(6)], CONFIGURED, []),
-    ([mended(5), mended(6)], None, []),
+    ([mended(5), mended(6), mended(7)], CONFIGURED, []),
+    ([mended(5), mended(6), mended(7)], None, []),
     # still a bottleneck: a sender waits most of a period, and the uplink holds the job back
     ([held(5, 2.4), held(6, 2.4)], SLOWED_PLAN, [(5, "r0", 2.4, False, False), (6, "r0", 2.4, True, False)]),
 ])
-def test_an_uplink_planned_slow_counts_at_its_rate_again_once_its_traffic_crossed_it_at_ease_periods_running(
+def test_an_uplink_planned_slow_counts_at_its_rate_again_once_its_traffic_crossed_it_at_ease_three_periods_running(
         periods: list[dict[str, Report]], planned: dict[str, float] | None,
         want: list[tuple[int, str, float, bool, bool]]) -> None:
     got = feed(UplinkWatch(confirm=2), *periods, planned=planned, configured=CONFIGURED)
@@ -186,12 +191,12 @@ def test_the_manager_plans_again_once_an_uplink_is_mended_taking_the_plan_it_mad
         settle(manager, nodes)
         assert manager.plans == 2 and manager.plan is not first
         latest: dict[str, list[Report]] = {}
-        for period in (5, 6):
+        for period in (5, 6, 7):
             for name, report in mended(period).items():
                 peers = tuple((names[p], m, b) for p, m, b in report.peers)
                 latest.setdefault(names[name], []).append(replace(report, peers=peers))
             manager.observe_reports(latest, nodes)
-            assert manager.spare["uplink:r0"] == (2.4 if period == 5 else pytest.approx(10.0)), period
+            assert manager.spare["uplink:r0"] == (2.4 if period < 7 else pytest.approx(10.0)), period
         # the rates are the first plan's again: the next due() takes that plan, without a search
         manager.due(0.0, nodes)
         assert manager.planning  # done at once: taken by the due() after
