@@ -67,6 +67,11 @@ class StaticTrees:
 #: job's first plan, whose search can take the planner's whole `time_limit` (5 s in bench/replan.py)
 KEPT_PLANS = 8
 
+#: a plan's first periods, in which no uplink it assumes slowed is taken for mended: its trees come into force
+#: after the round in flight (3.3-6.2 s in bench/replan.py), and until then a cut uplink whose part of that round
+#: is done sits idle (periods at ease: taken for mended in one run of three, with no wait)
+SETTLE_PERIODS = 8
+
 #: a host's spare bandwidth is the median of its last this many periods: one period can be off by what
 #: the link's queue took in or let out in it (the agent counts our bytes as they enter the queue, the
 #: interface as they leave it), while another job's traffic lasts
@@ -95,6 +100,8 @@ class NetworkManager:
         #: of the plan being made
         self._kept: list[tuple[dict[str, float], Plan, list[Route], int]] = []
         self._planning_rates: dict[str, float] = {}
+        #: the newest period reported, and the first in which the plan in force is watched for mended uplinks
+        self._latest_period = self._settled = 0
 
     @property
     def planning(self) -> bool:
@@ -133,6 +140,7 @@ class NetworkManager:
             self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
             self._planned_spare = dict(self.spare)
             self._planning_rates = {link: self.spare.get(link, rate) for link, rate in self._configured.items()}
+            self._settled = self._latest_period + SETTLE_PERIODS
             kept = self._kept_for(self._planning_rates)
             if kept is None:
                 self._running = self._pool.submit(self._solve, nodes, dict(self.spare))
@@ -194,13 +202,15 @@ class NetworkManager:
         once below half the rate in the plan. One planned below its configured rate counts at that rate again
         once its traffic crossed it `uplink_periods` + 1 periods running without keeping a sender waiting."""
         known = [name for name in reports if name in placement.host]
+        self._latest_period = max([self._latest_period, *(r[-1].period for r in reports.values() if r)])
         rates = {h.name: h.link_mbit for h in placement.configured.hosts}
         configured = {link.partition(":")[2]: rate for link, rate in self._configured.items()
                       if link.startswith("uplink:")}
         planned = {rack: self._planned_spare.get(f"uplink:{rack}", rate) for rack, rate in configured.items()}
         found = self._uplinks.observe({n: reports[n] for n in known},
                                       {n: placement.rack[placement.host[n]] for n in known},
-                                      {n: rates[placement.host[n]] for n in known}, planned, configured)
+                                      {n: rates[placement.host[n]] for n in known}, planned, configured,
+                                      self._settled)
         for period, rack, mbit, counted, mended in found:
             if counted:
                 why = (f"mended: its traffic crossed {self.config.uplink_periods + 1} periods running without keeping "

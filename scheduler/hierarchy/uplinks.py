@@ -223,10 +223,11 @@ class UplinkWatch:
 
     def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
                 link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None,
-                configured: Mapping[str, float] | None = None) -> list[Finding]:
+                configured: Mapping[str, float] | None = None, settled: int = 0) -> list[Finding]:
         """Take the nodes' latest reports; for each period now evaluated, each uplink that held the job back or
         was mended, oldest first. `planned`: each rack's uplink rate in the plan in force;
-        `configured`: as configured (an uplink planned below it is watched for being mended)."""
+        `configured`: as configured (an uplink planned below it is watched for being mended, from period `settled`:
+        until the plan's trees carry the traffic, an uplink it assumes slowed may sit idle)."""
         newest: dict[str, int] = {}
         for name, recent in reports.items():
             for report in recent:
@@ -241,7 +242,7 @@ class UplinkWatch:
         found = []
         for period in sorted(p for p in self._pending if p <= complete):
             found += self._evaluate(period, self._pending.pop(period), rack_of, link_mbit, planned or {},
-                                    configured or {})
+                                    configured or {} if period >= settled else {})
             self._done = period
         return found
 

@@ -10,7 +10,7 @@ import pytest
 
 from sluice.scheduler.hierarchy.agent import Report
 from sluice.scheduler.hierarchy.config import AggregationConfig
-from sluice.scheduler.hierarchy.manager import NetworkManager
+from sluice.scheduler.hierarchy.manager import SETTLE_PERIODS, NetworkManager
 from sluice.scheduler.hierarchy.placement import NodeAt
 from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, UplinkWatch
 
@@ -166,6 +166,17 @@ def test_an_uplink_planned_slow_counts_at_its_rate_again_once_its_traffic_crosse
     assert got == [(p, r, pytest.approx(m), c, f) for p, r, m, c, f in want]
 
 
+def test_a_plan_that_has_not_settled_is_not_watched_for_mended_uplinks() -> None:
+    periods = [mended(p) for p in range(5, 10)]
+    watch = UplinkWatch(confirm=2)
+    latest: dict[str, list[Report]] = {}
+    for reports in periods:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    found = watch.observe(latest, RACK, LINK, SLOWED_PLAN, CONFIGURED, settled=7)
+    assert [(f.period, f.counted) for f in found] == [(7, False), (8, False), (9, True)]
+
+
 def settle(manager: NetworkManager, nodes: list[NodeAt]) -> None:
     """Let the manager's plan under way finish (on the planner's thread) and take it."""
     deadline = time.monotonic() + 30
@@ -191,12 +202,14 @@ def test_the_manager_plans_again_once_an_uplink_is_mended_taking_the_plan_it_mad
         settle(manager, nodes)
         assert manager.plans == 2 and manager.plan is not first
         latest: dict[str, list[Report]] = {}
-        for period in (5, 6, 7):
+        # the plan's first SETTLE_PERIODS tell nothing of a mended uplink (its trees come into force after them)
+        for period in range(1, SETTLE_PERIODS + 4):
             for name, report in mended(period).items():
                 peers = tuple((names[p], m, b) for p, m, b in report.peers)
                 latest.setdefault(names[name], []).append(replace(report, peers=peers))
             manager.observe_reports(latest, nodes)
-            assert manager.spare["uplink:r0"] == (2.4 if period < 7 else pytest.approx(10.0)), period
+            done = period >= SETTLE_PERIODS + 2  # the third period at ease from the first watched
+            assert manager.spare["uplink:r0"] == (pytest.approx(10.0) if done else 2.4), period
         # the rates are the first plan's again: the next due() takes that plan, without a search
         manager.due(0.0, nodes)
         assert manager.planning  # done at once: taken by the due() after
