@@ -43,7 +43,8 @@ class AggregationConfig:
     change: float = 0.25
     #: a rack uplink counts as measured once it held the job back this many periods running: one
     #: period's evidence could be a burst of a round's phases, and a false alarm re-plans around a link
-    #: that is not slow (docs/aggregation.md, "Rack uplinks, measured")
+    #: that is not slow (docs/aggregation.md, "Rack uplinks, measured"); one counted slow counts at its
+    #: configured rate again after one period more than this at ease (mended)
     uplink_periods: int = 2
     #: the share of an aggregating host's link that the sums it sends back to its rack may fill: they
     #: wait for the first sums from the servers, so they cannot fill a whole round (1: plan as if they

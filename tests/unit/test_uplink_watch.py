@@ -114,21 +114,29 @@ def test_no_reports_nothing_found() -> None:
     assert UplinkWatch().observe({"w0": []}, RACK, LINK) == []
 
 
+#: the job the manager tests plan for: w0, w1 and s0 as the manager knows them, one per rack
+MANAGED = AggregationConfig(mode="plan", racks=("r0: 10.0.0.1", "r1: 10.0.1.1", "srv: 10.0.9.1"), link_mbit=10.0,
+                            uplink_mbit=10.0)
+NODES = [NodeAt("worker-0", "worker", "10.0.0.1"), NodeAt("worker-1", "worker", "10.0.1.1"),
+         NodeAt("server-0", "server", "10.0.9.1")]
+NAMES = {"w0": "worker-0", "w1": "worker-1", "s0": "server-0"}
+
+
+def by_node_name(reports: dict[str, Report]) -> dict[str, Report]:
+    """A period's reports under the nodes' names, as the scheduler keeps them."""
+    return {NAMES[name]: replace(report, peers=tuple((NAMES[p], m, b) for p, m, b in report.peers))
+            for name, report in reports.items()}
+
+
 @pytest.mark.parametrize(("mbit", "periods_to_count"), [(2.0, 1), (6.0, 2)])
 def test_the_manager_counts_a_deep_fall_of_an_uplink_at_once_and_a_shallow_one_after_two_periods(
         mbit: float, periods_to_count: int) -> None:
-    config = AggregationConfig(mode="plan", racks=("r0: 10.0.0.1", "r1: 10.0.1.1", "srv: 10.0.9.1"),
-                               link_mbit=10.0, uplink_mbit=10.0)
-    nodes = [NodeAt("worker-0", "worker", "10.0.0.1"), NodeAt("worker-1", "worker", "10.0.1.1"),
-             NodeAt("server-0", "server", "10.0.9.1")]
-    names = {"w0": "worker-0", "w1": "worker-1", "s0": "server-0"}
-    manager = NetworkManager(config, now=0.0)
+    manager, nodes = NetworkManager(MANAGED, now=0.0), NODES
     try:
         latest: dict[str, list[Report]] = {}
         for period in (5, 6):
-            for name, report in held(period, mbit).items():
-                peers = tuple((names[p], m, b) for p, m, b in report.peers)
-                latest.setdefault(names[name], []).append(replace(report, peers=peers))
+            for name, report in by_node_name(held(period, mbit)).items():
+                latest.setdefault(name, []).append(report)
             manager.observe_reports(latest, nodes)
             counted = period - 4 >= periods_to_count
             assert manager.spare.get("uplink:r0") == (pytest.approx(mbit) if counted else None), period
@@ -187,12 +195,7 @@ def settle(manager: NetworkManager, nodes: list[NodeAt]) -> None:
 
 
 def test_the_manager_plans_again_once_an_uplink_is_mended_taking_the_plan_it_made_for_those_rates() -> None:
-    config = AggregationConfig(mode="plan", racks=("r0: 10.0.0.1", "r1: 10.0.1.1", "srv: 10.0.9.1"),
-                               link_mbit=10.0, uplink_mbit=10.0)
-    nodes = [NodeAt("worker-0", "worker", "10.0.0.1"), NodeAt("worker-1", "worker", "10.0.1.1"),
-             NodeAt("server-0", "server", "10.0.9.1")]
-    names = {"w0": "worker-0", "w1": "worker-1", "s0": "server-0"}
-    manager = NetworkManager(config, now=0.0)
+    manager, nodes = NetworkManager(MANAGED, now=0.0), NODES
     try:
         assert manager.due(0.0, nodes) is None and manager.planning  # the first plan, for the configured rates
         settle(manager, nodes)
@@ -204,9 +207,8 @@ def test_the_manager_plans_again_once_an_uplink_is_mended_taking_the_plan_it_mad
         latest: dict[str, list[Report]] = {}
         # the plan's first SETTLE_PERIODS tell nothing of a mended uplink (its trees come into force after them)
         for period in range(1, SETTLE_PERIODS + 4):
-            for name, report in mended(period).items():
-                peers = tuple((names[p], m, b) for p, m, b in report.peers)
-                latest.setdefault(names[name], []).append(replace(report, peers=peers))
+            for name, report in by_node_name(mended(period)).items():
+                latest.setdefault(name, []).append(report)
             manager.observe_reports(latest, nodes)
             done = period >= SETTLE_PERIODS + 2  # the third period at ease from the first watched
             assert manager.spare["uplink:r0"] == (pytest.approx(10.0) if done else 2.4), period
