@@ -61,7 +61,7 @@ def mended_record(args: argparse.Namespace, mended: list[dict[str, Any]]) -> dic
     before the cut (the trees planned for the configured uplinks). Where no new trees came, "ours" is the
     rounds the job ran after it on the trees planned for the cut."""
     delays = [r["delay"] for r in mended]
-    seen = sorted(d for d in delays if d is not None)
+    seen = [d for d in delays if d is not None]
     after = [d for r in mended for d in r["after"]]
     ours = statistics.median(after)
     peer = statistics.median(d for r in mended for d in r["planned"])

@@ -8,7 +8,7 @@ from datetime import datetime
 
 #: the steps in order, and what each one's time is (seconds after the cut)
 STEPS = {
-    "evidence": "end of the first period whose reports show the change (the uplink holding the job back, or faster)",
+    "evidence": "end of the first period whose reports show the change (the uplink holding the job back, or at ease)",
     "seen": "the scheduler took that period's reports",
     "confirmed": "the manager counted the uplink (measured rate logged)",
     "planned": "the re-plan's trees were ready",
@@ -22,7 +22,7 @@ STEPS = {
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) [A-Z]+ [\w.]+: (.*)$")
 _HELD = re.compile(r"^uplink of rack (\S+) held the job back in period (\d+) \(([\d.]+) Mbit/s\)")
 _MEASURED = re.compile(r"^uplink of rack (\S+) measured at ([\d.]+) Mbit/s in period (\d+)")
-_FASTER = re.compile(r"^uplink of rack (\S+) got through at ([\d.]+) Mbit/s in period (\d+)")
+_EASED = re.compile(r"^uplink of rack (\S+) got through at ([\d.]+) Mbit/s in period (\d+)")
 _SWITCH = re.compile(r"^routing epoch (\d+): (ROUTES|COMMIT) sent to (.*)$")
 
 
@@ -38,16 +38,16 @@ def _finding(text: str) -> tuple[str, int, float, bool] | None:
     """A manager's line about an uplink in a period: (rack, period, Mbit/s, counted); None for any other line."""
     if held := _HELD.match(text):
         return held.group(1), int(held.group(2)), float(held.group(3)), False
-    if faster := _FASTER.match(text):
-        return faster.group(1), int(faster.group(3)), float(faster.group(2)), False
+    if eased := _EASED.match(text):
+        return eased.group(1), int(eased.group(3)), float(eased.group(2)), False
     if measured := _MEASURED.match(text):
         return measured.group(1), int(measured.group(3)), float(measured.group(2)), True
     return None
 
 
 def evidence(lines: Sequence[tuple[float, str]], cut: float, period: float) -> list[tuple[str, int, float, bool]]:
-    """Every uplink the manager saw holding the job back, or getting through faster than planned, after the cut
-    (or any change at `cut`), in log order: (rack, period, Mbit/s, counted); a period ends at period x `period` s."""
+    """Every uplink the manager saw holding the job back, or crossed at ease (mended), after the cut (or any
+    change at `cut`), in log order: (rack, period, Mbit/s, counted); a period ends at period x `period` s."""
     found = [f for at, text in lines if at >= cut and (f := _finding(text)) is not None]
     return [f for f in found if f[1] * period > cut]
 

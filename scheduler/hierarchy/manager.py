@@ -96,10 +96,8 @@ class NetworkManager:
         self._next_at = now
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-planner")
         self._running: Future[tuple[Plan, list[Route], int]] | None = None
-        #: the plans made (the last KEPT_PLANS), each with the rates it was made for and its number, and the rates
-        #: of the plan being made
+        #: the plans made (the last KEPT_PLANS), each with the rates it was made for and its number
         self._kept: list[tuple[dict[str, float], Plan, list[Route], int]] = []
-        self._planning_rates: dict[str, float] = {}
         #: the newest period reported, and the first in which the plan in force is watched for mended uplinks
         self._latest_period = self._settled = 0
 
@@ -131,7 +129,8 @@ class NetworkManager:
                          self.plans, again, self.config.change * 100)
             else:
                 log.info("aggregation plan %d: %s", self.plans, describe(self.plan))
-                self._kept = [*self._kept[1 - KEPT_PLANS:], (self._planning_rates, self.plan, routes, self.plans)]
+                made_for = self._rates(self._planned_spare)
+                self._kept = [*self._kept[1 - KEPT_PLANS:], (made_for, self.plan, routes, self.plans)]
             if routes == self._routes:
                 return None  # the same trees: nothing to switch
             self._routes = routes
@@ -139,15 +138,18 @@ class NetworkManager:
         if now >= self._next_at or self._changed():
             self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
             self._planned_spare = dict(self.spare)
-            self._planning_rates = {link: self.spare.get(link, rate) for link, rate in self._configured.items()}
             self._settled = self._latest_period + SETTLE_PERIODS
-            kept = self._kept_for(self._planning_rates)
+            kept = self._kept_for(self._rates(self._planned_spare))
             if kept is None:
                 self._running = self._pool.submit(self._solve, nodes, dict(self.spare))
             else:  # a plan for these rates was made: no need to search again
                 self._running = Future()
                 self._running.set_result(kept)
         return None
+
+    def _rates(self, spare: Mapping[str, float]) -> dict[str, float]:
+        """Every configured link's rate as a plan for `spare` takes it: measured where measured."""
+        return {link: spare.get(link, rate) for link, rate in self._configured.items()}
 
     def _kept_for(self, rates: Mapping[str, float]) -> tuple[Plan, list[Route], int] | None:
         """The latest kept plan made for rates each within `change` of `rates`: (plan, routes, its number)."""

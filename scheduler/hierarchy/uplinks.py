@@ -242,7 +242,7 @@ class UplinkWatch:
         found = []
         for period in sorted(p for p in self._pending if p <= complete):
             found += self._evaluate(period, self._pending.pop(period), rack_of, link_mbit, planned or {},
-                                    configured or {} if period >= settled else {})
+                                    (configured or {}) if period >= settled else {})
             self._done = period
         return found
 
