@@ -8,7 +8,7 @@ Prints `ELASTIC_START {generation, size, epoch, batch, lr, digest, rank, pid, di
 generation starts training, `ELASTIC_COMMIT {...}` (rank 0) after the commit the lost worker dies
 after, and `ELASTIC_RESULT {rank, size, epoch, digest}` at the end; `digest` is a hash of the
 model's and optimizer's variables but the learning rate.
---die-epoch E --die-batch B --die-rank R: in generation 0, worker R SIGKILLs itself right after its
+--die-epoch E --die-batch B --die-rank R: in generation 0, worker R SIGKILLs itself right after every worker's
 commit of batch B of epoch E (a worker lost).
 --reference: then every worker runs, deliberately, what the job did with as many workers throughout: a
 new model from rank 0's start of generation 0, fit stopped after batch B of epoch E, and fit again from
@@ -86,6 +86,9 @@ class Die(keras.callbacks.Callback):
         if generation() == 0 and state.epoch == args.die_epoch and batch == args.die_batch:
             if hvd.rank() == 0:
                 say("ELASTIC_COMMIT", epoch=state.epoch, batch=state.batch, digest=digest())
+            # every rank has committed this batch before R dies: else, under load, rank 0's commit could notice
+            # R's death first and raise HostsUpdatedInterrupt before this callback said what it committed
+            hvd.barrier()
             if hvd.rank() == args.die_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
 
