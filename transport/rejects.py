@@ -16,8 +16,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-#: log at most this many distinct reasons per interval; the rest only counts. A server refuses about 45 kinds in
-#: tests/integration/test_hostile.py alone: at 40, which of them went unlogged depended on the order they came in
+#: log at most this many distinct reasons per interval; the rest only counts. A server refuses about 40 kinds in
+#: tests/integration/test_hostile.py alone: with a cap of 40, one of them went unlogged in some runs
 MAX_KINDS_PER_INTERVAL = 100
 #: peers tracked at once (a flood of fresh identities evicts the oldest, it cannot grow memory)
 _MAX_PEERS = 1024
