@@ -120,7 +120,8 @@ def _add_elastic_options(launch: argparse.ArgumentParser) -> None:
     elastic.add_argument("--elastic", action="store_true",
                          help="re-form the job with the remaining workers when one dies, instead of ending it")
     elastic.add_argument("--min-workers", type=int, metavar="N",
-                         help="with --elastic: end the job when fewer workers are left (default: 1)")
+                         help="end the job when fewer workers are left (default: 1); makes the job elastic, as "
+                              "horovodrun's --min-np does")
     elastic.add_argument("--max-workers", type=int, metavar="N",
                          help="with --elastic: never run more workers than this (default: -w, or with a host "
                               "discovery script the slots it reports)")

@@ -126,13 +126,11 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
     if config.ps.recover and not config.ps.sync:
         return error("ps.recover works with synchronous servers (ps.sync = true): turn ps.recover off, or ps.sync on")
     elastic = None
-    if args.elastic or args.host_discovery_script:  # horovodrun: a discovery script makes the job elastic
-        try:
+    try:
+        if is_elastic(args):
             elastic = elastic_settings(args, workers, config)
-        except ValueError as exc:
-            return error(str(exc))
-    elif args.min_workers or args.max_workers or getattr(args, "in_place", False):
-        return error("--min-workers, --max-workers (--min-np, --max-np) and --in-place need --elastic")
+    except ValueError as exc:
+        return error(str(exc))
     from sluice.launch.takeover import with_replicas
 
     config, chosen = with_replicas(config, plan, elastic is not None, workers)
@@ -150,6 +148,20 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
     return code
 
 
+def is_elastic(args: argparse.Namespace) -> bool:
+    """Whether the job is elastic: --elastic, or as horovodrun has it (its `_is_elastic`), a discovery script or
+    --min-workers (--min-np). A --max-workers (--max-np) alone leaves it static, as horovodrun does, with a note;
+    ValueError for --in-place alone."""
+    if args.elastic or args.host_discovery_script or args.min_workers is not None:
+        return True
+    if getattr(args, "in_place", False):
+        raise ValueError("--in-place needs an elastic job: add --elastic (or --min-workers N)")
+    if args.max_workers:
+        print("sluice launch: --max-workers (--max-np) is ignored: the job is not elastic (as with horovodrun, "
+              "--elastic, --min-workers or --host-discovery-script make it so)", file=sys.stderr)
+    return False
+
+
 def elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConfig) -> ElasticSettings:
     """--elastic's settings, checked; ValueError saying what to change."""
     if config.worker.optimizer_on == "server":
@@ -161,8 +173,9 @@ def elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConfi
     if discovery is not None and not os.access(discovery, os.X_OK):
         raise ValueError(f"--host-discovery-script {discovery} is not an executable file")
     maximum = args.max_workers or (4096 if discovery else workers)
-    settings = ElasticSettings(args.min_workers or 1, maximum, discovery, args.discovery_interval,
-                               args.max_restarts, getattr(args, "in_place", False))
+    minimum = 1 if args.min_workers is None else args.min_workers
+    settings = ElasticSettings(minimum, maximum, discovery, args.discovery_interval, args.max_restarts,
+                               getattr(args, "in_place", False))
     if not settings.min_workers <= workers <= settings.max_workers:
         raise ValueError(f"-w {workers} must lie between --min-workers {settings.min_workers} and --max-workers "
                          f"{settings.max_workers}")

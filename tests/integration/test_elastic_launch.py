@@ -56,8 +56,8 @@ def _reference(tmp_path: Path, first: int, then: int, switch: int, steps: int, s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("servers", ["0", "1"], ids=["allreduce", "ps"])
 def test_elastic_job_that_loses_a_worker_ends_as_one_with_a_worker_fewer(tmp_path: Path, servers: str) -> None:
-    output, starts, results = _run([*LAUNCH, *preloads.TORCH,
-                                    "--elastic", "--min-workers", "2", "-w", "3", "-s", servers, "--",
+    # horovodrun's spelling: its --min-np alone makes the job elastic
+    output, starts, results = _run([*LAUNCH, *preloads.TORCH, "--min-np", "2", "-np", "3", "-s", servers, "--",
                                     sys.executable, SCRIPT, "--steps", "20", "--die-at", "10", "--die-rank", "2"])
     assert re.search(r"sluice launch: worker 2 \(pid \d+\) was killed by SIGKILL.*; dropping worker 2 and "
                      r"re-forming the job \(--elastic\)", output), output[-4000:]

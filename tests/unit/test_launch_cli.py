@@ -17,7 +17,7 @@ from sluice.launch.cli import _parse, build_parser, main
 from sluice.launch.config import load_config
 from sluice.launch.foreign_flags import translate
 from sluice.launch.hosts import Host
-from sluice.launch.launch_job import default_servers, servers_needed
+from sluice.launch.launch_job import default_servers, is_elastic, servers_needed
 from sluice.launch.master_port import MasterPortError, bind_probe, choose, parse_answer
 from sluice.launch.output import ChildOutput, folder
 from sluice.launch.run_options import OutputOptions, log_level, run_options
@@ -75,6 +75,27 @@ def test_horovodruns_flags_mean_ours_or_are_ignored_with_a_reason() -> None:
         assert any(note.startswith(f"{flag} is ignored: ") for note in notes), flag
     # the settings they stand for load
     load_config(None, {}, sets)
+
+
+@pytest.mark.parametrize(("words", "elastic", "note"), [
+    (["-np", "4"], False, False),
+    (["-np", "4", "--elastic"], True, False),
+    # horovodrun's _is_elastic: --min-np, or a discovery script, makes the job elastic; --max-np alone does not
+    (["-np", "4", "--min-np", "2"], True, False),
+    (["-np", "4", "--min-workers", "2"], True, False),
+    (["-np", "4", "--min-np", "2", "--max-np", "8"], True, False),
+    (["-np", "4", "--host-discovery-script", "d.sh"], True, False),
+    (["-np", "4", "--max-np", "8"], False, True),
+])
+def test_horovodruns_elastic_flags_make_the_job_elastic_as_there(
+        words: list[str], elastic: bool, note: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    assert is_elastic(_parse_launch(*words, "python", "t.py")) is elastic
+    assert ("--max-workers (--max-np) is ignored: the job is not elastic" in capsys.readouterr().err) is note
+
+
+def test_in_place_alone_says_the_job_must_be_elastic() -> None:
+    with pytest.raises(ValueError, match="--in-place needs an elastic job"):
+        is_elastic(_parse_launch("-np", "4", "--in-place", "python", "t.py"))
 
 
 def test_check_build_lists_what_is_installed_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
