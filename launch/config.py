@@ -234,11 +234,14 @@ def _items_from_environ(environ: Mapping[str, str]) -> list[_Item]:
     return items
 
 
-#: Horovod's variables that mean one of our settings (their units are ours): variable -> (section, field)
+#: Horovod's variables that mean one of our settings (their units are ours): variable -> (section, field); the
+#: two timeouts are the variables horovodrun's --gloo-timeout-seconds and --stall-check-shutdown-time-seconds set
 HOROVOD_VARS = {"HOROVOD_FUSION_THRESHOLD": ("collective", "fusion_bytes"),
                 "HOROVOD_CYCLE_TIME": ("collective", "cycle_ms"),
                 "HOROVOD_HIERARCHICAL_ALLREDUCE": ("collective", "hierarchical"),
-                "HOROVOD_TIMELINE": ("timeline", "path")}
+                "HOROVOD_TIMELINE": ("timeline", "path"),
+                "HOROVOD_GLOO_TIMEOUT_SECONDS": ("scheduler", "op_timeout"),
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("collective", "stall_timeout")}
 
 
 def _items_from_horovod(environ: Mapping[str, str]) -> list[_Item]:
@@ -254,6 +257,8 @@ def _items_from_horovod(environ: Mapping[str, str]) -> list[_Item]:
                 raise ConfigError(f"{var} = {raw!r} does not parse: Horovod's switches are 0 or 1") from None
         if name == "path":  # the launcher merges the timeline: a relative path is the launcher's, as --timeline's
             raw = os.path.abspath(raw)
+        if name == "stall_timeout" and raw.strip() in ("0", "0.0"):  # Horovod's default: never shut down a stall;
+            continue  # Sluice's stall check is always on, at its own default
         items.append((section, name, raw, f"environment variable {var} (Horovod's)"))
     return items
 

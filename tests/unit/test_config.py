@@ -123,6 +123,18 @@ def test_horovods_variables_mean_our_settings(environ: dict[str, str], sets: lis
     assert got == want
 
 
+@pytest.mark.parametrize(("environ", "want"), [
+    ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}, (300.0, 60.0)),
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}, (120.0, 90.0)),
+    # Horovod's 0: a stall never shuts the job down there; here the stall check keeps its default
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}, (120.0, 60.0)),
+    ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "300", "SLUICE_SCHEDULER_OP_TIMEOUT": "45"}, (45.0, 60.0)),
+])
+def test_horovods_timeout_variables_mean_our_deadlines(environ: dict[str, str], want: tuple[float, float]) -> None:
+    config = load_config(None, environ, [])
+    assert (config.scheduler.op_timeout, config.collective.stall_timeout) == want
+
+
 def test_a_horovod_switch_that_is_no_integer_is_named() -> None:
     with pytest.raises(ConfigError, match=r"HOROVOD_HIERARCHICAL_ALLREDUCE = 'yes'.*0 or 1"):
         load_config(None, {"HOROVOD_HIERARCHICAL_ALLREDUCE": "yes"}, [])
