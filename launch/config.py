@@ -257,10 +257,17 @@ def _items_from_horovod(environ: Mapping[str, str]) -> list[_Item]:
                 raise ConfigError(f"{var} = {raw!r} does not parse: Horovod's switches are 0 or 1") from None
         if name == "path":  # the launcher merges the timeline: a relative path is the launcher's, as --timeline's
             raw = os.path.abspath(raw)
-        if name == "stall_timeout" and raw.strip() in ("0", "0.0"):  # Horovod's default: never shut down a stall;
-            continue  # Sluice's stall check is always on, at its own default
+        if name == "stall_timeout" and _not_positive(raw):  # Horovod: 0 (its default) or less never shuts a
+            continue  # stall down (stall_inspector.cc); Sluice's stall check is always on, at its own default
         items.append((section, name, raw, f"environment variable {var} (Horovod's)"))
     return items
+
+
+def _not_positive(raw: str) -> bool:
+    try:
+        return float(raw) <= 0
+    except ValueError:
+        return False  # not a number: the setting's own check names it
 
 
 def _items_from_overrides(overrides: Sequence[str]) -> list[_Item]:

@@ -128,6 +128,7 @@ def test_horovods_variables_mean_our_settings(environ: dict[str, str], sets: lis
     ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}, (120.0, 90.0)),
     # Horovod's 0: a stall never shuts the job down there; here the stall check keeps its default
     ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}, (120.0, 60.0)),
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "-1"}, (120.0, 60.0)),
     ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "300", "SLUICE_SCHEDULER_OP_TIMEOUT": "45"}, (45.0, 60.0)),
 ])
 def test_horovods_timeout_variables_mean_our_deadlines(environ: dict[str, str], want: tuple[float, float]) -> None:
