@@ -155,7 +155,8 @@ def _add_output_options(launch: argparse.ArgumentParser) -> None:
     output.add_argument("--log-level", type=log_level, metavar="LEVEL",
                         help=f"the least level of the launcher's own lines ([launch]) and of the Sluice log lines "
                              f"of every process: {', '.join(LOG_LEVELS)} (horovodrun's TRACE and FATAL are "
-                             f"DEBUG and CRITICAL; default: INFO; also the variable SLUICE_LOG_LEVEL)")
+                             f"DEBUG and CRITICAL; default: INFO; also the variables SLUICE_LOG_LEVEL and, below it, "
+                             f"Horovod's HOROVOD_LOG_LEVEL)")
     output.add_argument("--verbose", action="store_true",
                         help="say more: --log-level DEBUG, and the launcher names each process and its command "
                              "line as it starts it")

@@ -15,6 +15,8 @@ ENV_LOG_TIME = "SLUICE_LOG_TIME"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: horovodrun's names for levels Python's logging calls otherwise
 _HOROVOD_LEVELS = {"TRACE": "DEBUG", "FATAL": "CRITICAL", "WARN": "WARNING"}
+#: Horovod's variable for the same (horovodrun's --log-level sets it; job scripts export it themselves)
+HOROVOD_LOG_LEVEL = "HOROVOD_LOG_LEVEL"
 STREAMS = frozenset({"stdout", "stderr"})
 
 
@@ -24,6 +26,22 @@ def log_level(text: str) -> str:
     if name not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a log level: give one of {', '.join(LOG_LEVELS)}")
     return name
+
+
+def environ_log_level(environ: Mapping[str, str]) -> str:
+    """The level the variables give: SLUICE_LOG_LEVEL (ValueError if it names none), else Horovod's
+    HOROVOD_LOG_LEVEL, where a name Horovod does not know means WARNING as there (common/logging.cc), else INFO."""
+    if ENV_LOG_LEVEL in environ:
+        try:
+            return log_level(environ[ENV_LOG_LEVEL])
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{ENV_LOG_LEVEL}: {exc}") from None
+    if HOROVOD_LOG_LEVEL in environ:
+        try:
+            return log_level(environ[HOROVOD_LOG_LEVEL])
+        except argparse.ArgumentTypeError:
+            return "WARNING"
+    return "INFO"
 
 
 def log_format(environ: Mapping[str, str]) -> str:
@@ -36,8 +54,8 @@ def configure_role_logging(environ: Mapping[str, str]) -> None:
     """Logging of a scheduler, server or aggregator: to stderr, Sluice's lines at the job's level (INFO unless
     told); other libraries' at INFO and above, whatever it is, so that DEBUG shows ours, not theirs."""
     try:
-        level = log_level(environ.get(ENV_LOG_LEVEL, "INFO"))
-    except argparse.ArgumentTypeError:
+        level = environ_log_level(environ)
+    except ValueError:
         level = "INFO"
     logging.basicConfig(level="INFO" if level == "DEBUG" else level, format=log_format(environ))
     logging.getLogger("sluice").setLevel(level)
@@ -97,10 +115,7 @@ def run_options(args: argparse.Namespace, environ: Mapping[str, str]) -> RunOpti
     output = OutputOptions(directory, files, console, args.prefix_output_with_timestamp)
     level = args.log_level or ("DEBUG" if args.verbose else None)
     if level is None:
-        try:
-            level = log_level(environ.get(ENV_LOG_LEVEL, "INFO"))
-        except argparse.ArgumentTypeError as exc:
-            raise ValueError(f"{ENV_LOG_LEVEL}: {exc}") from None
+        level = environ_log_level(environ)
     master_port = args.master_port
     if master_port is None and environ.get("MASTER_PORT"):
         raw = environ["MASTER_PORT"]

@@ -177,6 +177,26 @@ def test_run_options_from_flags_and_environment() -> None:
     assert log_level("fatal") == "CRITICAL" and log_level("Trace") == "DEBUG"
 
 
+@pytest.mark.parametrize(("environ", "flags", "level"), [
+    ({}, (), "INFO"),
+    ({"HOROVOD_LOG_LEVEL": "debug"}, (), "DEBUG"),  # a job script's export, horovodrun's names in any case
+    ({"HOROVOD_LOG_LEVEL": "trace"}, (), "DEBUG"),
+    ({"HOROVOD_LOG_LEVEL": "fatal"}, (), "CRITICAL"),
+    ({"HOROVOD_LOG_LEVEL": "loud"}, (), "WARNING"),  # a name Horovod does not know is its default there
+    ({"HOROVOD_LOG_LEVEL": "debug", "SLUICE_LOG_LEVEL": "ERROR"}, (), "ERROR"),  # ours first
+    ({"HOROVOD_LOG_LEVEL": "debug"}, ("--log-level", "ERROR"), "ERROR"),  # the flag above both
+])
+def test_horovods_log_level_variable_sets_the_jobs_level(environ: dict[str, str], flags: tuple[str, ...],
+                                                         level: str) -> None:
+    options = run_options(_parse_launch("-np", "1", *flags, "x"), environ)
+    assert options.log_level == level and options.environ()["SLUICE_LOG_LEVEL"] == level
+
+
+def test_a_wrong_sluice_log_level_says_which_variable() -> None:
+    with pytest.raises(ValueError, match="SLUICE_LOG_LEVEL: 'loud' is not a log level"):
+        run_options(_parse_launch("-np", "1", "x"), {"SLUICE_LOG_LEVEL": "loud", "HOROVOD_LOG_LEVEL": "debug"})
+
+
 def test_per_rank_files_take_horovodruns_layout(tmp_path: Path) -> None:
     assert [folder("worker", r, 12) for r in (0, 11)] == ["rank.00", "rank.11"]
     assert (folder("worker", 0, 1), folder("server", 1, 12), folder("scheduler", 0, 3)) == ("rank.0", "server.1",
