@@ -94,34 +94,13 @@ class SluiceBackend(_TorchBackend):
         backend_config = _sluice_config(backend_config)
         if backend_config.torch_process_group:
             super().on_start(worker_group, backend_config)
-        workers = len(worker_group)
         hosts: list[str] = worker_group.execute(node_address)
-        here = node_address()
-        # one node: loopback, so that peers on this host use shared memory, as `sluice launch` does on one machine
-        one_node = all(host == here for host in hosts)
-        sections = copy.deepcopy(backend_config.sections)
-        curve = bool(sections.get("transport", {}).get("curve", True))
-        secret = new_secret() if curve else b""
-
-        def listening_on(host: str) -> dict[str, dict[str, Any]]:
-            placed = copy.deepcopy(sections)
-            placed.setdefault("transport", {})["host"] = "127.0.0.1" if one_node else host
-            return placed
-
-        servers = backend_config.servers
-        roles = RoleGroup()
+        roles, environs, secret = start_job(hosts, backend_config.sections, backend_config.servers,
+                                            backend_config.ready_timeout_s)
         self.jobs[id(worker_group)] = roles
         try:
-            scheduler = NodeEnv("", "scheduler", 0, workers, servers, listening_on(here), secret)
-            endpoint = roles.start_scheduler(scheduler, backend_config.ready_timeout_s)
-            roles.start_servers([NodeEnv(endpoint, "server", rank, workers, servers, listening_on(here), secret)
-                                 for rank in range(servers)])
-            print(f"[sluice] scheduler at {endpoint}; {servers} server(s) on {here}, {workers} Ray workers on "
-                  f"{len(set(hosts))} node(s)", flush=True)
-            joins: list[Any] = [worker_group.execute_single_async(
-                rank, join_job, place_environ(NodeEnv(endpoint, "worker", rank, workers, servers,
-                                                      listening_on(hosts[rank])), hosts, rank), secret)
-                for rank in range(workers)]
+            joins: list[Any] = [worker_group.execute_single_async(rank, join_job, environ, secret)
+                                for rank, environ in enumerate(environs)]
             ray.get(joins)
         except BaseException:
             self.jobs.pop(id(worker_group), None)
@@ -144,6 +123,37 @@ class SluiceBackend(_TorchBackend):
                     print(f"[sluice] {note}", file=sys.stderr, flush=True)
             if backend_config.torch_process_group:
                 super().on_shutdown(worker_group, backend_config)
+
+
+def start_job(hosts: list[str], sections: dict[str, dict[str, Any]], servers: int,
+              ready_timeout: float) -> tuple[RoleGroup, list[dict[str, str]], bytes]:
+    """The scheduler and `servers` servers of a job, started on this node, for workers on `hosts` (by rank):
+    the roles, each worker's variables (place_environ) and the job secret (empty with transport.curve off)."""
+    workers, here = len(hosts), node_address()
+    # one node: loopback, so that peers on this host use shared memory, as `sluice launch` does on one machine
+    one_node = all(host == here for host in hosts)
+    sections = copy.deepcopy(sections)
+    secret = new_secret() if bool(sections.get("transport", {}).get("curve", True)) else b""
+
+    def listening_on(host: str) -> dict[str, dict[str, Any]]:
+        placed = copy.deepcopy(sections)
+        placed.setdefault("transport", {})["host"] = "127.0.0.1" if one_node else host
+        return placed
+
+    roles = RoleGroup()
+    try:
+        scheduler = NodeEnv("", "scheduler", 0, workers, servers, listening_on(here), secret)
+        endpoint = roles.start_scheduler(scheduler, ready_timeout)
+        roles.start_servers([NodeEnv(endpoint, "server", rank, workers, servers, listening_on(here), secret)
+                             for rank in range(servers)])
+    except BaseException:
+        roles.stop(0.0)
+        raise
+    print(f"[sluice] scheduler at {endpoint}; {servers} server(s) on {here}, {workers} Ray workers on "
+          f"{len(set(hosts))} node(s)", flush=True)
+    environs = [place_environ(NodeEnv(endpoint, "worker", rank, workers, servers, listening_on(host)), hosts, rank)
+                for rank, host in enumerate(hosts)]
+    return roles, environs, secret
 
 
 def _sluice_config(config: BackendConfig) -> SluiceConfig:

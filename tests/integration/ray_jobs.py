@@ -61,3 +61,25 @@ def train(config: dict[str, Any]) -> None:
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(record))
     if config.get("fail_rank") == rank:
         raise RuntimeError(f"deliberate failure on rank {rank}")
+
+
+class Executable:
+    """Horovod's test_ray.py `Executable`: the object RayExecutor.start(executable_cls=...) builds in each worker."""
+
+    def __init__(self, epochs: int) -> None:
+        import sluice.torch as hvd
+
+        self.hvd = hvd
+        self.epochs = epochs
+        self.hvd.init()
+
+    def rank_epoch(self) -> int:
+        return int(self.hvd.rank()) * self.epochs
+
+
+def rank_times(num_epochs: int) -> int:
+    """Horovod's test_ray.py `simple_fn` for RayExecutor.run."""
+    import sluice.torch as hvd
+
+    hvd.init()
+    return int(hvd.rank()) * num_epochs

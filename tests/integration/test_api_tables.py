@@ -24,10 +24,10 @@ def tables() -> dict[str, dict[str, str]]:
     return {ours: dict(ROW.findall(body)) for _, ours, body in zip(parts[::3], parts[1::3], parts[2::3], strict=True)}
 
 
-def test_the_tables_cover_all_four_modules_and_the_runner() -> None:
+def test_the_tables_cover_all_four_modules_the_runner_and_ray() -> None:
     found = tables()
     frameworks = ["sluice.keras", "sluice.tensorflow", "sluice.tensorflow.keras", "sluice.torch"]
-    assert sorted(found) == ["sluice", "sluice.keras", "sluice.runner", "sluice.tensorflow",
+    assert sorted(found) == ["sluice", "sluice.keras", "sluice.ray", "sluice.runner", "sluice.tensorflow",
                              "sluice.tensorflow.keras", "sluice.torch"]
     assert all(len(found[module]) > 30 for module in frameworks)
     assert found["sluice"] == found["sluice.runner"] == {"run": "offered"}

@@ -1,6 +1,7 @@
-"""Sluice under Ray Train on a local Ray cluster: `TorchTrainer(..., torch_config=SluiceConfig(servers=1))` with
-`import sluice.torch as hvd` in the training function trains as single-process SGD does, one parameter through the
-server and one by allreduce; a rank that raises fails the run naming that rank; nothing of the job outlives it."""
+"""Sluice on a local Ray cluster, under Ray Train (`TorchTrainer(..., torch_config=SluiceConfig(servers=1))`) and
+through Horovod's RayExecutor: `import sluice.torch as hvd` in the training function trains as single-process SGD
+does, one parameter through the server and one by allreduce; a rank that raises fails the run naming that rank;
+nothing of the job outlives it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +58,29 @@ def _check_trained(records: list[dict[str, Any]]) -> None:
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A Ray cluster of its own ("local", 2 CPUs), never one a `ray start` left on this machine, for this module's
+    tests; its session files in a folder of its own, removed after it (a short path: Ray's Unix sockets live there)."""
+    import ray
+
+    ray_dir = tempfile.mkdtemp(prefix="sluice-ray-")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+#: both routes in one job: the weight through the server, the bias by allreduce among the workers
+ROUTES = ["collective.ps_patterns=weight", "collective.allreduce_patterns=bias"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_ray_train_through_a_server_and_by_allreduce_then_a_failing_rank(tmp_path: Path) -> None:
-    import ray
+def test_ray_train_through_a_server_and_by_allreduce_then_a_failing_rank(tmp_path: Path, ray_cluster: None) -> None:
     from ray.train import RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
@@ -73,23 +94,55 @@ def test_ray_train_through_a_server_and_by_allreduce_then_a_failing_rank(tmp_pat
     with pytest.raises(ValueError, match="FailureConfig"):
         SluiceConfig(servers=1, settings=["ps.recover=true"])
 
-    # a cluster of its own ("local"), never one a `ray start` left on this machine; its session files in a
-    # folder of its own, removed after it (a short path: Ray's Unix sockets live there)
-    ray_dir = tempfile.mkdtemp(prefix="sluice-ray-")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    trainer = TorchTrainer(ray_jobs.train, torch_config=SluiceConfig(servers=1, settings=ROUTES),
+                           scaling_config=ScalingConfig(num_workers=2),
+                           train_loop_config={"steps": STEPS, "out": str(tmp_path), "fail_rank": 1},
+                           run_config=RunConfig(storage_path=str(tmp_path / "storage")))
+    with pytest.raises(TrainingFailedError, match=r"(?s)Rank 1.*deliberate failure on rank 1"):
+        trainer.fit()
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    _check_trained(records)
+    assert not _left_of(records[0]["scheduler"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ray_executor_as_horovods_tests_use_it(tmp_path: Path, ray_cluster: None) -> None:
+    """Horovod's test/single/test_ray.py cases, with `from sluice.ray import RayExecutor` for horovod.ray's."""
+    from sluice.ray import BaseHorovodWorker, RayExecutor
+
+    class Mixin(BaseHorovodWorker):  # Horovod's test_horovod_mixin
+        pass
+
+    assert Mixin().hostname() == socket.gethostname()
+    # Horovod's test_infeasible_placement: 4 workers on 2 CPUs cannot be placed, start() times out, shutdown() works
+    infeasible = RayExecutor(RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=2), num_workers=4)
+    with pytest.raises(TimeoutError, match="could not place 4 workers"):
+        infeasible.start()
+    infeasible.shutdown()
+    settings = RayExecutor.create_settings(timeout_s=30)
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers` provided"):
+        RayExecutor(settings, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="elastic RayExecutor is not offered"):
+        RayExecutor(settings, min_workers=1)
+
+    executor = RayExecutor(settings, num_hosts=1, num_workers_per_host=2, servers=1, config=ROUTES)
+    executor.start(executable_cls=ray_jobs.Executable, executable_args=[2], extra_env_vars={"TEST": "7"})
     try:
-        # both routes in one job: the weight through the server, the bias by allreduce among the workers
-        config = SluiceConfig(servers=1, settings=["collective.ps_patterns=weight",
-                                                   "collective.allreduce_patterns=bias"])
-        trainer = TorchTrainer(ray_jobs.train, torch_config=config, scaling_config=ScalingConfig(num_workers=2),
-                               train_loop_config={"steps": STEPS, "out": str(tmp_path), "fail_rank": 1},
-                               run_config=RunConfig(storage_path=str(tmp_path / "storage")))
-        with pytest.raises(TrainingFailedError, match=r"(?s)Rank 1.*deliberate failure on rank 1"):
-            trainer.fit()
+        assert executor.execute(lambda w: w.rank_epoch()) == [0, 2]  # test_ray_executable
+        assert executor.run(ray_jobs.rank_times, args=[3]) == [0, 3]  # test_ray_exec_func
+        import ray
+
+        assert ray.get(executor.run_remote(ray_jobs.rank_times, args=[5])) == [0, 5]  # test_ray_exec_remote_func
+        assert executor.execute_single(lambda w: w.hvd.rank()) == 0
+        assert executor.execute(lambda _: (socket.gethostname(), os.environ["TEST"])) == [(socket.gethostname(),
+                                                                                            "7")] * 2
+        # a training function through run(), a failing rank raising from run() as ray.get raises it
+        with pytest.raises(RuntimeError, match="deliberate failure on rank 1"):
+            executor.run(ray_jobs.train, args=[{"steps": STEPS, "out": str(tmp_path), "fail_rank": 1}])
         records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
         _check_trained(records)
-        assert not _left_of(records[0]["scheduler"])
+        assert executor.run(ray_jobs.rank_times, args=[1]) == [0, 1]  # the job goes on after the error
     finally:
-        ray.shutdown()
-        shutil.rmtree(ray_dir, ignore_errors=True)
+        executor.shutdown()
+    assert not _left_of(records[0]["scheduler"])
