@@ -12,6 +12,10 @@ from sluice.launch.foreign_flags import add_horovodrun_flags, add_torchrun_flags
 from sluice.launch.run_options import LOG_LEVELS, log_level
 
 FORMATTER = argparse.RawDescriptionHelpFormatter
+#: the scheduler's seconds to announce its address unless --ready-timeout or HOROVOD_START_TIMEOUT says otherwise
+DEFAULT_READY_TIMEOUT = 60.0
+#: horovodrun's variable for its --start-timeout (Horovod's own default: 30 s)
+HOROVOD_START_TIMEOUT = "HOROVOD_START_TIMEOUT"
 USAGE = ("sluice launch -w N [-s M] [-a K] [-H HOST:N,... | --hostfile PATH] [--config PATH] "
          "[--set SECTION.FIELD=VALUE ...] [--] COMMAND [ARGS ...]")
 
@@ -69,8 +73,10 @@ def add_launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="write a Chrome trace of the job to PATH (open it in https://ui.perfetto.dev): per "
                              "tensor and step, when it was ready, queued, pushed, summed on a server, pulled and "
                              "applied, with its priority and channel (same as --set timeline.path=PATH)")
-    launch.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="how long the scheduler may take to announce its address (default: %(default)s)")
+    launch.add_argument("--ready-timeout", type=float, metavar="SECONDS",
+                        help=f"how long the scheduler may take to announce its address (default: the variable "
+                             f"{HOROVOD_START_TIMEOUT} if set, as horovodrun's --start-timeout, else "
+                             f"{DEFAULT_READY_TIMEOUT:g})")
     launch.add_argument("--master-port", type=int, metavar="PORT",
                         help="MASTER_PORT for the workers (torch.distributed's rendezvous, on worker 0's host), "
                              "checked free there before the job starts (default: the variable MASTER_PORT if set, "

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import ConfigError, SluiceConfig, load_config
 from sluice.launch.elastic import ElasticSettings
 from sluice.launch.foreign_flags import translate
 from sluice.launch.hosts import Host
+from sluice.launch.launch_args import DEFAULT_READY_TIMEOUT, HOROVOD_START_TIMEOUT
 from sluice.launch.run_options import RunOptions, run_options
 
 
@@ -55,6 +56,22 @@ def _options(args: argparse.Namespace, hosts_given: bool) -> tuple[RunOptions, l
     return run_options(args, os.environ), sets
 
 
+def ready_timeout(flag: float | None, environ: Mapping[str, str]) -> float:
+    """--ready-timeout (--start-timeout), else horovodrun's HOROVOD_START_TIMEOUT (its launch.py reads it for the
+    flag's default), else DEFAULT_READY_TIMEOUT; ValueError unless a positive number of seconds."""
+    where = "--ready-timeout (--start-timeout)"
+    if flag is None and HOROVOD_START_TIMEOUT in environ:
+        where = f"{HOROVOD_START_TIMEOUT}={environ[HOROVOD_START_TIMEOUT]!r}"
+        try:
+            flag = float(environ[HOROVOD_START_TIMEOUT])
+        except ValueError:
+            flag = None
+    seconds = DEFAULT_READY_TIMEOUT if flag is None and HOROVOD_START_TIMEOUT not in environ else flag
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise ValueError(f"{where} must be a positive number of seconds")
+    return seconds
+
+
 def run_launch(args: argparse.Namespace) -> int:
     """Run the job `args` describe; the launcher's exit code."""
     command = list(args.worker_command)
@@ -71,8 +88,12 @@ def run_launch(args: argparse.Namespace) -> int:
     if not command:
         return error("no worker command: put it after the options, e.g. sluice launch -w 2 python train.py "
                      "(or after --)")
-    if args.grace < 0 or args.ready_timeout <= 0:
-        return error("--grace must be at least 0 and --ready-timeout (--start-timeout) positive")
+    try:
+        args.ready_timeout = ready_timeout(args.ready_timeout, os.environ)
+    except ValueError as exc:
+        return error(str(exc))
+    if args.grace < 0:
+        return error("--grace must be at least 0")
     sets = [*foreign_sets, *args.sets]
     if args.timeline:
         sets.append(f"timeline.path={os.path.abspath(args.timeline)}")

@@ -17,7 +17,7 @@ from sluice.launch.cli import _parse, build_parser, main
 from sluice.launch.config import load_config
 from sluice.launch.foreign_flags import translate
 from sluice.launch.hosts import Host
-from sluice.launch.launch_job import default_servers, is_elastic, servers_needed
+from sluice.launch.launch_job import default_servers, is_elastic, ready_timeout, servers_needed
 from sluice.launch.master_port import MasterPortError, bind_probe, choose, parse_answer
 from sluice.launch.output import ChildOutput, folder
 from sluice.launch.run_options import OutputOptions, log_level, run_options
@@ -190,6 +190,23 @@ def test_horovods_log_level_variable_sets_the_jobs_level(environ: dict[str, str]
                                                          level: str) -> None:
     options = run_options(_parse_launch("-np", "1", *flags, "x"), environ)
     assert options.log_level == level and options.environ()["SLUICE_LOG_LEVEL"] == level
+
+
+@pytest.mark.parametrize(("flag", "environ", "seconds"), [
+    (None, {}, 60.0),
+    (None, {"HOROVOD_START_TIMEOUT": "600"}, 600.0),  # a horovodrun job script's export
+    (45.0, {"HOROVOD_START_TIMEOUT": "600"}, 45.0),  # the flag first, as there
+    (None, {"HOROVOD_START_TIMEOUT": "soon"}, "HOROVOD_START_TIMEOUT='soon' must be a positive number"),
+    (None, {"HOROVOD_START_TIMEOUT": "0"}, "HOROVOD_START_TIMEOUT='0' must be a positive number"),
+    (-1.0, {}, r"--ready-timeout \(--start-timeout\) must be a positive number"),
+])
+def test_horovods_start_timeout_variable_is_the_ready_timeouts_default(flag: float | None, environ: dict[str, str],
+                                                                       seconds: float | str) -> None:
+    if isinstance(seconds, str):
+        with pytest.raises(ValueError, match=seconds):
+            ready_timeout(flag, environ)
+    else:
+        assert ready_timeout(flag, environ) == seconds
 
 
 def test_a_wrong_sluice_log_level_says_which_variable() -> None:
