@@ -17,6 +17,9 @@ from sluice.launch.master_port import free_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+#: what `sluice launch --preload` imports once for a torch job's workers (the script's torch, its first optimizer's
+#: torch._dynamo, Sluice's shim): a worker forked from that process skips 3 CPU-s of imports (launch_start.py)
+TORCH_PRELOAD = "torch,torch._dynamo,sluice.torch"
 
 #: Objects a child keeps until os._exit ends it without running their destructors (see keep_alive).
 _kept: list[Any] = []

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import ROOT, TORCH_PRELOAD, add_common_options, print_table, progress, record, stats, write_json
 
 EXAMPLE = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
 LANE_GBS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per PCIe lane, by generation
@@ -217,7 +217,8 @@ def run_step_jobs(args: argparse.Namespace, tmp: Path, repeat: int) -> dict[str,
     me = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     timeline = tmp / f"timeline.{repeat}.json"
     sets = [f"collective.fusion_bytes={args.fusion_bytes}"] + ["collective.local_group=torch"] * (args.device == "cpu")
-    launch = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "2", "-s", "0", "--timeline", str(timeline)]
+    launch = [sys.executable, "-m", "sluice.launch.cli", "launch", "--preload", TORCH_PRELOAD, "-w", "2", "-s", "0",
+              "--timeline", str(timeline)]
     out: dict[str, Any] = {}
     for name, argv in (("alone", []), ("job", [*launch, *(a for s in sets for a in ("--set", s)), "--"])):
         alone, prefix = name == "alone", tmp / f"{name}.{repeat}"

@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/launch_start.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import ROOT, TORCH_PRELOAD, add_common_options, print_table, progress, record, stats, write_json
 
 DESCRIPTION = """\
 Each worker imports torch, builds an SGD optimizer (which imports torch._dynamo in torch 2.13), joins
@@ -43,14 +43,13 @@ else:
     dist.all_reduce(torch.ones(1))
     dist.destroy_process_group()
 """
-PRELOAD = "torch,torch._dynamo,sluice.torch"
 PEER_NAME = "torchrun --standalone (a fresh Python per worker)"
 
 
 def _commands(workers: int, script: str) -> dict[str, list[str]]:
     launch = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(workers), "-s", "0"]
     return {
-        "ours": [*launch, "--preload", PRELOAD, "--", sys.executable, script, "sluice"],
+        "ours": [*launch, "--preload", TORCH_PRELOAD, "--", sys.executable, script, "sluice"],
         "peer": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
                  script, "torch"],
         "plain": [*launch, "--", sys.executable, script, "sluice"],

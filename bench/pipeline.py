@@ -59,7 +59,18 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/pipeline.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, Stats, add_common_options, free_port, print_table, progress, record, stats, write_json
+from bench.common import (
+    ROOT,
+    TORCH_PRELOAD,
+    Stats,
+    add_common_options,
+    free_port,
+    print_table,
+    progress,
+    record,
+    stats,
+    write_json,
+)
 from sluice.worker.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -206,7 +217,8 @@ def launch(side: str, stages: int, micro: int, schedule: str, args: argparse.Nam
             "--schedule", schedule, "--virtual", str(virtual), "--warmup", str(args.warmup), *job]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if side == "sluice":
-        commands = [([sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(stages), "-s", "0", "--", *argv],
+        commands = [([sys.executable, "-m", "sluice.launch.cli", "launch", "--preload", TORCH_PRELOAD, "-w",
+                      str(stages), "-s", "0", "--", *argv],
                      env)]
     else:
         port = str(free_port())

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as `python bench/recovery_kill.py`: make th
 import torch
 import torch.nn.functional as F
 
-from bench.common import ROOT, progress, record, stats
+from bench.common import ROOT, TORCH_PRELOAD, progress, record, stats
 from bench.train_throughput import demo, worker_batches
 
 _STEP = re.compile(r"RECOVERY_STEP (\d+) ([0-9.]+)")
@@ -104,10 +104,11 @@ def worker_main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- the driver's side
 def launch(args: argparse.Namespace, data: Path, kill_at: int) -> list[tuple[float, str]]:
     """One `sluice launch` job; every line of its output with the time.monotonic() this process read it at."""
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(args.kill_workers), "-s",
-            str(args.servers), "--set", "collective.mode=ps", "--set", "ps.recover=true", "--set",
-            "worker.optimizer_on=server", "--", sys.executable, str(Path(__file__).resolve()), "--data", str(data),
-            "--steps", str(args.kill_steps), "--kill-at", str(kill_at), "--batch-size", str(args.batch_size)]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "--preload", TORCH_PRELOAD, "-w",
+            str(args.kill_workers), "-s", str(args.servers), "--set", "collective.mode=ps", "--set",
+            "ps.recover=true", "--set", "worker.optimizer_on=server", "--", sys.executable,
+            str(Path(__file__).resolve()), "--data", str(data), "--steps", str(args.kill_steps), "--kill-at",
+            str(kill_at), "--batch-size", str(args.batch_size)]
     process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     lines: list[tuple[float, str]] = []  # list.append is atomic: the two readers share it

@@ -14,7 +14,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/replace_worker.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import ROOT, TORCH_PRELOAD, add_common_options, print_table, progress, record, stats, write_json
 from bench.replace_worker_host import BEFORE_LOSS, lost_host_to_step
 from testbed.host_loss import host_bed
 from testbed.ssh import SshBed
@@ -24,8 +24,6 @@ SCRIPT = "tests/integration/scripts/elastic_train.py"
 CASES = {"allreduce": ("0", 0.0), "ps": ("1", 0.0), "ps-setup-3s": ("1", 3.0)}
 #: on the ssh testbed (bench/replace_worker_host.py): a worker's host lost and no slot free, so the job shrinks
 LOST_HOST = "lost-host-shrink"
-#: what --preload imports once (the script's torch, its first optimizer's torch._dynamo, Sluice's shim)
-PRELOAD = "torch,torch._dynamo,sluice.torch"
 PEER_NAME = "sluice launch --elastic: every process restarted (torchrun's way)"
 DESCRIPTION = """\
 A job of W workers (tests/integration/scripts/elastic_train.py, Horovod's elastic shape, committing
@@ -54,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=180.0, metavar="SECONDS",
                         help="one job's limit (default: %(default)s)")
     parser.add_argument("--preload", action="store_true",
-                        help=f"both jobs run with `sluice launch --preload {PRELOAD}`: a worker, the replacement "
+                        help=f"both jobs run with `sluice launch --preload {TORCH_PRELOAD}`: a worker, the replacement "
                              "included, is forked from a process that imported them once (not on the ssh testbed)")
     add_common_options(parser, "one repeat of the ps case, 2 workers, 4 steps, the loss after step 1", repeats=5)
     args = parser.parse_args(argv)
@@ -67,7 +65,7 @@ def loss_to_step(args: argparse.Namespace, case: str, in_place: bool) -> float:
     """One job: seconds from the worker's loss to the end of the next step trained after it."""
     servers, setup = CASES[case]
     argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "--elastic", *(["--in-place"] if in_place else []),
-            *(["--preload", PRELOAD] if args.preload else []), "-w", str(args.workers), "-s", servers, "--",
+            *(["--preload", TORCH_PRELOAD] if args.preload else []), "-w", str(args.workers), "-s", servers, "--",
             sys.executable, SCRIPT, "--steps", str(args.steps),
             "--die-at", str(args.die_at), "--die-rank", str(args.workers - 1), "--times", "--setup", str(setup)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)

@@ -18,7 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/timeline_cost.py`: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import ROOT, TORCH_PRELOAD, add_common_options, print_table, progress, record, stats, write_json
 
 SCRIPT = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
 CASES = {"allreduce": ["-s", "0"], "ps": ["-s", "2", "--set", "collective.mode=ps"]}
@@ -28,7 +28,8 @@ _TOTAL = re.compile(r"\[worker 0\] Total img/sec on \d+ CPU\(s\): ([0-9.]+)")
 
 def run_job(case: str, timeline: Path | None, args: argparse.Namespace) -> float:
     """One launched job; its total images per second."""
-    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", str(args.workers), *CASES[case]]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "--preload", TORCH_PRELOAD, "-w", str(args.workers),
+            *CASES[case]]
     if timeline is not None:
         argv += ["--timeline", str(timeline)]
     argv += ["--", sys.executable, str(SCRIPT), "--sync-bn", "--batch-size", str(args.batch_size),
