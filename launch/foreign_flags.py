@@ -8,6 +8,8 @@ and the launcher says on stderr that it was ignored and why.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,7 +200,39 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*flags, type=_streams, metavar="{0,1,2,3}",
                            help=f"with --log-dir: the streams {what} (0 none, 1 stdout, 2 stderr, 3 both; by "
                                 "default, with --log-dir, both are written to the files and shown here)")
+    group.add_argument("-m", "--module", action="store_true",
+                       help="run COMMAND as a Python module, `python -u -m COMMAND ARGS`, as torchrun does")
+    group.add_argument("--no-python", "--no_python", action="store_true",
+                       help="run COMMAND as it is. Without it, a COMMAND that is a .py file without execute "
+                            "permission runs as `python -u SCRIPT ARGS` with this Python, as torchrun runs every "
+                            "script (an executable one runs by its #! line, as before)")
+    group.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_ranks, metavar="RANKS",
+                       help="show only the output of the workers of these local ranks on the terminal, e.g. 0 or "
+                            "0,1 (on every host); the log files of --log-dir keep every rank's")
     _add_ignored(group, TORCHRUN_IGNORED)
+
+
+def _ranks(text: str) -> frozenset[int]:
+    try:
+        ranks = frozenset(int(word) for word in text.split(","))
+    except ValueError:
+        ranks = frozenset()
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of local ranks, e.g. 0,1,2")
+    return ranks
+
+
+def python_command(command: list[str], module: bool, no_python: bool, python: str) -> list[str]:
+    """The worker command torchrun's way: `-m` runs it as a module and a .py file without execute permission as a
+    script, both with `python` (an executable file, or any other program, as it is); ValueError for both flags."""
+    if module and no_python:
+        raise ValueError("Don't use both the '--no-python' flag and the '--module' flag at the same time.")
+    if module:
+        return [python, "-u", "-m", *command]
+    if not no_python and command and command[0].endswith(".py") and os.path.isfile(command[0]) \
+            and not os.access(command[0], os.X_OK):
+        return [python, "-u", *command]
+    return command
 
 
 def _streams(text: str) -> frozenset[str]:
@@ -231,6 +265,9 @@ def translate(args: argparse.Namespace, has_hosts: bool) -> tuple[list[str], lis
             notes.append(f"--slots-per-host/--nproc-per-node {slots} is ignored: it gives the slots of -H hosts "
                          "written without :N; a hostfile says slots=N, a discovery script host:slots, and a "
                          "SLURM allocation its tasks per node")
+    command = getattr(args, "worker_command", None)
+    if command is not None:
+        args.worker_command = python_command(command, args.module, args.no_python, sys.executable)
     if (args.tee or args.redirects) and not args.output_filename:
         raise ValueError("--tee and --redirects choose what goes into the log files: give --log-dir DIR too")
     if args.tee and args.redirects and args.tee & args.redirects:

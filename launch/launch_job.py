@@ -74,11 +74,11 @@ def ready_timeout(flag: float | None, environ: Mapping[str, str]) -> float:
 
 def run_launch(args: argparse.Namespace) -> int:
     """Run the job `args` describe; the launcher's exit code."""
-    command = list(args.worker_command)
-    try:
+    try:  # translates the foreign flags, torchrun's -m and bare scripts among them (the command too)
         options, foreign_sets = _options(args, bool(args.hosts or args.hostfile or os.environ.get("SLURM_JOB_ID")))
     except ValueError as exc:
         return error(str(exc))
+    command = list(args.worker_command)
     if args.aggregators < 0 or (args.aggregators and args.servers == 0):
         return error(f"-a {args.aggregators}: the aggregator count must be 0 or more, and aggregators need "
                      "parameter servers (-s 1 or more, or leave -s out)")

@@ -72,6 +72,8 @@ class OutputOptions:
     console: frozenset[str] = STREAMS
     #: the local time before every line (--prefix-output-with-timestamp)
     timestamps: bool = False
+    #: the local ranks of the workers whose output the terminal shows (torchrun's --local-ranks-filter); None: all
+    ranks: frozenset[int] | None = None
     #: the files this launcher already opened: a later generation or a restarted server appends to them
     opened: set[str] = field(default_factory=set)
 
@@ -112,7 +114,8 @@ def run_options(args: argparse.Namespace, environ: Mapping[str, str]) -> RunOpti
     tee, redirects = args.tee or frozenset(), args.redirects or frozenset()
     files, console = (tee | redirects, STREAMS - redirects) if tee or redirects else (STREAMS, STREAMS)
     directory = os.path.abspath(args.output_filename) if args.output_filename else None
-    output = OutputOptions(directory, files, console, args.prefix_output_with_timestamp)
+    output = OutputOptions(directory, files, console, args.prefix_output_with_timestamp,
+                           getattr(args, "local_ranks_filter", None))
     level = args.log_level or ("DEBUG" if args.verbose else None)
     if level is None:
         level = environ_log_level(environ)

@@ -99,8 +99,11 @@ class Spawner:
             proc = await self._start_here(argv, {**self.base_env, **env})
         else:
             proc = await self._start_there(host, argv, env, split=self.output.split, outlive=self.outlive)
+        output = self.output
+        if role == "worker" and output.ranks is not None and int(env["LOCAL_RANK"]) not in output.ranks:
+            output = dataclasses.replace(output, console=frozenset())  # the same files, kept apart from the terminal
         return Child(role, rank, proc, self.sink, host, self.plan.reach.method if host and self.plan else "",
-                     self.output, folder(role, rank, self.workers))
+                     output, folder(role, rank, self.workers))
 
     async def sweep(self, items: list[str], timeout: float = 15.0, lost: Collection[str] = ()) -> None:
         """Remove the job's state (launch/janitor.py's `state` items) on every other host of the job but the

@@ -51,9 +51,9 @@ def _cmdline(pid: int) -> str:
 class Launch:
     """One `sluice launch` process; its output is collected by threads so reads have deadlines."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], cwd: Path = ROOT) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.launch.cli", "launch", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "sluice.launch.cli", "launch", *args], cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         self.out: list[str] = []

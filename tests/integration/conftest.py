@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -61,8 +62,8 @@ def launch() -> Iterator[type[Launch]]:
     started: list[Launch] = []
 
     class Tracked(Launch):
-        def __init__(self, args: list[str]) -> None:
-            super().__init__(args)
+        def __init__(self, args: list[str], **kwargs: Any) -> None:
+            super().__init__(args, **kwargs)
             started.append(self)
 
     try:

@@ -1,4 +1,5 @@
-"""horovodrun's habits in a launched job: -np with no -s, per-rank log files, timestamps, MASTER_PORT, closed pipes."""
+"""horovodrun's and torchrun's habits in a launched job: -np with no -s, per-rank log files, timestamps, MASTER_PORT,
+closed pipes; a bare script, -m and --local-ranks-filter."""
 
 from __future__ import annotations
 
@@ -56,6 +57,26 @@ def test_a_horovodrun_command_line_runs_with_rank_files_and_timestamps(launch: t
         assert taken.finish(20) == 2
     assert f"MASTER_PORT {port} cannot be used on this machine (worker 0's host)" in taken.stderr()
     assert "give another with --master-port PORT" in taken.stderr() and "[worker" not in taken.stdout()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_torchrun_command_line_runs_its_bare_script_and_module_and_filters_ranks(launch: type[Launch],
+                                                                                   tmp_path: Path) -> None:
+    script, logs = tmp_path / "w.py", tmp_path / "logs"
+    script.write_text(WORKER)  # no execute permission: torchrun runs it with python, and so do we
+    job = launch(["--nproc-per-node", "2", "--local-ranks-filter", "1", "--log-dir", str(logs), "--grace", "1",
+                  str(script)])
+    assert job.finish(40) == 0, job.stderr()
+    out = job.stdout()
+    assert "[worker 1] trouble from 1" in out and "[worker 0]" not in out  # only local rank 1 on the terminal
+    assert (logs / "rank.0" / "stderr").read_text() == "trouble from 0\n"  # the files keep every rank
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(WORKER)
+    module = launch(["--nproc-per-node", "1", "-m", "pkg.train"], cwd=tmp_path)  # torchrun -m: python -u -m
+    assert module.finish(40) == 0, module.stderr()
+    assert "[worker 0] trouble from 0" in module.stdout()
 
 
 @pytest.mark.timeout(30)

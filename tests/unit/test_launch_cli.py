@@ -15,7 +15,7 @@ import pytest
 
 from sluice.launch.cli import _parse, build_parser, main
 from sluice.launch.config import load_config
-from sluice.launch.foreign_flags import translate
+from sluice.launch.foreign_flags import python_command, translate
 from sluice.launch.hosts import Host
 from sluice.launch.launch_job import default_servers, is_elastic, ready_timeout, servers_needed
 from sluice.launch.master_port import MasterPortError, bind_probe, choose, parse_answer
@@ -207,6 +207,35 @@ def test_horovods_start_timeout_variable_is_the_ready_timeouts_default(flag: flo
             ready_timeout(flag, environ)
     else:
         assert ready_timeout(flag, environ) == seconds
+
+
+def test_torchruns_script_and_module_run_with_this_python(tmp_path: Path) -> None:
+    plain, tool = tmp_path / "train.py", tmp_path / "tool.py"
+    plain.write_text("")
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    py = "/env/bin/python"
+    assert python_command([str(plain), "--lr", "1"], False, False, py) == [py, "-u", str(plain), "--lr", "1"]
+    assert python_command([str(tool), "x"], False, False, py) == [str(tool), "x"]  # its #! line, as before
+    assert python_command([str(plain)], False, True, py) == [str(plain)]  # --no-python: as it is
+    assert python_command(["missing.py"], False, False, py) == ["missing.py"]  # its error is the OS's, as before
+    assert python_command(["python", "t.py"], False, False, py) == ["python", "t.py"]
+    assert python_command(["pkg.train", "--lr", "1"], True, False, py) == [py, "-u", "-m", "pkg.train", "--lr", "1"]
+    with pytest.raises(ValueError, match="Don't use both the '--no-python' flag and the '--module' flag"):
+        python_command(["pkg.train"], True, True, py)
+    args = _parse_launch("--nproc-per-node", "2", "-m", "pkg.train", "--lr", "1")
+    translate(args, has_hosts=False)
+    assert args.worker_command == [sys.executable, "-u", "-m", "pkg.train", "--lr", "1"] and args.workers == 2
+
+
+def test_local_ranks_filter_takes_torchruns_list(capsys: pytest.CaptureFixture[str]) -> None:
+    options = run_options(_parse_launch("-np", "2", "--local_ranks_filter", "0,2", "x"), {})
+    assert options.output.ranks == {0, 2}
+    assert run_options(_parse_launch("-np", "2", "x"), {}).output.ranks is None
+    for wrong in ("", "a", "-1"):
+        with pytest.raises(SystemExit):
+            _parse_launch("-np", "2", f"--local-ranks-filter={wrong}", "x")
+    assert "give a comma-separated list of local ranks" in capsys.readouterr().err
 
 
 def test_a_wrong_sluice_log_level_says_which_variable() -> None:
