@@ -106,6 +106,24 @@ TORCHRUN_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--rdzv-backend",
       "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id"), 1, _ONE_LAUNCHER),
     (("--standalone",), 0, "a job on one machine is what `sluice launch` without hosts runs"),
+    (("--rdzv-conf", "--rdzv_conf"), 1, "Sluice's scheduler is the rendezvous: scheduler.rendezvous_timeout bounds it"),
+    (("--monitor-interval", "--monitor_interval"), 1,
+     "the launcher is each local worker's parent and learns of its exit at once"),
+    (("--start-method", "--start_method"), 1,
+     "each worker is a process of its own, started afresh or forked from --preload's"),
+    (("--event-log-handler", "--event_log_handler"), 1, "the launcher's [launch] lines and --timeline record the job"),
+    (("--role",), 1, "workers are named worker N in the output"),
+    (("--duplicate-stdout-filters", "--duplicate_stdout_filters", "--duplicate-stderr-filters",
+      "--duplicate_stderr_filters"), 1, "--log-dir keeps each rank's whole output"),
+    (("--local-addr", "--local_addr"), 1, "each host's processes listen on the address its name resolves to"),
+    (("--logs-specs", "--logs_specs"), 1, "per-rank log files take --log-dir's layout, DIR/rank.N/stdout and stderr"),
+    (("--numa-binding", "--numa_binding"), 1,
+     "Sluice does not bind workers to NUMA nodes: put numactl in the worker command"),
+    (("--signals-to-handle", "--signals_to_handle"), 1, "the launcher stops the job on SIGINT, SIGTERM and SIGHUP"),
+    (("--shutdown-timeout", "--shutdown_timeout"), 1,
+     "a worker the launcher stops gets SIGTERM, then SIGKILL after a grace period"),
+    (("--virtual-local-rank", "--virtual_local_rank"), 0,
+     "LOCAL_RANK is each worker's rank on its host, which picks its GPU"),
 )
 #: torchrun's --tee and --redirects: 0 none, 1 stdout, 2 stderr, 3 both
 STREAMS = {0: frozenset[str](), 1: frozenset({"stdout"}), 2: frozenset({"stderr"}), 3: frozenset({"stdout", "stderr"})}
@@ -206,6 +224,9 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
                        help="run COMMAND as it is. Without it, a COMMAND that is a .py file without execute "
                             "permission runs as `python -u SCRIPT ARGS` with this Python, as torchrun runs every "
                             "script (an executable one runs by its #! line, as before)")
+    group.add_argument("--run-path", "--run_path", action="store_true",
+                       help="run COMMAND, a script, with this Python whatever its permissions (torchrun's; before "
+                            "--no-python)")
     group.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_ranks, metavar="RANKS",
                        help="show only the output of the workers of these local ranks on the terminal, e.g. 0 or "
                             "0,1 (on every host); the log files of --log-dir keep every rank's")
@@ -222,9 +243,13 @@ def _ranks(text: str) -> frozenset[int]:
     return ranks
 
 
-def python_command(command: list[str], module: bool, no_python: bool, python: str) -> list[str]:
+def python_command(command: list[str], module: bool, no_python: bool, python: str, run_path: bool = False
+                   ) -> list[str]:
     """The worker command torchrun's way: `-m` runs it as a module and a .py file without execute permission as a
-    script, both with `python` (an executable file, or any other program, as it is); ValueError for both flags."""
+    script, both with `python` (an executable file, or any other program, as it is; with `run_path`, any script
+    with `python`); ValueError for -m with --no-python, as torchrun."""
+    if run_path and command:
+        return [python, "-u", *command]
     if module and no_python:
         raise ValueError("Don't use both the '--no-python' flag and the '--module' flag at the same time.")
     if module:
@@ -267,7 +292,7 @@ def translate(args: argparse.Namespace, has_hosts: bool) -> tuple[list[str], lis
                          "SLURM allocation its tasks per node")
     command = getattr(args, "worker_command", None)
     if command is not None:
-        args.worker_command = python_command(command, args.module, args.no_python, sys.executable)
+        args.worker_command = python_command(command, args.module, args.no_python, sys.executable, args.run_path)
     if (args.tee or args.redirects) and not args.output_filename:
         raise ValueError("--tee and --redirects choose what goes into the log files: give --log-dir DIR too")
     if args.tee and args.redirects and args.tee & args.redirects:

@@ -228,6 +228,30 @@ def test_torchruns_script_and_module_run_with_this_python(tmp_path: Path) -> Non
     assert args.worker_command == [sys.executable, "-u", "-m", "pkg.train", "--lr", "1"] and args.workers == 2
 
 
+def test_every_torchrun_flag_is_taken_and_those_without_a_meaning_here_are_noted(tmp_path: Path) -> None:
+    """Every flag of torch 2.13's torchrun (torch/distributed/run.py): a torchrun command line runs unchanged."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    script.chmod(0o755)
+    args = _parse_launch(
+        "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id",
+        "7", "--rdzv-conf", "timeout=9", "--standalone", "--max-restarts", "0", "--monitor-interval", "0.1",
+        "--start-method", "spawn", "--event-log-handler", "null", "--role", "trainer", "--run-path", "--log-dir",
+        str(tmp_path / "logs"), "--tee", "3", "--local-ranks-filter", "0", "--duplicate-stdout-filters", "a",
+        "--duplicate-stderr-filters", "b", "--node-rank", "0", "--master-addr", "h", "--master-port", "29500",
+        "--local-addr", "h", "--logs-specs", "x", "--numa-binding", "node", "--signals-to-handle", "SIGTERM",
+        "--shutdown-timeout", "5", "--virtual-local-rank", str(script), "--lr", "1")
+    _, notes = translate(args, has_hosts=False)
+    assert args.worker_command == [sys.executable, "-u", str(script), "--lr", "1"]  # --run-path: this Python
+    assert args.workers == 2 and args.master_port == 29500
+    ignored = sorted(note.split()[0] for note in notes)
+    assert ignored == sorted(["--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
+                              "--standalone", "--monitor-interval", "--start-method", "--event-log-handler", "--role",
+                              "--duplicate-stdout-filters", "--duplicate-stderr-filters", "--node-rank",
+                              "--master-addr", "--local-addr", "--logs-specs", "--numa-binding",
+                              "--signals-to-handle", "--shutdown-timeout", "--virtual-local-rank"])
+
+
 def test_local_ranks_filter_takes_torchruns_list(capsys: pytest.CaptureFixture[str]) -> None:
     options = run_options(_parse_launch("-np", "2", "--local_ranks_filter", "0,2", "x"), {})
     assert options.output.ranks == {0, 2}
