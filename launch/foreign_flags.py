@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,22 @@ HOROVOD_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--blacklist-cooldown-range",), 2, "a failed worker's slot is dropped for the rest of the job"),
     (("--log-without-timestamp", "--log-hide-timestamp"), 0, "Sluice's log lines have no time unless asked"),
 )
+#: Horovod's variables without a meaning here, each with the flag of the same meaning, whose reason is theirs (the
+#: variables that mean something: launch/config.py's HOROVOD_VARS, HOROVOD_LOG_LEVEL, HOROVOD_START_TIMEOUT)
+HOROVOD_IGNORED_VARS = {
+    "HOROVOD_CACHE_CAPACITY": "--cache-capacity", "HOROVOD_HIERARCHICAL_ALLGATHER": "--hierarchical-allgather",
+    "HOROVOD_TORUS_ALLREDUCE": "--torus-allreduce", "HOROVOD_AUTOTUNE": "--autotune",
+    "HOROVOD_AUTOTUNE_LOG": "--autotune-log-file", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "--autotune-warmup-samples",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "--autotune-steps-per-sample",
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "--autotune-bayes-opt-max-samples",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "--autotune-gaussian-process-noise",
+    "HOROVOD_TIMELINE_MARK_CYCLES": "--timeline-mark-cycles", "HOROVOD_STALL_CHECK_DISABLE": "--no-stall-check",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "--stall-check-warning-time-seconds",
+    "HOROVOD_MPI_THREADS_DISABLE": "--mpi-threads-disable", "HOROVOD_NUM_NCCL_STREAMS": "--num-nccl-streams",
+    "HOROVOD_THREAD_AFFINITY": "--thread-affinity", "HOROVOD_LOG_HIDE_TIME": "--log-hide-timestamp",
+    "HOROVOD_ELASTIC_TIMEOUT": "--elastic-timeout", "HOROVOD_CONTROLLER": "--gloo",
+    "HOROVOD_CPU_OPERATIONS": "--gloo", "HOROVOD_GPU_OPERATIONS": "--num-nccl-streams",
+}
 TORCHRUN_ALIASES = (
     Alias(("--master_port",), "master_port", "PORT", int, "--master-port"),
     Alias(("--log-dir", "--log_dir"), "output_filename", "DIR", str,
@@ -258,6 +274,13 @@ def python_command(command: list[str], module: bool, no_python: bool, python: st
             and not os.access(command[0], os.X_OK):
         return [python, "-u", *command]
     return command
+
+
+def ignored_variables(environ: Mapping[str, str]) -> list[str]:
+    """A note for each of Horovod's variables set in `environ` that means nothing here, saying why."""
+    why = {flag: reason for flags, _, reason in HOROVOD_IGNORED for flag in flags}
+    return [f"the variable {name} is ignored: {why[flag]}" for name, flag in HOROVOD_IGNORED_VARS.items()
+            if name in environ]
 
 
 def _streams(text: str) -> frozenset[str]:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import ConfigError, SluiceConfig, load_config
 from sluice.launch.elastic import ElasticSettings
-from sluice.launch.foreign_flags import translate
+from sluice.launch.foreign_flags import ignored_variables, translate
 from sluice.launch.hosts import Host
 from sluice.launch.launch_args import DEFAULT_READY_TIMEOUT, HOROVOD_START_TIMEOUT
 from sluice.launch.run_options import RunOptions, run_options
@@ -51,7 +51,7 @@ def default_servers(reasons: Sequence[str], hosts: Sequence[Host], server_hosts:
 def _options(args: argparse.Namespace, hosts_given: bool) -> tuple[RunOptions, list[str]]:
     """The run options and the extra --set items of the foreign flags (notes printed); ValueError."""
     sets, notes = translate(args, hosts_given)
-    for note in notes:
+    for note in [*notes, *ignored_variables(os.environ)]:
         print(f"sluice launch: {note}", file=sys.stderr)
     return run_options(args, os.environ), sets
 

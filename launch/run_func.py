@@ -25,6 +25,7 @@ from typing import IO, Any
 from sluice.launch.children import death_signal_hook
 from sluice.launch.hosts import HostsError, parse_host_list, parse_hostfile
 from sluice.launch.reach import host_address, is_this_machine
+from sluice.launch.run_options import ENV_LOG_LEVEL, HOROVOD_LOG_LEVEL
 from sluice.launch.run_task import RESULT, TASK, pickler
 
 _LAUNCHER_SAYS = "sluice launch: "
@@ -88,7 +89,11 @@ def run_job(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any
         with open(folder / TASK, "wb") as task:
             pickler().dump((func, tuple(args), dict(kwargs)), task)
         worker = [executable or sys.executable, "-m", "sluice.launch.run_task", str(folder)]
-        argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *launch_argv(num_proc, options),
+        # Horovod's default level is WARNING: a notebook sees the workers' output and the failures, not the
+        # launcher's configuration or the workers' INFO lines, unless verbose or a level variable asks
+        quiet = [] if options.get("verbose") or {ENV_LOG_LEVEL, HOROVOD_LOG_LEVEL} & set(os.environ) \
+            else ["--log-level", "WARNING"]
+        argv = [sys.executable, "-m", "sluice.launch.cli", "launch", *launch_argv(num_proc, options), *quiet,
                 *launch_args, "--", *worker]
         said: list[str] = []
         code = _supervise(argv, said)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sluice.launch.cli import _parse, build_parser, main
-from sluice.launch.config import load_config
-from sluice.launch.foreign_flags import python_command, translate
+from sluice.launch.config import HOROVOD_VARS, load_config
+from sluice.launch.foreign_flags import HOROVOD_IGNORED_VARS, ignored_variables, python_command, translate
 from sluice.launch.hosts import Host
 from sluice.launch.launch_job import default_servers, is_elastic, ready_timeout, servers_needed
 from sluice.launch.master_port import MasterPortError, bind_probe, choose, parse_answer
@@ -250,6 +250,16 @@ def test_every_torchrun_flag_is_taken_and_those_without_a_meaning_here_are_noted
                               "--duplicate-stdout-filters", "--duplicate-stderr-filters", "--node-rank",
                               "--master-addr", "--local-addr", "--logs-specs", "--numa-binding",
                               "--signals-to-handle", "--shutdown-timeout", "--virtual-local-rank"])
+
+
+def test_horovods_variables_without_a_meaning_here_are_noted_with_why() -> None:
+    notes = ignored_variables({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_CYCLE_TIME": "5",
+                               "HOROVOD_GPU_OPERATIONS": "NCCL", "PATH": "/bin"})
+    assert notes == ["the variable HOROVOD_CACHE_CAPACITY is ignored: Sluice keeps no response cache to size",
+                     "the variable HOROVOD_AUTOTUNE is ignored: Sluice does not autotune: it plans fusion groups "
+                     "from the gradients' sizes and order",
+                     "the variable HOROVOD_GPU_OPERATIONS is ignored: Sluice does not use NCCL"]
+    assert not set(HOROVOD_IGNORED_VARS) & set(HOROVOD_VARS)  # one that means something is never noted
 
 
 def test_local_ranks_filter_takes_torchruns_list(capsys: pytest.CaptureFixture[str]) -> None:

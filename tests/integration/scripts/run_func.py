@@ -57,7 +57,8 @@ if sys.argv[1] == "happy":
     res1 = sluice.run(fn, (1, 20), {"c": 300, "d": 4000}, num_proc=1, launch_args=QUICK)
     res2 = sluice.run(fn, (1, 20), {"c": 300, "d": 4000}, np=3, launch_args=QUICK)
     # elastic (horovodrun's --min-np): the first min_num_proc ranks' values, as Horovod's launch_gloo_elastic
-    res3 = sluice.run(fn, (1, 20), {"c": 300, "d": 4000}, num_proc=2, min_num_proc=1, launch_args=QUICK)
+    res3 = sluice.run(fn, (1, 20), {"c": 300, "d": 4000}, num_proc=2, min_num_proc=1,
+                      launch_args=[*QUICK, "--log-level", "INFO"])  # the launcher's lines shown, as asked
     print("RESULTS " + json.dumps([res1, res2, res3]), flush=True)
 elif sys.argv[1] == "interrupt":  # Ctrl-C in a terminal, or a notebook's interrupt, while the job runs
     threading.Timer(float(sys.argv[2]), os.kill, (os.getpid(), signal.SIGINT)).start()
