@@ -52,7 +52,9 @@ def workers() -> list[str]:
     return found
 
 
-folders = set(Path(tempfile.gettempdir()).glob("sluice-run-*"))
+# the folders run() makes go into one of this process's own (its children's TMPDIR unchanged): counted apart from
+# another test's
+tempfile.tempdir = ours = tempfile.mkdtemp(prefix="sluice-run-test-")
 if sys.argv[1] == "happy":
     res1 = sluice.run(fn, (1, 20), {"c": 300, "d": 4000}, num_proc=1, launch_args=QUICK)
     res2 = sluice.run(fn, (1, 20), {"c": 300, "d": 4000}, np=3, launch_args=QUICK)
@@ -61,6 +63,9 @@ if sys.argv[1] == "happy":
                       launch_args=[*QUICK, "--log-level", "INFO"])  # the launcher's lines shown, as asked
     print("RESULTS " + json.dumps([res1, res2, res3]), flush=True)
 elif sys.argv[1] == "interrupt":  # Ctrl-C in a terminal, or a notebook's interrupt, while the job runs
+    # Python's own handler, as in a terminal: a background job of a shell without job control (a CI step's `&`)
+    # starts with SIGINT ignored, and so would this process
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(float(sys.argv[2]), os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
     try:
@@ -73,4 +78,5 @@ else:
         sluice.run(failing, np=2, launch_args=QUICK)
     except RuntimeError as exc:
         print(f"RAISED after {time.monotonic() - start:.1f} s: {exc}", flush=True)
-print(f"LEFT {len(set(Path(tempfile.gettempdir()).glob('sluice-run-*')) - folders)} folders", flush=True)
+print(f"LEFT {len(list(Path(ours).iterdir()))} folders", flush=True)
+Path(ours).rmdir()
