@@ -59,15 +59,17 @@ def _options(args: argparse.Namespace, hosts_given: bool) -> tuple[RunOptions, l
 def ready_timeout(flag: float | None, environ: Mapping[str, str]) -> float:
     """--ready-timeout (--start-timeout), else horovodrun's HOROVOD_START_TIMEOUT (its launch.py reads it for the
     flag's default), else DEFAULT_READY_TIMEOUT; ValueError unless a positive number of seconds."""
-    where = "--ready-timeout (--start-timeout)"
-    if flag is None and HOROVOD_START_TIMEOUT in environ:
+    if flag is not None:
+        seconds, where = flag, "--ready-timeout (--start-timeout)"
+    elif HOROVOD_START_TIMEOUT in environ:
         where = f"{HOROVOD_START_TIMEOUT}={environ[HOROVOD_START_TIMEOUT]!r}"
         try:
-            flag = float(environ[HOROVOD_START_TIMEOUT])
+            seconds = float(environ[HOROVOD_START_TIMEOUT])
         except ValueError:
-            flag = None
-    seconds = DEFAULT_READY_TIMEOUT if flag is None and HOROVOD_START_TIMEOUT not in environ else flag
-    if seconds is None or not 0 < seconds < float("inf"):
+            seconds = float("nan")
+    else:
+        return DEFAULT_READY_TIMEOUT
+    if not 0 < seconds < float("inf"):
         raise ValueError(f"{where} must be a positive number of seconds")
     return seconds
 
