@@ -56,8 +56,9 @@ def launch_argv(num_proc: int, options: dict[str, Any]) -> list[str]:
 def check_local(hosts: str | None, hostfile: str | None) -> None:
     """ValueError unless every host named is this machine: the function reaches its workers through a file here."""
     try:
-        named = parse_host_list(hosts) if hosts else parse_hostfile(Path(hostfile).read_text(), hostfile) \
-            if hostfile else []
+        named = parse_host_list(hosts) if hosts else []
+        if hostfile:
+            named = parse_hostfile(Path(hostfile).read_text(), hostfile)
         others = [h.name for h in named if not is_this_machine(host_address(h.name))]
     except (HostsError, OSError) as exc:
         raise ValueError(str(exc)) from None

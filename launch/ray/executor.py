@@ -139,14 +139,15 @@ class RayExecutor:
         order = sorted(range(len(actors)), key=lambda i: (hosts[i], i))  # ranks host by host, as Horovod's
         self.workers, hosts = [actors[i] for i in order], [hosts[i] for i in order]
         env = dict(extra_env_vars or {})
+        envs = [env] * len(hosts)
         if "GPU" in self.resources:  # every worker of a node sees the node's workers' GPUs (local_rank picks one)
-            ids = ray.get([worker.gpu_ids.remote() for worker in self.workers], timeout=timeout)
-            for host in set(hosts):
-                visible = sorted({i for h, mine in zip(hosts, ids, strict=True) if h == host for i in mine}, key=int)
-                ray.get([w.update_env_vars.remote({**env, "CUDA_VISIBLE_DEVICES": ",".join(visible)})
-                         for w, h in zip(self.workers, hosts, strict=True) if h == host], timeout=timeout)
-        elif env:
-            ray.get([worker.update_env_vars.remote(env) for worker in self.workers], timeout=timeout)
+            node_gpus: dict[str, set[str]] = {}
+            for host, mine in zip(hosts, ray.get([w.gpu_ids.remote() for w in self.workers], timeout=timeout),
+                                  strict=True):
+                node_gpus.setdefault(host, set()).update(mine)
+            envs = [{**env, "CUDA_VISIBLE_DEVICES": ",".join(sorted(node_gpus[host], key=int))} for host in hosts]
+        if any(envs):
+            ray.get([w.update_env_vars.remote(e) for w, e in zip(self.workers, envs, strict=True)], timeout=timeout)
         self.roles, environs, secret = start_job(hosts, self.config.sections, self.config.servers, timeout)
         ray.get([w.join.remote(e, secret) for w, e in zip(self.workers, environs, strict=True)], timeout=timeout)
         ray.get([worker.start_executable.remote(executable_cls, list(executable_args or []),
@@ -167,11 +168,16 @@ class RayExecutor:
                 raise TimeoutError(f"Ray could not place {self.count} workers of {self.resources} within {wait} s "
                                    "(placement_group_timeout_s): the cluster has too few free resources; ask for "
                                    "fewer workers or CPUs per worker, or add nodes")
+        by_host = self.group is not None and self.num_hosts is not None  # our own bundles, one a host
+
+        def bundle(rank: int) -> int:
+            return rank // self.per_host if by_host else -1  # -1: any bundle of the group
+
         actor = ray.remote(Worker)
         return [actor.options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                  group, placement_group_bundle_index=-1 if self.group is None or self.num_hosts is None
-                                  else rank // self.per_host)).remote() for rank in range(self.count)]
+                                  group, placement_group_bundle_index=bundle(rank))).remote()
+                for rank in range(self.count)]
 
     def _started(self) -> list[Any]:
         if not self.workers:
