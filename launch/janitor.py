@@ -10,7 +10,8 @@ launcher's last word is `done`, after which the janitor exits doing nothing. If 
 EOF without it, the launcher died: the janitor SIGKILLs the group of every child not reported
 reaped (children are session leaders, so their group id is their pid), waits a few seconds at most
 until no process of those groups is left, removes the segments of every process it saw in them and
-the job's state it was told of (`state TAG|DIR`: servers' state files, an elastic job's directory),
+the job's state it was told of (`state TAG|DIR`: servers' state files, an elastic job's directory, the
+folder of a `sluice.run` job, which holds its caller's pickled function),
 and exits.
 
 Pid reuse: a reaped child's pid may already belong to another process, so reaped children are left
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,14 +93,17 @@ def clean_up(children: dict[int, int | None], settle: float = SETTLE_SECONDS) ->
 
 
 def remove_job_state(items: list[str]) -> None:
-    """The job's state in /dev/shm on this host: servers' state files (ps.recover; a tag) and an
-    elastic job's committed-state directory (a path)."""
+    """The job's state on this host: servers' state files in /dev/shm (ps.recover; a tag), an elastic job's
+    committed-state directory and a `sluice.run` job's folder (paths)."""
     from sluice.launch.elastic_io import remove_state_dir
+    from sluice.launch.run_task import FOLDER_PREFIX
     from sluice.ps.snapshot import remove_state_files
 
     for item in items:
         with contextlib.suppress(OSError, ValueError):
-            if item.startswith("/"):
+            if Path(item).name.startswith(FOLDER_PREFIX) and Path(item).is_absolute():
+                shutil.rmtree(item, ignore_errors=True)  # the function and arguments of a caller killed outright
+            elif item.startswith("/"):
                 remove_state_dir(item)
             else:
                 remove_state_files(item)

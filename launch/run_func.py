@@ -26,7 +26,7 @@ from sluice.launch.children import death_signal_hook
 from sluice.launch.hosts import HostsError, parse_host_list, parse_hostfile
 from sluice.launch.reach import host_address, is_this_machine
 from sluice.launch.run_options import ENV_LOG_LEVEL, HOROVOD_LOG_LEVEL
-from sluice.launch.run_task import RESULT, TASK, pickler
+from sluice.launch.run_task import FOLDER_PREFIX, RESULT, TASK, pickler
 
 _LAUNCHER_SAYS = "sluice launch: "
 #: how long the launcher may take to end the job after this process is interrupted, before it is killed
@@ -85,7 +85,7 @@ def run_job(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any
             executable: str | None = None) -> list[Any]:
     """Run the job; the first `results` ranks' return values, or RuntimeError when a process failed."""
     check_local(options.get("hosts"), options.get("hostfile"))
-    folder = Path(tempfile.mkdtemp(prefix="sluice-run-"))
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
     try:
         with open(folder / TASK, "wb") as task:
             pickler().dump((func, tuple(args), dict(kwargs)), task)

@@ -11,6 +11,17 @@ from typing import Any
 
 #: in the folder: what the workers run, and each one's return value (RESULT.format(rank))
 TASK, RESULT = "task.pkl", "result.{}.pkl"
+#: how the caller's folder for one run is named (tempfile.mkdtemp's prefix)
+FOLDER_PREFIX = "sluice-run-"
+#: the worker command's words before the folder
+_MODULE = ["-m", "sluice.launch.run_task"]
+
+
+def task_folder(command: list[str]) -> str | None:
+    """The folder of a `sluice.run` job's worker command (PYTHON -m sluice.launch.run_task FOLDER), else None."""
+    if len(command) == 4 and command[1:3] == _MODULE and Path(command[3]).name.startswith(FOLDER_PREFIX):
+        return os.path.abspath(command[3])
+    return None
 
 
 def pickler() -> Any:

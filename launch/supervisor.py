@@ -21,6 +21,7 @@ from sluice.launch.master_port import MasterPortError, choose, free_port
 from sluice.launch.output import launcher_lines
 from sluice.launch.preload import PreloadError
 from sluice.launch.run_options import RunOptions
+from sluice.launch.run_task import task_folder
 from sluice.launch.spawner import Spawner
 from sluice.launch.standby import Schedulers
 from sluice.launch.starting import Starting
@@ -122,6 +123,8 @@ class Job(Starting):
         self.janitor = Janitor()
         for item in self.state_items():
             self.janitor.state(item)
+        if (folder := task_folder(self.command)) is not None:  # the caller of sluice.run killed: its launcher too
+            self.janitor.state(folder)
         if self.plan is not None and self.plan.reach.method == "srun":
             self.janitor.srun()
         self.started()

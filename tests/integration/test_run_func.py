@@ -1,11 +1,14 @@
 """`sluice.run(func, ...)` against Horovod's own tests of `horovod.run` (test/integration/test_interactiverun.py):
-the return values by rank, and a failing rank ending the job at once with RuntimeError."""
+the return values by rank, and a failing rank ending the job at once with RuntimeError; and what a caller interrupted
+or killed outright leaves behind: nothing."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,46 @@ def test_an_interrupt_of_the_caller_stops_the_job_and_leaves_no_worker() -> None
     assert float(line.split()[2]) < 30 and line.endswith(", 0 workers left"), line
     assert "sluice launch: received SIGINT; stopping the job" in done.stderr
     assert "LEFT 0 folders" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_killed_outright_leaves_no_worker_and_no_folder() -> None:
+    caller = subprocess.Popen([sys.executable, str(SCRIPT), "killed"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    assert caller.stdout is not None
+    ours, pids, folders, lines = "", set(), set(), []
+    try:
+        for line in caller.stdout:  # until both workers run the function (the test's timeout bounds it)
+            lines.append(line)
+            if line.startswith("OURS "):
+                ours = line.split()[1]
+            if "WORKER " in line:  # "[worker R] WORKER PID FOLDER"
+                pid, folder = line.split("WORKER ")[1].split()
+                pids.add(int(pid))
+                folders.add(folder)
+                if len(pids) == 2:
+                    break
+        assert len(pids) == 2 and ours, "".join(lines[-40:])
+        (folder,) = folders
+        assert Path(folder).parent == Path(ours) and (Path(folder) / "task.pkl").exists()
+        caller.kill()  # SIGKILL: no finally of run() runs
+        caller.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (Path(folder).exists() or any(_alive(pid) for pid in pids)):
+            time.sleep(0.2)
+        assert not Path(folder).exists(), "the killed caller's folder (its pickled function) was left behind"
+        assert not any(_alive(pid) for pid in pids), "a worker of the killed caller is still running"
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+        caller.stdout.close()
+        if ours:
+            shutil.rmtree(ours, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

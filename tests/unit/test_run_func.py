@@ -1,4 +1,5 @@
-"""sluice.run's arguments: horovodrun's flags for Horovod's run() arguments, and the errors Horovod's run() raises."""
+"""sluice.run's arguments: horovodrun's flags for Horovod's run() arguments, the errors Horovod's run() raises, and
+the folder a launcher's janitor removes should the caller be killed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 import pytest
 
 from sluice.launch.cli import _parse, build_parser
+from sluice.launch.janitor import remove_job_state
 from sluice.launch.run_func import check_local, launch_argv, run
+from sluice.launch.run_task import task_folder
 
 
 @pytest.mark.parametrize(("options", "argv"), [
@@ -52,3 +55,23 @@ def test_hosts_of_this_machine_pass(tmp_path: Path) -> None:
     (tmp_path / "far").write_text("192.0.2.7 slots=2\n")
     with pytest.raises(ValueError, match="another"):
         check_local(None, str(tmp_path / "far"))
+
+
+@pytest.mark.parametrize(("command", "folder"), [
+    (["/usr/bin/python3", "-m", "sluice.launch.run_task", "/tmp/sluice-run-ab12"], "/tmp/sluice-run-ab12"),
+    (["python", "-m", "sluice.launch.run_task", "/tmp/other"], None),  # not a folder run() made: left alone
+    (["python", "-m", "sluice.launch.run_task", "/tmp/sluice-run-ab12", "x"], None),
+    (["python", "train.py", "/tmp/sluice-run-ab12"], None),
+    (["python", "-m", "sluice.launch.run_task"], None),
+])
+def test_a_run_jobs_folder_is_read_from_its_worker_command_only(command: list[str], folder: str | None) -> None:
+    assert task_folder(command) == folder
+
+
+def test_the_janitor_removes_a_run_folder_and_nothing_else_named_by_a_path(tmp_path: Path) -> None:
+    run_folder, other = tmp_path / "sluice-run-x1", tmp_path / "data"
+    for made in (run_folder, other):
+        made.mkdir()
+        (made / "task.pkl").write_bytes(b"x")
+    remove_job_state([str(run_folder), str(other), "sluice-run-relative"])
+    assert not run_folder.exists() and (other / "task.pkl").exists()

@@ -1,5 +1,6 @@
 """sluice.run called as Horovod's test/integration/test_interactiverun.py calls horovod.run (its functions, its
-arguments): `happy` prints the two runs' results, `failed` what the run raised and after how long."""
+arguments): `happy` prints the two runs' results, `failed` what the run raised and after how long, `interrupt` how
+a Ctrl-C ended it, `killed` its folder and workers for the test to kill it with SIGKILL."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def failing() -> None:
     time.sleep(120)  # the other worker waits: the job must be ended long before
 
 
+def report_and_sleep() -> None:
+    hvd.init()
+    print(f"WORKER {os.getpid()} {sys.argv[1]}", flush=True)  # its pid, and the folder it runs from
+    time.sleep(120)  # killed long before, with its caller
+
+
 def workers() -> list[str]:
     """The pids of processes running a sluice.run worker."""
     found = []
@@ -72,6 +79,9 @@ elif sys.argv[1] == "interrupt":  # Ctrl-C in a terminal, or a notebook's interr
         sluice.run(time.sleep, (120,), num_proc=2, launch_args=QUICK)
     except KeyboardInterrupt:
         print(f"INTERRUPTED after {time.monotonic() - start:.1f} s, {len(workers())} workers left", flush=True)
+elif sys.argv[1] == "killed":  # the test SIGKILLs this process while the job runs: nothing may be left
+    print(f"OURS {ours}", flush=True)
+    sluice.run(report_and_sleep, num_proc=2, launch_args=QUICK)
 else:
     start = time.monotonic()
     try:
