@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice import __version__
+from sluice.launch.node_group import add_node_flags
 
 #: horovodrun's flags that `sluice launch` has under the same names
 SAME_NAMES = ("-H/--hosts, --hostfile, --ssh-port, --host-discovery-script, --output-filename, --verbose, "
@@ -67,8 +68,8 @@ HOROVOD_SETTINGS = (
 )
 _NO_GLOO = "Sluice has its own transport (ZeroMQ over TCP, shared memory within a host), not Gloo or MPI"
 _NO_AUTOTUNE = "Sluice does not autotune: it plans fusion groups from the gradients' sizes and order"
-_ONE_LAUNCHER = ("`sluice launch` starts the processes of every host itself: run it once, on one machine, "
-                 "with the hosts in -H, --hostfile or a SLURM allocation")
+_RENDEZVOUS = ("with --nnodes, machine 0's launcher is the rendezvous (--master-addr or --rdzv-endpoint), and "
+               "every machine gives its --node-rank")
 #: (flags, how many values each takes, why it means nothing here)
 HOROVOD_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--gloo", "--mpi", "--jsrun"), 0, _NO_GLOO),
@@ -119,8 +120,7 @@ TORCHRUN_ALIASES = (
     Alias(("--max_restarts",), "max_restarts", "N", int, "--max-restarts"),
 )
 TORCHRUN_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
-    (("--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--rdzv-backend",
-      "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id"), 1, _ONE_LAUNCHER),
+    (("--rdzv-backend", "--rdzv_backend", "--rdzv-id", "--rdzv_id"), 1, _RENDEZVOUS),
     (("--standalone",), 0, "a job on one machine is what `sluice launch` without hosts runs"),
     (("--rdzv-conf", "--rdzv_conf"), 1, "Sluice's scheduler is the rendezvous: scheduler.rendezvous_timeout bounds it"),
     (("--monitor-interval", "--monitor_interval"), 1,
@@ -246,6 +246,7 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_ranks, metavar="RANKS",
                        help="show only the output of the workers of these local ranks on the terminal, e.g. 0 or "
                             "0,1 (on every host); the log files of --log-dir keep every rank's")
+    add_node_flags(group)
     _add_ignored(group, TORCHRUN_IGNORED)
 
 

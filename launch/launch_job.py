@@ -13,6 +13,7 @@ from sluice.launch.elastic import ElasticSettings
 from sluice.launch.foreign_flags import ignored_variables, translate
 from sluice.launch.hosts import Host
 from sluice.launch.launch_args import DEFAULT_READY_TIMEOUT, HOROVOD_START_TIMEOUT
+from sluice.launch.node_group import NodeGroup, node_group
 from sluice.launch.run_options import RunOptions, run_options
 
 
@@ -106,7 +107,32 @@ def run_launch(args: argparse.Namespace) -> int:
                 "fusion_threshold_mb to collective.fusion_bytes)" if str(args.config).endswith((".yaml", ".yml"))
                 else "")
         return error(f"{exc}{hint}")
+    try:
+        group = node_group(args, os.environ, args.nproc_per_node)
+    except ValueError as exc:
+        return error(str(exc))
+    if group is not None:
+        return _run_node_group(group, args, config, command, options, sets)
     return _run(args, config, command, options)
+
+
+def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceConfig, command: list[str],
+                    options: RunOptions, sets: list[str]) -> int:
+    """This machine's share of a job run with a launcher per machine (torchrun's --nnodes)."""
+    from sluice.launch.node_group import run_node_group
+
+    if args.aggregators or is_elastic(args) or args.server_hosts or options.preload:
+        return error("--nnodes (a launcher per machine) runs workers and servers: -a, --elastic, --min-workers, "
+                     "--server-hosts and --preload need the one launcher of `sluice launch -H HOSTS` instead")
+    reasons = servers_needed(config, 0)
+    if args.servers == 0 and reasons:
+        return error(f"-s 0, but {' and '.join(reasons)} need parameter servers: give -s 1 or more, or leave -s "
+                     "out for one per machine")
+    servers = args.servers if args.servers is not None else (group.nnodes if reasons else 0)
+    try:
+        return run_node_group(group, args, command, servers, options, sets, config.transport.host)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], options: RunOptions) -> int:

@@ -1,0 +1,144 @@
+"""`sluice launch --nnodes N --node-rank K`: one launcher per machine, as torchrun is run, each starting its share.
+
+torchrun is started once on every machine of a job (by hand, by `srun`, by a Kubernetes PyTorchJob or a cloud's
+training service), with the same --nnodes, --nproc-per-node and master address everywhere and the machine's own
+--node-rank. Given those, `sluice launch` does the same: machine K runs workers K*P .. K*P+P-1 (LOCAL_RANK 0..P-1),
+server S of `-s` on machine S mod N, and machine 0 also the scheduler, listening on the rendezvous port
+(--rdzv-endpoint's, else --master-port, 29500 by default); the workers' MASTER_PORT (torch.distributed's own
+store, created by rank 0) is the next port. Each process starts as `sluice node` would start it (launch/node.py),
+so every machine needs the job secret: --secret-file, or `--set transport.curve=false` on a network you trust.
+The launcher prefixes its processes' output and stops them all when one fails; the other machines' workers then
+fail on their lost peers and their launchers stop theirs (the scheduler names who failed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sluice.launch.run_options import RunOptions
+
+#: torchrun's defaults: the master port, and the c10d rendezvous port of an --rdzv-endpoint without one
+MASTER_PORT, RDZV_PORT = 29500, 29400
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """This machine's place in a job started by one launcher per machine."""
+
+    nnodes: int
+    node_rank: int
+    nproc: int
+    #: where the scheduler listens (machine 0's address and the rendezvous port)
+    rendezvous: tuple[str, int]
+    #: the workers' MASTER_PORT (MASTER_ADDR is the rendezvous host)
+    master_port: int
+
+
+def add_node_flags(group: argparse._ArgumentGroup) -> None:
+    """torchrun's flags of a job started once per machine."""
+    group.add_argument("--nnodes", metavar="N", help="machines in the job, each running `sluice launch` with its own "
+                       "--node-rank (default: the variable PET_NNODES, as torchrun, else 1)")
+    group.add_argument("--node-rank", "--node_rank", type=int, metavar="K",
+                       help="this machine's rank, 0..N-1; machine 0 runs the scheduler (default: PET_NODE_RANK, "
+                            "else 0)")
+    group.add_argument("--master-addr", "--master_addr", metavar="HOST",
+                       help="machine 0's address, which every machine reaches (default: PET_MASTER_ADDR, else "
+                            "127.0.0.1)")
+    group.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST[:PORT]",
+                       help=f"machine 0's address and the scheduler's port (default port {RDZV_PORT}), instead of "
+                            "--master-addr and --master-port")
+    group.add_argument("--secret-file", metavar="PATH",
+                       help="with --nnodes > 1: the job secret, the same file content on every machine (at least 16 "
+                            "bytes, mode 0600); without it, --set transport.curve=false on a network you trust")
+
+
+def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: int | None) -> NodeGroup | None:
+    """This machine's place, when the job runs one launcher per machine (--nnodes above 1); None otherwise.
+    `workers`: -w or --nproc-per-node. ValueError saying what to change."""
+    raw = args.nnodes if args.nnodes is not None else environ.get("PET_NNODES", "1")
+    if ":" in raw:
+        low, _, high = raw.partition(":")
+        if low != high:
+            raise ValueError(f"--nnodes {raw}: an elastic range of machines is not taken with one launcher per "
+                             "machine; give a fixed count, or run `sluice launch --min-np M -H ...` (or "
+                             "--host-discovery-script) once for an elastic job")
+        raw = low
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"--nnodes {raw!r}: give the number of machines, 1 or more")
+    nnodes = int(raw)
+    rank_raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK", "0")
+    node_rank = int(rank_raw) if str(rank_raw).lstrip("-").isdigit() else -1
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {rank_raw}: give this machine's rank, 0 to {nnodes - 1}")
+    if nnodes == 1:
+        return None
+    if args.hosts or args.hostfile:
+        raise ValueError("--nnodes with -H or --hostfile: give one or the other. With --nnodes, `sluice launch` "
+                         "runs on every machine and starts that machine's processes; with -H, once, for all")
+    if workers is None:
+        raise ValueError("--nnodes without --nproc-per-node: give the workers of each machine")
+    if args.rdzv_endpoint:
+        host, colon, port = args.rdzv_endpoint.rpartition(":")
+        if not colon:
+            host, port = args.rdzv_endpoint, str(RDZV_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST or HOST:PORT")
+        rendezvous = (host, int(port))
+    else:
+        host = args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1"
+        rendezvous = (host, args.master_port or MASTER_PORT)
+        if not 0 < rendezvous[1] < 65535:
+            raise ValueError(f"--master-port {rendezvous[1]}: give a port from 1 to 65534")
+    return NodeGroup(nnodes, node_rank, workers, rendezvous, rendezvous[1] + 1)
+
+
+def processes(group: NodeGroup, servers: int) -> list[tuple[str, int, int]]:
+    """(role, rank, local rank) of this machine's processes: the scheduler on machine 0, server s on machine
+    s mod N, and P workers a machine in machine order (local rank: the worker's place on its machine)."""
+    mine: list[tuple[str, int, int]] = [("scheduler", 0, 0)] if group.node_rank == 0 else []
+    mine += [("server", s, 0) for s in range(servers) if s % group.nnodes == group.node_rank]
+    first = group.node_rank * group.nproc
+    mine += [("worker", first + local, local) for local in range(group.nproc)]
+    return mine
+
+
+def listen_address(rendezvous_host: str) -> str:
+    """The address of this machine that reaches `rendezvous_host` (the route's source address), which every
+    process here listens on: 127.0.0.1 for a loopback one; OSError when it cannot be resolved or reached."""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(rendezvous_host).is_loopback:
+            return "127.0.0.1"
+    if rendezvous_host == "localhost":
+        return "127.0.0.1"
+    address = socket.getaddrinfo(rendezvous_host, None, socket.AF_INET)[0][4][0]
+    if ipaddress.ip_address(address).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: the kernel picks a route
+        probe.connect((address, 9))
+        return str(probe.getsockname()[0])
+
+
+def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
+                   options: RunOptions, sets: list[str], listen_host: str) -> int:
+    """Start this machine's processes and supervise them; the launcher's exit code. `listen_host`: the
+    configured transport.host, kept unless it is the loopback default and machine 0 is another machine."""
+    from sluice.launch.node_group_run import NodeGroupRun
+
+    sets = list(sets)
+    if listen_host.startswith("127."):
+        try:
+            address = listen_address(group.rendezvous[0])
+        except OSError as exc:
+            print(f"sluice: error: cannot reach {group.rendezvous[0]} (--master-addr or --rdzv-endpoint): {exc}",
+                  file=sys.stderr)
+            return 2
+        if address != "127.0.0.1":  # the processes here must be reachable from the other machines
+            sets.append(f"transport.host={address}")
+    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets).run())

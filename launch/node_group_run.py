@@ -1,0 +1,130 @@
+"""One machine's share of a job run with a launcher per machine (launch/node_group.py): started, watched, stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import signal
+import sys
+
+from sluice.launch.blame import exit_description
+from sluice.launch.children import Child, Sink, death_signal_hook
+from sluice.launch.node import plan
+from sluice.launch.node_group import NodeGroup, processes
+from sluice.launch.run_options import RunOptions
+from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
+
+#: how long the processes get to end after SIGTERM before SIGKILL
+STOP_S = 10.0
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class NodeGroupRun:
+    def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
+                 options: RunOptions, sets: list[str]) -> None:
+        self.group, self.args, self.command, self.servers = group, args, command, servers
+        self.options, self.sets = options, sets
+        self.sink = Sink(sys.stdout.buffer)
+        self.children: list[Child] = []
+
+    def say(self, text: str) -> None:
+        if not self.options.quiet:
+            self.sink.write(f"[launch] {text}\n".encode())
+
+    def complain(self, text: str) -> None:
+        print(f"sluice launch: {text}", file=sys.stderr, flush=True)
+
+    def _namespace(self, index: int) -> argparse.Namespace:
+        """`sluice node`'s arguments for process `index` of the job (launch/node.py plans each the same way)."""
+        host, port = self.group.rendezvous
+        return argparse.Namespace(
+            workers=self.group.nnodes * self.group.nproc, servers=self.servers, aggregators=0, standbys=[],
+            index=index, index_failures=0, worker_command=self.command, scheduler=f"{host}:{port}",
+            config=self.args.config, sets=self.sets, secret_file=self.args.secret_file,
+            master=f"{host}:{self.group.master_port}")
+
+    async def _start(self, role: str, rank: int, local_rank: int) -> Child:
+        index = 0 if role == "scheduler" else 1 + rank if role == "server" else 1 + self.servers + rank
+        start = plan(self._namespace(index), os.environ)
+        if role == "scheduler":
+            for note in start.notes:
+                self.complain(note)
+        env = {**start.env, **self.options.environ()}
+        if role == "worker":  # torchrun's variables for a worker of this machine
+            env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.group.nproc),
+                       GROUP_RANK=str(self.group.node_rank), GROUP_WORLD_SIZE=str(self.group.nnodes))
+        secret_fd = secret_pipe(start.secret) if start.secret else None
+        if secret_fd is not None:
+            env[ENV_SECRET_FD] = str(secret_fd)
+        stderr = asyncio.subprocess.PIPE if self.options.output.split else asyncio.subprocess.STDOUT
+        if self.options.verbose:
+            self.say(f"starting {role} {rank}: {shlex.join(start.argv)}")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *start.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+                env=env, start_new_session=True, preexec_fn=death_signal_hook(),
+                pass_fds=() if secret_fd is None else (secret_fd,))
+        finally:
+            if secret_fd is not None:
+                os.close(secret_fd)
+        return Child(role, rank, proc, self.sink, options=self.options.output)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        interrupted: asyncio.Future[int] = loop.create_future()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not interrupted.done():
+                interrupted.set_result(128 + sig)
+
+        for sig in _SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+        group = self.group
+        mine = processes(group, self.servers)
+        host, port = group.rendezvous
+        self.say(f"machine {group.node_rank} of {group.nnodes}: "
+                 + ", ".join(f"{role} {rank}" if role != "scheduler" else "the scheduler" for role, rank, _ in mine)
+                 + f"; the scheduler at {host}:{port}")
+        try:
+            for role, rank, local in mine:
+                try:
+                    self.children.append(await self._start(role, rank, local))
+                except OSError as exc:
+                    self.complain(f"cannot start {role} {rank}: {exc}")
+                    return 1
+            return await self._watch(interrupted)
+        finally:
+            await self._stop()
+            for sig in _SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    async def _watch(self, interrupted: asyncio.Future[int]) -> int:
+        running: dict[asyncio.Future[int], Child] = {child.done: child for child in self.children}
+        while running:
+            done, _ = await asyncio.wait([*running, interrupted], return_when=asyncio.FIRST_COMPLETED)
+            if interrupted.done():
+                self.complain(f"received {signal.Signals(interrupted.result() - 128).name}; stopping this "
+                              "machine's processes")
+                return interrupted.result()
+            for task in done:
+                child = running.pop(task)  # not `interrupted`: that returned above
+                code = task.result()
+                if code != 0:
+                    self.complain(f"{child.name} {exit_description(code)}; stopping this machine's processes")
+                    lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
+                    self.complain(f"last lines of {child.label}:\n{lines}")
+                    return code if code > 0 else 128 - code
+        self.say(f"machine {self.group.node_rank}: every process finished")
+        return 0
+
+    async def _stop(self) -> None:
+        live = [child for child in self.children if not child.done.done()]
+        for child in live:
+            child.stop()
+        if live:
+            await asyncio.wait([child.done for child in live], timeout=STOP_S)
+        for child in live:
+            child.signal_group(signal.SIGKILL)
+        await asyncio.gather(*(child.done for child in self.children), return_exceptions=True)

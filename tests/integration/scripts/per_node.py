@@ -1,0 +1,23 @@
+"""A training script as torchrun runs it on each machine: Sluice's allreduce and torch.distributed's own (gloo, from
+the torchrun variables); with `fail`, rank 3 fails before its first collective."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import sluice.torch as hvd
+
+hvd.init()
+if sys.argv[1:] == ["fail"] and hvd.rank() == 3:
+    raise RuntimeError("rank 3 fails on purpose")
+ours = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, as torchrun sets them
+theirs = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(theirs)
+dist.destroy_process_group()
+print("RESULT", hvd.rank(), hvd.size(), os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"],
+      os.environ["GROUP_RANK"], ours, theirs.item(), flush=True)

@@ -1,0 +1,64 @@
+"""A launcher per machine (torchrun's --nnodes): each machine's place and processes, from its flags and torchrun's
+PET_* variables; literal tables."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sluice.launch.node_group import NodeGroup, listen_address, node_group, processes
+
+
+def _args(**given: object) -> argparse.Namespace:
+    fields: dict[str, object] = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
+                                 "rdzv_endpoint": None, "hosts": None, "hostfile": None}
+    return argparse.Namespace(**{**fields, **given})
+
+
+@pytest.mark.parametrize(("given", "environ", "want"), [
+    ({}, {}, None),  # one machine: the usual job
+    ({"nnodes": "1"}, {}, None),
+    ({"nnodes": "2", "node_rank": 1, "master_addr": "m"}, {}, NodeGroup(2, 1, 4, ("m", 29500), 29501)),
+    ({"nnodes": "3", "node_rank": 0, "master_port": 4000}, {}, NodeGroup(3, 0, 4, ("127.0.0.1", 4000), 4001)),
+    ({"nnodes": "2:2", "node_rank": 1}, {}, NodeGroup(2, 1, 4, ("127.0.0.1", 29500), 29501)),
+    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:7000"}, {}, NodeGroup(2, 1, 4, ("m", 7000), 7001)),
+    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m"}, {}, NodeGroup(2, 1, 4, ("m", 29400), 29401)),
+    # torchrun reads every flag from PET_<FLAG> when it is not given (a Kubernetes PyTorchJob sets them)
+    ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29500), 29501)),
+    ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29500), 29501)),
+])
+def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
+                                                   want: NodeGroup | None) -> None:
+    assert node_group(_args(**given), environ, 4) == want
+
+
+@pytest.mark.parametrize(("given", "workers", "message"), [
+    ({"nnodes": "1:4"}, 4, "an elastic range of machines is not taken"),
+    ({"nnodes": "0"}, 4, "give the number of machines"),
+    ({"nnodes": "two"}, 4, "give the number of machines"),
+    ({"nnodes": "2", "node_rank": 2}, 4, "give this machine's rank, 0 to 1"),
+    ({"nnodes": "2", "node_rank": -1}, 4, "give this machine's rank, 0 to 1"),
+    ({"nnodes": "2", "node_rank": 1, "hosts": "a:2,b:2"}, 4, "give one or the other"),
+    ({"nnodes": "2", "node_rank": 1}, None, "--nnodes without --nproc-per-node"),
+    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:x"}, 4, "expected HOST or HOST:PORT"),
+])
+def test_what_cannot_run_says_what_to_change(given: dict[str, object], workers: int | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        node_group(_args(**given), {}, workers)
+
+
+@pytest.mark.parametrize(("nnodes", "node_rank", "servers", "want"), [
+    (2, 0, 0, [("scheduler", 0, 0), ("worker", 0, 0), ("worker", 1, 1)]),
+    (2, 1, 0, [("worker", 2, 0), ("worker", 3, 1)]),
+    (2, 0, 3, [("scheduler", 0, 0), ("server", 0, 0), ("server", 2, 0), ("worker", 0, 0), ("worker", 1, 1)]),
+    (2, 1, 3, [("server", 1, 0), ("worker", 2, 0), ("worker", 3, 1)]),
+    (3, 2, 2, [("worker", 4, 0), ("worker", 5, 1)]),  # no server falls on the third machine
+])
+def test_each_machine_runs_its_workers_its_servers_and_machine_0_the_scheduler(
+        nnodes: int, node_rank: int, servers: int, want: list[tuple[str, int, int]]) -> None:
+    assert processes(NodeGroup(nnodes, node_rank, 2, ("m", 1), 2), servers) == want
+
+
+def test_processes_listen_on_loopback_when_machine_0_is_this_one() -> None:
+    assert listen_address("127.0.0.1") == listen_address("localhost") == listen_address("127.0.1.1") == "127.0.0.1"
