@@ -1,6 +1,6 @@
 """torchrun's multi-machine command line, `--nnodes 2 --node-rank K --master-addr ... --nproc-per-node 2 train.py`
-run once per machine (here two launchers on 127.0.0.1): one job of four workers, and a failure on one machine ends
-both launchers, naming the worker."""
+run once per machine: one job of four workers (two network namespaces as the machines), and a failure on one
+machine ends both launchers, naming the worker (two launchers on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,25 @@ from pathlib import Path
 
 import pytest
 
+from testbed.bench_runs import requires_testbed
+from testbed.netbed import Netbed
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "integration" / "scripts" / "per_node.py"
 pytestmark = pytest.mark.slow
 
 
-def _launchers(tmp_path: Path, *script_args: str) -> list[subprocess.Popen[str]]:
+def _secret(tmp_path: Path) -> Path:
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)
-    with socket.socket() as probe:  # the rendezvous port, and the workers' MASTER_PORT above it
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return [subprocess.Popen(
-        [sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "2", "--node-rank", str(rank),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "2", "--secret-file",
-         str(secret), str(SCRIPT), *script_args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]  # either may be first
+    return secret
+
+
+def _command(rank: int, master: str, port: int, secret: Path, *script_args: str) -> list[str]:
+    return [sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", master, "--master-port", str(port), "--nproc-per-node", "2", "--secret-file",
+            str(secret), str(SCRIPT), *script_args]
 
 
 def _finish(launchers: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
@@ -46,21 +48,39 @@ def _finish(launchers: list[subprocess.Popen[str]], timeout: float) -> list[tupl
     return ended
 
 
+@requires_testbed
 @pytest.mark.timeout(90)
 def test_two_machines_launched_apart_run_one_job_with_torchruns_variables(tmp_path: Path) -> None:
-    (code1, out1, err1), (code0, out0, err0) = _finish(_launchers(tmp_path), 60)
+    """Two hosts of their own addresses (network namespaces): each machine's processes listen on the address that
+    reaches machine 0, and the scheduler, on machine 0, on the rendezvous port."""
+    secret = _secret(tmp_path)
+    with Netbed() as bed:
+        for name in ("m0", "m1"):
+            bed.host(name)
+        master = bed.hosts["m0"].address
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}  # torch's gloo: the hostname resolves to no address here
+        launchers = [bed.run(f"m{rank}", _command(rank, master, 29500, secret), cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (1, 0)]  # either first
+        (code1, out1, err1), (code0, out0, err0) = _finish(launchers, 60)
     assert code0 == 0 and code1 == 0, (out0 + err0)[-3000:] + (out1 + err1)[-3000:]
     results = sorted(line.split("RESULT ")[1] for line in (out0 + out1).splitlines() if "RESULT " in line)
     # rank, size, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (machine), Sluice's sum, torch.distributed's sum
     assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
     assert "[worker 2] RESULT" in out1 and "[worker 0] RESULT" in out0  # each machine ran its own workers
-    assert "[scheduler]" in out0 and "[scheduler]" not in out1
+    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29500" in out0 and "[scheduler]" not in out1
+    assert f"the scheduler at {master}:29500" in out1
 
 
 @pytest.mark.timeout(90)
 def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path: Path) -> None:
+    secret = _secret(tmp_path)
+    with socket.socket() as probe:  # the rendezvous port, and the workers' MASTER_PORT above it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     started = time.monotonic()
-    (code1, _, err1), (code0, out0, err0) = _finish(_launchers(tmp_path, "fail"), 60)
+    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail"), cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    (code1, _, err1), (code0, out0, err0) = _finish(launchers, 60)
     assert code1 == 1 and "worker 3 (pid " in err1 and "exited with code 1" in err1, err1[-3000:]
     assert "RuntimeError: rank 3 fails on purpose" in err1
     assert code0 != 0, (out0 + err0)[-3000:]  # machine 0's workers lost their peer: the launcher says who
