@@ -4,11 +4,11 @@ torchrun is started once on every machine of a job (by hand, by `srun`, by a Kub
 training service), with the same --nnodes, --nproc-per-node and master address everywhere and the machine's own
 --node-rank. Given those, `sluice launch` does the same: machine K runs workers K*P .. K*P+P-1 (LOCAL_RANK 0..P-1),
 server S of `-s` on machine S mod N, and machine 0 also the scheduler, listening on the rendezvous port
-(--rdzv-endpoint's, else --master-port, 29500 by default); the workers' MASTER_PORT (torch.distributed's own
-store, created by rank 0) is the next port. Each process starts as `sluice node` would start it (launch/node.py),
-so every machine needs the job secret: --secret-file, or `--set transport.curve=false` on a network you trust.
-The launcher prefixes its processes' output and stops them all when one fails; the other machines' workers then
-fail on their lost peers and their launchers stop theirs (the scheduler names who failed first).
+(--rdzv-endpoint's, else --master-port, 29500 by default; each flag also from torchrun's PET_* variable); the
+workers' MASTER_PORT (torch.distributed's own store, created by rank 0) is the next port. Each process starts as
+`sluice node` would start it (launch/node.py), so every machine needs the job secret: --secret-file, or `--set
+transport.curve=false` on a network you trust. The launcher prefixes its processes' output and stops them all when
+one fails; the other machines' workers then fail on their lost peer, naming it, and their launchers stop theirs.
 """
 
 from __future__ import annotations
@@ -82,20 +82,24 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
     if args.hosts or args.hostfile:
         raise ValueError("--nnodes with -H or --hostfile: give one or the other. With --nnodes, `sluice launch` "
                          "runs on every machine and starts that machine's processes; with -H, once, for all")
-    if workers is None:
+    if workers is None and environ.get("PET_NPROC_PER_NODE", "").isdigit():
+        workers = int(environ["PET_NPROC_PER_NODE"])
+    if not workers:
         raise ValueError("--nnodes without --nproc-per-node: give the workers of each machine")
-    if args.rdzv_endpoint:
-        host, colon, port = args.rdzv_endpoint.rpartition(":")
+    endpoint = args.rdzv_endpoint or environ.get("PET_RDZV_ENDPOINT")
+    if endpoint:
+        host, colon, port = endpoint.rpartition(":")
         if not colon:
-            host, port = args.rdzv_endpoint, str(RDZV_PORT)
+            host, port = endpoint, str(RDZV_PORT)
         if not host or not port.isdigit() or not 0 < int(port) < 65535:
-            raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST or HOST:PORT")
+            raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST or HOST:PORT")
         rendezvous = (host, int(port))
     else:
         host = args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1"
-        rendezvous = (host, args.master_port or MASTER_PORT)
-        if not 0 < rendezvous[1] < 65535:
-            raise ValueError(f"--master-port {rendezvous[1]}: give a port from 1 to 65534")
+        port = str(args.master_port or environ.get("PET_MASTER_PORT") or MASTER_PORT)
+        if not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"--master-port {port}: give a port from 1 to 65534")
+        rendezvous = (host, int(port))
     return NodeGroup(nnodes, node_rank, workers, rendezvous, rendezvous[1] + 1)
 
 

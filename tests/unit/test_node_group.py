@@ -27,10 +27,17 @@ def _args(**given: object) -> argparse.Namespace:
     # torchrun reads every flag from PET_<FLAG> when it is not given (a Kubernetes PyTorchJob sets them)
     ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29500), 29501)),
     ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29500), 29501)),
+    ({"nnodes": "2"}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3000), 3001)),
+    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 0, 4, ("r", 5), 6)),
 ])
 def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
                                                    want: NodeGroup | None) -> None:
     assert node_group(_args(**given), environ, 4) == want
+
+
+def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
+    assert node_group(_args(nnodes="2"), {"PET_NPROC_PER_NODE": "3"}, None) == NodeGroup(2, 0, 3, ("127.0.0.1", 29500),
+                                                                                          29501)
 
 
 @pytest.mark.parametrize(("given", "workers", "message"), [
