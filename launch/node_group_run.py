@@ -9,8 +9,10 @@ import shlex
 import signal
 import sys
 
-from sluice.launch.blame import exit_description
+from sluice.launch.blame import judge
 from sluice.launch.children import Child, Sink, death_signal_hook
+from sluice.launch.ending import SETTLE_SECONDS
+from sluice.launch.janitor import Janitor
 from sluice.launch.node import plan
 from sluice.launch.node_group import NodeGroup, processes
 from sluice.launch.run_options import RunOptions
@@ -28,6 +30,7 @@ class NodeGroupRun:
         self.options, self.sets = options, sets
         self.sink = Sink(sys.stdout.buffer)
         self.children: list[Child] = []
+        self.janitor: Janitor | None = None
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -69,7 +72,11 @@ class NodeGroupRun:
         finally:
             if secret_fd is not None:
                 os.close(secret_fd)
-        return Child(role, rank, proc, self.sink, options=self.options.output)
+        child = Child(role, rank, proc, self.sink, options=self.options.output)
+        if (janitor := self.janitor) is not None:  # told at once: a launcher killed now leaves nothing behind
+            janitor.spawned(proc.pid)
+            child.done.add_done_callback(lambda _: janitor.reaped(proc.pid))
+        return child
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -87,6 +94,7 @@ class NodeGroupRun:
         self.say(f"machine {group.node_rank} of {group.nnodes}: "
                  + ", ".join(f"{role} {rank}" if role != "scheduler" else "the scheduler" for role, rank, _ in mine)
                  + f"; the scheduler at {host}:{port}")
+        self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them
         try:
             for role, rank, local in mine:
                 try:
@@ -97,6 +105,7 @@ class NodeGroupRun:
             return await self._watch(interrupted)
         finally:
             await self._stop()
+            self.janitor.close()
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
 
@@ -112,12 +121,24 @@ class NodeGroupRun:
                 child = running.pop(task)  # not `interrupted`: that returned above
                 code = task.result()
                 if code != 0:
-                    self.complain(f"{child.name} {exit_description(code)}; stopping this machine's processes")
-                    lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
-                    self.complain(f"last lines of {child.label}:\n{lines}")
-                    return code if code > 0 else 128 - code
+                    return await self._failed(child, code)
         self.say(f"machine {self.group.node_rank}: every process finished")
         return 0
+
+    async def _failed(self, first: Child, code: int) -> int:
+        """Name the first cause (launch/blame.py: a process killed from outside, else the first a process here
+        reported, such as a lost machine's worker, else the first exit) and show its last lines."""
+        if code > 0:  # a consequence, maybe: the report of its cause, or the cause's own exit, may be a moment behind
+            await asyncio.sleep(SETTLE_SECONDS)
+        failed = [c for c in self.children if c.returncode and c.ended_at is not None]
+        first = min(failed, key=lambda c: c.ended_at or 0.0, default=first)  # seen first, not woken for first
+        verdict = judge(first, self.children, lambda _: "")
+        self.complain(f"{verdict.headline}; stopping this machine's processes")
+        shown = verdict.cause if isinstance(verdict.cause, Child) else first
+        lines = "\n".join(f"    {line}" for line in shown.tail) or "    (no output)"
+        self.complain(f"last lines of {shown.label}:\n{lines}")
+        code = first.returncode or code
+        return code if code > 0 else 128 - code
 
     async def _stop(self) -> None:
         live = [child for child in self.children if not child.done.done()]

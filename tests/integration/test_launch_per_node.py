@@ -1,6 +1,7 @@
 """torchrun's multi-machine command line, `--nnodes 2 --node-rank K --master-addr ... --nproc-per-node 2 train.py`
 run once per machine: one job of four workers (two network namespaces as the machines), and a failure on one
-machine ends both launchers, naming the worker (two launchers on 127.0.0.1)."""
+machine ends both launchers, naming the worker, as does a machine's launcher killed outright (two launchers on
+127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,46 @@ def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path:
     launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail"), cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
     (code1, _, err1), (code0, out0, err0) = _finish(launchers, 60)
-    assert code1 == 1 and "worker 3 (pid " in err1 and "exited with code 1" in err1, err1[-3000:]
+    assert code1 == 1 and err1.startswith("sluice launch: worker 3 (pid "), err1[-3000:]  # the first to fail
     assert "RuntimeError: rank 3 fails on purpose" in err1
     assert code0 != 0, (out0 + err0)[-3000:]  # machine 0's workers lost their peer: the launcher says who
     assert "worker 3" in out0 + err0 and "has left the job" in out0 + err0
     assert time.monotonic() - started < 45
+
+
+@pytest.mark.timeout(90)
+def test_a_machines_launcher_killed_outright_takes_its_workers_and_the_other_machine_ends_naming_one(
+        tmp_path: Path) -> None:
+    secret = _secret(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "long"), cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    try:
+        assert launchers[0].stdout is not None
+        pids = []
+        for line in launchers[0].stdout:  # machine 1's workers, once they run
+            if "RUNNING " in line:
+                pids.append(int(line.split()[-1]))
+                if len(pids) == 2:
+                    break
+        assert len(pids) == 2
+        launchers[0].kill()  # SIGKILL: machine 1's launcher can stop nothing itself
+        launchers[0].wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.2)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a worker outlived its machine's launcher"
+        assert not [name for name in os.listdir("/dev/shm") for pid in pids if name.startswith(f"sluice-{pid}-")]
+        out0, err0 = launchers[1].communicate(timeout=45)
+        assert launchers[1].returncode != 0, (out0 + err0)[-3000:]
+        # the scheduler's verdict first: a worker of the lost machine, by name (no goodbye: its heartbeats stopped)
+        first = err0.splitlines()[0]
+        assert first.startswith(("sluice launch: worker 2 (pid ", "sluice launch: worker 3 (pid ")), err0
+        assert "; scheduler (pid " in first and "reported: " in first and "it is lost" in first, err0
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.communicate()

@@ -1,10 +1,12 @@
 """A training script as torchrun runs it on each machine: Sluice's allreduce and torch.distributed's own (gloo, from
-the torchrun variables); with `fail`, rank 3 fails before its first collective."""
+the torchrun variables); with `fail`, rank 3 fails before its first collective; with `long`, each rank says its pid
+and goes on with allreduces for a minute."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,12 @@ hvd.init()
 if sys.argv[1:] == ["fail"] and hvd.rank() == 3:
     raise RuntimeError("rank 3 fails on purpose")
 ours = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+if sys.argv[1:] == ["long"]:  # the test kills one machine's launcher meanwhile
+    print("RUNNING", hvd.rank(), os.getpid(), flush=True)
+    for _ in range(1200):
+        hvd.allreduce(torch.ones(1000))
+        time.sleep(0.05)
+    sys.exit(0)
 dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, as torchrun sets them
 theirs = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(theirs)
