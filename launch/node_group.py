@@ -4,11 +4,12 @@ torchrun is started once on every machine of a job (by hand, by `srun`, by a Kub
 training service), with the same --nnodes, --nproc-per-node and master address everywhere and the machine's own
 --node-rank. Given those, `sluice launch` does the same: machine K runs workers K*P .. K*P+P-1 (LOCAL_RANK 0..P-1),
 server S of `-s` on machine S mod N, and machine 0 also the scheduler, listening on the rendezvous port
-(--rdzv-endpoint's, else --master-port, 29500 by default; each flag also from torchrun's PET_* variable); the
-workers' MASTER_PORT (torch.distributed's own store, created by rank 0) is the next port. Each process starts as
-`sluice node` would start it (launch/node.py), so every machine needs the job secret: --secret-file, or `--set
-transport.curve=false` on a network you trust. The launcher prefixes its processes' output and stops them all when
-one fails; the other machines' workers then fail on their lost peer, naming it, and their launchers stop theirs.
+(--rdzv-endpoint's, else the port above --master-port; each flag also from torchrun's PET_* variable); the
+workers' MASTER_PORT is --master-port (29500 by default) as under torchrun, for torch.distributed's own store.
+Each process starts as `sluice node` would start it (launch/node.py), so every machine needs the job secret:
+--secret-file, or `--set transport.curve=false` on a network you trust. The launcher prefixes its processes'
+output and stops them all when one fails; the other machines' workers then fail on their lost peer, naming it,
+and their launchers stop theirs.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
         workers = int(environ["PET_NPROC_PER_NODE"])
     if not workers:
         raise ValueError("--nnodes without --nproc-per-node: give the workers of each machine")
+    master = str(args.master_port or environ.get("PET_MASTER_PORT") or MASTER_PORT)
+    if not master.isdigit() or not 0 < int(master) < 65535:
+        raise ValueError(f"--master-port {master}: give a port from 1 to 65534")
     endpoint = args.rdzv_endpoint or environ.get("PET_RDZV_ENDPOINT")
     if endpoint:
         host, colon, port = endpoint.rpartition(":")
@@ -94,13 +98,19 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
         if not host or not port.isdigit() or not 0 < int(port) < 65535:
             raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST or HOST:PORT")
         rendezvous = (host, int(port))
-    else:
-        host = args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1"
-        port = str(args.master_port or environ.get("PET_MASTER_PORT") or MASTER_PORT)
-        if not port.isdigit() or not 0 < int(port) < 65535:
-            raise ValueError(f"--master-port {port}: give a port from 1 to 65534")
-        rendezvous = (host, int(port))
-    return NodeGroup(nnodes, node_rank, workers, rendezvous, rendezvous[1] + 1)
+    else:  # the scheduler beside torch's store, on the port above it
+        rendezvous = (args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1", int(master) + 1)
+    return NodeGroup(nnodes, node_rank, workers, rendezvous, int(master))
+
+
+def port_clash(group: NodeGroup, channels: int) -> str | None:
+    """Why the workers' MASTER_PORT cannot be used beside the scheduler, whose channels take the ports from the
+    rendezvous port on, or None."""
+    first = group.rendezvous[1]
+    if first <= group.master_port < first + channels:
+        return (f"the scheduler listens on ports {first}-{first + channels - 1} (--rdzv-endpoint, one a channel), "
+                f"and --master-port {group.master_port} is among them: give ports {channels} or more apart")
+    return None
 
 
 def processes(group: NodeGroup, servers: int) -> list[tuple[str, int, int]]:
@@ -130,7 +140,7 @@ def listen_address(rendezvous_host: str) -> str:
 
 
 def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
-                   options: RunOptions, sets: list[str], listen_host: str) -> int:
+                   options: RunOptions, sets: list[str], listen_host: str, channels: int) -> int:
     """Start this machine's processes and supervise them; the launcher's exit code. `listen_host`: the
     configured transport.host, kept unless it is the loopback default and machine 0 is another machine."""
     from sluice.launch.node_group_run import NodeGroupRun
@@ -145,4 +155,4 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
             return 2
         if address != "127.0.0.1":  # the processes here must be reachable from the other machines
             sets.append(f"transport.host={address}")
-    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets).run())
+    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, channels).run())

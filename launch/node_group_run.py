@@ -14,7 +14,7 @@ from sluice.launch.children import Child, Sink, death_signal_hook
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.janitor import Janitor
 from sluice.launch.node import plan
-from sluice.launch.node_group import NodeGroup, processes
+from sluice.launch.node_group import NodeGroup, port_clash, processes
 from sluice.launch.run_options import RunOptions
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
 
@@ -25,8 +25,9 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 class NodeGroupRun:
     def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
-                 options: RunOptions, sets: list[str]) -> None:
+                 options: RunOptions, sets: list[str], channels: int) -> None:
         self.group, self.args, self.command, self.servers = group, args, command, servers
+        self.channels = channels  # the scheduler listens on as many ports, from the rendezvous port on
         self.options, self.sets = options, sets
         self.sink = Sink(sys.stdout.buffer)
         self.children: list[Child] = []
@@ -89,6 +90,9 @@ class NodeGroupRun:
         for sig in _SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
         group = self.group
+        if (clash := port_clash(group, self.channels)) is not None:
+            self.complain(f"error: {clash}")
+            return 2
         mine = processes(group, self.servers)
         host, port = group.rendezvous
         self.say(f"machine {group.node_rank} of {group.nnodes}: "

@@ -68,14 +68,14 @@ def test_two_machines_launched_apart_run_one_job_with_torchruns_variables(tmp_pa
     # rank, size, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (machine), Sluice's sum, torch.distributed's sum
     assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
     assert "[worker 2] RESULT" in out1 and "[worker 0] RESULT" in out0  # each machine ran its own workers
-    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29500" in out0 and "[scheduler]" not in out1
-    assert f"the scheduler at {master}:29500" in out1
+    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29501" in out0 and "[scheduler]" not in out1
+    assert f"the scheduler at {master}:29501" in out1
 
 
 @pytest.mark.timeout(90)
 def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path: Path) -> None:
     secret = _secret(tmp_path)
-    with socket.socket() as probe:  # the rendezvous port, and the workers' MASTER_PORT above it
+    with socket.socket() as probe:  # the workers' MASTER_PORT; the scheduler listens on the ports above it
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.monotonic()

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from sluice.launch.node_group import NodeGroup, listen_address, node_group, processes
+from sluice.launch.node_group import NodeGroup, listen_address, node_group, port_clash, processes
 
 
 def _args(**given: object) -> argparse.Namespace:
@@ -19,16 +19,16 @@ def _args(**given: object) -> argparse.Namespace:
 @pytest.mark.parametrize(("given", "environ", "want"), [
     ({}, {}, None),  # one machine: the usual job
     ({"nnodes": "1"}, {}, None),
-    ({"nnodes": "2", "node_rank": 1, "master_addr": "m"}, {}, NodeGroup(2, 1, 4, ("m", 29500), 29501)),
-    ({"nnodes": "3", "node_rank": 0, "master_port": 4000}, {}, NodeGroup(3, 0, 4, ("127.0.0.1", 4000), 4001)),
-    ({"nnodes": "2:2", "node_rank": 1}, {}, NodeGroup(2, 1, 4, ("127.0.0.1", 29500), 29501)),
-    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:7000"}, {}, NodeGroup(2, 1, 4, ("m", 7000), 7001)),
-    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m"}, {}, NodeGroup(2, 1, 4, ("m", 29400), 29401)),
+    ({"nnodes": "2", "node_rank": 1, "master_addr": "m"}, {}, NodeGroup(2, 1, 4, ("m", 29501), 29500)),
+    ({"nnodes": "3", "node_rank": 0, "master_port": 4000}, {}, NodeGroup(3, 0, 4, ("127.0.0.1", 4001), 4000)),
+    ({"nnodes": "2:2", "node_rank": 1}, {}, NodeGroup(2, 1, 4, ("127.0.0.1", 29501), 29500)),
+    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:7000"}, {}, NodeGroup(2, 1, 4, ("m", 7000), 29500)),
+    ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m"}, {}, NodeGroup(2, 1, 4, ("m", 29400), 29500)),
     # torchrun reads every flag from PET_<FLAG> when it is not given (a Kubernetes PyTorchJob sets them)
-    ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29500), 29501)),
-    ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29500), 29501)),
-    ({"nnodes": "2"}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3000), 3001)),
-    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 0, 4, ("r", 5), 6)),
+    ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29501), 29500)),
+    ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29501), 29500)),
+    ({"nnodes": "2"}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3001), 3000)),
+    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 0, 4, ("r", 5), 29500)),
 ])
 def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
                                                    want: NodeGroup | None) -> None:
@@ -36,8 +36,8 @@ def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], env
 
 
 def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
-    assert node_group(_args(nnodes="2"), {"PET_NPROC_PER_NODE": "3"}, None) == NodeGroup(2, 0, 3, ("127.0.0.1", 29500),
-                                                                                          29501)
+    assert node_group(_args(nnodes="2"), {"PET_NPROC_PER_NODE": "3"}, None) == NodeGroup(2, 0, 3, ("127.0.0.1", 29501),
+                                                                                          29500)
 
 
 @pytest.mark.parametrize(("given", "workers", "message"), [
@@ -69,3 +69,10 @@ def test_each_machine_runs_its_workers_its_servers_and_machine_0_the_scheduler(
 
 def test_processes_listen_on_loopback_when_machine_0_is_this_one() -> None:
     assert listen_address("127.0.0.1") == listen_address("localhost") == listen_address("127.0.1.1") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("rendezvous", "master", "clash"), [(29501, 29500, False), (29400, 29500, False),
+                                                             (29498, 29500, True), (29500, 29500, True)])
+def test_the_workers_master_port_must_lie_outside_the_schedulers_ports(rendezvous: int, master: int,
+                                                                       clash: bool) -> None:
+    assert (port_clash(NodeGroup(2, 0, 2, ("m", rendezvous), master), 3) is not None) == clash
