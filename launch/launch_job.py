@@ -121,9 +121,9 @@ def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceCo
     """This machine's share of a job run with a launcher per machine (torchrun's --nnodes)."""
     from sluice.launch.node_group import run_node_group
 
-    if args.aggregators or is_elastic(args) or args.server_hosts or options.preload:
-        return error("--nnodes (a launcher per machine) runs workers and servers: -a, --elastic, --min-workers, "
-                     "--server-hosts and --preload need the one launcher of `sluice launch -H HOSTS` instead")
+    if args.aggregators or is_elastic(args) or args.server_hosts:
+        return error("--nnodes (a launcher per machine) runs workers and servers: -a, --elastic, --min-workers "
+                     "and --server-hosts need the one launcher of `sluice launch -H HOSTS` instead")
     reasons = servers_needed(config, 0)
     if args.servers == 0 and reasons:
         return error(f"-s 0, but {' and '.join(reasons)} need parameter servers: give -s 1 or more, or leave -s "

@@ -15,6 +15,7 @@ from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.janitor import Janitor
 from sluice.launch.node import plan
 from sluice.launch.node_group import NodeGroup, port_clash, processes
+from sluice.launch.preload import ForkedProcess, Preloader, PreloadError, forkable
 from sluice.launch.run_options import RunOptions
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
 
@@ -32,6 +33,8 @@ class NodeGroupRun:
         self.sink = Sink(sys.stdout.buffer)
         self.children: list[Child] = []
         self.janitor: Janitor | None = None
+        #: --preload: the process this machine's workers are forked from (launch/preload.py)
+        self.preloader: Preloader | None = None
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -65,11 +68,16 @@ class NodeGroupRun:
         stderr = asyncio.subprocess.PIPE if self.options.output.split else asyncio.subprocess.STDOUT
         if self.options.verbose:
             self.say(f"starting {role} {rank}: {shlex.join(start.argv)}")
+        forked = forkable(start.argv, sys.executable, env.get("PATH")) if self.preloader and role == "worker" else None
+        proc: asyncio.subprocess.Process | ForkedProcess
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *start.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr,
-                env=env, start_new_session=True, preexec_fn=death_signal_hook(),
-                pass_fds=() if secret_fd is None else (secret_fd,))
+            if forked is not None and self.preloader is not None and secret_fd is not None:
+                proc = await self.preloader.spawn(start.argv, forked, env, secret_fd, self.options.output.split)
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    *start.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+                    env=env, start_new_session=True, preexec_fn=death_signal_hook(),
+                    pass_fds=() if secret_fd is None else (secret_fd,))
         finally:
             if secret_fd is not None:
                 os.close(secret_fd)
@@ -100,6 +108,8 @@ class NodeGroupRun:
                  + f"; the scheduler at {host}:{port}")
         self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them
         try:
+            if self.options.preload and (code := await self._preload()):
+                return code
             for role, rank, local in mine:
                 try:
                     self.children.append(await self._start(role, rank, local))
@@ -109,9 +119,27 @@ class NodeGroupRun:
             return await self._watch(interrupted)
         finally:
             await self._stop()
+            if self.preloader is not None:  # after the workers forked from it
+                await self.preloader.close()
             self.janitor.close()
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
+
+    async def _preload(self) -> int:
+        """Start the preloader and wait for its imports; an exit code when it failed, else 0."""
+        preloader = await Preloader.launch(self.options.preload, os.environ, death_signal_hook())
+        relay = Child("preload", 0, preloader.proc, self.sink, options=self.options.output)
+        if (janitor := self.janitor) is not None:
+            janitor.spawned(preloader.proc.pid)
+            relay.done.add_done_callback(lambda _: janitor.reaped(preloader.proc.pid))
+        try:
+            await preloader.imported(self.args.ready_timeout)
+        except PreloadError as exc:
+            self.complain(f"--preload {','.join(self.options.preload)}: {exc}; fix the module names, or leave it out")
+            await preloader.close()
+            return 2
+        self.preloader = preloader
+        return 0
 
     async def _watch(self, interrupted: asyncio.Future[int]) -> int:
         running: dict[asyncio.Future[int], Child] = {child.done: child for child in self.children}

@@ -20,6 +20,8 @@ from testbed.netbed import Netbed
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "integration" / "scripts" / "per_node.py"
 pytestmark = pytest.mark.slow
+#: the workers forked from one process of each machine that imported torch (the netbed test starts them afresh)
+PRELOAD = ["--preload", "torch,sluice.torch"]
 
 
 def _secret(tmp_path: Path) -> Path:
@@ -29,10 +31,11 @@ def _secret(tmp_path: Path) -> Path:
     return secret
 
 
-def _command(rank: int, master: str, port: int, secret: Path, *script_args: str) -> list[str]:
+def _command(rank: int, master: str, port: int, secret: Path, *script_args: str,
+             launch_args: tuple[str, ...] | list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", master, "--master-port", str(port), "--nproc-per-node", "2", "--secret-file",
-            str(secret), str(SCRIPT), *script_args]
+            str(secret), *launch_args, str(SCRIPT), *script_args]
 
 
 def _finish(launchers: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
@@ -79,8 +82,8 @@ def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.monotonic()
-    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail"), cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail", launch_args=PRELOAD), cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
     (code1, _, err1), (code0, out0, err0) = _finish(launchers, 60)
     assert code1 == 1 and err1.startswith("sluice launch: worker 3 (pid "), err1[-3000:]  # the first to fail
     assert "RuntimeError: rank 3 fails on purpose" in err1
@@ -96,8 +99,9 @@ def test_a_machines_launcher_killed_outright_takes_its_workers_and_the_other_mac
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "long"), cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    quick = [*PRELOAD, "--set", "scheduler.heartbeat_interval=0.25", "--set", "scheduler.heartbeat_timeout=2"]
+    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "long", launch_args=quick), cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
     try:
         assert launchers[0].stdout is not None
         pids = []
