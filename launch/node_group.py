@@ -20,7 +20,7 @@ import contextlib
 import ipaddress
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sluice.launch.run_options import RunOptions
@@ -48,7 +48,8 @@ def add_node_flags(group: argparse._ArgumentGroup) -> None:
                        "--node-rank (default: the variable PET_NNODES, as torchrun, else 1)")
     group.add_argument("--node-rank", "--node_rank", type=int, metavar="K",
                        help="this machine's rank, 0..N-1; machine 0 runs the scheduler (default: PET_NODE_RANK, "
-                            "else 0)")
+                            "else 0 on the machine of --master-addr (--rdzv-endpoint), and with two machines 1 on "
+                            "the other)")
     group.add_argument("--master-addr", "--master_addr", metavar="HOST",
                        help="machine 0's address, which every machine reaches (default: PET_MASTER_ADDR, else "
                             "127.0.0.1)")
@@ -60,9 +61,11 @@ def add_node_flags(group: argparse._ArgumentGroup) -> None:
                             "bytes, mode 0600); without it, --set transport.curve=false on a network you trust")
 
 
-def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: int | None) -> NodeGroup | None:
+def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: int | None,
+               is_here: Callable[[str], bool] = lambda host: is_local_host(host)) -> NodeGroup | None:
     """This machine's place, when the job runs one launcher per machine (--nnodes above 1); None otherwise.
-    `workers`: -w or --nproc-per-node. ValueError saying what to change."""
+    `workers`: -w or --nproc-per-node; `is_here`: whether an address is this machine's. ValueError saying what to
+    change."""
     raw = args.nnodes if args.nnodes is not None else environ.get("PET_NNODES", "1")
     if ":" in raw:
         low, _, high = raw.partition(":")
@@ -74,11 +77,10 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"--nnodes {raw!r}: give the number of machines, 1 or more")
     nnodes = int(raw)
-    rank_raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK", "0")
-    node_rank = int(rank_raw) if str(rank_raw).lstrip("-").isdigit() else -1
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank {rank_raw}: give this machine's rank, 0 to {nnodes - 1}")
     if nnodes == 1:
+        rank_raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK", "0")
+        if str(rank_raw) != "0":
+            raise ValueError(f"--node-rank {rank_raw}: give this machine's rank, 0 to 0")
         return None
     if args.hosts or args.hostfile:
         raise ValueError("--nnodes with -H or --hostfile: give one or the other. With --nnodes, `sluice launch` "
@@ -100,7 +102,38 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
         rendezvous = (host, int(port))
     else:  # the scheduler beside torch's store, on the port above it
         rendezvous = (args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1", int(master) + 1)
-    return NodeGroup(nnodes, node_rank, workers, rendezvous, int(master))
+    return NodeGroup(nnodes, _node_rank(args, environ, nnodes, rendezvous[0], is_here), workers, rendezvous,
+                     int(master))
+
+
+def _node_rank(args: argparse.Namespace, environ: Mapping[str, str], nnodes: int, rendezvous_host: str,
+               is_here: Callable[[str], bool]) -> int:
+    """--node-rank, else PET_NODE_RANK, else as torchrun's c10d rendezvous has it for two machines: 0 on the
+    machine that has the rendezvous address, 1 on the other (for more, each must be told its rank)."""
+    raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK")
+    if raw is None:
+        if is_here(rendezvous_host):
+            return 0
+        if nnodes == 2:
+            return 1
+        raise ValueError(f"--node-rank is needed here: {rendezvous_host} (--master-addr or --rdzv-endpoint) is not "
+                         f"this machine, so it is one of machines 1 to {nnodes - 1}; give each its own (torchrun's "
+                         "c10d rendezvous numbers them itself; these launchers take their ranks from --node-rank)")
+    rank = int(raw) if str(raw).lstrip("-").isdigit() else -1
+    if not 0 <= rank < nnodes:
+        raise ValueError(f"--node-rank {raw}: give this machine's rank, 0 to {nnodes - 1}")
+    return rank
+
+
+def is_local_host(host: str) -> bool:
+    """Is `host` an address of this machine (a socket can be bound to it)? False when it cannot be resolved."""
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))
+    except OSError:
+        return False
+    return True
 
 
 def port_clash(group: NodeGroup, channels: int) -> str | None:

@@ -55,24 +55,28 @@ def _finish(launchers: list[subprocess.Popen[str]], timeout: float) -> list[tupl
 @requires_testbed
 @pytest.mark.timeout(90)
 def test_two_machines_launched_apart_run_one_job_with_torchruns_variables(tmp_path: Path) -> None:
-    """Two hosts of their own addresses (network namespaces): each machine's processes listen on the address that
-    reaches machine 0, and the scheduler, on machine 0, on the rendezvous port."""
+    """Two hosts of their own addresses (network namespaces), torchrun's c10d command line: each machine's processes
+    listen on the address that reaches machine 0, and the scheduler, on machine 0, on the rendezvous port."""
     secret = _secret(tmp_path)
     with Netbed() as bed:
         for name in ("m0", "m1"):
             bed.host(name)
         master = bed.hosts["m0"].address
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}  # torch's gloo: the hostname resolves to no address here
-        launchers = [bed.run(f"m{rank}", _command(rank, master, 29500, secret), cwd=ROOT, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (1, 0)]  # either first
+        # torchrun's c10d form, without --node-rank: the machine of the rendezvous address is 0, the other 1
+        command = [sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2",
+                   "--rdzv-backend", "c10d", "--rdzv-id", "7", "--rdzv-endpoint", f"{master}:29400", "--secret-file",
+                   str(secret), str(SCRIPT)]
+        launchers = [bed.run(name, command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE) for name in ("m1", "m0")]  # either may start first
         (code1, out1, err1), (code0, out0, err0) = _finish(launchers, 60)
     assert code0 == 0 and code1 == 0, (out0 + err0)[-3000:] + (out1 + err1)[-3000:]
     results = sorted(line.split("RESULT ")[1] for line in (out0 + out1).splitlines() if "RESULT " in line)
     # rank, size, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (machine), Sluice's sum, torch.distributed's sum
     assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
     assert "[worker 2] RESULT" in out1 and "[worker 0] RESULT" in out0  # each machine ran its own workers
-    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29501" in out0 and "[scheduler]" not in out1
-    assert f"the scheduler at {master}:29501" in out1
+    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29400" in out0 and "[scheduler]" not in out1
+    assert f"machine 1 of 2: worker 2, worker 3; the scheduler at {master}:29400" in out1
 
 
 @pytest.mark.timeout(90)

@@ -7,7 +7,11 @@ import argparse
 
 import pytest
 
-from sluice.launch.node_group import NodeGroup, listen_address, node_group, port_clash, processes
+from sluice.launch.node_group import NodeGroup, is_local_host, listen_address, node_group, port_clash, processes
+
+
+def _here(host: str) -> bool:  # this machine's addresses, in these tables
+    return host in ("127.0.0.1", "h0")
 
 
 def _args(**given: object) -> argparse.Namespace:
@@ -28,16 +32,20 @@ def _args(**given: object) -> argparse.Namespace:
     ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29501), 29500)),
     ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29501), 29500)),
     ({"nnodes": "2"}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3001), 3000)),
-    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 0, 4, ("r", 5), 29500)),
+    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 1, 4, ("r", 5), 29500)),
+    # no rank given, as torchrun's c10d rendezvous allows: 0 where the rendezvous address is, 1 on the other of two
+    ({"nnodes": "2", "rdzv_endpoint": "h0:9"}, {}, NodeGroup(2, 0, 4, ("h0", 9), 29500)),
+    ({"nnodes": "2", "rdzv_endpoint": "h1:9"}, {}, NodeGroup(2, 1, 4, ("h1", 9), 29500)),
+    ({"nnodes": "3", "master_addr": "h0"}, {}, NodeGroup(3, 0, 4, ("h0", 29501), 29500)),
 ])
 def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
                                                    want: NodeGroup | None) -> None:
-    assert node_group(_args(**given), environ, 4) == want
+    assert node_group(_args(**given), environ, 4, is_here=_here) == want
 
 
 def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
-    assert node_group(_args(nnodes="2"), {"PET_NPROC_PER_NODE": "3"}, None) == NodeGroup(2, 0, 3, ("127.0.0.1", 29501),
-                                                                                          29500)
+    group = node_group(_args(nnodes="2"), {"PET_NPROC_PER_NODE": "3"}, None, is_here=_here)
+    assert group == NodeGroup(2, 0, 3, ("127.0.0.1", 29501), 29500)
 
 
 @pytest.mark.parametrize(("given", "workers", "message"), [
@@ -49,10 +57,12 @@ def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
     ({"nnodes": "2", "node_rank": 1, "hosts": "a:2,b:2"}, 4, "give one or the other"),
     ({"nnodes": "2", "node_rank": 1}, None, "--nnodes without --nproc-per-node"),
     ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:x"}, 4, "expected HOST or HOST:PORT"),
+    ({"nnodes": "3", "master_addr": "h1"}, 4, "--node-rank is needed here: h1 .* is not this machine"),
+    ({"nnodes": "1", "node_rank": 1}, 4, "give this machine's rank, 0 to 0"),
 ])
 def test_what_cannot_run_says_what_to_change(given: dict[str, object], workers: int | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        node_group(_args(**given), {}, workers)
+        node_group(_args(**given), {}, workers, is_here=_here)
 
 
 @pytest.mark.parametrize(("nnodes", "node_rank", "servers", "want"), [
@@ -69,6 +79,7 @@ def test_each_machine_runs_its_workers_its_servers_and_machine_0_the_scheduler(
 
 def test_processes_listen_on_loopback_when_machine_0_is_this_one() -> None:
     assert listen_address("127.0.0.1") == listen_address("localhost") == listen_address("127.0.1.1") == "127.0.0.1"
+    assert is_local_host("127.0.0.1") and not is_local_host("192.0.2.1")  # TEST-NET-1: never this machine's
 
 
 @pytest.mark.parametrize(("rendezvous", "master", "clash"), [(29501, 29500, False), (29400, 29500, False),
