@@ -11,13 +11,15 @@ import sys
 
 from sluice.launch.blame import judge
 from sluice.launch.children import Child, Sink, death_signal_hook
+from sluice.launch.config import ConfigError
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.janitor import Janitor
-from sluice.launch.node import plan
+from sluice.launch.node import NodeError, Start, plan
 from sluice.launch.node_group import NodeGroup, port_clash, processes
 from sluice.launch.preload import ForkedProcess, Preloader, PreloadError, forkable
 from sluice.launch.run_options import RunOptions
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
+from sluice.transport.auth import SecretFileError
 
 #: how long the processes get to end after SIGTERM before SIGKILL
 STOP_S = 10.0
@@ -25,6 +27,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class NodeGroupRun:
+    """This machine's processes of the job: planned, started (workers forked with --preload), watched, stopped."""
+
     def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
                  options: RunOptions, sets: list[str], channels: int) -> None:
         self.group, self.args, self.command, self.servers = group, args, command, servers
@@ -52,12 +56,14 @@ class NodeGroupRun:
             config=self.args.config, sets=self.sets, secret_file=self.args.secret_file,
             master=f"{host}:{self.group.master_port}")
 
-    async def _start(self, role: str, rank: int, local_rank: int) -> Child:
+    def _plan(self, role: str, rank: int) -> Start:
+        """How process (`role`, `rank`) starts: as `sluice node` would start it; NodeError, ConfigError or
+        SecretFileError saying what to change."""
         index = 0 if role == "scheduler" else 1 + rank if role == "server" else 1 + self.servers + rank
-        start = plan(self._namespace(index), os.environ)
-        if role == "scheduler":
-            for note in start.notes:
-                self.complain(note)
+        return plan(self._namespace(index), os.environ)
+
+    async def _start(self, start: Start, local_rank: int) -> Child:
+        role, rank = start.role, start.rank
         env = {**start.env, **self.options.environ()}
         if role == "worker":  # torchrun's variables for a worker of this machine
             env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.group.nproc),
@@ -102,6 +108,13 @@ class NodeGroupRun:
             self.complain(f"error: {clash}")
             return 2
         mine = processes(group, self.servers)
+        try:  # every process planned before any starts: a missing secret file or a bad setting starts nothing
+            starts = [(self._plan(role, rank), local) for role, rank, local in mine]
+        except (NodeError, ConfigError, SecretFileError) as exc:
+            self.complain(f"error: {exc}")
+            return 2
+        for note in dict.fromkeys(note for start, _ in starts for note in start.notes):
+            self.complain(note)
         host, port = group.rendezvous
         self.say(f"machine {group.node_rank} of {group.nnodes}: "
                  + ", ".join(f"{role} {rank}" if role != "scheduler" else "the scheduler" for role, rank, _ in mine)
@@ -110,11 +123,11 @@ class NodeGroupRun:
         try:
             if self.options.preload and (code := await self._preload()):
                 return code
-            for role, rank, local in mine:
+            for start, local in starts:
                 try:
-                    self.children.append(await self._start(role, rank, local))
+                    self.children.append(await self._start(start, local))
                 except OSError as exc:
-                    self.complain(f"cannot start {role} {rank}: {exc}")
+                    self.complain(f"cannot start {start.role} {start.rank}: {exc}")
                     return 1
             return await self._watch(interrupted)
         finally:

@@ -133,3 +133,12 @@ def test_a_machines_launcher_killed_outright_takes_its_workers_and_the_other_mac
             if launcher.poll() is None:
                 launcher.kill()
             launcher.communicate()
+
+
+@pytest.mark.timeout(30)
+def test_a_machine_without_the_secret_starts_nothing_and_says_what_to_give(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "2", "--node-rank", "1",
+                           "--nproc-per-node", "2", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=25)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "no --secret-file: every process of the job needs the job secret" in done.stderr
+    assert "--set transport.curve=false" in done.stderr and "RESULT" not in done.stdout
