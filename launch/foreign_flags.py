@@ -68,8 +68,8 @@ HOROVOD_SETTINGS = (
 )
 _NO_GLOO = "Sluice has its own transport (ZeroMQ over TCP, shared memory within a host), not Gloo or MPI"
 _NO_AUTOTUNE = "Sluice does not autotune: it plans fusion groups from the gradients' sizes and order"
-_RENDEZVOUS = ("with --nnodes, machine 0's launcher is the rendezvous (--master-addr or --rdzv-endpoint), and "
-               "every machine gives its --node-rank")
+_RENDEZVOUS = ("with --nnodes, machine 0's launcher is the rendezvous (--master-addr or --rdzv-endpoint), and the "
+               "machines take their ranks from --node-rank")
 #: (flags, how many values each takes, why it means nothing here)
 HOROVOD_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--gloo", "--mpi", "--jsrun"), 0, _NO_GLOO),
