@@ -130,8 +130,7 @@ def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceCo
                      "out for one per machine")
     servers = args.servers if args.servers is not None else (group.nnodes if reasons else 0)
     try:
-        return run_node_group(group, args, command, servers, options, sets, config.transport.host,
-                              config.transport.channels)
+        return run_node_group(group, args, command, servers, options, sets, config)
     except KeyboardInterrupt:
         return 130
 

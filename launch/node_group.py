@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from sluice.launch.config import SluiceConfig
 from sluice.launch.run_options import RunOptions
 
 #: torchrun's defaults: the master port, and the c10d rendezvous port of an --rdzv-endpoint without one
@@ -173,13 +174,13 @@ def listen_address(rendezvous_host: str) -> str:
 
 
 def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
-                   options: RunOptions, sets: list[str], listen_host: str, channels: int) -> int:
-    """Start this machine's processes and supervise them; the launcher's exit code. `listen_host`: the
-    configured transport.host, kept unless it is the loopback default and machine 0 is another machine."""
+                   options: RunOptions, sets: list[str], config: SluiceConfig) -> int:
+    """Start this machine's processes and supervise them; the launcher's exit code. The processes listen on the
+    configured transport.host unless it is the loopback default and machine 0 is another machine."""
     from sluice.launch.node_group_run import NodeGroupRun
 
     sets = list(sets)
-    if listen_host.startswith("127."):
+    if config.transport.host.startswith("127."):
         try:
             address = listen_address(group.rendezvous[0])
         except OSError as exc:
@@ -188,4 +189,4 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
             return 2
         if address != "127.0.0.1":  # the processes here must be reachable from the other machines
             sets.append(f"transport.host={address}")
-    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, channels).run())
+    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, config).run())

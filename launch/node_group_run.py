@@ -11,7 +11,7 @@ import sys
 
 from sluice.launch.blame import judge
 from sluice.launch.children import Child, Sink, death_signal_hook
-from sluice.launch.config import ConfigError
+from sluice.launch.config import ConfigError, SluiceConfig
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.janitor import Janitor
 from sluice.launch.node import NodeError, Start, plan
@@ -30,9 +30,9 @@ class NodeGroupRun:
     """This machine's processes of the job: planned, started (workers forked with --preload), watched, stopped."""
 
     def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
-                 options: RunOptions, sets: list[str], channels: int) -> None:
+                 options: RunOptions, sets: list[str], config: SluiceConfig) -> None:
         self.group, self.args, self.command, self.servers = group, args, command, servers
-        self.channels = channels  # the scheduler listens on as many ports, from the rendezvous port on
+        self.config = config
         self.options, self.sets = options, sets
         self.sink = Sink(sys.stdout.buffer)
         self.children: list[Child] = []
@@ -104,7 +104,7 @@ class NodeGroupRun:
         for sig in _SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
         group = self.group
-        if (clash := port_clash(group, self.channels)) is not None:
+        if (clash := port_clash(group, self.config.transport.channels)) is not None:
             self.complain(f"error: {clash}")
             return 2
         mine = processes(group, self.servers)
