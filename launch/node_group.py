@@ -113,6 +113,10 @@ def _node_rank(args: argparse.Namespace, environ: Mapping[str, str], nnodes: int
     machine that has the rendezvous address, 1 on the other (for more, each must be told its rank)."""
     raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK")
     if raw is None:
+        if _loopback(rendezvous_host):  # every launcher of the job is on this machine: which is which?
+            raise ValueError(f"--node-rank is needed: the rendezvous address {rendezvous_host} is this machine's "
+                             "loopback, so every launcher runs here; give each its rank, 0 to "
+                             f"{nnodes - 1}")
         if is_here(rendezvous_host):
             return 0
         if nnodes == 2:
@@ -157,13 +161,17 @@ def processes(group: NodeGroup, servers: int) -> list[tuple[str, int, int]]:
     return mine
 
 
+def _loopback(host: str) -> bool:
+    """Is `host`, as written, a loopback address (resolving nothing)?"""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
 def listen_address(rendezvous_host: str) -> str:
     """The address of this machine that reaches `rendezvous_host` (the route's source address), which every
     process here listens on: 127.0.0.1 for a loopback one; OSError when it cannot be resolved or reached."""
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(rendezvous_host).is_loopback:
-            return "127.0.0.1"
-    if rendezvous_host == "localhost":
+    if _loopback(rendezvous_host):
         return "127.0.0.1"
     address = socket.getaddrinfo(rendezvous_host, None, socket.AF_INET)[0][4][0]
     if ipaddress.ip_address(address).is_loopback:

@@ -31,7 +31,7 @@ def _args(**given: object) -> argparse.Namespace:
     # torchrun reads every flag from PET_<FLAG> when it is not given (a Kubernetes PyTorchJob sets them)
     ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29501), 29500)),
     ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29501), 29500)),
-    ({"nnodes": "2"}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3001), 3000)),
+    ({"nnodes": "2", "node_rank": 0}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3001), 3000)),
     ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 1, 4, ("r", 5), 29500)),
     # no rank given, as torchrun's c10d rendezvous allows: 0 where the rendezvous address is, 1 on the other of two
     ({"nnodes": "2", "rdzv_endpoint": "h0:9"}, {}, NodeGroup(2, 0, 4, ("h0", 9), 29500)),
@@ -44,7 +44,7 @@ def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], env
 
 
 def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
-    group = node_group(_args(nnodes="2"), {"PET_NPROC_PER_NODE": "3"}, None, is_here=_here)
+    group = node_group(_args(nnodes="2", node_rank=0), {"PET_NPROC_PER_NODE": "3"}, None, is_here=_here)
     assert group == NodeGroup(2, 0, 3, ("127.0.0.1", 29501), 29500)
 
 
@@ -59,6 +59,7 @@ def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
     ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:x"}, 4, "expected HOST or HOST:PORT"),
     ({"nnodes": "3", "master_addr": "h1"}, 4, "--node-rank is needed here: h1 .* is not this machine"),
     ({"nnodes": "1", "node_rank": 1}, 4, "give this machine's rank, 0 to 0"),
+    ({"nnodes": "2"}, 4, "the rendezvous address 127.0.0.1 is this machine's loopback"),
 ])
 def test_what_cannot_run_says_what_to_change(given: dict[str, object], workers: int | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
