@@ -121,15 +121,12 @@ def test_allreduce_latency_quick_splits_sluices_time_into_negotiation_and_data(t
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_launch_start_quick_forks_preloaded_workers_for_a_fraction_of_the_cpu(tmp_path: Path) -> None:
-    """Two torch workers that import torch and build an optimizer: `sluice launch --preload` against torchrun
+    """Three torch workers that import torch and build an optimizer: `sluice launch --preload` against torchrun
     and a plain launch, a fresh Python per worker. Each of those pays 3-5 CPU-s a worker; forked from one
-    preloaded process, a worker pays 0.1. And two launchers of one worker each, as torchrun's --nnodes 2."""
+    preloaded process, a worker pays 0.1."""
     out = tmp_path / "launch_start.json"
     result = run_script(["bench/launch_start.py", "--quick", "--json", str(out)], timeout=110)
     assert result.returncode == 0, result.stdout[-3000:]
-    wall, cpu, machines_wall, machines_cpu = check_records(out, 4)
-    assert (wall["case"], cpu["case"]) == ("wall-w2", "cpu-w2") and cpu["unit"] == "CPU-s", (wall, cpu)
+    wall, cpu = check_records(out, 2)
+    assert (wall["case"], cpu["case"]) == ("wall-w3", "cpu-w3") and cpu["unit"] == "CPU-s", (wall, cpu)
     assert cpu["ours"] < 0.7 * cpu["peer"] and cpu["ours"] < 0.7 * cpu["plain"], cpu
-    # two launchers at once, as torchrun --nnodes 2 is started on each machine: the job ran on both sides
-    assert (machines_wall["case"], machines_cpu["case"]) == ("wall-m2-w1", "cpu-m2-w1"), machines_wall
-    assert machines_cpu["peer_name"] == "torchrun --nnodes (static rendezvous)" and machines_wall["ours"] > 0
