@@ -181,6 +181,10 @@ class Child:
             await asyncio.wait_for(asyncio.shield(self.pump), 1.0)
         return code
 
+    def last_lines(self) -> str:
+        """Its last lines of output, indented, for a report of its end."""
+        return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+
     def signal_group(self, sig: signal.Signals) -> None:
         # the group outlives its leader when the child left processes behind: signal it regardless
         with contextlib.suppress(OSError):

@@ -58,8 +58,7 @@ class Ending:
             self.complain(f"then {first.name} {exit_description(code)}{self._context(first)}")
         for child in (cause, first):
             if child is first or (child is not None and child.tail):
-                lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
-                self.complain(f"last lines of {child.label}:\n{lines}")
+                self.complain(f"last lines of {child.label}:\n{child.last_lines()}")
         return code if code > 0 and first.role == "worker" else 1
 
     async def _let_culprit_settle(self) -> None:

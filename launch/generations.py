@@ -96,8 +96,7 @@ class Generation(Job):
         if cause.role != "worker":
             return await self._failed(first)
         self.complain(f"{verdict.headline}; dropping {cause.label} and re-forming the job (--elastic)")
-        lines = "\n".join(f"    {line}" for line in cause.tail) or "    (no output)"
-        self.complain(f"last lines of {cause.label}:\n{lines}")
+        self.complain(f"last lines of {cause.label}:\n{cause.last_lines()}")
         self.reform = Reform((cause.rank,), grown=self.grow_to is not None)
         return REFORM_EXIT
 

@@ -96,7 +96,8 @@ def host_port(text: str, option: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Is `host`, as written, a loopback address or name (resolving nothing)?"""
     return host.startswith("127.") or host in _LOOPBACK_NAMES
 
 
@@ -135,7 +136,7 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
     if role == "scheduler" and rank:  # a standby listens where the nodes will look for it
         listen = standbys[rank - 1][1] if rank <= len(standbys) else port
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, standby_port=listen))
-    if _loopback(config.transport.host) and not _loopback(host):
+    if is_loopback(config.transport.host) and not is_loopback(host):
         notes.append(f"warning: transport.host is {config.transport.host}, so processes on other hosts (pods) "
                      "cannot reach this one: set SLUICE_TRANSPORT_HOST to this host's address (on Kubernetes: "
                      "status.podIP from the downward API, as `sluice kubernetes` does)")

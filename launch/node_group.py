@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ipaddress
-import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sluice.launch.config import SluiceConfig
+from sluice.launch.hosts import HostsError
+from sluice.launch.node import is_loopback
+from sluice.launch.reach import host_address, is_this_machine, outward_address
 from sluice.launch.run_options import RunOptions
 
 #: torchrun's defaults: the master port, and the c10d rendezvous port of an --rdzv-endpoint without one
@@ -113,7 +114,7 @@ def _node_rank(args: argparse.Namespace, environ: Mapping[str, str], nnodes: int
     machine that has the rendezvous address, 1 on the other (for more, each must be told its rank)."""
     raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK")
     if raw is None:
-        if _loopback(rendezvous_host):  # every launcher of the job is on this machine: which is which?
+        if is_loopback(rendezvous_host):  # every launcher of the job is on this machine: which is which?
             raise ValueError(f"--node-rank is needed: the rendezvous address {rendezvous_host} is this machine's "
                              "loopback, so every launcher runs here; give each its rank, 0 to "
                              f"{nnodes - 1}")
@@ -131,14 +132,11 @@ def _node_rank(args: argparse.Namespace, environ: Mapping[str, str], nnodes: int
 
 
 def is_local_host(host: str) -> bool:
-    """Is `host` an address of this machine (a socket can be bound to it)? False when it cannot be resolved."""
+    """Is `host` an address of this machine (launch/reach.py's test)? False when it cannot be resolved."""
     try:
-        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.bind((address, 0))
-    except OSError:
+        return is_this_machine(host_address(host))
+    except HostsError:
         return False
-    return True
 
 
 def port_clash(group: NodeGroup, channels: int) -> str | None:
@@ -161,24 +159,11 @@ def processes(group: NodeGroup, servers: int) -> list[tuple[str, int, int]]:
     return mine
 
 
-def _loopback(host: str) -> bool:
-    """Is `host`, as written, a loopback address (resolving nothing)?"""
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host).is_loopback
-    return host == "localhost"
-
-
 def listen_address(rendezvous_host: str) -> str:
-    """The address of this machine that reaches `rendezvous_host` (the route's source address), which every
-    process here listens on: 127.0.0.1 for a loopback one; OSError when it cannot be resolved or reached."""
-    if _loopback(rendezvous_host):
-        return "127.0.0.1"
-    address = socket.getaddrinfo(rendezvous_host, None, socket.AF_INET)[0][4][0]
-    if ipaddress.ip_address(address).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: the kernel picks a route
-        probe.connect((address, 9))
-        return str(probe.getsockname()[0])
+    """The address of this machine that reaches `rendezvous_host` (launch/reach.py's outward address), which every
+    process here listens on: 127.0.0.1 for a loopback one; HostsError when it cannot be resolved or reached."""
+    address = "127.0.0.1" if is_loopback(rendezvous_host) else host_address(rendezvous_host)
+    return "127.0.0.1" if ipaddress.ip_address(address).is_loopback else outward_address(address)
 
 
 def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
@@ -191,7 +176,7 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
     if config.transport.host.startswith("127."):
         try:
             address = listen_address(group.rendezvous[0])
-        except OSError as exc:
+        except HostsError as exc:
             print(f"sluice: error: cannot reach {group.rendezvous[0]} (--master-addr or --rdzv-endpoint): {exc}",
                   file=sys.stderr)
             return 2

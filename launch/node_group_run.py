@@ -180,8 +180,7 @@ class NodeGroupRun:
         verdict = judge(first, self.children, lambda _: "")
         self.complain(f"{verdict.headline}; stopping this machine's processes")
         shown = verdict.cause if isinstance(verdict.cause, Child) else first
-        lines = "\n".join(f"    {line}" for line in shown.tail) or "    (no output)"
-        self.complain(f"last lines of {shown.label}:\n{lines}")
+        self.complain(f"last lines of {shown.label}:\n{shown.last_lines()}")
         code = first.returncode or code
         return code if code > 0 else 128 - code
 

@@ -112,8 +112,7 @@ class Job(Starting):
 
     def report(self, child: Child, why: str) -> None:
         self.complain(f"{child.name} {exit_description(child.returncode or 0)}{why}")
-        lines = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
-        self.complain(f"last lines of {child.label}:\n{lines}")
+        self.complain(f"last lines of {child.label}:\n{child.last_lines()}")
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -278,8 +277,7 @@ class Job(Starting):
             self.complain(self.takeovers.describe(dead, moved_to))
         self.complain(f"{dead.name} {exit_description(dead.returncode or 0)}; restarting it "
                       f"({self.restarts} of at most {ps.max_restarts} restarts)")
-        lines = "\n".join(f"    {line}" for line in dead.tail) or "    (no output)"
-        self.complain(f"last lines of {dead.label}:\n{lines}")
+        self.complain(f"last lines of {dead.label}:\n{dead.last_lines()}")
         self.children.remove(dead)  # what it did is told; the blame of a later failure is its replacement's
         try:
             # a moved server's state file is the mirror it took over, restarted or not (ps/mirror_links.py)
