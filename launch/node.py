@@ -101,6 +101,20 @@ def is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in _LOOPBACK_NAMES
 
 
+def job_secret(secret_file: str | None, curve: bool, notes: list[str]) -> bytes:
+    """The job secret from `secret_file` while CURVE is on (b"" when off, noted if a file was given); NodeError
+    or SecretFileError saying what to give."""
+    if not curve:
+        if secret_file is not None:
+            notes.append(f"transport.curve is off: the secret file {secret_file} is not used")
+        return b""
+    if secret_file is None:
+        raise NodeError("no --secret-file: every process of the job needs the job secret while "
+                        "transport.curve is on (the default); put one in a file of mode 0600 (on Kubernetes: "
+                        "a Secret mounted as a volume), or --set transport.curve=false on a network you trust")
+    return read_secret_file(secret_file)
+
+
 def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
     """What this node runs, from the command line and environment; raises NodeError or ConfigError."""
     workers, servers, aggregators = args.workers, args.servers, args.aggregators
@@ -140,15 +154,7 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
         notes.append(f"warning: transport.host is {config.transport.host}, so processes on other hosts (pods) "
                      "cannot reach this one: set SLUICE_TRANSPORT_HOST to this host's address (on Kubernetes: "
                      "status.podIP from the downward API, as `sluice kubernetes` does)")
-    secret = b""
-    if config.transport.curve:
-        if args.secret_file is None:
-            raise NodeError("no --secret-file: every process of the job needs the job secret while "
-                            "transport.curve is on (the default); put one in a file of mode 0600 (on Kubernetes: "
-                            "a Secret mounted as a volume), or --set transport.curve=false on a network you trust")
-        secret = read_secret_file(args.secret_file)
-    elif args.secret_file is not None:
-        notes.append(f"transport.curve is off: the secret file {args.secret_file} is not used")
+    secret = job_secret(args.secret_file, config.transport.curve, notes)
     node = NodeEnv("" if role == "scheduler" and not rank else f"tcp://{host}:{port}", role, rank, workers, servers,
                    config.to_sections(), aggregators=aggregators,
                    standby=",".join(f"tcp://{h}:{p}" for h, p in standbys), ring=bool(standbys))

@@ -2,14 +2,15 @@
 
 torchrun is started once on every machine of a job (by hand, by `srun`, by a Kubernetes PyTorchJob or a cloud's
 training service), with the same --nnodes, --nproc-per-node and master address everywhere and the machine's own
---node-rank. Given those, `sluice launch` does the same: machine K runs workers K*P .. K*P+P-1 (LOCAL_RANK 0..P-1),
-server S of `-s` on machine S mod N, and machine 0 also the scheduler, listening on the rendezvous port
-(--rdzv-endpoint's, else the port above --master-port; each flag also from torchrun's PET_* variable); the
-workers' MASTER_PORT is --master-port (29500 by default) as under torchrun, for torch.distributed's own store.
-Each process starts as `sluice node` would start it (launch/node.py), so every machine needs the job secret:
---secret-file, or `--set transport.curve=false` on a network you trust. The launcher prefixes its processes'
-output and stops them all when one fails; the other machines' workers then fail on their lost peer, naming it,
-and their launchers stop theirs.
+--node-rank, or none (c10d). Given those, `sluice launch` does the same: machine K runs workers K*P .. K*P+P-1
+(LOCAL_RANK 0..P-1), server S of `-s` on machine S mod N, and machine 0 also the scheduler, listening on the
+rendezvous port (--rdzv-endpoint's, else the port above --master-port; each flag also from torchrun's PET_*
+variable); the workers' MASTER_PORT is --master-port (29500 by default) as under torchrun, for torch.distributed's
+own store. Machine 0 is the machine with the rendezvous address; a machine without --node-rank asks it for one
+(launch/node_ranks.py, on the port after the scheduler's). Each process starts as `sluice node` would start it
+(launch/node.py), so every machine needs the job secret: --secret-file, or `--set transport.curve=false` on a
+network you trust. The launcher prefixes its processes' output and stops them all when one fails; the other
+machines' workers then fail on their lost peer, naming it, and their launchers stop theirs.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import asyncio
 import ipaddress
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluice.launch.config import SluiceConfig
 from sluice.launch.hosts import HostsError
-from sluice.launch.node import is_loopback
+from sluice.launch.node import NodeError, is_loopback, job_secret
+from sluice.launch.node_ranks import RankError, ask_rank, new_ask, rank_keys
 from sluice.launch.reach import host_address, is_this_machine, outward_address
 from sluice.launch.run_options import RunOptions
+from sluice.transport.auth import SecretFileError
 
 #: torchrun's defaults: the master port, and the c10d rendezvous port of an --rdzv-endpoint without one
 MASTER_PORT, RDZV_PORT = 29500, 29400
@@ -36,7 +39,8 @@ class NodeGroup:
     """This machine's place in a job started by one launcher per machine."""
 
     nnodes: int
-    node_rank: int
+    #: None: to be asked of machine 0 (launch/node_ranks.py)
+    node_rank: int | None
     nproc: int
     #: where the scheduler listens (machine 0's address and the rendezvous port)
     rendezvous: tuple[str, int]
@@ -50,8 +54,8 @@ def add_node_flags(group: argparse._ArgumentGroup) -> None:
                        "--node-rank (default: the variable PET_NNODES, as torchrun, else 1)")
     group.add_argument("--node-rank", "--node_rank", type=int, metavar="K",
                        help="this machine's rank, 0..N-1; machine 0 runs the scheduler (default: PET_NODE_RANK, "
-                            "else 0 on the machine of --master-addr (--rdzv-endpoint), and with two machines 1 on "
-                            "the other)")
+                            "else 0 on the machine of --master-addr (--rdzv-endpoint), and on the others the next "
+                            "rank machine 0 hands out, in the order they ask, as torchrun's c10d rendezvous)")
     group.add_argument("--master-addr", "--master_addr", metavar="HOST",
                        help="machine 0's address, which every machine reaches (default: PET_MASTER_ADDR, else "
                             "127.0.0.1)")
@@ -109,22 +113,16 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
 
 
 def _node_rank(args: argparse.Namespace, environ: Mapping[str, str], nnodes: int, rendezvous_host: str,
-               is_here: Callable[[str], bool]) -> int:
-    """--node-rank, else PET_NODE_RANK, else as torchrun's c10d rendezvous has it for two machines: 0 on the
-    machine that has the rendezvous address, 1 on the other (for more, each must be told its rank)."""
+               is_here: Callable[[str], bool]) -> int | None:
+    """--node-rank, else PET_NODE_RANK, else as torchrun's c10d rendezvous has it: 0 on the machine that has the
+    rendezvous address, None (ask machine 0) on the others."""
     raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK")
     if raw is None:
         if is_loopback(rendezvous_host):  # every launcher of the job is on this machine: which is which?
             raise ValueError(f"--node-rank is needed: the rendezvous address {rendezvous_host} is this machine's "
                              "loopback, so every launcher runs here; give each its rank, 0 to "
                              f"{nnodes - 1}")
-        if is_here(rendezvous_host):
-            return 0
-        if nnodes == 2:
-            return 1
-        raise ValueError(f"--node-rank is needed here: {rendezvous_host} (--master-addr or --rdzv-endpoint) is not "
-                         f"this machine, so it is one of machines 1 to {nnodes - 1}; give each its own (torchrun's "
-                         "c10d rendezvous numbers them itself; these launchers take their ranks from --node-rank)")
+        return 0 if is_here(rendezvous_host) else None
     rank = int(raw) if str(raw).lstrip("-").isdigit() else -1
     if not 0 <= rank < nnodes:
         raise ValueError(f"--node-rank {raw}: give this machine's rank, 0 to {nnodes - 1}")
@@ -139,19 +137,26 @@ def is_local_host(host: str) -> bool:
         return False
 
 
+def rank_port(group: NodeGroup, channels: int) -> int:
+    """Where machine 0 hands out ranks (launch/node_ranks.py): the port after the scheduler's channels."""
+    return group.rendezvous[1] + channels
+
+
 def port_clash(group: NodeGroup, channels: int) -> str | None:
     """Why the workers' MASTER_PORT cannot be used beside the scheduler, whose channels take the ports from the
-    rendezvous port on, or None."""
-    first = group.rendezvous[1]
-    if first <= group.master_port < first + channels:
-        return (f"the scheduler listens on ports {first}-{first + channels - 1} (--rdzv-endpoint, one a channel), "
-                f"and --master-port {group.master_port} is among them: give ports {channels} or more apart")
+    rendezvous port on, and machine 0's rank service the next, or None."""
+    first, last = group.rendezvous[1], rank_port(group, channels)
+    if first <= group.master_port <= last:
+        return (f"the scheduler and machine 0's rank service listen on ports {first}-{last} (--rdzv-endpoint, one a "
+                f"channel, and one more), and --master-port {group.master_port} is among them: give ports "
+                f"{channels + 1} or more apart")
     return None
 
 
 def processes(group: NodeGroup, servers: int) -> list[tuple[str, int, int]]:
     """(role, rank, local rank) of this machine's processes: the scheduler on machine 0, server s on machine
     s mod N, and P workers a machine in machine order (local rank: the worker's place on its machine)."""
+    assert group.node_rank is not None, "a machine's rank is known before its processes are"
     mine: list[tuple[str, int, int]] = [("scheduler", 0, 0)] if group.node_rank == 0 else []
     mine += [("server", s, 0) for s in range(servers) if s % group.nnodes == group.node_rank]
     first = group.node_rank * group.nproc
@@ -169,7 +174,8 @@ def listen_address(rendezvous_host: str) -> str:
 def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
                    options: RunOptions, sets: list[str], config: SluiceConfig) -> int:
     """Start this machine's processes and supervise them; the launcher's exit code. The processes listen on the
-    configured transport.host unless it is the loopback default and machine 0 is another machine."""
+    configured transport.host unless it is the loopback default and machine 0 is another machine. A machine
+    without a rank asks machine 0 for one first."""
     from sluice.launch.node_group_run import NodeGroupRun
 
     sets = list(sets)
@@ -182,4 +188,19 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
             return 2
         if address != "127.0.0.1":  # the processes here must be reachable from the other machines
             sets.append(f"transport.host={address}")
+    if group.node_rank is None:
+        try:
+            group = replace(group, node_rank=_asked_rank(group, args, config, options))
+        except (RankError, NodeError, SecretFileError) as exc:
+            print(f"sluice launch: error: {exc}", file=sys.stderr, flush=True)
+            return 2
     return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, config).run())
+
+
+def _asked_rank(group: NodeGroup, args: argparse.Namespace, config: SluiceConfig, options: RunOptions) -> int:
+    host, _ = group.rendezvous
+    secret = job_secret(args.secret_file, config.transport.curve, [])
+    keys = rank_keys(secret) if secret else None
+    say = (lambda text: None) if options.quiet else (lambda text: print(f"[launch] {text}", flush=True))
+    return ask_rank(host_address(host), rank_port(group, config.transport.channels), keys,
+                    new_ask(group.nnodes, group.nproc), config.scheduler.rendezvous_timeout, say)

@@ -9,14 +9,19 @@ import shlex
 import signal
 import sys
 
+import zmq
+
 from sluice.launch.blame import judge
 from sluice.launch.children import Child, Sink, death_signal_hook
 from sluice.launch.config import ConfigError, SluiceConfig
 from sluice.launch.ending import SETTLE_SECONDS
+from sluice.launch.hosts import HostsError
 from sluice.launch.janitor import Janitor
-from sluice.launch.node import NodeError, Start, plan
-from sluice.launch.node_group import NodeGroup, port_clash, processes
+from sluice.launch.node import NodeError, Start, job_secret, plan
+from sluice.launch.node_group import NodeGroup, port_clash, processes, rank_port
+from sluice.launch.node_ranks import RankService, rank_keys
 from sluice.launch.preload import ForkedProcess, Preloader, PreloadError, forkable
+from sluice.launch.reach import host_address
 from sluice.launch.run_options import RunOptions
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
 from sluice.transport.auth import SecretFileError
@@ -119,6 +124,7 @@ class NodeGroupRun:
         self.say(f"machine {group.node_rank} of {group.nnodes}: "
                  + ", ".join(f"{role} {rank}" if role != "scheduler" else "the scheduler" for role, rank, _ in mine)
                  + f"; the scheduler at {host}:{port}")
+        ranks = self._serve_ranks(loop) if group.node_rank == 0 else None
         self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them
         try:
             if self.options.preload and (code := await self._preload()):
@@ -132,11 +138,31 @@ class NodeGroupRun:
             return await self._watch(interrupted)
         finally:
             await self._stop()
+            if ranks is not None:
+                ranks.close()
             if self.preloader is not None:  # after the workers forked from it
                 await self.preloader.close()
             self.janitor.close()
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
+
+    def _serve_ranks(self, loop: asyncio.AbstractEventLoop) -> RankService | None:
+        """Machine 0 hands out ranks to the machines started without one (launch/node_ranks.py), for the job's
+        life; None (said) when it cannot: those machines then say that machine 0 does not answer."""
+        host, _ = self.group.rendezvous
+        port = rank_port(self.group, self.config.transport.channels)
+
+        def said(text: str) -> None:  # on the service's thread
+            loop.call_soon_threadsafe(self.say, text)
+
+        try:
+            secret = job_secret(self.args.secret_file, self.config.transport.curve, [])
+            return RankService(host_address(host), port, rank_keys(secret) if secret else None, self.group.nnodes,
+                               self.group.nproc, said)
+        except (HostsError, NodeError, SecretFileError, zmq.ZMQError) as exc:
+            self.complain(f"warning: cannot hand out machine ranks at {host}:{port} ({exc}); machines started "
+                          "without --node-rank cannot join")
+            return None
 
     async def _preload(self) -> int:
         """Start the preloader and wait for its imports; an exit code when it failed, else 0."""

@@ -31,9 +31,9 @@ from sluice.scheduler.registry_service import (
     local_addresses,
     parse_reply,
     split_endpoint,
-    tcp_url,
 )
 from sluice.transport.auth import JobKeys
+from sluice.transport.request_server import dealer
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -44,19 +44,7 @@ _WITHDRAW_LINGER_MS = 500
 
 def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, keys: JobKeys | None,
             immediate: bool) -> zmq.Socket[bytes]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 4)  # a registry that is away must not collect a queue of old reports
-    sock.setsockopt(zmq.RCVHWM, 4)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES + 4096)  # + CURVE's framing
-    sock.setsockopt(zmq.IMMEDIATE, int(immediate))  # reports only go to a connected registry
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-    sock.setsockopt(zmq.IPV6, int(":" in host))
-    if keys is not None:
-        keys.secure_client(sock, CLIENT_NAME, SERVER_NAME)
-    sock.connect(tcp_url(host, port))
-    return sock
+    return dealer(ctx, host, port, keys, (CLIENT_NAME, SERVER_NAME), MAX_REPLY_BYTES, immediate)
 
 
 class RegistryLink:

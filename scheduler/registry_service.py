@@ -13,20 +13,14 @@ a process without the secret never gets a request through; its failed handshakes
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import socket
-import threading
-import time
 from dataclasses import asdict, dataclass
-
-import zmq
 
 from sluice.scheduler.jobs_registry import MAX_ENTRY_BYTES, JobState, parse_state
 from sluice.transport.auth import JobKeys, read_secret_file
-from sluice.transport.rejects import Rejections
-from sluice.transport.zmq_guard import Guard, make_socket
+from sluice.transport.request_server import RequestServer
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -43,7 +37,6 @@ MAX_REPLY_BYTES = MAX_JOBS * 2048 + 1024
 REQUEST_FRAME_CAP = 64 * 1024
 #: an entry its scheduler has not refreshed for this long is dropped (the server's own clock: hosts' clocks differ)
 SERVED_STALE_S = 10.0
-_POLL_MS = 200
 _OPS = ("report", "withdraw", "list")
 
 
@@ -70,10 +63,6 @@ def split_endpoint(text: str) -> tuple[str, int]:
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, e.g. node1:29450, got {text!r}")
     return host, int(port)
-
-
-def tcp_url(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def local_addresses(host: str) -> list[str]:
@@ -154,79 +143,30 @@ class RegistryServer:
 
     def __init__(self, address: str, port: int, keys: JobKeys | None, stale_s: float = SERVED_STALE_S) -> None:
         """Bind address:port (zmq.ZMQError when it cannot: taken, or not this host's) and start serving."""
-        self.endpoint, self.stale_s = tcp_url(address, port), stale_s
-        self.rejects = Rejections(log)
+        self.stale_s = stale_s
         self._table: dict[str, tuple[JobState, float]] = {}
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._guard = Guard(self._ctx, SERVER_NAME, keys)  # its own context: its own ZAP handler
-        self._sock = make_socket(self._ctx, zmq.ROUTER, REQUEST_FRAME_CAP, None, None)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IPV6, int(":" in address))
-        self._monitor = self._guard.watch(self._sock)
-        self._guard.secure_listener(self._sock, self.endpoint)
-        try:
-            self._sock.bind(self.endpoint)
-        except zmq.ZMQError:
-            self._close_sockets()
-            raise
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="sluice-job-registry", daemon=True)
-        self._thread.start()
+        self._server = RequestServer(SERVER_NAME, address, port, keys, REQUEST_FRAME_CAP, self._answer, log,
+                                     "job registry")
+        self.endpoint, self.rejects = self._server.endpoint, self._server.rejects
+        self._server.start()
 
     @property
     def refused(self) -> int:
         """Requests refused (malformed, oversized, too many jobs) and handshakes failed (no registry secret)."""
-        return self.rejects.total + self._guard.refused_handshakes
+        return self._server.refused
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        for sock in (self._sock, self._guard.zap, self._monitor):
-            if sock is not None:
-                poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            ready = dict(poller.poll(_POLL_MS))
-            if self._guard.zap is not None and self._guard.zap in ready:
-                self._guard.answer_zap()
-            if self._monitor is not None and self._monitor in ready:
-                self._guard.read_monitor(self._monitor)
-            while self._sock in ready:
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._answer(frames, time.monotonic())
-            self.rejects.tick(time.monotonic())
-
-    def _answer(self, frames: list[bytes], now: float) -> None:
-        peer = frames[0].hex()[:16]
-        try:
-            if len(frames) != 2:
-                raise ValueError(f"{len(frames) - 1} frames, expected 1")
-            request = parse_request(frames[1])
-            if request.op == "report":
-                assert request.state is not None
-                if request.state.job not in self._table and len(self._table) >= MAX_JOBS:
-                    raise ValueError(f"the registry holds {MAX_JOBS} jobs already")
-                self._table[request.state.job] = (request.state, now)
-            elif request.op == "withdraw":
-                self._table.pop(request.job, None)
-        except ValueError as exc:
-            self.rejects.refuse(peer, f"job registry: refused a request from {peer}: {exc}", now)
-            return
+    def _answer(self, peer: str, data: bytes, now: float) -> bytes:
+        request = parse_request(data)
+        if request.op == "report":
+            assert request.state is not None
+            if request.state.job not in self._table and len(self._table) >= MAX_JOBS:
+                raise ValueError(f"the registry holds {MAX_JOBS} jobs already")
+            self._table[request.state.job] = (request.state, now)
+        elif request.op == "withdraw":
+            self._table.pop(request.job, None)
         self._table = {job: entry for job, entry in self._table.items() if now - entry[1] <= self.stale_s}
         jobs = sorted((state for state, _ in self._table.values()), key=lambda s: s.started)
-        with contextlib.suppress(zmq.ZMQError):  # the client went away (or is not reading): it asks again
-            self._sock.send_multipart([frames[0], encode_reply(request.seq, jobs, self.refused)], zmq.NOBLOCK)
-
-    def _close_sockets(self) -> None:
-        for sock in (self._sock, self._monitor):
-            if sock is not None:
-                sock.close(linger=0)
-        self._guard.close()
-        self._ctx.term()
+        return encode_reply(request.seq, jobs, self.refused)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=max(1.0, 5 * _POLL_MS / 1000))
-        if not self._thread.is_alive():
-            self._close_sockets()
+        self._server.close()

@@ -1,7 +1,7 @@
-"""torchrun's multi-machine command line, `--nnodes 2 --node-rank K --master-addr ... --nproc-per-node 2 train.py`
-run once per machine: one job of four workers (two network namespaces as the machines), and a failure on one
-machine ends both launchers, naming the worker, as does a machine's launcher killed outright (two launchers on
-127.0.0.1)."""
+"""torchrun's multi-machine command line, `--nnodes 3 --rdzv-endpoint ... --nproc-per-node 1 train.py` run once per
+machine without ranks (three network namespaces as the machines) or `--nnodes 2 --node-rank K --master-addr ...` (two
+launchers on 127.0.0.1): one job, and a failure on one machine ends both launchers, naming the worker, as does a
+machine's launcher killed outright."""
 
 from __future__ import annotations
 
@@ -54,29 +54,37 @@ def _finish(launchers: list[subprocess.Popen[str]], timeout: float) -> list[tupl
 
 @requires_testbed
 @pytest.mark.timeout(90)
-def test_two_machines_launched_apart_run_one_job_with_torchruns_variables(tmp_path: Path) -> None:
-    """Two hosts of their own addresses (network namespaces), torchrun's c10d command line: each machine's processes
-    listen on the address that reaches machine 0, and the scheduler, on machine 0, on the rendezvous port."""
+def test_three_machines_launched_apart_without_ranks_run_one_job_with_torchruns_variables(tmp_path: Path) -> None:
+    """Three hosts of their own addresses (network namespaces), torchrun's c10d command line as `srun` runs it, with
+    no --node-rank: machine 0 is the one with the rendezvous address, the others ask it for their ranks; each
+    machine's processes listen on the address that reaches machine 0, the scheduler on the rendezvous port."""
     secret = _secret(tmp_path)
     with Netbed() as bed:
-        for name in ("m0", "m1"):
+        for name in ("m0", "m1", "m2"):
             bed.host(name)
         master = bed.hosts["m0"].address
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}  # torch's gloo: the hostname resolves to no address here
-        # torchrun's c10d form, without --node-rank: the machine of the rendezvous address is 0, the other 1
-        command = [sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2",
+        command = [sys.executable, "-m", "sluice.launch.cli", "launch", "--nnodes", "3", "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-id", "7", "--rdzv-endpoint", f"{master}:29400", "--secret-file",
                    str(secret), str(SCRIPT)]
         launchers = [bed.run(name, command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE) for name in ("m1", "m0")]  # either may start first
-        (code1, out1, err1), (code0, out0, err0) = _finish(launchers, 60)
-    assert code0 == 0 and code1 == 0, (out0 + err0)[-3000:] + (out1 + err1)[-3000:]
-    results = sorted(line.split("RESULT ")[1] for line in (out0 + out1).splitlines() if "RESULT " in line)
+                             stderr=subprocess.PIPE) for name in ("m2", "m1", "m0")]  # any may start first
+        ended = _finish(launchers, 60)
+    outputs = {name: out + err for name, (_, out, err) in zip(("m2", "m1", "m0"), ended, strict=True)}
+    assert all(code == 0 for code, _, _ in ended), "".join(text[-3000:] for text in outputs.values())
+    results = sorted(line.split("RESULT ")[1] for text in outputs.values() for line in text.splitlines()
+                     if "RESULT " in line)
     # rank, size, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (machine), Sluice's sum, torch.distributed's sum
-    assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
-    assert "[worker 2] RESULT" in out1 and "[worker 0] RESULT" in out0  # each machine ran its own workers
-    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29400" in out0 and "[scheduler]" not in out1
-    assert f"machine 1 of 2: worker 2, worker 3; the scheduler at {master}:29400" in out1
+    assert results == ["0 3 0 1 0 3.0 3.0", "1 3 0 1 1 3.0 3.0", "2 3 0 1 2 3.0 3.0"]
+    assert "[worker 0] RESULT" in outputs["m0"]
+    assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29400" in outputs["m0"]
+    for name in ("m1", "m2"):  # each asked machine 0, got a rank of its own and ran that worker
+        assert "[scheduler]" not in outputs[name]
+        assert f"[launch] asking machine 0 at {master}:29403 for this machine's rank" in outputs[name]
+        rank = int(outputs[name].split("[launch] machine ")[1][0])
+        assert f"[worker {rank}] RESULT" in outputs[name]
+        assert f"machine {rank} of 3: worker {rank}; the scheduler at {master}:29400" in outputs[name]
+    assert outputs["m0"].count(" of 3: ") == 3  # machine 0's own line, and one for each machine it gave a rank
 
 
 @pytest.mark.timeout(90)

@@ -32,11 +32,13 @@ def _args(**given: object) -> argparse.Namespace:
     ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, NodeGroup(2, 1, 4, ("m", 29501), 29500)),
     ({"node_rank": 0}, {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, NodeGroup(2, 0, 4, ("127.0.0.1", 29501), 29500)),
     ({"nnodes": "2", "node_rank": 0}, {"PET_MASTER_PORT": "3000"}, NodeGroup(2, 0, 4, ("127.0.0.1", 3001), 3000)),
-    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, 1, 4, ("r", 5), 29500)),
-    # no rank given, as torchrun's c10d rendezvous allows: 0 where the rendezvous address is, 1 on the other of two
+    ({"nnodes": "2"}, {"PET_RDZV_ENDPOINT": "r:5"}, NodeGroup(2, None, 4, ("r", 5), 29500)),
+    # no rank given, as torchrun's c10d rendezvous allows: 0 where the rendezvous address is, else machine 0's
+    # answer (None: to be asked)
     ({"nnodes": "2", "rdzv_endpoint": "h0:9"}, {}, NodeGroup(2, 0, 4, ("h0", 9), 29500)),
-    ({"nnodes": "2", "rdzv_endpoint": "h1:9"}, {}, NodeGroup(2, 1, 4, ("h1", 9), 29500)),
+    ({"nnodes": "2", "rdzv_endpoint": "h1:9"}, {}, NodeGroup(2, None, 4, ("h1", 9), 29500)),
     ({"nnodes": "3", "master_addr": "h0"}, {}, NodeGroup(3, 0, 4, ("h0", 29501), 29500)),
+    ({"nnodes": "5", "master_addr": "h1"}, {}, NodeGroup(5, None, 4, ("h1", 29501), 29500)),
 ])
 def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
                                                    want: NodeGroup | None) -> None:
@@ -57,7 +59,6 @@ def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
     ({"nnodes": "2", "node_rank": 1, "hosts": "a:2,b:2"}, 4, "give one or the other"),
     ({"nnodes": "2", "node_rank": 1}, None, "--nnodes without --nproc-per-node"),
     ({"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "m:x"}, 4, "expected HOST or HOST:PORT"),
-    ({"nnodes": "3", "master_addr": "h1"}, 4, "--node-rank is needed here: h1 .* is not this machine"),
     ({"nnodes": "1", "node_rank": 1}, 4, "give this machine's rank, 0 to 0"),
     ({"nnodes": "2"}, 4, "the rendezvous address 127.0.0.1 is this machine's loopback"),
 ])
@@ -84,7 +85,8 @@ def test_processes_listen_on_loopback_when_machine_0_is_this_one() -> None:
 
 
 @pytest.mark.parametrize(("rendezvous", "master", "clash"), [(29501, 29500, False), (29400, 29500, False),
+                                                             (29497, 29500, True), (29496, 29500, False),
                                                              (29498, 29500, True), (29500, 29500, True)])
-def test_the_workers_master_port_must_lie_outside_the_schedulers_ports(rendezvous: int, master: int,
-                                                                       clash: bool) -> None:
+def test_the_workers_master_port_must_lie_outside_the_schedulers_ports_and_the_rank_service_s(
+        rendezvous: int, master: int, clash: bool) -> None:
     assert (port_clash(NodeGroup(2, 0, 2, ("m", rendezvous), master), 3) is not None) == clash
