@@ -96,8 +96,8 @@ class Aggregator(Role):
     def stalled(self, now: float, limit: float) -> list[str]:
         return self.relay.stalled(now, limit)
 
-    def worker_left(self, rank: int) -> list[Reply]:
-        return self.relay.worker_left(rank)
+    def worker_left(self, rank: int, error: str) -> list[Reply]:
+        return self.relay.worker_left(rank, error)
 
 
 def run_aggregator(env: NodeEnv) -> int:

@@ -24,6 +24,7 @@ from sluice.ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
 from sluice.ps.relay_replay import Replays
 from sluice.ps.relay_tables import Tables, TreeView
 from sluice.ps.store import Reply, push_ranks
+from sluice.scheduler.leaving import left
 from sluice.scheduler.resend import Answered, resent
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, WireError, brief, keep_payload
@@ -87,6 +88,7 @@ class Relay:
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._spare = SparePool()
         self.departed: list[int] = []
+        self.left_errors: dict[int, str] = {}  # a departed worker's error, when its goodbye said one
         #: ps.replicas: the pushes sent to servers in the last mirror_every answered rounds of each chunk
         self.kept: Answered | None = None
         #: pushes sent again of a round that was over upstream, passed up alone: (key, chunk, round) -> their
@@ -168,7 +170,7 @@ class Relay:
                                      ranks, keep_payload(msg) if msg.flags & Flag.RESEND else None))
         if departed:  # the round can never complete: say so now rather than at the deadline
             return passed + self._fail(at, state, f"round {msg.round} of key {msg.key} chunk {msg.chunk} can never "
-                                         f"complete: worker {departed[0]} has left the job")
+                                         f"complete: {self._left(departed[0])}")
         self._add(state, buffers, ranks, np.frombuffer(msg.payload, STORAGE[dtype]), _opt(msg),
                   bool(msg.flags & Flag.RESEND))
         if len(state.pushed) < len(view.ranks):
@@ -342,18 +344,24 @@ class Relay:
                 out.append((server, buffers.channel, resent(state.sent, buffers.opt)))
         return out
 
-    def worker_left(self, rank: int) -> list[Reply]:
-        """Worker `rank` said goodbye: every round here still waiting for it fails now, naming it."""
+    def worker_left(self, rank: int, error: str = "") -> list[Reply]:
+        """Worker `rank` said goodbye (`error`: the exception that ended it, if it said one): every round here
+        still waiting for it fails now, naming it."""
         if type(rank) is not int or not 0 <= rank < self.workers:
             raise WireError(f"worker {brief(rank)} cannot leave: the job has workers 0..{self.workers - 1}")
         if rank not in self.departed:
             self.departed.append(rank)
+            if error:
+                self.left_errors[rank] = error
         out: list[Reply] = []
         for at, state in list(self._rounds.items()):
             if not state.forwarded and rank in state.view.ranks and rank not in state.pushed:
                 out += self._fail(at, state, f"round {state.round} of key {at[0]} chunk {at[1]} can never "
-                                             f"complete: worker {rank} has left the job")
+                                             f"complete: {self._left(rank)}")
         return out
+
+    def _left(self, rank: int) -> str:
+        return left(f"worker {rank}", self.left_errors.get(rank, ""))
 
     def stalled(self, now: float, limit: float) -> list[str]:
         """Rounds in progress here for longer than `limit` seconds, naming whom they wait for."""

@@ -9,6 +9,7 @@ import time
 from sluice.scheduler.bootstrap import NodeEnv
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.leaving import left, parse_error
 from sluice.scheduler.node import SCHEDULER_PEER, ControlClient
 from sluice.transport.base import open_transport
 from sluice.transport.metrics import summary_lines
@@ -57,8 +58,9 @@ class Role:
         """Rounds waiting longer than `limit` seconds, in words."""
         return []
 
-    def worker_left(self, rank: int) -> list[Reply]:
-        """Worker `rank` said goodbye: the messages that fail the rounds it can no longer join."""
+    def worker_left(self, rank: int, error: str) -> list[Reply]:
+        """Worker `rank` said goodbye (`error`: what ended it, if it said): the messages that fail the rounds it
+        can no longer join."""
         return []
 
     def on_close(self) -> None:
@@ -127,9 +129,9 @@ class Role:
             self.shut_down = True
             self.done.set()
         elif msg.kind == Kind.BYE:
-            rank = meta_field(msg, "rank", int)
-            self.log.info("worker %d has left the job", rank)
-            for to, channel, reply in self.worker_left(rank):
+            rank, error = meta_field(msg, "rank", int), parse_error(msg.meta)
+            self.log.info("%s", left(f"worker {rank}", error))
+            for to, channel, reply in self.worker_left(rank, error):
                 self.transport.send(to, channel, reply)
         else:
             self.on_scheduler(msg)

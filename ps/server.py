@@ -190,8 +190,8 @@ class Server(Role):
             self.control.fail(why)
         return self.store.stalled(now, limit)
 
-    def worker_left(self, rank: int) -> list[Reply]:
-        return self.store.worker_left(rank)
+    def worker_left(self, rank: int, error: str) -> list[Reply]:
+        return self.store.worker_left(rank, error)
 
     def _report_orphan(self, rank: int, error: str) -> None:
         """The first worker to leave early is the cause of every failed round after it: name it, once."""

@@ -24,6 +24,7 @@ from sluice.ps.optim import Optimizer
 from sluice.ps.plan import optimizer_of, parse_plan
 from sluice.ps.ranked_sum import FLOAT_DTYPES, RankedSum, SparePool, bf16_to_f32, f32_to_bf16
 from sluice.ps.recovered import APPLIED, EARLY, IGNORED, Recovery
+from sluice.scheduler.leaving import left
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Flag, Kind, Message, WireError, brief, meta_field
 
@@ -79,6 +80,7 @@ class ShardStore:
         #: ranks of workers that have left the job (rounds that need them can never complete)
         self.departed: set[int] = set()
         self.departure_order: list[int] = []  # the first to leave is the likely cause; name it first
+        self.left_errors: dict[int, str] = {}  # a departed worker's error, when its goodbye said one
         #: ranks of workers inside join(): every round counts them as pushing zeros until they are back
         self.joined: set[int] = set()
         #: called once, with the first worker to leave and the error, when a round is first found orphaned
@@ -310,13 +312,16 @@ class ShardStore:
     def _ack(self, kind: Kind, chunk: Chunk, round_: int, priority: int) -> Message:
         return Message(kind, sender=self.node_id, key=chunk.key, chunk=chunk.chunk, round=round_, priority=priority)
 
-    def worker_left(self, rank: int) -> list[Reply]:
-        """Worker `rank` said goodbye: every round still waiting for it fails now, naming it."""
+    def worker_left(self, rank: int, error: str = "") -> list[Reply]:
+        """Worker `rank` said goodbye (`error`: the exception that ended it, if it said one): every round still
+        waiting for it fails now, naming it."""
         if type(rank) is not int or not 0 <= rank < self.workers:
             raise WireError(f"worker {brief(rank)} cannot leave: the job has workers 0..{self.workers - 1}")
         if rank not in self.departed:
             self.departed.add(rank)
             self.departure_order.append(rank)
+            if error:
+                self.left_errors[rank] = error
         replies = []
         for chunk in self.chunks.values():
             if not chunk.pushed or chunk.pushed >= self._departed(chunk):
@@ -329,12 +334,12 @@ class ShardStore:
     def _orphaned(self, chunk: Chunk, round_: int, priority: int) -> Message:
         pushers = self._departed(chunk)
         gone = [r for r in self.departure_order if r not in chunk.pushed and r in pushers] or self.departure_order
-        who = (f"worker {gone[0]} has left the job" if len(gone) == 1
-               else f"workers {', '.join(map(str, gone))} have left the job (worker {gone[0]} first)")
-        error = (
-            f"round {round_} of {chunk.describe()} can never complete: {who} "
-            "(did the workers run different numbers of steps?)"
-        )
+        first_error = self.left_errors.get(gone[0], "")
+        who = (left(f"worker {gone[0]}", first_error) if len(gone) == 1
+               else f"workers {', '.join(map(str, gone))} have left the job (worker {gone[0]} first"
+                    + (f", with an error ({first_error}))" if first_error else ")"))
+        hint = "" if first_error else " (did the workers run different numbers of steps?)"
+        error = f"round {round_} of {chunk.describe()} can never complete: {who}{hint}"
         if self.on_first_orphan is not None:
             report, self.on_first_orphan = self.on_first_orphan, None
             report(self.departure_order[0], error)

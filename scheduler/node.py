@@ -190,12 +190,14 @@ class ControlClient:
         or when the job fails."""
         return self._wait(key, timeout, what)
 
-    def bye(self) -> None:
+    def bye(self, error: str = "") -> None:
+        """Leave the job; `error`: the exception ending this process (scheduler/leaving.py), told the others."""
         if not self._stop.is_set() and self.failure is None and self.node_id >= 0:
+            meta = {"error": error} if error else {}
             if self._env.standby and self.role == "worker":
-                self._farewell()
+                self._farewell(meta)
             else:
-                self._send(Kind.BYE)
+                self._send(Kind.BYE, **meta)
         self._stop.set()
         if self.agent is not None:
             self.agent.close()
@@ -325,13 +327,13 @@ class ControlClient:
                 self.fail(error)
                 return
 
-    def _farewell(self) -> None:
+    def _farewell(self, meta: dict[str, Any]) -> None:
         """A worker with a standby scheduler leaves once the scheduler saw it leave: a goodbye lost with the
         scheduler would leave the standby waiting for this worker (the heartbeats run on, so a silent
         scheduler is failed over and the goodbye asked of the standby)."""
         waited = (1 + len(self._env.standbys())) * (self._config.heartbeat_timeout + self._config.heartbeat_interval)
         try:
-            self._ask((Kind.SHUTDOWN, None), Kind.BYE, {}, "the scheduler to see this worker leave", waited)
+            self._ask((Kind.SHUTDOWN, None), Kind.BYE, meta, "the scheduler to see this worker leave", waited)
         except SluiceError as exc:
             log.warning("worker %d leaves without the scheduler's word: %s", self.rank, exc)
 

@@ -25,6 +25,7 @@ from sluice.scheduler.declaration import (
 from sluice.scheduler.hierarchy.agent import Report, parse_report
 from sluice.scheduler.hierarchy.routes import Route, check_trees
 from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
+from sluice.scheduler.leaving import left, parse_error
 from sluice.scheduler.members import ROLES, Node, address_book, assign
 from sluice.scheduler.partition import TensorPlan, plan_tensors
 from sluice.scheduler.recovery import ServerRecovery
@@ -95,6 +96,9 @@ class Rendezvous:
         self.exit_code: int | None = None
         self.error = ""
         self.byes: set[str] = set()
+        #: worker rank -> the exception that ended its process, as its goodbye said (scheduler/leaving.py), in the
+        #: order they left
+        self.left_with_error: dict[int, str] = {}
         #: the node declared lost (no heartbeat), once the job failed for that reason
         self.lost: Node | None = None
         self._declarations: dict[int, Declaration] = {}
@@ -152,7 +156,7 @@ class Rendezvous:
         if msg.kind == Kind.BARRIER and node.role == "worker":
             return self._on_barrier(node, msg)
         if msg.kind == Kind.BYE:
-            return self._on_bye(node)
+            return self._on_bye(node, parse_error(msg.meta))
         raise WireError(f"unexpected {msg.kind.name} from {node.describe()}")
 
     def on_tick(self, now: float) -> list[Out]:
@@ -363,8 +367,11 @@ class Rendezvous:
             return [(peer, self._msg(Kind.HEARTBEAT_ACK))] if peer in self.takeover.rejoins else []
         raise WireError(f"{msg.kind.name} to the standby scheduler, which takes only REJOINs until it takes over")
 
-    def _on_bye(self, node: Node) -> list[Out]:
+    def _on_bye(self, node: Node, error: str) -> list[Out]:
         self.byes.add(node.name)
+        if error and node.role == "worker":
+            self.left_with_error[node.rank] = error
+            self.notes.append(left(node.describe(), error))
         # a worker with a standby scheduler waits for this word before it leaves (scheduler/node.py)
         told = [(node.name, self._msg(Kind.SHUTDOWN))] if node.role == "worker" else []
         return told + self._bye_effects(node)
@@ -377,8 +384,9 @@ class Rendezvous:
             # servers and aggregators fail at once any round that now waits for this worker, instead of
             # stalling, and so do the other workers' collectives (worker/collective/engine.py)
             staying = [w for w in self._of_role("worker") if w.name not in self.byes]
-            return [(s.name, self._msg(Kind.BYE, rank=node.rank)) for s in serving + staying] + self.switch.gone(
-                node.name)
+            said = {"error": self.left_with_error[node.rank]} if node.rank in self.left_with_error else {}
+            told = [(s.name, self._msg(Kind.BYE, rank=node.rank, **said)) for s in serving + staying]
+            return told + self.switch.gone(node.name)
         self.phase, self.exit_code = "done", 0
         return [(s.name, self._msg(Kind.SHUTDOWN)) for s in serving]
 

@@ -207,6 +207,10 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
                  stats["rejected"] + rejects.total, stats["refused_connections"])
     if machine.exit_code:
         log.error("job failed: %s", machine.error)
+    elif machine.left_with_error:  # the launcher (or the pods' orchestrator) sees those workers' exit codes
+        rank, error = next(iter(machine.left_with_error.items()))  # in the order they left: the first is the cause
+        log.warning("every worker has left, %d of them with an error; the first: worker %d (%s)",
+                    len(machine.left_with_error), rank, error)
     else:
         log.info("all workers finished; job done")
     return machine.exit_code or 0

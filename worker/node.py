@@ -22,6 +22,7 @@ from sluice.errors import SluiceError
 from sluice.scheduler import culprit
 from sluice.scheduler.bootstrap import NodeEnv, from_environ
 from sluice.scheduler.config import SchedulerConfig
+from sluice.scheduler.leaving import note_uncaught, parse_error, uncaught
 from sluice.scheduler.node import SCHEDULER_PEER, ControlClient, PeerInfo, endpoint_host
 from sluice.scheduler.timeline_parts import send_part
 from sluice.transport.base import open_transport
@@ -73,6 +74,7 @@ class WorkerNode:
     servers, until this worker has calibrated against them."""
 
     def __init__(self, env: NodeEnv | None = None) -> None:
+        note_uncaught()  # a script that raises: its goodbye says what (scheduler/leaving.py)
         self.env = env or from_environ()
         self.settings = self.env.transport_config()
         self.control_settings = SchedulerConfig(**self.env.section("scheduler"))
@@ -202,7 +204,7 @@ class WorkerNode:
         if self.collectives is not None:
             self.collectives.close()
         self._send_timeline()
-        self.control.bye()
+        self.control.bye(uncaught())
         self.transport.close(flush_seconds=2.0)
         self.stop_trace()
         if self.metrics_server is not None:
@@ -276,22 +278,22 @@ class WorkerNode:
     def _on_control(self, msg: Message) -> None:
         """A scheduler message the control client does not take itself, to the handler that owns its kind."""
         if msg.kind == Kind.BYE:  # another worker ended its process: collectives still waiting for it fail
-            self._on_worker_left(meta_field(msg, "rank", int))
+            self._on_worker_left(meta_field(msg, "rank", int), parse_error(msg.meta))
             return
         handler = self.control_routes.get(msg.kind)
         if handler is None:
             raise WireError(f"unexpected {msg.kind.name} from the scheduler")
         handler(msg)
 
-    def _on_worker_left(self, rank: int) -> None:
+    def _on_worker_left(self, rank: int, error: str) -> None:
         workers = self.by_rank("worker")
         if not 0 <= rank < len(workers):
             raise WireError(f"the scheduler says worker {rank} left; the job has workers 0..{len(workers) - 1}")
         who = f"worker {rank} (on {endpoint_host(workers[rank].endpoints)})"
         if self.collectives is not None:
-            self.collectives.worker_left(rank, who)
+            self.collectives.worker_left(rank, who, error)
         if self.process_sets is not None:
-            self.process_sets.worker_left(rank, who)
+            self.process_sets.worker_left(rank, who, error)
 
     def _on_fatal(self, error: str) -> None:
         self.failure = error

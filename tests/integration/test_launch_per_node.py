@@ -6,6 +6,7 @@ machine's launcher killed outright."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -100,7 +101,10 @@ def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path:
     assert code1 == 1 and err1.startswith("sluice launch: worker 3 (pid "), err1[-3000:]  # the first to fail
     assert "RuntimeError: rank 3 fails on purpose" in err1
     assert code0 != 0, (out0 + err0)[-3000:]  # machine 0's workers lost their peer: the launcher says who
-    assert "worker 3" in out0 + err0 and "has left the job" in out0 + err0
+    # machine 0's workers name worker 3 and what ended it, which its goodbye said (scheduler/leaving.py)
+    assert re.search(r"worker 3 \(on \S+\) has left the job with an error \(RuntimeError: rank 3 fails on purpose\)",
+                     err0), err0[-3000:]
+    assert "with an error; the first: worker 3 (RuntimeError: rank 3 fails on purpose)" in out0
     assert time.monotonic() - started < 45
 
 

@@ -169,6 +169,24 @@ def test_barrier_releases_when_all_arrive_and_bye_ends_the_job() -> None:
     assert machine.exit_code == 0
 
 
+def test_a_goodbye_with_an_error_is_passed_on_to_the_others_and_a_malformed_one_refused() -> None:
+    machine = formed(workers=3)
+    with pytest.raises(WireError, match="a goodbye's error must be a string"):
+        machine.on_message("w2", msg(Kind.BYE, error=7), 1.0)
+    with pytest.raises(WireError, match="at most 240 characters"):
+        machine.on_message("w2", msg(Kind.BYE, error="x" * 241), 1.0)
+    outs = machine.on_message("w2", msg(Kind.BYE, error="RuntimeError: boom\x1b[2J"), 2.0)  # w2 holds rank 0
+    assert [(p, m.kind, m.meta) for p, m in outs] == [
+        ("w2", Kind.SHUTDOWN, {}), ("s0", Kind.BYE, {"rank": 0, "error": "RuntimeError: boom?[2J"}),
+        ("w1", Kind.BYE, {"rank": 0, "error": "RuntimeError: boom?[2J"}),
+        ("w0", Kind.BYE, {"rank": 0, "error": "RuntimeError: boom?[2J"})]
+    assert machine.left_with_error == {0: "RuntimeError: boom?[2J"}
+    assert machine.notes[-1] == "worker 0 (node 2, pid 1) has left the job with an error (RuntimeError: boom?[2J)"
+    machine.on_message("w1", msg(Kind.BYE), 3.0)
+    machine.on_message("w0", msg(Kind.BYE), 3.0)
+    assert machine.phase == "done" and machine.exit_code == 0  # the launcher judges by the workers' exit codes
+
+
 def test_unregistered_peer_is_rejected() -> None:
     machine = formed()
     with pytest.raises(WireError, match="unregistered"):

@@ -100,7 +100,15 @@ def test_a_departed_worker_fails_the_rounds_that_need_it() -> None:
     assert shard.handle("w0", 1, push(10, 1, [1, 1, 1, 1])) == []  # waits for worker 1
     failed = shard.worker_left(1)
     assert [(peer, m.kind, m.round) for peer, _, m in failed] == [("w0", Kind.ERROR, 1)]
-    assert "worker 1 has left the job" in failed[0][2].meta["error"]
+    assert failed[0][2].meta["error"].endswith(": worker 1 has left the job (did the workers run different numbers "
+                                              "of steps?)")
+
+
+def test_a_worker_that_left_with_an_error_is_named_with_it_and_no_hint_of_uneven_steps() -> None:
+    shard = store()
+    shard.handle("w0", 1, push(10, 1, [1, 1, 1, 1]))
+    failed = shard.worker_left(1, "RuntimeError: out of data")
+    assert failed[0][2].meta["error"].endswith(": worker 1 has left the job with an error (RuntimeError: out of data)")
 
 
 def test_a_round_the_departed_worker_joined_still_completes() -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sluice.errors import CollectiveError, InvalidCallError, SluiceError
+from sluice.scheduler.leaving import left
 from sluice.transport.base import Transport
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import Kind, Message
@@ -342,8 +343,9 @@ class CollectiveEngine:
                                    children)
         data.add_done_callback(lambda h: settle(handle, h, lambda: None if single else scatter(flat, arrays)))
 
-    def worker_left(self, rank: int, who: str) -> None:
-        """Worker `rank` (`who`) ended its process: later calls fail at once, naming it, and so do the
+    def worker_left(self, rank: int, who: str, error: str = "") -> None:
+        """Worker `rank` (`who`) ended its process (`error`: the exception that ended it, when it said one): later
+        calls fail at once, naming it, and so do the
         operations still undecided LEFT_GRACE_S later (the scheduler's word can overtake the decisions
         of those it took part in); decided ones finish (their data has a deadline)."""
         if rank == self.rank or not 0 <= rank < self.size:
@@ -352,9 +354,11 @@ class CollectiveEngine:
             if self._departed is not None:
                 return
             self._departed_rank = rank
-            self._departed = (f"{who} has left the job (its process ended) after {self._seq} collectives here; "
-                              "a worker with fewer batches than the others must call hvd.join() before it "
-                              "ends (join returns once every rank has joined)")
+            self._departed = (
+                f"{left(who, error)} after {self._seq} collectives here" if error else
+                f"{who} has left the job (its process ended) after {self._seq} collectives here; a worker with fewer "
+                "batches than the others must call hvd.join() before it ends (join returns once every rank has "
+                "joined)")
         timer = threading.Timer(LEFT_GRACE_S, self._fail_undecided)
         timer.daemon = True
         timer.start()

@@ -239,12 +239,12 @@ class ProcessSets:
             self._transport.refuse(peer, f"dropped {inner.kind.name} of process set {set_id} from {peer!r:.60}: "
                                          "no such set here (removed, never added, or this worker is not in it)")
 
-    def worker_left(self, rank: int, who: str) -> None:
+    def worker_left(self, rank: int, who: str, error: str = "") -> None:
         with self._lock:
             engines = [({**self.ranks, **self._internal}[i], e) for i, e in self._engines.items()]
         for ranks, engine in engines:
             if rank in ranks:
-                engine.worker_left(ranks.index(rank), who)
+                engine.worker_left(ranks.index(rank), who, error)
 
     def fail(self, error: str) -> None:
         with self._lock:
