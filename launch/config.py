@@ -170,14 +170,17 @@ class SluiceConfig:
         """Rebuilds a config from to_sections() output; missing keys keep their defaults."""
         return dataclasses.replace(_build(_items_from_tables(sections, source)), sources=())
 
-    def describe(self) -> str:
-        """One `section.field = value` line per key, noting where non-default values came from."""
+    def describe(self, changed_only: bool = False) -> str:
+        """One `section.field = value` line per key (`changed_only`: per key set by a file, the environment or
+        --set), noting where non-default values came from."""
         origin = dict(self.sources)
         lines = []
         for info in all_fields():
             line = f"{info.key} = {render(self.value(info))}"
             if info.key in origin:
                 line += f"  # from {origin[info.key]}"
+            elif changed_only:
+                continue
             lines.append(line)
         return "\n".join(lines)
 

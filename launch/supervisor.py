@@ -146,7 +146,10 @@ class Job(Starting):
                 loop.remove_signal_handler(sig)
 
     async def _run(self) -> int:
-        self.say(self.config.describe())
+        # what was set, not the 70 defaults (--verbose or --log-level DEBUG: every key; `sluice config` prints them)
+        self.say(self.config.describe(), debug=True)
+        if changed := self.config.describe(changed_only=True):
+            self.say(changed)
         if self.plan is not None:
             self.say(self.plan.describe())
         if self.threads_note:
