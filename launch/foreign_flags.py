@@ -50,7 +50,7 @@ HOROVOD_ALIASES = (
     Alias(("-i", "--ssh-identity-file"), "ssh_identity", "PATH", str, "--ssh-identity"),
     Alias(("--min-np", "--min-num-proc"), "min_workers", "N", int, "--min-workers"),
     Alias(("--max-np", "--max-num-proc"), "max_workers", "N", int, "--max-workers"),
-    Alias(("--reset-limit",), "max_restarts", "N", int, "--max-restarts"),
+    Alias(("--reset-limit",), "reset_limit", "N", int, "--max-restarts with --elastic"),
     Alias(("--start-timeout",), "ready_timeout", "SECONDS", float, "--ready-timeout"),
     Alias(("--timeline-filename",), "timeline", "PATH", str, "--timeline"),
     Alias(("--config-file",), "config", "PATH", str, "--config: Sluice's TOML, not Horovod's YAML"),

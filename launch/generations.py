@@ -39,6 +39,7 @@ from sluice.launch.preload import Preloader
 from sluice.launch.run_options import RunOptions
 from sluice.launch.standby import Schedulers, standby_hosts
 from sluice.launch.supervisor import Job, run_on_loop, supervise
+from sluice.launch.torchrun_env import ENV_MAX_RESTARTS, ENV_RESTART_COUNT
 from sluice.scheduler.bootstrap import ENV_ELASTIC_IN_PLACE
 from sluice.scheduler.new_place import Place
 
@@ -329,7 +330,9 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
     held: tuple[Preloader, Child] | None = None  # the preloader (--preload), handed from one generation to the next
     try:
         while True:
-            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation),
+            # torchrun counts a re-formed elastic job's rendezvous as a restart
+            env = {ENV_ELASTIC_DIR: directory, ENV_GENERATION: str(generation), ENV_RESTART_COUNT: str(generation),
+                   ENV_MAX_RESTARTS: str(elastic.max_restarts),
                    **({ENV_ELASTIC_IN_PLACE: "1"} if elastic.in_place else {})}
             job = Generation(config, workers, servers, command, grace, ready_timeout, sys.stdout.buffer,
                              sys.stderr, aggregators, plan, elastic, env, options)
@@ -366,8 +369,14 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
 def run_job(config: SluiceConfig, workers: int, servers: int, command: Sequence[str], *, grace: float = 10.0,
             ready_timeout: float = 60.0, aggregators: int = 0, plan: ClusterPlan | None = None,
             elastic: ElasticSettings | None = None, replan: Replan | None = None,
-            options: RunOptions | None = None) -> int:
-    """The launcher's job: one, or with `elastic` its generations (`replan` lays each out over its hosts)."""
+            options: RunOptions | None = None, restarts: int = 0) -> int:
+    """The launcher's job: one, started again after a failure up to `restarts` times (launch/restarts.py), or with
+    `elastic` its generations (`replan` lays each out over its hosts)."""
+    if elastic is None and restarts:
+        from sluice.launch.restarts import restarting
+
+        return run_on_loop(restarting(config, workers, servers, command, grace, ready_timeout, aggregators, plan,
+                                      restarts, options))
     if elastic is None:
         return run_on_loop(supervise(config, workers, servers, command, grace=grace, ready_timeout=ready_timeout,
                                      aggregators=aggregators, plan=plan, options=options))

@@ -135,9 +135,11 @@ def _add_elastic_options(launch: argparse.ArgumentParser) -> None:
                          help="a program printing the hosts available now, `host:slots` a line "
                               "(`localhost:N` for this machine); run every --discovery-interval seconds, and when "
                               "it reports more slots the workers re-form the job at their next commit")
-    elastic.add_argument("--max-restarts", type=int, default=10, metavar="N",
-                         help="with --elastic: end the job after N re-formings not caused by new hosts (a "
-                              "script that fails the same way every time) (default: %(default)s)")
+    elastic.add_argument("--max-restarts", type=int, metavar="N",
+                         help="as torchrun: when a process fails, stop every process and start the job again, up to "
+                              "N times (the workers see TORCHELASTIC_RESTART_COUNT; default: the variable "
+                              "PET_MAX_RESTARTS, else 0); with --elastic: end the job after N re-formings not caused "
+                              "by new hosts (a script that fails the same way every time) (default there: 10)")
     elastic.add_argument("--in-place", action="store_true",
                          help="with --elastic: replace a lost worker by a new process in its slot, and let the "
                               "other workers re-form the job in their own processes (Horovod's elastic: they keep "

@@ -124,6 +124,15 @@ def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceCo
     if args.aggregators or is_elastic(args) or args.server_hosts:
         return error("--nnodes (a launcher per machine) runs workers and servers: -a, --elastic, --min-workers "
                      "and --server-hosts need the one launcher of `sluice launch -H HOSTS` instead")
+    from sluice.launch.restarts import max_restarts
+
+    try:
+        if restarts := max_restarts(args.max_restarts, os.environ):
+            print(f"sluice launch: --max-restarts {restarts} is not taken with one launcher per machine yet: a failed "
+                  "process ends the job on every machine (one `sluice launch -H HOSTS` restarts the whole job)",
+                  file=sys.stderr, flush=True)
+    except ValueError as exc:
+        return error(str(exc))
     reasons = servers_needed(config, 0)
     if args.servers == 0 and reasons:
         return error(f"-s 0, but {' and '.join(reasons)} need parameter servers: give -s 1 or more, or leave -s "
@@ -140,6 +149,7 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
     from sluice.launch.generations import run_job
     from sluice.launch.hosts import HostsError
     from sluice.launch.reach import Reach
+    from sluice.launch.restarts import max_restarts
     from sluice.launch.slurm import slurm_refusal
 
     if (refusal := slurm_refusal(os.environ)) is not None:
@@ -174,10 +184,12 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
         return error("-w N (or -np N) is required: how many workers to start on this machine")
     if config.ps.recover and not config.ps.sync:
         return error("ps.recover works with synchronous servers (ps.sync = true): turn ps.recover off, or ps.sync on")
-    elastic = None
+    elastic, restarts = None, 0
     try:
         if is_elastic(args):
             elastic = elastic_settings(args, workers, config)
+        else:
+            restarts = max_restarts(args.max_restarts, os.environ)
     except ValueError as exc:
         return error(str(exc))
     from sluice.launch.takeover import with_replicas
@@ -189,7 +201,8 @@ def _run(args: argparse.Namespace, config: SluiceConfig, command: list[str], opt
         code = run_job(config, workers, servers, command, grace=args.grace,
                        ready_timeout=args.ready_timeout, aggregators=args.aggregators, plan=plan,
                        elastic=elastic, replan=lambda hosts: None if plan is None and all(
-                           h.name == "localhost" for h in hosts) else replan(hosts), options=options)
+                           h.name == "localhost" for h in hosts) else replan(hosts), options=options,
+                       restarts=restarts)
     except KeyboardInterrupt:  # before the supervisor's own handlers were installed
         return 130
     if config.timeline.path:
@@ -223,7 +236,8 @@ def elastic_settings(args: argparse.Namespace, workers: int, config: SluiceConfi
         raise ValueError(f"--host-discovery-script {discovery} is not an executable file")
     maximum = args.max_workers or (4096 if discovery else workers)
     minimum = 1 if args.min_workers is None else args.min_workers
-    settings = ElasticSettings(minimum, maximum, discovery, args.discovery_interval, args.max_restarts,
+    given = args.max_restarts if args.max_restarts is not None else getattr(args, "reset_limit", None)
+    settings = ElasticSettings(minimum, maximum, discovery, args.discovery_interval, 10 if given is None else given,
                                getattr(args, "in_place", False))
     if not settings.min_workers <= workers <= settings.max_workers:
         raise ValueError(f"-w {workers} must lie between --min-workers {settings.min_workers} and --max-workers "

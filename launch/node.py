@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.launch.config import ConfigError, help_epilog, load_config
+from sluice.launch.torchrun_env import torchrun_env
 from sluice.scheduler.bootstrap import ENV_INDEX_FAILURES, ENV_SECRET_FD, NodeEnv, secret_pipe
 from sluice.transport.auth import SecretFileError, read_secret_file
 
@@ -164,7 +165,7 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Start:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
         return Start(role, rank, [sys.executable, "-m", "sluice.launch.cli", role], env, secret, tuple(notes))
     # torchrun's variables, one process per host (pod), so a DDP script's init_process_group() works
-    env.update(RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    env.update(torchrun_env(rank, workers, 0, 1, rank, workers))
     if args.master is not None:
         master_host, master_port = host_port(args.master, "--master")
         env.update(MASTER_ADDR=master_host, MASTER_PORT=str(master_port))

@@ -23,6 +23,7 @@ from sluice.launch.node_ranks import RankService, rank_keys
 from sluice.launch.preload import ForkedProcess, Preloader, PreloadError, forkable
 from sluice.launch.reach import host_address
 from sluice.launch.run_options import RunOptions
+from sluice.launch.torchrun_env import torchrun_env
 from sluice.scheduler.bootstrap import ENV_SECRET_FD, secret_pipe
 from sluice.transport.auth import SecretFileError
 
@@ -71,8 +72,9 @@ class NodeGroupRun:
         role, rank = start.role, start.rank
         env = {**start.env, **self.options.environ()}
         if role == "worker":  # torchrun's variables for a worker of this machine
-            env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.group.nproc),
-                       GROUP_RANK=str(self.group.node_rank), GROUP_WORLD_SIZE=str(self.group.nnodes))
+            assert self.group.node_rank is not None
+            env.update(torchrun_env(rank, self.group.nnodes * self.group.nproc, local_rank, self.group.nproc,
+                                    self.group.node_rank, self.group.nnodes))
         secret_fd = secret_pipe(start.secret) if start.secret else None
         if secret_fd is not None:
             env[ENV_SECRET_FD] = str(secret_fd)

@@ -25,6 +25,7 @@ from sluice.launch.output import folder
 from sluice.launch.preload import ForkedProcess, Preloader, forkable
 from sluice.launch.reach import forwarded_env, header_line, stub_argv
 from sluice.launch.run_options import OutputOptions
+from sluice.launch.torchrun_env import torchrun_env
 from sluice.scheduler.bootstrap import ENV_ELASTIC_GENERATION, ENV_SECRET_FD, NodeEnv, secret_pipe
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -77,12 +78,13 @@ class Spawner:
             if role == "scheduler" and ENV_ELASTIC_GENERATION in self.worker_env:  # it refuses another's REJOIN
                 env[ENV_ELASTIC_GENERATION] = self.worker_env[ENV_ELASTIC_GENERATION]
         else:  # torchrun's variables, so a DDP script's init_process_group() works unchanged (ddp_hook)
-            local_rank, local_size = rank, self.workers
+            local_rank, local_size, group, groups = rank, self.workers, 0, 1
             if place is not None and self.plan is not None:
                 local_rank, local_size = place.local_rank, self.plan.workers_on(place.host)
-            env.update(RANK=str(rank), WORLD_SIZE=str(self.workers), LOCAL_RANK=str(local_rank),
-                       LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR=self.master_addr,
-                       MASTER_PORT=str(self.master_port), **self.worker_env)
+                hosts = list(dict.fromkeys(p.host for p in self.plan.layout.processes if p.role == "worker"))
+                group, groups = hosts.index(place.host) if place.host in hosts else len(hosts), max(len(hosts), 1)
+            env.update(torchrun_env(rank, self.workers, local_rank, local_size, group, groups),
+                       MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port), **self.worker_env)
         remote = place is not None and self.plan is not None and self.plan.is_remote(place.host)
         return env, place.host if remote and place is not None else None
 

@@ -46,6 +46,7 @@ except OSError:
     what = "closed"
 print("secret pipe", "still open" if what.startswith("pipe:") else "closed", flush=True)
 print("secret in environ:", [k for k in os.environ if "SECRET" in k and k != "SLUICE_SECRET_FD"], flush=True)
+print("curve", node.settings.curve, flush=True)
 client.declare([("w", (1000,), "float32", None)])
 out = np.zeros(1000, np.float32)
 client.push_pull("w", np.full(1000, client.rank + 1, np.float32), out).wait()
@@ -72,13 +73,16 @@ STARTS = pytest.mark.parametrize("start", [[], ["--preload", "sluice.worker.node
 @pytest.mark.timeout(60)
 @STARTS
 def test_workers_exit_zero(launch: type[Launch], worker_script: str, start: list[str]) -> None:
-    job = launch([*_job(2, 1, "--grace", "1", *start), "--", sys.executable, worker_script, "exit0"])
+    job = launch([*_job(2, 1, "--grace", "1", "--set", "transport.aging_ms=900", *start), "--", sys.executable,
+                  worker_script, "exit0"])
     job.worker_pids(2)
     job.snapshot()
     assert job.finish(30) == 0, job.stderr()
     out = job.stdout()
     assert "[worker 0] bye from 0" in out and "[worker 1] bye from 1" in out
-    assert "[launch] transport.chunk_bytes = 0" in out  # the resolved config, printed at start
+    # the keys set, with where from, printed at start; not the defaults
+    assert "[launch] transport.aging_ms = 900.0  # from --set transport.aging_ms=900" in out
+    assert "transport.chunk_bytes" not in out
     assert re.search(r"^\[scheduler\] SLUICE_SCHEDULER_READY tcp://127\.0\.0\.1:\d+$", out, re.M)
     # these workers never register, so the scheduler waits for them until stopped after the grace
     assert "[launch] stopping scheduler" in out
@@ -96,7 +100,7 @@ def test_real_job_ends_by_itself(launch: type[Launch], tmp_path: Path, start: li
     assert "[worker 0] sum 3.0" in out and "[worker 1] sum 3.0" in out
     assert "stopping" not in out, out  # scheduler and servers left by themselves
     # CURVE was on, and the secret reached the workers only through the pipe, which is closed after use
-    assert "[launch] transport.curve = true" in out
+    assert "[worker 0] curve True" in out and "[worker 1] curve True" in out
     assert out.count("secret pipe closed") == 2 and "secret in environ: []" in out
 
 

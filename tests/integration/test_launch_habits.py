@@ -119,3 +119,39 @@ def test_workers_that_exit_after_the_job_ended_are_waited_for_and_keep_their_exi
     assert re.search(r"worker 1 .*exited with code 3", err), err  # its own code, not a stop by the launcher
     assert "worker 0" not in err, err
     job.assert_none_left()
+
+
+# a Sluice worker that says which start of the job it is in; rank 1 fails the first `argv[1]` starts
+RESTARTED = """
+import os, sys
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if os.environ["RANK"] == "1" and restart < int(sys.argv[1]):
+    sys.exit(3)
+from sluice.worker.node import WorkerNode
+node = WorkerNode()
+print("formed", node.rank, "start", restart, *(os.environ[k] for k in (
+    "TORCHELASTIC_MAX_RESTARTS", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")), flush=True)
+node.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_torchruns_max_restarts_starts_the_whole_job_again_after_a_failure_and_gives_up_after_the_last(
+        launch: type[Launch], tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(RESTARTED)
+    job = launch(["--nproc-per-node", "2", "--max-restarts", "2", str(script), "2"])
+    assert job.finish(60) == 0, job.stderr()
+    out = job.stdout()
+    assert out.count("[launch] restarting every process of the job") == 2
+    assert "start 3 of at most 3 (--max-restarts 2; the workers see TORCHELASTIC_RESTART_COUNT=2)" in out
+    # the third start formed a job: a new scheduler, both workers; torchrun's variables, Lightning's sign of it
+    assert "[worker 0] formed 0 start 2 2 0 1 0 2 default none False" in out
+    assert "[worker 1] formed 1 start 2 2 0 1 1 2 default none False" in out
+    assert job.stderr().count("worker 1 (pid") == 2  # each failure named
+    failing = launch(["--nproc-per-node", "2", "--max-restarts", "1", str(script), "9"])
+    assert failing.finish(60) == 3, failing.stderr()  # the worker's exit code, as torchrun's failure ends
+    assert "the job failed after 1 restart (--max-restarts 1); ending it" in failing.stderr()
+    assert failing.stdout().count("[launch] restarting every process of the job") == 1

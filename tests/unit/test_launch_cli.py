@@ -64,7 +64,7 @@ def test_horovodruns_flags_mean_ours_or_are_ignored_with_a_reason() -> None:
     assert args.worker_command == ["python", "train.py"]
     sets, notes = translate(args, has_hosts=True)
     assert (args.workers, args.hosts, args.ssh_port, args.ssh_identity) == (4, "a:2,b:2", 2222, "/k")
-    assert (args.ready_timeout, args.min_workers, args.max_workers, args.max_restarts) == (45, 2, 8, 3)
+    assert (args.ready_timeout, args.min_workers, args.max_workers, args.reset_limit) == (45, 2, 8, 3)
     assert (args.config, args.timeline, args.output_filename) == ("c.toml", "t.json", "/tmp/o")
     assert args.prefix_output_with_timestamp and args.verbose and args.log_level == "DEBUG"
     assert sets == ["collective.fusion_bytes=33554432", "collective.cycle_ms=2.5", "collective.hierarchical=true",
