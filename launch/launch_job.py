@@ -127,10 +127,7 @@ def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceCo
     from sluice.launch.restarts import max_restarts
 
     try:
-        if restarts := max_restarts(args.max_restarts, os.environ):
-            print(f"sluice launch: --max-restarts {restarts} is not taken with one launcher per machine yet: a failed "
-                  "process ends the job on every machine (one `sluice launch -H HOSTS` restarts the whole job)",
-                  file=sys.stderr, flush=True)
+        restarts = max_restarts(args.max_restarts, os.environ)
     except ValueError as exc:
         return error(str(exc))
     reasons = servers_needed(config, 0)
@@ -139,7 +136,7 @@ def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceCo
                      "out for one per machine")
     servers = args.servers if args.servers is not None else (group.nnodes if reasons else 0)
     try:
-        return run_node_group(group, args, command, servers, options, sets, config)
+        return run_node_group(group, args, command, servers, options, sets, config, restarts)
     except KeyboardInterrupt:
         return 130
 

@@ -7,10 +7,11 @@ training service), with the same --nnodes, --nproc-per-node and master address e
 rendezvous port (--rdzv-endpoint's, else the port above --master-port; each flag also from torchrun's PET_*
 variable); the workers' MASTER_PORT is --master-port (29500 by default) as under torchrun, for torch.distributed's
 own store. Machine 0 is the machine with the rendezvous address; a machine without --node-rank asks it for one
-(launch/node_ranks.py, on the port after the scheduler's). Each process starts as `sluice node` would start it
+(launch/machine_zero.py, on the port after the scheduler's). Each process starts as `sluice node` would start it
 (launch/node.py), so every machine needs the job secret: --secret-file, or `--set transport.curve=false` on a
 network you trust. The launcher prefixes its processes' output and stops them all when one fails; the other
-machines' workers then fail on their lost peer, naming it, and their launchers stop theirs.
+machines' workers then fail on their lost peer, naming it, and their launchers stop theirs; with --max-restarts,
+every machine's processes start again instead, following machine 0's count of the job's starts.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass, replace
 
 from sluice.launch.config import SluiceConfig
 from sluice.launch.hosts import HostsError
+from sluice.launch.machine_zero import MachineZero, RankError, rank_keys
 from sluice.launch.node import NodeError, is_loopback, job_secret
-from sluice.launch.node_ranks import RankError, ask_rank, new_ask, rank_keys
+from sluice.launch.node_ranks import new_ask
 from sluice.launch.reach import host_address, is_this_machine, outward_address
 from sluice.launch.run_options import RunOptions
 from sluice.transport.auth import SecretFileError
@@ -39,7 +41,7 @@ class NodeGroup:
     """This machine's place in a job started by one launcher per machine."""
 
     nnodes: int
-    #: None: to be asked of machine 0 (launch/node_ranks.py)
+    #: None: to be asked of machine 0 (launch/machine_zero.py)
     node_rank: int | None
     nproc: int
     #: where the scheduler listens (machine 0's address and the rendezvous port)
@@ -138,7 +140,7 @@ def is_local_host(host: str) -> bool:
 
 
 def rank_port(group: NodeGroup, channels: int) -> int:
-    """Where machine 0 hands out ranks (launch/node_ranks.py): the port after the scheduler's channels."""
+    """Where machine 0 serves the other launchers (launch/machine_zero.py): the port after the scheduler's channels."""
     return group.rendezvous[1] + channels
 
 
@@ -172,10 +174,10 @@ def listen_address(rendezvous_host: str) -> str:
 
 
 def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
-                   options: RunOptions, sets: list[str], config: SluiceConfig) -> int:
+                   options: RunOptions, sets: list[str], config: SluiceConfig, restarts: int = 0) -> int:
     """Start this machine's processes and supervise them; the launcher's exit code. The processes listen on the
     configured transport.host unless it is the loopback default and machine 0 is another machine. A machine
-    without a rank asks machine 0 for one first."""
+    without a rank asks machine 0 for one first; with `restarts`, every machine follows machine 0's starts."""
     from sluice.launch.node_group_run import NodeGroupRun
 
     sets = list(sets)
@@ -188,19 +190,32 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
             return 2
         if address != "127.0.0.1":  # the processes here must be reachable from the other machines
             sets.append(f"transport.host={address}")
-    if group.node_rank is None:
-        try:
-            group = replace(group, node_rank=_asked_rank(group, args, config, options))
-        except (RankError, NodeError, SecretFileError) as exc:
-            print(f"sluice launch: error: {exc}", file=sys.stderr, flush=True)
-            return 2
-    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, config).run())
+    zero = None
+    try:
+        if group.node_rank != 0 and (group.node_rank is None or restarts):
+            zero = _machine_zero(group, args, config, restarts)
+        if group.node_rank is None:
+            assert zero is not None
+
+            def say(text: str) -> None:
+                if not options.quiet:
+                    print(f"[launch] {text}", flush=True)
+
+            say(f"asking machine 0 at {zero.host}:{zero.port} for this machine's rank")
+            rank = zero.request("rank", config.scheduler.rendezvous_timeout, say,
+                                until=lambda answer: answer.rank is not None).rank
+            group = replace(group, node_rank=rank)
+    except (RankError, NodeError, SecretFileError, HostsError) as exc:
+        if zero is not None:
+            zero.close()
+        print(f"sluice launch: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, config, restarts, zero).run())
 
 
-def _asked_rank(group: NodeGroup, args: argparse.Namespace, config: SluiceConfig, options: RunOptions) -> int:
+def _machine_zero(group: NodeGroup, args: argparse.Namespace, config: SluiceConfig, restarts: int) -> MachineZero:
+    """This machine's line to machine 0's launcher (launch/machine_zero.py)."""
     host, _ = group.rendezvous
     secret = job_secret(args.secret_file, config.transport.curve, [])
-    keys = rank_keys(secret) if secret else None
-    say = (lambda text: None) if options.quiet else (lambda text: print(f"[launch] {text}", flush=True))
-    return ask_rank(host_address(host), rank_port(group, config.transport.channels), keys,
-                    new_ask(group.nnodes, group.nproc), config.scheduler.rendezvous_timeout, say)
+    return MachineZero(host_address(host), rank_port(group, config.transport.channels),
+                       rank_keys(secret) if secret else None, new_ask("rank", group.nnodes, group.nproc, restarts))

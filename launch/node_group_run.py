@@ -17,9 +17,10 @@ from sluice.launch.config import ConfigError, SluiceConfig
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import HostsError
 from sluice.launch.janitor import Janitor
+from sluice.launch.machine_zero import MachineZero, RankService, Starts, rank_keys
 from sluice.launch.node import NodeError, Start, job_secret, plan
 from sluice.launch.node_group import NodeGroup, port_clash, processes, rank_port
-from sluice.launch.node_ranks import RankService, rank_keys
+from sluice.launch.node_ranks import JobBook
 from sluice.launch.preload import ForkedProcess, Preloader, PreloadError, forkable
 from sluice.launch.reach import host_address
 from sluice.launch.run_options import RunOptions
@@ -29,6 +30,8 @@ from sluice.transport.auth import SecretFileError
 
 #: how long the processes get to end after SIGTERM before SIGKILL
 STOP_S = 10.0
+#: with --max-restarts, how often the launcher looks whether another machine's failure started the job again
+WATCH_S = 0.5
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -36,8 +39,12 @@ class NodeGroupRun:
     """This machine's processes of the job: planned, started (workers forked with --preload), watched, stopped."""
 
     def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
-                 options: RunOptions, sets: list[str], config: SluiceConfig) -> None:
+                 options: RunOptions, sets: list[str], config: SluiceConfig, restarts: int = 0,
+                 zero: MachineZero | None = None) -> None:
         self.group, self.args, self.command, self.servers = group, args, command, servers
+        #: --max-restarts, and this machine's line to machine 0 (None on machine 0, or without restarts or an
+        #: asked rank)
+        self.restarts, self.zero = restarts, zero
         self.config = config
         self.options, self.sets = options, sets
         self.sink = Sink(sys.stdout.buffer)
@@ -68,13 +75,13 @@ class NodeGroupRun:
         index = 0 if role == "scheduler" else 1 + rank if role == "server" else 1 + self.servers + rank
         return plan(self._namespace(index), os.environ)
 
-    async def _start(self, start: Start, local_rank: int) -> Child:
+    async def _start(self, start: Start, local_rank: int, restart: int) -> Child:
         role, rank = start.role, start.rank
         env = {**start.env, **self.options.environ()}
         if role == "worker":  # torchrun's variables for a worker of this machine
             assert self.group.node_rank is not None
             env.update(torchrun_env(rank, self.group.nnodes * self.group.nproc, local_rank, self.group.nproc,
-                                    self.group.node_rank, self.group.nnodes))
+                                    self.group.node_rank, self.group.nnodes, restart, self.restarts))
         secret_fd = secret_pipe(start.secret) if start.secret else None
         if secret_fd is not None:
             env[ENV_SECRET_FD] = str(secret_fd)
@@ -116,32 +123,41 @@ class NodeGroupRun:
             return 2
         mine = processes(group, self.servers)
         try:  # every process planned before any starts: a missing secret file or a bad setting starts nothing
-            starts = [(self._plan(role, rank), local) for role, rank, local in mine]
+            plans = [(self._plan(role, rank), local) for role, rank, local in mine]
         except (NodeError, ConfigError, SecretFileError) as exc:
             self.complain(f"error: {exc}")
             return 2
-        for note in dict.fromkeys(note for start, _ in starts for note in start.notes):
+        for note in dict.fromkeys(note for start, _ in plans for note in start.notes):
             self.complain(note)
         host, port = group.rendezvous
         self.say(f"machine {group.node_rank} of {group.nnodes}: "
                  + ", ".join(f"{role} {rank}" if role != "scheduler" else "the scheduler" for role, rank, _ in mine)
                  + f"; the scheduler at {host}:{port}")
         ranks = self._serve_ranks(loop) if group.node_rank == 0 else None
+        job = Starts(ranks, self.zero, self.config.scheduler.rendezvous_timeout, self.say) \
+            if self.restarts and (ranks or self.zero) else None
         self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them
         try:
             if self.options.preload and (code := await self._preload()):
                 return code
-            for start, local in starts:
-                try:
-                    self.children.append(await self._start(start, local))
-                except OSError as exc:
-                    self.complain(f"cannot start {start.role} {start.rank}: {exc}")
-                    return 1
-            return await self._watch(interrupted)
+            restart = 0
+            while True:
+                code, failed = await self._run_start(plans, restart, interrupted, job)
+                await self._stop()
+                if job is None or not failed:
+                    return code
+                restart, over = await job.failed(restart) if failed == "here" else await job.now((restart, True))
+                if over:
+                    self.complain(f"the job failed with no restart left (--max-restarts {self.restarts}); ending it")
+                    return code
+                self.say(f"restarting this machine's processes: start {restart + 1} of at most {self.restarts + 1} "
+                         f"(--max-restarts {self.restarts}; the workers see TORCHELASTIC_RESTART_COUNT={restart})")
         finally:
             await self._stop()
             if ranks is not None:
                 ranks.close()
+            if self.zero is not None:
+                self.zero.close()
             if self.preloader is not None:  # after the workers forked from it
                 await self.preloader.close()
             self.janitor.close()
@@ -159,8 +175,8 @@ class NodeGroupRun:
 
         try:
             secret = job_secret(self.args.secret_file, self.config.transport.curve, [])
-            return RankService(host_address(host), port, rank_keys(secret) if secret else None, self.group.nnodes,
-                               self.group.nproc, said)
+            return RankService(host_address(host), port, rank_keys(secret) if secret else None,
+                               JobBook(self.group.nnodes, self.group.nproc, self.restarts), said)
         except (HostsError, NodeError, SecretFileError, zmq.ZMQError) as exc:
             self.complain(f"warning: cannot hand out machine ranks at {host}:{port} ({exc}); machines started "
                           "without --node-rank cannot join")
@@ -182,21 +198,44 @@ class NodeGroupRun:
         self.preloader = preloader
         return 0
 
-    async def _watch(self, interrupted: asyncio.Future[int]) -> int:
+    async def _run_start(self, plans: list[tuple[Start, int]], restart: int, interrupted: asyncio.Future[int],
+                         job: Starts | None) -> tuple[int, str]:
+        """Start this machine's processes (once machine 0 started its own of this start) and watch them: the exit
+        code, and "here" when one failed, "elsewhere" when the job moved on to another start (or ended) because of
+        another machine's, "" otherwise."""
+        if job is not None and not await job.ready(restart):
+            return 1, "elsewhere"
+        self.children = []
+        for plan_, local in plans:
+            try:
+                self.children.append(await self._start(plan_, local, restart))
+            except OSError as exc:
+                self.complain(f"cannot start {plan_.role} {plan_.rank}: {exc}")
+                return 1, ""
+        if job is not None:
+            job.started(restart)
+        return await self._watch(interrupted, job, restart)
+
+    async def _watch(self, interrupted: asyncio.Future[int], job: Starts | None, restart: int) -> tuple[int, str]:
         running: dict[asyncio.Future[int], Child] = {child.done: child for child in self.children}
         while running:
-            done, _ = await asyncio.wait([*running, interrupted], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*running, interrupted], timeout=None if job is None else WATCH_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
             if interrupted.done():
                 self.complain(f"received {signal.Signals(interrupted.result() - 128).name}; stopping this "
                               "machine's processes")
-                return interrupted.result()
+                return interrupted.result(), ""
             for task in done:
                 child = running.pop(task)  # not `interrupted`: that returned above
                 code = task.result()
                 if code != 0:
-                    return await self._failed(child, code)
+                    return await self._failed(child, code), "here"
+            if not done and job is not None and (moved := await job.now((restart, False))) != (restart, False):
+                self.complain("another machine's processes failed" + ("; stopping this machine's" if moved[1] else
+                              f"; the job starts again (start {moved[0] + 1})"))
+                return 1, "elsewhere"
         self.say(f"machine {self.group.node_rank}: every process finished")
-        return 0
+        return 0, ""
 
     async def _failed(self, first: Child, code: int) -> int:
         """Name the first cause (launch/blame.py: a process killed from outside, else the first a process here

@@ -104,8 +104,29 @@ def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path:
     # machine 0's workers name worker 3 and what ended it, which its goodbye said (scheduler/leaving.py)
     assert re.search(r"worker 3 \(on \S+\) has left the job with an error \(RuntimeError: rank 3 fails on purpose\)",
                      err0), err0[-3000:]
-    assert "with an error; the first: worker 3 (RuntimeError: rank 3 fails on purpose)" in out0
     assert time.monotonic() - started < 45
+
+
+@pytest.mark.timeout(120)
+def test_max_restarts_starts_every_machines_processes_again_after_one_fails(tmp_path: Path) -> None:
+    """torchrun's --max-restarts with a launcher per machine: worker 3 (machine 1) fails in the job's first start;
+    machine 1 tells machine 0, both stop their processes, and the second start (TORCHELASTIC_RESTART_COUNT=1) runs
+    the job to its end on both machines."""
+    secret = _secret(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail-once",
+                                           launch_args=[*PRELOAD, "--max-restarts", "1"]), cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    (code1, out1, err1), (code0, out0, err0) = _finish(launchers, 100)
+    assert code0 == 0 and code1 == 0, (out0 + err0)[-3000:] + (out1 + err1)[-3000:]
+    assert "RuntimeError: rank 3 fails on the first start" in out1 + err1
+    for out in (out0, out1):
+        assert "[launch] restarting this machine's processes: start 2 of at most 2 (--max-restarts 1; the workers " \
+               "see TORCHELASTIC_RESTART_COUNT=1)" in out
+    results = sorted(line.split("RESULT ")[1] for line in (out0 + out1).splitlines() if "RESULT " in line)
+    assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
 
 
 @pytest.mark.timeout(90)

@@ -1,6 +1,7 @@
-"""Machine ranks handed out by machine 0 to launchers started without --node-rank: the pure book and messages
-(literal tables), and the service on 127.0.0.1 with CURVE: ranks in asking order, the same rank asked again, a
-machine too many or started differently refused with what to change, strangers and malformed requests counted."""
+"""What machine 0 keeps for the launchers of a job run one per machine: ranks and the job's starts (the pure book and
+messages, literal tables), and its service on 127.0.0.1 with CURVE: ranks in asking order, the same rank asked again,
+a machine too many or started differently refused with what to change, a failure starting the job again once,
+strangers and malformed requests counted."""
 
 from __future__ import annotations
 
@@ -14,65 +15,82 @@ import time
 import pytest
 import zmq
 
-from sluice.launch.node_ranks import (
-    Ask,
-    RankBook,
-    RankError,
-    RankService,
-    ask_rank,
-    encode_answer,
-    encode_ask,
-    parse_answer,
-    parse_ask,
-    rank_keys,
-)
+from sluice.launch.machine_zero import MachineZero, RankError, RankService, rank_keys
+from sluice.launch.node_ranks import Answer, Ask, JobBook, encode_answer, encode_ask, parse_answer, parse_ask
 from sluice.transport.request_server import dealer
 
 pytestmark = pytest.mark.timeout(30)
 TOKENS = [f"{i:032x}" for i in range(1, 6)]
 
 
+def _ask(op: str, token: int, host: str, nnodes: int = 3, nproc: int = 4, restarts: int = 0, start: int = 0) -> Ask:
+    return Ask(op, TOKENS[token], host, nnodes, nproc, restarts, start)
+
+
 def test_the_book_gives_ranks_in_asking_order_the_same_again_and_refuses_one_too_many_or_a_different_job() -> None:
-    book = RankBook(3, 4)
-    asks = [Ask(TOKENS[0], "b", 3, 4), Ask(TOKENS[1], "c", 3, 4), Ask(TOKENS[0], "b", 3, 4), Ask(TOKENS[2], "d", 3, 4),
-            Ask(TOKENS[3], "e", 4, 4), Ask(TOKENS[3], "e", 3, 2)]
-    answers = [book.give(ask) for ask in asks]
-    assert [rank for rank, _ in answers] == [1, 2, 1, None, None, None]
-    assert answers[3][1] == ("the job's 3 machines are all here (machine 0 and 1 b, 2 c), and d asked for a rank "
-                             "too: is --nnodes right, or does a machine run `sluice launch` twice?")
-    assert answers[4][1].startswith("machine 0 runs --nnodes 3 --nproc-per-node 4, and e was started with --nnodes 4 "
-                                    "--nproc-per-node 4: start every machine with the same")
-    assert "--nproc-per-node 2" in answers[5][1]
+    book = JobBook(3, 4, 0)
+    asks = [_ask("rank", 0, "b"), _ask("rank", 1, "c"), _ask("rank", 0, "b"), _ask("rank", 2, "d"),
+            _ask("rank", 3, "e", nnodes=4), _ask("rank", 3, "e", nproc=2), _ask("rank", 3, "e", restarts=1)]
+    answers = [book.answer(ask) for ask in asks]
+    assert [a.rank for a in answers] == [1, 2, 1, None, None, None, None]
+    assert answers[3].error == ("the job's 3 machines are all here (machine 0 and 1 b, 2 c), and d asked for a rank "
+                                "too: is --nnodes right, or does a machine run `sluice launch` twice?")
+    assert answers[4].error == ("machine 0 runs --nnodes 3 --nproc-per-node 4 --max-restarts 0, and e was started "
+                                "with --nnodes 4 --nproc-per-node 4 --max-restarts 0: start every machine with the "
+                                "same")
+    assert "--nproc-per-node 2" in answers[5].error and "--max-restarts 1: start" in answers[6].error
     assert book.given == {TOKENS[0]: (1, "b"), TOKENS[1]: (2, "c")}  # refusals keep nothing
+
+
+def test_the_first_failure_of_the_current_start_begins_the_next_and_the_last_ends_the_job() -> None:
+    book = JobBook(2, 1, 2)
+    seen = []
+    for op, start in [("start", 0), ("failed", 0), ("failed", 0), ("start", 0), ("failed", 1), ("failed", 2),
+                      ("failed", 1)]:
+        answer = book.answer(_ask(op, 0, "b", nnodes=2, nproc=1, restarts=2, start=start))
+        seen.append((answer.start, answer.over))
+    # a report of a start already left changes nothing; a failure of the last start (restart 2 of 2) ends the job
+    assert seen == [(0, False), (1, False), (1, False), (1, False), (2, False), (2, True), (2, True)]
+    book.ready = 2
+    assert book.answer(_ask("start", 0, "b", nnodes=2, nproc=1, restarts=2)).ready == 2
 
 
 @pytest.mark.parametrize(("raw", "why"), [
     (b"\xff", "not JSON"),
-    (b"[]", "not a rank message"),
-    (json.dumps({"v": 2, "token": TOKENS[0], "host": "h", "nnodes": 2, "nproc": 1}).encode(), "not a rank message"),
-    (json.dumps({"v": 1, "token": TOKENS[0], "host": "h", "nnodes": 2}).encode(), "not a rank message"),
-    (json.dumps({"v": 1, "token": "xyz", "host": "h", "nnodes": 2, "nproc": 1}).encode(), "16 to 64 hex digits"),
-    (json.dumps({"v": 1, "token": "A" * 32, "host": "h", "nnodes": 2, "nproc": 1}).encode(), "16 to 64 hex digits"),
-    (json.dumps({"v": 1, "token": TOKENS[0], "host": "", "nnodes": 2, "nproc": 1}).encode(), "host name"),
-    (json.dumps({"v": 1, "token": TOKENS[0], "host": "a\nb", "nnodes": 2, "nproc": 1}).encode(), "host name"),
-    (json.dumps({"v": 1, "token": TOKENS[0], "host": "h", "nnodes": 1, "nproc": 1}).encode(), "nnodes must be"),
-    (json.dumps({"v": 1, "token": TOKENS[0], "host": "h", "nnodes": 2, "nproc": 0}).encode(), "nnodes must be"),
-    (json.dumps({"v": 1, "token": TOKENS[0], "host": "h", "nnodes": True, "nproc": 1}).encode(), "nnodes must be"),
-    (b" " * 1025, "over 1024"),
+    (b"[]", "not a machine-0 message"),
+    (json.dumps({"v": 2, "op": "rank", "token": TOKENS[0], "host": "h", "nnodes": 2, "nproc": 1, "restarts": 0,
+                 "start": 0}).encode(), "not a machine-0 message"),
+    (json.dumps({"v": 1, "op": "rank", "token": TOKENS[0], "host": "h", "nnodes": 2, "nproc": 1}).encode(),
+     "not a machine-0 message"),
 ])
-def test_a_malformed_request_says_what_is_wrong(raw: bytes, why: str) -> None:
+def test_a_request_that_is_not_one_says_so(raw: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         parse_ask(raw)
 
 
-def test_messages_round_trip_and_an_answer_holds_a_rank_or_an_error() -> None:
-    ask = Ask(TOKENS[0], "node-7", 4, 8)
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("op", "reboot", "op must be one of rank, start, failed"),
+    ("token", "xyz", "16 to 64 hex digits"), ("token", "A" * 32, "16 to 64 hex digits"),
+    ("host", "", "host name"), ("host", "a\nb", "host name"),
+    ("nnodes", 1, "nnodes must be an integer from 2"), ("nproc", 0, "nproc must be"), ("nnodes", True, "nnodes must"),
+    ("restarts", -1, "restarts must be"), ("start", 10**7, "start must be"), ("start", "1", "start must be"),
+])
+def test_a_malformed_field_says_what_is_wrong(field: str, value: object, why: str) -> None:
+    body = {"v": 1, "op": "rank", "token": TOKENS[0], "host": "h", "nnodes": 2, "nproc": 1, "restarts": 0, "start": 0}
+    with pytest.raises(ValueError, match=why):
+        parse_ask(json.dumps({**body, field: value}).encode())
+    with pytest.raises(ValueError, match="over 1024"):
+        parse_ask(b" " * 1025)
+
+
+def test_messages_round_trip_and_an_answer_is_checked_as_a_request_is() -> None:
+    ask = Ask("failed", TOKENS[0], "node-7", 4, 8, 3, 2)
     assert parse_ask(encode_ask(ask)) == ask
-    assert parse_answer(encode_answer(3, "")) == (3, "")
-    assert parse_answer(encode_answer(None, "no")) == (None, "no")
-    for bad in (encode_answer(0, ""), encode_answer(None, ""), encode_answer(2, "and an error")):
+    for answer in (Answer(3, "", 0, 0, False), Answer(None, "no", 2, 1, True)):
+        assert parse_answer(encode_answer(answer)) == answer
+    for bad in (Answer(0, "", 0, 0, False), Answer(None, "", -1, 0, False)):
         with pytest.raises(ValueError):
-            parse_answer(bad)
+            parse_answer(encode_answer(bad))
 
 
 def _port() -> int:
@@ -81,28 +99,40 @@ def _port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_the_service_hands_out_ranks_with_the_job_secret_and_counts_strangers_and_garbage() -> None:
+def _rank(zero: MachineZero, timeout: float = 5) -> int | None:
+    return zero.request("rank", timeout, [].append, until=lambda answer: answer.rank is not None).rank
+
+
+def test_the_service_hands_out_ranks_and_starts_with_the_job_secret_and_counts_strangers_and_garbage() -> None:
     secret, port, said = os.urandom(32), _port(), []
     keys = rank_keys(secret)
-    service = RankService("127.0.0.1", port, keys, 3, 2, said.append)
+    service = RankService("127.0.0.1", port, keys, JobBook(3, 2, 1), said.append)
+    lines = [MachineZero("127.0.0.1", port, keys, _ask("rank", i, host, nproc=2, restarts=1))
+             for i, host in enumerate("bcd")]
     try:
-        quiet = [].append
-        assert ask_rank("127.0.0.1", port, keys, Ask(TOKENS[0], "b", 3, 2), 5, quiet) == 1
-        assert ask_rank("127.0.0.1", port, keys, Ask(TOKENS[0], "b", 3, 2), 5, quiet) == 1  # asked again: the same
-        assert ask_rank("127.0.0.1", port, keys, Ask(TOKENS[1], "c", 3, 2), 5, quiet) == 2
-        with pytest.raises(RankError, match="gives this machine no rank: the job's 3 machines are all here"):
-            ask_rank("127.0.0.1", port, keys, Ask(TOKENS[2], "d", 3, 2), 5, quiet)
+        assert [_rank(lines[0]), _rank(lines[0]), _rank(lines[1])] == [1, 1, 2]  # asked again: the same
+        with pytest.raises(RankError, match="refuses this machine: the job's 3 machines are all here"):
+            _rank(lines[2])
+        # machine 1's processes fail: the job's next start, which the others follow once machine 0 started it
+        moved = lines[0].request("failed", 5, [].append, 0, lambda answer: answer.start > 0 or answer.over)
+        assert (moved.start, moved.ready, moved.over) == (1, 0, False)
+        assert service.state() == (1, False) and service.failed(0) == (1, False)  # machine 0's own report: no more
+        service.started(1)
+        assert lines[1].request("start", 5, [].append).ready == 1
+        assert service.failed(1) == (1, True)  # no restart left
+        stranger = MachineZero("127.0.0.1", port, rank_keys(os.urandom(32)), _ask("rank", 3, "e", nproc=2))
         started = time.monotonic()  # another secret: no handshake, so no answer, and an error saying what to check
         with pytest.raises(RankError, match=re.escape(
-                "did not give this machine a rank within 1 s: is `sluice launch --nnodes 3` running on 127.0.0.1, "
-                "with the same --secret-file")):
-            ask_rank("127.0.0.1", port, rank_keys(os.urandom(32)), Ask(TOKENS[3], "e", 3, 2), 1, quiet)
+                "did not answer within 1 s: is `sluice launch --nnodes 3` running on 127.0.0.1, with the same "
+                "--secret-file")):
+            _rank(stranger, 1)
+        stranger.close()
         assert time.monotonic() - started < 3
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = dealer(ctx, "127.0.0.1", port, keys, ("node-ranks-client", "node-ranks"), 1024, immediate=False)
         sock.send(b"{not json")  # a member's garbage: refused and counted, and the service answers on
-        sock.send(encode_ask(Ask(TOKENS[1], "c", 3, 2)))
-        assert sock.poll(5000) and parse_answer(sock.recv()) == (2, "")
+        sock.send(encode_ask(_ask("rank", 1, "c", nproc=2, restarts=1)))
+        assert sock.poll(5000) and parse_answer(sock.recv()).rank == 2
         sock.close(linger=0)
         ctx.term()
         deadline = time.monotonic() + 5
@@ -110,22 +140,25 @@ def test_the_service_hands_out_ranks_with_the_job_secret_and_counts_strangers_an
             time.sleep(0.05)
         assert service.refused >= 2
     finally:
+        for line in lines:
+            line.close()
         service.close()
     assert said[:2] == ["machine 1 of 3: b", "machine 2 of 3: c"]
-    assert said[2].startswith("refused a rank to d: the job's 3 machines are all here")
+    assert said[2].startswith("refused d: the job's 3 machines are all here")
 
 
 def test_a_machine_asking_before_machine_0_is_up_gets_its_rank_once_it_is() -> None:
     port, keys = _port(), rank_keys(os.urandom(32))
-    ctx_started = time.monotonic()
-    got: list[int] = []
-    asker = threading.Thread(target=lambda: got.append(
-        ask_rank("127.0.0.1", port, keys, Ask(TOKENS[0], "b", 2, 1), 10, [].append)))
+    began = time.monotonic()
+    zero = MachineZero("127.0.0.1", port, keys, _ask("rank", 0, "b", nnodes=2, nproc=1))
+    got: list[int | None] = []
+    asker = threading.Thread(target=lambda: got.append(_rank(zero, 10)))
     asker.start()
     time.sleep(1.5)  # the asker tried already, with nobody listening
-    service = RankService("127.0.0.1", port, keys, 2, 1, [].append)
+    service = RankService("127.0.0.1", port, keys, JobBook(2, 1, 0), [].append)
     try:
         asker.join(timeout=10)
     finally:
+        zero.close()
         service.close()
-    assert got == [1] and time.monotonic() - ctx_started < 5
+    assert got == [1] and time.monotonic() - began < 5

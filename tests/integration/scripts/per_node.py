@@ -1,5 +1,6 @@
 """A training script as torchrun runs it on each machine: Sluice's allreduce and torch.distributed's own (gloo, from
-the torchrun variables); with `fail`, rank 3 fails before its first collective; with `long`, each rank says its pid
+the torchrun variables); with `fail`, rank 3 fails before its first collective (with `fail-once`, in the job's first
+start only: --max-restarts); with `long`, each rank says its pid
 and goes on with allreduces for a minute."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sluice.torch as hvd
 hvd.init()
 if sys.argv[1:] == ["fail"] and hvd.rank() == 3:
     raise RuntimeError("rank 3 fails on purpose")
+if sys.argv[1:] == ["fail-once"] and hvd.rank() == 3 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    raise RuntimeError("rank 3 fails on the first start")
 ours = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
 if sys.argv[1:] == ["long"]:  # the test kills one machine's launcher meanwhile
     print("RUNNING", hvd.rank(), os.getpid(), flush=True)
