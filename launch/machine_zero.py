@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -105,6 +106,8 @@ class MachineZero:
 
     def __init__(self, host: str, port: int, keys: JobKeys | None, ask: Ask) -> None:
         self.host, self.port, self._ask = host, port, ask
+        #: set: a request waiting in another thread gives up within ASK_EVERY_S (the launcher is stopping)
+        self.stopped = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = dealer(self._ctx, host, port, keys, (CLIENT_NAME, SERVER_NAME), MAX_REPLY_BYTES, immediate=True)
 
@@ -116,6 +119,8 @@ class MachineZero:
         ask = Ask(op, self._ask.token, self._ask.host, self._ask.nnodes, self._ask.nproc, self._ask.restarts, start)
         began = noted = time.monotonic()
         while (waited := time.monotonic() - began) < timeout_s:
+            if self.stopped.is_set():
+                raise RankError("this launcher is stopping")
             with contextlib.suppress(zmq.Again):  # not connected yet: machine 0's launcher may not be up
                 self._sock.send(encode_ask(ask), zmq.NOBLOCK)
             if self._sock.poll(int(min(ASK_EVERY_S, timeout_s - waited) * 1000)):
@@ -151,14 +156,21 @@ class Starts:
         assert service is not None or zero is not None, "machine 0's service, or a line to it"
         self.service, self.zero, self.timeout_s, self.say = service, zero, timeout_s, say
 
-    async def ready(self, start: int) -> bool:
-        """Wait until machine 0 started `start` (always at once on machine 0); False when the job is over."""
+    async def ready(self, start: int, interrupted: asyncio.Future[int]) -> bool:
+        """Wait until machine 0 started `start` (at once on machine 0); False when the job is over or `interrupted`
+        came first; RankError when machine 0 does not answer."""
         if self.zero is None or start == 0:
             return True
         zero = self.zero
-        answer = await asyncio.to_thread(zero.request, "start", self.timeout_s, self.say, 0,
-                                         lambda a: a.ready >= start or a.over)
-        return not answer.over
+        asked: asyncio.Future[Answer] = asyncio.ensure_future(asyncio.to_thread(
+            zero.request, "start", self.timeout_s, self.say, 0, lambda a: a.ready >= start or a.over))
+        waited: list[asyncio.Future[Any]] = [asked, interrupted]
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        if not asked.done():  # the thread gives up within ASK_EVERY_S: the launcher's loop must not wait for more
+            zero.stopped.set()
+            await asyncio.wait([asked])
+            return False
+        return not asked.result().over
 
     def started(self, start: int) -> None:
         if self.service is not None:

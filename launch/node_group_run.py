@@ -17,7 +17,7 @@ from sluice.launch.config import ConfigError, SluiceConfig
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import HostsError
 from sluice.launch.janitor import Janitor
-from sluice.launch.machine_zero import MachineZero, RankService, Starts, rank_keys
+from sluice.launch.machine_zero import MachineZero, RankError, RankService, Starts, rank_keys
 from sluice.launch.node import NodeError, Start, job_secret, plan
 from sluice.launch.node_group import NodeGroup, port_clash, processes, rank_port
 from sluice.launch.node_ranks import JobBook
@@ -146,7 +146,11 @@ class NodeGroupRun:
                 await self._stop()
                 if job is None or not failed:
                     return code
-                restart, over = await job.failed(restart) if failed == "here" else await job.now((restart, True))
+                try:
+                    restart, over = await job.failed(restart) if failed == "here" else await job.now((restart, True))
+                except RankError as exc:
+                    self.complain(f"{exc}; this machine cannot start again")
+                    return code
                 if over:
                     self.complain(f"the job failed with no restart left (--max-restarts {self.restarts}); ending it")
                     return code
@@ -203,8 +207,14 @@ class NodeGroupRun:
         """Start this machine's processes (once machine 0 started its own of this start) and watch them: the exit
         code, and "here" when one failed, "elsewhere" when the job moved on to another start (or ended) because of
         another machine's, "" otherwise."""
-        if job is not None and not await job.ready(restart):
-            return 1, "elsewhere"
+        try:
+            if job is not None and not await job.ready(restart, interrupted):
+                if interrupted.done():
+                    return interrupted.result(), ""
+                return 1, "elsewhere"  # over: the job failed on another machine with no restart left
+        except RankError as exc:
+            self.complain(f"{exc}; this machine cannot start again")
+            return 1, ""
         self.children = []
         for plan_, local in plans:
             try:

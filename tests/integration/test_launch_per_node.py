@@ -107,8 +107,9 @@ def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path:
     assert time.monotonic() - started < 45
 
 
-@pytest.mark.timeout(120)
-def test_max_restarts_starts_every_machines_processes_again_after_one_fails(tmp_path: Path) -> None:
+@pytest.mark.timeout(180)
+def test_max_restarts_starts_every_machines_processes_again_after_one_fails_and_ends_them_after_the_last(
+        tmp_path: Path) -> None:
     """torchrun's --max-restarts with a launcher per machine: worker 3 (machine 1) fails in the job's first start;
     machine 1 tells machine 0, both stop their processes, and the second start (TORCHELASTIC_RESTART_COUNT=1) runs
     the job to its end on both machines."""
@@ -127,6 +128,14 @@ def test_max_restarts_starts_every_machines_processes_again_after_one_fails(tmp_
                "see TORCHELASTIC_RESTART_COUNT=1)" in out
     results = sorted(line.split("RESULT ")[1] for line in (out0 + out1).splitlines() if "RESULT " in line)
     assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
+    # failing every time: the second start fails too, and with no restart left every machine ends
+    launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail",
+                                           launch_args=[*PRELOAD, "--max-restarts", "1"]), cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    (code1, out1, err1), (code0, out0, err0) = _finish(launchers, 100)
+    assert code1 == 1 and code0 != 0, (out0 + err0)[-3000:] + (out1 + err1)[-3000:]
+    assert "the job failed with no restart left (--max-restarts 1); ending it" in err1
+    assert out1.count("[launch] restarting this machine's processes") == 1
 
 
 @pytest.mark.timeout(90)
