@@ -108,7 +108,7 @@ def run_launch(args: argparse.Namespace) -> int:
                 else "")
         return error(f"{exc}{hint}")
     try:
-        group = node_group(args, os.environ, args.nproc_per_node)
+        group = node_group(args, os.environ, args.nproc_per_node, config.transport.channels)
     except ValueError as exc:
         return error(str(exc))
     if group is not None:

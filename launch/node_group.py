@@ -69,11 +69,11 @@ def add_node_flags(group: argparse._ArgumentGroup) -> None:
                             "bytes, mode 0600); without it, --set transport.curve=false on a network you trust")
 
 
-def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: int | None,
+def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: int | None, channels: int = 3,
                is_here: Callable[[str], bool] = lambda host: is_local_host(host)) -> NodeGroup | None:
     """This machine's place, when the job runs one launcher per machine (--nnodes above 1); None otherwise.
-    `workers`: -w or --nproc-per-node; `is_here`: whether an address is this machine's. ValueError saying what to
-    change."""
+    `workers`: -w or --nproc-per-node; `channels`: transport.channels (the scheduler's ports); `is_here`: whether an
+    address is this machine's. ValueError saying what to change."""
     raw = args.nnodes if args.nnodes is not None else environ.get("PET_NNODES", "1")
     if ":" in raw:
         low, _, high = raw.partition(":")
@@ -108,6 +108,11 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
         if not host or not port.isdigit() or not 0 < int(port) < 65535:
             raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST or HOST:PORT")
         rendezvous = (host, int(port))
+        if not (args.master_port or environ.get("PET_MASTER_PORT")) and port_clash(
+                NodeGroup(nnodes, 0, workers, rendezvous, int(master)), channels):
+            # torchrun's c10d ignores --master-port (its agent picks the store's port), so an endpoint on 29500, as
+            # many SLURM scripts have it, is fine there: the store goes on the first port after machine 0's service
+            master = str(int(port) + channels + 1)
     else:  # the scheduler beside torch's store, on the port above it
         rendezvous = (args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1", int(master) + 1)
     return NodeGroup(nnodes, _node_rank(args, environ, nnodes, rendezvous[0], is_here), workers, rendezvous,

@@ -39,6 +39,12 @@ def _args(**given: object) -> argparse.Namespace:
     ({"nnodes": "2", "rdzv_endpoint": "h1:9"}, {}, NodeGroup(2, None, 4, ("h1", 9), 29500)),
     ({"nnodes": "3", "master_addr": "h0"}, {}, NodeGroup(3, 0, 4, ("h0", 29501), 29500)),
     ({"nnodes": "5", "master_addr": "h1"}, {}, NodeGroup(5, None, 4, ("h1", 29501), 29500)),
+    # c10d's endpoint on 29500, as SLURM scripts often have it: torchrun ignores --master-port there, so the store
+    # moves past the scheduler's ports and machine 0's service; one given (flag or PET_) is kept, and then clashes
+    ({"nnodes": "2", "rdzv_endpoint": "h0:29500"}, {}, NodeGroup(2, 0, 4, ("h0", 29500), 29504)),
+    ({"nnodes": "2", "rdzv_endpoint": "h0:29498"}, {}, NodeGroup(2, 0, 4, ("h0", 29498), 29502)),
+    ({"nnodes": "2", "rdzv_endpoint": "h0:29500", "master_port": 29500}, {},
+     NodeGroup(2, 0, 4, ("h0", 29500), 29500)),
 ])
 def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
                                                    want: NodeGroup | None) -> None:
