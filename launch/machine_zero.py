@@ -40,8 +40,9 @@ SERVER_NAME, CLIENT_NAME = "node-ranks", "node-ranks-client"
 ASK_EVERY_S = 1.0
 #: and after an answer that does not yet say what it waits for, this often
 PACE_S = 0.2
-#: how long a launcher watching its processes waits for machine 0 to say which start the job is in
-NOW_S = 3.0
+#: how long a launcher watching its processes waits for machine 0 to say which start the job is in, and how long
+#: one whose processes failed waits for its answer (machine 0's launcher gone: the job is over)
+NOW_S, FAILED_S = 3.0, 15.0
 #: and says it is still waiting this often
 WAITING_NOTE_S = 10.0
 
@@ -193,6 +194,6 @@ class Starts:
         if self.service is not None:
             return self.service.failed(start)
         assert self.zero is not None
-        answer = await asyncio.to_thread(self.zero.request, "failed", self.timeout_s, self.say, start,
+        answer = await asyncio.to_thread(self.zero.request, "failed", FAILED_S, self.say, start,
                                          lambda a: a.start > start or a.over)
         return answer.start, answer.over

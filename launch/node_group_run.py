@@ -169,8 +169,9 @@ class NodeGroupRun:
                 loop.remove_signal_handler(sig)
 
     def _serve_ranks(self, loop: asyncio.AbstractEventLoop) -> RankService | None:
-        """Machine 0 hands out ranks to the machines started without one (launch/node_ranks.py), for the job's
-        life; None (said) when it cannot: those machines then say that machine 0 does not answer."""
+        """Machine 0 serves the other launchers (launch/machine_zero.py: ranks for those started without one, the
+        job's starts under --max-restarts) for the job's life; None (said) when it cannot: they then say that machine
+        0 does not answer."""
         host, _ = self.group.rendezvous
         port = rank_port(self.group, self.config.transport.channels)
 

@@ -29,7 +29,7 @@ def max_restarts(given: int | None, environ: Mapping[str, str]) -> int:
     return int(raw)
 
 
-class Start(Job):
+class Attempt(Job):
     """One start of a restarting job: the preloader (--preload) stays for the next start when this one fails."""
 
     def __init__(self, config: SluiceConfig, workers: int, servers: int, command: Sequence[str], grace: float,
@@ -59,8 +59,8 @@ async def restarting(config: SluiceConfig, workers: int, servers: int, command: 
     restart = 0
     try:
         while True:
-            job = Start(config, workers, servers, command, grace, ready_timeout, aggregators, plan, options, restart,
-                        limit)
+            job = Attempt(config, workers, servers, command, grace, ready_timeout, aggregators, plan, options, restart,
+                          limit)
             if held is not None:
                 job.spawner.adopt_preloader(held)
             try:
