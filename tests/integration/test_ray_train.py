@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,16 @@ def _left_of(scheduler: str) -> list[str]:
         if probe.connect_ex((host, int(port))) == 0:
             left.append(f"a listener on {scheduler}")
     return left
+
+
+def _records_of(folder: Path, ranks: int, wait_s: float = 15.0) -> list[dict[str, Any]]:
+    """Each rank's record; ray.get raises the failed rank's error as soon as it has it, while another rank may still
+    be writing its record after the same last collective."""
+    deadline = time.monotonic() + wait_s
+    paths = [folder / f"rank{rank}.json" for rank in range(ranks)]
+    while not all(path.exists() for path in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [json.loads(path.read_text()) for path in paths]
 
 
 def _check_trained(records: list[dict[str, Any]]) -> None:
@@ -140,7 +151,7 @@ def test_ray_executor_as_horovods_tests_use_it(tmp_path: Path, ray_cluster: None
         # a training function through run(), a failing rank raising from run() as ray.get raises it
         with pytest.raises(RuntimeError, match="deliberate failure on rank 1"):
             executor.run(ray_jobs.train, args=[{"steps": STEPS, "out": str(tmp_path), "fail_rank": 1}])
-        records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+        records = _records_of(tmp_path, 2)
         _check_trained(records)
         assert executor.run(ray_jobs.rank_times, args=[1]) == [0, 1]  # the job goes on after the error
     finally:
