@@ -215,6 +215,10 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
             zero.close()
         print(f"sluice launch: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except BaseException:  # Ctrl-C while asking: the socket closed before its context goes
+        if zero is not None:
+            zero.close()
+        raise
     return asyncio.run(NodeGroupRun(group, args, command, servers, options, sets, config, restarts, zero).run())
 
 
