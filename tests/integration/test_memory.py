@@ -23,8 +23,10 @@ from tests.integration import prefork  # noqa: F401 - imports the forked roles w
 #: oversized frames are dropped unread: the server may grow by little more than allocator noise
 MAX_OVERSIZED_GROWTH_MIB = 16
 #: frames within the limits are read before they are refused: libzmq allocates each (here up to 60 of
-#: 1 MiB at once, 20 connections per endpoint) and the allocator keeps freed heap for reuse
-MAX_IN_LIMIT_GROWTH_MIB = 96
+#: 1 MiB at once, 20 connections per endpoint) and the allocator keeps freed heap for reuse. Measured: 60-67 MiB
+#: alone, 101 once in a clean-clone suite (a loaded server reads slower, so more frames wait at once); the bound
+#: still tells that from growth with what is sent (0.6 GiB)
+MAX_IN_LIMIT_GROWTH_MIB = 128
 
 
 def rss_mib(pid: int) -> float:
