@@ -35,8 +35,8 @@ from sluice.launch.elastic_io import discover, remove_state_dir, state_dir
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import Host, HostsError
 from sluice.launch.master_port import free_port
-from sluice.launch.preload import Preloader
 from sluice.launch.run_options import RunOptions
+from sluice.launch.spawner import KeptPreloader
 from sluice.launch.standby import Schedulers, standby_hosts
 from sluice.launch.supervisor import Job, run_on_loop, supervise
 from sluice.launch.torchrun_env import ENV_MAX_RESTARTS, ENV_RESTART_COUNT
@@ -327,7 +327,7 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
           flush=True)
     if elastic.in_place:  # the survivors of a lost worker find the scheduler again where it was
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=free_port()))
-    held: tuple[Preloader, Child] | None = None  # the preloader (--preload), handed from one generation to the next
+    kept = KeptPreloader()  # the preloader (--preload), handed from one generation to the next
     try:
         while True:
             # torchrun counts a re-formed elastic job's rendezvous as a restart
@@ -336,12 +336,7 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
                    **({ENV_ELASTIC_IN_PLACE: "1"} if elastic.in_place else {})}
             job = Generation(config, workers, servers, command, grace, ready_timeout, sys.stdout.buffer,
                              sys.stderr, aggregators, plan, elastic, env, options)
-            if held is not None:
-                job.spawner.adopt_preloader(held)
-            try:
-                code = await job.run()
-            finally:  # also when run() raised: the finally below then stops it
-                held = job.spawner.hand_over_preloader()
+            code = await kept.run(job.spawner, job.run())
             generation = int(job.spawner.worker_env[ENV_GENERATION])  # workers replaced in place count too
             if job.reform is None:
                 return code
@@ -361,8 +356,7 @@ async def generations(config: SluiceConfig, workers: int, servers: int, command:
             plan = replan(hosts)
             job.say(f"re-forming the job: generation {generation} with {workers} workers")
     finally:
-        if held is not None:
-            await held[0].close()
+        await kept.close()
         remove_state_dir(directory)
 
 

@@ -19,6 +19,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from sluice.transport.request_server import json_within
+
 PROTOCOL = 1
 MAX_REQUEST_BYTES = 1024
 MAX_REPLY_BYTES = 1024
@@ -50,12 +52,7 @@ def new_ask(op: str, nnodes: int, nproc: int, restarts: int, token: str = "", st
 
 
 def _json_object(data: bytes, limit: int, fields: set[str]) -> dict[str, object]:
-    if len(data) > limit:
-        raise ValueError(f"{len(data)} bytes, over {limit}")
-    try:
-        raw = json.loads(data)
-    except ValueError:
-        raise ValueError("not JSON") from None
+    raw = json_within(data, limit, "")
     if type(raw) is not dict or set(raw) != fields or raw["v"] != PROTOCOL:
         raise ValueError(f"not a machine-0 message of protocol {PROTOCOL} ({', '.join(sorted(fields))})")
     return raw

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from sluice.launch.children import Child
 from sluice.launch.cluster import ClusterPlan
 from sluice.launch.config import SluiceConfig
-from sluice.launch.preload import Preloader
 from sluice.launch.run_options import RunOptions
+from sluice.launch.spawner import KeptPreloader
 from sluice.launch.supervisor import Job
 from sluice.launch.torchrun_env import ENV_MAX_RESTARTS, ENV_RESTART_COUNT
 
@@ -55,18 +55,12 @@ async def restarting(config: SluiceConfig, workers: int, servers: int, command: 
                      options: RunOptions | None) -> int:
     """Start the job, and again after each failure of one of its processes, up to `limit` restarts; the launcher's
     exit code (the last start's)."""
-    held: tuple[Preloader, Child] | None = None
-    restart = 0
+    kept, restart = KeptPreloader(), 0
     try:
         while True:
             job = Attempt(config, workers, servers, command, grace, ready_timeout, aggregators, plan, options, restart,
                           limit)
-            if held is not None:
-                job.spawner.adopt_preloader(held)
-            try:
-                code = await job.run()
-            finally:
-                held = job.spawner.hand_over_preloader()
+            code = await kept.run(job.spawner, job.run())
             if code == 0 or job.failure is None or job.interrupted.done():
                 return code
             if restart == limit:
@@ -77,5 +71,4 @@ async def restarting(config: SluiceConfig, workers: int, servers: int, command: 
             job.say(f"restarting every process of the job: start {restart + 1} of at most {limit + 1} "
                     f"(--max-restarts {limit}; the workers see {ENV_RESTART_COUNT}={restart})")
     finally:
-        if held is not None:
-            await held[0].close()
+        await kept.close()

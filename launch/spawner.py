@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +228,26 @@ class Spawner:
                                          outlive))
             await proc.stdin.drain()
         return proc
+
+
+class KeptPreloader:
+    """The preloader (--preload) kept from one job of a launcher to the next (an elastic job's generations, the starts
+    of a job under --max-restarts), so that the next forks its workers at once; close() when the last has run."""
+
+    def __init__(self) -> None:
+        self.held: tuple[Preloader, Child] | None = None
+
+    async def run(self, spawner: Spawner, job: Awaitable[int]) -> int:
+        """Run `job`, whose processes `spawner` starts, from the preloader kept; keep its preloader if it hands it
+        over (also when `job` raised: close() then stops it)."""
+        if self.held is not None:
+            spawner.adopt_preloader(self.held)
+        try:
+            return await job
+        finally:
+            self.held = spawner.hand_over_preloader()
+
+    async def close(self) -> None:
+        if self.held is not None:
+            await self.held[0].close()
+            self.held = None

@@ -26,7 +26,7 @@ def one_line(kind: str, text: str) -> str:
     """`kind: text` on one line, of at most MAX_ERROR printable characters."""
     line = f"{kind}: {text}" if text else kind
     line = " / ".join(part.strip() for part in line.splitlines() if part.strip())
-    return "".join(c if c.isprintable() else "?" for c in line)[:MAX_ERROR]
+    return _printable(line)[:MAX_ERROR]
 
 
 def note_uncaught() -> None:
@@ -54,7 +54,12 @@ def parse_error(meta: Mapping[str, Any] | None) -> str:
     error = (meta or {}).get("error", "")
     if type(error) is not str or len(error) > MAX_ERROR:
         raise WireError(f"a goodbye's error must be a string of at most {MAX_ERROR} characters")
-    return "".join(c if c.isprintable() else "?" for c in error)
+    return _printable(error)
+
+
+def _printable(text: str) -> str:
+    """`text` with each character a terminal would act on (control, escape) shown as "?"."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def left(who: str, error: str) -> str:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from sluice.scheduler.jobs_registry import MAX_ENTRY_BYTES, JobState, parse_state
 from sluice.transport.auth import JobKeys, read_secret_file
-from sluice.transport.request_server import RequestServer
+from sluice.transport.request_server import RequestServer, json_within
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -91,19 +91,9 @@ def encode_request(request: Request) -> bytes:
     return json.dumps(body).encode()
 
 
-def _json_within(data: bytes, limit: int, what: str) -> object:
-    """`data` decoded as JSON once it is known to be at most `limit` bytes; ValueError naming `what` otherwise."""
-    if len(data) > limit:
-        raise ValueError(f"{what}of {len(data)} bytes, over {limit}" if what else f"{len(data)} bytes, over {limit}")
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise ValueError(f"{what}that is not JSON" if what else "not JSON") from None
-
-
 def parse_request(data: bytes) -> Request:
     """A request, or ValueError saying what is wrong with it."""
-    raw = _json_within(data, MAX_REQUEST_BYTES, "")
+    raw = json_within(data, MAX_REQUEST_BYTES, "")
     keys = {"report": {"v", "seq", "op", "state"}, "withdraw": {"v", "seq", "op", "job"}, "list": {"v", "seq", "op"}}
     if type(raw) is not dict or raw.get("op") not in _OPS or set(raw) != keys[raw["op"]]:
         raise ValueError("not a registry request (v, seq, op and its field)")
@@ -127,7 +117,7 @@ def encode_reply(seq: int, jobs: list[JobState], refused: int) -> bytes:
 
 def parse_reply(data: bytes) -> tuple[int, list[JobState], int]:
     """(seq, the cluster's jobs, messages the registry refused), or ValueError: a reply is checked like a request."""
-    raw = _json_within(data, MAX_REPLY_BYTES, "a reply ")
+    raw = json_within(data, MAX_REPLY_BYTES, "a reply ")
     if (type(raw) is not dict or set(raw) != {"v", "seq", "jobs", "refused"} or raw["v"] != PROTOCOL
             or type(raw["seq"]) is not int or type(raw["refused"]) is not int or raw["refused"] < 0
             or type(raw["jobs"]) is not list or len(raw["jobs"]) > MAX_JOBS):

@@ -11,6 +11,7 @@ are counted. Every frame is capped before it is read (zmq_guard.make_socket); a 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -23,6 +24,16 @@ from sluice.transport.rejects import Rejections
 from sluice.transport.zmq_guard import Guard, make_socket
 
 _POLL_MS = 200
+
+
+def json_within(data: bytes, limit: int, what: str) -> object:
+    """`data` decoded as JSON once it is known to be at most `limit` bytes; ValueError naming `what` otherwise."""
+    if len(data) > limit:
+        raise ValueError(f"{what}of {len(data)} bytes, over {limit}" if what else f"{len(data)} bytes, over {limit}")
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise ValueError(f"{what}that is not JSON" if what else "not JSON") from None
 
 
 def tcp_url(host: str, port: int) -> str:
