@@ -69,7 +69,7 @@ HOROVOD_SETTINGS = (
 _NO_GLOO = "Sluice has its own transport (ZeroMQ over TCP, shared memory within a host), not Gloo or MPI"
 _NO_AUTOTUNE = "Sluice does not autotune: it plans fusion groups from the gradients' sizes and order"
 _RENDEZVOUS = ("with --nnodes, machine 0's launcher is the rendezvous (--master-addr or --rdzv-endpoint), and the "
-               "machines take their ranks from --node-rank")
+               "machines take their ranks from --node-rank, else from machine 0 in the order they come")
 #: (flags, how many values each takes, why it means nothing here)
 HOROVOD_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--gloo", "--mpi", "--jsrun"), 0, _NO_GLOO),
@@ -122,7 +122,6 @@ TORCHRUN_ALIASES = (
 TORCHRUN_IGNORED: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("--rdzv-backend", "--rdzv_backend", "--rdzv-id", "--rdzv_id"), 1, _RENDEZVOUS),
     (("--standalone",), 0, "a job on one machine is what `sluice launch` without hosts runs"),
-    (("--rdzv-conf", "--rdzv_conf"), 1, "Sluice's scheduler is the rendezvous: scheduler.rendezvous_timeout bounds it"),
     (("--monitor-interval", "--monitor_interval"), 1,
      "the launcher is each local worker's parent and learns of its exit at once"),
     (("--start-method", "--start_method"), 1,

@@ -134,7 +134,7 @@ def _run_node_group(group: NodeGroup, args: argparse.Namespace, config: SluiceCo
     if args.servers == 0 and reasons:
         return error(f"-s 0, but {' and '.join(reasons)} need parameter servers: give -s 1 or more, or leave -s "
                      "out for one per machine")
-    servers = args.servers if args.servers is not None else (group.nnodes if reasons else 0)
+    servers = args.servers if args.servers is not None else (None if reasons else 0)  # None: one a machine
     try:
         return run_node_group(group, args, command, servers, options, sets, config, restarts)
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -26,6 +27,7 @@ from sluice.launch.node_ranks import (
     JobBook,
     encode_answer,
     encode_ask,
+    nodes_text,
     parse_answer,
     parse_ask,
 )
@@ -51,6 +53,19 @@ class RankError(Exception):
     """Machine 0 refused (saying why), or did not answer in time."""
 
 
+@dataclass(frozen=True)
+class Place:
+    """A machine's place in one start of the job."""
+
+    start: int
+    rank: int
+    nnodes: int
+    #: the starts that failed before this one (torchrun's restart count)
+    failures: int
+    #: the job is over (a start failed with no restart left): no place
+    over: bool = False
+
+
 def rank_keys(secret: bytes) -> JobKeys:
     """The service's CURVE keys, derived from the job secret as the job's members' are."""
     return JobKeys(secret, (SERVER_NAME, CLIENT_NAME))
@@ -63,6 +78,8 @@ class RankService:
     def __init__(self, address: str, port: int, keys: JobKeys | None, book: JobBook,
                  said: Callable[[str], None]) -> None:
         self.book, self._said, self._lock = book, said, threading.Lock()
+        #: the latest start whose machines were said (-1: none yet)
+        self._told = -1
         self._server = RequestServer(SERVER_NAME, address, port, keys, MAX_REQUEST_BYTES, self._answer, log,
                                      "machine 0")
         self._server.start()
@@ -74,12 +91,22 @@ class RankService:
     def state(self) -> tuple[int, bool]:
         """(the job's current start, whether it is over)."""
         with self._lock:
+            self._settle(time.monotonic())
             return self.book.start, self.book.over
+
+    def place(self) -> Place | None:
+        """Machine 0's place in the current start once its machines are settled (an elastic range's round closed),
+        else None; `over` in it when the job is over."""
+        with self._lock:
+            book = self.book
+            self._settle(time.monotonic())
+            return Place(book.start, 0, book.nnodes, book.failures, book.over) if book.nnodes or book.over else None
 
     def failed(self, start: int) -> tuple[int, bool]:
         """Machine 0's processes of `start` failed: (the job's start now, whether it is over)."""
         with self._lock:
-            self.book.failed(start)
+            self.book.failed(start, time.monotonic())
+            self._settle(time.monotonic())
             return self.book.start, self.book.over
 
     def started(self, start: int) -> None:
@@ -90,13 +117,29 @@ class RankService:
     def _answer(self, peer: str, data: bytes, now: float) -> bytes:
         ask = parse_ask(data)
         with self._lock:
-            known = ask.token in self.book.given
-            answer = self.book.answer(ask)
-        if answer.error:
-            self._said(f"refused {ask.host}: {answer.error}")
-        elif answer.rank is not None and not known:
-            self._said(f"machine {answer.rank} of {self.book.nnodes}: {ask.host}")
+            book = self.book
+            known = ask.token in book.given or ask.token in book.waiting
+            answer = book.answer(ask, time.monotonic())
+            if answer.error:
+                self._said(f"refused {ask.host}: {answer.error}")
+            elif ask.op == "rank" and not known:
+                self._said(f"machine {answer.rank} of {book.nnodes}: {ask.host}")
+            elif ask.op == "join" and not known:
+                self._said(f"{ask.host} joins start {book.start + 1} ({1 + len(book.given)} machines of --nnodes "
+                           f"{nodes_text(book.nodes)})" if ask.token in book.given else
+                           f"{ask.host} waits: the job already runs on --nnodes {nodes_text(book.nodes)}'s most")
+            self._settle(time.monotonic())
         return encode_answer(answer)
+
+    def _settle(self, now: float) -> None:
+        """Under the lock: the book's round closes on time, and each start's machines are said once."""
+        self.book.tick(now)
+        book = self.book
+        if book.start > self._told and book.nnodes and not book.over and book.nodes[0] != book.nodes[1]:
+            self._told = book.start
+            machines = ", ".join(f"{rank} {host}" for rank, host in sorted(book.given.values()))
+            self._said(f"start {book.start + 1}: {book.nnodes} machines (0 here" + (f", {machines})" if machines
+                                                                                     else ")"))
 
     def close(self) -> None:
         self._server.close()
@@ -117,8 +160,10 @@ class MachineZero:
         """Machine 0's first answer to `op` that satisfies `until`, asking again every ASK_EVERY_S without an answer
         and every PACE_S with one that does not (an answer to an earlier request may come late, and a machine
         waiting for machine 0 to move on keeps asking); RankError when it refuses or none came within timeout_s."""
-        ask = Ask(op, self._ask.token, self._ask.host, self._ask.nnodes, self._ask.nproc, self._ask.restarts, start)
+        ask = Ask(op, self._ask.token, self._ask.host, self._ask.min_nodes, self._ask.max_nodes, self._ask.nproc,
+                  self._ask.restarts, start)
         began = noted = time.monotonic()
+        answered = False
         while (waited := time.monotonic() - began) < timeout_s:
             if self.stopped.is_set():
                 raise RankError("this launcher is stopping")
@@ -135,12 +180,18 @@ class MachineZero:
                     raise RankError(f"machine 0 ({self.host}) refuses this machine: {answer.error}")
                 if until(answer):
                     return answer
+                answered = True
                 time.sleep(PACE_S)
             if time.monotonic() - noted >= WAITING_NOTE_S:
                 noted = time.monotonic()
                 say(f"still waiting for machine 0 at {self.host}:{self.port} ({noted - began:.0f} s)")
+        given = nodes_text((ask.min_nodes, ask.max_nodes))
+        if answered:
+            raise RankError(f"machine 0 at {self.host}:{self.port} answers, but this machine's start did not come "
+                            f"within {timeout_s:g} s" + (" (torchrun's join_timeout: --rdzv-conf join_timeout=SECONDS)"
+                                                         if op == "join" else ""))
         raise RankError(f"machine 0 at {self.host}:{self.port} did not answer within {timeout_s:.0f} s: is `sluice "
-                        f"launch --nnodes {ask.nnodes}` running on {self.host}, with the same --secret-file (or "
+                        f"launch --nnodes {given}` running on {self.host}, with the same --secret-file (or "
                         "transport.curve) as here?")
 
     def close(self) -> None:
@@ -149,29 +200,61 @@ class MachineZero:
 
 
 class Starts:
-    """The job's starts as one launcher sees them (--max-restarts with a launcher per machine): machine 0's own
-    through its service, another's through its line to machine 0. Calls that wait run in a thread."""
+    """The job's starts as one launcher sees them (--max-restarts, or an elastic range of machines, with a launcher per
+    machine): machine 0's own through its service, another's through its line to machine 0. Calls that wait for
+    machine 0 run in a thread."""
 
     def __init__(self, service: RankService | None, zero: MachineZero | None, timeout_s: float,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], join_s: float = 600.0) -> None:
+        """`timeout_s`: how long a machine waits for machine 0 to start its processes; `join_s`: for an elastic
+        range's round to close (torchrun's join_timeout)."""
         assert service is not None or zero is not None, "machine 0's service, or a line to it"
-        self.service, self.zero, self.timeout_s, self.say = service, zero, timeout_s, say
+        self.service, self.zero, self.timeout_s, self.say, self.join_s = service, zero, timeout_s, say, join_s
 
-    async def ready(self, start: int, interrupted: asyncio.Future[int]) -> bool:
-        """Wait until machine 0 started `start` (at once on machine 0); False when the job is over or `interrupted`
-        came first; RankError when machine 0 does not answer."""
-        if self.zero is None or start == 0:
-            return True
+    async def place(self, start: int, fixed: Place | None, interrupted: asyncio.Future[int]) -> Place | None:
+        """This machine's place in start `start` once machine 0 started its own processes of it: `fixed` (--nnodes N:
+        the same ranks in every start, each start after a failure), or for an elastic range the place its round gave
+        in the job's current start. None when the job is over or `interrupted` came first; RankError when machine 0
+        does not answer, or no round closed within the join timeout."""
+        if fixed is not None:
+            if self.zero is None or start == 0:
+                return fixed
+            answer = await self._ask("start", self.timeout_s, 0, lambda a: a.ready >= start or a.over, interrupted)
+            return None if answer is None or answer.over else fixed
+        if self.zero is not None:
+            answer = await self._ask("join", self.join_s, 0,
+                                     lambda a: (a.rank is not None and a.ready >= a.start) or a.over, interrupted)
+            if answer is None or answer.over or answer.rank is None:
+                return None
+            return Place(answer.start, answer.rank, answer.nnodes, answer.failures)
+        service = self.service
+        assert service is not None
+        deadline = time.monotonic() + self.join_s
+        while (place := service.place()) is None:
+            if time.monotonic() > deadline:
+                book = service.book
+                raise RankError(f"start {book.start + 1} did not begin within {self.join_s:g} s (torchrun's "
+                                f"join_timeout, --rdzv-conf join_timeout=SECONDS): {1 + len(book.given)} of at least "
+                                f"{book.nodes[0]} machines (--nnodes {nodes_text(book.nodes)}) joined")
+            await asyncio.wait([interrupted], timeout=PACE_S)
+            if interrupted.done():
+                return None
+        return None if place.over else place
+
+    async def _ask(self, op: str, timeout_s: float, start: int, until: Callable[[Answer], bool],
+                   interrupted: asyncio.Future[int]) -> Answer | None:
+        """Machine 0's answer to `op` satisfying `until`, asked in a thread; None when `interrupted` came first."""
         zero = self.zero
+        assert zero is not None
         asked: asyncio.Future[Answer] = asyncio.ensure_future(asyncio.to_thread(
-            zero.request, "start", self.timeout_s, self.say, 0, lambda a: a.ready >= start or a.over))
+            zero.request, op, timeout_s, self.say, start, until))
         waited: list[asyncio.Future[Any]] = [asked, interrupted]
         await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         if not asked.done():  # the thread gives up within ASK_EVERY_S: the launcher's loop must not wait for more
             zero.stopped.set()
             await asyncio.wait([asked])
-            return False
-        return not asked.result().over
+            return None
+        return asked.result()
 
     def started(self, start: int) -> None:
         if self.service is not None:

@@ -11,7 +11,9 @@ own store. Machine 0 is the machine with the rendezvous address; a machine witho
 (launch/node.py), so every machine needs the job secret: --secret-file, or `--set transport.curve=false` on a
 network you trust. The launcher prefixes its processes' output and stops them all when one fails; the other
 machines' workers then fail on their lost peer, naming it, and their launchers stop theirs; with --max-restarts,
-every machine's processes start again instead, following machine 0's count of the job's starts.
+every machine's processes start again instead, following machine 0's count of the job's starts. With an elastic
+range (--nnodes MIN:MAX, as Kubeflow's elastic PyTorchJob sets PET_NNODES), each start's machines are those that
+joined its round (launch/node_ranks.py), and the job's size (WORLD_SIZE, the scheduler's workers) is theirs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MASTER_PORT, RDZV_PORT = 29500, 29400
 class NodeGroup:
     """This machine's place in a job started by one launcher per machine."""
 
+    #: the machines of the current start (an elastic range's: 0 until its round closed)
     nnodes: int
     #: None: to be asked of machine 0 (launch/machine_zero.py)
     node_rank: int | None
@@ -48,12 +51,27 @@ class NodeGroup:
     rendezvous: tuple[str, int]
     #: the workers' MASTER_PORT (MASTER_ADDR is the rendezvous host)
     master_port: int
+    #: --nnodes MIN:MAX (N:N for a fixed count)
+    nodes: tuple[int, int] = (0, 0)
+    #: --rdzv-conf's join_timeout and last_call_timeout (torchrun's defaults), for an elastic range
+    join_s: float = 600.0
+    last_call_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.nodes == (0, 0):  # a fixed count given by nnodes alone
+            object.__setattr__(self, "nodes", (self.nnodes, self.nnodes))
+
+    @property
+    def elastic(self) -> bool:
+        return self.nodes[0] != self.nodes[1]
 
 
 def add_node_flags(group: argparse._ArgumentGroup) -> None:
     """torchrun's flags of a job started once per machine."""
-    group.add_argument("--nnodes", metavar="N", help="machines in the job, each running `sluice launch` with its own "
-                       "--node-rank (default: the variable PET_NNODES, as torchrun, else 1)")
+    group.add_argument("--nnodes", metavar="N|MIN:MAX", help="machines in the job, each running `sluice launch` with "
+                       "its own --node-rank, or none; MIN:MAX: torchrun's elastic range, every machine's processes "
+                       "starting again whenever a machine joins or fails (default: the variable PET_NNODES, as "
+                       "torchrun, else 1)")
     group.add_argument("--node-rank", "--node_rank", type=int, metavar="K",
                        help="this machine's rank, 0..N-1; machine 0 runs the scheduler (default: PET_NODE_RANK, "
                             "else 0 on the machine of --master-addr (--rdzv-endpoint), and on the others the next "
@@ -64,6 +82,10 @@ def add_node_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST[:PORT]",
                        help=f"machine 0's address and the scheduler's port (default port {RDZV_PORT}), instead of "
                             "--master-addr and --master-port")
+    group.add_argument("--rdzv-conf", "--rdzv_conf", metavar="KEY=VALUE,...",
+                       help="with --nnodes MIN:MAX: join_timeout (default 600 s: how long a start waits for its "
+                            "machines) and last_call_timeout (default 30 s: how long it waits for more after MIN), as "
+                            "torchrun's c10d rendezvous (default: PET_RDZV_CONF); other keys are ignored")
     group.add_argument("--secret-file", metavar="PATH",
                        help="with --nnodes > 1: the job secret, the same file content on every machine (at least 16 "
                             "bytes, mode 0600); without it, --set transport.curve=false on a network you trust")
@@ -75,17 +97,13 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
     `workers`: -w or --nproc-per-node; `channels`: transport.channels (the scheduler's ports); `is_here`: whether an
     address is this machine's. ValueError saying what to change."""
     raw = args.nnodes if args.nnodes is not None else environ.get("PET_NNODES", "1")
-    if ":" in raw:
-        low, _, high = raw.partition(":")
-        if low != high:
-            raise ValueError(f"--nnodes {raw}: an elastic range of machines is not taken with one launcher per "
-                             "machine; give a fixed count, or run `sluice launch --min-np M -H ...` (or "
-                             "--host-discovery-script) once for an elastic job")
-        raw = low
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"--nnodes {raw!r}: give the number of machines, 1 or more")
-    nnodes = int(raw)
-    if nnodes == 1:
+    low, _, high = raw.partition(":")
+    high = high or low
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise ValueError(f"--nnodes {raw!r}: give the number of machines (1 or more), or a range MIN:MAX")
+    nodes = (int(low), int(high))
+    nnodes = nodes[0] if nodes[0] == nodes[1] else 0
+    if nodes == (1, 1):
         rank_raw = args.node_rank if args.node_rank is not None else environ.get("PET_NODE_RANK", "0")
         if str(rank_raw) != "0":
             raise ValueError(f"--node-rank {rank_raw}: give this machine's rank, 0 to 0")
@@ -115,8 +133,29 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
             master = str(int(port) + channels + 1)
     else:  # the scheduler beside torch's store, on the port above it
         rendezvous = (args.master_addr or environ.get("PET_MASTER_ADDR") or "127.0.0.1", int(master) + 1)
-    return NodeGroup(nnodes, _node_rank(args, environ, nnodes, rendezvous[0], is_here), workers, rendezvous,
-                     int(master))
+    join_s, last_call_s = rdzv_conf(args.rdzv_conf if args.rdzv_conf is not None else environ.get("PET_RDZV_CONF", ""))
+    if nnodes:
+        rank = _node_rank(args, environ, nnodes, rendezvous[0], is_here)
+    else:  # torchrun's c10d numbers the machines of an elastic range itself, ignoring --node-rank
+        rank = 0 if is_loopback(rendezvous[0]) or is_here(rendezvous[0]) else None
+    return NodeGroup(nnodes, rank, workers, rendezvous, int(master), nodes, join_s, last_call_s)
+
+
+def rdzv_conf(raw: str) -> tuple[float, float]:
+    """(join_timeout, last_call_timeout) of torchrun's --rdzv-conf "key=value,...", its defaults for those not given;
+    ValueError for one that is not a positive number of seconds."""
+    taken = {"join_timeout": 600.0, "last_call_timeout": 30.0}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, _, value = item.partition("=")
+        if key.strip() in taken:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if not 0 < seconds < 10**7:
+                raise ValueError(f"--rdzv-conf {item}: give {key.strip()} in seconds, above 0")
+            taken[key.strip()] = seconds
+    return taken["join_timeout"], taken["last_call_timeout"]
 
 
 def _node_rank(args: argparse.Namespace, environ: Mapping[str, str], nnodes: int, rendezvous_host: str,
@@ -178,7 +217,7 @@ def listen_address(rendezvous_host: str) -> str:
     return "127.0.0.1" if ipaddress.ip_address(address).is_loopback else outward_address(address)
 
 
-def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
+def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int | None,
                    options: RunOptions, sets: list[str], config: SluiceConfig, restarts: int = 0) -> int:
     """Start this machine's processes and supervise them; the launcher's exit code. The processes listen on the
     configured transport.host unless it is the loopback default and machine 0 is another machine. A machine
@@ -199,7 +238,7 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
     try:
         if group.node_rank != 0 and (group.node_rank is None or restarts):
             zero = _machine_zero(group, args, config, restarts)
-        if group.node_rank is None:
+        if group.node_rank is None and not group.elastic:  # an elastic range's machines join each start instead
             assert zero is not None
 
             def say(text: str) -> None:
@@ -227,4 +266,4 @@ def _machine_zero(group: NodeGroup, args: argparse.Namespace, config: SluiceConf
     host, _ = group.rendezvous
     secret = job_secret(args.secret_file, config.transport.curve, [])
     return MachineZero(host_address(host), rank_port(group, config.transport.channels),
-                       rank_keys(secret) if secret else None, new_ask("rank", group.nnodes, group.nproc, restarts))
+                       rank_keys(secret) if secret else None, new_ask("rank", group.nodes, group.nproc, restarts))

@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import sys
+from dataclasses import replace
 
 import zmq
 
@@ -17,10 +18,10 @@ from sluice.launch.config import ConfigError, SluiceConfig
 from sluice.launch.ending import SETTLE_SECONDS
 from sluice.launch.hosts import HostsError
 from sluice.launch.janitor import Janitor
-from sluice.launch.machine_zero import MachineZero, RankError, RankService, Starts, rank_keys
+from sluice.launch.machine_zero import MachineZero, Place, RankError, RankService, Starts, rank_keys
 from sluice.launch.node import NodeError, Start, job_secret, plan
 from sluice.launch.node_group import NodeGroup, port_clash, processes, rank_port
-from sluice.launch.node_ranks import JobBook
+from sluice.launch.node_ranks import JobBook, nodes_text
 from sluice.launch.preload import ForkedProcess, Preloader, PreloadError, forkable
 from sluice.launch.reach import host_address
 from sluice.launch.run_options import RunOptions
@@ -38,10 +39,12 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class NodeGroupRun:
     """This machine's processes of the job: planned, started (workers forked with --preload), watched, stopped."""
 
-    def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int,
+    def __init__(self, group: NodeGroup, args: argparse.Namespace, command: list[str], servers: int | None,
                  options: RunOptions, sets: list[str], config: SluiceConfig, restarts: int = 0,
                  zero: MachineZero | None = None) -> None:
-        self.group, self.args, self.command, self.servers = group, args, command, servers
+        """`servers`: -s, or None for one a machine (of each start, with an elastic range)."""
+        self.group, self.args, self.command = group, args, command
+        self.servers_given, self.servers = servers, servers or 0
         #: --max-restarts, and this machine's line to machine 0 (None on machine 0, or without restarts or an
         #: asked rank)
         self.restarts, self.zero = restarts, zero
@@ -75,13 +78,19 @@ class NodeGroupRun:
         index = 0 if role == "scheduler" else 1 + rank if role == "server" else 1 + self.servers + rank
         return plan(self._namespace(index), os.environ)
 
-    async def _start(self, start: Start, local_rank: int, restart: int) -> Child:
+    def _plans(self, place: Place) -> list[tuple[Start, int]]:
+        """This machine's processes in `place`, each planned as `sluice node` would start it (NodeError, ConfigError or
+        SecretFileError saying what to change)."""
+        self.group = replace(self.group, nnodes=place.nnodes, node_rank=place.rank)
+        self.servers = place.nnodes if self.servers_given is None else self.servers_given
+        return [(self._plan(role, rank), local) for role, rank, local in processes(self.group, self.servers)]
+
+    async def _start(self, start: Start, local_rank: int, place: Place) -> Child:
         role, rank = start.role, start.rank
         env = {**start.env, **self.options.environ()}
         if role == "worker":  # torchrun's variables for a worker of this machine
-            assert self.group.node_rank is not None
-            env.update(torchrun_env(rank, self.group.nnodes * self.group.nproc, local_rank, self.group.nproc,
-                                    self.group.node_rank, self.group.nnodes, restart, self.restarts))
+            env.update(torchrun_env(rank, place.nnodes * self.group.nproc, local_rank, self.group.nproc, place.rank,
+                                    place.nnodes, place.failures, self.restarts))
         secret_fd = secret_pipe(start.secret) if start.secret else None
         if secret_fd is not None:
             env[ENV_SECRET_FD] = str(secret_fd)
@@ -121,41 +130,50 @@ class NodeGroupRun:
         if (clash := port_clash(group, self.config.transport.channels)) is not None:
             self.complain(f"error: {clash}")
             return 2
-        mine = processes(group, self.servers)
         try:  # every process planned before any starts: a missing secret file or a bad setting starts nothing
-            plans = [(self._plan(role, rank), local) for role, rank, local in mine]
+            plans = self._plans(Place(0, group.node_rank or 0, group.nnodes or group.nodes[1], 0))
         except (NodeError, ConfigError, SecretFileError) as exc:
             self.complain(f"error: {exc}")
             return 2
         for note in dict.fromkeys(note for start, _ in plans for note in start.notes):
             self.complain(note)
-        host, port = group.rendezvous
-        self.say(f"machine {group.node_rank} of {group.nnodes}: "
-                 + ", ".join(f"{role} {rank}" if role != "scheduler" else "the scheduler" for role, rank, _ in mine)
-                 + f"; the scheduler at {host}:{port}")
         ranks = self._serve_ranks(loop) if group.node_rank == 0 else None
-        job = Starts(ranks, self.zero, self.config.scheduler.rendezvous_timeout, self.say) \
-            if self.restarts and (ranks or self.zero) else None
+        job = Starts(ranks, self.zero, self.config.scheduler.rendezvous_timeout, self.say, group.join_s) \
+            if (self.restarts or group.elastic) and (ranks or self.zero) else None
         self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them
         try:
+            if group.elastic and job is None:
+                return 2  # machine 0 could not serve the others (said)
             if self.options.preload and (code := await self._preload()):
                 return code
-            restart = 0
+            start = 0
             while True:
-                code, failed = await self._run_start(plans, restart, interrupted, job)
+                fixed = None if group.elastic else Place(start, group.node_rank or 0, group.nnodes, start)
+                try:
+                    place = await job.place(start, fixed, interrupted) if job is not None else fixed
+                except RankError as exc:
+                    self.complain(f"{exc}; this machine cannot start")
+                    return 1
+                if place is None:  # interrupted, or the job failed on another machine with no restart left
+                    return interrupted.result() if interrupted.done() else 1
+                plans = self._plans(place)
+                code, failed = await self._run_start(plans, place, interrupted, job)
                 await self._stop()
                 if job is None or not failed:
                     return code
                 try:
-                    restart, over = await job.failed(restart) if failed == "here" else await job.now((restart, True))
+                    start, over = await job.failed(place.start) if failed == "here" else await job.now(
+                        (place.start, True))
                 except RankError as exc:
                     self.complain(f"{exc}; this machine cannot start again")
                     return code
                 if over:
                     self.complain(f"the job failed with no restart left (--max-restarts {self.restarts}); ending it")
                     return code
-                self.say(f"restarting this machine's processes: start {restart + 1} of at most {self.restarts + 1} "
-                         f"(--max-restarts {self.restarts}; the workers see TORCHELASTIC_RESTART_COUNT={restart})")
+                self.say(f"restarting this machine's processes: start {start + 1}" + (
+                    f" (--nnodes {nodes_text(group.nodes)}, --max-restarts {self.restarts})" if group.elastic else
+                    f" of at most {self.restarts + 1} (--max-restarts {self.restarts}; the workers see "
+                    f"TORCHELASTIC_RESTART_COUNT={start})"))
         finally:
             await self._stop()
             if ranks is not None:
@@ -181,10 +199,15 @@ class NodeGroupRun:
         try:
             secret = job_secret(self.args.secret_file, self.config.transport.curve, [])
             return RankService(host_address(host), port, rank_keys(secret) if secret else None,
-                               JobBook(self.group.nnodes, self.group.nproc, self.restarts), said)
+                               JobBook(self.group.nodes, self.group.nproc, self.restarts, self.group.last_call_s),
+                               said)
         except (HostsError, NodeError, SecretFileError, zmq.ZMQError) as exc:
-            self.complain(f"warning: cannot hand out machine ranks at {host}:{port} ({exc}); machines started "
-                          "without --node-rank cannot join")
+            if self.group.elastic:
+                self.complain(f"error: cannot serve the other machines at {host}:{port} ({exc}), which an elastic "
+                              "range (--nnodes MIN:MAX) needs: free the port, or give another --rdzv-endpoint")
+            else:
+                self.complain(f"warning: cannot hand out machine ranks at {host}:{port} ({exc}); machines started "
+                              "without --node-rank cannot join")
             return None
 
     async def _preload(self) -> int:
@@ -203,29 +226,25 @@ class NodeGroupRun:
         self.preloader = preloader
         return 0
 
-    async def _run_start(self, plans: list[tuple[Start, int]], restart: int, interrupted: asyncio.Future[int],
+    async def _run_start(self, plans: list[tuple[Start, int]], place: Place, interrupted: asyncio.Future[int],
                          job: Starts | None) -> tuple[int, str]:
-        """Start this machine's processes (once machine 0 started its own of this start) and watch them: the exit
-        code, and "here" when one failed, "elsewhere" when the job moved on to another start (or ended) because of
-        another machine's, "" otherwise."""
-        try:
-            if job is not None and not await job.ready(restart, interrupted):
-                if interrupted.done():
-                    return interrupted.result(), ""
-                return 1, "elsewhere"  # over: the job failed on another machine with no restart left
-        except RankError as exc:
-            self.complain(f"{exc}; this machine cannot start again")
-            return 1, ""
+        """Start this machine's processes of `place` (machine 0 started its own of it) and watch them: the exit code,
+        and "here" when one failed, "elsewhere" when the job moved on to another start (or ended) because of another
+        machine, "" otherwise."""
+        host, port = self.group.rendezvous
+        self.say(f"machine {place.rank} of {place.nnodes}: "
+                 + ", ".join(f"{start.role} {start.rank}" if start.role != "scheduler" else "the scheduler"
+                             for start, _ in plans) + f"; the scheduler at {host}:{port}")
         self.children = []
         for plan_, local in plans:
             try:
-                self.children.append(await self._start(plan_, local, restart))
+                self.children.append(await self._start(plan_, local, place))
             except OSError as exc:
                 self.complain(f"cannot start {plan_.role} {plan_.rank}: {exc}")
                 return 1, ""
         if job is not None:
-            job.started(restart)
-        return await self._watch(interrupted, job, restart)
+            job.started(place.start)
+        return await self._watch(interrupted, job, place.start)
 
     async def _watch(self, interrupted: asyncio.Future[int], job: Starts | None, restart: int) -> tuple[int, str]:
         running: dict[asyncio.Future[int], Child] = {child.done: child for child in self.children}
@@ -242,8 +261,10 @@ class NodeGroupRun:
                 if code != 0:
                     return await self._failed(child, code), "here"
             if not done and job is not None and (moved := await job.now((restart, False))) != (restart, False):
-                self.complain("another machine's processes failed" + ("; stopping this machine's" if moved[1] else
-                              f"; the job starts again (start {moved[0] + 1})"))
+                cause = ("the job's machines changed (one joined, or another's processes failed)" if self.group.elastic
+                         else "another machine's processes failed")
+                self.complain(cause + ("; stopping this machine's" if moved[1] else
+                                       f"; the job starts again (start {moved[0] + 1})"))
                 return 1, "elsewhere"
         self.say(f"machine {self.group.node_rank}: every process finished")
         return 0, ""

@@ -76,7 +76,7 @@ def test_three_machines_launched_apart_without_ranks_run_one_job_with_torchruns_
     results = sorted(line.split("RESULT ")[1] for text in outputs.values() for line in text.splitlines()
                      if "RESULT " in line)
     # rank, size, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (machine), Sluice's sum, torch.distributed's sum
-    assert results == ["0 3 0 1 0 3.0 3.0", "1 3 0 1 1 3.0 3.0", "2 3 0 1 2 3.0 3.0"]
+    assert results == ["0 3 0 1 0 3.0 3.0 0", "1 3 0 1 1 3.0 3.0 0", "2 3 0 1 2 3.0 3.0 0"]
     assert "[worker 0] RESULT" in outputs["m0"]
     assert f"[scheduler] SLUICE_SCHEDULER_READY tcp://{master}:29400" in outputs["m0"]
     for name in ("m1", "m2"):  # each asked machine 0, got a rank of its own and ran that worker
@@ -86,6 +86,73 @@ def test_three_machines_launched_apart_without_ranks_run_one_job_with_torchruns_
         assert f"[worker {rank}] RESULT" in outputs[name]
         assert f"machine {rank} of 3: worker {rank}; the scheduler at {master}:29400" in outputs[name]
     assert outputs["m0"].count(" of 3: ") == 3  # machine 0's own line, and one for each machine it gave a rank
+
+
+def _elastic(bed: Netbed, name: str, master: str, secret: Path, size: int, restart: int) -> subprocess.Popen[str]:
+    """Machine `name`'s launcher of torchrun's elastic line as Kubeflow's PyTorchJob runs it (PET_* variables, no
+    rank), a round closing two seconds after its second machine joined; its workers finish in a job of `size` ranks
+    in its restart `restart`, and wait in any other."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PET_NNODES": "2:3", "PET_NPROC_PER_NODE": "1",
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"{master}:29400", "PET_MAX_RESTARTS": "1",
+           "PET_RDZV_CONF": "last_call_timeout=2,join_timeout=40"}
+    command = [sys.executable, "-m", "sluice.launch.cli", "launch", *PRELOAD, "--set",
+               "scheduler.heartbeat_interval=0.25", "--set", "scheduler.heartbeat_timeout=2", "--secret-file",
+               str(secret), str(SCRIPT), "size", str(size), str(restart)]
+    return bed.run(name, command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _running(launcher: subprocess.Popen[str], size: int) -> str:
+    """`launcher`'s output until its worker runs in a job of `size` ranks."""
+    assert launcher.stdout is not None
+    read = []
+    for line in launcher.stdout:
+        read.append(line)
+        if "RUNNING " in line and line.split()[-3] == str(size):
+            return "".join(read)
+    raise AssertionError(f"the launcher ended before its worker ran in a job of {size}: {''.join(read)[-3000:]}")
+
+
+def _results(outputs: list[str]) -> list[str]:
+    return sorted(line.split("RESULT ")[1] for text in outputs for line in text.splitlines() if "RESULT " in line)
+
+
+@requires_testbed
+@pytest.mark.timeout(120)
+def test_an_elastic_range_of_machines_grows_when_one_joins_and_goes_on_without_one_that_is_lost(
+        tmp_path: Path) -> None:
+    """torchrun's --nnodes 2:3 as Kubeflow's elastic PyTorchJob starts it, three network namespaces as the machines:
+    two machines start the job; a third started later joins it (every machine's processes start again, with
+    WORLD_SIZE 3, not counted as a restart); then a machine lost outright (its launcher killed) ends the start, and the
+    two left go on in a job of two (TORCHELASTIC_RESTART_COUNT 1), after the round's last call."""
+    secret = _secret(tmp_path)
+    with Netbed() as bed:
+        for name in ("m0", "m1", "m2"):
+            bed.host(name)
+        master = bed.hosts["m0"].address
+        first = [_elastic(bed, name, master, secret, 3, 0) for name in ("m1", "m0")]
+        began = _running(first[1], 2)  # a job of two after the last call: machine 2 joins it
+        ended = _finish([*first, _elastic(bed, "m2", master, secret, 3, 0)], 60)
+        outputs = [out + err for _, out, err in ended]
+        outputs[1] = began + outputs[1]
+        assert all(code == 0 for code, _, _ in ended), "".join(text[-3000:] for text in outputs)
+        assert _results(outputs) == ["0 3 0 1 0 3.0 3.0 0", "1 3 0 1 1 3.0 3.0 0", "2 3 0 1 2 3.0 3.0 0"]
+        zero = outputs[1]
+        assert "[launch] start 1: 2 machines (0 here, 1 " in zero
+        assert re.search(r"start \d: 3 machines \(0 here, 1 ", zero), zero[-3000:]
+        assert "joins start 2 (2 machines of --nnodes 2:3)" in zero  # machine 2 first, then machine 1 again
+        for out in outputs[:2]:
+            assert "[launch] restarting this machine's processes: start 2 (--nnodes 2:3, --max-restarts 1)" in out
+        # lost: machine 2's launcher killed while the three run; the others' workers fail on it, and start again
+        launchers = [_elastic(bed, name, master, secret, 2, 1) for name in ("m0", "m1", "m2")]
+        _running(launchers[2], 3)
+        launchers[2].kill()
+        ended = _finish(launchers[:2], 60)
+        launchers[2].communicate()
+    outputs = [out + err for _, out, err in ended]
+    assert all(code == 0 for code, _, _ in ended), "".join(text[-3000:] for text in outputs)
+    assert _results(outputs) == ["0 2 0 1 0 1.0 1.0 1", "1 2 0 1 1 1.0 1.0 1"]
+    starts = re.findall(r"\[launch\] start \d+: (\d) machines", outputs[0])
+    assert starts[-1] == "2" and "3" in starts, outputs[0][-3000:]  # three ran, two went on
 
 
 @pytest.mark.timeout(90)
@@ -127,7 +194,7 @@ def test_max_restarts_starts_every_machines_processes_again_after_one_fails_and_
         assert "[launch] restarting this machine's processes: start 2 of at most 2 (--max-restarts 1; the workers " \
                "see TORCHELASTIC_RESTART_COUNT=1)" in out
     results = sorted(line.split("RESULT ")[1] for line in (out0 + out1).splitlines() if "RESULT " in line)
-    assert results == ["0 4 0 2 0 6.0 6.0", "1 4 1 2 0 6.0 6.0", "2 4 0 2 1 6.0 6.0", "3 4 1 2 1 6.0 6.0"]
+    assert results == ["0 4 0 2 0 6.0 6.0 1", "1 4 1 2 0 6.0 6.0 1", "2 4 0 2 1 6.0 6.0 1", "3 4 1 2 1 6.0 6.0 1"]
     # failing every time: the second start fails too, and with no restart left every machine ends
     launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, "fail",
                                            launch_args=[*PRELOAD, "--max-restarts", "1"]), cwd=ROOT,

@@ -245,13 +245,15 @@ def test_every_torchrun_flag_is_taken_and_those_without_a_meaning_here_are_noted
     assert args.worker_command == [sys.executable, "-u", str(script), "--lr", "1"]  # --run-path: this Python
     assert args.workers == 2 and args.master_port == 29500
     ignored = sorted(note.split()[0] for note in notes)
-    # --nnodes, --node-rank, --master-addr and --rdzv-endpoint are taken: one launcher per machine (node_group.py)
-    assert ignored == sorted(["--rdzv-backend", "--rdzv-id", "--rdzv-conf",
+    # --nnodes, --node-rank, --master-addr, --rdzv-endpoint and --rdzv-conf are taken: one launcher per machine
+    # (node_group.py)
+    assert ignored == sorted(["--rdzv-backend", "--rdzv-id",
                               "--standalone", "--monitor-interval", "--start-method", "--event-log-handler", "--role",
                               "--duplicate-stdout-filters", "--duplicate-stderr-filters",
                               "--local-addr", "--logs-specs", "--numa-binding",
                               "--signals-to-handle", "--shutdown-timeout", "--virtual-local-rank"])
-    assert (args.nnodes, args.node_rank, args.master_addr, args.rdzv_endpoint) == ("1", 0, "h", "h:1")
+    assert (args.nnodes, args.node_rank, args.master_addr, args.rdzv_endpoint, args.rdzv_conf) == (
+        "1", 0, "h", "h:1", "timeout=9")
 
 
 def test_horovods_variables_without_a_meaning_here_are_noted_with_why() -> None:

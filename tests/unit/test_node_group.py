@@ -16,7 +16,7 @@ def _here(host: str) -> bool:  # this machine's addresses, in these tables
 
 def _args(**given: object) -> argparse.Namespace:
     fields: dict[str, object] = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
-                                 "rdzv_endpoint": None, "hosts": None, "hostfile": None}
+                                 "rdzv_endpoint": None, "rdzv_conf": None, "hosts": None, "hostfile": None}
     return argparse.Namespace(**{**fields, **given})
 
 
@@ -45,6 +45,15 @@ def _args(**given: object) -> argparse.Namespace:
     ({"nnodes": "2", "rdzv_endpoint": "h0:29498"}, {}, NodeGroup(2, 0, 4, ("h0", 29498), 29502)),
     ({"nnodes": "2", "rdzv_endpoint": "h0:29500", "master_port": 29500}, {},
      NodeGroup(2, 0, 4, ("h0", 29500), 29500)),
+    # torchrun's elastic range: each start's machines and ranks come from its round (machine 0's, where the
+    # rendezvous address is), so a rank given is ignored, as c10d ignores it; --rdzv-conf's two timeouts are taken
+    ({"nnodes": "2:4", "rdzv_endpoint": "h0:9"}, {}, NodeGroup(0, 0, 4, ("h0", 9), 29500, (2, 4))),
+    ({"nnodes": "2:4", "rdzv_endpoint": "h1:9", "node_rank": 1}, {}, NodeGroup(0, None, 4, ("h1", 9), 29500, (2, 4))),
+    ({}, {"PET_NNODES": "1:3", "PET_RDZV_ENDPOINT": "h1:9", "PET_NODE_RANK": "2",
+          "PET_RDZV_CONF": "join_timeout=60, last_call_timeout=2.5,keep_alive_interval=5"},
+     NodeGroup(0, None, 4, ("h1", 9), 29500, (1, 3), 60.0, 2.5)),
+    ({"nnodes": "1:4", "rdzv_conf": "last_call_timeout=1"}, {"PET_RDZV_CONF": "last_call_timeout=9"},
+     NodeGroup(0, 0, 4, ("127.0.0.1", 29501), 29500, (1, 4), 600.0, 1.0)),  # on its own: machine 0
 ])
 def test_each_machine_s_place_from_torchruns_flags(given: dict[str, object], environ: dict[str, str],
                                                    want: NodeGroup | None) -> None:
@@ -57,7 +66,10 @@ def test_the_workers_of_each_machine_from_torchruns_variable_too() -> None:
 
 
 @pytest.mark.parametrize(("given", "workers", "message"), [
-    ({"nnodes": "1:4"}, 4, "an elastic range of machines is not taken"),
+    ({"nnodes": "4:2"}, 4, "give the number of machines .1 or more., or a range MIN:MAX"),
+    ({"nnodes": "0:2"}, 4, "give the number of machines"),
+    ({"nnodes": "2:4", "rdzv_conf": "last_call_timeout=-1"}, 4, "give last_call_timeout in seconds, above 0"),
+    ({"nnodes": "2:4", "rdzv_conf": "join_timeout=soon"}, 4, "give join_timeout in seconds"),
     ({"nnodes": "0"}, 4, "give the number of machines"),
     ({"nnodes": "two"}, 4, "give the number of machines"),
     ({"nnodes": "2", "node_rank": 2}, 4, "give this machine's rank, 0 to 1"),
