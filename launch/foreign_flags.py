@@ -17,6 +17,7 @@ from typing import Any
 
 from sluice import __version__
 from sluice.launch.node_group import add_node_flags
+from sluice.launch.nproc import nproc_per_node
 
 #: horovodrun's flags that `sluice launch` has under the same names
 SAME_NAMES = ("-H/--hosts, --hostfile, --ssh-port, --host-discovery-script, --output-filename, --verbose, "
@@ -224,9 +225,10 @@ def add_horovodrun_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("torchrun's flags", "torchrun's habits, where they mean something here:")
-    group.add_argument("--nproc-per-node", "--nproc_per_node", type=int, metavar="N",
+    group.add_argument("--nproc-per-node", "--nproc_per_node", metavar="N|cpu|gpu|auto",
                        help="workers per machine: on this machine alone, -w N; with -H, the slots of each host "
-                            "given without :N")
+                            "given without :N; cpu: this machine's CPUs, gpu: its CUDA devices, auto: those if any, "
+                            "else its CPUs (as torchrun; default: the variable PET_NPROC_PER_NODE if set)")
     _add_aliases(group, TORCHRUN_ALIASES)
     for flags, what in ((("--tee", "-t"), "copied into the log files and shown here"),
                         (("--redirects", "-r"), "written to the log files only, not shown here")):
@@ -290,12 +292,17 @@ def _streams(text: str) -> frozenset[str]:
     return STREAMS[int(text)]
 
 
-def translate(args: argparse.Namespace, has_hosts: bool) -> tuple[list[str], list[str]]:
+def translate(args: argparse.Namespace, has_hosts: bool,
+              environ: Mapping[str, str] = os.environ) -> tuple[list[str], list[str]]:
     """Apply what the foreign flags in `args` mean (it is changed in place): the --set items they stand for,
     and the notes to print; ValueError saying what to change."""
     notes = list(getattr(args, IGNORED_DEST, None) or [])
     slots = getattr(args, "slots_per_host", None)
     per_node = args.nproc_per_node
+    if per_node is None and args.workers is None and not has_hosts:  # torchrun's variable for its flag
+        per_node = environ.get("PET_NPROC_PER_NODE")
+    if per_node is not None:
+        per_node = args.nproc_per_node = nproc_per_node(str(per_node), environ)
     if per_node is not None and not has_hosts:
         if args.workers is not None and args.workers != per_node:
             raise ValueError(f"--nproc-per-node {per_node} and -w {args.workers} disagree: on one machine they "

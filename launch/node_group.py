@@ -30,6 +30,7 @@ from sluice.launch.hosts import HostsError
 from sluice.launch.machine_zero import MachineZero, RankError, rank_keys
 from sluice.launch.node import NodeError, is_loopback, job_secret
 from sluice.launch.node_ranks import new_ask
+from sluice.launch.nproc import nproc_per_node
 from sluice.launch.reach import host_address, is_this_machine, outward_address
 from sluice.launch.run_options import RunOptions
 from sluice.transport.auth import SecretFileError
@@ -111,8 +112,8 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
     if args.hosts or args.hostfile:
         raise ValueError("--nnodes with -H or --hostfile: give one or the other. With --nnodes, `sluice launch` "
                          "runs on every machine and starts that machine's processes; with -H, once, for all")
-    if workers is None and environ.get("PET_NPROC_PER_NODE", "").isdigit():
-        workers = int(environ["PET_NPROC_PER_NODE"])
+    if workers is None and environ.get("PET_NPROC_PER_NODE"):
+        workers = nproc_per_node(environ["PET_NPROC_PER_NODE"], environ)
     if not workers:
         raise ValueError("--nnodes without --nproc-per-node: give the workers of each machine")
     master = str(args.master_port or environ.get("PET_MASTER_PORT") or MASTER_PORT)
