@@ -156,15 +156,17 @@ class MachineZero:
         self._sock = dealer(self._ctx, host, port, keys, (CLIENT_NAME, SERVER_NAME), MAX_REPLY_BYTES, immediate=True)
 
     def request(self, op: str, timeout_s: float, say: Callable[[str], None], start: int = 0,
-                until: Callable[[Answer], bool] = lambda answer: True) -> Answer:
+                until: Callable[[Answer], bool] = lambda answer: True, silent_s: float | None = None) -> Answer:
         """Machine 0's first answer to `op` that satisfies `until`, asking again every ASK_EVERY_S without an answer
         and every PACE_S with one that does not (an answer to an earlier request may come late, and a machine
-        waiting for machine 0 to move on keeps asking); RankError when it refuses or none came within timeout_s."""
+        waiting for machine 0 to move on keeps asking); RankError when it refuses, when none came within timeout_s,
+        or when machine 0 has not answered at all within `silent_s` (a shorter wait for a longer request)."""
         ask = Ask(op, self._ask.token, self._ask.host, self._ask.min_nodes, self._ask.max_nodes, self._ask.nproc,
                   self._ask.restarts, start)
         began = noted = time.monotonic()
         answered = False
-        while (waited := time.monotonic() - began) < timeout_s:
+        unheard_s = min(timeout_s, silent_s) if silent_s else timeout_s
+        while (waited := time.monotonic() - began) < (timeout_s if answered else unheard_s):
             if self.stopped.is_set():
                 raise RankError("this launcher is stopping")
             with contextlib.suppress(zmq.Again):  # not connected yet: machine 0's launcher may not be up
@@ -190,7 +192,7 @@ class MachineZero:
             raise RankError(f"machine 0 at {self.host}:{self.port} answers, but this machine's start did not come "
                             f"within {timeout_s:g} s" + (" (torchrun's join_timeout: --rdzv-conf join_timeout=SECONDS)"
                                                          if op == "join" else ""))
-        raise RankError(f"machine 0 at {self.host}:{self.port} did not answer within {timeout_s:.0f} s: is `sluice "
+        raise RankError(f"machine 0 at {self.host}:{self.port} did not answer within {unheard_s:.0f} s: is `sluice "
                         f"launch --nnodes {given}` running on {self.host}, with the same --secret-file (or "
                         "transport.curve) as here?")
 
@@ -223,7 +225,8 @@ class Starts:
             return None if answer is None or answer.over else fixed
         if self.zero is not None:
             answer = await self._ask("join", self.join_s, 0,
-                                     lambda a: (a.rank is not None and a.ready >= a.start) or a.over, interrupted)
+                                     lambda a: (a.rank is not None and a.ready >= a.start) or a.over, interrupted,
+                                     silent_s=self.timeout_s)  # a machine 0 that never answers: not join_timeout
             if answer is None or answer.over or answer.rank is None:
                 return None
             return Place(answer.start, answer.rank, answer.nnodes, answer.failures)
@@ -242,12 +245,12 @@ class Starts:
         return None if place.over else place
 
     async def _ask(self, op: str, timeout_s: float, start: int, until: Callable[[Answer], bool],
-                   interrupted: asyncio.Future[int]) -> Answer | None:
+                   interrupted: asyncio.Future[int], silent_s: float | None = None) -> Answer | None:
         """Machine 0's answer to `op` satisfying `until`, asked in a thread; None when `interrupted` came first."""
         zero = self.zero
         assert zero is not None
         asked: asyncio.Future[Answer] = asyncio.ensure_future(asyncio.to_thread(
-            zero.request, op, timeout_s, self.say, start, until))
+            zero.request, op, timeout_s, self.say, start, until, silent_s))
         waited: list[asyncio.Future[Any]] = [asked, interrupted]
         await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         if not asked.done():  # the thread gives up within ASK_EVERY_S: the launcher's loop must not wait for more

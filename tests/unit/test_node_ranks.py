@@ -221,3 +221,25 @@ def test_a_machine_asking_before_machine_0_is_up_gets_its_rank_once_it_is() -> N
         zero.close()
         service.close()
     assert got == [1] and time.monotonic() - began < 5
+
+
+def test_a_join_gives_up_soon_on_a_machine_0_that_never_answers_and_at_the_join_timeout_on_one_that_does() -> None:
+    port, keys = _port(), rank_keys(os.urandom(32))
+    zero = MachineZero("127.0.0.1", port, keys, _ask("join", 0, "b", nnodes=(2, 3), nproc=1))
+    began = time.monotonic()
+    try:  # nobody serves the port: the short wait for a first answer decides, not the join timeout
+        with pytest.raises(RankError, match="did not answer within 1 s"):
+            zero.request("join", 30, [].append, until=lambda a: a.rank is not None, silent_s=1)
+        assert time.monotonic() - began < 4
+    finally:
+        zero.close()
+    service = RankService("127.0.0.1", port, keys, JobBook((2, 3), 1, 0, last_call_s=60), [].append)
+    zero = MachineZero("127.0.0.1", port, keys, _ask("join", 0, "b", nnodes=(2, 3), nproc=1))
+    try:  # it answers (the round stays open for its last call), at its first ask after connecting (within ASK_EVERY_S):
+        # the join timeout decides
+        with pytest.raises(RankError, match=re.escape(
+                "answers, but this machine's start did not come within 4 s (torchrun's join_timeout")):
+            zero.request("join", 4, [].append, until=lambda a: a.rank is not None, silent_s=2.5)
+    finally:
+        zero.close()
+        service.close()
