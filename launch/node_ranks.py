@@ -163,6 +163,7 @@ class JobBook:
         for token in [t for t in (*self.given, *self.waiting) if now - self.heard.get(t, now) > self.stale_s]:
             self.given.pop(token, None)
             self.waiting.pop(token, None)
+            self.heard.pop(token, None)
         joined = 1 + len(self.given)
         if joined < self.nodes[0]:
             self.deadline = None
@@ -226,6 +227,10 @@ class JobBook:
             self.given[ask.token] = (0, ask.host)
             self.tick(now)
             return (self.given[ask.token][0] if self.closed else None), ""
+        if ask.token not in self.waiting and len(self.waiting) >= self.nodes[1]:  # what machine 0 keeps is bounded
+            del self.heard[ask.token]
+            return None, (f"{len(self.waiting)} machines already wait to join a job of at most {self.nodes[1]} "
+                          f"(--nnodes {nodes_text(self.nodes)}), and {ask.host} came too: is --nnodes right?")
         self.waiting.setdefault(ask.token, ask.host)
         if self.nnodes < self.nodes[1] and not self.over:
             self._next(now)  # room for it: every machine starts again, with it

@@ -108,6 +108,12 @@ def test_an_elastic_round_drops_a_machine_that_stopped_asking_and_a_full_job_kee
         (None, 3, 0, 0, False), (None, 0, 1, 1, False), (2, 3, 1, 1, False), (None, 3, 1, 1, False),
         (1, 3, 1, 1, False)]
     assert book.waiting == {TOKENS[1]: "c"}  # c came last: it waits for room, as torchrun's redundant node
+    for token, host in ((2, "d"), (4, "f")):  # two more wait; a fourth is refused: what the book keeps is bounded
+        assert book.answer(_ask("join", token, host, nnodes=(2, 3), nproc=1, restarts=1), 2.5).error == ""
+    assert book.answer(_ask("join", 0, "b", nnodes=(2, 3), nproc=1, restarts=1), 2.5).rank == 2  # in the start
+    assert "3 machines already wait to join a job of at most 3 (--nnodes 2:3), and y came too" in book.answer(
+        Ask("join", "f" * 32, "y", 2, 3, 1, 1), 2.5).error
+    assert len(book.waiting) == 3 and "f" * 32 not in book.heard
     assert _round(book, [(3, "failed", 0, "b")])[-1] == (None, 3, 1, 1, True)  # no restart left: over
 
 
