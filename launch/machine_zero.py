@@ -102,6 +102,16 @@ class RankService:
             self._settle(time.monotonic())
             return Place(book.start, 0, book.nnodes, book.failures, book.over) if book.nnodes or book.over else None
 
+    def waiting(self, waited: float) -> str:
+        """What the start machine 0 waits for has, to say after `waited` seconds."""
+        with self._lock:
+            book = self.book
+            low, high = book.nodes
+            call = (f"; it begins at {high}, or in {max(0.0, book.deadline - time.monotonic()):.0f} s"
+                    if book.deadline is not None else f"; it begins once {low} have joined")
+            return (f"start {book.start + 1} waits for machines ({waited:.0f} s): {1 + len(book.given)} joined of "
+                    f"--nnodes {nodes_text(book.nodes)}{call}")
+
     def failed(self, start: int) -> tuple[int, bool]:
         """Machine 0's processes of `start` failed: (the job's start now, whether it is over)."""
         with self._lock:
@@ -186,7 +196,9 @@ class MachineZero:
                 time.sleep(PACE_S)
             if time.monotonic() - noted >= WAITING_NOTE_S:
                 noted = time.monotonic()
-                say(f"still waiting for machine 0 at {self.host}:{self.port} ({noted - began:.0f} s)")
+                say(f"machine 0 at {self.host}:{self.port} answers; still waiting for this machine's start "
+                    f"({noted - began:.0f} s)" if answered else
+                    f"still waiting for machine 0 at {self.host}:{self.port} ({noted - began:.0f} s)")
         given = nodes_text((ask.min_nodes, ask.max_nodes))
         if answered:
             raise RankError(f"machine 0 at {self.host}:{self.port} answers, but this machine's start did not come "
@@ -232,8 +244,12 @@ class Starts:
             return Place(answer.start, answer.rank, answer.nnodes, answer.failures)
         service = self.service
         assert service is not None
-        deadline = time.monotonic() + self.join_s
+        began = noted = time.monotonic()
+        deadline = began + self.join_s
         while (place := service.place()) is None:
+            if time.monotonic() - noted >= WAITING_NOTE_S:
+                noted = time.monotonic()
+                self.say(service.waiting(noted - began))
             if time.monotonic() > deadline:
                 book = service.book
                 raise RankError(f"start {book.start + 1} did not begin within {self.join_s:g} s (torchrun's "

@@ -240,12 +240,16 @@ def test_a_join_gives_up_soon_on_a_machine_0_that_never_answers_and_at_the_join_
     finally:
         zero.close()
     service = RankService("127.0.0.1", port, keys, JobBook((2, 3), 1, 0, last_call_s=60), [].append)
+    assert service.waiting(10) == ("start 1 waits for machines (10 s): 1 joined of --nnodes 2:3; it begins once 2 "
+                                   "have joined")  # what machine 0's launcher says while it waits
     zero = MachineZero("127.0.0.1", port, keys, _ask("join", 0, "b", nnodes=(2, 3), nproc=1))
     try:  # it answers (the round stays open for its last call), at its first ask after connecting (within ASK_EVERY_S):
         # the join timeout decides
         with pytest.raises(RankError, match=re.escape(
                 "answers, but this machine's start did not come within 4 s (torchrun's join_timeout")):
             zero.request("join", 4, [].append, until=lambda a: a.rank is not None, silent_s=2.5)
+        assert re.fullmatch(r"start 1 waits for machines \(20 s\): 2 joined of --nnodes 2:3; it begins at 3, or in "
+                            r"5[5-9] s", service.waiting(20)), service.waiting(20)
     finally:
         zero.close()
         service.close()
