@@ -76,6 +76,8 @@ class LocalCluster:
         self.secret = new_secret()
         self.processes: list[Any] = []
         self._tempdirs: list[str] = []  # the workers' (the servers' and scheduler's use none)
+        #: the worker processes started with each results queue (by its id), by rank
+        self._runs: dict[int, list[Any]] = {}
         announce = _ctx.Queue()
         base = NodeEnv("", "scheduler", 0, workers, servers, self.config, self.secret, aggregators)
         self._start(_scheduler_main, base, announce)
@@ -103,20 +105,38 @@ class LocalCluster:
     def start_workers(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Fork every worker running fn(*args); the queue their (rank, status, value) reports arrive on."""
         results = _ctx.Queue()
+        started = []
         for rank in range(self.workers):
             self._tempdirs.append(child_tempdir())
-            self._start(_worker_main, self.env("worker", rank), fn, args, self._tempdirs[-1], results)
+            started.append(self._start(_worker_main, self.env("worker", rank), fn, args, self._tempdirs[-1], results))
+        self._runs[id(results)] = started
         return results
 
     def collect(self, results: Any, count: int, timeout: float) -> dict[int, tuple[str, Any]]:
-        """The first `count` worker reports, by rank; raises queue.Empty if they are late."""
+        """The first `count` worker reports, by rank. RuntimeError at once when every worker yet to report has
+        exited without a report (a worker puts its report in the queue before it exits: one that died in native code,
+        or was killed, never will), naming each with its exit code; queue.Empty, after every live process of the job
+        printed its stacks, if they are late."""
         out: dict[int, tuple[str, Any]] = {}
-        for _ in range(count):
-            try:
-                rank, status, value = results.get(timeout=timeout)
-            except queue.Empty:
+        workers = self._runs.get(id(results), [])
+        deadline = time.monotonic() + timeout
+        while len(out) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 self.dump_stacks()
-                raise
+                raise queue.Empty
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                unreported = [(r, p) for r, p in enumerate(workers) if r not in out]
+                if unreported and all(p.exitcode is not None for _, p in unreported):
+                    try:  # a report put just before its worker exited is in the queue by now
+                        rank, status, value = results.get(timeout=1.0)
+                    except queue.Empty:
+                        raise RuntimeError("workers exited without a report: " + ", ".join(
+                            f"worker {r} (exit code {p.exitcode})" for r, p in unreported)) from None
+                else:
+                    continue
             out[rank] = (status, value)
         return out
 

@@ -139,3 +139,18 @@ def test_a_worker_that_left_early_fails_the_others_collectives_at_once_naming_it
         assert error and "allreduce 'w.3'" in error and re.search(r"worker 1 \(on \S+\) has left the job", error), error
         assert "hvd.join()" in error, error  # what to do about it
         assert results[rank]["at"] - started < 20  # long before the 120 s operation timeout
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as a crash in native code ends a process: no report, no goodbye
+
+
+@pytest.mark.timeout(30)
+def test_workers_that_die_without_a_report_fail_the_test_at_once_with_their_exit_codes() -> None:
+    """The harness itself never waits out its timeout for workers that are gone (testbed/cluster.py collect)."""
+    with LocalCluster(2, 0) as cluster:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=re.escape(
+                "workers exited without a report: worker 0 (exit code -9), worker 1 (exit code -9)")):
+            cluster.run(_die, timeout=60)
+        assert time.monotonic() - started < 10
