@@ -77,7 +77,7 @@ class Server(Role):
         if self.mirrors is not None and self.mirrors.sender is not None:
             replies = self.mirrors.sender.take(replies)  # MIRRORs first; later rounds' replies wait for acks
         if self.trace is not None and msg.kind == Kind.PUSH:
-            self.trace.pushed(msg, channel, replies)
+            self.trace.pushed(msg, channel)
         return replies
 
     def on_welcome(self) -> None:

@@ -72,6 +72,7 @@ class Timeline:
         self._pending: list[str] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._writing = threading.Lock()
         self.dropped = 0
         self._closed = threading.Event()
         self._meta("process_name", 0, process)
@@ -113,11 +114,13 @@ class Timeline:
             self._flush()
 
     def _flush(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if batch:
-            self._file.write("".join(line + ",\n" for line in batch))
-            self._file.flush()
+        # one flush at a time: a writer thread slower than close()'s join must not lose its batch to the file closing
+        with self._writing:
+            with self._lock:
+                batch, self._pending = self._pending, []
+            if batch and not self._file.closed:
+                self._file.write("".join(line + ",\n" for line in batch))
+                self._file.flush()
 
     def close(self) -> None:
         """Write what is left and end the array, so the file is valid JSON."""
@@ -126,8 +129,10 @@ class Timeline:
         self._closed.set()
         self._writer.join(5)
         self._flush()
-        self._file.write(f'{{"name":"dropped_events","ph":"M","pid":{self.pid},"args":{{"count":{self.dropped}}}}}\n]\n')
-        self._file.close()
+        with self._writing:
+            self._file.write(f'{{"name":"dropped_events","ph":"M","pid":{self.pid},"args":{{"count":{self.dropped}}}}}'
+                             '\n]\n')
+            self._file.close()
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

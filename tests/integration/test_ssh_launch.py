@@ -149,7 +149,7 @@ def test_ssh_job_trains_across_hosts_as_on_one_machine_summing_in_local_groups(b
     # the weights' shares through the servers (a key a server), every step; the biases by allreduce
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     spans = Counter((rows[e["pid"]], e["name"]) for e in events if e.get("ph") != "M")
-    assert spans[("server 0", "SUM")] == spans[("server 1", "SUM")] == 12, spans
+    assert spans[("server 0", "SUM")] == spans[("server 1", "SUM")] == 12, (spans, done.stdout[-3000:])
     assert all(spans[(f"worker {r}", "PUSH")] == spans[(f"worker {r}", "PULL")] == 12 for r in range(4)), spans
     assert all(spans[(f"worker {r}", "ALLREDUCE")] >= 12 for r in range(4)), spans
     # each device-resident group's share out to the host and back, on every worker's row (READY marks backward)
