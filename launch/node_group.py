@@ -53,14 +53,10 @@ class NodeGroup:
     #: the workers' MASTER_PORT (MASTER_ADDR is the rendezvous host)
     master_port: int
     #: --nnodes MIN:MAX (N:N for a fixed count)
-    nodes: tuple[int, int] = (0, 0)
+    nodes: tuple[int, int]
     #: --rdzv-conf's join_timeout and last_call_timeout (torchrun's defaults), for an elastic range
     join_s: float = 600.0
     last_call_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.nodes == (0, 0):  # a fixed count given by nnodes alone
-            object.__setattr__(self, "nodes", (self.nnodes, self.nnodes))
 
     @property
     def elastic(self) -> bool:
@@ -128,7 +124,7 @@ def node_group(args: argparse.Namespace, environ: Mapping[str, str], workers: in
             raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST or HOST:PORT")
         rendezvous = (host, int(port))
         if not (args.master_port or environ.get("PET_MASTER_PORT")) and port_clash(
-                NodeGroup(nnodes, 0, workers, rendezvous, int(master)), channels):
+                NodeGroup(nnodes, 0, workers, rendezvous, int(master), nodes), channels):
             # torchrun's c10d ignores --master-port (its agent picks the store's port), so an endpoint on 29500, as
             # many SLURM scripts have it, is fine there: the store goes on the first port after machine 0's service
             master = str(int(port) + channels + 1)

@@ -44,7 +44,7 @@ class NodeGroupRun:
                  zero: MachineZero | None = None) -> None:
         """`servers`: -s, or None for one a machine (of each start, with an elastic range)."""
         self.group, self.args, self.command = group, args, command
-        self.servers_given, self.servers = servers, servers or 0
+        self.servers_given = servers
         #: --max-restarts, and this machine's line to machine 0 (None on machine 0, or without restarts or an
         #: asked rank)
         self.restarts, self.zero = restarts, zero
@@ -55,6 +55,11 @@ class NodeGroupRun:
         self.janitor: Janitor | None = None
         #: --preload: the process this machine's workers are forked from (launch/preload.py)
         self.preloader: Preloader | None = None
+
+    @property
+    def servers(self) -> int:
+        """-s, else one a machine of the current start."""
+        return self.group.nnodes if self.servers_given is None else self.servers_given
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -82,7 +87,6 @@ class NodeGroupRun:
         """This machine's processes in `place`, each planned as `sluice node` would start it (NodeError, ConfigError or
         SecretFileError saying what to change)."""
         self.group = replace(self.group, nnodes=place.nnodes, node_rank=place.rank)
-        self.servers = place.nnodes if self.servers_given is None else self.servers_given
         return [(self._plan(role, rank), local) for role, rank, local in processes(self.group, self.servers)]
 
     async def _start(self, start: Start, local_rank: int, place: Place) -> Child:
