@@ -102,7 +102,7 @@ def worker(spec: dict[str, Any]) -> None:
 
     train(spec["warmup"])
     if not spec["alone"]:
-        hvd.barrier("timed")
+        hvd.barrier(name="timed")
     started = time.perf_counter()
     train(spec["steps"])
     result: dict[str, Any] = {"step_ms": (time.perf_counter() - started) / spec["steps"] * 1e3}

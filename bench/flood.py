@@ -158,7 +158,7 @@ def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peer
     data = worker_batches(x, y, hvd.rank(), hvd.size(), job.batch_size, job.warmup + job.steps)
     loss = train(model, optimizer, data, 0, job.warmup)
     hvd.synchronize_parameters()
-    hvd.barrier("start")
+    hvd.barrier(name="start")
     started = time.perf_counter()
     if hvd.rank() == 0:
         progress[0] = time.monotonic()
@@ -167,7 +167,7 @@ def flood_worker(x: torch.Tensor, y: torch.Tensor, job: argparse.Namespace, peer
         if hvd.rank() == 0:
             progress[1] = step + 1
     hvd.synchronize_parameters()
-    hvd.barrier("end")
+    hvd.barrier(name="end")
     seconds = time.perf_counter() - started
     if hvd.rank() == 0:
         done.set()

@@ -83,7 +83,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     images, labels = worker_batches(x, y, rank, size, args.batch_size, args.steps)
     victim = find_server(0) if rank == 0 and args.kill_at >= 0 else 0
-    hvd.barrier("start")
+    hvd.barrier(name="start")
     for step in range(args.steps):
         if step == args.kill_at and rank == 0:
             print(f"RECOVERY_KILL {time.monotonic():.6f}", flush=True)

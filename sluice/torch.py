@@ -1,6 +1,6 @@
 """Horovod's PyTorch API on Sluice: `import sluice.torch as hvd` (implemented in sluice.worker.torch)."""
 
-import sys
+import sys as _sys
 
 from sluice.worker.torch.api import *  # noqa: F403
 from sluice.worker.torch.api import __all__ as __all__
@@ -8,7 +8,7 @@ from sluice.worker.torch.api import elastic
 
 # this module is no package, so `from sluice.torch.elastic import TorchState` (as from horovod.torch.elastic)
 # finds the submodule only here
-sys.modules[f"{__name__}.elastic"] = elastic
+_sys.modules[f"{__name__}.elastic"] = elastic
 
 
 def __getattr__(name: str) -> object:

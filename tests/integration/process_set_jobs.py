@@ -65,7 +65,7 @@ def process_set_cases() -> dict[str, Any]:
     rows = torch.arange(mine.size() * 2, dtype=torch.float32) + 10 * rank
     out["alltoall"] = hvd.alltoall(rows, process_set=mine).tolist()
     out["reducescatter"] = hvd.reducescatter(torch.ones(4, 2) * (rank + 1), op=hvd.Sum, process_set=mine).tolist()
-    hvd.barrier(process_set=mine)
+    hvd.barrier(mine)  # the set positional, as Horovod's barrier(process_set)
     out["object"] = hvd.broadcast_object({"from": rank}, root_rank=mine.ranks[-1], process_set=mine)
     # an object the codec cannot carry: TypeError on the root, the same call fails on the others, all go on
     out["object_refused"] = _raised(lambda: hvd.broadcast_object(object() if rank == 0 else None, root_rank=0))

@@ -52,11 +52,18 @@ def _job(directories: list[Path] | None, stop: str, stop_rank: int, stop_at: int
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9),
                                          named_parameters=model.named_parameters())
     sampler = ElasticSampler(list(range(SAMPLES)), seed=3)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, batch=0, resets=[])
+    hooks: list[str] = []
+
+    class State(hvd.elastic.TorchState):  # type: ignore[misc]
+        def reset(self) -> None:  # Horovod's State.reset: called by on_reset, before the callbacks
+            hooks.append("reset")
+
+    state = State(model, optimizer, sampler=sampler, batch=0, resets=[])
     x, y = _data()
     out: dict[str, Any] = {}
 
     def on_reset() -> None:
+        hooks.append("callback")
         state.resets.append(hvd.size())
         for group in optimizer.param_groups:
             group["lr"] = BASE_LR * hvd.size()
@@ -66,7 +73,7 @@ def _job(directories: list[Path] | None, stop: str, stop_rank: int, stop_at: int
     @hvd.elastic.run
     def train(state: Any) -> None:
         out["restored"] = {"params": _flat(state.model), "batch": state.batch, "commits": state.commits,
-                           "resets": list(state.resets), "lr": optimizer.param_groups[0]["lr"],
+                           "resets": list(state.resets), "hooks": list(hooks), "lr": optimizer.param_groups[0]["lr"],
                            "momentum": [optimizer.state[p]["momentum_buffer"].tolist() for p in model.parameters()
                                         if "momentum_buffer" in optimizer.state[p]],
                            "indices": state.sampler.get_indices(0, BATCH)}
@@ -170,6 +177,7 @@ def test_elastic_job_loses_a_worker_and_the_next_generation_restores_the_newest_
         assert restored["params"] == _model_params(newest), rank
         assert (restored["batch"], restored["commits"]) == (4, 4)
         assert restored["resets"] == [2] and restored["lr"] == BASE_LR * 2  # the reset callback ran once
+        assert restored["hooks"] == ["reset", "callback"]  # the state's reset() first, as in Horovod
         assert len(restored["momentum"]) == 4  # the optimizer state came along, to the new host too
         sampler = ElasticSampler(list(range(SAMPLES)), seed=3, num_replicas=2, rank=rank)
         sampler.load_state_dict(newest["objects"]["sampler"])
@@ -217,6 +225,7 @@ def test_an_elastic_script_under_a_plain_launch_starts_from_rank_0_and_commits_n
     with LocalCluster(2, 0) as cluster:
         results = cluster.run(_job, None, "", 0, 0, 3, timeout=45)
     assert results[0]["restored"]["params"] == results[1]["restored"]["params"]  # seeds differ: rank 0's
-    assert all(out["restored"]["resets"] == [] and out["final"]["commits"] == 3 for out in results)
+    assert all(out["restored"]["resets"] == out["restored"]["hooks"] == [] and out["final"]["commits"] == 3
+               for out in results)
     assert results[0]["final"]["params"] == results[1]["final"]["params"]
     assert list(tmp_path.iterdir()) == []

@@ -62,6 +62,7 @@ def test_a_message_for_a_set_about_to_be_added_is_kept() -> None:
 def test_process_set_objects_as_horovods() -> None:
     ranks = ProcessSet([2, 0])
     assert ranks.ranks == [0, 2] and ranks.process_set_id is None and ranks.size() is None
+    assert ProcessSet(ranks_or_comm=[1, 0]).ranks == [0, 1]  # Horovod's keyword
     with pytest.raises(ValueError, match="list of process ranks"):
         ProcessSet([0, "1"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="list of process ranks"):

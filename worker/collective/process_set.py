@@ -20,9 +20,9 @@ class ProcessSet:
     ranks: list[int] | None = None
     mpi_comm: Any = None
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    def __init__(self, ranks_or_comm: Sequence[int]) -> None:
         try:
-            listed = sorted(ranks)
+            listed = sorted(ranks_or_comm)  # Horovod's name: a list of ranks, or an mpi4py Comm (none here)
         except TypeError:
             raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm "
                              "object (Sluice has no MPI: give the ranks)") from None

@@ -119,8 +119,14 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """After a re-formed job restored the state: `reset()`, then the reset callbacks, as Horovod's State."""
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self) -> None:
+        """Override to rebuild what depends on the job's size (a sampler, a learning rate) after a re-forming;
+        Horovod's State.reset, called by on_reset before the callbacks."""
 
     def commit(self) -> None:
         """Save the state as the job's newest (to this host's elastic directory; nothing outside an

@@ -283,7 +283,8 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int, process_set: A
 
 
 @not_converted
-def barrier(name: str | None = None, process_set: Any = global_process_set) -> None:
-    """Wait (eagerly) until every rank has called barrier (the same number of times: unnamed ones are numbered)."""
+def barrier(process_set: Any = global_process_set, name: str | None = None) -> None:
+    """Wait (eagerly) until every rank (of `process_set`) has called barrier (the same number of times: unnamed ones
+    are numbered); the set first, as sluice.torch's and Horovod's torch barrier."""
     on = engine(process_set)
     on.barrier(collective_name(name, "barrier", on)).wait()
