@@ -362,5 +362,4 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None, 
 NOT_OFFERED = {
     "PartialDistributedOptimizer": "PartialDistributedOptimizer is not offered: pass only the parameters to "
                                    "reduce to DistributedOptimizer, and step the others with a plain optimizer",
-    "mpi_ops": "horovod.torch.mpi_ops has no counterpart: every op is in sluice.torch itself",
 }

@@ -1,0 +1,3 @@
+"""Where horovod.torch.functions's names are imported from: here, the whole of sluice.torch's API."""
+
+from sluice.worker.torch.api import *  # noqa: F403
