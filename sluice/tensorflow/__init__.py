@@ -1,11 +1,15 @@
 """Horovod's TensorFlow 2 API on Sluice: `import sluice.tensorflow as hvd` (implemented in sluice.worker.tensorflow).
 
 A package, as horovod.tensorflow is: `sluice.tensorflow.elastic`, `sluice.tensorflow.keras` and its
-`callbacks` and `elastic` are real submodules, so every import path of Horovod's works, in any order,
-and type checkers see them. Keras is imported only with sluice.tensorflow.keras.
+`callbacks` and `elastic` are real submodules, and names import from `mpi_ops`, `compression` and
+`functions` (`from horovod.tensorflow.mpi_ops import Sum`), so every import path of Horovod's works, in
+any order, and type checkers see them. Keras is imported only with sluice.tensorflow.keras.
 """
 
+from sluice.tensorflow import compression as compression
 from sluice.tensorflow import elastic as elastic
+from sluice.tensorflow import functions as functions
+from sluice.tensorflow import mpi_ops as mpi_ops
 from sluice.worker.tensorflow.api import *  # noqa: F403
 from sluice.worker.tensorflow.api import __all__ as _api_all
 

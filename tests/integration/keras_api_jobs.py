@@ -51,7 +51,9 @@ def _missing() -> dict[str, list[str]]:
     import sluice.keras
     import sluice.keras.callbacks
     import sluice.keras.elastic
+    import sluice.tensorflow.compression
     import sluice.tensorflow.elastic
+    import sluice.tensorflow.functions
     import sluice.tensorflow.keras
     import sluice.tensorflow.keras.callbacks
     import sluice.tensorflow.keras.elastic
@@ -61,7 +63,12 @@ def _missing() -> dict[str, list[str]]:
                "sluice.tensorflow.keras.callbacks": (sluice.tensorflow.keras.callbacks, CALLBACKS),
                "sluice.keras.elastic": (sluice.keras.elastic, KERAS_ELASTIC),
                "sluice.tensorflow.keras.elastic": (sluice.tensorflow.keras.elastic, KERAS_ELASTIC),
-               "sluice.tensorflow.elastic": (sluice.tensorflow.elastic, TF_ELASTIC)}
+               "sluice.tensorflow.elastic": (sluice.tensorflow.elastic, TF_ELASTIC),
+               # what programs import from Horovod's TF submodules (`from horovod.tensorflow.mpi_ops import Sum`)
+               "sluice.tensorflow.mpi_ops": (sluice.tensorflow.mpi_ops, ["Sum", "Average", "allreduce", "size"]),
+               "sluice.tensorflow.compression": (sluice.tensorflow.compression, ["Compression"]),
+               "sluice.tensorflow.functions": (sluice.tensorflow.functions,
+                                               ["broadcast_variables", "broadcast_object", "allgather_object"])}
     return {name: [n for n in names if not hasattr(module, n)] for name, (module, names) in modules.items()}
 
 
