@@ -121,7 +121,8 @@ def _sluice_worker(data: Data, args: argparse.Namespace) -> dict[str, Any]:
     hvd.init()
     model = _model(keras, hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)))
     hvd.broadcast_variables(model.variables, root_rank=0)
-    result = timed_fit(keras, model, _dataset(data(hvd.rank(), hvd.size()), args.batch_size), args, hvd.barrier)
+    result = timed_fit(keras, model, _dataset(data(hvd.rank(), hvd.size()), args.batch_size), args,
+                       lambda name: hvd.barrier(name=name))
     hvd.shutdown()
     return result
 

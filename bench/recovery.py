@@ -229,7 +229,8 @@ def train_worker(job: Job, x: torch.Tensor, y: torch.Tensor, tag: str) -> dict[s
         generator = torch.Generator().manual_seed(rank)
         data = (torch.randn(count, job.batch, 3, 32, 32, generator=generator),
                 torch.randint(0, 10, (count, job.batch), generator=generator))
-    result = timed_repeats(model, optimizer, data, job.warmup, job.steps, job.inner, hvd.barrier,
+    result = timed_repeats(model, optimizer, data, job.warmup, job.steps, job.inner,
+                           lambda name: hvd.barrier(name=name),
                            hvd.synchronize_parameters)
     result["state_bytes"] = _state_bytes(tag)  # the servers' files, still open: they go at a clean end
     hvd.shutdown()

@@ -177,7 +177,7 @@ def _sluice_worker(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -
     model, optimizer = sluice_demo()
     data = worker_batches(x, y, hvd.rank(), hvd.size(), args.batch_size, args.warmup + args.steps)
     result = timed_repeats(model, optimizer, data, args.warmup, args.steps, args.repeats,
-                           hvd.barrier, hvd.synchronize_parameters)
+                           lambda name: hvd.barrier(name=name), hvd.synchronize_parameters)
     hvd.shutdown()
     return result
 
