@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 import sluice.torch as hvd
+from sluice.errors import InvalidCallError
 
 #: what programs import from horovod.torch's submodules (seen in public training code), by submodule
 FROM_SUBMODULES = {
@@ -33,3 +34,8 @@ def test_signatures_take_horovods_positional_order() -> None:
     assert next(iter(inspect.signature(hvd.barrier).parameters)) == "process_set"  # hvd.barrier(ps)
     assert list(inspect.signature(hvd.ProcessSet).parameters) == ["ranks_or_comm"]
     assert callable(hvd.elastic.TorchState.reset) and "sys" not in dir(hvd)  # a State's hook to override
+
+
+def test_a_barrier_named_where_the_set_goes_says_where_a_name_goes() -> None:
+    with pytest.raises(InvalidCallError, match=r"barrier\(name='start'\)"):
+        hvd.barrier("start")  # before init: the argument is checked first

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from sluice.errors import InvalidCallError
 from sluice.worker.collective.engine import CollectiveEngine
-from sluice.worker.collective.process_set import global_process_set
+from sluice.worker.collective.process_set import barrier_set, global_process_set
 from sluice.worker.collective.reduce import scaled
 from sluice.worker.tensorflow.adasum import adasum_arrays, check_adasum
 from sluice.worker.tensorflow.bridge import run_numpy, wire_dtype
@@ -286,5 +286,5 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int, process_set: A
 def barrier(process_set: Any = global_process_set, name: str | None = None) -> None:
     """Wait (eagerly) until every rank (of `process_set`) has called barrier (the same number of times: unnamed ones
     are numbered); the set first, as sluice.torch's and Horovod's torch barrier."""
-    on = engine(process_set)
+    on = engine(barrier_set(process_set))
     on.barrier(collective_name(name, "barrier", on)).wait()

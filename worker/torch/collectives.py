@@ -270,7 +270,7 @@ def join(device: Any = None) -> int:
 def barrier(process_set: Any = None, name: str | None = None) -> None:
     """Wait until every rank (of `process_set`) has called barrier (the same number of times: unnamed ones are
     numbered). The set comes first, as in Horovod's barrier(process_set=global_process_set)."""
-    on = engine(process_set)
+    on = engine(process_set_api.barrier_set(process_set))
     call = op_name(name, "barrier", on)
     on.barrier(call).wait()
 
