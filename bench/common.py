@@ -1,10 +1,11 @@
-"""Shared benchmark helpers: options, medians, tables, JSON records, keep_alive, a timed push_pull, core use."""
+"""Shared benchmark helpers: options, medians, tables, JSON records, keep_alive, a timed push_pull, CPU use."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -113,6 +114,40 @@ def _cpu_ticks() -> tuple[int, int]:
     """(busy, all) clock ticks of all cores since boot; idle and iowait are the idle ones."""
     ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (from /proc)."""
+    found = []
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(path.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(path.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found
+
+
+def thread_cpu(pids: Sequence[int]) -> dict[int, tuple[float, float]]:
+    """pid -> CPU seconds of (its Python threads, ZeroMQ's I/O threads), from /proc/<pid>/task/*/stat; threads
+    that ended are not counted."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        python = libzmq = 0.0
+        for task in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                raw = task.read_bytes().decode("utf-8", "replace")
+            except OSError:
+                continue
+            fields = raw.rsplit(")", 1)[1].split()
+            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            if raw[raw.index("(") + 1:].startswith("ZMQbg"):
+                libzmq += seconds
+            else:
+                python += seconds
+        out[pid] = (python, libzmq)
+    return out
 
 
 def keep_alive(*objects: Any) -> None:

@@ -7,7 +7,8 @@ starts then. No sums, no credit (libzmq's pipes and TCP pace the sends), no ciph
 the links, the kernel and libzmq carry in these rounds. One untimed warm-up round; then each repetition
 times ROUNDS rounds on worker 0's clock (the servers couple every worker's rounds).
 
-Run by run_raw_mesh(); a process learns its part from RANK and WORLD_SIZE (workers first, then servers).
+Run by run_raw_mesh() (and bench/chunk_cpu.py, with ipc:// endpoints); a process learns its part from RANK and
+WORLD_SIZE (workers first, then servers).
 """
 
 from __future__ import annotations
@@ -22,21 +23,23 @@ if __package__ in (None, ""):  # run as `python bench/raw_mesh.py`: make the rep
 
 import zmq
 
-from bench.common import Stats, stats
+from bench.common import Stats, children, stats, thread_cpu
 from testbed.job import emit_result, free_port, run_gloo_job
 from testbed.netbed import Netbed
 
 #: messages queued in a socket beyond what the kernel holds: enough to keep a link busy
 HWM = 4
+#: set to a pid, worker 0 reports the CPU seconds of that pid's children through its timed rounds
+CPU_OF = "RAW_MESH_CPU_OF"
 
 
-def serve(port: int, workers: int, answers: int, chunk: int) -> None:
+def serve(endpoint: str, workers: int, answers: int, chunk: int) -> None:
     """Answer `answers` chunks to each of `workers` workers, each once every worker's copy of it came."""
     context = zmq.Context()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe says so (EAGAIN) instead of dropping the answer
-    sock.bind(f"tcp://*:{port}")
+    sock.bind(endpoint)
     payload = zmq.Frame(bytes(chunk))
     counts: dict[bytes, int] = {}
     owed: dict[bytes, int] = {}
@@ -62,20 +65,22 @@ def serve(port: int, workers: int, answers: int, chunk: int) -> None:
                 owed[peer] -= 1
                 sent += 1
         if time.monotonic() - heard > 60:
-            raise SystemExit(f"raw mesh server on port {port}: nothing for 60 s ({sent} answers sent)")
+            raise SystemExit(f"raw mesh server at {endpoint}: nothing for 60 s ({sent} answers sent)")
     sock.close(linger=-1)  # every answer delivered before the process leaves
     context.term()
 
 
-def work(rank: int, endpoints: Sequence[str], nbytes: int, chunk: int, rounds: int, repeats: int) -> list[float]:
-    """Seconds per round of each repetition, after one untimed round."""
+def work(rank: int, endpoints: Sequence[str], nbytes: int, chunk: int, rounds: int, repeats: int,
+         cpu_of: int | None = None) -> tuple[list[float], float]:
+    """Seconds per round of each repetition, after one untimed round; and, given `cpu_of` (the pid whose
+    children are the job's processes), their CPU seconds through the timed rounds (else 0)."""
     context = zmq.Context()
     socks = []
     for endpoint in endpoints:
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, f"worker-{rank}".encode())
         sock.setsockopt(zmq.SNDHWM, HWM)
-        sock.connect(f"tcp://{endpoint}")
+        sock.connect(endpoint if "://" in endpoint else f"tcp://{endpoint}")
         socks.append(sock)
     payload = zmq.Frame(bytes(chunk))
     each = nbytes // chunk // len(socks)
@@ -101,16 +106,19 @@ def work(rank: int, endpoints: Sequence[str], nbytes: int, chunk: int, rounds: i
                         poller.modify(sock, zmq.POLLIN)
 
     one_round()
+    pids = children(cpu_of) if cpu_of is not None else []
+    cpu = sum(map(sum, thread_cpu(pids).values()))
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
         for _ in range(rounds):
             one_round()
         seconds.append((time.perf_counter() - started) / rounds)
+    cpu = sum(map(sum, thread_cpu(pids).values())) - cpu
     for sock in socks:
         sock.close(linger=0)
     context.term()
-    return seconds
+    return seconds, cpu
 
 
 def run_raw_mesh(bed: Netbed, workers: Sequence[str], servers: Sequence[str], nbytes: int, chunk: int, rounds: int,
@@ -130,10 +138,13 @@ def main(argv: Sequence[str]) -> int:
     endpoints, workers, nbytes, chunk, rounds, repeats = argv[0].split(","), *map(int, argv[1:])
     rank = int(os.environ["RANK"])
     if rank < workers:
-        emit_result({"rank": rank, "seconds": work(rank, endpoints, nbytes, chunk, rounds, repeats)})
+        cpu_of = os.environ.get(CPU_OF)
+        seconds, cpu = work(rank, endpoints, nbytes, chunk, rounds, repeats, int(cpu_of) if cpu_of else None)
+        emit_result({"rank": rank, "seconds": seconds, "cpu_seconds": cpu})
     else:
-        port = int(endpoints[rank - workers].rsplit(":", 1)[1])
-        serve(port, workers, (1 + repeats * rounds) * (nbytes // chunk // len(endpoints)), chunk)
+        endpoint = endpoints[rank - workers]  # host:port (TCP), or a whole ZeroMQ endpoint (ipc://PATH)
+        bind = endpoint if "://" in endpoint else f"tcp://*:{endpoint.rsplit(':', 1)[1]}"
+        serve(bind, workers, (1 + repeats * rounds) * (nbytes // chunk // len(endpoints)), chunk)
         emit_result({"rank": rank})
     return 0
 
