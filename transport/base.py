@@ -49,7 +49,7 @@ class Transport(Protocol):
     def send(self, peer: str, channel: int, msg: Message) -> None:
         """Queue `msg` for `peer` on `channel`, ordered by msg.priority; thread-safe, never blocks.
 
-        The payload buffer is sent zero-copy: the caller must not change it until the peer replies.
+        The payload buffer may be sent zero-copy: the caller must not change it until the peer replies.
         """
         ...
 

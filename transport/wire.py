@@ -16,7 +16,7 @@ Layout of a message (a ZeroMQ multipart message):
                 nbytes    int >= 0, length of the payload frame
                 flags     int >= 0, a bit set of Flag values
                 meta      nil or a map with str keys of plain msgpack values (control messages)
-    frame 1   raw tensor bytes (only when dtype != ""), sent and received zero-copy; or, when flags
+    frame 1   raw tensor bytes (only when dtype != ""), received zero-copy; or, when flags
               has SHM, a msgpack [segment name, offset] naming where the nbytes lie in shared memory
 
 msgpack is decoded with no object hooks, so decoding never runs code. Limits hold before msgpack builds
