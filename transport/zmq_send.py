@@ -22,7 +22,8 @@ log = logging.getLogger("sluice.transport")
 #: a message whose last frame (its payload) is at most this many bytes is copied into ZeroMQ's message rather
 #: than lent to it. A lent buffer costs pyzmq a tracked Frame and, once sent, libzmq a message to pyzmq's
 #: garbage-collector thread, which wakes to let it go: with 256 and 512 KiB chunks that cost more than the
-#: copy (bench/chunk_cpu.py: 12-15% and 2-20% less CPU a chunk, rounds as much faster; 1 MiB: no gain).
+#: copy (bench/chunk_cpu.py: about 8-15% less CPU a chunk; at 1 MiB no gain; on the shaped testbed, where
+#: the links and the cipher bind, no measurable change: docs/priority.md).
 COPY_BYTES = 512 << 10
 
 
