@@ -41,17 +41,27 @@ def _command(rank: int, master: str, port: int, secret: Path, *script_args: str,
             str(secret), *launch_args, str(SCRIPT), *script_args]
 
 
+def _machine(launcher: subprocess.Popen[str]) -> str:
+    args = list(launcher.args)  # type: ignore[arg-type]
+    return str(args[args.index("--node-rank") + 1])
+
+
 def _finish(launchers: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
-    ended = []
-    try:
-        for launcher in launchers:
-            out, err = launcher.communicate(timeout=timeout)
-            ended.append((launcher.returncode, out, err))
-    finally:
-        for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.communicate()
+    """Each launcher's (exit code, stdout, stderr), each given `timeout` seconds to end; one still running then fails
+    the test with what every launcher printed (the late ones killed first), so that it says which machine hung."""
+    ended, late = [], []
+    for launcher in launchers:
+        try:
+            out, err = launcher.communicate(timeout=0.1 if late else timeout)
+        except subprocess.TimeoutExpired:
+            late.append(_machine(launcher))
+            launcher.kill()
+            out, err = launcher.communicate()
+        ended.append((launcher.returncode, out, err))
+    if late:
+        told = "".join(f"\n--- machine {_machine(launcher)} (exit {code}):\n{out[-2000:]}{err[-2000:]}"
+                       for launcher, (code, out, err) in zip(launchers, ended, strict=True))
+        pytest.fail(f"the launcher of machine {', '.join(late)} did not end within {timeout} s:{told}")
     return ended
 
 
