@@ -46,7 +46,17 @@ if __package__ in (None, ""):  # run as `python bench/chunk_cpu.py`: make the re
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import raw_mesh
-from bench.common import add_common_options, children, print_table, progress, record, stats, thread_cpu, write_json
+from bench.common import (
+    add_common_options,
+    children,
+    print_table,
+    progress,
+    push_pull_round,
+    record,
+    stats,
+    thread_cpu,
+    write_json,
+)
 from testbed.job import RESULT_PREFIX
 
 HOPS = ("submit", "receive", "sum, reply", "send", "into tensor", "credit ACKs")
@@ -137,29 +147,17 @@ def instrument(counters: Counters) -> None:
 
 # ---------------------------------------------------------------------------- the Sluice job
 def _sluice_worker(counters: Counters, parent: int, nbytes: int, rounds: int, repeats: int) -> list[dict[str, Any]]:
-    import numpy as np
-
-    from sluice.worker.node import WorkerNode
-
-    node = WorkerNode()
-    client = node.ps
-    n = nbytes // 4
-    data = client.alloc((n,), "float32")
-    data[:] = 1.0
-    out = np.empty(n, np.float32)
-    client.declare([("bench", (n,), "float32", None)])
-    client.push_pull("bench", data, out).wait()
-    if not np.all(out == client.size):
-        raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
+    node, one_round = push_pull_round(nbytes)
+    first = node.ps.rank == 0
     windows = []
     for rep in range(repeats):
         node.barrier(f"start.{rep}")
-        pids = children(parent) if client.rank == 0 else []
+        pids = children(parent) if first else []
         cpu, hops, started = thread_cpu(pids), counters.read(), time.perf_counter()
         for _ in range(rounds):
-            client.push_pull("bench", data, out).wait()
+            one_round()
         node.barrier(f"end.{rep}")
-        if client.rank == 0:
+        if first:
             windows.append({"seconds": time.perf_counter() - started, "cpu_before": cpu, "cpu_after": thread_cpu(pids),
                             "hops_before": hops, "hops_after": counters.read()})
     node.close()

@@ -9,7 +9,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,9 +161,9 @@ def keep_alive(*objects: Any) -> None:
     _kept.extend(objects)
 
 
-def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = True) -> tuple[int, list[float]]:
-    """In a Sluice worker: check one push_pull of `nbytes` of float32 sums right, then time `rounds`
-    rounds per repetition between two barriers; (this worker's rank, seconds per round of each)."""
+def push_pull_round(nbytes: int, registered: bool = True) -> tuple[Any, Callable[[], None]]:
+    """In a Sluice worker: its WorkerNode and one push_pull round of a tensor of `nbytes` of float32 (from
+    registered memory, or an ordinary array), whose sum was checked once."""
     import numpy as np
 
     from sluice.worker.node import WorkerNode
@@ -178,16 +178,23 @@ def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = T
     client.push_pull("bench", data, out).wait()
     if not np.all(out == client.size):
         raise AssertionError(f"push_pull returned a wrong sum (expected {client.size} everywhere)")
+    return node, lambda: client.push_pull("bench", data, out).wait()
+
+
+def timed_push_pull(nbytes: int, rounds: int, repeats: int, registered: bool = True) -> tuple[int, list[float]]:
+    """In a Sluice worker: check one push_pull of `nbytes` of float32 sums right, then time `rounds`
+    rounds per repetition between two barriers; (this worker's rank, seconds per round of each)."""
+    node, one_round = push_pull_round(nbytes, registered)
     seconds = []
     for rep in range(repeats):
         node.barrier(f"start.{rep}")
         started = time.perf_counter()
         for _ in range(rounds):
-            client.push_pull("bench", data, out).wait()
+            one_round()
         node.barrier(f"end.{rep}")
         seconds.append((time.perf_counter() - started) / rounds)
     node.close()
-    return client.rank, seconds
+    return node.ps.rank, seconds
 
 
 def import_example(name: str) -> Any:
