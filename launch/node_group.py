@@ -9,9 +9,10 @@ variable); the workers' MASTER_PORT is --master-port (29500 by default) as under
 own store. Machine 0 is the machine with the rendezvous address; a machine without --node-rank asks it for one
 (launch/machine_zero.py, on the port after the scheduler's). Each process starts as `sluice node` would start it
 (launch/node.py), so every machine needs the job secret: --secret-file, or `--set transport.curve=false` on a
-network you trust. The launcher prefixes its processes' output and stops them all when one fails; the other
-machines' workers then fail on their lost peer, naming it, and their launchers stop theirs; with --max-restarts,
-every machine's processes start again instead, following machine 0's count of the job's starts. With an elastic
+network you trust. The launcher prefixes its processes' output and stops them all when one fails, and tells
+machine 0, whose count of the job's starts every other launcher follows: the other machines stop theirs within
+a second, whichever machine failed first (a scheduler that could not start on machine 0 as well as a worker);
+with --max-restarts, every machine's processes start again instead. With an elastic
 range (--nnodes MIN:MAX, as Kubeflow's elastic PyTorchJob sets PET_NNODES), each start's machines are those that
 joined its round (launch/node_ranks.py), and the job's size (WORLD_SIZE, the scheduler's workers) is theirs.
 """
@@ -218,7 +219,7 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
                    options: RunOptions, sets: list[str], config: SluiceConfig, restarts: int = 0) -> int:
     """Start this machine's processes and supervise them; the launcher's exit code. The processes listen on the
     configured transport.host unless it is the loopback default and machine 0 is another machine. A machine
-    without a rank asks machine 0 for one first; with `restarts`, every machine follows machine 0's starts."""
+    without a rank asks machine 0 for one first; every machine follows machine 0's starts."""
     from sluice.launch.node_group_run import NodeGroupRun
 
     sets = list(sets)
@@ -233,7 +234,7 @@ def run_node_group(group: NodeGroup, args: argparse.Namespace, command: list[str
             sets.append(f"transport.host={address}")
     zero = None
     try:
-        if group.node_rank != 0 and (group.node_rank is None or restarts):
+        if group.node_rank != 0:  # a line to machine 0: for a rank, and for the job's starts (a failure anywhere)
             zero = _machine_zero(group, args, config, restarts)
         if group.node_rank is None and not group.elastic:  # an elastic range's machines join each start instead
             assert zero is not None

@@ -31,8 +31,17 @@ from sluice.transport.auth import SecretFileError
 
 #: how long the processes get to end after SIGTERM before SIGKILL
 STOP_S = 10.0
-#: with --max-restarts, how often the launcher looks whether another machine's failure started the job again
+#: with more than one machine, how often a launcher looks whether another machine's failure ended the job (or, with
+#: --max-restarts, started it again)
 WATCH_S = 0.5
+#: the job over on another machine's failure: how long this machine's processes get to fail by themselves, naming
+#: the cause as they learned it (a peer that left), before the launcher stops them saying only where it happened;
+#: a collective the lost peer never joined fails 5 s after it left (worker/collective's LEFT_GRACE_S)
+OWN_FAILURE_S = 10.0
+#: machine 0, the job over on a failure: how long it keeps answering the other launchers, which ask every WATCH_S
+#: whether the job goes on, before it leaves (without it, a machine whose own processes wait for a scheduler that
+#: never started would wait out their rendezvous timeout)
+OVER_LINGER_S = 2.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -142,8 +151,11 @@ class NodeGroupRun:
         for note in dict.fromkeys(note for start, _ in plans for note in start.notes):
             self.complain(note)
         ranks = self._serve_ranks(loop) if group.node_rank == 0 else None
+        # with more than one machine, each follows the job's starts on machine 0: a failure anywhere ends (or, with
+        # --max-restarts, restarts) every machine's processes, not only the failed machine's
+        several = group.elastic or self.restarts or (group.nnodes or 0) > 1
         job = Starts(ranks, self.zero, self.config.scheduler.rendezvous_timeout, self.say, group.join_s) \
-            if (self.restarts or group.elastic) and (ranks or self.zero) else None
+            if several and (ranks or self.zero) else None
         self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them
         try:
             if group.elastic and job is None:
@@ -172,7 +184,9 @@ class NodeGroupRun:
                     self.complain(f"{exc}; this machine cannot start again")
                     return code
                 if over:
-                    self.complain(f"the job failed with no restart left (--max-restarts {self.restarts}); ending it")
+                    if self.restarts:
+                        self.complain(f"the job failed with no restart left (--max-restarts {self.restarts}); "
+                                      "ending it")
                     return code
                 self.say(f"restarting this machine's processes: start {start + 1}" + (
                     f" (--nnodes {nodes_text(group.nodes)}, --max-restarts {self.restarts})" if group.elastic else
@@ -181,6 +195,8 @@ class NodeGroupRun:
         finally:
             await self._stop()
             if ranks is not None:
+                if job is not None and ranks.state()[1]:  # over: the others learn it from us before we go
+                    await asyncio.sleep(OVER_LINGER_S)
                 ranks.close()
             if self.zero is not None:
                 self.zero.close()
@@ -265,6 +281,8 @@ class NodeGroupRun:
                 if code != 0:
                     return await self._failed(child, code), "here"
             if not done and job is not None and (moved := await job.now((restart, False))) != (restart, False):
+                if moved[1] and (own := await self._own_failure(running)) is not None:
+                    return own, "here"  # this machine's processes said why (e.g. which worker left), in their words
                 cause = ("the job's machines changed (one joined, or another's processes failed)" if self.group.elastic
                          else "another machine's processes failed")
                 self.complain(cause + ("; stopping this machine's" if moved[1] else
@@ -272,6 +290,15 @@ class NodeGroupRun:
                 return 1, "elsewhere"
         self.say(f"machine {self.group.node_rank}: every process finished")
         return 0, ""
+
+    async def _own_failure(self, running: dict[asyncio.Future[int], Child]) -> int | None:
+        """The job ended on another machine: give this machine's processes OWN_FAILURE_S to fail by themselves (they
+        learn of a lost peer through the scheduler, and name it); the exit code said, or None when they did not."""
+        done, _ = await asyncio.wait(list(running), timeout=OWN_FAILURE_S, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if (code := task.result()) != 0:
+                return await self._failed(running[task], code)
+        return None
 
     async def _failed(self, first: Child, code: int) -> int:
         """Name the first cause (launch/blame.py: a process killed from outside, else the first a process here

@@ -186,6 +186,28 @@ def test_a_worker_failing_on_one_machine_ends_both_launchers_naming_it(tmp_path:
     assert time.monotonic() - started < 45
 
 
+@pytest.mark.timeout(90)
+def test_a_scheduler_that_cannot_start_on_machine_0_ends_the_other_machines_launcher_within_seconds(
+        tmp_path: Path) -> None:
+    """Another process holds the port above --master-port, so machine 0's scheduler cannot listen: machine 0's
+    launcher fails saying so, and machine 1's, whose workers would wait for that scheduler for their whole
+    rendezvous timeout (125 s), follows machine 0's count of the job's starts and ends within seconds too."""
+    secret = _secret(tmp_path)
+    with socket.socket() as probe, socket.socket() as holder:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        holder.bind(("0.0.0.0", port + 1))  # the scheduler's port (OSError, rarely: taken already; run it again)
+        holder.listen()
+        probe.close()
+        started = time.monotonic()
+        launchers = [subprocess.Popen(_command(rank, "127.0.0.1", port, secret, launch_args=PRELOAD), cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+        (code1, out1, err1), (code0, _, err0) = _finish(launchers, 60)
+    assert code0 == 1 and "the scheduler cannot listen" in err0 and "Address already in use" in err0, err0[-3000:]
+    assert code1 == 1 and "another machine's processes failed; stopping this machine's" in err1, (out1 + err1)[-3000:]
+    assert time.monotonic() - started < 45  # machine 1's own processes get OWN_FAILURE_S to fail by themselves first
+
+
 @pytest.mark.timeout(180)
 def test_max_restarts_starts_every_machines_processes_again_after_one_fails_and_ends_them_after_the_last(
         tmp_path: Path) -> None:
