@@ -48,7 +48,6 @@ if __package__ in (None, ""):  # run as `python bench/chunk_cpu.py`: make the re
 from bench import raw_mesh
 from bench.common import (
     add_common_options,
-    children,
     print_table,
     progress,
     push_pull_round,
@@ -58,6 +57,7 @@ from bench.common import (
     write_json,
 )
 from testbed.job import RESULT_PREFIX
+from testbed.launch import children
 
 HOPS = ("submit", "receive", "sum, reply", "send", "into tensor", "credit ACKs")
 #: rows of the shared counters: one per process of the job (scheduler, servers, workers)

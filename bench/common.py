@@ -9,7 +9,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,19 +116,7 @@ def _cpu_ticks() -> tuple[int, int]:
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
-def children(parent: int) -> list[int]:
-    """The processes whose parent is `parent` (from /proc)."""
-    found = []
-    for path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(path.read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(path.parent.name))
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    return found
-
-
-def thread_cpu(pids: Sequence[int]) -> dict[int, tuple[float, float]]:
+def thread_cpu(pids: Iterable[int]) -> dict[int, tuple[float, float]]:
     """pid -> CPU seconds of (its Python threads, ZeroMQ's I/O threads), from /proc/<pid>/task/*/stat; threads
     that ended are not counted."""
     tick = os.sysconf("SC_CLK_TCK")

@@ -23,8 +23,9 @@ if __package__ in (None, ""):  # run as `python bench/raw_mesh.py`: make the rep
 
 import zmq
 
-from bench.common import Stats, children, stats, thread_cpu
+from bench.common import Stats, stats, thread_cpu
 from testbed.job import emit_result, free_port, run_gloo_job
+from testbed.launch import children
 from testbed.netbed import Netbed
 
 #: messages queued in a socket beyond what the kernel holds: enough to keep a link busy

@@ -153,7 +153,7 @@ class NodeGroupRun:
         ranks = self._serve_ranks(loop) if group.node_rank == 0 else None
         # with more than one machine, each follows the job's starts on machine 0: a failure anywhere ends (or, with
         # --max-restarts, restarts) every machine's processes, not only the failed machine's
-        several = group.elastic or self.restarts or (group.nnodes or 0) > 1
+        several = self.restarts or group.nodes[1] > 1  # an elastic range's maximum is above 1 too
         job = Starts(ranks, self.zero, self.config.scheduler.rendezvous_timeout, self.say, group.join_s) \
             if several and (ranks or self.zero) else None
         self.janitor = Janitor()  # before any child: should this launcher be killed outright, it stops them

@@ -23,7 +23,8 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _children(pid: int) -> set[int]:
+def children(pid: int) -> set[int]:
+    """The processes `pid` started (its threads' /proc children lists)."""
     found: set[int] = set()
     for path in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError):
@@ -35,7 +36,7 @@ def _descendants(pid: int) -> set[int]:
     seen: set[int] = set()
     todo = [pid]
     while todo:
-        for child in _children(todo.pop()) - seen:
+        for child in children(todo.pop()) - seen:
             seen.add(child)
             todo.append(child)
     return seen

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.launch import Launch, _alive, _children, _cmdline, _worker_rank
+from testbed.launch import Launch, _alive, _cmdline, _worker_rank
+from testbed.launch import children as started_by
 
 # A worker of a real Sluice job: push_pull until the job fails, or for as many steps as its rank is
 # given in argv ("1=3": worker 1 stops after 3 steps and leaves the job); "grandchild" starts a
@@ -155,7 +156,7 @@ def _segments(pids: set[int]) -> list[str]:
 def test_killed_launcher_leaves_no_process_and_no_shared_memory(launch: type[Launch], stepper: str) -> None:
     job, _ = _start(launch, stepper, "grandchild")
     grandchildren = {int(job.wait_line(rf"^\[worker {r}\] grandchild (\d+)$").group(1)) for r in range(2)}
-    direct = _children(job.proc.pid)
+    direct = started_by(job.proc.pid)
     janitors = {p for p in direct if "sluice.launch.janitor" in _cmdline(p)}
     children = direct - janitors
     assert len(janitors) == 1 and len(children) == 1 + 2 + 2, [_cmdline(p) for p in direct]
