@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.launch import Launch, _alive, _children, _cmdline, _worker_rank
+from testbed.launch import Launch, _alive, _cmdline, _worker_rank
+from testbed.launch import children as started_by
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +162,7 @@ def test_killed_launcher_takes_its_children(launch: type[Launch], worker_script:
     job = launch([*_job(2, 1, *start), "--", sys.executable, worker_script, "sleep"])
     pids = job.worker_pids(2)
     grandchildren = {pair[1] for pair in pids.values()}
-    direct = {p for p in _children(job.proc.pid) if "sluice.launch.janitor" not in _cmdline(p)}
+    direct = {p for p in started_by(job.proc.pid) if "sluice.launch.janitor" not in _cmdline(p)}
     if start:  # the workers are the preloader's children, which dies with the launcher, and they with it
         assert len(direct) == 1 + 1 + 1 and not {pair[0] for pair in pids.values()} & direct
         direct |= {pair[0] for pair in pids.values()}
