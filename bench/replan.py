@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -31,9 +35,9 @@ do: network control (CS6, the scheduler's messages, scheduler.control_tos) and A
 nodes' messages to the scheduler, and the one-int vote each round; the gradient goes on channel 1).
 Two jobs run in turn:
 
-  re-plan   the job plans for the configured uplinks; after --throttle-after s the uplink of rack r0
-            is cut to a quarter (netbed set_uplink); the agents' reports show the rack's senders
-            backlogged for peers outside it, the manager measures the uplink
+  re-plan   the job plans for the configured uplinks; --throttle-after s after those first trees came
+            into force the uplink of rack r0 is cut to a quarter (netbed set_uplink); the agents' reports
+            show the rack's senders backlogged for peers outside it, the manager measures the uplink
             (scheduler/hierarchy/uplinks.py), re-plans, and the workers switch trees between rounds
   fresh     a job started with the uplink already cut, told so in its config (uplinks = r0: RATE),
             so that its first plan is the one a re-plan should reach
@@ -55,6 +59,11 @@ with nothing changed (before the cut, and in the fresh job): target 0.
 
 #: aggregation.change: a measured rate this far below the configured one re-plans
 CHANGE = AggregationConfig().change
+#: the scheduler's lines that say how far a re-plan got (uplinks seen and counted, the plan, the switch's messages)
+#: how long a job may take to bring its first trees into force before its timeline starts regardless
+FIRST_PLAN_S = 60.0
+_COMMIT = re.compile(r"routing epoch \d+: COMMIT sent")
+SCHEDULER_STEPS = r"uplink of rack|re-planning|aggregation plan|routing epoch|planning"
 #: the DSCP classes every link serves first, in order, as switches do: network control (CS6, the scheduler's
 #: messages: scheduler.control_tos) and AF42 (channel 0: the most urgent tensors, and the nodes' messages to
 #: the scheduler, which ride channel 0); the rest shares one FIFO class, as all traffic did without classes
@@ -69,7 +78,8 @@ def configured(layout: Layout) -> dict[str, float]:
 @dataclass(frozen=True)
 class Work:
     floats: int
-    stop_at: float  # wall clock: rounds go on (every worker the same number) until this time
+    stop_file: str  # rounds go on (every worker the same number) until this file exists
+    stop_at: float  # or until this wall-clock time (a bound, should the runner never write it)
 
 
 def worker_main(spec: str) -> int:
@@ -95,7 +105,8 @@ def worker_main(spec: str) -> int:
         rounds.append((started, time.time(), epoch))
         if not (out[0] == want and np.all(out == want)):
             raise SystemExit(f"worker {client.rank}: round {len(rounds)} summed {out[0]}, not {want}")
-        client.push_pull("go", np.array([time.time() < work.stop_at], np.int32), go).wait()
+        going = time.time() < work.stop_at and not os.path.exists(work.stop_file)
+        client.push_pull("go", np.array([going], np.int32), go).wait()
         if go[0] < client.size:  # every worker sees the same votes: all stop after the same round
             break
     committed = dict(client._router.committed_at)  # when each epoch's COMMIT reached this worker
@@ -118,16 +129,21 @@ class Job:
 
 def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float, args: argparse.Namespace,
             throttle_at: float | None = None, restore_after: float = 0.0) -> Job:
-    """Run one job; with `throttle_at` (s after start), cut r0's uplink to a quarter then, and with
-    `restore_after`, set it back to its configured rate that many seconds later."""
-    spec = json.dumps(asdict(Work(args.mib << 18, time.time() + seconds)))
+    """Run one job for `seconds` of rounds after its first trees came into force; with `throttle_at` (s after
+    that), cut r0's uplink to a quarter then, and with `restore_after`, set it back to its configured rate that
+    many seconds later. (Timed from the first trees, not the start: on a loaded machine the start alone took
+    more than 5 s.)"""
+    stop_file = os.path.join(tempfile.mkdtemp(prefix="sluice-replan-"), "stop")
+    spec = json.dumps(asdict(Work(args.mib << 18, stop_file, time.time() + seconds + FIRST_PLAN_S)))
     argv = [sys.executable, "-m", "bench.replan", "--worker", spec]
     cut: list[float] = []
+    planned = threading.Event()  # the first trees' COMMIT went out
     ended = threading.Event()  # no change to the links once the job is over (the next job runs on them)
-    if throttle_at is not None:
-        def throttle() -> None:
-            if ended.wait(throttle_at):
-                return
+
+    def timeline() -> None:
+        planned.wait(FIRST_PLAN_S)
+        began = time.time()
+        if throttle_at is not None and not ended.wait(throttle_at):
             bed.set_uplink("r0", layout.uplink_mbit / 4)
             cut.append(time.time())
             progress(f"  uplink of r0 cut to {layout.uplink_mbit / 4:g} Mbit/s")
@@ -135,19 +151,25 @@ def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float,
                 bed.set_uplink("r0", layout.uplink_mbit)
                 cut.append(time.time())
                 progress(f"  uplink of r0 back to {layout.uplink_mbit:g} Mbit/s")
-        threading.Thread(target=throttle, daemon=True).start()
+        if not ended.wait(max(0.0, began + seconds - time.time())):
+            open(stop_file, "w").close()
+
+    threading.Thread(target=timeline, daemon=True).start()
     lines: list[tuple[float, str]] = []
 
     def scheduler_line(label: str, text: str) -> None:
         if label == "scheduler" and (timed := parse_line(text)) is not None:
             lines.append(timed)
+            if _COMMIT.match(timed[1]):
+                planned.set()
 
     try:
-        results = run_sluice_job(bed, "sched", layout.server_hosts, layout.worker_hosts, config,
-                                 argv, aggregators=layout.worker_hosts, timeout=seconds + 120, echo=args.verbose,
-                                 env={ENV_LOG_TIME: "1"}, on_line=scheduler_line)
+        results = run_sluice_job(bed, "sched", layout.server_hosts, layout.worker_hosts, config, argv,
+                                 aggregators=layout.worker_hosts, timeout=seconds + FIRST_PLAN_S + 120,
+                                 echo=args.verbose, env={ENV_LOG_TIME: "1"}, on_line=scheduler_line)
     finally:
         ended.set()
+        shutil.rmtree(os.path.dirname(stop_file), ignore_errors=True)
     return Job([[tuple(r) for r in w["rounds"]] for w in results],
                [{int(e): t for e, t in w["committed"].items()} for w in results], lines, cut[0] if cut else None,
                cut[1] if len(cut) > 1 else None)
@@ -173,28 +195,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-kib", type=int, default=16, help="chunk size in KiB (default: %(default)s)")
     parser.add_argument("--period", type=float, default=1.0, help="aggregation.report_s: the agents' measurement "
                         "period, s (default: %(default)s)")
-    parser.add_argument("--throttle-after", type=float, default=30.0, help="seconds after the job starts that r0's "
-                        "uplink is cut (default: %(default)s)")
+    parser.add_argument("--throttle-after", type=float, default=30.0, help="seconds after the job's first trees came "
+                        "into force that r0's uplink is cut (default: %(default)s)")
     parser.add_argument("--restore-after", type=float, default=25.0, help="seconds after the cut that r0's uplink "
                         "is set back to its configured rate; 0: never (default: %(default)s)")
-    parser.add_argument("--seconds", type=float, default=90.0, help="how long each job runs rounds "
-                        "(default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="how long each job runs rounds once its "
+                        "first trees came into force (default: %(default)s)")
     parser.add_argument("--uplink-periods", type=int, default=AggregationConfig().uplink_periods,
                         help="aggregation.uplink_periods: periods running an uplink must hold the job back before "
                         "it counts (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
-    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, the uplink cut after 5 s of a "
-                       "19 s job and set back 8 s later, a 12 s fresh job", repeats=1)
+    add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, the uplink cut 3 s into a "
+                       "17 s job and set back 8 s later, a 7 s fresh job (each timed from its first trees)", repeats=1)
     args = parser.parse_args(argv)
     #: how long the fresh job runs rounds: as long as the re-plan job's rounds under the cut, and 10 s to settle
     args.fresh_seconds = (args.restore_after or args.seconds - args.throttle_after) + 10
     if args.quick:
         args.racks, args.per_rack, args.servers, args.link_mbit = 2, 2, 2, 40.0
-        # the fresh job's 12 s include its start (its processes import on 2 cores): with 8 s a slow machine
-        # ended it before its first plan came into force
         # 8 s under the cut: a loaded machine's clean-clone suite once saw the cut's trees come in after 5 s
-        args.throttle_after, args.restore_after, args.seconds, args.fresh_seconds = 5.0, 8.0, 19.0, 12.0
+        args.throttle_after, args.restore_after, args.seconds, args.fresh_seconds = 3.0, 8.0, 17.0, 7.0
     if args.restore_after and args.throttle_after + args.restore_after + 5 > args.seconds:
         parser.error("--seconds must leave at least 5 s of the job after --throttle-after + --restore-after")
     return args
@@ -210,8 +230,7 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
     until = job.restored or float("inf")
     switched = [(s, d, e) for s, d, e in rounds if until > s > cut and e > before]
     if not switched:
-        epochs = [e for *_, e in rounds]
-        raise RuntimeError(f"no new trees came into force after the throttle (epochs {epochs})")
+        raise RuntimeError("no new trees came into force after the throttle\n" + why_no_switch(job, rounds, cut, args))
     # the steps are the first switch's after the cut; a later switch's trees may be the first a round takes
     epoch = first_switch(job.lines, cut) or switched[0][2]
     committed = [times[epoch] for times in job.committed if epoch in times]
@@ -230,6 +249,16 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
             "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
             "switches_before_cut": switches(job.lines, before=cut) - 1,
             "restore": restore_run(job, rounds, planned_rounds(rounds, cut, before), args)}
+
+
+def why_no_switch(job: Job, rounds: list[tuple[float, float, int]], cut: float, args: argparse.Namespace) -> str:
+    """What a run that saw no switch under the cut did: its rounds, the evidence the manager saw, and the
+    scheduler's re-planning lines after the cut (a failure in a loaded suite then says which step never came)."""
+    timeline = ", ".join(f"{s - cut:+.1f}s {d:.1f}s e{e}" for s, d, e in rounds)
+    seen = ", ".join(f"{r} p{p} {m:g}{' counted' if c else ''}" for r, p, m, c in evidence(job.lines, cut, args.period))
+    said = [f"  {at - cut:+.1f}s {text}" for at, text in job.lines if at >= cut and re.match(SCHEDULER_STEPS, text)]
+    return "\n".join([f"rounds (start from the cut, seconds, epoch): {timeline}",
+                      f"seen after the cut: {seen or 'nothing'}", "the scheduler after the cut:", *said[:40]])
 
 
 def planned_rounds(rounds: list[tuple[float, float, int]], cut: float, epoch: int) -> list[float]:
