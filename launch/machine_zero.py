@@ -25,6 +25,7 @@ from sluice.launch.node_ranks import (
     Answer,
     Ask,
     JobBook,
+    cause_text,
     encode_answer,
     encode_ask,
     nodes_text,
@@ -94,6 +95,11 @@ class RankService:
             self._settle(time.monotonic())
             return self.book.start, self.book.over
 
+    def failure(self) -> str:
+        """The cause of the failure that began the current start or ended the job ("" when none did)."""
+        with self._lock:
+            return self.book.failure
+
     def place(self) -> Place | None:
         """Machine 0's place in the current start once its machines are settled (an elastic range's round closed),
         else None; `over` in it when the job is over."""
@@ -112,10 +118,11 @@ class RankService:
             return (f"start {book.start + 1} waits for machines ({waited:.0f} s): {1 + len(book.given)} joined of "
                     f"--nnodes {nodes_text(book.nodes)}{call}")
 
-    def failed(self, start: int) -> tuple[int, bool]:
-        """Machine 0's processes of `start` failed: (the job's start now, whether it is over)."""
+    def failed(self, start: int, cause: str = "") -> tuple[int, bool]:
+        """Machine 0's processes of `start` failed (`cause`: which, and how): (the job's start now, whether it is
+        over)."""
         with self._lock:
-            self.book.failed(start, time.monotonic())
+            self.book.failed(start, time.monotonic(), cause)
             self._settle(time.monotonic())
             return self.book.start, self.book.over
 
@@ -166,13 +173,15 @@ class MachineZero:
         self._sock = dealer(self._ctx, host, port, keys, (CLIENT_NAME, SERVER_NAME), MAX_REPLY_BYTES, immediate=True)
 
     def request(self, op: str, timeout_s: float, say: Callable[[str], None], start: int = 0,
-                until: Callable[[Answer], bool] = lambda answer: True, silent_s: float | None = None) -> Answer:
+                until: Callable[[Answer], bool] = lambda answer: True, silent_s: float | None = None,
+                cause: str = "") -> Answer:
         """Machine 0's first answer to `op` that satisfies `until`, asking again every ASK_EVERY_S without an answer
         and every PACE_S with one that does not (an answer to an earlier request may come late, and a machine
         waiting for machine 0 to move on keeps asking); RankError when it refuses, when none came within timeout_s,
-        or when machine 0 has not answered at all within `silent_s` (a shorter wait for a longer request)."""
+        or when machine 0 has not answered at all within `silent_s` (a shorter wait for a longer request). `cause`:
+        a failure's (cause_text)."""
         ask = Ask(op, self._ask.token, self._ask.host, self._ask.min_nodes, self._ask.max_nodes, self._ask.nproc,
-                  self._ask.restarts, start)
+                  self._ask.restarts, start, cause_text(cause))
         began = noted = time.monotonic()
         answered = False
         unheard_s = min(timeout_s, silent_s) if silent_s else timeout_s
@@ -224,6 +233,8 @@ class Starts:
         range's round to close (torchrun's join_timeout)."""
         assert service is not None or zero is not None, "machine 0's service, or a line to it"
         self.service, self.zero, self.timeout_s, self.say, self.join_s = service, zero, timeout_s, say, join_s
+        #: as machine 0 last said: the cause of the failure that began the current start or ended the job
+        self.failure = ""
 
     async def place(self, start: int, fixed: Place | None, interrupted: asyncio.Future[int]) -> Place | None:
         """This machine's place in start `start` once machine 0 started its own processes of it: `fixed` (--nnodes N:
@@ -283,19 +294,23 @@ class Starts:
         """(the job's current start, whether it is over); `known` when machine 0 does not answer within NOW_S (its
         processes gone with it, this machine's fail by themselves on the lost scheduler)."""
         if self.service is not None:
-            return self.service.state()
+            state = self.service.state()
+            self.failure = self.service.failure()  # read after the state: at least as new as it
+            return state
         assert self.zero is not None
         try:
             answer = await asyncio.to_thread(self.zero.request, "start", NOW_S, lambda text: None)
         except RankError:
             return known
+        self.failure = answer.failure
         return answer.start, answer.over
 
-    async def failed(self, start: int) -> tuple[int, bool]:
-        """This machine's processes of `start` failed: (the start to run next, whether the job is over instead)."""
+    async def failed(self, start: int, cause: str = "") -> tuple[int, bool]:
+        """This machine's processes of `start` failed (`cause`: which, and how): (the start to run next, whether the
+        job is over instead)."""
         if self.service is not None:
-            return self.service.failed(start)
+            return self.service.failed(start, cause)
         assert self.zero is not None
         answer = await asyncio.to_thread(self.zero.request, "failed", FAILED_S, self.say, start,
-                                         lambda a: a.start > start or a.over)
+                                         lambda a: a.start > start or a.over, None, cause)
         return answer.start, answer.over

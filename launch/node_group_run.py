@@ -64,6 +64,10 @@ class NodeGroupRun:
         self.janitor: Janitor | None = None
         #: --preload: the process this machine's workers are forked from (launch/preload.py)
         self.preloader: Preloader | None = None
+        #: this machine's place in the current start, and what failed here in it (told machine 0, which tells the
+        #: other machines: "machine 1 (host): worker 3 exited with code 1")
+        self.place: Place | None = None
+        self.failure = ""
 
     @property
     def servers(self) -> int:
@@ -178,7 +182,7 @@ class NodeGroupRun:
                 if job is None or not failed:
                     return code
                 try:
-                    start, over = await job.failed(place.start) if failed == "here" else await job.now(
+                    start, over = await job.failed(place.start, self.failure) if failed == "here" else await job.now(
                         (place.start, True))
                 except RankError as exc:
                     self.complain(f"{exc}; this machine cannot start again")
@@ -255,7 +259,7 @@ class NodeGroupRun:
         self.say(f"machine {place.rank} of {place.nnodes}: "
                  + ", ".join(f"{start.role} {start.rank}" if start.role != "scheduler" else "the scheduler"
                              for start, _ in plans) + f"; the scheduler at {host}:{port}")
-        self.children = []
+        self.children, self.place, self.failure = [], place, ""
         for plan_, local in plans:
             try:
                 self.children.append(await self._start(plan_, local, place))
@@ -283,8 +287,9 @@ class NodeGroupRun:
             if not done and job is not None and (moved := await job.now((restart, False))) != (restart, False):
                 if moved[1] and (own := await self._own_failure(running)) is not None:
                     return own, "here"  # this machine's processes said why (e.g. which worker left), in their words
-                cause = ("the job's machines changed (one joined, or another's processes failed)" if self.group.elastic
-                         else "another machine's processes failed")
+                cause = (f"another machine's processes failed ({job.failure})" if job.failure else
+                         "the job's machines changed (one joined)" if self.group.elastic else
+                         "another machine's processes failed")
                 self.complain(cause + ("; stopping this machine's" if moved[1] else
                                        f"; the job starts again (start {moved[0] + 1})"))
                 return 1, "elsewhere"
@@ -309,6 +314,8 @@ class NodeGroupRun:
         first = min(failed, key=lambda c: c.ended_at or 0.0, default=first)  # seen first, not woken for first
         verdict = judge(first, self.children, lambda _: "")
         self.complain(f"{verdict.headline}; stopping this machine's processes")
+        here = self.place.rank if self.place is not None else self.group.node_rank
+        self.failure = f"machine {here} ({os.uname().nodename}): {verdict.headline}"
         shown = verdict.cause if isinstance(verdict.cause, Child) else first
         self.complain(f"last lines of {shown.label}:\n{shown.last_lines()}")
         code = first.returncode or code

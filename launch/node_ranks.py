@@ -13,8 +13,10 @@ scheduler) answers the other launchers (launch/machine_zero.py) from a JobBook:
   restart for a waiting node: not counted as a failure); one that stops asking before its round closes is dropped;
 - `start` and `failed`: the job's current start, which machine 0 has started (`ready`: the others start theirs
   after it, so no worker meets the last start's scheduler), and whether the job is `over` (a start failed with no
-  restart left). A launcher whose processes failed reports its start; the first report of the current start
-  begins the next one (counted in `failures`, torchrun's restart count), later ones change nothing.
+  restart left). A launcher whose processes failed reports its start and what failed (`cause`: its machine and the
+  process it blames); the first report of the current start begins the next one (counted in `failures`,
+  torchrun's restart count) and its cause is every answer's `failure` until a start begins for another reason, so
+  every machine can say which machine's process ended or restarted the job; later reports change nothing.
 Every request names the asker's --nnodes, --nproc-per-node and --max-restarts, which must be machine 0's.
 """
 
@@ -26,13 +28,16 @@ from dataclasses import asdict, dataclass
 
 from sluice.transport.request_server import json_within
 
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_REQUEST_BYTES = 1024
 MAX_REPLY_BYTES = 1024
 OPS = ("rank", "join", "start", "failed")
 #: a machine in a round still open that has not asked for this long is taken for gone (it asks every 0.2 s)
 STALE_S = 10.0
-_FIELDS = {"v", "op", "token", "host", "min_nodes", "max_nodes", "nproc", "restarts", "start"}
+#: a failure's cause, as a launcher words it: printable ASCII (JSON keeps it at one byte a character) this long at most
+MAX_CAUSE = 240
+_FIELDS = {"v", "op", "token", "host", "min_nodes", "max_nodes", "nproc", "restarts", "start", "cause"}
+_ANSWER_FIELDS = {"v", "rank", "nnodes", "error", "start", "failures", "ready", "over", "failure"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Ask:
     nproc: int
     restarts: int
     start: int = 0  # failed: the start whose processes failed
+    cause: str = ""  # failed: which machine's process failed and how (cause_text)
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,25 @@ class Answer:
     failures: int  # the starts that failed so far (torchrun's restart count)
     ready: int  # the latest start machine 0 has started
     over: bool  # a start failed with no restart left: every machine ends
+    failure: str = ""  # the cause of the failure that began the current start, or ended the job ("" none)
 
 
 def new_ask(op: str, nodes: tuple[int, int], nproc: int, restarts: int, token: str = "", start: int = 0) -> Ask:
     return Ask(op, token or os.urandom(16).hex(), os.uname().nodename[:253] or "?", nodes[0], nodes[1], nproc,
                restarts, start)
+
+
+def cause_text(text: str) -> str:
+    """`text` as a failure's cause on the wire: printable ASCII (others as '?'), at most MAX_CAUSE characters."""
+    plain = "".join(c if c.isascii() and c.isprintable() else "?" for c in " ".join(text.split()))
+    return plain if len(plain) <= MAX_CAUSE else plain[:MAX_CAUSE - 3] + "..."
+
+
+def _cause(raw: dict[str, object], key: str) -> str:
+    value = raw[key]
+    if type(value) is not str or len(value) > MAX_CAUSE or not (value.isascii() and value.isprintable()):
+        raise ValueError(f"{key} must be printable ASCII of at most {MAX_CAUSE} characters")
+    return value
 
 
 def _json_object(data: bytes, limit: int, fields: set[str]) -> dict[str, object]:
@@ -93,7 +113,7 @@ def parse_ask(data: bytes) -> Ask:
         raise ValueError("a host name must be 1 to 253 printable characters")
     low = _count(raw, "min_nodes", 1, 65536)
     return Ask(str(op), token, host, low, _count(raw, "max_nodes", max(low, 2), 65536), _count(raw, "nproc", 1, 4096),
-               _count(raw, "restarts", 0, 10**6), _count(raw, "start", 0, 10**6))
+               _count(raw, "restarts", 0, 10**6), _count(raw, "start", 0, 10**6), _cause(raw, "cause"))
 
 
 def encode_answer(answer: Answer) -> bytes:
@@ -104,13 +124,13 @@ def encode_answer(answer: Answer) -> bytes:
 
 def parse_answer(data: bytes) -> Answer:
     """Machine 0's answer, or ValueError."""
-    raw = _json_object(data, MAX_REPLY_BYTES, {"v", "rank", "nnodes", "error", "start", "failures", "ready", "over"})
+    raw = _json_object(data, MAX_REPLY_BYTES, _ANSWER_FIELDS)
     error, over = raw["error"], raw["over"]
     if type(error) is not str or type(over) is not bool:
         raise ValueError("an answer's error is a string and over a boolean")
     rank = None if raw["rank"] is None else _count(raw, "rank", 1, 65535)
     return Answer(rank, _count(raw, "nnodes", 0, 65536), error, _count(raw, "start", 0, 10**6),
-                  _count(raw, "failures", 0, 10**6), _count(raw, "ready", 0, 10**6), over)
+                  _count(raw, "failures", 0, 10**6), _count(raw, "ready", 0, 10**6), over, _cause(raw, "failure"))
 
 
 def nodes_text(nodes: tuple[int, int]) -> str:
@@ -130,6 +150,8 @@ class JobBook:
         self.given: dict[str, tuple[int, str]] = {}  # token -> (rank, host): --nnodes N's, or the current round's
         self.start = self.ready = self.failures = 0
         self.over = False
+        #: the cause of the failure that began the current start or ended the job; "" when none did
+        self.failure = ""
         #: an elastic range's round: closed (its machines settled), when it closes at the latest, who asked when
         self.closed = nodes[0] == nodes[1]
         self.deadline: float | None = None
@@ -153,8 +175,8 @@ class JobBook:
         elif not error and ask.op == "join":
             rank, error = self._join(ask, now)
         elif not error and ask.op == "failed":
-            self.failed(ask.start, now)
-        return Answer(rank, self.nnodes, error, self.start, self.failures, self.ready, self.over)
+            self.failed(ask.start, now, ask.cause)
+        return Answer(rank, self.nnodes, error, self.start, self.failures, self.ready, self.over, self.failure)
 
     def tick(self, now: float) -> None:
         """An elastic round drops machines that stopped asking, and closes at MAX, or at its last call after MIN."""
@@ -173,9 +195,11 @@ class JobBook:
             self.closed = True  # ranked in the order they joined, machine 0 first
             self.given = {token: (rank, host) for rank, (token, (_, host)) in enumerate(self.given.items(), 1)}
 
-    def failed(self, start: int, now: float) -> None:
-        """A machine's processes of `start` failed: the next start begins, or with no restart left the job is over."""
+    def failed(self, start: int, now: float, cause: str = "") -> None:
+        """A machine's processes of `start` failed (`cause`: which, and how): the next start begins, or with no restart
+        left the job is over."""
         if start == self.start and not self.over:
+            self.failure = cause_text(cause)
             if self.failures < self.restarts:
                 self.failures += 1
                 self._next(now)
@@ -233,5 +257,6 @@ class JobBook:
                           f"(--nnodes {nodes_text(self.nodes)}), and {ask.host} came too: is --nnodes right?")
         self.waiting.setdefault(ask.token, ask.host)
         if self.nnodes < self.nodes[1] and not self.over:
+            self.failure = ""
             self._next(now)  # room for it: every machine starts again, with it
         return None, ""

@@ -62,6 +62,32 @@ def test_the_first_failure_of_the_current_start_begins_the_next_and_the_last_end
     assert book.answer(_ask("start", 0, "b", nnodes=2, nproc=1, restarts=2), 0.0).ready == 2
 
 
+def test_the_failure_that_began_a_start_or_ended_the_job_is_in_every_answer_until_a_join_begins_one() -> None:
+    book = JobBook((2, 2), 1, 1)
+
+    def failed(start: int, cause: str) -> Answer:
+        return book.answer(Ask("failed", TOKENS[0], "b", 2, 2, 1, 1, start, cause), 0.0)
+
+    assert book.answer(_ask("start", 0, "b", nnodes=2, nproc=1, restarts=1), 0.0).failure == ""
+    assert failed(0, "machine 1 (b): worker 1 exited with code 1").failure == "machine 1 (b): worker 1 exited with code 1"
+    # a second report of the start already left (machine 0's, say) keeps the first cause
+    assert failed(0, "machine 0 (a): worker 0 reported a peer left").failure.startswith("machine 1 (b): worker 1")
+    assert book.answer(_ask("start", 0, "b", nnodes=2, nproc=1, restarts=1), 0.0).failure.startswith("machine 1 (b)")
+    ended = failed(1, "machine 0 (a): the scheduler exited with code 1")
+    assert ended.over and ended.failure == "machine 0 (a): the scheduler exited with code 1"
+    # machine 0's own failure goes through the same book: what it words is made wire-safe as a launcher's is
+    book = JobBook((2, 3), 1, 0, last_call_s=30.0, stale_s=100.0)
+    book.failed(0, 0.0, "machine 0 (h\u00f6st):\n  worker 0 " + "x" * 300)
+    assert book.failure.startswith("machine 0 (h?st): worker 0 xx") and book.failure.endswith("...")
+    assert len(book.failure) == 240 and book.over
+    book = JobBook((2, 3), 1, 1, last_call_s=30.0, stale_s=100.0)  # an elastic range: a join begins a start
+    _round(book, [(0, "join", 0, "b"), (30, "join", 0, "b")])
+    book.failed(0, 31.0, "machine 1 (b): worker 1 exited with code 1")
+    assert book.start == 1 and book.failure == "machine 1 (b): worker 1 exited with code 1"
+    _round(book, [(32, "join", 0, "b"), (62, "join", 0, "b"), (63, "join", 1, "c")])  # c comes while start 1 runs
+    assert book.start == 2 and book.failure == ""
+
+
 def _round(book: JobBook, steps: list[tuple[float, str, int, str]]) -> list[tuple[object, ...]]:
     """Each (time, op, token, host) taken by `book` (a failure: of the current start): (rank, nnodes, start, failures,
     over) of its answer."""
@@ -120,9 +146,9 @@ def test_an_elastic_round_drops_a_machine_that_stopped_asking_and_a_full_job_kee
 @pytest.mark.parametrize(("raw", "why"), [
     (b"\xff", "not JSON"),
     (b"[]", "not a machine-0 message"),
-    (json.dumps({"v": 1, "op": "rank", "token": TOKENS[0], "host": "h", "min_nodes": 2, "max_nodes": 2, "nproc": 1,
-                 "restarts": 0, "start": 0}).encode(), "not a machine-0 message"),
-    (json.dumps({"v": 2, "op": "rank", "token": TOKENS[0], "host": "h", "min_nodes": 2, "max_nodes": 2,
+    (json.dumps({"v": 2, "op": "rank", "token": TOKENS[0], "host": "h", "min_nodes": 2, "max_nodes": 2, "nproc": 1,
+                 "restarts": 0, "start": 0}).encode(), "not a machine-0 message"),  # the protocol before causes
+    (json.dumps({"v": 3, "op": "rank", "token": TOKENS[0], "host": "h", "min_nodes": 2, "max_nodes": 2,
                  "nproc": 1}).encode(), "not a machine-0 message"),
 ])
 def test_a_request_that_is_not_one_says_so(raw: bytes, why: str) -> None:
@@ -137,10 +163,12 @@ def test_a_request_that_is_not_one_says_so(raw: bytes, why: str) -> None:
     ("max_nodes", 1, "max_nodes must be an integer from 2"), ("nproc", 0, "nproc must be"),
     ("min_nodes", True, "min_nodes must"), ("min_nodes", 3, "max_nodes must be an integer from 3"),
     ("restarts", -1, "restarts must be"), ("start", 10**7, "start must be"), ("start", "1", "start must be"),
+    ("cause", None, "cause must be printable ASCII"), ("cause", "x" * 241, "at most 240"),
+    ("cause", "worker 3\x1b[2J", "cause must be"), ("cause", "w\u00f6rker", "cause must be"),
 ])
 def test_a_malformed_field_says_what_is_wrong(field: str, value: object, why: str) -> None:
-    body = {"v": 2, "op": "rank", "token": TOKENS[0], "host": "h", "min_nodes": 2, "max_nodes": 2, "nproc": 1,
-            "restarts": 0, "start": 0}
+    body = {"v": 3, "op": "rank", "token": TOKENS[0], "host": "h", "min_nodes": 2, "max_nodes": 2, "nproc": 1,
+            "restarts": 0, "start": 0, "cause": ""}
     with pytest.raises(ValueError, match=why):
         parse_ask(json.dumps({**body, field: value}).encode())
     with pytest.raises(ValueError, match="over 1024"):
@@ -148,12 +176,12 @@ def test_a_malformed_field_says_what_is_wrong(field: str, value: object, why: st
 
 
 def test_messages_round_trip_and_an_answer_is_checked_as_a_request_is() -> None:
-    ask = Ask("failed", TOKENS[0], "node-7", 2, 4, 8, 3, 2)
+    ask = Ask("failed", TOKENS[0], "node-7", 2, 4, 8, 3, 2, "machine 1 (node-7): worker 5 exited with code 1")
     assert parse_ask(encode_ask(ask)) == ask
-    for answer in (Answer(3, 4, "", 0, 0, 0, False), Answer(None, 0, "no", 2, 1, 1, True)):
+    for answer in (Answer(3, 4, "", 0, 0, 0, False), Answer(None, 0, "no", 2, 1, 1, True, "machine 1 (b): worker 2")):
         assert parse_answer(encode_answer(answer)) == answer
     for bad in (Answer(0, 2, "", 0, 0, 0, False), Answer(None, 0, "", -1, 0, 0, False),
-                Answer(None, -1, "", 0, 0, 0, False)):
+                Answer(None, -1, "", 0, 0, 0, False), Answer(None, 0, "", 0, 0, 0, True, "a\nb")):
         with pytest.raises(ValueError):
             parse_answer(encode_answer(bad))
 
