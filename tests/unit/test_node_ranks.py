@@ -69,7 +69,8 @@ def test_the_failure_that_began_a_start_or_ended_the_job_is_in_every_answer_unti
         return book.answer(Ask("failed", TOKENS[0], "b", 2, 2, 1, 1, start, cause), 0.0)
 
     assert book.answer(_ask("start", 0, "b", nnodes=2, nproc=1, restarts=1), 0.0).failure == ""
-    assert failed(0, "machine 1 (b): worker 1 exited with code 1").failure == "machine 1 (b): worker 1 exited with code 1"
+    cause = "machine 1 (b): worker 1 exited with code 1"
+    assert failed(0, cause).failure == cause
     # a second report of the start already left (machine 0's, say) keeps the first cause
     assert failed(0, "machine 0 (a): worker 0 reported a peer left").failure.startswith("machine 1 (b): worker 1")
     assert book.answer(_ask("start", 0, "b", nnodes=2, nproc=1, restarts=1), 0.0).failure.startswith("machine 1 (b)")
