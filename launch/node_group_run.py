@@ -34,9 +34,10 @@ STOP_S = 10.0
 #: with more than one machine, how often a launcher looks whether another machine's failure ended the job (or, with
 #: --max-restarts, started it again)
 WATCH_S = 0.5
-#: the job over on another machine's failure: how long this machine's processes get to fail by themselves, naming
-#: the cause as they learned it (a peer that left), before the launcher stops them saying only where it happened;
-#: a collective the lost peer never joined fails 5 s after it left (worker/collective's LEFT_GRACE_S)
+#: the job over on another machine's failure that machine 0 could not name (the failed machine never said what): how
+#: long this machine's processes get to fail by themselves, naming the cause as they learned it (a peer that left),
+#: before the launcher stops them; a collective the lost peer never joined fails 5 s after it left (worker/collective's
+#: LEFT_GRACE_S). With the cause named, the launcher stops them at once, saying it
 OWN_FAILURE_S = 10.0
 #: machine 0, the job over on a failure: how long it keeps answering the other launchers, which ask every WATCH_S
 #: whether the job goes on, before it leaves (without it, a machine whose own processes wait for a scheduler that
@@ -285,8 +286,10 @@ class NodeGroupRun:
                 if code != 0:
                     return await self._failed(child, code), "here"
             if not done and job is not None and (moved := await job.now((restart, False))) != (restart, False):
-                if moved[1] and (own := await self._own_failure(running)) is not None:
-                    return own, "here"  # this machine's processes said why (e.g. which worker left), in their words
+                # with no cause from machine 0 (the failed machine could not say), this machine's processes get to
+                # say why, in their words (e.g. which worker left)
+                if moved[1] and not job.failure and (own := await self._own_failure(running)) is not None:
+                    return own, "here"
                 cause = (f"another machine's processes failed ({job.failure})" if job.failure else
                          "the job's machines changed (one joined)" if self.group.elastic else
                          "another machine's processes failed")
@@ -314,10 +317,12 @@ class NodeGroupRun:
         first = min(failed, key=lambda c: c.ended_at or 0.0, default=first)  # seen first, not woken for first
         verdict = judge(first, self.children, lambda _: "")
         self.complain(f"{verdict.headline}; stopping this machine's processes")
-        here = self.place.rank if self.place is not None else self.group.node_rank
-        self.failure = f"machine {here} ({os.uname().nodename}): {verdict.headline}"
         shown = verdict.cause if isinstance(verdict.cause, Child) else first
         self.complain(f"last lines of {shown.label}:\n{shown.last_lines()}")
+        here = self.place.rank if self.place is not None else self.group.node_rank
+        last = next((line.strip() for line in reversed(shown.tail) if line.strip()), "")
+        self.failure = f"machine {here} ({os.uname().nodename}): {verdict.headline}" + (
+            f"; its last line: {last}" if last else "")
         code = first.returncode or code
         return code if code > 0 else 128 - code
 
