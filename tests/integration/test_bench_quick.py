@@ -47,7 +47,10 @@ def test_curve_cost_quick_measures_every_loopback_case(tmp_path: Path) -> None:
         assert rec["case"] in result.stdout
     curve, sealed = records[3], records[4]
     assert curve["ours"] > 2 * curve["peer"], curve  # CURVE more than doubles the pair's CPU a GB
-    assert sealed["ours"] < curve["ours"], (sealed, curve)  # AES-GCM in the threads costs less than CURVE
+    # AES-GCM in the threads costs about two thirds of CURVE in full runs (1.49-1.56 against 2.21-2.38 CPU s/GB);
+    # the quick run's 32 MiB under the suite's load is too short to order them (once 1.37 against 1.27): this
+    # catches only a sealing gone far costlier than CURVE
+    assert sealed["ours"] < 1.5 * curve["ours"], (sealed, curve)
 
 
 @pytest.mark.slow
