@@ -59,10 +59,10 @@ with nothing changed (before the cut, and in the fresh job): target 0.
 
 #: aggregation.change: a measured rate this far below the configured one re-plans
 CHANGE = AggregationConfig().change
-#: the scheduler's lines that say how far a re-plan got (uplinks seen and counted, the plan, the switch's messages)
 #: how long a job may take to bring its first trees into force before its timeline starts regardless
 FIRST_PLAN_S = 60.0
 _COMMIT = re.compile(r"routing epoch \d+: COMMIT sent")
+#: the scheduler's lines that say how far a re-plan got (uplinks seen and counted, the plan, the switch's messages)
 SCHEDULER_STEPS = r"uplink of rack|re-planning|aggregation plan|routing epoch|planning"
 #: the DSCP classes every link serves first, in order, as switches do: network control (CS6, the scheduler's
 #: messages: scheduler.control_tos) and AF42 (channel 0: the most urgent tensors, and the nodes' messages to
