@@ -61,7 +61,6 @@ with nothing changed (before the cut, and in the fresh job): target 0.
 CHANGE = AggregationConfig().change
 #: how long a job may take to bring its first trees into force before its timeline starts regardless
 FIRST_PLAN_S = 60.0
-_COMMIT = re.compile(r"routing epoch \d+: COMMIT sent")
 #: the scheduler's lines that say how far a re-plan got (uplinks seen and counted, the plan, the switch's messages)
 SCHEDULER_STEPS = r"uplink of rack|re-planning|aggregation plan|routing epoch|planning"
 #: the DSCP classes every link serves first, in order, as switches do: network control (CS6, the scheduler's
@@ -160,7 +159,7 @@ def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float,
     def scheduler_line(label: str, text: str) -> None:
         if label == "scheduler" and (timed := parse_line(text)) is not None:
             lines.append(timed)
-            if _COMMIT.match(timed[1]):
+            if switches([timed]):  # a COMMIT: the first trees came into force
                 planned.set()
 
     try:
@@ -239,8 +238,7 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
     progress(f"  new trees (epoch {switched[0][2]}) in force {switched[0][0] - cut:.1f} s after the cut; "
              f"{len(switched)} rounds under them")
     progress("  " + "; ".join(f"{step} {'-' if t is None else f'{t:.2f}'}" for step, t in timed.items()))
-    progress("  seen after the cut: " + (", ".join(f"{r} p{p} {m:g}{' counted' if c else ''}"
-                                                   for r, p, m, c in flagged) or "nothing"))
+    progress(f"  seen after the cut: {said(flagged)}")
     wrong = false_alarms(job.lines, configured(layout), CHANGE, "r0", cut)
     # the round the switch waited for: the last one started on the old trees
     in_flight = [d for s, d, e in rounds if s < switched[0][0] and e <= before]
@@ -255,10 +253,15 @@ def why_no_switch(job: Job, rounds: list[tuple[float, float, int]], cut: float, 
     """What a run that saw no switch under the cut did: its rounds, the evidence the manager saw, and the
     scheduler's re-planning lines after the cut (a failure in a loaded suite then says which step never came)."""
     timeline = ", ".join(f"{s - cut:+.1f}s {d:.1f}s e{e}" for s, d, e in rounds)
-    seen = ", ".join(f"{r} p{p} {m:g}{' counted' if c else ''}" for r, p, m, c in evidence(job.lines, cut, args.period))
-    said = [f"  {at - cut:+.1f}s {text}" for at, text in job.lines if at >= cut and re.match(SCHEDULER_STEPS, text)]
+    lines = [f"  {at - cut:+.1f}s {text}" for at, text in job.lines if at >= cut and re.match(SCHEDULER_STEPS, text)]
     return "\n".join([f"rounds (start from the cut, seconds, epoch): {timeline}",
-                      f"seen after the cut: {seen or 'nothing'}", "the scheduler after the cut:", *said[:40]])
+                      f"seen after the cut: {said(evidence(job.lines, cut, args.period))}",
+                      "the scheduler after the cut:", *lines[:40]])
+
+
+def said(flagged: list[tuple[str, int, float, bool]]) -> str:
+    """The uplink evidence (testbed/replan_steps.py evidence) as the runs print it."""
+    return ", ".join(f"{r} p{p} {m:g}{' counted' if c else ''}" for r, p, m, c in flagged) or "nothing"
 
 
 def planned_rounds(rounds: list[tuple[float, float, int]], cut: float, epoch: int) -> list[float]:
@@ -278,8 +281,7 @@ def restore_run(job: Job, rounds: list[tuple[float, float, int]], planned: list[
     in_force = max((e for s, _, e in rounds if s <= restored), default=0)
     back = [(s, d, e) for s, d, e in rounds if s > restored and e > in_force]
     flagged = evidence(job.lines, restored, args.period)
-    progress("  seen after the uplink was mended: " + (", ".join(
-        f"{r} p{p} {m:g}{' counted' if c else ''}" for r, p, m, c in flagged) or "nothing"))
+    progress(f"  seen after the uplink was mended: {said(flagged)}")
     if not back:  # the rounds it ran on the trees planned for the cut
         progress("  no new trees came into force after the uplink was mended")
         return {"delay": None, "after": [d for s, d, _ in rounds if s > restored][1:] or [rounds[-1][1]],
