@@ -28,7 +28,9 @@ from testbed.job import emit_result, run_sluice_job
 from testbed.netbed import Netbed, ready_for
 from testbed.replan_steps import evidence, false_alarms, first_switch, parse_line, steps, switches
 
-DESCRIPTION = """\
+#: aggregation.report_s of the kept job: its agents never report within it, so nothing re-plans its first trees
+STALE_REPORT_S = 3600.0
+DESCRIPTION = f"""\
 The aggregation testbed (bench/aggregation.py's racks, planned weighted trees, aggregation.mode =
 "plan", agents reporting every --period s), every shaped link serving DSCP classes first as switches
 do: network control (CS6, the scheduler's messages, scheduler.control_tos) and AF42 (channel 0: the
@@ -41,6 +43,9 @@ Two jobs run in turn:
             (scheduler/hierarchy/uplinks.py), re-plans, and the workers switch trees between rounds
   fresh     a job started with the uplink already cut, told so in its config (uplinks = r0: RATE),
             so that its first plan is the one a re-plan should reach
+  kept      a job started with the uplink already cut whose agents never report (aggregation.report_s
+            = {STALE_REPORT_S:g} s), so that it keeps the trees planned for the configured uplinks: what the
+            re-plan buys, and what the round in flight at the switch ran on
 
   mended    in the re-plan job, --restore-after s after the cut r0's uplink is set back to its rate; the
             trees planned around the cut leave it lightly loaded, so it no longer holds the job back: the
@@ -206,9 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, the uplink cut 3 s into a "
-                       "17 s job and set back 8 s later, a 7 s fresh job (each timed from its first trees)", repeats=1)
+                       "17 s job and set back 8 s later, 7 s fresh and kept jobs (each timed from its first trees)",
+                       repeats=1)
     args = parser.parse_args(argv)
-    #: how long the fresh job runs rounds: as long as the re-plan job's rounds under the cut, and 10 s to settle
+    #: how long the fresh and kept jobs run rounds: as long as the re-plan job's under the cut, and 10 s to settle
     args.fresh_seconds = (args.restore_after or args.seconds - args.throttle_after) + 10
     if args.quick:
         args.racks, args.per_rack, args.servers, args.link_mbit = 2, 2, 2, 40.0
@@ -315,6 +321,18 @@ def fresh_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpars
             "false_alarms": wrong, "switches": switches(job.lines) - 1}
 
 
+def kept_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argparse.Namespace) -> list[float]:
+    """The kept job: the trees planned for the configured uplinks, run with r0's uplink cut; its rounds' times."""
+    config = {**config, "aggregation": {**config["aggregation"], "report_s": STALE_REPORT_S}}
+    bed.set_uplink("r0", layout.uplink_mbit / 4)
+    rounds = round_times(run_job(bed, layout, config, args.fresh_seconds, args).workers)
+    epochs = {e for *_, e in rounds if e > 0}
+    if len(epochs) != 1:  # no reports, no re-plan: one epoch, that of the trees planned at the start
+        raise RuntimeError(f"the kept job's rounds ran on routing epochs {sorted(epochs)}, not on its first trees")
+    kept = [d for _, d, e in rounds if e > 0]
+    return kept[1:] or kept  # the first round under the cut fills the uplink's queue
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -322,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ready_for("replan"):
         return 0
     layout = Layout(args.racks, args.per_rack, args.servers, args.link_mbit, args.ratio)
-    replans, freshes = [], []
+    replans, freshes, kept = [], [], []
     for repeat in range(args.repeats):
         with Netbed(queue_ms=1000) as bed:
             build_testbed(bed, layout, CLASSES)
@@ -333,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             replans.append(replan_run(bed, layout, config, args))
             progress(f"repeat {repeat + 1}/{args.repeats}: fresh plan with the uplink already cut ...")
             freshes.append(fresh_run(bed, layout, config, args))
-    report(args, layout, replans, freshes)
+            progress(f"repeat {repeat + 1}/{args.repeats}: the first trees kept, the uplink cut ...")
+            kept.append(kept_run(bed, layout, config, args))
+    report(args, layout, replans, freshes, kept)
     return 0
 
 
