@@ -114,18 +114,21 @@ def worker_main(spec: str) -> int:
         if go[0] < client.size:  # every worker sees the same votes: all stop after the same round
             break
     committed = dict(client._router.committed_at)  # when each epoch's COMMIT reached this worker
+    moved = dict(client._router.moved_at)  # when its pushes of a round in flight first left on an epoch's trees
     node.close()
-    emit_result({"rank": client.rank, "rounds": rounds, "committed": committed})
+    emit_result({"rank": client.rank, "rounds": rounds, "committed": committed, "moved": moved})
     return 0
 
 
 @dataclass
 class Job:
-    """What one job left: each worker's rounds (start, end, epoch) and COMMIT arrivals by epoch, the
-    scheduler's timed log lines, and when r0's uplink was cut and set back (None: it was not)."""
+    """What one job left: each worker's rounds (start, end, epoch), COMMIT arrivals and pushes moved onto the
+    new trees inside a round by epoch, the scheduler's timed log lines, and when r0's uplink was cut and set
+    back (None: it was not)."""
 
     workers: list[list[tuple[float, float, int]]]
     committed: list[dict[int, float]]
+    moved: list[dict[int, float]]
     lines: list[tuple[float, str]]
     cut: float | None
     restored: float | None = None
@@ -175,7 +178,8 @@ def run_job(bed: Netbed, layout: Layout, config: dict[str, Any], seconds: float,
         ended.set()
         shutil.rmtree(os.path.dirname(stop_file), ignore_errors=True)
     return Job([[tuple(r) for r in w["rounds"]] for w in results],
-               [{int(e): t for e, t in w["committed"].items()} for w in results], lines, cut[0] if cut else None,
+               [{int(e): t for e, t in w["committed"].items()} for w in results],
+               [{int(e): t for e, t in w["moved"].items()} for w in results], lines, cut[0] if cut else None,
                cut[1] if len(cut) > 1 else None)
 
 
@@ -239,16 +243,19 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
     # the steps are the first switch's after the cut; a later switch's trees may be the first a round takes
     epoch = first_switch(job.lines, cut) or switched[0][2]
     committed = [times[epoch] for times in job.committed if epoch in times]
-    timed = steps(job.lines, cut, args.period, "r0", epoch, committed, switched[0][0])
+    moved = min((times[epoch] for times in job.moved if epoch in times), default=None)
+    timed = steps(job.lines, cut, args.period, "r0", epoch, committed, switched[0][0], moved)
     flagged = evidence(job.lines, cut, args.period)
-    progress(f"  new trees (epoch {switched[0][2]}) in force {switched[0][0] - cut:.1f} s after the cut; "
-             f"{len(switched)} rounds under them")
+    carried = min(switched[0][0], moved or switched[0][0])  # the new trees carry pushes from here on
+    progress(f"  new trees (epoch {switched[0][2]}) carry pushes {carried - cut:.1f} s after the cut, the first round "
+             f"under them {switched[0][0] - cut:.1f} s; {len(switched)} rounds under them")
     progress("  " + "; ".join(f"{step} {'-' if t is None else f'{t:.2f}'}" for step, t in timed.items()))
     progress(f"  seen after the cut: {said(flagged)}")
     wrong = false_alarms(job.lines, configured(layout), CHANGE, "r0", cut)
     # the round the switch waited for: the last one started on the old trees
     in_flight = [d for s, d, e in rounds if s < switched[0][0] and e <= before]
-    return {"delay": (switched[0][0] - cut) / args.period, "after": [d for _, d, _ in switched[2:] or switched[-1:]],
+    return {"delay": (carried - cut) / args.period, "first_round": (switched[0][0] - cut) / args.period,
+            "after": [d for _, d, _ in switched[2:] or switched[-1:]],
             "steps": timed, "false_alarms": wrong, "epochs_after_cut": len({e for *_, e in switched}),
             "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
             "switches_before_cut": switches(job.lines, before=cut) - 1,
@@ -294,10 +301,13 @@ def restore_run(job: Job, rounds: list[tuple[float, float, int]], planned: list[
                 "planned": planned, "steps": {}, "measured": []}
     epoch = first_switch(job.lines, restored) or back[0][2]
     committed = [times[epoch] for times in job.committed if epoch in times]
-    progress(f"  trees for the mended uplink (epoch {back[0][2]}) in force {back[0][0] - restored:.1f} s after it; "
-             f"{len(back)} rounds under them")
-    return {"delay": (back[0][0] - restored) / args.period, "after": [d for _, d, _ in back[2:] or back[-1:]],
-            "planned": planned, "steps": steps(job.lines, restored, args.period, "r0", epoch, committed, back[0][0]),
+    moved = min((times[epoch] for times in job.moved if epoch in times), default=None)
+    carried = min(back[0][0], moved or back[0][0])
+    progress(f"  trees for the mended uplink (epoch {back[0][2]}) carry pushes {carried - restored:.1f} s after it, "
+             f"the first round under them {back[0][0] - restored:.1f} s; {len(back)} rounds under them")
+    return {"delay": (carried - restored) / args.period, "first_round": (back[0][0] - restored) / args.period,
+            "after": [d for _, d, _ in back[2:] or back[-1:]], "planned": planned,
+            "steps": steps(job.lines, restored, args.period, "r0", epoch, committed, back[0][0], moved),
             "measured": [m for r, _, m, c in flagged if r == "r0" and c]}
 
 

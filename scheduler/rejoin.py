@@ -75,7 +75,7 @@ class Recall:
         elif msg.kind == Kind.ROUTES:
             self.routes, self.routes_acked = meta.get("routes"), None
         elif msg.kind == Kind.COMMIT:
-            self.committed = [meta.get("epoch"), meta.get("rounds")]
+            self.committed = [meta.get("epoch"), meta.get("rounds"), meta.get("moved", [])]
 
     def sent(self, kind: Kind, meta: dict[str, Any]) -> None:
         """What this node told the scheduler that a standby needs: its answer to the last ROUTES."""

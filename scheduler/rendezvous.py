@@ -23,6 +23,7 @@ from sluice.scheduler.declaration import (
     worker_table,
 )
 from sluice.scheduler.hierarchy.agent import Report, parse_report
+from sluice.scheduler.hierarchy.midround import parse_held
 from sluice.scheduler.hierarchy.routes import Route, check_trees
 from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from sluice.scheduler.leaving import left, parse_error
@@ -152,7 +153,8 @@ class Rendezvous:
             return self._on_plan_ack(node, msg)
         if msg.kind == Kind.ROUTES_ACK and node.role in ("worker", "aggregator"):
             rounds = parse_rounds((msg.meta or {}).get("rounds", []))
-            return self.switch.on_ack(node.name, node.role, meta_field(msg, "epoch", int), rounds)
+            held = parse_held((msg.meta or {}).get("held", []))
+            return self.switch.on_ack(node.name, node.role, meta_field(msg, "epoch", int), rounds, held)
         if msg.kind == Kind.BARRIER and node.role == "worker":
             return self._on_barrier(node, msg)
         if msg.kind == Kind.BYE:

@@ -16,6 +16,7 @@ STEPS = {
     "routes_workers": "every aggregator acknowledged: ROUTES sent to the workers",
     "commit": "every worker answered: COMMIT sent",
     "committed": "the last worker received COMMIT",
+    "moved": "the first pushes of the round in flight left on the new trees (a switch inside the round)",
     "in_force": "the first round started under the new trees",
 }
 
@@ -53,9 +54,10 @@ def evidence(lines: Sequence[tuple[float, str]], cut: float, period: float) -> l
 
 
 def steps(lines: Sequence[tuple[float, str]], cut: float, period: float, rack: str, epoch: int,
-          committed: Sequence[float], in_force: float) -> dict[str, float | None]:
+          committed: Sequence[float], in_force: float, moved: float | None = None) -> dict[str, float | None]:
     """Seconds from the cut to each of STEPS (None: not seen) for the uplink of `rack` cut at `cut` and
-    the switch to routing `epoch`; `committed`: when each worker received that epoch's COMMIT."""
+    the switch to routing `epoch`; `committed`: when each worker received that epoch's COMMIT; `moved`: when
+    the first pushes of the round in flight left on its trees (None: none moved)."""
     def first(pattern: str, after: float = cut) -> float | None:
         return next((at - cut for at, text in lines if at >= after and re.match(pattern, text)), None)
 
@@ -74,6 +76,7 @@ def steps(lines: Sequence[tuple[float, str]], cut: float, period: float, rack: s
     out["routes_workers"] = first(rf"^routing epoch {epoch}: ROUTES sent to .*worker")
     out["commit"] = first(rf"^routing epoch {epoch}: COMMIT sent")
     out["committed"] = max(committed) - cut if committed else None
+    out["moved"] = None if moved is None else moved - cut
     out["in_force"] = in_force - cut
     return out
 

@@ -53,6 +53,11 @@ class Transport(Protocol):
         """
         ...
 
+    def withdraw(self, match: Callable[[str, int, Message], bool]) -> list[tuple[str, int, Message]]:
+        """Take back the messages queued here that `match(peer, channel, msg)` picks and that have not begun to
+        leave (no peer has seen any of them), as (peer, channel, msg); the caller sends them again, or not."""
+        ...
+
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A zeroed 1-D array that is sent without a copy when it is itself a message's payload.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -70,6 +71,15 @@ class ChannelQueue(Generic[T]):
             self.inflight += nbytes
             ready.append((entry[_PRIORITY], nbytes, entry[_ITEM], entry[_ENQUEUED]))
         return ready
+
+    def take(self, match: Callable[[T], bool]) -> list[tuple[int, int, T, float]]:
+        """Take out the queued items `match` picks, as (priority, nbytes, item, enqueued) in the order they would
+        have left (by priority); what is in flight stays counted."""
+        taken = [entry for entry in sorted(self._heap) if entry[_LIVE] and match(entry[_ITEM])]
+        for entry in taken:
+            entry[_LIVE] = False  # dropped from the heap and the arrivals lazily, as aging's are
+        self._live -= len(taken)
+        return [(entry[_PRIORITY], entry[_NBYTES], entry[_ITEM], entry[_ENQUEUED]) for entry in taken]
 
     def _next(self, now: float) -> list[Any]:
         heap = self._heap

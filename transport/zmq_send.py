@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -79,6 +80,17 @@ class Sender:
             del self.queues[route]
             self.active.discard(route)
         return routes
+
+    def withdraw(self, match: Callable[[Route, Message], bool]) -> list[tuple[Route, Message]]:
+        """Take back the queued messages `match` picks (none has begun to leave), by route, each route's in the
+        order they would have left."""
+        self.drain_outbox()
+        taken: list[tuple[Route, Message]] = []
+        for route, queue in self.queues.items():
+            taken += [(route, msg) for _, _, msg, _ in queue.take(functools.partial(match, route))]
+            if not len(queue):
+                self.active.discard(route)
+        return taken
 
     def drain_outbox(self) -> None:
         while self.outbox:

@@ -125,6 +125,10 @@ class ZmqTransport:
         if threading.get_ident() != self._thread.ident:  # the I/O thread drains its outbox anyway
             self._wake.ring()
 
+    def withdraw(self, match: Callable[[str, int, Message], bool]) -> list[tuple[str, int, Message]]:
+        taken = self._call(lambda: self._sender.withdraw(lambda route, msg: match(route[0], route[1], msg)))
+        return [(peer, channel, msg) for (peer, channel), msg in taken]
+
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         if self._local is None:
             return np.zeros(count, dtype)

@@ -21,6 +21,7 @@ import numpy as np
 from sluice.errors import SluiceError
 from sluice.scheduler.bootstrap import node_name
 from sluice.scheduler.calibration import Limits
+from sluice.scheduler.hierarchy.midround import parse_moved
 from sluice.scheduler.hierarchy.routes import parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
@@ -32,6 +33,7 @@ from sluice.transport.wire import Flag, Kind, Message, meta_field
 from sluice.worker.calibrate import Calibrator
 from sluice.worker.handle import Handle
 from sluice.worker.job_priority import JobLevel, JobsConfig
+from sluice.worker.midround import HeldBack
 from sluice.worker.replaced import aggregator_back, server_back
 from sluice.worker.routing import Router
 from sluice.worker.tensors import Pending, Tensor, TensorDecl, chunk_sizes, parse_plan
@@ -67,6 +69,8 @@ class Client:
         #: started while a switch to new trees is being agreed, sent once it is (both under _lock)
         self._router = Router(node.env.name)
         self._held: list[tuple[Tensor, list[tuple[int, Message]]]] = []
+        #: the pushes of rounds in flight taken back from the transport while a switch is agreed (under _lock)
+        self._held_back = HeldBack(self.transport, node.env.name)
         #: who may answer a push: the servers, and the aggregators of the trees
         self._reply_ids: set[int] = set()
         self._aggregator_endpoints: dict[str, tuple[str, ...]] = {}
@@ -347,17 +351,22 @@ class Client:
         with self._lock:
             self._router.begin(routing, set(self._aggregator_endpoints))
             started = [[t.key, t.round] for t in self._tensors.values() if t.round > 0]
-        self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch, rounds=started)
+            held = self._held_back.take(self._router, {(key, round_) for key, round_ in started})
+        self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch, rounds=started, held=held)
 
     def _on_commit(self, msg: Message) -> None:
         """The switch is agreed: connect to the new parents and send the pushes held meanwhile."""
         epoch, rounds = meta_field(msg, "epoch", int), parse_rounds(meta_field(msg, "rounds", list))
+        moved = parse_moved((msg.meta or {}).get("moved", []))
         with self._lock:
             parents = self._router.commit(epoch, rounds)
+            again = self._held_back.release(self._router, moved, self._server_names.__getitem__)
             held = [(tensor, pushes, self._routes(tensor, pushes)) for tensor, pushes in self._held]
             self._held = []
         for parent in parents:  # a no-op for aggregators connected in an earlier epoch
             self.transport.connect(parent, self._aggregator_endpoints[parent])
+        for peer, channel, push in again:  # the round in flight's, first: the others wait for it
+            self.transport.send(peer, channel, push)
         for tensor, pushes, routes in held:
             self._send_pushes(tensor, pushes, routes, None)
 

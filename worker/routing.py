@@ -42,6 +42,7 @@ class Router:
         self.pending: Routing | None = None
         #: (key, chunk, nbytes, server) of every declared chunk, in key order
         self._chunks: list[tuple[int, ...]] = []
+        self._server_of: dict[tuple[int, int], int] = {}
         #: the job's servers: each tree's chunks go to a few of them (ChunkAssignment); set once known
         self.servers = 0
         #: pushes sent up a tree so far (the rest went straight to the servers)
@@ -49,6 +50,10 @@ class Router:
         #: wall-clock times ROUTES and COMMIT of the latest epochs arrived, by epoch (bench/replan.py reads them)
         self.routes_at: dict[int, float] = {}
         self.committed_at: dict[int, float] = {}
+        #: when pushes of a round in flight were first sent on an epoch's trees (a switch inside the round)
+        self.moved_at: dict[int, float] = {}
+        #: the announced trees' chunk assignment, made when a push held back at ROUTES asks for it
+        self._announced: _Epoch | None = None
 
     @property
     def epoch(self) -> int:
@@ -63,6 +68,15 @@ class Router:
     def declare(self, chunks: Sequence[tuple[int, ...]]) -> None:
         """Chunks of newly declared tensors as (key, chunk, nbytes, server); keys larger than any before."""
         self._chunks.extend(sorted(chunks))
+        self._server_of.update(((c[0], c[1]), c[3] if len(c) > 3 else 0) for c in chunks)
+
+    def routes(self, key: int, chunk: int) -> bool:
+        """Whether the chunk was declared here (a process set's tensors go straight to the servers, undeclared)."""
+        return (key, chunk) in self._server_of
+
+    def server_of(self, key: int, chunk: int) -> int:
+        """The rank of the server that owns the declared chunk."""
+        return self._server_of[(key, chunk)]
 
     def begin(self, routing: Routing, aggregators: set[str]) -> None:
         """ROUTES: the trees to switch to, once COMMIT says from which rounds (WireError if they cannot be). The
@@ -75,7 +89,7 @@ class Router:
         strangers = {t.parent(self.name) for t in routing.trees} - aggregators - {SERVERS}
         if strangers:
             raise WireError(f"ROUTES give {self.name} the parent {sorted(strangers)[0]!r:.60}: not an aggregator")
-        self.pending = routing
+        self.pending, self._announced = routing, None
         _stamp(self.routes_at, routing.epoch)
 
     def commit(self, epoch: int, rounds: list[tuple[int, int]]) -> list[str]:
@@ -83,7 +97,8 @@ class Router:
         if self.pending is None or self.pending.epoch != epoch:
             raise WireError(f"COMMIT for epoch {epoch}, which was not announced")
         routing, self.pending = self.pending, None
-        self._epochs.append(_Epoch(routing, dict(rounds)))
+        announced, self._announced = self._announced, None
+        self._epochs.append(_Epoch(routing, dict(rounds), announced.assignment if announced is not None else None))
         del self._epochs[:-KEEP_EPOCHS]
         _stamp(self.committed_at, epoch)
         return sorted({t.parent(self.name) for t in routing.trees} - {SERVERS})
@@ -92,13 +107,36 @@ class Router:
         """(epoch, tree, parent aggregator) for this push, or None: straight to the chunk's server."""
         for epoch in reversed(self._epochs):
             if round_ >= epoch.switch.get(key, 0):
-                tree = self._tree(epoch, key, chunk)
-                parent = epoch.routing.trees[tree].parent(self.name)
-                if parent == SERVERS:
-                    return None
-                self.routed += 1
-                return epoch.routing.epoch, tree, parent
+                return self._route_in(epoch, key, chunk)
         return None  # before the first epoch: every worker pushed this round straight to the servers
+
+    def moved(self, key: int, chunk: int) -> tuple[int, int, str] | None:
+        """route() on the newest trees for a push of a round in flight that the COMMIT moved onto them."""
+        _stamp(self.moved_at, self._epochs[-1].routing.epoch)
+        return self._route_in(self._epochs[-1], key, chunk)
+
+    def tree_of(self, key: int, chunk: int, round_: int) -> tuple[int, int]:
+        """(epoch, tree) the push takes ((0, -1): before the first epoch, straight to the servers)."""
+        for epoch in reversed(self._epochs):
+            if round_ >= epoch.switch.get(key, 0):
+                return epoch.routing.epoch, self._tree(epoch, key, chunk)
+        return 0, -1
+
+    def announced_tree(self, key: int, chunk: int) -> int:
+        """The tree the chunk takes in the trees announced by ROUTES (call between ROUTES and COMMIT)."""
+        if self.pending is None:
+            raise ValueError("no trees announced")
+        if self._announced is None:
+            self._announced = _Epoch(self.pending, {})
+        return self._tree(self._announced, key, chunk)
+
+    def _route_in(self, epoch: _Epoch, key: int, chunk: int) -> tuple[int, int, str] | None:
+        tree = self._tree(epoch, key, chunk)
+        parent = epoch.routing.trees[tree].parent(self.name)
+        if parent == SERVERS:
+            return None
+        self.routed += 1
+        return epoch.routing.epoch, tree, parent
 
     def epoch_of(self, key: int, round_: int) -> int:
         """The routing epoch round `round_` of tensor `key` travels (0: straight to the servers); known for

@@ -72,6 +72,12 @@ KEPT_PLANS = 8
 #: is done sits idle (periods at ease: taken for mended in one run of three, with no wait)
 SETTLE_PERIODS = 8
 
+#: periods after new trees go out in which no uplink counts as holding the job back: the switch moves the pushes of
+#: rounds in flight between trees (worker/midround.py), and while the racks sum what moved, pushes still queued
+#: for peers across an uplink wait on it as if it were slow (measured: a fresh job's first switch read a 2.5
+#: Mbit/s uplink at 0.9 in the period after it and re-planned; bench/replan.py)
+MOVING_PERIODS = 2
+
 #: a host's spare bandwidth is the median of its last this many periods: one period can be off by what
 #: the link's queue took in or let out in it (the agent counts our bytes as they enter the queue, the
 #: interface as they leave it), while another job's traffic lasts
@@ -100,6 +106,8 @@ class NetworkManager:
         self._kept: list[tuple[dict[str, float], Plan, list[Route], int]] = []
         #: the newest period reported, and the first in which the plan in force is watched for mended uplinks
         self._latest_period = self._settled = 0
+        #: the last period in which the trees' traffic may still be moving (None: trees went out before any report)
+        self._moving: int | None = 0
 
     @property
     def planning(self) -> bool:
@@ -134,6 +142,7 @@ class NetworkManager:
             if routes == self._routes:
                 return None  # the same trees: nothing to switch
             self._routes = routes
+            self._moving = self._latest_period + MOVING_PERIODS if self._latest_period else None
             return routes
         if now >= self._next_at or self._changed():
             self._next_at = now + self.config.replan_s if self.config.replan_s else float("inf")
@@ -205,6 +214,8 @@ class NetworkManager:
         once its traffic crossed it `uplink_periods` + 1 periods running without keeping a sender waiting."""
         known = [name for name in reports if name in placement.host]
         self._latest_period = max([self._latest_period, *(r[-1].period for r in reports.values() if r)])
+        if self._moving is None and self._latest_period:  # the trees went out before the first report
+            self._moving = self._latest_period + MOVING_PERIODS - 1
         rates = {h.name: h.link_mbit for h in placement.configured.hosts}
         configured = {link.partition(":")[2]: rate for link, rate in self._configured.items()
                       if link.startswith("uplink:")}
@@ -212,7 +223,7 @@ class NetworkManager:
         found = self._uplinks.observe({n: reports[n] for n in known},
                                       {n: placement.rack[placement.host[n]] for n in known},
                                       {n: rates[placement.host[n]] for n in known}, planned, configured,
-                                      self._settled)
+                                      self._settled, self._moving or 0)
         for period, rack, mbit, counted, mended in found:
             if counted:
                 why = (f"mended: its traffic crossed {self.config.uplink_periods + 1} periods running without keeping "

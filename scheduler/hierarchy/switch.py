@@ -11,6 +11,10 @@ not assumed:
      round: one past the last round any worker had started. Rounds before it keep the old trees,
      rounds from it on take the new ones (a tensor not listed switches at once); the workers then
      send what they held.
+Inside the round in flight too: at ROUTES a worker also takes back its pushes of that round still in
+its send queue and lists them (`held`), and the COMMIT's `moved` names the chunks whose pushes take the
+new trees after all, and whose (scheduler/hierarchy/midround.py: whole groups of both trees, held by
+all of them); the rest go where they were going.
 A round started before a worker's answer is below the switch round, so it keeps the trees every
 other worker used for it; a round at or above the switch round was held until COMMIT, so no worker
 sent it on the old trees. Rounds of one tensor are at most one apart across workers (a round
@@ -33,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.scheduler.hierarchy.midround import Held, Moved, parse_moved, plan_moves
 from sluice.scheduler.hierarchy.routes import Route, Routing, parse_routing
 from sluice.transport.wire import Kind, Message, WireError, brief
 
@@ -56,11 +61,13 @@ def parse_rounds(raw: object) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Told:
-    """What one node was told of the last switch: its ROUTES, its answer (a worker's rounds), the COMMIT."""
+    """What one node was told of the last switch: its ROUTES, its answer (a worker's rounds), the COMMIT (and
+    the chunks it moved)."""
 
     routes: Routing | None = None
     acked: list[tuple[int, int]] | None = None
     committed: tuple[int, list[tuple[int, int]]] | None = None
+    moved: tuple[Moved, ...] = ()
 
 
 def parse_told(raw: object) -> Told:
@@ -70,12 +77,14 @@ def parse_told(raw: object) -> Told:
     if type(raw) is not dict or set(raw) != {"routes", "acked", "committed"}:
         raise WireError(f"a REJOIN's routing must be {{routes, acked, committed}}, got {brief(raw)}")
     committed: Any = raw["committed"]
+    moved: list[Moved] = []
     if committed is not None:
-        if type(committed) is not list or len(committed) != 2 or type(committed[0]) is not int:
-            raise WireError(f"a REJOIN's last COMMIT must be [epoch, rounds], got {brief(committed)}")
+        if type(committed) is not list or len(committed) not in (2, 3) or type(committed[0]) is not int:
+            raise WireError(f"a REJOIN's last COMMIT must be [epoch, rounds, moved], got {brief(committed)}")
+        moved = parse_moved(committed[2]) if len(committed) == 3 else []
         committed = (committed[0], parse_rounds(committed[1]))
     return Told(None if raw["routes"] is None else parse_routing(raw["routes"]),
-                None if raw["acked"] is None else parse_rounds(raw["acked"]), committed)
+                None if raw["acked"] is None else parse_rounds(raw["acked"]), committed, tuple(moved))
 
 
 @dataclass
@@ -84,6 +93,8 @@ class _Switch:
     waiting_aggregators: set[str]
     waiting_workers: set[str] = field(default_factory=set)
     last_rounds: dict[int, int] = field(default_factory=dict)
+    #: each worker's pushes of rounds in flight held back at ROUTES
+    held: dict[str, list[Held]] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,7 +126,8 @@ class RouteSwitch:
         self._queued = tuple(trees)
         return self._next() if self.started and self._switch is None else []
 
-    def on_ack(self, name: str, role: str, epoch: int, rounds: list[tuple[int, int]]) -> list[Out]:
+    def on_ack(self, name: str, role: str, epoch: int, rounds: list[tuple[int, int]],
+               held: Sequence[Held] = ()) -> list[Out]:
         switch = self._switch
         if switch is None or epoch != switch.routing.epoch:
             raise WireError(f"ROUTES_ACK for epoch {epoch} from {name}, which is not being switched to")
@@ -126,6 +138,7 @@ class RouteSwitch:
             switch.waiting_workers.discard(name)
             for key, round_ in rounds:
                 switch.last_rounds[key] = max(round_, switch.last_rounds.get(key, 0))
+            switch.held[name] = list(held)
             return self._commit(switch) if not switch.waiting_workers else []
         raise WireError(f"unexpected ROUTES_ACK for epoch {epoch} from {name}")
 
@@ -155,7 +168,9 @@ class RouteSwitch:
         done = [c for name in has if (c := told[name].committed) is not None and c[0] == newest.epoch]
         if done:  # every worker had answered: the COMMIT was on its way
             self.current, self.history = newest, [newest]
-            commit = _message(Kind.COMMIT, epoch=newest.epoch, rounds=[list(pair) for pair in done[0][1]])
+            moved = next(told[name].moved for name in has if (told[name].committed or (0,))[0] == newest.epoch)
+            commit = _message(Kind.COMMIT, epoch=newest.epoch, rounds=[list(pair) for pair in done[0][1]],
+                              **_moved_meta(moved))
             return [(w, commit) for w in live if w in has and (told[w].committed or (0,))[0] != newest.epoch]
         lacking = {a for a in aggregators if a not in has}
         switch = self._switch = _Switch(newest, lacking)
@@ -203,10 +218,12 @@ class RouteSwitch:
         return outs
 
     def _commit(self, switch: _Switch) -> list[Out]:
+        held = {name: entries for name, entries in switch.held.items() if name not in self._gone}
+        moved = plan_moves(held, self.workers, self.history, switch.routing)
         self.history = [*self.history, switch.routing][-3:]
         self.current, self._switch = switch.routing, None
         rounds = [[key, last + 1] for key, last in sorted(switch.last_rounds.items())]
-        message = _message(Kind.COMMIT, epoch=switch.routing.epoch, rounds=rounds)
+        message = _message(Kind.COMMIT, epoch=switch.routing.epoch, rounds=rounds, **_moved_meta(moved))
         return [(name, message) for name in self.workers if name not in self._gone] + self._next()
 
 
@@ -225,8 +242,18 @@ def switch_notes(outs: Sequence[Out]) -> list[str]:
         roles = sent.setdefault((msg.kind.name, epoch), {})
         role = name.rpartition("-")[0] or name
         roles[role] = roles.get(role, 0) + 1
-    return [f"routing epoch {epoch}: {kind} sent to " + ", ".join(f"{n} {role}s" for role, n in sorted(roles.items()))
+        moved = meta.get("moved") if msg.kind == Kind.COMMIT else None
+        if moved and ("moved", epoch) not in sent:
+            sent[("moved", epoch)] = {"chunk": len(moved), "push": sum(len(m[3]) for m in moved)}
+    return [f"routing epoch {epoch}: moved onto its trees inside the rounds in flight: {roles['chunk']} chunks, "
+            f"{roles['push']} pushes" if kind == "moved" else
+            f"routing epoch {epoch}: {kind} sent to " + ", ".join(f"{n} {role}s" for role, n in sorted(roles.items()))
             for (kind, epoch), roles in sent.items()]
+
+
+def _moved_meta(moved: Sequence[Moved]) -> dict[str, object]:
+    """A COMMIT's `moved` (left out when nothing moved)."""
+    return {"moved": [[key, round_, chunk, list(workers)] for key, round_, chunk, workers in moved]} if moved else {}
 
 
 def _message(kind: Kind, **meta: object) -> Message:

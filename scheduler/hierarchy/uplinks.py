@@ -223,11 +223,13 @@ class UplinkWatch:
 
     def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
                 link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None,
-                configured: Mapping[str, float] | None = None, settled: int = 0) -> list[Finding]:
+                configured: Mapping[str, float] | None = None, settled: int = 0, moving: int = 0) -> list[Finding]:
         """Take the nodes' latest reports; for each period now evaluated, each uplink that held the job back or
         was mended, oldest first. `planned`: each rack's uplink rate in the plan in force;
         `configured`: as configured (an uplink planned below it is watched for being mended, from period `settled`:
-        until the plan's trees carry the traffic, an uplink it assumes slowed may sit idle)."""
+        until the plan's trees carry the traffic, an uplink it assumes slowed may sit idle); up to period `moving`
+        no uplink holds the job back (new trees went out: pushes still queued across one wait while what moved
+        off it is summed in its rack)."""
         newest: dict[str, int] = {}
         for name, recent in reports.items():
             for report in recent:
@@ -242,20 +244,20 @@ class UplinkWatch:
         found = []
         for period in sorted(p for p in self._pending if p <= complete):
             found += self._evaluate(period, self._pending.pop(period), rack_of, link_mbit, planned or {},
-                                    (configured or {}) if period >= settled else {})
+                                    (configured or {}) if period >= settled else {}, period > moving)
             self._done = period
         return found
 
     def _evaluate(self, period: int, reports: Mapping[str, Report], rack_of: Mapping[str, str],
                   link_mbit: Mapping[str, float], planned: Mapping[str, float],
-                  configured: Mapping[str, float]) -> list[Finding]:
+                  configured: Mapping[str, float], held: bool = True) -> list[Finding]:
         known = {name: r for name, r in reports.items() if name in rack_of}
         self._peaks.append(direction_mbit(known, rack_of))
         peaks: dict[tuple[str, int], float] = {}
         for carried in self._peaks:
             for key, mbit in carried.items():
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
-        measured = uplink_rates(known, rack_of, link_mbit, peaks, planned)
+        measured = uplink_rates(known, rack_of, link_mbit, peaks, planned) if held else {}
         found = []
         runs = _running(self._runs, measured, period, max(self.confirm, SMOOTHING))
         for rack, mbit in sorted(measured.items()):

@@ -64,14 +64,14 @@ def test_replan_quick_switches_trees_after_an_uplink_is_cut_and_set_back_with_ev
     assert result.returncode == 0, result.stdout[-3000:]
     rec, kept, mended = check_records(out, 3)
     assert rec["peer_name"] == "fresh plan" and rec["periods_to_new_plan"] > 0, rec
-    assert "throttle to new trees in force" in result.stdout
+    assert "throttle to the new trees carrying pushes" in result.stdout
     # the same cut under the first trees, kept (no re-plan): what the re-plan buys, against the same rounds
     assert kept["peer_name"] == "the first trees kept (no re-plan)" and kept["ours"] == rec["ours"], kept
     assert kept["kept_rounds_s"] and all(d > 0 for d in kept["kept_rounds_s"][0]), kept
     assert "round in flight at the switch / first trees kept" in result.stdout
     # the uplink set back: the record of the rounds after it, against those before the cut
     assert mended["peer_name"] == "rounds before the cut" and mended["restore_after_s"] == 8.0, mended
-    assert "mended to new trees in force" in result.stdout
+    assert "mended to the new trees carrying pushes" in result.stdout
 
 
 @pytest.mark.slow

@@ -665,3 +665,24 @@ def test_with_servers_trees_keep_their_weights_and_a_chunks_tree_depends_only_on
     for tree, weight in enumerate(weights):
         used = {c % servers for (_, c), t in placed.items() if t == tree}
         assert len(used) == servers if weight > 1 / servers else len(used) <= math.ceil(weight / gathered * servers) + 1
+
+
+def test_a_push_held_back_names_its_trees_now_and_announced_and_a_moved_one_takes_the_new() -> None:
+    router = Router(W1)
+    router.declare([(7, 0, 100, 0), (7, 1, 100, 1)])
+    assert router.tree_of(7, 0, 5) == (0, -1)  # before the first epoch: no tree
+    router.begin(EPOCH1, AGG)
+    router.commit(1, [])
+    router.begin(EPOCH2, AGG)
+    # round 5 runs on epoch 1 (chunk 0 on tree 0, chunk 1 on tree 1); epoch 2 has one tree
+    assert [router.tree_of(7, c, 5) for c in (0, 1)] == [(1, 0), (1, 1)]
+    assert [router.announced_tree(7, c) for c in (0, 1)] == [0, 0]
+    router.commit(2, [(7, 6)])
+    assert router.route(7, 1, 5) == (1, 1, A1)  # the round in flight stays on epoch 1...
+    assert router.moved_at == {}
+    assert router.moved(7, 1) == (2, 0, A1)  # ...but for a push the COMMIT moved
+    assert set(router.moved_at) == {2}
+    assert [router.server_of(7, c) for c in (0, 1)] == [0, 1]
+    assert router.routes(7, 1) and not router.routes(9, 0)  # a process set's tensor: not declared here
+    with pytest.raises(ValueError, match="no trees announced"):
+        router.announced_tree(7, 0)

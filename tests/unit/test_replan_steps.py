@@ -59,9 +59,9 @@ def test_timed_log_lines_parse_and_others_do_not() -> None:
 
 
 def test_each_step_is_timed_from_the_cut() -> None:
-    got = steps(lines(), T0, 1.0, "r0", 2, committed=[T0 + 4.6, T0 + 4.8], in_force=T0 + 5.0)
+    got = steps(lines(), T0, 1.0, "r0", 2, committed=[T0 + 4.6, T0 + 4.8], in_force=T0 + 5.0, moved=T0 + 4.7)
     want = {"evidence": 2.0, "seen": 2.1, "confirmed": 3.2, "planned": 3.4, "routes": 3.4, "routes_workers": 3.9,
-            "commit": 4.5, "committed": 4.8, "in_force": 5.0}
+            "commit": 4.5, "committed": 4.8, "moved": 4.7, "in_force": 5.0}
     assert list(got) == list(STEPS)
     assert got == {step: pytest.approx(t, abs=1e-3) for step, t in want.items()}
 
@@ -160,5 +160,6 @@ def test_a_mended_uplink_is_timed_from_when_it_was_set_back_and_is_no_false_alar
     got = steps(timed, mended, 1.0, "r0", 3, committed=[T0 + 22.8], in_force=T0 + 24.0)
     want = {"evidence": 1.0, "seen": 1.2, "confirmed": 2.2, "planned": 2.3, "routes": 2.3, "routes_workers": 2.5,
             "commit": 2.7, "committed": 2.8, "in_force": 4.0}
+    assert got.pop("moved") is None  # no push of the round in flight moved
     assert got == {step: pytest.approx(t, abs=1e-3) for step, t in want.items()}
     assert false_alarms(timed, CONFIGURED, 0.25, "r0", T0) == ["srv at 2.2 Mbit/s"]  # as before: r0's rise is none

@@ -257,3 +257,18 @@ def test_a_returned_item_keeps_its_age() -> None:
         queue.push_front(priority, nbytes, item, enqueued)
     queue.push(0, 10, "new", 1.5)
     assert _drain_at(queue, 1.5) == ["old", "new"]
+
+
+def test_take_gives_back_what_is_picked_in_leaving_order_and_the_rest_leaves_as_before() -> None:
+    queue: ChannelQueue[str] = ChannelQueue(bound=10, aging=1.0)
+    for priority, item in [(2, "b1"), (1, "a1"), (2, "b2"), (1, "a2"), (3, "c1")]:
+        queue.push(priority, 4, item, now=0.0)
+    assert [item for _, _, item, _ in queue.pop_ready(0.0)] == ["a1", "a2"]  # 8 of 10 bytes in flight
+    taken = queue.take(lambda item: item.startswith(("a", "b")))  # what is in flight is not taken back
+    assert taken == [(2, 4, "b1", 0.0), (2, 4, "b2", 0.0)]
+    assert len(queue) == 1 and queue.inflight == 8
+    assert queue.take(lambda item: False) == []
+    queue.ack(8)
+    # aged past the bound: the arrivals' order, which still lists the items taken, skips them
+    assert [item for _, _, item, _ in queue.pop_ready(5.0)] == ["c1"]
+    assert len(queue) == 0 and queue.pop_ready(5.0) == []

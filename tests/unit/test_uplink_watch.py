@@ -10,7 +10,7 @@ import pytest
 
 from sluice.scheduler.hierarchy.agent import Report
 from sluice.scheduler.hierarchy.config import AggregationConfig
-from sluice.scheduler.hierarchy.manager import SETTLE_PERIODS, NetworkManager
+from sluice.scheduler.hierarchy.manager import MOVING_PERIODS, SETTLE_PERIODS, NetworkManager
 from sluice.scheduler.hierarchy.placement import NodeAt
 from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, UplinkWatch
 
@@ -217,5 +217,32 @@ def test_the_manager_plans_again_once_an_uplink_is_mended_taking_the_plan_it_mad
         assert manager.planning  # done at once: taken by the due() after
         manager.due(0.0, nodes)
         assert not manager.planning and manager.plans == 3 and manager.plan is first
+    finally:
+        manager.close()
+
+
+def test_while_new_trees_move_the_traffic_no_uplink_holds_the_job_back() -> None:
+    # periods 5 and 6 follow a switch (moving=6): a deep fall read then is pushes waiting while what moved off the
+    # uplink is summed in the rack; from period 7 the uplink counts as before (a deep fall at once)
+    latest: dict[str, list[Report]] = {}
+    for reports in (held(5, 2.0), held(6, 2.0), held(7, 2.0)):
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    found = UplinkWatch(confirm=2).observe(latest, RACK, LINK, {"r0": 10.0}, CONFIGURED, moving=6)
+    assert [(f.period, f.rack, f.counted) for f in found] == [(7, "r0", True)]
+
+
+def test_the_manager_takes_no_uplink_for_slow_in_the_periods_after_its_trees_went_out() -> None:
+    manager, nodes = NetworkManager(MANAGED, now=0.0), NODES
+    try:
+        manager.due(0.0, nodes)
+        settle(manager, nodes)  # the first plan's trees went out before any report came
+        latest: dict[str, list[Report]] = {}
+        for period in (1, 2, 3):
+            for name, report in by_node_name(held(period, 2.0)).items():
+                latest.setdefault(name, []).append(report)
+            manager.observe_reports(latest, nodes)
+            counted = period > MOVING_PERIODS  # the first report's period and the one after are the switch's
+            assert manager.spare.get("uplink:r0") == (pytest.approx(2.0) if counted else None), period
     finally:
         manager.close()

@@ -79,6 +79,9 @@ class SetTransport:
                      tos: int | None = None) -> None:
         raise NotImplementedError("a process set's peers are the job's")
 
+    def withdraw(self, match: Callable[[str, int, Message], bool]) -> list[tuple[str, int, Message]]:
+        raise NotImplementedError("a process set sends nothing it takes back")
+
     def alloc(self, count: int, dtype: np.dtype) -> np.ndarray:
         return self._inner.alloc(count, dtype)
 
