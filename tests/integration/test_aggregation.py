@@ -114,6 +114,40 @@ def _push_pull_rounds(rounds: int, pause: float, progress: Any = None) -> list[f
     return sums
 
 
+def _rounds_with_queues(rounds: int) -> tuple[list[float], int]:
+    """Rounds of a tensor of many chunks behind a one-chunk credit, so that pushes wait in the send queues when
+    new trees are announced: the sums, and how many switches moved pushes of this worker's rounds in flight."""
+    from sluice.worker.node import WorkerNode
+
+    node = WorkerNode()
+    client = node.ps
+    client.declare([("grad", (400_000,), "float32", None)])
+    sums = []
+    try:
+        for step in range(rounds):
+            out = np.zeros(400_000, np.float32)
+            client.push_pull("grad", np.full(400_000, client.rank + step, np.float32), out).wait()
+            assert np.all(out == out[0]), f"round {step}: chunks summed differently"
+            sums.append(float(out[0]))
+    finally:
+        node.close()
+    return sums, len(client._router.moved_at)
+
+
+@pytest.mark.timeout(90)
+def test_pushes_moved_onto_new_trees_inside_a_round_are_summed_once() -> None:
+    # 100 chunks a round, one in flight per peer: at ROUTES most still wait in the queues, and whole groups of
+    # workers move theirs onto the new trees (worker/midround.py); every round must still sum every worker once
+    config = {"transport": {"chunk_bytes": 16384, "inflight_bytes": 16384},
+              "aggregation": _aggregation(ROTATING, 0.05)}
+    with LocalCluster(4, 1, config, aggregators=2) as cluster:
+        results = cluster.run(_rounds_with_queues, 30, timeout=60)
+        assert cluster.wait() == [0] * (1 + 1 + 2 + 4)
+    want = [float(sum(range(4)) + 4 * step) for step in range(30)]
+    assert [sums for sums, _ in results] == [want] * 4
+    assert sum(moved for _, moved in results) >= 1, results  # some switch moved pushes inside a round
+
+
 @pytest.mark.timeout(90)
 def test_numpy_rounds_through_a_three_level_tree_sum_every_worker_once() -> None:
     config = {"transport": {"chunk_bytes": 16384, "inflight_bytes": INFLIGHT},
