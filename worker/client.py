@@ -360,7 +360,10 @@ class Client:
         moved = parse_moved((msg.meta or {}).get("moved", []))
         with self._lock:
             parents = self._router.commit(epoch, rounds)
-            again = self._held_back.release(self._router, moved, self._server_names.__getitem__)
+            again, onto = self._held_back.release(self._router, moved, self._server_names.__getitem__)
+            for push, parent in onto:  # a reply that never comes names where the push went now
+                for handle in self._pending.handles(push):
+                    handle.via(push.chunk, parent.replace("-", " ") if parent else None)
             held = [(tensor, pushes, self._routes(tensor, pushes)) for tensor, pushes in self._held]
             self._held = []
         for parent in parents:  # a no-op for aggregators connected in an earlier epoch

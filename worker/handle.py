@@ -13,7 +13,8 @@ class Handle:
 
     def __init__(self, what: str, servers: dict[int, str], timeout: float) -> None:
         self.what = what
-        self._servers = servers  # chunk -> the server that owns it, for error messages
+        self._servers = servers  # chunk -> the server that owns it (or the aggregator on the way), for error messages
+        self._owners = dict(servers)
         self._remaining = set(servers)
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -38,9 +39,10 @@ class Handle:
         if self._error is not None:
             raise SluiceError(f"{self.what} failed: {self._error}")
 
-    def via(self, chunk: int, aggregator: str) -> None:
-        """Chunk `chunk` went up an aggregation tree through `aggregator`: name it if it never answers."""
-        self._servers[chunk] = f"{aggregator} (for {self._servers[chunk]})"
+    def via(self, chunk: int, aggregator: str | None) -> None:
+        """Chunk `chunk` went up an aggregation tree through `aggregator` (None: straight to its server, a push
+        moved off a tree inside its round): name it if it never answers."""
+        self._servers[chunk] = f"{aggregator} (for {self._owners[chunk]})" if aggregator else self._owners[chunk]
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """Call fn(self) once the operation completes or fails (at once if it has), on the thread that

@@ -33,6 +33,7 @@ class HeldBack:
         nothing is taken back: those rounds move nowhere (scheduler/hierarchy/midround.py plan_moves)."""
         if router.epoch == 0:
             return []
+
         def picked(peer: str, channel: int, msg: Message) -> bool:  # a push sent again (recovery) keeps its way
             return (msg.kind == Kind.PUSH and not msg.flags & (Flag.RESEND | Flag.REPLAY)
                     and (msg.key, msg.round) in rounds and router.routes(msg.key, msg.chunk))
@@ -44,11 +45,14 @@ class HeldBack:
             held.append([msg.key, msg.round, msg.chunk, epoch, tree, router.announced_tree(msg.key, msg.chunk)])
         return held
 
-    def release(self, router: Router, moved: Sequence[Moved], server_name: Callable[[int], str]) -> list[Queued]:
+    def release(self, router: Router, moved: Sequence[Moved],
+                server_name: Callable[[int], str]) -> tuple[list[Queued], list[tuple[Message, str | None]]]:
         """COMMIT (under the client's lock, once the router took the new trees): every push held back, with
-        where it goes: the new trees for the chunks `moved` lists this worker under, else where it was going."""
+        where it goes (the new trees for the chunks `moved` lists this worker under, else where it was going),
+        and those moved, each with its new parent aggregator (None: straight to its server)."""
         mine = {(key, round_, chunk) for key, round_, chunk, workers in moved if self._name in workers}
         out, self.pushes = self.pushes, []
+        onto: list[tuple[Message, str | None]] = []
         for index, (peer, channel, msg) in enumerate(out):
             if (msg.key, msg.round, msg.chunk) not in mine:
                 continue
@@ -60,4 +64,5 @@ class HeldBack:
                 meta["route"], peer = [route[0], route[1]], route[2]
             msg.meta = meta or None
             out[index] = (peer, channel, msg)
-        return out
+            onto.append((msg, None if route is None else peer))
+        return out, onto

@@ -113,6 +113,11 @@ class Pending:
             del self._ops[where]
         return op
 
+    def handles(self, request: Message) -> list[Handle]:
+        """The handles of the operations that sent `request` and await its reply."""
+        return [op.handle for op in self._ops.get((Kind.REPLY, request.key, request.chunk, request.round), ())
+                if op.request is request]
+
     def pop(self, kind: Kind, key: int, chunk: int, round_: int) -> deque[Op]:
         """Every operation awaiting this reply, removed."""
         return self._ops.pop((kind, key, chunk, round_), deque())

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from sluice.errors import SluiceError
 from sluice.scheduler.hierarchy.midround import MAX_HELD, Held, movers, parse_held, parse_moved, path_up, plan_moves
 from sluice.scheduler.hierarchy.routes import Route, Routing
 from sluice.scheduler.hierarchy.switch import RouteSwitch, Told, parse_told
-from sluice.transport.wire import WireError
+from sluice.transport.wire import Flag, Kind, Message, WireError
+from sluice.worker.handle import Handle
+from sluice.worker.midround import HeldBack
+from sluice.worker.routing import Router
 
 W = [f"worker-{i}" for i in range(4)]
 W0, W1, W2, W3 = W
@@ -179,3 +185,54 @@ def test_a_commit_with_nothing_held_names_nothing_moved() -> None:
         switch.on_ack(name, "aggregator", 2, [])
     out = [m for name in W for _, m in switch.on_ack(name, "worker", 2, [(7, 5)])]
     assert [m.meta for m in out] == [{"epoch": 2, "rounds": [[7, 6]]}] * 4
+
+
+# ---------------------------------------------------------------- the worker's side: HeldBack, a handle's names
+class Queue:
+    """A transport's send queue, as Transport.withdraw sees it (pure logic: the real one is tested with sockets)."""
+
+    def __init__(self, queued: list[tuple[str, int, Message]]) -> None:
+        self.queued = queued
+
+    def withdraw(self, match: Any) -> list[tuple[str, int, Message]]:
+        taken = [q for q in self.queued if match(*q)]
+        self.queued = [q for q in self.queued if q not in taken]
+        return taken
+
+
+def push(chunk: int, round_: int = 5, flags: Flag = Flag.NONE, kind: Kind = Kind.PUSH) -> Message:
+    return Message(kind, sender=3, key=7, chunk=chunk, round=round_, flags=flags)
+
+
+def test_a_worker_holds_back_its_queued_pushes_of_the_round_in_flight_and_sends_each_where_the_commit_says() -> None:
+    router = Router(W0)
+    router.declare([(7, 0, 100, 0), (7, 1, 100, 1)])  # chunk 0 on tree 0 (summed at a0), chunk 1 on tree 1 (direct)
+    held_back = HeldBack(Queue([]), W0)  # type: ignore[arg-type]
+    router.begin(EPOCH1, {A0, A1})
+    assert held_back.take(router, {(7, 5)}) == []  # before the first trees: nothing is taken back
+    router.commit(1, [])
+    router.begin(EPOCH2, {A0, A1})
+    on_tree, direct = push(0), push(1)
+    on_tree.meta = {"route": [1, 0], "opt": {"lr": 0.1}}
+    others = [("server-0", 1, push(1, round_=4)), ("server-1", 1, push(1, flags=Flag.RESEND)),
+              ("server-1", 1, push(1, kind=Kind.PULL))]
+    queue = Queue([(A0, 1, on_tree), ("server-1", 1, direct), *others])
+    held_back = HeldBack(queue, W0)  # type: ignore[arg-type]
+    assert held_back.take(router, {(7, 5)}) == [[7, 5, 0, 1, 0, 0], [7, 5, 1, 1, 1, 0]]
+    assert queue.queued == others  # another round's, a push sent again, a pull: left where they were
+    router.commit(2, [(7, 6)])
+    out, onto = held_back.release(router, [(7, 5, 1, (W0, W1)), (7, 5, 0, (W2, W3))], lambda rank: f"server-{rank}")
+    assert [(peer, channel, msg.chunk, msg.meta) for peer, channel, msg in out] == [
+        (A0, 1, 0, {"route": [1, 0], "opt": {"lr": 0.1}}),  # not listed for this worker: where it was going
+        (A0, 1, 1, {"route": [2, 0]})]  # moved: summed at a0 in epoch 2's tree
+    assert onto == [(direct, A0)] and held_back.pushes == [] and set(router.moved_at) == {2}
+
+
+def test_a_handle_names_where_a_moved_push_went_if_it_never_answers() -> None:
+    handle = Handle("push_pull of 'grad' round 5", {0: "server 0", 1: "server 1"}, 0.01)
+    handle.via(1, "aggregator 0")
+    with pytest.raises(SluiceError, match=r"from aggregator 0 \(for server 1\), server 0"):
+        handle.wait()
+    handle.via(1, None)  # moved off its tree inside the round: straight to its server
+    with pytest.raises(SluiceError, match=r"chunks \[0, 1\] from server 0, server 1$"):
+        handle.wait()
