@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sluice.scheduler.hierarchy.midround import Moved
+from sluice.scheduler.hierarchy.midround import MAX_HELD, Moved
 from sluice.transport.base import Transport
 from sluice.transport.wire import Flag, Kind, Message
 from sluice.worker.routing import Router
@@ -39,6 +39,8 @@ class HeldBack:
                     and (msg.key, msg.round) in rounds and router.routes(msg.key, msg.chunk))
 
         self.pushes += self._transport.withdraw(picked)
+        if len(self.pushes) > MAX_HELD:  # more than an answer may list: none moves, all go where they were going
+            return []
         held = []
         for _, _, msg in self.pushes:
             epoch, tree = router.tree_of(msg.key, msg.chunk, msg.round)
