@@ -4,8 +4,9 @@ The scheduler switches the job to new trees with the protocol in scheduler/hiera
 this is the worker's side: `begin` (ROUTES: answer with the last round started of every tensor and
 hold new rounds), `commit` (COMMIT: the switch round of each tensor; release what was held), and
 `route` (for a chunk of a round: the epoch's tree and the parent to push to, or None for the
-server). Chunks are given to trees by `ChunkAssignment`, extended as tensors are declared: keys grow
-with each declaration and the assignment of a chunk depends only on the chunks before it, so every
+server); for a push held back inside its round (worker/midround.py), `tree_of` and `announced_tree`
+name its trees now and announced, and `moved` routes it on the new trees. Chunks are given to trees by
+`ChunkAssignment`, extended as tensors are declared: keys grow with each declaration and the assignment of a chunk depends only on the chunks before it, so every
 worker gets the same assignment whenever it computes it.
 """
 
