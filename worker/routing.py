@@ -6,8 +6,9 @@ hold new rounds), `commit` (COMMIT: the switch round of each tensor; release wha
 `route` (for a chunk of a round: the epoch's tree and the parent to push to, or None for the
 server); for a push held back inside its round (worker/midround.py), `tree_of` and `announced_tree`
 name its trees now and announced, and `moved` routes it on the new trees. Chunks are given to trees by
-`ChunkAssignment`, extended as tensors are declared: keys grow with each declaration and the assignment of a chunk depends only on the chunks before it, so every
-worker gets the same assignment whenever it computes it.
+`ChunkAssignment`, extended as tensors are declared: keys grow with each declaration and the assignment
+of a chunk depends only on the chunks before it, so every worker gets the same assignment whenever it
+computes it.
 """
 
 from __future__ import annotations
