@@ -30,8 +30,11 @@ from sluice.transport.wire import WireError, brief
 Held = tuple[int, int, int, int, int, int]
 #: a chunk of a round in flight moved onto the new trees, and the workers whose pushes of it move
 Moved = tuple[int, int, int, tuple[str, ...]]
-#: pushes one ROUTES_ACK may list as held, and chunks one COMMIT may list as moved
-MAX_HELD = 1 << 17
+#: pushes one ROUTES_ACK may list as held, and chunks one COMMIT may list as moved: with the byte budget below,
+#: well inside a control message's header bound (wire.CONTROL_HEADER_BYTES, 4 MiB)
+MAX_HELD = 1 << 15
+#: what a COMMIT's `moved` may take, about (names and numbers); the chunks past it stay where they were going
+MOVED_BYTES = 1 << 20
 #: bounds of a held entry's fields, [low, high): key, round, chunk, epoch, tree (-1: epoch 0), announced tree
 _LIMITS = ((0, 1 << 31), (0, 1 << 62), (0, 1 << 31), (0, 1 << 62), (-1, 1 << 16), (0, 1 << 16))
 
@@ -78,8 +81,11 @@ def plan_moves(held: Mapping[str, Sequence[Held]], workers: Sequence[str], epoch
         if worker in workers:
             for key, round_, chunk, epoch, tree, new in entries:
                 reports.setdefault((key, round_, chunk), {})[worker] = (epoch, tree, new)
-    moves = []
+    moves: list[Moved] = []
+    budget = MOVED_BYTES
     for (key, round_, chunk), said in sorted(reports.items()):
+        if len(moves) == MAX_HELD:
+            break
         if len(set(said.values())) != 1:
             continue
         epoch, tree, new = next(iter(said.values()))
@@ -88,6 +94,9 @@ def plan_moves(held: Mapping[str, Sequence[Held]], workers: Sequence[str], epoch
             continue
         moving = movers(workers, set(said), known[tree], announced.trees[new])
         if moving:
+            budget -= 32 + sum(len(w) + 2 for w in moving)
+            if budget < 0:
+                break
             moves.append((key, round_, chunk, tuple(sorted(moving))))
     return moves
 

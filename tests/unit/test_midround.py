@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 
 from sluice.errors import SluiceError
-from sluice.scheduler.hierarchy.midround import MAX_HELD, Held, movers, parse_held, parse_moved, path_up, plan_moves
+from sluice.scheduler.hierarchy.midround import (
+    MAX_HELD,
+    MOVED_BYTES,
+    Held,
+    movers,
+    parse_held,
+    parse_moved,
+    path_up,
+    plan_moves,
+)
 from sluice.scheduler.hierarchy.routes import Route, Routing
 from sluice.scheduler.hierarchy.switch import RouteSwitch, Told, parse_told
-from sluice.transport.wire import Flag, Kind, Message, WireError
+from sluice.transport.wire import CONTROL_HEADER_BYTES, Flag, Kind, Message, WireError
 from sluice.worker.handle import Handle
 from sluice.worker.midround import HeldBack
 from sluice.worker.routing import Router
@@ -236,3 +246,12 @@ def test_a_handle_names_where_a_moved_push_went_if_it_never_answers() -> None:
     handle.via(1, None)  # moved off its tree inside the round: straight to its server
     with pytest.raises(SluiceError, match=r"chunks \[0, 1\] from server 0, server 1$"):
         handle.wait()
+
+
+def test_a_commit_lists_no_more_moves_than_a_control_message_carries() -> None:
+    said = {w: held(*range(MAX_HELD + 10)) for w in (W0, W1)}
+    moves = plan_moves(said, W, [EPOCH1], EPOCH2)
+    assert 0 < len(moves) <= MAX_HELD
+    assert sum(32 + sum(len(w) + 2 for w in workers) for *_, workers in moves) <= MOVED_BYTES
+    encoded = msgpack.packb([[key, round_, chunk, list(workers)] for key, round_, chunk, workers in moves])
+    assert len(encoded) < CONTROL_HEADER_BYTES // 2
