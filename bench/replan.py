@@ -242,11 +242,9 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
         raise RuntimeError("no new trees came into force after the throttle\n" + why_no_switch(job, rounds, cut, args))
     # the steps are the first switch's after the cut; a later switch's trees may be the first a round takes
     epoch = first_switch(job.lines, cut) or switched[0][2]
-    committed = [times[epoch] for times in job.committed if epoch in times]
-    moved = min((times[epoch] for times in job.moved if epoch in times), default=None)
+    committed, moved, carried = switch_times(job, epoch, switched[0][0])
     timed = steps(job.lines, cut, args.period, "r0", epoch, committed, switched[0][0], moved)
     flagged = evidence(job.lines, cut, args.period)
-    carried = min(switched[0][0], moved or switched[0][0])  # the new trees carry pushes from here on
     progress(f"  new trees (epoch {switched[0][2]}) carry pushes {carried - cut:.1f} s after the cut, the first round "
              f"under them {switched[0][0] - cut:.1f} s; {len(switched)} rounds under them")
     progress("  " + "; ".join(f"{step} {'-' if t is None else f'{t:.2f}'}" for step, t in timed.items()))
@@ -260,6 +258,15 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
             "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
             "switches_before_cut": switches(job.lines, before=cut) - 1,
             "restore": restore_run(job, rounds, planned_rounds(rounds, cut, before), args)}
+
+
+def switch_times(job: Job, epoch: int, first_round: float) -> tuple[list[float], float | None, float]:
+    """For the switch to routing `epoch`: when each worker received its COMMIT, when the first pushes of a round
+    in flight left on its trees (None: none moved), and from when its trees carried pushes (the earlier of that
+    and `first_round`, the start of the first round under them)."""
+    committed = [times[epoch] for times in job.committed if epoch in times]
+    moved = min((times[epoch] for times in job.moved if epoch in times), default=None)
+    return committed, moved, first_round if moved is None else min(first_round, moved)
 
 
 def why_no_switch(job: Job, rounds: list[tuple[float, float, int]], cut: float, args: argparse.Namespace) -> str:
@@ -300,9 +307,7 @@ def restore_run(job: Job, rounds: list[tuple[float, float, int]], planned: list[
         return {"delay": None, "after": [d for s, d, _ in rounds if s > restored][1:] or [rounds[-1][1]],
                 "planned": planned, "steps": {}, "measured": []}
     epoch = first_switch(job.lines, restored) or back[0][2]
-    committed = [times[epoch] for times in job.committed if epoch in times]
-    moved = min((times[epoch] for times in job.moved if epoch in times), default=None)
-    carried = min(back[0][0], moved or back[0][0])
+    committed, moved, carried = switch_times(job, epoch, back[0][0])
     progress(f"  trees for the mended uplink (epoch {back[0][2]}) carry pushes {carried - restored:.1f} s after it, "
              f"the first round under them {back[0][0] - restored:.1f} s; {len(back)} rounds under them")
     return {"delay": (carried - restored) / args.period, "first_round": (back[0][0] - restored) / args.period,

@@ -36,7 +36,7 @@ class HeldBack:
 
         def picked(peer: str, channel: int, msg: Message) -> bool:  # a push sent again (recovery) keeps its way
             return (msg.kind == Kind.PUSH and not msg.flags & (Flag.RESEND | Flag.REPLAY)
-                    and (msg.key, msg.round) in rounds and router.routes(msg.key, msg.chunk))
+                    and (msg.key, msg.round) in rounds and router.knows(msg.key, msg.chunk))
 
         self.pushes += self._transport.withdraw(picked)
         if len(self.pushes) > MAX_HELD:  # more than an answer may list: none moves, all go where they were going

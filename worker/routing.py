@@ -72,7 +72,7 @@ class Router:
         self._chunks.extend(sorted(chunks))
         self._server_of.update(((c[0], c[1]), c[3] if len(c) > 3 else 0) for c in chunks)
 
-    def routes(self, key: int, chunk: int) -> bool:
+    def knows(self, key: int, chunk: int) -> bool:
         """Whether the chunk was declared here (a process set's tensors go straight to the servers, undeclared)."""
         return (key, chunk) in self._server_of
 
@@ -107,7 +107,7 @@ class Router:
 
     def route(self, key: int, chunk: int, round_: int) -> tuple[int, int, str] | None:
         """(epoch, tree, parent aggregator) for this push, or None: straight to the chunk's server."""
-        for epoch in reversed(self._epochs):
+        for epoch in reversed(self._epochs):  # a loop, not _epoch_for: once for every chunk pushed
             if round_ >= epoch.switch.get(key, 0):
                 return self._route_in(epoch, key, chunk)
         return None  # before the first epoch: every worker pushed this round straight to the servers
@@ -119,10 +119,15 @@ class Router:
 
     def tree_of(self, key: int, chunk: int, round_: int) -> tuple[int, int]:
         """(epoch, tree) the push takes ((0, -1): before the first epoch, straight to the servers)."""
+        epoch = self._epoch_for(key, round_)
+        return (0, -1) if epoch is None else (epoch.routing.epoch, self._tree(epoch, key, chunk))
+
+    def _epoch_for(self, key: int, round_: int) -> _Epoch | None:
+        """The committed epoch whose trees round `round_` of tensor `key` takes (None: before the first)."""
         for epoch in reversed(self._epochs):
             if round_ >= epoch.switch.get(key, 0):
-                return epoch.routing.epoch, self._tree(epoch, key, chunk)
-        return 0, -1
+                return epoch
+        return None
 
     def announced_tree(self, key: int, chunk: int) -> int:
         """The tree the chunk takes in the trees announced by ROUTES (call between ROUTES and COMMIT)."""
@@ -143,7 +148,8 @@ class Router:
     def epoch_of(self, key: int, round_: int) -> int:
         """The routing epoch round `round_` of tensor `key` travels (0: straight to the servers); known for
         certain once the round's pushes have left (a round held through a switch takes the new epoch)."""
-        return next((e.routing.epoch for e in reversed(self._epochs) if round_ >= e.switch.get(key, 0)), 0)
+        epoch = self._epoch_for(key, round_)
+        return 0 if epoch is None else epoch.routing.epoch
 
     def parent(self, epoch: int, tree: int) -> str | None:
         """This worker's parent in tree `tree` of routing epoch `epoch` (None: not an epoch kept, or the servers)."""

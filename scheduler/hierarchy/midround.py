@@ -83,6 +83,8 @@ def plan_moves(held: Mapping[str, Sequence[Held]], workers: Sequence[str], epoch
                 reports.setdefault((key, round_, chunk), {})[worker] = (epoch, tree, new)
     moves: list[Moved] = []
     budget = MOVED_BYTES
+    # chunks on the same trees held by the same workers move alike: their groups are worked out once
+    decided: dict[tuple[int, int, int, frozenset[str]], frozenset[str]] = {}
     for (key, round_, chunk), said in sorted(reports.items()):
         if len(moves) == MAX_HELD:
             break
@@ -92,7 +94,10 @@ def plan_moves(held: Mapping[str, Sequence[Held]], workers: Sequence[str], epoch
         known = trees.get(epoch, ())
         if not 0 <= new < len(announced.trees) or not 0 <= tree < len(known):
             continue
-        moving = movers(workers, set(said), known[tree], announced.trees[new])
+        holders = frozenset(said)
+        moving = decided.get((epoch, tree, new, holders))
+        if moving is None:
+            moving = decided[(epoch, tree, new, holders)] = movers(workers, holders, known[tree], announced.trees[new])
         if moving:
             budget -= 32 + sum(len(w) + 2 for w in moving)
             if budget < 0:

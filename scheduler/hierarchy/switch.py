@@ -165,12 +165,12 @@ class RouteSwitch:
             raise WireError(f"the nodes were told different trees for routing epoch {newest.epoch}")
         self.epoch, self._queued = newest.epoch, None
         live = [w for w in workers if w not in self._gone]
-        done = [c for name in has if (c := told[name].committed) is not None and c[0] == newest.epoch]
+        done = [told[name] for name in has if (told[name].committed or (0,))[0] == newest.epoch]
         if done:  # every worker had answered: the COMMIT was on its way
             self.current, self.history = newest, [newest]
-            moved = next(told[name].moved for name in has if (told[name].committed or (0,))[0] == newest.epoch)
-            commit = _message(Kind.COMMIT, epoch=newest.epoch, rounds=[list(pair) for pair in done[0][1]],
-                              **_moved_meta(moved))
+            rounds = done[0].committed[1] if done[0].committed else []
+            commit = _message(Kind.COMMIT, epoch=newest.epoch, rounds=[list(pair) for pair in rounds],
+                              **_moved_meta(done[0].moved))
             return [(w, commit) for w in live if w in has and (told[w].committed or (0,))[0] != newest.epoch]
         lacking = {a for a in aggregators if a not in has}
         switch = self._switch = _Switch(newest, lacking)

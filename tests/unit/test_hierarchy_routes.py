@@ -683,6 +683,6 @@ def test_a_push_held_back_names_its_trees_now_and_announced_and_a_moved_one_take
     assert router.moved(7, 1) == (2, 0, A1)  # ...but for a push the COMMIT moved
     assert set(router.moved_at) == {2}
     assert [router.server_of(7, c) for c in (0, 1)] == [0, 1]
-    assert router.routes(7, 1) and not router.routes(9, 0)  # a process set's tensor: not declared here
+    assert router.knows(7, 1) and not router.knows(9, 0)  # a process set's tensor: not declared here
     with pytest.raises(ValueError, match="no trees announced"):
         router.announced_tree(7, 0)
