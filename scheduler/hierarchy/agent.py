@@ -11,16 +11,11 @@ pushes, then a second of replies) show up as other traffic: windows a fraction o
 made the manager re-plan nine times in one benchmark run. So each agent samples at the boundaries of
 wall-clock periods (k x period; every process on a host reads the same clock) on a thread of its own,
 and every report names its period k: the manager adds up only reports of the same period.
-
-Each report also carries the per-peer rates of its period's last half (sampled at k x period - period/2 as
-well): a change that came early in a period shows there whole where the full period mixes it with what came
-before, so the manager can count a cut uplink a period sooner (uplinks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import socket
 import struct
@@ -71,21 +66,10 @@ class Report:
     #: per peer this node sent to, or had data waiting for: (peer, Mbit/s sent, the fraction of the period
     #: during which data for it waited in our queues); the manager measures rack uplinks from them (uplinks.py)
     peers: tuple[tuple[str, float, float], ...] = ()
-    #: the same over the period's last half (the fraction: of that half); None where it was not sampled
-    tail: tuple[tuple[str, float, float], ...] | None = None
 
     def encode(self) -> list[Any]:
         rates = [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3)]
-        halves = [_encode_flows(self.tail)] if self.tail is not None else []
-        return [*rates, self.period, _encode_flows(self.peers), *halves]
-
-    def last_half(self) -> Report:
-        """This report with the period's last half as its per-peer rates (the link's stay the period's)."""
-        return dataclasses.replace(self, peers=self.tail or (), tail=None)
-
-
-def _encode_flows(flows: tuple[tuple[str, float, float], ...]) -> list[list[Any]]:
-    return [[p, round(m, 3), round(b, 3)] for p, m, b in flows]
+        return [*rates, self.period, [[p, round(m, 3), round(b, 3)] for p, m, b in self.peers]]
 
 
 #: at most this many peers in one report (a job's nodes; more is refused as malformed)
@@ -100,27 +84,19 @@ def _peer(raw: object) -> tuple[str, float, float] | None:
     return raw[0], float(raw[1]), float(raw[2])
 
 
-def _flows(raw: object) -> tuple[tuple[str, float, float], ...] | None:
-    if type(raw) is not list or len(raw) > MAX_PEERS:
-        return None
-    flows = [_peer(p) for p in raw]
-    if any(f is None for f in flows):
-        return None
-    return tuple(f for f in flows if f is not None)
-
-
 def parse_report(raw: object) -> Report | None:
-    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s, the period's number, the
-    per-peer list and that of the period's last half (optional); None if malformed."""
-    if (type(raw) is not list or len(raw) not in (6, 7)
+    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s, the period's number and the
+    per-peer list; None if malformed."""
+    if (type(raw) is not list or len(raw) != 6
             or not all(type(v) in (int, float) and 0 <= v < 1e7 for v in raw[:4])
-            or type(raw[4]) is not int or not 0 <= raw[4] < 1 << 53):
+            or type(raw[4]) is not int or not 0 <= raw[4] < 1 << 53
+            or type(raw[5]) is not list or len(raw[5]) > MAX_PEERS):
         return None
-    peers, tail = _flows(raw[5]), _flows(raw[6]) if len(raw) == 7 else None
-    if peers is None or (len(raw) == 7 and tail is None):
+    peers = [_peer(p) for p in raw[5]]
+    if any(p is None for p in peers):
         return None
     link_tx, link_rx, own_tx, own_rx = (float(v) for v in raw[:4])
-    return Report(link_tx, link_rx, own_tx, own_rx, raw[4], peers, tail)
+    return Report(link_tx, link_rx, own_tx, own_rx, raw[4], tuple(p for p in peers if p is not None))
 
 
 class LinkAgent:
@@ -130,11 +106,6 @@ class LinkAgent:
     def __init__(self) -> None:
         self._last: tuple[int, float, int, int, int, int] | None = None
         self._last_peers: Mapping[str, tuple[int, float]] = {}
-        self._half: tuple[int, float, Mapping[str, tuple[int, float]]] | None = None
-
-    def halfway(self, period: int, now: float, peers: Mapping[str, tuple[int, float]]) -> None:
-        """The per-peer counters read halfway through `period` (its report's `tail` starts there)."""
-        self._half = (period, now, dict(peers))
 
     def sample(self, period: int, now: float, link: tuple[int, int], own: tuple[int, int],
                peers: Mapping[str, tuple[int, float]] | None = None) -> Report | None:
@@ -148,24 +119,16 @@ class LinkAgent:
             return None
         seconds = now - last[1]
         scale = 8 / 1e6 / seconds
-        half, self._half = self._half, None
-        tail = _rates(peers or {}, half[2], now - half[1]) if half and half[0] == period and now > half[1] else None
+        flows = []
+        for peer, (sent, backlog) in sorted((peers or {}).items())[:MAX_PEERS]:
+            before = last_peers.get(peer, (0, 0.0))
+            # a peer whose data only waited (nothing got through all period) is the strongest evidence of a
+            # stalled path: it is reported too
+            if sent > before[0] or backlog > before[1]:
+                flows.append((peer, max(sent - before[0], 0) * scale,
+                              min(max(backlog - before[1], 0.0) / seconds, 1.0)))
         return Report((tx - last[2]) * scale, (rx - last[3]) * scale, (own_tx - last[4]) * scale,
-                      (own_rx - last[5]) * scale, period, _rates(peers or {}, last_peers, seconds), tail)
-
-
-def _rates(peers: Mapping[str, tuple[int, float]], before: Mapping[str, tuple[int, float]],
-           seconds: float) -> tuple[tuple[str, float, float], ...]:
-    """Per peer, (Mbit/s sent, fraction of the time backlogged) between two readings `seconds` apart."""
-    flows = []
-    for peer, (sent, backlog) in sorted(peers.items())[:MAX_PEERS]:
-        was_sent, was_backlogged = before.get(peer, (0, 0.0))
-        # a peer whose data only waited (nothing got through all period) is the strongest evidence of a
-        # stalled path: it is reported too
-        if sent > was_sent or backlog > was_backlogged:
-            flows.append((peer, max(sent - was_sent, 0) * 8 / 1e6 / seconds,
-                          min(max(backlog - was_backlogged, 0.0) / seconds, 1.0)))
-    return tuple(flows)
+                      (own_rx - last[5]) * scale, period, tuple(flows))
 
 
 def spare_mbit(capacity: float, reports: list[Report]) -> float | None:
@@ -219,15 +182,7 @@ class NodeAgent:
 
     def _run(self) -> None:
         period = int(time.time() / self.period) + 1
-        while True:
-            half = (period - 0.5) * self.period
-            if time.time() < half:  # woken late (past the half): this period's report has no tail
-                if self._stop.wait(half - time.time()):
-                    return
-                with contextlib.suppress(RuntimeError):
-                    self.rates.halfway(period, time.monotonic(), self._peer_counters())
-            if self._stop.wait(max(period * self.period - time.time(), 0.0)):
-                return
+        while not self._stop.wait(max(period * self.period - time.time(), 0.0)):
             report = self._sample(period)
             if report is not None and self.deliver is not None:
                 self.deliver(report)
@@ -245,15 +200,10 @@ class NodeAgent:
             # answer late, and the window would no longer be the other nodes' (ints read whole)
             metrics = self.transport.metrics
             own = (sum(metrics.sent_bytes), sum(metrics.received_bytes))
-            peers = self._peer_counters()
+            sent, backlog = dict(metrics.peer_sent), dict(metrics.peer_backlog_s)
+            peers = {peer: (nbytes, backlog.get(peer, 0.0)) for peer, nbytes in sent.items()}
         except (OSError, RuntimeError, TimeoutError):
             return None  # a period missed: the one after it has none either, then they resume
         if counters is None:
             return None
         return self.rates.sample(period, now, counters, own, peers)
-
-    def _peer_counters(self) -> dict[str, tuple[int, float]]:
-        """Per peer, (bytes sent, seconds backlogged) so far: copied whole (the I/O thread adds to them)."""
-        metrics = self.transport.metrics
-        sent, backlog = dict(metrics.peer_sent), dict(metrics.peer_backlog_s)
-        return {peer: (nbytes, backlog.get(peer, 0.0)) for peer, nbytes in sent.items()}

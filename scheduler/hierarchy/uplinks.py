@@ -23,8 +23,7 @@ busiest recent period (`peaks`, PEAK_PERIODS) is not the slow one, and on a tie 
 In a star of worker racks around the servers' rack this never blames the servers' rack; its uplink,
 were it slow, would hold every rack back alike, which no period tells from any other uniform slowness.
 `UplinkWatch` feeds this period by period and counts an uplink once it held the job back `confirm`
-periods running, or at once below AT_ONCE of its planned rate, in the period or in its last half (agent.py):
-a cut that came early in a period shows whole there, where the full period mixes it with what came before.
+periods running.
 
 An uplink that was counted slow and then mended no longer holds the job back, and the trees planned
 around it leave it lightly loaded, so the rack never stands out again and nothing above would notice.
@@ -210,8 +209,7 @@ class UplinkWatch:
     node reporting lately has reported it or a later one (each node's reports arrive in order), so one
     straggler delays a period instead of losing it; an uplink counts once it held the job back `confirm`
     periods running, at the mean of its last SMOOTHING periods' rates, or in its first period when that
-    fell below AT_ONCE of the rate planned for it (over the period, or its last half where every node read
-    that). One the plan assumes slowed counts at its configured rate
+    fell below AT_ONCE of the rate planned for it. One the plan assumes slowed counts at its configured rate
     again once its traffic crossed it `confirm` + 1 periods running without keeping a sender waiting (eased); if
     it is still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
 
@@ -260,13 +258,6 @@ class UplinkWatch:
             for key, mbit in carried.items():
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
         measured = uplink_rates(known, rack_of, link_mbit, peaks, planned) if held else {}
-        if held and known and all(r.tail is not None for r in known.values()):
-            # a cut early in the period shows whole in its last half, which the full period mixes with what came
-            # before it: the half counts where it fell below AT_ONCE of the plan (the only rule short enough)
-            halves = {name: r.last_half() for name, r in known.items()}
-            for rack, mbit in uplink_rates(halves, rack_of, link_mbit, peaks, planned).items():
-                if mbit < AT_ONCE * planned.get(rack, 0.0):
-                    measured[rack] = min(mbit, measured.get(rack, mbit))
         found = []
         runs = _running(self._runs, measured, period, max(self.confirm, SMOOTHING))
         for rack, mbit in sorted(measured.items()):

@@ -67,18 +67,12 @@ def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, report
     [1, 2, 3, 4, 0, [["w", 1, 0.5, 9]]], [1, 2, 3, 4, 0, [["", 1, 0.5]]], [1, 2, 3, 4, 0, [["w" * 65, 1, 0.5]]],
     [1, 2, 3, 4, 0, [["w", -1, 0.5]]], [1, 2, 3, 4, 0, [["w", 1, 2.0]]], [1, 2, 3, 4, 0, [[7, 1, 0.5]]],
     [1, 2, 3, 4, 0, [["w", 1, 0.5]] * 1025],
-    # the last half's flows, as hostile as the period's
-    [1, 2, 3, 4, 0, [], {}], [1, 2, 3, 4, 0, [], [["w", 1, 2.0]]], [1, 2, 3, 4, 0, [], [["w", 1, 0.5]] * 1025],
-    [1, 2, 3, 4, 0, [], [], []],
 ])
 def test_malformed_reports_are_refused(raw: object) -> None:
     assert parse_report(raw) is None
     assert parse_report([1, 2.5, 0, 0, 9, []]) == Report(1.0, 2.5, 0.0, 0.0, period=9)
     report = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),))
     assert parse_report(report.encode()) == report
-    halves = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),), (("worker-1", 1.5, 1.0),))
-    assert parse_report(halves.encode()) == halves
-    assert halves.last_half() == Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 1.5, 1.0),))
 
 
 def test_the_agent_reports_each_peers_rate_and_backlog() -> None:
@@ -91,22 +85,6 @@ def test_the_agent_reports_each_peers_rate_and_backlog() -> None:
     # its data waited all period (a stalled path): reported
     assert got.peers == (("aggregator-0", pytest.approx(0.5), pytest.approx(0.25)),
                          ("server-0", pytest.approx(1.0), pytest.approx(0.5)), ("server-1", 0.0, 1.0))
-
-
-def test_the_agent_reports_the_periods_last_half_when_it_read_the_counters_halfway() -> None:
-    agent = LinkAgent()
-    agent.sample(3, 10.0, (0, 0), (0, 0), {"server-0": (0, 0.0)})
-    agent.halfway(4, 11.0, {"server-0": (250_000, 0.0)})
-    got = agent.sample(4, 12.0, (0, 0), (0, 0), {"server-0": (375_000, 1.0), "server-1": (125_000, 0.25)})
-    # the cut came halfway: 2 Mbit/s before it, 1 after, and the backlog only after it; server-1 was new
-    assert got is not None and got.peers == (("server-0", pytest.approx(1.5), pytest.approx(0.5)),
-                                             ("server-1", pytest.approx(0.5), pytest.approx(0.125)))
-    assert got.tail == (("server-0", pytest.approx(1.0), pytest.approx(1.0)),
-                        ("server-1", pytest.approx(1.0), pytest.approx(0.25)))
-    # a reading halfway through another period (a late wake-up) gives no last half
-    agent.halfway(4, 12.5, {"server-0": (375_000, 1.0)})
-    later = agent.sample(5, 13.0, (0, 0), (0, 0), {"server-0": (500_000, 1.0)})
-    assert later is not None and later.tail is None and later.peers == (("server-0", pytest.approx(1.0), 0.0),)
 
 
 def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_moves() -> None:

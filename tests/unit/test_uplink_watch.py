@@ -89,34 +89,6 @@ def test_a_fall_below_half_the_planned_rate_counts_in_its_first_period(
         (5, "r0", pytest.approx(mbit), counted, False)]
 
 
-def cut_halfway(period: int, after: float = 2.0, sampled: bool = True) -> dict[str, Report]:
-    """A period whose first half ran as planned and whose last half r0's uplink ran `after` Mbit/s, its sender
-    waiting all that half: over the whole period it waited half of it (no evidence)."""
-    def halves(early: tuple[str, float, float], late: tuple[str, float, float]) -> dict[str, Any]:
-        whole = (early[0], (early[1] + late[1]) / 2, (early[2] + late[2]) / 2)
-        return {"peers": (whole,), "tail": (late,) if sampled else None}
-
-    return {"w0": Report(5.0, 0.0, 5.0, 0.0, period, **halves(("s0", 8.0, 0.1), ("s0", after, 1.0))),
-            "w1": Report(5.0, 0.0, 5.0, 0.0, period, **halves(("s0", 5.0, 0.1), ("s0", 5.0, 0.1))),
-            "s0": Report(0.0, 7.0, 0.0, 7.0, period, tail=())}
-
-
-@pytest.mark.parametrize(("periods", "want"), [
-    # the period's last half fell below half the planned rate: counted in that period
-    ([cut_halfway(5)], [(5, "r0", 2.0, True, False)]),
-    # its last half no deeper than the rule: not counted from a half; the next period's evidence counts it
-    ([cut_halfway(5, after=6.0)], []),
-    ([cut_halfway(5, after=6.0), held(6, 6.0), held(7, 6.0)], [(6, "r0", 6.0, False, False),
-                                                               (7, "r0", 6.0, True, False)]),
-    # a node that did not read its counters halfway (woken late): no half is compared
-    ([cut_halfway(5, sampled=False)], []),
-])
-def test_a_cut_that_came_early_in_a_period_counts_from_its_last_half(
-        periods: list[dict[str, Report]], want: list[tuple[Any, ...]]) -> None:
-    got = feed(UplinkWatch(confirm=2), *periods, planned={"r0": 10.0, "r1": 10.0})
-    assert got == [(p, r, pytest.approx(m), c, e) for p, r, m, c, e in want]
-
-
 def test_a_period_waits_for_a_straggler_and_is_not_lost() -> None:
     watch = UplinkWatch(confirm=2)
     early = {name: report for name, report in held(6).items() if name != "w0"}
