@@ -40,11 +40,12 @@ TENSOR_NAMES = (b"0.weight", b"0.bias", b"2.weight", b"2.bias")
 HEX_SECRET = re.compile(rb"[0-9a-f]{64}")
 PROBE_SECONDS = 2.0
 GREETING_BYTES = 64  # all a stranger may read from a raw TCP connection: at most ZeroMQ's greeting
-#: the shared job's steps, and how often worker 0 reports them: long enough that the probe ends well
-#: before the job does, which then ends by itself (a job stopped by a signal does not print its
+#: the shared job's most steps, and how often worker 0 reports them. The job trains until the test,
+#: once worker 0 reported steps after the probe, creates its --until-file (a fixed count raced the
+#: probe on fast machines); it then ends by itself (a job stopped by a signal does not print its
 #: roles' "stopped (... connections refused)" lines). Its workers negotiate every 2.5 ms at most
-#: (collective.cycle_ms; a step takes about 4 rounds), so no machine trains it in less than 5 s.
-SHARED_STEPS, METRICS_EVERY, CYCLE_MS = 500, 50, 2.5
+#: (collective.cycle_ms; a step takes about 5 rounds), so SHARED_STEPS is minutes on any machine.
+SHARED_STEPS, METRICS_EVERY, CYCLE_MS = 50_000, 50, 2.5
 TRAINING = r"^\[worker 0\] .*transport, steps \d+-\d+:"
 
 
@@ -151,7 +152,7 @@ class Stranger:
 
 @pytest.mark.timeout(300)
 def test_ssh_stranger_on_another_host_hears_nothing_and_the_job_trains_on(curve_job: CurveJob) -> None:
-    # the probe ran once worker 0 trained, and the job outlived it (SHARED_STEPS)
+    # the probe ran once worker 0 trained, and the job outlived it (it trains until told, --until-file)
     assert curve_job.probed is not None, curve_job.probe_failed
     probed, servers = curve_job.probed, curve_job.servers
     assert curve_job.alive_after_probe, f"the job ended during the probe:\n{curve_job.text[-4000:]}"
@@ -341,10 +342,13 @@ def curve_job(bed: SshBed, tmp_path_factory: pytest.TempPathFactory) -> CurveJob
         tcpdump = stack.enter_context(_tcpdump(bed, pcap)) if pcap is not None else None
         stranger = Stranger(bed)
         stack.callback(stranger.close)
+        until = tmp_path_factory.mktemp("until") / "stop"
         job = Job(bed, _job_args(bed, SHARED_STEPS, "--set", "transport.curve=true",
                                  "--set", f"worker.metrics_every={METRICS_EVERY}",
-                                 "--set", f"collective.cycle_ms={CYCLE_MS}"))
+                                 "--set", f"collective.cycle_ms={CYCLE_MS}")
+                  + ["--until-file", str(until)])
         stack.callback(job.close)
+        stack.callback(until.touch)  # whatever failed: the job ends by itself
         ready = job.wait_line(r"^\[launch\] scheduler ready at (tcp://\S+);", 60)
         servers = [job.wait_line(rf"^\[server {rank}\] .*server {rank} serving on (.*)$", 60).group(1).split()
                    for rank in (0, 1)]
@@ -362,6 +366,7 @@ def curve_job(bed: SshBed, tmp_path_factory: pytest.TempPathFactory) -> CurveJob
             job.wait_line(TRAINING, 60, after=len(job.lines))
         except AssertionError as exc:
             trained_on_failed = str(exc)
+        until.touch()
         code = job.finish(240)
         watch.join()
     return CurveJob(code, job.text, ready.group(1), servers, probed, probe_failed, alive_after_probe,

@@ -6,7 +6,9 @@ With --kill-server-at N, worker 0 SIGKILLs server 0 (--kill-server-rank) of its 
 backward pass (its pushes in flight), as a crash would; with --kill-scheduler-at N, the job's scheduler (a sibling
 of the workers under a local launcher); with --kill-standby-at N, its first standby; with
 --kill-aggregator-at N, aggregator 0 (--kill-aggregator-rank). With --join-rank R, worker R trains
-only --join-at steps and waits in hvd.join() while the others go on. After training,
+only --join-at steps and waits in hvd.join() while the others go on. With --until-file PATH, the
+workers stop once PATH exists (at most --steps steps), agreed by an allreduce in each step so that
+all stop at the same step: a job exactly as long as its test needs on any machine. After training,
 one more tensor is declared and averaged (`after`): a scheduler that took over must plan it.
 """
 
@@ -39,6 +41,8 @@ parser.add_argument("--kill-standby-pause", type=float, default=0.0, metavar="S"
 parser.add_argument("--join-rank", type=int, default=-1, metavar="RANK",
                     help="this worker stops training after --join-at steps and waits in hvd.join() for the others")
 parser.add_argument("--join-at", type=int, default=0, metavar="STEP")
+parser.add_argument("--until-file", metavar="PATH",
+                    help="train until PATH exists (every worker stops at the same step), at most --steps steps")
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--step-sleep", type=float, default=0.0, metavar="S",
                     help="sleep this long in each step (a job slow enough to lose hosts in)")
@@ -79,6 +83,9 @@ per_worker = 8
 x = torch.randn(args.steps * per_worker * size, 12, generator=generator)
 y = torch.randn(args.steps * per_worker * size, 3, generator=generator)
 for step in range(args.steps):
+    if args.until_file and hvd.allreduce(torch.tensor([float(Path(args.until_file).exists())]), op=hvd.Max,
+                                         name="until_file").item() > 0:
+        break
     if rank == args.join_rank and step == args.join_at:
         break  # fewer batches than the others: hvd.join() below lets them finish
     start = (step * size + rank) * per_worker
