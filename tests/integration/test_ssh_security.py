@@ -343,10 +343,9 @@ def curve_job(bed: SshBed, tmp_path_factory: pytest.TempPathFactory) -> CurveJob
         stranger = Stranger(bed)
         stack.callback(stranger.close)
         until = tmp_path_factory.mktemp("until") / "stop"
-        job = Job(bed, _job_args(bed, SHARED_STEPS, "--set", "transport.curve=true",
-                                 "--set", f"worker.metrics_every={METRICS_EVERY}",
-                                 "--set", f"collective.cycle_ms={CYCLE_MS}")
-                  + ["--until-file", str(until)])
+        job = Job(bed, [*_job_args(bed, SHARED_STEPS, "--set", "transport.curve=true",
+                                   "--set", f"worker.metrics_every={METRICS_EVERY}",
+                                   "--set", f"collective.cycle_ms={CYCLE_MS}"), "--until-file", str(until)])
         stack.callback(job.close)
         stack.callback(until.touch)  # whatever failed: the job ends by itself
         ready = job.wait_line(r"^\[launch\] scheduler ready at (tcp://\S+);", 60)
