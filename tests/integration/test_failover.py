@@ -5,7 +5,8 @@ trees) whose worker 0 SIGKILLs the scheduler in step 5. The nodes find it silent
 scheduler.heartbeat_timeout, rejoin the standby with what they were told (scheduler/standby.py), and
 train on; after training one more tensor is declared, which the standby plans; the workers' goodbyes
 end the job under the standby. The job ends with the parameters of the same job without the kill,
-and leaves nothing running.
+and leaves nothing running. Another local job is killed between a switch's ROUTES and its COMMIT (trees
+rotating, scripts/switch_kill.py); the others lose whole hosts of the ssh testbed.
 """
 
 from __future__ import annotations
@@ -89,6 +90,47 @@ def test_failover_scheduler_killed_the_standby_takes_over_and_the_job_ends_bit_i
     assert all(r["after"] == [1.0] * 5 for r in results)  # the mean rank, declared and planned under standby 2
     left = subprocess.run(["pgrep", "-f", f"{SCRIPT} {' '.join(ARGS)} --kill-scheduler-at"], capture_output=True)
     assert left.returncode == 1, left.stdout
+
+
+#: trees the switch-kill job rotates through every 0.2 s (aggregation.replan_s): two sets over aggregator 0
+ROTATING = ("@0 0.5: worker-0>aggregator-0 worker-1>aggregator-0",
+            "@0 0.5: worker-1>aggregator-0 worker-2>aggregator-0", "@1 1: worker-0>aggregator-0 worker-2>aggregator-0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_failover_scheduler_killed_between_routes_and_commit_the_standby_finishes_the_switch() -> None:
+    """3 workers, 2 servers and an aggregator whose trees rotate every 0.2 s, rounds of many chunks behind a
+    one-chunk credit: worker 0 SIGKILLs the scheduler as the third ROUTES reaches it, when its pushes of the round in
+    flight are held back and the scheduler waits for its answer. The nodes rejoin the standby with what they were
+    told; it sends the COMMIT of that switch, the held pushes go on, the trees go on rotating, and every round of
+    every worker sums every worker exactly once (scripts/switch_kill.py exits 1 on a wrong sum)."""
+    script = "tests/integration/scripts/switch_kill.py"
+    sets = ["transport.chunk_bytes=16384", "transport.inflight_bytes=16384", "scheduler.standby=1",
+            "scheduler.heartbeat_interval=0.5", "scheduler.heartbeat_timeout=2", "aggregation.mode=static",
+            "aggregation.trees=" + ",".join(ROTATING), "aggregation.replan_s=0.2"]
+    argv = [sys.executable, "-m", "sluice.launch.cli", "launch", "-w", "3", "-s", "2", "-a", "1",
+            *(f"--set={s}" for s in sets), "--", sys.executable, script, "--rounds", "60", "--kill-at-routes", "3"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=80)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    killed = re.search(r"^\[worker 0\] killed the scheduler at ROUTES of routing epoch (\d+)$", out, re.M)
+    assert killed, out[-6000:]
+    epoch = int(killed.group(1))
+    # the scheduler sent that switch's ROUTES and died before its COMMIT; the standby sent the COMMIT
+    assert re.search(rf"^\[scheduler\] .*routing epoch {epoch}: ROUTES sent to 3 workers$", out, re.M), out[-6000:]
+    assert not re.search(rf"^\[scheduler\] .*routing epoch {epoch}: COMMIT", out, re.M), out[-6000:]
+    assert re.search(rf"^\[standby scheduler\] .*routing epoch {epoch}: COMMIT sent to 3 workers$", out, re.M), \
+        out[-6000:]
+    assert re.search(r"\[standby scheduler\] .*took over from the silent scheduler: 6 nodes rejoined", out), out[-4000:]
+    assert "[standby scheduler] INFO sluice.scheduler: all workers finished; job done" in out
+    results = sorted((json.loads(m.group(1)) for m in re.finditer(r"SWITCH_RESULT (.*)$", out, re.M)),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2] and all(r["wrong"] == [] for r in results), results
+    # worker 0 held pushes of its round in flight back when the scheduler died; the standby's switches went on
+    assert results[0]["held_at_kill"][0] > 0, results[0]
+    assert all(r["epoch"] > epoch + 1 for r in results), results
+    assert "job failed" not in out and "rejected" not in out.replace("0 messages rejected", "")
 
 
 @pytest.mark.slow
