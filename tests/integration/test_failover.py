@@ -6,7 +6,8 @@ scheduler.heartbeat_timeout, rejoin the standby with what they were told (schedu
 train on; after training one more tensor is declared, which the standby plans; the workers' goodbyes
 end the job under the standby. The job ends with the parameters of the same job without the kill,
 and leaves nothing running. Another local job is killed between a switch's ROUTES and its COMMIT (trees
-rotating, scripts/switch_kill.py); the others lose whole hosts of the ssh testbed.
+rotating, scripts/switch_kill.py), another loses a server after the standby took over, and the rest lose whole
+hosts of the ssh testbed.
 """
 
 from __future__ import annotations
