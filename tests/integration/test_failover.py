@@ -102,8 +102,9 @@ ROTATING = ("@0 0.5: worker-0>aggregator-0 worker-1>aggregator-0",
 @pytest.mark.timeout(90)
 def test_failover_scheduler_killed_between_routes_and_commit_the_standby_finishes_the_switch() -> None:
     """3 workers, 2 servers and an aggregator whose trees rotate every 0.2 s, rounds of many chunks behind a
-    one-chunk credit: worker 0 SIGKILLs the scheduler as the third ROUTES reaches it, when its pushes of the round in
-    flight are held back and the scheduler waits for its answer. The nodes rejoin the standby with what they were
+    one-chunk credit: worker 0 SIGKILLs the scheduler as a ROUTES reaches it (the third, or the first after it that
+    finds pushes of worker 0 queued), when its pushes of the round in flight are held back and the scheduler waits
+    for its answer. The nodes rejoin the standby with what they were
     told; it sends the COMMIT of that switch, the held pushes go on, the trees go on rotating, and every round of
     every worker sums every worker exactly once (scripts/switch_kill.py exits 1 on a wrong sum)."""
     script = "tests/integration/scripts/switch_kill.py"

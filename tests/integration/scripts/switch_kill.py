@@ -3,9 +3,10 @@
 Each worker pushes `rank + round` in every element of a tensor of many chunks behind a one-chunk
 credit, so that pushes still wait in the send queues when new trees are announced; every round's sum
 must be exactly sum(ranks) + size * round. With --kill-at-routes K, worker 0 SIGKILLs the job's
-scheduler as the K-th ROUTES reaches it, before it takes the message in: the scheduler dies between
-ROUTES and COMMIT, with workers holding back the pushes of their rounds in flight, and the standby
-must finish that switch. Each worker prints `SWITCH_RESULT {json}`.
+scheduler as a ROUTES reaches it, the K-th or the first after it that finds pushes of this worker still
+queued (at most MORE_ROUTES later), before it takes the message in: the scheduler dies between ROUTES and
+COMMIT, with this worker holding back the pushes of its round in flight, and the standby must finish
+that switch. Each worker prints `SWITCH_RESULT {json}`.
 """
 
 import argparse
@@ -24,6 +25,8 @@ parser.add_argument("--elements", type=int, default=200_000, help="float32 eleme
 parser.add_argument("--kill-at-routes", type=int, default=-1, metavar="K",
                     help="worker 0 SIGKILLs the scheduler as the K-th ROUTES reaches it (-1: never)")
 args = parser.parse_args()
+#: ROUTES after the K-th that the kill waits at most for one that finds pushes queued
+MORE_ROUTES = 20
 
 node = WorkerNode()
 client = node.ps
@@ -33,14 +36,29 @@ held_at_kill: list[int] = []
 if client.rank == 0 and args.kill_at_routes > 0:
     take_routes = node.control_routes[Kind.ROUTES]
 
+    def queued_pushes() -> int:
+        """This worker's pushes still in its send queues (counted, none taken: on the I/O thread, as ROUTES)."""
+        count = 0
+
+        def peek(peer: str, channel: int, msg: Message) -> bool:
+            nonlocal count
+            count += msg.kind == Kind.PUSH
+            return False
+
+        client.transport.withdraw(peek)
+        return count
+
     def kill_then_take(msg: Message) -> None:
         seen.append(int((msg.meta or {})["routes"][0]))
-        if len(seen) == args.kill_at_routes:  # the scheduler waits for this worker's answer: it dies mid-switch
+        due = not held_at_kill and args.kill_at_routes <= len(seen)
+        if due and (queued_pushes() or len(seen) >= args.kill_at_routes + MORE_ROUTES):
+            # the scheduler waits for this worker's answer: it dies mid-switch
             kill_scheduler(len(seen))
             print(f"killed the scheduler at ROUTES of routing epoch {seen[-1]}", flush=True)
-        take_routes(msg)
-        if len(seen) == args.kill_at_routes:
+            take_routes(msg)
             held_at_kill.append(len(client._held_back.pushes))
+            return
+        take_routes(msg)
 
     node.control_routes[Kind.ROUTES] = kill_then_take
 client.declare([("grad", (args.elements,), "float32", None)])
