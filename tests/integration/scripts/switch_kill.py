@@ -50,15 +50,14 @@ if client.rank == 0 and args.kill_at_routes > 0:
 
     def kill_then_take(msg: Message) -> None:
         seen.append(int((msg.meta or {})["routes"][0]))
-        due = not held_at_kill and args.kill_at_routes <= len(seen)
-        if due and (queued_pushes() or len(seen) >= args.kill_at_routes + MORE_ROUTES):
-            # the scheduler waits for this worker's answer: it dies mid-switch
+        killing = not held_at_kill and len(seen) >= args.kill_at_routes and (
+            queued_pushes() > 0 or len(seen) >= args.kill_at_routes + MORE_ROUTES)
+        if killing:  # the scheduler waits for this worker's answer: it dies mid-switch
             kill_scheduler(len(seen))
             print(f"killed the scheduler at ROUTES of routing epoch {seen[-1]}", flush=True)
-            take_routes(msg)
-            held_at_kill.append(len(client._held_back.pushes))
-            return
         take_routes(msg)
+        if killing:
+            held_at_kill.append(len(client._held_back.pushes))
 
     node.control_routes[Kind.ROUTES] = kill_then_take
 client.declare([("grad", (args.elements,), "float32", None)])
@@ -71,7 +70,7 @@ try:
         if not np.all(out == want):
             wrong.append([step, float(out.min()), float(out.max()), want])
     result = {"rank": client.rank, "rounds": args.rounds, "wrong": wrong, "epoch": client._router.epoch,
-              "moved_switches": len(client._router.moved_at), "routes_seen": seen, "held_at_kill": held_at_kill}
+              "routes_seen": seen, "held_at_kill": held_at_kill}
 finally:
     node.close()
 print("SWITCH_RESULT " + json.dumps(result), flush=True)
