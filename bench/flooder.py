@@ -8,6 +8,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,9 @@ import zmq
 from sluice.scheduler.bootstrap import member_names, node_name
 from sluice.transport import local_endpoints
 from sluice.transport.auth import JobKeys
+from sluice.transport.seal import MAX_FRAMES, Sealer
 from sluice.transport.wire import VERSION, Kind
+from sluice.transport.zmq_seal import Seals
 
 #: the flood modes (bench/flood.py --modes)
 STRANGERS, MEMBER, CURVE_OFF, CURVE_OFF_BANNED, SPIN = (
@@ -78,6 +81,8 @@ class Target:
     server: str  # the member listening there: "server-R" or "scheduler"
     #: member mode: the member name (and key) the flooder claims there
     claim: str = ""
+    #: the channel of the server's listener there (its network or its local endpoints, in channel order)
+    channel: int = 0
 
 
 @dataclass
@@ -87,6 +92,8 @@ class _Sender:
     frames: list[list[bytes]]
     index: int = 0
     sent: int = 0
+    #: member mode at a sealed listener: what seals each message, so that the garbage reaches the decoder
+    sealer: Sealer | None = None
 
 
 @dataclass
@@ -127,10 +134,16 @@ class Flood:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
+        endpoint, sealer = target.endpoint, None
         if self.mode == MEMBER:
             assert self.keys is not None
             sock.setsockopt(zmq.IDENTITY, target.claim.encode())
-            self.keys.secure_dialer(sock, target.claim, target.server, target.endpoint)
+            if target.server != "scheduler" and not target.endpoint.startswith(local_endpoints.PREFIX):
+                seals = Seals(target.claim, self.keys)  # a data listener on the network: sealed (transport.cipher)
+                endpoint = seals.dial(sock, target.server, target.channel, target.endpoint)
+                sealer = seals.sealer(sock)
+            else:
+                self.keys.secure_dialer(sock, target.claim, target.server, target.endpoint)
         elif self.mode == STRANGERS:
             assert self.keys is not None
             # a stranger claiming a member's name; half know the server's public key (leaked), half guess it
@@ -150,9 +163,9 @@ class Flood:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
         else:
             sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
-        sock.connect(target.endpoint)
+        sock.connect(endpoint)
         self.report.sockets_opened += 1
-        return _Sender(target, sock, self.garbage[target.server != "scheduler"], self.rng.randrange(64))
+        return _Sender(target, sock, self.garbage[target.server != "scheduler"], self.rng.randrange(64), sealer=sealer)
 
     def _remake(self, target: Target, n: int) -> _Sender:
         """A new socket; while too many closed ones await the reaper (EMFILE), wait for it a little."""
@@ -225,7 +238,9 @@ class Flood:
                 continue
             for i, sender in enumerate(self.senders):
                 for _ in range(64 if not self.rate else 1):
-                    frames = sender.frames[sender.index % len(sender.frames)]
+                    frames: Sequence[Any] = sender.frames[sender.index % len(sender.frames)]
+                    if sender.sealer is not None and len(frames) <= MAX_FRAMES:
+                        frames = sender.sealer.seal(frames)
                     try:
                         sender.sock.send_multipart(frames, zmq.NOBLOCK)
                     except zmq.Again:
@@ -290,6 +305,8 @@ def targets_for(servers: list[tuple[int, str, list[str]]], scheduler: str) -> li
     out = []
     for rank, name, endpoints in servers:
         claim = node_name("server", (rank + 1) % len(servers))
-        out += [Target(endpoint, name, claim) for endpoint in endpoints]
+        network, local = local_endpoints.split(endpoints)
+        out += [Target(endpoint, name, claim, channel) for group in (network, local)
+                for channel, endpoint in enumerate(group)]
     out.append(Target(scheduler, "scheduler", "scheduler"))
     return out

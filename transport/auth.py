@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import zmq
 import zmq.utils.z85
@@ -30,9 +31,28 @@ from sluice.transport.local_endpoints import DOMAIN_PREFIX, PREFIX, domain_of, p
 _CONTEXT = b"sluice curve key v1\x00"
 _SEAL_CONTEXT = b"sluice seal key v1\x00"
 _LOCAL_CONTEXT = b"sluice local ticket v1\x00"
+_TICKET_CONTEXT = b"sluice seal ticket v1\x00"
 MIN_SECRET_BYTES = 16
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
+#: ZAP domains of sealed network listeners start so; the rest is the channel's number (transport/zmq_seal.py)
+SEALED_PREFIX = b"sluice-seal-ch"
+#: bytes of a sealed connection's session (random per dialling socket)
+SESSION_BYTES = 16
+#: the metadata property that tells a sealed connection's session (ZAP reply; read from every message)
+SESSION_PROPERTY = b"X-Session"
+
+
+def canonical_address(text: str) -> str:
+    """An IP address as both ends write it (brackets, zone and IPv4-mapped IPv6 removed); '' if not one."""
+    text = text.strip().strip("[]").split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
 
 
 class JobKeys:
@@ -63,6 +83,18 @@ class JobKeys:
             raise ValueError("a sealing key needs two member names without NUL, a channel in [0, 256), a session")
         context = b"\0".join((_SEAL_CONTEXT, sender.encode(), receiver.encode(), bytes([channel]), session))
         return hmac.new(self._secret, context, hashlib.sha256).digest()
+
+    def seal_ticket(self, name: str, receiver: str, channel: int, session: bytes, address: str) -> bytes:
+        """The PLAIN password with which member `name` dials `receiver`'s sealed listener on `channel` from
+        `address`, for the connection of `session` (transport/zmq_seal.py): the session, a MAC of all of
+        these, and the address (in clear: a listener that sees another one can say so)."""
+        mac = self._ticket_mac(name, receiver, channel, session, address)
+        return b":".join((session.hex().encode(), mac, address.encode()))
+
+    def _ticket_mac(self, name: str, receiver: str, channel: int, session: bytes, address: str) -> bytes:
+        context = b"\0".join((_TICKET_CONTEXT, name.encode(), receiver.encode(), bytes([channel]), session,
+                              address.encode()))
+        return hmac.new(self._secret, context, hashlib.sha256).hexdigest().encode()
 
     def local_ticket(self, name: str, domain: bytes) -> bytes:
         """The PLAIN password with which member `name` dials the local listener of ZAP domain `domain`
@@ -102,8 +134,11 @@ class JobKeys:
         else:
             self.secure_client(sock, name, server)
 
-    def zap_reply(self, request: Sequence[bytes]) -> list[bytes]:
-        """The reply to one ZAP request: 200 with the member's name as User-Id, or 400 for a stranger.
+    def zap_reply(self, request: Sequence[bytes], receiver: str = "",
+                  admitted: Callable[[str, int, bytes | None], None] | None = None) -> list[bytes]:
+        """The reply to one ZAP request at member `receiver`'s listener: 200 with the member's name as User-Id
+        (and, on a sealed or local listener, the connection's session as metadata), or 400 for a stranger.
+        `admitted(name, channel, session or None)` hears of each member let in at a sealed or local listener.
 
         Request frames (RFC 27): version, request id, domain, address, identity, mechanism, credentials.
         """
@@ -111,13 +146,52 @@ class JobKeys:
             return [ZAP_VERSION, request[1] if len(request) > 1 else b"", b"500", b"malformed request", b"", b""]
         request_id, domain, address = request[1], request[2], request[3]
         mechanism, credentials = request[5], request[6:]
+        session: bytes | None = None
+        why = b"not a member of this job"
         if domain.startswith(DOMAIN_PREFIX.encode()):  # a local listener: PLAIN, our user, a ticket for this socket
             name = self._local_member(domain, address, credentials) if mechanism == b"PLAIN" else None
+            channel = int(domain.rpartition(b"-ch")[2] or b"0") if domain[-1:].isdigit() else 0
+        elif domain.startswith(SEALED_PREFIX):  # a sealed network listener: PLAIN, a ticket for this address
+            channel = int(domain[len(SEALED_PREFIX):] or b"0") if domain[len(SEALED_PREFIX):].isdigit() else -1
+            name, session, why = self._sealed_member(receiver, channel, address, mechanism, credentials)
         else:
             name = self.member(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else None
         if name is None:
-            return [ZAP_VERSION, request_id, b"400", b"not a member of this job", b"", b""]
-        return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]
+            return [ZAP_VERSION, request_id, b"400", why, b"", b""]
+        if not domain.startswith(DOMAIN_PREFIX.encode()) and session is None:
+            return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]
+        if admitted is not None:
+            admitted(name, channel, session)
+        told = session.hex().encode() if session is not None else b""
+        metadata = bytes([len(SESSION_PROPERTY)]) + SESSION_PROPERTY + len(told).to_bytes(4, "big") + told
+        return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), metadata]
+
+    def _sealed_member(self, receiver: str, channel: int, address: bytes, mechanism: bytes,
+                       credentials: Sequence[bytes]) -> tuple[str | None, bytes | None, bytes]:
+        """(name, session, '') of a valid sealed ticket shown from `address`, else (None, None, why not)."""
+        stranger = (None, None, b"not a member of this job")
+        if mechanism != b"PLAIN" or len(credentials) != 2 or not receiver or not 0 <= channel < 256:
+            return stranger
+        name = credentials[0].decode("utf-8", "replace")
+        session_hex, _, rest = credentials[1].partition(b":")
+        mac, _, claimed = rest.partition(b":")
+        try:
+            session = bytes.fromhex(session_hex.decode("ascii"))
+            claimed_address = claimed.decode("ascii")
+        except (UnicodeDecodeError, ValueError):
+            return stranger
+        if name not in self.names or len(session) != SESSION_BYTES:
+            return stranger
+        if canonical_address(claimed_address) != claimed_address:  # it may be logged: an address, nothing else
+            return stranger
+        source = canonical_address(address.decode("ascii", "replace"))
+        if hmac.compare_digest(mac, self._ticket_mac(name, receiver, channel, session, source)):
+            return name, session, b""
+        if claimed_address != source and hmac.compare_digest(
+                mac, self._ticket_mac(name, receiver, channel, session, claimed_address)):
+            return None, None, (f"{name} dialled from {claimed_address} but its connection comes from "
+                                f"{source}").encode()
+        return stranger
 
     def _local_member(self, domain: bytes, address: bytes, credentials: Sequence[bytes]) -> str | None:
         if len(credentials) != 2 or peer_uid(address) != os.getuid():

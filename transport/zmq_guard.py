@@ -1,19 +1,21 @@
-"""The transport's defences at the socket level: CURVE and ZAP, size caps, handshake counts, cut-offs.
+"""The transport's defences at the socket level: CURVE, tickets and ZAP, size caps, handshake counts, cut-offs.
 
 - Every socket refuses frames over a cap (ZMQ_MAXMSGSIZE): libzmq reads a frame's length before its
   body and drops the connection of a peer that announces more, so an oversized frame is never held.
   Data sockets cap at the job's largest chunk, control sockets (to and from the scheduler) at the
   largest control header.
-- With job keys, listening sockets are CURVE servers on the network and PLAIN servers on their local
-  Unix sockets (transport/local_endpoints.py); a ZAP handler on the transport's own I/O thread admits
-  only clients whose key (or ticket, from our user) belongs to a member, whose name becomes the
-  connection's User-Id; connecting sockets authenticate the server they connect to by its key. A
+- With job keys, listening sockets are CURVE servers on the network (PLAIN servers checking address-bound
+  tickets where data connections are sealed: transport/zmq_seal.py) and PLAIN servers on their local Unix
+  sockets (transport/local_endpoints.py); a ZAP handler on the transport's own I/O thread admits only
+  clients whose key (or ticket) belongs to a member, whose name becomes the connection's User-Id;
+  connecting CURVE sockets authenticate the server they connect to by its key. A
   monitor counts handshakes that failed (strangers never get a message through).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 
@@ -22,6 +24,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from sluice.transport import local_endpoints
 from sluice.transport.auth import ZAP_ENDPOINT, JobKeys
+from sluice.transport.zmq_seal import Seals, sealed_domain
+
+log = logging.getLogger("sluice.transport")
 
 _HWM = 100_000
 #: CURVE wraps each frame in a MESSAGE command (a nonce, flags and a MAC, under 100 bytes), and libzmq
@@ -58,8 +63,12 @@ def make_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, max_frame: int, 
 class Guard:
     """The ZAP handler and handshake monitors of one transport; everything runs on its I/O thread."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], name: str, keys: JobKeys | None) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], name: str, keys: JobKeys | None,
+                 seals: Seals | None = None) -> None:
         self.name, self.keys = name, keys
+        #: with sealed data connections (transport/zmq_seal.py): their sessions, sealers and openers
+        self.seals = seals
+        self._told: set[bytes] = set()
         self.zap: zmq.Socket[bytes] | None = None
         self.monitors: list[zmq.Socket[bytes]] = []
         #: handshakes that failed: no job secret, or (refused by ZAP) a key that is no member's
@@ -78,25 +87,34 @@ class Guard:
         self.monitors.append(monitor)
         return monitor
 
-    def secure_listener(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
-        """The mechanism of the socket's next bind, at `endpoint`: PLAIN with tickets on a local one, else CURVE.
-        libzmq copies a socket's options into each listener as it binds, so one ROUTER runs both."""
+    def secure_listener(self, sock: zmq.Socket[bytes], endpoint: str, channel: int = 0) -> None:
+        """The mechanism of the socket's next bind, at `endpoint`: PLAIN with tickets on a local one, and on the
+        network with sealing (a ticket for the address), else CURVE. libzmq copies a socket's options into each
+        listener as it binds, so one ROUTER runs both."""
         if self.keys is None:
             return
         if endpoint.startswith(local_endpoints.PREFIX):
             sock.setsockopt(zmq.PLAIN_SERVER, 1)
             sock.setsockopt(zmq.ZAP_DOMAIN, local_endpoints.domain_of(endpoint).encode())
+        elif self.seals is not None:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, sealed_domain(channel))
         else:
             self.keys.secure_server(sock, self.name)
             sock.setsockopt(zmq.ZAP_DOMAIN, NETWORK_DOMAIN)  # not a local one (libzmq refuses an empty one)
 
-    def secure_dialer(self, sock: zmq.Socket[bytes], peer: str, endpoint: str) -> None:
-        """Dial `peer` at `endpoint` as this member: with a ticket on a local endpoint (reconnecting only after
-        LOCAL_RECONNECT_MS), else as a CURVE client that checks it."""
+    def secure_dialer(self, sock: zmq.Socket[bytes], peer: str, endpoint: str, channel: int = 0,
+                      control: bool = False) -> str:
+        """Prepare `sock` to dial `peer` at `endpoint` as this member: with a ticket on a local endpoint
+        (reconnecting only after LOCAL_RECONNECT_MS), sealed with a ticket for its address on a data connection
+        over the network (with sealing), else as a CURVE client that checks it. What to connect."""
         if endpoint.startswith(local_endpoints.PREFIX):
             sock.setsockopt(zmq.RECONNECT_IVL, LOCAL_RECONNECT_MS)
+        elif self.seals is not None and not control:
+            return self.seals.dial(sock, peer, channel, endpoint)
         if self.keys is not None:
             self.keys.secure_dialer(sock, self.name, peer, endpoint)
+        return endpoint
 
     def answer_zap(self) -> None:
         """Answer pending ZAP requests. A refusal is not counted here: libzmq reports it to the
@@ -107,7 +125,15 @@ class Guard:
                 request = self.zap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.zap.send_multipart(self.keys.zap_reply(request))
+            reply = self.keys.zap_reply(request, self.name, self.seals.admitted if self.seals is not None else None)
+            why = reply[3] if len(reply) > 3 else b""
+            elsewhere = b" but its connection comes from " in why
+            if reply[2] != b"200" and elsewhere and why not in self._told and len(self._told) < 64:
+                self._told.add(why)  # a member that cannot get in: say why once (it retries for good)
+                log.warning("transport %s: refused a connection: %s: a ticket read off the network, or hosts that "
+                            "see each other under other addresses (then set transport.cipher = curve)",
+                            self.name, why.decode("utf-8", "replace"))
+            self.zap.send_multipart(reply)
 
     def read_monitor(self, monitor: zmq.Socket[bytes]) -> int:
         """Count failed handshakes reported by one monitor; how many there were."""

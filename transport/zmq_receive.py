@@ -26,6 +26,7 @@ from sluice.transport.metrics import TransportMetrics
 from sluice.transport.rejects import Rejections
 from sluice.transport.shm import SharedPayloads
 from sluice.transport.wire import Flag, Kind, Message, WireError, decode, encode
+from sluice.transport.zmq_seal import Seals
 
 log = logging.getLogger("sluice.transport")
 
@@ -124,7 +125,8 @@ class Receiver:
                  members: frozenset[str], peers: RouterPeers, dealers: dict[str, list[zmq.Socket[bytes]]],
                  local: set[str] | None, shared: SharedPayloads, metrics: TransportMetrics, rejects: Rejections,
                  cut: Callable[[str, zmq.Frame, float], bool], send_frames: Callable[[Route, Frames], bool],
-                 credit: Callable[[Route, int], None], forget_peer: Callable[[str], None]) -> None:
+                 credit: Callable[[Route, int], None], forget_peer: Callable[[str], None],
+                 seals: Seals | None = None) -> None:
         self._name = name
         self._handler = handler
         #: with CURVE, a router-side peer's name must be the one its key proved (ZAP's User-Id)
@@ -143,6 +145,8 @@ class Receiver:
         self._credit = credit
         #: drops all that is kept for a peer whose process a new one replaced (the transport's)
         self._forget_peer = forget_peer
+        #: sealed connections (transport/zmq_seal.py): what arrives on them is opened before anything reads it
+        self._seals = seals
         self._incarnations = Incarnations()
         self._unacked: defaultdict[Route, int] = defaultdict(int)
         #: per route with unacknowledged bytes, when the oldest of them arrived (the I/O turn's start)
@@ -162,13 +166,13 @@ class Receiver:
             except zmq.Again:
                 return
             try:
-                self._take(frames, peer, channel, max_header, arrived)
+                self._take(frames, sock, peer, channel, max_header, arrived)
             except Exception as exc:  # the last resort: nothing a peer sends may end this thread
                 self._rejects.refuse(peer or "a router peer", f"transport {self._name}: a message on channel "
                                      f"{channel} could not be processed ({type(exc).__name__}); dropped",
                                      time.monotonic(), exc_info=True)
 
-    def _take(self, frames: list[zmq.Frame], peer: str | None, channel: int, max_header: int,
+    def _take(self, frames: list[Any], sock: zmq.Socket[bytes], peer: str | None, channel: int, max_header: int,
               arrived: Arrived) -> None:
         """Validate one received message; act on transport messages, queue the others for the handler."""
         source = peer
@@ -187,6 +191,8 @@ class Receiver:
                 return
             self.peers.remember(source, ident, channel)  # the route back, for acknowledgements of what it sent
         try:
+            if self._seals is not None:
+                frames = self._seals.open(frames, sock if peer is not None else None, source, channel)
             msg = decode(frames, max_header)
             if msg.shm is not None:
                 self._unacked[(source, channel)] += msg.shm[2]

@@ -17,6 +17,7 @@ from sluice.transport.sendqueue import ChannelQueue
 from sluice.transport.shm import SharedPayloads
 from sluice.transport.wire import Flag, Message, encode
 from sluice.transport.zmq_receive import Frames, Route
+from sluice.transport.zmq_seal import Seals
 
 log = logging.getLogger("sluice.transport")
 
@@ -34,7 +35,8 @@ class Sender:
 
     def __init__(self, config: TransportConfig, metrics: TransportMetrics, *,
                  dealers: dict[str, list[zmq.Socket[bytes]]], routers: list[zmq.Socket[bytes]],
-                 ident: Callable[[str], bytes | None], local: set[str] | None, shared: SharedPayloads) -> None:
+                 ident: Callable[[str], bytes | None], local: set[str] | None, shared: SharedPayloads,
+                 seals: Seals | None = None) -> None:
         #: (route, message, queued at): appended by any thread, drained into the queues by the I/O thread
         self.outbox: deque[tuple[Route, Message, float]] = deque()
         self.queues: dict[Route, ChannelQueue[Message]] = {}
@@ -53,6 +55,8 @@ class Sender:
         #: peers on this host that read our shared memory (None: shared memory is off), and that memory
         self._local = local
         self._shared = shared
+        #: sealed connections (transport/zmq_seal.py), or None
+        self._seals = seals
 
     def idle(self) -> bool:
         """Nothing waits to be sent."""
@@ -154,9 +158,12 @@ class Sender:
         copy = zmq.utils.garbage.gc._stay_down or memoryview(frames[-1]).nbytes <= COPY_BYTES
         try:
             if dealers is not None:
-                dealers[channel].send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                sock = dealers[channel]
+                sock.send_multipart(self._seals.seal(frames, sock, peer, channel) if self._seals else frames,
+                                    zmq.NOBLOCK, copy=copy)
             elif (ident := self._ident(peer)) is not None and self._routers:
-                self._routers[channel].send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
+                sealed = self._seals.seal(frames, None, peer, channel) if self._seals else frames
+                self._routers[channel].send_multipart([ident, *sealed], zmq.NOBLOCK, copy=copy)
             else:
                 log.error("no route to peer %r; message dropped", peer)
             return True

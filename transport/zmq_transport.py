@@ -8,7 +8,8 @@ messages through a lock-free deque and an eventfd. Every received payload is ack
 its sender (lazily: zmq_receive.py); the sender keeps at most `inflight_bytes` unacknowledged per
 channel, so the backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. ZmqTransport owns
 the sockets, the I/O thread and its loop, and two halves it runs there: a Receiver (zmq_receive.py)
-validates what arrives, a Sender (zmq_send.py) queues and sends; CURVE, ZAP and size caps are zmq_guard.py's.
+validates what arrives, a Sender (zmq_send.py) queues and sends; CURVE, ZAP and size caps are zmq_guard.py's,
+sealed connections zmq_seal.py's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from sluice.transport.wakeup import Wakeup
 from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Kind, Message, encode
 from sluice.transport.zmq_guard import Guard, make_socket
 from sluice.transport.zmq_receive import Arrived, Receiver, RouterPeers, _keep_large_buffers_mapped
+from sluice.transport.zmq_seal import Seals
 from sluice.transport.zmq_send import Sender
 
 log = logging.getLogger("sluice.transport")
@@ -68,7 +70,10 @@ class ZmqTransport:
         _keep_large_buffers_mapped()
         self._ctx = zmq.Context(io_threads=config.io_threads)
         self._poller = zmq.Poller()
-        self._guard = Guard(self._ctx, name, self._keys)
+        #: data connections between hosts sealed (transport/zmq_seal.py); the scheduler's keep CURVE
+        self._seals = Seals(name, self._keys) if self._keys is not None and config.cipher == "aes-gcm" \
+            and not control else None
+        self._guard = Guard(self._ctx, name, self._keys, self._seals)
         if self._guard.zap is not None:
             self._poller.register(self._guard.zap, zmq.POLLIN)
         self._monitors: set[zmq.Socket[bytes]] = set()
@@ -87,11 +92,11 @@ class ZmqTransport:
         job = frozenset(members) | (self._keys.names if self._keys is not None else frozenset())
         peers = RouterPeers(job)
         self._sender = Sender(config, self.metrics, dealers=self._dealers, routers=self._routers, ident=peers.ident,
-                              local=self._local, shared=self._shared)
+                              local=self._local, shared=self._shared, seals=self._seals)
         self._receiver = Receiver(name, config, handler, curve=self._keys is not None, members=job, peers=peers,
                                   dealers=self._dealers, local=self._local, shared=self._shared, metrics=self.metrics,
                                   rejects=self.rejects, cut=self._guard.cut, send_frames=self._sender.send_frames,
-                                  credit=self._sender.credit, forget_peer=self._forget_peer)
+                                  credit=self._sender.credit, forget_peer=self._forget_peer, seals=self._seals)
         #: this transport's process token, in the HELLO that opens each of its connections (transport/incarnations.py)
         self._process = secrets.token_hex(8)
         self._enqueue = self._sender.outbox.append  # send()'s one step, bound once
@@ -232,7 +237,7 @@ class ZmqTransport:
                 if self.config.protocol == "tcp":
                     binds.append(self._address(channel, port))
                 for address in binds:
-                    self._guard.secure_listener(sock, address)
+                    self._guard.secure_listener(sock, address, channel)
                     sock.bind(address)
                 if self.config.protocol == "tcp":
                     network.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -280,10 +285,10 @@ class ZmqTransport:
         for channel, endpoint in enumerate(dialled):
             sock = self._socket(zmq.DEALER, channel, control or self._control, tos)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
-            self._guard.secure_dialer(sock, peer, endpoint)
-            sock.connect(endpoint)
+            sock.connect(self._guard.secure_dialer(sock, peer, endpoint, channel, control or self._control))
             # the first message on the connection, before anything queued: a restarted process is told apart
-            sock.send_multipart(encode(Message(Kind.HELLO, meta={"process": self._process})), zmq.NOBLOCK)
+            hello = encode(Message(Kind.HELLO, meta={"process": self._process}))
+            sock.send_multipart(self._seals.seal(hello, sock, peer, channel) if self._seals else hello, zmq.NOBLOCK)
             socks.append(sock)
             self._socket_channel[sock] = (peer, channel)
             self._poller.register(sock, zmq.POLLIN)
@@ -294,6 +299,8 @@ class ZmqTransport:
             self._poller.unregister(sock)
             self._socket_channel.pop(sock, None)
             self._max_header.pop(sock, None)
+            if self._seals is not None:
+                self._seals.hung_up(sock)
             sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
         self._local_dials.discard(peer)
         self._forget_peer(peer)

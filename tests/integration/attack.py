@@ -30,8 +30,11 @@ import zmq
 from sluice.scheduler.bootstrap import member_names, node_name
 from sluice.transport import local_endpoints
 from sluice.transport.auth import JobKeys
+from sluice.transport.seal import MAX_FRAMES
 from sluice.transport.shm import SHM_DIR, Segment
 from sluice.transport.wire import VERSION, Flag, Kind, Message, encode
+from sluice.transport.zmq_seal import Seals
+from tests.integration.stranger_helpers import _ticketed
 from tests.integration.training import train_distributed
 
 _FIELDS = (
@@ -167,18 +170,24 @@ def own_connection_attacks(key: int, chunk: int, length: int, sender: int, forge
 
 
 def _strangers(ctx: zmq.Context[zmq.Socket[bytes]], keys: JobKeys, names: list[str], server: str,
-               endpoint: str) -> list[zmq.Socket[bytes]]:
+               endpoint: str, channel: int, sealed: bool) -> list[zmq.Socket[bytes]]:
     """Dealers that must be refused at the door, calling themselves worker 0: on the network one guesses the
-    keys and one knows the server's public key (leaked, say); on a Unix socket one shows a ticket made with
-    another secret and one shows none."""
+    keys and one knows the server's public key (leaked, say), or at a sealed listener one shows a ticket made
+    with another secret and one shows worker 0's ticket from another address (read off the network); on a
+    Unix socket one shows a ticket made with another secret and one shows none."""
     guessed = JobKeys(secrets.token_bytes(32), names)
+    worker = node_name("worker", 0)
     made = []
     for attempt in range(2):
+        if sealed and not endpoint.startswith(local_endpoints.PREFIX):
+            made.append(_ticketed(ctx, endpoint, worker, (guessed, keys)[attempt], worker, server, channel,
+                                  shown_from=(None, "127.0.0.2")[attempt]))
+            continue
         stranger = ctx.socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
-        stranger.setsockopt(zmq.IDENTITY, node_name("worker", 0).encode())
+        stranger.setsockopt(zmq.IDENTITY, worker.encode())
         if endpoint.startswith(local_endpoints.PREFIX) and attempt == 0:
-            guessed.secure_dialer(stranger, node_name("worker", 0), server, endpoint)
+            guessed.secure_dialer(stranger, worker, server, endpoint)
         elif not endpoint.startswith(local_endpoints.PREFIX):
             stranger.setsockopt(zmq.CURVE_SERVERKEY, (guessed, keys)[attempt].public_key(server))
             public, secret = zmq.curve_keypair()
@@ -187,6 +196,12 @@ def _strangers(ctx: zmq.Context[zmq.Socket[bytes]], keys: JobKeys, names: list[s
         stranger.connect(endpoint)
         made.append(stranger)
     return made
+
+
+def _channels(endpoints: list[str]) -> dict[str, int]:
+    """The channel of each endpoint a node published (its network ones in channel order, then its local ones)."""
+    network, local = local_endpoints.split(endpoints)
+    return {**{e: c for c, e in enumerate(network)}, **{e: c for c, e in enumerate(local)}}
 
 
 class Attacker(threading.Thread):
@@ -204,6 +219,8 @@ class Attacker(threading.Thread):
         self.rounds = 0
         self.asked = 0
         self.error: BaseException | None = None
+        #: the attacker's sockets at sealed listeners: what seals their messages, to which server, channel
+        self._seals: dict[zmq.Socket[bytes], tuple[Seals, str, int]] = {}
 
     def attack(self) -> None:
         self.asked += 1
@@ -226,23 +243,23 @@ class Attacker(threading.Thread):
         env = self.node.env
         keys = env.job_keys()
         names = member_names(env.workers, env.servers)
+        sealed = keys is not None and self.node.transport.config.cipher == "aes-gcm"
         sockets = []
         for server in servers:
+            channels = _channels(server.endpoints)
             for endpoint in server.endpoints:
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 0)
                 if keys is None:
                     sock.setsockopt(zmq.IDENTITY, f"stranger-{self.rng.getrandbits(48):012x}".encode())
-                elif big:
-                    sock.setsockopt(zmq.IDENTITY, b"scheduler")
-                    keys.secure_dialer(sock, "scheduler", server.name, endpoint)
+                    sock.connect(endpoint)
                 else:
-                    other = node_name("server", (server.rank + 1) % env.servers)
-                    sock.setsockopt(zmq.IDENTITY, other.encode())
-                    keys.secure_dialer(sock, other, server.name, endpoint)
-                    self.strangers.extend(_strangers(ctx, keys, names, server.name, endpoint))
-                sock.connect(endpoint)
+                    member = "scheduler" if big else node_name("server", (server.rank + 1) % env.servers)
+                    self._dial_as(sock, keys, member, server.name, endpoint, channels[endpoint], sealed)
+                    if not big:
+                        self.strangers.extend(_strangers(ctx, keys, names, server.name, endpoint,
+                                                         channels[endpoint], sealed))
                 sockets.append(sock)
         if not big:  # the scheduler too; with CURVE under its own name, the one member that never dials it
             sock = ctx.socket(zmq.DEALER)
@@ -256,6 +273,28 @@ class Attacker(threading.Thread):
             sock.connect(env.scheduler)
             sockets.append(sock)
         return sockets
+
+    def _dial_as(self, sock: zmq.Socket[bytes], keys: JobKeys, member: str, server: str, endpoint: str,
+                 channel: int, sealed: bool) -> None:
+        """Connect `sock` as `member` (whose keys it holds): with its ticket or key, its messages sealed where the
+        listener seals (so that the garbage reaches the server's decoder)."""
+        sock.setsockopt(zmq.IDENTITY, member.encode())
+        if sealed and not endpoint.startswith(local_endpoints.PREFIX):
+            seals = Seals(member, keys)
+            sock.connect(seals.dial(sock, server, channel, endpoint))
+            self._seals[sock] = (seals, server, channel)
+        else:
+            keys.secure_dialer(sock, member, server, endpoint)
+            sock.connect(endpoint)
+
+    def _send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        """Send `frames` on `sock`, sealed where its listener seals and a message of that many frames can be (the
+        server refuses the others unopened)."""
+        sealing = self._seals.get(sock)
+        if sealing is not None and len(frames) <= MAX_FRAMES:
+            sock.send_multipart(sealing[0].seal(frames, sock, *sealing[1:]), copy=False)
+        else:
+            sock.send_multipart(frames, copy=False)
 
     def run(self) -> None:
         ctx = zmq.Context()
@@ -280,13 +319,13 @@ class Attacker(threading.Thread):
                 attacks = raw_attacks(self.rng, tensor.key, chunk, length, node_id, segment, files)
                 for sock in sockets:
                     for name, frames in attacks.items():
-                        sock.send_multipart(frames, copy=False)
+                        self._send(sock, frames)
                         self.sent[name] += 1
                 if self.rounds == 0:  # on sockets of their own: ZeroMQ drops the connection that sends them
                     for sock in self._sockets(ctx, servers, big=True):
                         sockets.append(sock)
                         for name, frames in big.items():
-                            sock.send_multipart(frames, copy=False)
+                            self._send(sock, frames)
                             self.sent[name] += 1
                 for stranger in self.strangers:  # never connected: nothing of this gets through
                     for frames in attacks.values():

@@ -12,6 +12,7 @@ import zmq
 
 from sluice.transport.auth import JobKeys
 from sluice.transport.wire import Kind, Message, encode
+from sluice.transport.zmq_seal import Seals
 
 
 def _stranger(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, name: str, server_key: bytes,
@@ -29,6 +30,21 @@ def _stranger(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, name: str, ser
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.connect(endpoint)
+    return sock
+
+
+def _ticketed(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, name: str, keys: JobKeys, who: str, server: str,
+              channel: int = 0, shown_from: str | None = None) -> zmq.Socket[bytes]:
+    """A DEALER calling itself `name` at `server`'s sealed TCP listener on `channel`, with member `who`'s ticket
+    (transport/zmq_seal.py): made for this connection, or (`shown_from`) one made for the address the kernel
+    picks, shown from `shown_from` instead: a ticket read off the network, replayed from another host."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, name.encode())
+    dialled = Seals(who, keys).dial(sock, server, channel, endpoint)
+    if shown_from is not None:
+        dialled = f"tcp://{shown_from}:0;{dialled.split(';', 1)[1]}"
+    sock.connect(dialled)
     return sock
 
 
