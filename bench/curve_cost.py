@@ -1,4 +1,4 @@
-"""What CURVE costs: push_pull bandwidth and training step time with transport.curve on against off."""
+"""What security costs: push_pull bandwidth and training step time with transport.curve on against off."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ a job the figures are taken after a warm-up, as in the benchmarks they reuse. Ca
                     own price per byte, which no setting of Sluice's changes
   zmq-pair-sealed   the same pair without CURVE, each message sealed with AES-256-GCM by the sending
                     thread and opened by the receiving one (transport/seal.py): "curve on" is sealed,
-                    "curve off" the same pair in plain; the price of the cipher Sluice could use for
-                    payloads instead (not used by the transport yet)
+                    "curve off" the same pair in plain; the price of the cipher that seals data
+                    connections between hosts (transport.cipher = aes-gcm, the default)
   testbed-pushpull  shaped testbed, one role per host, every worker and server link at RATE Mbit/s
                     (bench/ps_vs_allreduce.py's job: fixed chunk and in-flight bytes), payload bytes
                     all encrypted since the hosts are not local to each other
@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--io-threads", type=int, default=1, metavar="N",
                         help="transport.io_threads of every job, CURVE on and off: ZeroMQ I/O threads per process, "
                              "which encrypt and decrypt (default: %(default)s)")
+    parser.add_argument("--cipher", choices=["aes-gcm", "curve"], default="aes-gcm",
+                        help="transport.cipher of the jobs with security on: aes-gcm seals data connections between "
+                             "hosts (the default), curve runs CURVE on them (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="testbed: show every process's output, prefixed")
     add_common_options(parser, quick="8 MiB in 2 rounds, 1 pair of jobs, 2 timed repetitions each, 2 warm-up + "
                                      "10 training steps (1 + 2 on the testbed, hidden 512, global batch 32) "
@@ -182,7 +185,7 @@ def case_record(case: Case, measured: Measured, args: argparse.Namespace) -> dic
         case.name, ours, peer, PEER_NAME, case.unit, better=case.better, speedup=speedup, cost=cost,
         paired_cost=paired, target_cost=target, met=None if target is None else cost <= target, where=case.where,
         description=case.describe, pairs=args.repeats, repetitions_per_job=args.inner, samples=len(measured.on),
-        workers=args.workers, servers=args.servers, io_threads=args.io_threads, **case.extra,
+        workers=args.workers, servers=args.servers, io_threads=args.io_threads, cipher=args.cipher, **case.extra,
     )
 
 
@@ -229,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(name in LOOPBACK for name in args.cases):  # the first optimizer a process builds imports
         # torch._dynamo (1.3 s here): do it once before forking (the testbed's workers are processes of their own)
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
-    progress(f"curve_cost: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs (CURVE on, off), "
-             f"{args.inner} timed repetitions in each")
+    progress(f"curve_cost: cases {', '.join(args.cases)}; {args.repeats} pairs of jobs (security on, "
+             f"cipher {args.cipher}, and off), {args.inner} timed repetitions in each")
     started = time.perf_counter()
     done: list[tuple[Case, Measured]] = []
     loopback: list[Case] = []
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if "ssh-train" in args.cases:
             done += run_ssh_case(args)
     records = [case_record(case, measured, args) for case, measured in done]
-    progress(f"\nCURVE on against off, median [min..max] of {args.repeats} pairs of jobs x {args.inner} "
+    progress(f"\nsecurity on (curve on below; transport.cipher {args.cipher}) against off, median [min..max] of "
+             f"{args.repeats} pairs of jobs x {args.inner} "
              f"repetitions ({time.perf_counter() - started:.0f} s in all); cost = extra time with CURVE")
     rows = []
     for rec in records:

@@ -179,8 +179,9 @@ def _training_job(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[s
 
 
 def _transport(args: argparse.Namespace, curve: bool, **settings: Any) -> dict[str, Any]:
-    """A job's transport section: CURVE on or off, the I/O threads asked for (--io-threads), `settings`."""
-    return {**settings, "curve": curve, "io_threads": args.io_threads}
+    """A job's transport section: security on or off, the cipher and I/O threads asked for (--cipher,
+    --io-threads), `settings`."""
+    return {**settings, "curve": curve, "cipher": args.cipher, "io_threads": args.io_threads}
 
 
 def _with_curve(args: argparse.Namespace, base: dict[str, dict[str, Any]], curve: bool) -> dict[str, dict[str, Any]]:

@@ -41,6 +41,7 @@ SEALED_PREFIX = b"sluice-seal-ch"
 SESSION_BYTES = 16
 #: the metadata property that tells a sealed connection's session (ZAP reply; read from every message)
 SESSION_PROPERTY = b"X-Session"
+_MAC_BYTES = 32
 
 
 def canonical_address(text: str) -> str:
@@ -87,14 +88,13 @@ class JobKeys:
     def seal_ticket(self, name: str, receiver: str, channel: int, session: bytes, address: str) -> bytes:
         """The PLAIN password with which member `name` dials `receiver`'s sealed listener on `channel` from
         `address`, for the connection of `session` (transport/zmq_seal.py): the session, a MAC of all of
-        these, and the address (in clear: a listener that sees another one can say so)."""
-        mac = self._ticket_mac(name, receiver, channel, session, address)
-        return b":".join((session.hex().encode(), mac, address.encode()))
+        these (raw bytes), and the address (in clear: a listener that sees another one can say so)."""
+        return session + self._ticket_mac(name, receiver, channel, session, address) + address.encode()
 
     def _ticket_mac(self, name: str, receiver: str, channel: int, session: bytes, address: str) -> bytes:
         context = b"\0".join((_TICKET_CONTEXT, name.encode(), receiver.encode(), bytes([channel]), session,
                               address.encode()))
-        return hmac.new(self._secret, context, hashlib.sha256).hexdigest().encode()
+        return hmac.new(self._secret, context, hashlib.sha256).digest()
 
     def local_ticket(self, name: str, domain: bytes) -> bytes:
         """The PLAIN password with which member `name` dials the local listener of ZAP domain `domain`
@@ -148,17 +148,18 @@ class JobKeys:
         mechanism, credentials = request[5], request[6:]
         session: bytes | None = None
         why = b"not a member of this job"
-        if domain.startswith(DOMAIN_PREFIX.encode()):  # a local listener: PLAIN, our user, a ticket for this socket
+        local = domain.startswith(DOMAIN_PREFIX.encode())
+        digits = domain.rpartition(b"ch")[2]  # local and sealed listeners' domains end in their channel
+        channel = int(digits) if digits.isdigit() and len(digits) <= 3 else -1
+        if local:  # a local listener: PLAIN, our user, a ticket for this socket
             name = self._local_member(domain, address, credentials) if mechanism == b"PLAIN" else None
-            channel = int(domain.rpartition(b"-ch")[2] or b"0") if domain[-1:].isdigit() else 0
         elif domain.startswith(SEALED_PREFIX):  # a sealed network listener: PLAIN, a ticket for this address
-            channel = int(domain[len(SEALED_PREFIX):] or b"0") if domain[len(SEALED_PREFIX):].isdigit() else -1
             name, session, why = self._sealed_member(receiver, channel, address, mechanism, credentials)
         else:
             name = self.member(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else None
         if name is None:
             return [ZAP_VERSION, request_id, b"400", why, b"", b""]
-        if not domain.startswith(DOMAIN_PREFIX.encode()) and session is None:
+        if not local and session is None:  # CURVE
             return [ZAP_VERSION, request_id, b"200", b"OK", name.encode(), b""]
         if admitted is not None:
             admitted(name, channel, session)
@@ -173,14 +174,13 @@ class JobKeys:
         if mechanism != b"PLAIN" or len(credentials) != 2 or not receiver or not 0 <= channel < 256:
             return stranger
         name = credentials[0].decode("utf-8", "replace")
-        session_hex, _, rest = credentials[1].partition(b":")
-        mac, _, claimed = rest.partition(b":")
+        ticket = credentials[1]
+        session, mac = ticket[:SESSION_BYTES], ticket[SESSION_BYTES:SESSION_BYTES + _MAC_BYTES]
         try:
-            session = bytes.fromhex(session_hex.decode("ascii"))
-            claimed_address = claimed.decode("ascii")
-        except (UnicodeDecodeError, ValueError):
+            claimed_address = ticket[SESSION_BYTES + _MAC_BYTES:].decode("ascii")
+        except UnicodeDecodeError:
             return stranger
-        if name not in self.names or len(session) != SESSION_BYTES:
+        if name not in self.names or len(mac) != _MAC_BYTES:
             return stranger
         if canonical_address(claimed_address) != claimed_address:  # it may be logged: an address, nothing else
             return stranger

@@ -25,7 +25,8 @@ from sluice.transport.auth import SEALED_PREFIX, SESSION_BYTES, SESSION_PROPERTY
 from sluice.transport.seal import Opener, Sealer
 from sluice.transport.wire import WireError
 
-#: sealed sessions a listener keeps openers for (members' sockets only: a session needs a valid ticket)
+#: sealed sessions a listener keeps openers for (members' sockets only: a session needs a valid ticket), the oldest
+#: dropped first
 MAX_SESSIONS = 1 << 16
 
 
@@ -72,6 +73,10 @@ class Seals:
                                Opener(self._keys.seal_key(peer, self._name, channel, session)))
         return dialled
 
+    def connections(self) -> int:
+        """Sealed connections this transport dialled or admitted (a reconnect keeps its session: not counted)."""
+        return len(self._dialled) + len(self._accepted)
+
     def sealer(self, sock: zmq.Socket[bytes]) -> Sealer | None:
         """What seals the messages of `sock`, a DEALER we dialled (None: not sealed)."""
         pair = self._dialled.get(sock)
@@ -87,7 +92,9 @@ class Seals:
             return
         tag = session.hex()
         self._newest[peer, channel] = tag
-        if (peer, channel, tag) not in self._accepted and len(self._accepted) < MAX_SESSIONS:
+        if (peer, channel, tag) not in self._accepted:
+            if len(self._accepted) >= MAX_SESSIONS:  # the oldest session: long replaced (a member dials 1 a channel)
+                del self._accepted[next(iter(self._accepted))]
             self._accepted[peer, channel, tag] = (Sealer(self._keys.seal_key(self._name, peer, channel, session)),
                                                   Opener(self._keys.seal_key(peer, self._name, channel, session)))
 

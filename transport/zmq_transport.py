@@ -154,6 +154,7 @@ class ZmqTransport:
             taken["rejected"] = self.rejects.total
             taken["refused_connections"] = self._guard.refused_handshakes
             taken["local_peers"] = sorted(self._local_dials)  # dialled over their Unix sockets
+            taken["sealed_connections"] = self._seals.connections() if self._seals is not None else 0
             taken["acks_sent"] = list(self.metrics.acks_sent)
             if reset:
                 self.metrics.reset()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import time
 from typing import Any
@@ -72,12 +73,17 @@ def _register(role: str, rank: int) -> Message:
 
 def probe(scheduler: str, servers: list[str], seconds: float) -> dict[str, Any]:
     """Run in the stranger's host: register as worker 0, push to every server endpoint and only listen,
-    each with random CURVE keys and without CURVE; what all of it heard in `seconds`."""
+    each with random CURVE keys, without CURVE and with a ticket made with a guessed secret; what all of it heard
+    in `seconds`."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
-    def dealer(endpoint: str, name: str, curve: bool) -> zmq.Socket[bytes]:
-        if curve:  # a guessed server key: the real ones derive from the job secret
+    guessed = JobKeys(secrets.token_bytes(32), ["worker-0", "listener", "server-0"])
+
+    def dealer(endpoint: str, name: str, mode: str) -> zmq.Socket[bytes]:
+        if mode == "curve":  # a guessed server key: the real ones derive from the job secret
             return _stranger(ctx, endpoint, name, zmq.curve_keypair()[0])
+        if mode == "ticket" and endpoint.startswith("tcp://"):  # a sealed listener's ticket, of a guessed secret
+            return _ticketed(ctx, endpoint, name, guessed, name, "server-0")
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, name.encode())
@@ -88,13 +94,13 @@ def probe(scheduler: str, servers: list[str], seconds: float) -> dict[str, Any]:
                    payload=np.full(16, 1e6, np.float32))
     sockets, raw = [], []
     try:
-        for curve in (True, False):
-            sockets.append(registering := dealer(scheduler, "worker-0", curve))
+        for mode in ("curve", "none", "ticket"):
+            sockets.append(registering := dealer(scheduler, "worker-0", mode))
             _send(registering, _register("worker", 0))
             for endpoint in servers:
-                sockets.append(pushing := dealer(endpoint, "worker-0", curve))
+                sockets.append(pushing := dealer(endpoint, "worker-0", mode))
                 _send(pushing, push)
-            sockets += [dealer(endpoint, "listener", curve) for endpoint in (scheduler, *servers)]
+            sockets += [dealer(endpoint, "listener", mode) for endpoint in (scheduler, *servers)]
         for endpoint in (scheduler, *servers):  # no ZeroMQ at all: connect and read (the TCP ports: another host's)
             if not endpoint.startswith("tcp://"):
                 continue

@@ -2,12 +2,13 @@
 
 A job runs on h1 and h2, launched over ssh from the `launcher` host. Checked: a stranger on another
 testbed host (no job secret) that registers as worker 0, pushes to the servers or only listens, with
-random CURVE keys or with none, hears nothing, is counted as refused by the scheduler and the servers,
-and the job trains on to the end; a capture of h2's link carries no tensor name with CURVE on and does
-with it off (the control that shows the check can fail), and no 64-digit hex string (the header that
-holds the secret travels inside ssh); every file the job makes in /tmp and /dev/shm is private.
-One job with CURVE on serves all three (`curve_job`): the stranger probes it while h2's link is
-captured and its files are watched; a second, smaller job with CURVE off is the capture's control.
+random CURVE keys, with none or with a ticket of a guessed secret, hears nothing, is counted as refused
+by the scheduler and the servers, and the job trains on to the end; a capture of h2's link carries no
+tensor name with security on (data connections sealed, CURVE to the scheduler) and does with it off
+(the control that shows the check can fail), and no 64-digit hex string (the header that holds the
+secret travels inside ssh); every file the job makes in /tmp and /dev/shm is private.
+One job with security on serves all three (`curve_job`): the stranger probes it while h2's link is
+captured and its files are watched; a second, smaller job with it off is the capture's control.
 """
 
 from __future__ import annotations
@@ -162,18 +163,19 @@ def test_ssh_stranger_on_another_host_hears_nothing_and_the_job_trains_on(curve_
     assert curve_job.code == 0, out[-5000:]
     assert probed["heard"] == 0, probed
     endpoints = sum(len(e) for e in servers)
-    assert probed["sockets"] == 2 * (1 + endpoints + 1 + endpoints), probed  # register, push, listen; x2
+    assert probed["sockets"] == 3 * (1 + endpoints + 1 + endpoints), probed  # register, push, listen; x3
     assert all(n <= GREETING_BYTES for n in probed["raw_bytes"]), probed
     results = [json.loads(m) for m in re.findall(r"^\[worker \d\] CLUSTER_RESULT (.*)$", out, re.M)]
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert all(r["params"] == results[0]["params"] for r in results), "the workers ended with different parameters"
-    # 4 ZeroMQ strangers at the scheduler, 4 at each server endpoint (3 each): a DEALER whose handshake
-    # fails tries again, so each is counted at least once
+    # 6 ZeroMQ strangers at the scheduler, 6 at each server's TCP endpoint (its Unix sockets are not in the
+    # stranger's host): a DEALER whose handshake fails tries again, so each is counted at least once
     scheduler = re.search(r"scheduler stopped \(\d+ messages rejected, (\d+) connections refused\)", out)
-    assert scheduler and int(scheduler.group(1)) >= 4, out[-3000:]
+    assert scheduler and int(scheduler.group(1)) >= 6, out[-3000:]
     for rank in (0, 1):
         server = re.search(rf"server {rank} stopped \(\d+ messages rejected, (\d+) connections refused\)", out)
-        assert server and int(server.group(1)) >= 4 * len(servers[rank]), out[-3000:]
+        network = [e for e in servers[rank] if e.startswith("tcp://")]
+        assert server and int(server.group(1)) >= 6 * len(network), out[-3000:]
 
 
 # ---------------------------------------------------------------------------- the sniffer
