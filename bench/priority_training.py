@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="transport.inflight_bytes of the chunked configurations (default: %(default)s)")
     parser.add_argument("--plot", default=str(ROOT / "docs" / "priority_training.svg"), metavar="PATH",
                         help="write a bar chart of the step times here (default: docs/priority_training.svg)")
+    parser.add_argument("--cipher", choices=["aes-gcm", "curve"], default="aes-gcm",
+                        help="transport.cipher of Sluice's jobs: aes-gcm seals the data connections (the default), "
+                             "curve runs CURVE on them (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -201,7 +204,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- driver
 def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, Any]]:
-    chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes}
+    chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes, "cipher": args.cipher}
     if name in (PRIORITY, UNENCRYPTED):
         off = {"curve": False} if name == UNENCRYPTED else {}  # the default stays unsaid (curve_cost sets it)
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "forward"},
@@ -211,7 +214,8 @@ def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, An
                 "transport": {"channels": 3, **chunked}}
     whole = max(largest_tensor_bytes(args.width, args.hidden), 4 * KIB)
     return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
-            "transport": {"channels": 1, "chunk_bytes": whole, "inflight_bytes": max(whole, args.inflight_bytes)}}
+            "transport": {"channels": 1, "chunk_bytes": whole, "inflight_bytes": max(whole, args.inflight_bytes),
+                          "cipher": args.cipher}}
 
 
 def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> tuple[Stats, float]:

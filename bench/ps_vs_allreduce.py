@@ -51,11 +51,12 @@ frames TCP payload is at most about 95.7% of the link rate (the shaper counts he
 Every process does one untimed warm-up round; each repetition times ROUNDS rounds between two
 barriers on worker 0's clock. MB/s = 1e6 bytes/s.
 
-Sluice runs as it does by default: CURVE on, so that every payload byte between hosts is encrypted
-and decrypted (about 1 GB/s a core). --compare-curve (the default but for --quick) runs its job again
-with transport.curve = false, and every job records how busy the machine's cores were through its
-timed rounds (/proc/stat, read by worker 0): cores full while a link idles say the run is bound by
-the CPU (the cipher, the kernel's TCP over the testbed's veths, the processes' own work), not the link.
+Sluice runs as it does by default: security on, so that every payload byte between hosts is sealed
+and opened (AES-256-GCM, transport.cipher = aes-gcm: about 3 GB/s a core each way; --cipher curve: CURVE,
+about 1 GB/s). --compare-curve (the default but for --quick) runs its job again with transport.curve =
+false, and every job records how busy the machine's cores were through its timed rounds (/proc/stat, read
+by worker 0): cores full while a link idles say the run is bound by the CPU (the cipher, the kernel's TCP
+over the testbed's veths, the processes' own work), not the link.
 """
 
 
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run Sluice's job with transport.curve = false: on separate hosts every payload "
                              "byte is encrypted (CURVE, the default), which on 2 cores bounds the rate "
                              "(default: %(default)s; --quick: off)")
+    parser.add_argument("--cipher", choices=["aes-gcm", "curve"], default="aes-gcm",
+                        help="transport.cipher of Sluice's job with security on: aes-gcm seals the data connections "
+                             "(the default), curve runs CURVE on them (default: %(default)s)")
     parser.add_argument("--raw-zmq", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the rounds in raw ZeroMQ, nothing of Sluice, with the same chunks "
                              "(bench/raw_mesh.py): what the network carries in them (default: %(default)s)")
@@ -172,7 +176,7 @@ def measure(bed: Netbed, args: argparse.Namespace, size: int,
     def sluice(curve: bool) -> Run:
         t0 = time.perf_counter()
         config = {"transport": {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes,
-                                "curve": curve}}
+                                "curve": curve, "cipher": args.cipher}}
         results = run_sluice_job(bed, "sched", [f"s{i}" for i in range(servers)], workers, config,
                                  worker_argv(args, "sluice", nbytes, rounds), timeout=args.timeout, env=env,
                                  echo=args.verbose)
@@ -237,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 case, ours, gloo, GLOO, "MB/s", size_mib=size, workers=w, servers=servers, rate_mbit=args.rate_mbit,
                 rounds=rounds_for(size, args.rounds), repeats=args.repeats, link_bound=link,
                 fraction_of_bound=fraction, peer_bound=ring, peer_fraction_of_bound=gloo.median / ring,
-                target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO, curve=True, cores_busy=ours_busy,
-                peer_cores_busy=gloo_busy, **without, **floor,
+                target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO, curve=True, cipher=args.cipher,
+                cores_busy=ours_busy, peer_cores_busy=gloo_busy, **without, **floor,
             ))
     progress(f"\nalgorithm bandwidth in MB/s, median [min..max] of {args.repeats} repeats "
              f"({time.perf_counter() - started:.0f} s in all)")

@@ -3,10 +3,10 @@
 CURVE (XSalsa20-Poly1305 inside libzmq) costs about 2 CPU seconds a GB on this project's machines, each
 byte encrypted and decrypted; AES-GCM through OpenSSL runs at about 3 GB/s a core each way where the CPU
 has AES instructions (bench/curve_cost.py's zmq-pair cases measure both on the same sockets). This module
-is the cipher for payloads on sockets that do not run CURVE themselves: one key per direction of one
-connection (`JobKeys.seal_key`: the job secret, both members' names, the channel and the connection's
-session, so no two directions, connections or incarnations share a key), a 64-bit counter per key as
-the GCM nonce (never reused), and per message:
+is the cipher of sealed connections (transport/zmq_seal.py: data connections between hosts, which do not
+run CURVE themselves): one key per direction of one connection (`JobKeys.seal_key`: the job secret, both
+members' names, the channel and the connection's session, so no two directions or connections share a
+key), a 64-bit counter per key as the GCM nonce (never reused), and per message:
 
     frame 0:  counter (8 bytes, big-endian, in clear) | ciphertext of the first frame | tag (16 bytes)
     frame i:  ciphertext of frame i | tag

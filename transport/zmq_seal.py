@@ -65,7 +65,11 @@ class Seals:
     def dial(self, sock: zmq.Socket[bytes], peer: str, channel: int, endpoint: str) -> str:
         """Prove this member on `sock` (before it connects) to `peer` listening at TCP `endpoint` on `channel`;
         keep the connection's sealer and opener. What to connect (the source address forced)."""
-        dialled, source = source_route(endpoint)
+        try:
+            dialled, source = source_route(endpoint)
+        except OSError as exc:  # the ticket names the address we leave from: without a route there is none
+            raise OSError(exc.errno, f"cannot dial {peer} at {endpoint}: this host has no route there "
+                          f"({exc.strerror or exc})") from None
         session = secrets.token_bytes(SESSION_BYTES)
         sock.setsockopt(zmq.PLAIN_USERNAME, self._name.encode())
         sock.setsockopt(zmq.PLAIN_PASSWORD, self._keys.seal_ticket(self._name, peer, channel, session, source))
