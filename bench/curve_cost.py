@@ -185,7 +185,8 @@ def case_record(case: Case, measured: Measured, args: argparse.Namespace) -> dic
         case.name, ours, peer, PEER_NAME, case.unit, better=case.better, speedup=speedup, cost=cost,
         paired_cost=paired, target_cost=target, met=None if target is None else cost <= target, where=case.where,
         description=case.describe, pairs=args.repeats, repetitions_per_job=args.inner, samples=len(measured.on),
-        workers=args.workers, servers=args.servers, io_threads=args.io_threads, cipher=args.cipher, **case.extra,
+        workers=args.workers, servers=args.servers, io_threads=args.io_threads,
+        **{"cipher": args.cipher, **case.extra},  # ZeroMQ pairs name the cipher they run themselves
     )
 
 

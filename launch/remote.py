@@ -132,6 +132,20 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
         print(f"sluice remote: {exc}; this runs what `sluice launch -H ...` sends it, not by hand", file=sys.stderr)
         return BAD_HEADER
     env = {**os.environ, **header.env}
+    started: list[subprocess.Popen[bytes]] = []  # the role, once it runs
+    signalled: list[int] = []
+
+    def stop_soon(number: int, _frame: object) -> None:
+        # not in the handler itself: it runs inside process.wait() below, whose lock reaping the role
+        # needs; it would spin out the grace, then hang, and never remove the role's shared memory
+        # (a cancelled SLURM step's stub gets SIGTERM, and SIGKILL KillWait seconds later)
+        if not started:  # before the role runs (a slow start): it is stopped as soon as it does
+            signalled.append(number)
+            return
+        threading.Thread(target=_stop, args=(started[0], grace), name="sluice-remote-stop", daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # before the role starts: no signal is missed
+        signal.signal(sig, stop_soon)
     fd = secret_pipe(header.secret)
     env[ENV_SECRET_FD] = str(fd)
     outputs = [relayed_pipe(1), *([relayed_pipe(2)] if header.split else [])] if header.outlive else []
@@ -176,15 +190,10 @@ def run(stdin: Any, grace: float = GRACE_S) -> int:
         if not ended.is_set():
             _stop(process, grace)
 
-    def stop_soon(_number: int, _frame: object) -> None:
-        # not in the handler itself: it runs inside process.wait() below, whose lock reaping the role
-        # needs; it would spin out the grace, then hang, and never remove the role's shared memory
-        # (a cancelled SLURM step's stub gets SIGTERM, and SIGKILL KillWait seconds later)
-        threading.Thread(target=_stop, args=(process, grace), name="sluice-remote-stop", daemon=True).start()
-
     threading.Thread(target=watch, name="sluice-remote-stdin", daemon=True).start()
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, stop_soon)
+    started.append(process)
+    if signalled:
+        stop_soon(signalled[0], None)
     # imported while the role runs (numpy comes with it): once the role is gone, a SIGKILL may be near
     from sluice.transport.shm import remove_segments_of
 
