@@ -8,7 +8,7 @@ from sluice.ps.relay import Relay
 from sluice.ps.role import Reply, Role
 from sluice.scheduler.bootstrap import NodeEnv, node_name
 from sluice.scheduler.declaration import parse_limits
-from sluice.scheduler.hierarchy.routes import parse_routing
+from sluice.scheduler.hierarchy.routes import epoch_field, parse_routing
 from sluice.scheduler.recovery import mirror_rounds
 from sluice.scheduler.resend import Answered, parse_back, parse_server_back
 from sluice.transport.prometheus import Readings
@@ -50,7 +50,7 @@ class Aggregator(Role):
         elif msg.kind == Kind.ROUTES:
             routing = parse_routing(meta_field(msg, "routes", list))
             endpoints = {p.name: p.endpoints for p in self.control.peers}
-            for parent in self.relay.tables.install(routing):
+            for parent in self.relay.tables.install(routing, epoch_field(msg.meta, "keep_from")):
                 self.transport.connect(parent, endpoints[parent])  # a no-op when connected in an earlier epoch
             self.log.info("aggregator %d: routing epoch %d, %d trees", self.control.rank, routing.epoch,
                           len(routing.trees))

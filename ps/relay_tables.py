@@ -7,12 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from sluice.scheduler.hierarchy.routes import SERVERS, Routing, has_cycle, subtree_ranks
+from sluice.scheduler.hierarchy.routes import SERVERS, Routing, has_cycle, stale_epochs, subtree_ranks
 from sluice.transport.dtypes import STORAGE
 from sluice.transport.wire import MAX_PAYLOAD_BYTES, Message, WireError, brief
-
-#: routing epochs kept: a worker still finishes rounds of the last two while the newest takes over
-KEEP_EPOCHS = 3
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,9 @@ class Tables:
     def parent_peer(self, view: TreeView, key: int, chunk: int) -> str:
         return view.parent if view.parent_is_aggregator else self.server_names[self.chunk(key, chunk)[2]]
 
-    def install(self, routing: Routing) -> list[str]:
-        """Take a new epoch's trees; the aggregators this one sends to (its parents), to connect to."""
+    def install(self, routing: Routing, keep_from: int = 0) -> list[str]:
+        """Take a new epoch's trees, forgetting the epochs before `keep_from` (none of their rounds is in flight
+        any more: scheduler/hierarchy/switch.py); the aggregators this one sends to (its parents), to connect to."""
         if routing.epoch in self.epochs or (self.epochs and routing.epoch < max(self.epochs)):
             raise WireError(f"routing epoch {routing.epoch} is not newer than {max(self.epochs)}")
         views = []
@@ -84,7 +82,7 @@ class Tables:
             below = {c: subtree_ranks(tree, c, self.worker_ranks) for c in children if c in self.aggregators}
             views.append(TreeView(parent, children, subtree_ranks(tree, self.name, self.worker_ranks), below))
         self.epochs[routing.epoch] = views
-        for old in sorted(self.epochs)[:-KEEP_EPOCHS]:
+        for old in stale_epochs(self.epochs, min(keep_from, routing.epoch)):
             del self.epochs[old]
         return sorted({v.parent for v in views if v.parent_is_aggregator})
 

@@ -24,7 +24,7 @@ from sluice.scheduler.declaration import (
 )
 from sluice.scheduler.hierarchy.agent import Report, parse_report
 from sluice.scheduler.hierarchy.midround import parse_held
-from sluice.scheduler.hierarchy.routes import Route, check_trees
+from sluice.scheduler.hierarchy.routes import Route, check_trees, epoch_field
 from sluice.scheduler.hierarchy.switch import RouteSwitch, parse_rounds
 from sluice.scheduler.leaving import left, parse_error
 from sluice.scheduler.members import ROLES, Node, address_book, assign
@@ -154,7 +154,8 @@ class Rendezvous:
         if msg.kind == Kind.ROUTES_ACK and node.role in ("worker", "aggregator"):
             rounds = parse_rounds((msg.meta or {}).get("rounds", []))
             held = parse_held((msg.meta or {}).get("held", []))
-            return self.switch.on_ack(node.name, node.role, meta_field(msg, "epoch", int), rounds, held)
+            oldest = epoch_field(msg.meta, "oldest")
+            return self.switch.on_ack(node.name, node.role, meta_field(msg, "epoch", int), rounds, held, oldest)
         if msg.kind == Kind.BARRIER and node.role == "worker":
             return self._on_barrier(node, msg)
         if msg.kind == Kind.BYE:

@@ -106,7 +106,7 @@ class Readings:
     rank: int
     metrics: TransportMetrics | None = None
     rejections: Sequence[Rejections] = ()
-    #: refused connections (failed CURVE handshakes): read at scrape time
+    #: refused connections (failed CURVE or ticket handshakes): read at scrape time
     refused_connections: Callable[[], int] | None = None
     #: rounds completed (a server: chunk-rounds summed; a worker: its parameter-server rounds)
     rounds: Callable[[], int] | None = None
@@ -175,7 +175,7 @@ class SluiceCollector:
         rejected.add_metric([*values, "banned_peer"], float(banned))
         yield rejected
         if readings.refused_connections is not None:
-            refused = counter("refused_connections", "connections refused at the CURVE handshake")
+            refused = counter("refused_connections", "connections refused at the handshake (CURVE, or a ticket)")
             refused.add_metric(values, float(readings.refused_connections()))
             yield refused
         if readings.rounds is not None:

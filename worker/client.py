@@ -22,7 +22,7 @@ from sluice.errors import SluiceError
 from sluice.scheduler.bootstrap import node_name
 from sluice.scheduler.calibration import Limits
 from sluice.scheduler.hierarchy.midround import parse_moved
-from sluice.scheduler.hierarchy.routes import parse_routing
+from sluice.scheduler.hierarchy.routes import epoch_field, parse_routing
 from sluice.scheduler.hierarchy.switch import parse_rounds
 from sluice.scheduler.node import PeerInfo
 from sluice.scheduler.recovery import mirror_rounds
@@ -352,14 +352,15 @@ class Client:
             self._router.begin(routing, set(self._aggregator_endpoints))
             started = [[t.key, t.round] for t in self._tensors.values() if t.round > 0]
             held = self._held_back.take(self._router, {(key, round_) for key, round_ in started})
-        self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch, rounds=started, held=held)
+            oldest = self._router.oldest_in_use(self._pending.rounds())
+        self.control.send(Kind.ROUTES_ACK, epoch=routing.epoch, rounds=started, held=held, oldest=oldest)
 
     def _on_commit(self, msg: Message) -> None:
         """The switch is agreed: connect to the new parents and send the pushes held meanwhile."""
         epoch, rounds = meta_field(msg, "epoch", int), parse_rounds(meta_field(msg, "rounds", list))
         moved = parse_moved((msg.meta or {}).get("moved", []))
         with self._lock:
-            parents = self._router.commit(epoch, rounds)
+            parents = self._router.commit(epoch, rounds, epoch_field(msg.meta, "keep_from"))
             again, onto = self._held_back.release(self._router, moved, self._server_names.__getitem__)
             for push, parent in onto:  # a reply that never comes names where the push went now
                 for handle in self._pending.handles(push):

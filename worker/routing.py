@@ -14,14 +14,12 @@ computes it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sluice.scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing
+from sluice.scheduler.hierarchy.routes import SERVERS, ChunkAssignment, Routing, stale_epochs
 from sluice.transport.wire import WireError
 
-#: committed epochs kept (rounds of a tensor are at most one apart across workers: see switch.py)
-KEEP_EPOCHS = 4
 #: epochs whose ROUTES and COMMIT arrival times are kept (for benchmarks: how long a switch took to reach us)
 KEEP_TIMES = 16
 
@@ -94,14 +92,16 @@ class Router:
         self.pending, self._announced = routing, None
         _stamp(self.routes_at, routing.epoch)
 
-    def commit(self, epoch: int, rounds: list[tuple[int, int]]) -> list[str]:
-        """Take the pending trees from the given switch rounds on; the aggregators to connect to."""
+    def commit(self, epoch: int, rounds: list[tuple[int, int]], keep_from: int = 0) -> list[str]:
+        """Take the pending trees from the given switch rounds on, forgetting the epochs before `keep_from`, whose
+        rounds are all over (scheduler/hierarchy/switch.py); the aggregators to connect to."""
         if self.pending is None or self.pending.epoch != epoch:
             raise WireError(f"COMMIT for epoch {epoch}, which was not announced")
         routing, self.pending = self.pending, None
         announced, self._announced = self._announced, None
         self._epochs.append(_Epoch(routing, dict(rounds), announced.assignment if announced is not None else None))
-        del self._epochs[:-KEEP_EPOCHS]
+        stale = set(stale_epochs((e.routing.epoch for e in self._epochs), min(keep_from, epoch)))
+        self._epochs = [e for e in self._epochs if e.routing.epoch not in stale]
         _stamp(self.committed_at, epoch)
         return sorted({t.parent(self.name) for t in routing.trees} - {SERVERS})
 
@@ -144,6 +144,11 @@ class Router:
             return None
         self.routed += 1
         return epoch.routing.epoch, tree, parent
+
+    def oldest_in_use(self, rounds: Iterable[tuple[int, int]]) -> int:
+        """The oldest routing epoch that these (key, round)s, this worker's rounds in flight, travel (0: none
+        travels a tree): ROUTES_ACK's `oldest`, so that no node forgets it while they may still need it."""
+        return min((e for key, round_ in rounds if (e := self.epoch_of(key, round_)) > 0), default=0)
 
     def epoch_of(self, key: int, round_: int) -> int:
         """The routing epoch round `round_` of tensor `key` travels (0: straight to the servers); known for

@@ -127,6 +127,10 @@ class Pending:
         ops, self._ops = self._ops, {}
         return [op for queue in ops.values() for op in queue]
 
+    def rounds(self) -> set[tuple[int, int]]:
+        """(key, round) of every operation still awaited."""
+        return {(key, round_) for _, key, _, round_ in self._ops}
+
     def requests(self) -> Iterator[tuple[int, Message | None]]:
         """(server, request) of every operation still awaited."""
         return ((op.server, op.request) for ops in self._ops.values() for op in ops)

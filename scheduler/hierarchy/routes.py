@@ -21,6 +21,9 @@ SERVERS = "server"
 #: trees in one epoch and nodes named by one tree (the wire form must fit a control header)
 MAX_TREES = 64
 MAX_EDGES = 1 << 14
+#: routing epochs a node keeps at most: it keeps every epoch whose rounds may still be in flight (`keep_from`,
+#: scheduler/hierarchy/switch.py), and never more than this, a bound on memory far past a job's need
+MAX_EPOCHS = 64
 _NAME = re.compile(r"(worker|aggregator)-\d{1,6}")
 
 
@@ -50,6 +53,23 @@ class Routing:
 
 
 FLAT = Routing(0, ())
+
+
+def stale_epochs(epochs: Iterable[int], keep_from: int) -> list[int]:
+    """The epochs to forget: those older than `keep_from` (no round of them is in flight), and those past the
+    newest MAX_EPOCHS."""
+    ordered = sorted(epochs)
+    return [e for index, e in enumerate(ordered) if e < keep_from or index < len(ordered) - MAX_EPOCHS]
+
+
+def epoch_field(meta: Mapping[str, object] | None, name: str) -> int:
+    """An optional routing epoch in a control message's meta (0 when absent), checked (WireError): a ROUTES' or
+    COMMIT's `keep_from` (the oldest epoch whose rounds may be in flight; 0: keep every epoch), a ROUTES_ACK's
+    `oldest`."""
+    raw = (meta or {}).get(name, 0)
+    if type(raw) is not int or not 0 <= raw < 1 << 31:
+        raise WireError(f"{name} must be a routing epoch, got {brief(raw)}")
+    return raw
 
 
 def check_trees(trees: Sequence[Route], workers: Iterable[str], aggregators: Iterable[str]) -> None:

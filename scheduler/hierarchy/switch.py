@@ -17,9 +17,13 @@ new trees after all, and whose (scheduler/hierarchy/midround.py: whole groups of
 all of them); the rest go where they were going.
 A round started before a worker's answer is below the switch round, so it keeps the trees every
 other worker used for it; a round at or above the switch round was held until COMMIT, so no worker
-sent it on the old trees. Rounds of one tensor are at most one apart across workers (a round
-completes only when every worker pushed it), so at most three epochs are ever in use at once.
-A worker that leaves during a switch counts as having answered with nothing.
+sent it on the old trees. A round may outlast several switches (a long one behind a slow uplink, while
+the trees are re-planned), so every node keeps the epochs its rounds may still travel: each worker's
+answer names the oldest epoch of its rounds in flight (`oldest`); none older can come into use again (a
+round a worker has yet to start of those below the switch round is in flight at another worker, which
+named its epoch), so the COMMIT tells the workers, and the next ROUTES the aggregators, to forget the
+epochs before the oldest named (`keep_from`; never one of the last three, and never more than MAX_EPOCHS
+kept). A worker that leaves during a switch counts as having answered with nothing.
 
 A standby scheduler that takes over (scheduler/standby.py) rebuilds this from what each node was told
 of the last switch (`Told`: its ROUTES, a worker's answer, the COMMIT; scheduler/rejoin.py) and goes
@@ -38,12 +42,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.scheduler.hierarchy.midround import Held, Moved, parse_moved, plan_moves
-from sluice.scheduler.hierarchy.routes import Route, Routing, parse_routing
+from sluice.scheduler.hierarchy.routes import MAX_EPOCHS, Route, Routing, parse_routing
 from sluice.transport.wire import Kind, Message, WireError, brief
 
 Out = tuple[str, Message]
 #: tensors one ROUTES_ACK may list
 MAX_ACK_KEYS = 1 << 17
+#: the newest epochs always kept: a push sent again (recovery) may name one whose rounds are over
+KEEP_EPOCHS = 3
 
 
 def parse_rounds(raw: object) -> list[tuple[int, int]]:
@@ -95,6 +101,8 @@ class _Switch:
     last_rounds: dict[int, int] = field(default_factory=dict)
     #: each worker's pushes of rounds in flight held back at ROUTES
     held: dict[str, list[Held]] = field(default_factory=dict)
+    #: the oldest epoch any worker's rounds in flight travel, as they answered (0: none)
+    oldest: int = 0
 
 
 @dataclass
@@ -109,8 +117,10 @@ class RouteSwitch:
     _switch: _Switch | None = None
     _queued: tuple[Route, ...] | None = None
     _gone: set[str] = field(default_factory=set)
-    #: the last committed routings, newest last: rounds of each may still be in flight (at most three)
+    #: the committed routings whose rounds may still be in flight, newest last
     history: list[Routing] = field(default_factory=list)
+    #: the oldest epoch whose rounds may still be in flight (0: not known, every node keeps all it has)
+    keep_from: int = 0
 
     @property
     def switching(self) -> bool:
@@ -127,7 +137,9 @@ class RouteSwitch:
         return self._next() if self.started and self._switch is None else []
 
     def on_ack(self, name: str, role: str, epoch: int, rounds: list[tuple[int, int]],
-               held: Sequence[Held] = ()) -> list[Out]:
+               held: Sequence[Held] = (), oldest: int = 0) -> list[Out]:
+        """A ROUTES_ACK: an aggregator's, or a worker's with its last `rounds` started, its pushes `held` back and
+        the `oldest` epoch its rounds in flight travel (0: none)."""
         switch = self._switch
         if switch is None or epoch != switch.routing.epoch:
             raise WireError(f"ROUTES_ACK for epoch {epoch} from {name}, which is not being switched to")
@@ -139,6 +151,8 @@ class RouteSwitch:
             for key, round_ in rounds:
                 switch.last_rounds[key] = max(round_, switch.last_rounds.get(key, 0))
             switch.held[name] = list(held)
+            if oldest:
+                switch.oldest = min(oldest, switch.oldest or oldest)
             return self._commit(switch) if not switch.waiting_workers else []
         raise WireError(f"unexpected ROUTES_ACK for epoch {epoch} from {name}")
 
@@ -197,7 +211,7 @@ class RouteSwitch:
         self._switch = _Switch(routing, set(self.aggregators))
         if not self.aggregators:
             return self._to_workers(self._switch)
-        message = _message(Kind.ROUTES, routes=routing.encode())
+        message = _message(Kind.ROUTES, routes=routing.encode(), **self._keep_meta())
         return [(name, message) for name in self.aggregators]
 
     def _to_workers(self, switch: _Switch) -> list[Out]:
@@ -217,13 +231,18 @@ class RouteSwitch:
                                               **({"again": True} if again else {}))))
         return outs
 
+    def _keep_meta(self) -> dict[str, int]:
+        return {"keep_from": self.keep_from} if self.keep_from else {}  # absent: 0, keep every epoch
+
     def _commit(self, switch: _Switch) -> list[Out]:
         held = {name: entries for name, entries in switch.held.items() if name not in self._gone}
         moved = plan_moves(held, self.workers, self.history, switch.routing)
-        self.history = [*self.history, switch.routing][-3:]
+        newest = switch.routing.epoch
+        self.keep_from = max(0, min(switch.oldest or newest, newest - KEEP_EPOCHS + 1))
+        self.history = [r for r in [*self.history, switch.routing] if r.epoch >= self.keep_from][-MAX_EPOCHS:]
         self.current, self._switch = switch.routing, None
         rounds = [[key, last + 1] for key, last in sorted(switch.last_rounds.items())]
-        message = _message(Kind.COMMIT, epoch=switch.routing.epoch, rounds=rounds, **_moved_meta(moved))
+        message = _message(Kind.COMMIT, epoch=newest, rounds=rounds, **self._keep_meta(), **_moved_meta(moved))
         return [(name, message) for name in self.workers if name not in self._gone] + self._next()
 
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from sluice.ps.ranked_sum import bf16_to_f32, f32_to_bf16
 from sluice.ps.relay import Relay
-from sluice.ps.relay_tables import KEEP_EPOCHS, TreeView
-from sluice.scheduler.hierarchy.routes import SERVERS, Route, Routing
+from sluice.ps.relay_tables import TreeView
+from sluice.scheduler.hierarchy.routes import MAX_EPOCHS, SERVERS, Route, Routing
 from sluice.transport.wire import DTYPES, Flag, Kind, Message, WireError
 from tests.unit.relay_helpers import (
     DTYPE,
@@ -348,17 +348,27 @@ def epoch(number: int, tree: Route = FLAT_TREE) -> Routing:
     return Routing(number, (tree,))
 
 
-def test_install_keeps_the_newest_epochs() -> None:
+def test_install_keeps_every_epoch_from_keep_from_on() -> None:
     relay = new_relay("aggregator-0", epoch(1))
-    for number in range(2, 7):
+    for number in range(2, 7):  # no keep_from yet: a round of epoch 1 may still be in flight
         assert relay.tables.install(epoch(number)) == []  # parent: the servers, nothing to connect to
-        assert sorted(relay.tables.epochs) == list(range(max(1, number - KEEP_EPOCHS + 1), number + 1))
-    assert KEEP_EPOCHS == 3
+    assert sorted(relay.tables.epochs) == [1, 2, 3, 4, 5, 6]
+    relay.tables.install(epoch(7), keep_from=4)
+    assert sorted(relay.tables.epochs) == [4, 5, 6, 7]
     with pytest.raises(WireError, match="unknown tree 0 of routing epoch 3"):
         relay.handle("worker-0", 0, push("worker-0", F4, route=[3, 0]))
     relay.handle("worker-0", 0, push("worker-0", F4, route=[4, 0]))  # the oldest kept still works
     out = relay.handle("worker-1", 0, push("worker-1", F4, route=[4, 0]))
     assert [peer for peer, _, _ in out] == ["server-0"]
+    relay.tables.install(epoch(8), keep_from=99)  # never the epoch being installed
+    assert sorted(relay.tables.epochs) == [8]
+
+
+def test_install_keeps_at_most_max_epochs() -> None:
+    relay = new_relay("aggregator-0", epoch(1))
+    for number in range(2, MAX_EPOCHS + 11):
+        relay.tables.install(epoch(number))
+    assert sorted(relay.tables.epochs) == list(range(11, MAX_EPOCHS + 11))
 
 
 @pytest.mark.parametrize("number", [1, 2, 3])

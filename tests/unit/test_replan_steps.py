@@ -124,7 +124,7 @@ def test_a_router_times_each_epochs_routes_and_commit_and_names_the_epoch_of_a_r
     assert sorted(router.committed_at) == list(range(3, KEEP_TIMES + 3))  # the latest KEEP_TIMES epochs
     assert sorted(router.routes_at) == sorted(router.committed_at)
     assert all(router.routes_at[e] <= router.committed_at[e] for e in router.committed_at)
-    # a round takes the newest kept epoch whose switch round it reached (epochs 15..18 kept: KEEP_EPOCHS)
+    # a round takes the newest epoch whose switch round it reached (no keep_from: every epoch kept)
     last = KEEP_TIMES + 2
     assert router.epoch_of(7, 10 * last) == last and router.epoch_of(7, 10 * last - 1) == last - 1
 
