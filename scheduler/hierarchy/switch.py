@@ -22,8 +22,8 @@ the trees are re-planned), so every node keeps the epochs its rounds may still t
 answer names the oldest epoch of its rounds in flight (`oldest`); none older can come into use again (a
 round a worker has yet to start of those below the switch round is in flight at another worker, which
 named its epoch), so the COMMIT tells the workers, and the next ROUTES the aggregators, to forget the
-epochs before the oldest named (`keep_from`; never one of the last three, and never more than MAX_EPOCHS
-kept). A worker that leaves during a switch counts as having answered with nothing.
+epochs before the oldest named (`keep_from`; never one of the last three, and never more than
+routes.MAX_EPOCHS kept). A worker that leaves during a switch counts as having answered with nothing.
 
 A standby scheduler that takes over (scheduler/standby.py) rebuilds this from what each node was told
 of the last switch (`Told`: its ROUTES, a worker's answer, the COMMIT; scheduler/rejoin.py) and goes
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.scheduler.hierarchy.midround import Held, Moved, parse_moved, plan_moves
-from sluice.scheduler.hierarchy.routes import MAX_EPOCHS, Route, Routing, parse_routing
+from sluice.scheduler.hierarchy.routes import Route, Routing, parse_routing, stale_epochs
 from sluice.transport.wire import Kind, Message, WireError, brief
 
 Out = tuple[str, Message]
@@ -239,7 +239,9 @@ class RouteSwitch:
         moved = plan_moves(held, self.workers, self.history, switch.routing)
         newest = switch.routing.epoch
         self.keep_from = max(0, min(switch.oldest or newest, newest - KEEP_EPOCHS + 1))
-        self.history = [r for r in [*self.history, switch.routing] if r.epoch >= self.keep_from][-MAX_EPOCHS:]
+        history = [*self.history, switch.routing]
+        stale = set(stale_epochs((r.epoch for r in history), self.keep_from))
+        self.history = [r for r in history if r.epoch not in stale]
         self.current, self._switch = switch.routing, None
         rounds = [[key, last + 1] for key, last in sorted(switch.last_rounds.items())]
         message = _message(Kind.COMMIT, epoch=newest, rounds=rounds, **self._keep_meta(), **_moved_meta(moved))
