@@ -12,6 +12,7 @@ alone fails its handlers when the job fails, and closes them in order.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -120,6 +121,10 @@ class WorkerNode:
         assert self.collectives is not None
         self.collectives.connect([p.endpoints for p in self.by_rank("worker")])
         self.ps.start()
+        # a script that ends without close() (an exception, sys.exit) still says goodbye, with its error, and
+        # unlinks its shared memory: the scheduler names the error instead of a missed heartbeat later
+        self._closed = False
+        atexit.register(self.close)
 
     # ------------------------------------------------------------------ who is who
     def by_rank(self, role: str) -> list[PeerInfo]:
@@ -193,7 +198,11 @@ class WorkerNode:
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
-        """Close in order: the stages' handshakes, the engine, goodbye to the scheduler, the transport."""
+        """Close in order: the stages' handshakes, the engine, goodbye to the scheduler, the transport (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         closing, self._closing = self._closing, []
         for fn in closing:
             fn()

@@ -80,8 +80,10 @@ def nodes() -> Iterator[list[Node]]:
     try:
         yield started
     finally:
-        for node in started:
+        for index, node in enumerate(started):
             node.kill()
+            # shown by pytest only when the test failed: every node's side of the story, not only the one asserted on
+            print(f"--- node {index} (pid {node.proc.pid}, exit {node.proc.returncode}) ---\n{node.output()[-6000:]}")
 
 
 @pytest.fixture

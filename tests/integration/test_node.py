@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import subprocess
@@ -177,3 +178,33 @@ def test_a_worker_with_another_secret_cannot_join(nodes: list[Node], tmp_path: P
     assert "rendezvous timed out after 4 s: 1 of 2 workers and 1 of 1 servers registered" in scheduler
     assert f"waiting for the scheduler at tcp://127.0.0.1:{port} to admit this worker" in intruder.output()
     assert "sum" not in members[2].output() and "sum" not in intruder.output()
+
+
+# A script that raises before it closes its node: Python's exit still says goodbye, with the error.
+RAISES = """
+import numpy as np
+from sluice.worker.node import WorkerNode
+node = WorkerNode()
+node.ps.declare([("w", (1000,), "float32", None)])
+node.ps.push_pull("w", np.ones(1000, np.float32), np.zeros(1000, np.float32)).wait(30)
+raise RuntimeError("fails on purpose")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_raises_without_closing_names_its_error_and_leaves_no_shared_memory(
+        nodes: list[Node], tmp_path: Path) -> None:
+    secret = secret_file(tmp_path / "secret")
+    script = tmp_path / "train.py"
+    script.write_text(RAISES)
+    # heartbeats would only notice after a minute: the error must come from the goodbye
+    job = ["-w", "1", "-s", "1", "--scheduler", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
+           "--set", "scheduler.heartbeat_timeout=60", "--", sys.executable, str(script)]
+    scheduler, server, worker = (start_node(nodes, index, job) for index in range(3))
+    assert worker.finish(30) == 1
+    assert "RuntimeError: fails on purpose" in worker.output()
+    # the scheduler names it at once (the worker's pod carries the failure: its exit code is the job's verdict)
+    scheduler.finish(20)
+    assert "the first: worker 0 (RuntimeError: fails on purpose)" in scheduler.output(), scheduler.output()
+    assert server.finish(20) == 0, server.output()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"sluice-{worker.proc.pid}-")]

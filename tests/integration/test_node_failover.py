@@ -18,22 +18,28 @@ from sluice.launch.master_port import free_port
 from sluice.launch.node import role_of
 from tests.integration.node_procs import Node, env_without_sluice, secret_file, start_node
 
-# Each worker pushes (rank + 1) * (step + 1) and checks the sum of both, every step, until told to stop.
+# Each worker pushes (rank + 1) * (step + 1) and checks the sum of both, every step, until told to stop. The
+# stop is agreed in the sum itself (the last element counts the workers that saw the file, from step 20 on):
+# a worker that saw it alone would leave the other's next round without its push.
 WORKER = """
 import os, sys, time
 import numpy as np
 from sluice.worker.node import WorkerNode
 node = WorkerNode()
 client = node.ps
-client.declare([("w", (1000,), "float32", None)])
-out = np.zeros(1000, np.float32)
+client.declare([("w", (1001,), "float32", None)])
+out = np.zeros(1001, np.float32)
 step = 0
-while not os.path.exists(sys.argv[1]) or step < 20:
-    client.push_pull("w", np.full(1000, (client.rank + 1) * (step + 1), np.float32), out).wait(30)
-    if not (out == 3 * (step + 1)).all():
+while True:
+    push = np.full(1001, (client.rank + 1) * (step + 1), np.float32)
+    push[-1] = step >= 20 and os.path.exists(sys.argv[1])
+    client.push_pull("w", push, out).wait(30)
+    if not (out[:-1] == 3 * (step + 1)).all():
         sys.exit(f"step {step}: sum {out[0]}, expected {3 * (step + 1)}")
     step += 1
     print("step", step, flush=True)
+    if out[-1] > 0:
+        break
     time.sleep(0.02)
 print("sum", out[0], "after", step, "steps", flush=True)
 node.close()
