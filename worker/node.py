@@ -86,6 +86,7 @@ class WorkerNode:
         #: the time between optimizer steps (the framework shim ticks it), for the Prometheus endpoint
         self.step_times = StepTimes()
         self.failure: str | None = None
+        self._closed = False
         #: message kind -> its handler (from peers other than the scheduler)
         self.routes: dict[Kind, Route] = {}
         #: message kind from the scheduler (beyond the control client's own) -> its handler
@@ -123,7 +124,6 @@ class WorkerNode:
         self.ps.start()
         # a script that ends without close() (an exception, sys.exit) still says goodbye, with its error, and
         # unlinks its shared memory: the scheduler names the error instead of a missed heartbeat later
-        self._closed = False
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ who is who
