@@ -21,6 +21,7 @@ from torch import nn
 from bench.common import ROOT, CoreUse, Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.plot import bar_chart, write_svg
 from testbed.job import emit_result, run_gloo_job, run_sluice_job
+from testbed.link_use import LinkProfile, LinkUse
 from testbed.netbed import Netbed, ready_for
 
 KIB = 1 << 10
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cipher", choices=["aes-gcm", "curve"], default="aes-gcm",
                         help="transport.cipher of Sluice's jobs: aes-gcm seals the data connections (the default), "
                              "curve runs CURVE on them (default: %(default)s)")
+    parser.add_argument("--link-profile", action="store_true",
+                        help="sample worker 0's switch port every 2 ms and report how busy its link was through the "
+                             "timed steps (testbed/link_use.py): whether a step waits on the link or on the cores")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -155,15 +159,16 @@ def train(args: argparse.Namespace, rank: int, optimizer: torch.optim.Optimizer,
 
     loss = steps(args.warmup)
     settle()
-    seconds, cores = [], CoreUse()
+    seconds, windows, cores = [], [], CoreUse()
     for _ in range(args.repeats):
         barrier()
-        started = time.perf_counter()
+        started, window = time.perf_counter(), time.monotonic()
         loss = steps(args.steps)
         settle()
         barrier()
         seconds.append((time.perf_counter() - started) / args.steps)
-    return {"rank": rank, "seconds": seconds, "loss": loss, "cores_busy": cores.busy()}
+        windows.append((window, time.monotonic()))  # CLOCK_MONOTONIC: the link sampler's clock, in any namespace
+    return {"rank": rank, "seconds": seconds, "windows": windows, "loss": loss, "cores_busy": cores.busy()}
 
 
 def sluice_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,8 +223,10 @@ def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, An
                           "cipher": args.cipher}}
 
 
-def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> tuple[Stats, float]:
-    """ms a step (worker 0's repetitions), and the share of the cores busy through them."""
+def measure(bed: Netbed, args: argparse.Namespace, name: str,
+            workers: int) -> tuple[Stats, float, LinkProfile | None]:
+    """ms a step (worker 0's repetitions), the share of the cores busy through them, and with
+    --link-profile how busy worker 0's link was."""
     batch = args.global_batch // workers
     argv = [sys.executable, "-m", "bench.priority_training", "--worker", "sluice" if name != DDP else "ddp",
             "--batch", str(batch), "--width", str(args.width), "--hidden", str(args.hidden),
@@ -227,18 +234,31 @@ def measure(bed: Netbed, args: argparse.Namespace, name: str, workers: int) -> t
     hosts = [f"w{i}" for i in range(workers)]
     env = {"OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    if name == DDP:
-        results = run_gloo_job(bed, hosts, argv, timeout=args.timeout, env=env, echo=args.verbose)
-    else:
-        servers = [f"s{i}" for i in range(args.servers)]
-        results = run_sluice_job(bed, servers[0], servers, hosts, sluice_config(args, name), argv,
-                                 timeout=args.timeout, env=env, echo=args.verbose)
+    sampler = LinkUse(bed, "w0") if args.link_profile else None
+    try:
+        if name == DDP:
+            results = run_gloo_job(bed, hosts, argv, timeout=args.timeout, env=env, echo=args.verbose)
+        else:
+            servers = [f"s{i}" for i in range(args.servers)]
+            results = run_sluice_job(bed, servers[0], servers, hosts, sluice_config(args, name), argv,
+                                     timeout=args.timeout, env=env, echo=args.verbose)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     first = next(r for r in results if r["rank"] == 0)
+    link = None
+    if sampler is not None:
+        try:
+            link = sampler.profile(first["windows"])
+        except ValueError as exc:  # no sampler output, or timed steps shorter than a bin
+            progress(f"     worker 0's link: no profile ({exc})")
     step = stats([s * 1000 for s in first["seconds"]])
     progress(f"  w{workers} {name:<8} {step.brief(1)} ms/step, {args.global_batch / step.median * 1000:.0f} "
              f"samples/s, cores {first['cores_busy']:.0%} busy, last loss {first['loss']:.3g} "
              f"({time.perf_counter() - t0:.1f} s)")
-    return step, float(first["cores_busy"])
+    if link is not None:
+        progress(f"     worker 0's link through the timed steps: {link.describe()}")
+    return step, float(first["cores_busy"]), link
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.warmup} warm-up + {args.steps} timed steps x {args.repeats} repeats")
     measured: dict[tuple[int, str], Stats] = {}
     busy: dict[tuple[int, str], float] = {}
+    links: dict[tuple[int, str], LinkProfile | None] = {}
     started = time.perf_counter()
     with Netbed() as bed:
         for i in range(max(args.workers)):
@@ -264,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             bed.host(f"s{i}", args.server_mbit, tos_bands=args.server_mbit is not None)
         for workers in args.workers:
             for name in args.configs:
-                measured[(workers, name)], busy[(workers, name)] = measure(bed, args, name, workers)
+                measured[(workers, name)], busy[(workers, name)], links[(workers, name)] = measure(
+                    bed, args, name, workers)
     progress(f"\nstep time in ms, median [min..max] of {args.repeats} repeats; global samples/s "
              f"({time.perf_counter() - started:.0f} s in all)")
     rows, records = [], []
@@ -298,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 repeats=args.repeats, optimizer_on=args.optimizer_on, ours_step_ms=measured[(workers, mine)].median,
                 peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name], curve=mine == PRIORITY,
                 cores_busy=busy[(workers, mine)], peer_cores_busy=busy[(workers, name)],
+                **_link_fields(links.get((workers, mine)), ""), **_link_fields(links.get((workers, name)), "peer_"),
             ))
     write_json(args.json, records)
     if args.plot:
@@ -310,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"{args.rate_mbit:g} Mbit/s worker links")
         progress(f"wrote the plot to {write_svg(args.plot, svg)}")
     return 0
+
+
+def _link_fields(link: LinkProfile | None, prefix: str) -> dict[str, Any]:
+    return {} if link is None else {prefix + key: value for key, value in link.fields().items()}
 
 
 def throughput(args: argparse.Namespace, step_ms: Stats) -> Stats:

@@ -128,10 +128,14 @@ def test_ps_vs_allreduce_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_priority_training_quick_writes_records_and_a_plot(tmp_path: Path) -> None:
     out, plot = tmp_path / "priority_training.json", tmp_path / "plot" / "priority_training.svg"
-    result = run_script(["bench/priority_training.py", "--quick", "--json", str(out), "--plot", str(plot)], timeout=140)
+    result = run_script(["bench/priority_training.py", "--quick", "--json", str(out), "--plot", str(plot),
+                         "--link-profile"], timeout=140)
     (rec,) = check_records(out, 1)  # quick: priority against ddp (the full run adds chunked and fifo)
     assert rec["peer_name"] == "torch DDP (gloo)" and rec["case"].endswith("-vs-ddp"), rec
     assert rec["ours_step_ms"] > 0 and rec["peer_step_ms"] > 0, rec
+    # worker 0's link through the timed steps, both jobs: the gradients crossed it, at no more than its rate
+    for prefix in ("", "peer_"):
+        assert 0 < rec[f"{prefix}uplink_use"] <= 1.1 and 0 < rec[f"{prefix}downlink_use"] <= 1.1, rec
     assert "priority speed-up" in result.stdout
     root = ET.parse(plot).getroot()
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
