@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,7 @@ class WorkerNode:
         self.step_times = StepTimes()
         self.failure: str | None = None
         self._closed = False
+        self._pid = os.getpid()
         #: message kind -> its handler (from peers other than the scheduler)
         self.routes: dict[Kind, Route] = {}
         #: message kind from the scheduler (beyond the control client's own) -> its handler
@@ -124,7 +126,7 @@ class WorkerNode:
         self.ps.start()
         # a script that ends without close() (an exception, sys.exit) still says goodbye, with its error, and
         # unlinks its shared memory: the scheduler names the error instead of a missed heartbeat later
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ who is who
     def by_rank(self, role: str) -> list[PeerInfo]:
@@ -202,7 +204,7 @@ class WorkerNode:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         closing, self._closing = self._closing, []
         for fn in closing:
             fn()
@@ -218,6 +220,12 @@ class WorkerNode:
         self.stop_trace()
         if self.metrics_server is not None:
             self.metrics_server.close()
+
+    def _close_at_exit(self) -> None:
+        """Close at exit, in this process only: a child forked from it (os.fork) inherits the handler but
+        neither the node's threads nor its place in the job."""
+        if os.getpid() == self._pid:
+            self.close()
 
     def _send_timeline(self) -> None:
         """Before the goodbye (so the scheduler has it when the job ends), on a clean end only."""

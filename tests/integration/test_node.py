@@ -208,3 +208,45 @@ def test_a_worker_that_raises_without_closing_names_its_error_and_leaves_no_shar
     assert "the first: worker 0 (RuntimeError: fails on purpose)" in scheduler.output(), scheduler.output()
     assert server.finish(20) == 0, server.output()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"sluice-{worker.proc.pid}-")]
+
+
+# A worker that forks a child which ends normally: the child inherits the node's exit handler (the node closes
+# only in the process that made it), and its exit must leave the parent's node whole: its shared memory, which
+# peers on this host may have yet to map, and its place in the job.
+FORKS = """
+import os, sys, time
+import numpy as np
+from sluice.worker.node import WorkerNode
+node = WorkerNode()
+node.ps.declare([("w", (1000,), "float32", None)])
+out = np.zeros(1000, np.float32)
+def segments():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"sluice-{os.getpid()}-"))
+before = segments()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: atexit handlers run
+started = time.monotonic()
+os.waitpid(pid, 0)
+print("child took", round(time.monotonic() - started), "s", flush=True)
+print("segments kept:", bool(before) and segments() == before, flush=True)
+node.ps.push_pull("w", np.ones(1000, np.float32), out).wait(30)
+print("sum", out[0], flush=True)
+node.close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_from_a_worker_exits_at_once_and_leaves_the_worker_in_the_job(
+        nodes: list[Node], tmp_path: Path) -> None:
+    secret = secret_file(tmp_path / "secret")
+    script = tmp_path / "train.py"
+    script.write_text(FORKS)
+    job = ["-w", "1", "-s", "1", "--scheduler", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
+           "--", sys.executable, str(script)]
+    scheduler, server, worker = (start_node(nodes, index, job) for index in range(3))
+    assert worker.finish(40) == 0, worker.output()
+    out = worker.output()
+    assert "child took 0 s" in out and "segments kept: True" in out and "sum 1.0" in out, out
+    assert scheduler.finish(20) == 0 and "all workers finished; job done" in scheduler.output(), scheduler.output()
+    assert server.finish(20) == 0, server.output()
