@@ -180,6 +180,16 @@ def test_a_worker_with_another_secret_cannot_join(nodes: list[Node], tmp_path: P
     assert "sum" not in members[2].output() and "sum" not in intruder.output()
 
 
+def _one_worker_job(nodes: list[Node], tmp_path: Path, script_text: str, *options: str) -> list[Node]:
+    """Scheduler, server and one worker running `script_text`, as indexes 0, 1, 2 of a job."""
+    secret = secret_file(tmp_path / "secret")
+    script = tmp_path / "train.py"
+    script.write_text(script_text)
+    job = ["-w", "1", "-s", "1", "--scheduler", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
+           *options, "--", sys.executable, str(script)]
+    return [start_node(nodes, index, job) for index in range(3)]
+
+
 # A script that raises before it closes its node: Python's exit still says goodbye, with the error.
 RAISES = """
 import numpy as np
@@ -194,13 +204,8 @@ raise RuntimeError("fails on purpose")
 @pytest.mark.timeout(60)
 def test_a_worker_that_raises_without_closing_names_its_error_and_leaves_no_shared_memory(
         nodes: list[Node], tmp_path: Path) -> None:
-    secret = secret_file(tmp_path / "secret")
-    script = tmp_path / "train.py"
-    script.write_text(RAISES)
     # heartbeats would only notice after a minute: the error must come from the goodbye
-    job = ["-w", "1", "-s", "1", "--scheduler", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
-           "--set", "scheduler.heartbeat_timeout=60", "--", sys.executable, str(script)]
-    scheduler, server, worker = (start_node(nodes, index, job) for index in range(3))
+    scheduler, server, worker = _one_worker_job(nodes, tmp_path, RAISES, "--set", "scheduler.heartbeat_timeout=60")
     assert worker.finish(30) == 1
     assert "RuntimeError: fails on purpose" in worker.output()
     # the scheduler names it at once (the worker's pod carries the failure: its exit code is the job's verdict)
@@ -239,12 +244,7 @@ node.close()
 @pytest.mark.timeout(60)
 def test_a_child_forked_from_a_worker_exits_at_once_and_leaves_the_worker_in_the_job(
         nodes: list[Node], tmp_path: Path) -> None:
-    secret = secret_file(tmp_path / "secret")
-    script = tmp_path / "train.py"
-    script.write_text(FORKS)
-    job = ["-w", "1", "-s", "1", "--scheduler", f"127.0.0.1:{free_port()}", "--secret-file", str(secret),
-           "--", sys.executable, str(script)]
-    scheduler, server, worker = (start_node(nodes, index, job) for index in range(3))
+    scheduler, server, worker = _one_worker_job(nodes, tmp_path, FORKS)
     assert worker.finish(40) == 0, worker.output()
     out = worker.output()
     assert "child took 0 s" in out and "segments kept: True" in out and "sum 1.0" in out, out
