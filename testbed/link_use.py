@@ -96,7 +96,10 @@ class LinkUse:
     """A sampler of `host`'s port on the testbed's switch, from construction to `stop()`."""
 
     def __init__(self, bed: Netbed, host: str) -> None:
-        self.rate_mbit = float(bed.hosts[host].rate_mbit or 0)
+        rate = bed.hosts[host].rate_mbit
+        if not rate:  # use is a share of the shaped rate: an unshaped link has none
+            raise ValueError(f"host {host!r} has an unshaped link: its use has no rate to be a share of")
+        self.rate_mbit = float(rate)
         argv = ["ip", "netns", "exec", f"{bed.tag}-sw", sys.executable, "-m", "testbed.link_use",
                 bed.hosts[host].port]
         self._proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
