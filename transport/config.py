@@ -13,6 +13,10 @@ class TransportConfig:
     #: the highest priority (0 = most urgent) each channel but the last carries, e.g. [3, 20]: channel 0
     #: carries priorities 0-3, channel 1 4-20, channel 2 the rest; empty: even bands over the tensors
     channel_levels: tuple[int, ...] = field(default_factory=tuple)
+    #: a tensor of more bytes rides the last channel whatever its priority (0: by priority alone), so that one
+    #: TCP connection per peer carries the bulk and keeps its rate: a connection that takes over the bulk from
+    #: another starts below the link's rate and needs 100 ms or more to find it again (docs/priority.md)
+    bulk_bytes: int = 4 << 20
     #: tensors are cut into chunks of at most this many bytes; 0: chosen by a calibration at start
     chunk_bytes: int = 0
     #: per channel and peer, at most this many payload bytes are sent but not yet acknowledged;
@@ -59,6 +63,8 @@ class TransportConfig:
             raise ValueError(f"transport.io_threads must be 1..16, got {self.io_threads}")
         if self.chunk_bytes and self.chunk_bytes < 4096:
             raise ValueError(f"transport.chunk_bytes must be 0 (calibrate) or at least 4096, got {self.chunk_bytes}")
+        if self.bulk_bytes < 0:
+            raise ValueError(f"transport.bulk_bytes must be 0 (off) or positive, got {self.bulk_bytes}")
         if self.inflight_bytes < 0:
             raise ValueError(f"transport.inflight_bytes must be 0 (calibrate) or positive, got {self.inflight_bytes}")
         if self.aging_ms <= 0:
@@ -86,8 +92,12 @@ class TransportConfig:
         if self.backend != "zmq":
             raise ValueError(f"transport.backend {self.backend!r} is unknown; the available one is 'zmq'")
 
-    def channel_for(self, priority: int, levels: int) -> int:
-        """Channel carrying `priority` (0 most urgent): by `channel_levels`, else in even bands of `levels`."""
+    def channel_for(self, priority: int, levels: int, nbytes: int = 0) -> int:
+        """Channel carrying a tensor of `priority` (0 most urgent) and `nbytes`, of `levels` priorities: the last
+        if it is bulk (more than `bulk_bytes`) and there is more than one priority (with one, every chunk is
+        first come, first served), else by `channel_levels`, else in even bands of `levels`."""
+        if self.bulk_bytes and nbytes > self.bulk_bytes and levels > 1:
+            return self.channels - 1
         if self.channel_levels:
             return next((c for c, top in enumerate(self.channel_levels) if priority <= top), self.channels - 1)
         if levels <= 0:

@@ -176,7 +176,8 @@ class Client:
             self._tensor(name).priority = priority
         levels = max((t.priority for t in self._tensors.values()), default=0) + 1
         for tensor in self._tensors.values():
-            tensor.channel = self.settings.channel_for(tensor.priority, levels)
+            nbytes = tensor.numel * np.dtype(STORAGE[tensor.dtype]).itemsize
+            tensor.channel = self.settings.channel_for(tensor.priority, levels, nbytes)
 
     def alloc(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """A zeroed array in registered memory: pushing from it costs no copy when servers share the host.

@@ -56,12 +56,12 @@ def parse_plan(plan: list[Any], known: dict[str, Tensor], settings: TransportCon
         new = {}
         for key, name, shape, dtype, priority, chunks in plan:
             if name not in known:
+                numel = sum(n for _, _, n, _ in chunks)
+                nbytes = numel * np.dtype(STORAGE[dtype]).itemsize
                 new[name] = Tensor(
-                    key, name, tuple(shape), dtype, priority, settings.channel_for(priority, levels),
-                    [(c, o, n, s) for c, o, n, s in chunks], numel=sum(n for _, _, n, _ in chunks),
+                    key, name, tuple(shape), dtype, priority, settings.channel_for(priority, levels, nbytes),
+                    [(c, o, n, s) for c, o, n, s in chunks], numel=numel,
                 )
-        for tensor in new.values():
-            np.dtype(STORAGE[tensor.dtype])
     except (TypeError, ValueError, KeyError) as exc:
         raise SluiceError(f"malformed PLAN from the scheduler: {type(exc).__name__}") from None
     return new

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from sluice.errors import SluiceError
 from sluice.transport.config import BULK_TOS, NORMAL_TOS, URGENT_TOS, TransportConfig
 from sluice.worker.config import WorkerConfig
+from sluice.worker.tensors import parse_plan
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -25,6 +27,52 @@ pytestmark = pytest.mark.timeout(10)
 def test_channel_for_priority(channels: int, levels: tuple[int, ...], table: list[int]) -> None:
     config = TransportConfig(channels=channels, channel_levels=levels)
     assert [config.channel_for(priority, 10) for priority in range(10)] == table
+
+
+@pytest.mark.parametrize(
+    ("settings", "table"),
+    [
+        # channel of (priority, bytes) for 10 declared tensors: (0, 4 MiB) (0, 4 MiB + 1) (4, 1 KiB) (9, 64 MiB) (1, 0)
+        ({}, [0, 2, 1, 2, 0]),
+        ({"bulk_bytes": 0}, [0, 0, 1, 2, 0]),  # off: by priority alone
+        ({"bulk_bytes": 512}, [2, 2, 2, 2, 0]),
+        ({"channel_levels": (0, 5)}, [0, 2, 1, 2, 1]),  # bulk goes last whatever the levels say
+        ({"channels": 2}, [0, 1, 0, 1, 0]),
+        ({"channels": 1}, [0, 0, 0, 0, 0]),
+    ],
+)
+def test_bulk_tensors_ride_the_last_channel_whatever_their_priority(settings: dict[str, object],
+                                                                    table: list[int]) -> None:
+    config = TransportConfig(**settings)  # type: ignore[arg-type]
+    tensors = [(0, 4 << 20), (0, (4 << 20) + 1), (4, 1024), (9, 64 << 20), (1, 0)]
+    assert [config.channel_for(priority, 10, nbytes) for priority, nbytes in tensors] == table
+
+
+def test_with_one_priority_bulk_and_small_tensors_share_a_channel() -> None:
+    """worker.priority = "none" gives every tensor priority 0: first come, first served, on one connection."""
+    config = TransportConfig()
+    assert [config.channel_for(0, 1, nbytes) for nbytes in (0, 1024, 64 << 20)] == [0, 0, 0]
+
+
+def test_a_plan_puts_each_tensor_on_its_channel_by_priority_and_size() -> None:
+    """The scheduler's PLAN table: [key, name, shape, dtype, priority, [[chunk, offset, elements, server]]]."""
+    plan = [
+        [0, "conv.weight", [64, 3, 3, 3], "float32", 0, [[0, 0, 1728, 0]]],
+        [1, "fc.weight", [2048, 2048], "float32", 1, [[0, 0, 1 << 21, 0], [1, 1 << 21, 1 << 21, 1]]],
+        [2, "fc.bias", [2048], "float16", 2, [[0, 0, 2048, 1]]],
+        [3, "head.weight", [10, 2048], "float32", 3, [[0, 0, 20480, 0]]],
+    ]
+    tensors = parse_plan(plan, {}, TransportConfig())
+    # 4 priorities in 3 even bands: 0, 0, 1, 2; the 16 MiB fc.weight is bulk whatever its priority
+    assert {name: t.channel for name, t in tensors.items()} == {
+        "conv.weight": 0, "fc.weight": 2, "fc.bias": 1, "head.weight": 2}
+    assert tensors["fc.weight"].numel == 1 << 22
+    assert parse_plan(plan, {}, TransportConfig(bulk_bytes=0))["fc.weight"].channel == 0
+
+
+def test_a_plan_with_an_unknown_dtype_is_refused() -> None:
+    with pytest.raises(SluiceError, match="malformed PLAN"):
+        parse_plan([[0, "x", [4], "complex256", 0, [[0, 0, 4, 0]]]], {}, TransportConfig())
 
 
 def test_priorities_beyond_the_declared_count_ride_the_last_channel() -> None:
@@ -66,6 +114,7 @@ def test_default_marks_land_in_the_three_pfifo_fast_bands() -> None:
         ({"aging_ms": 0.0}, "aging_ms"),
         ({"chunk_bytes": 100}, "chunk_bytes"),
         ({"inflight_bytes": -1}, "inflight_bytes"),
+        ({"bulk_bytes": -1}, "bulk_bytes"),
     ],
 )
 def test_bad_channel_settings_are_refused(settings: dict[str, object], needle: str) -> None:
