@@ -20,6 +20,7 @@ from torch import nn
 
 from bench.common import ROOT, CoreUse, Stats, add_common_options, print_table, progress, record, stats, write_json
 from bench.plot import bar_chart, write_svg
+from sluice.transport.config import TransportConfig
 from testbed.job import emit_result, run_gloo_job, run_sluice_job
 from testbed.link_use import LinkProfile, LinkUse
 from testbed.netbed import Netbed, ready_for
@@ -91,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # sockets with their own ToS band. With 2 workers, 1 MiB gave 410-430 ms per step, 4 MiB 380-395.
     parser.add_argument("--inflight-bytes", type=int, default=4096 * KIB, metavar="B",
                         help="transport.inflight_bytes of the chunked configurations (default: %(default)s)")
+    parser.add_argument("--bulk-bytes", type=int, default=TransportConfig.bulk_bytes, metavar="B",
+                        help="transport.bulk_bytes of the priority configurations: a tensor of more bytes rides the "
+                             "last channel whatever its priority; 0: by priority alone (default: %(default)s)")
     parser.add_argument("--plot", default=str(ROOT / "docs" / "priority_training.svg"), metavar="PATH",
                         help="write a bar chart of the step times here (default: docs/priority_training.svg)")
     parser.add_argument("--cipher", choices=["aes-gcm", "curve"], default="aes-gcm",
@@ -213,7 +217,7 @@ def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, An
     if name in (PRIORITY, UNENCRYPTED):
         off = {"curve": False} if name == UNENCRYPTED else {}  # the default stays unsaid (curve_cost sets it)
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "forward"},
-                "transport": {"channels": 3, "marks": True, **chunked, **off}}
+                "transport": {"channels": 3, "marks": True, "bulk_bytes": args.bulk_bytes, **chunked, **off}}
     if name == CHUNKED:
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
                 "transport": {"channels": 3, **chunked}}
@@ -317,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record(
                 case, ours, peer, LABELS[name], "samples/s", workers=workers, servers=args.servers,
                 global_batch=args.global_batch, rate_mbit=args.rate_mbit, steps=args.steps, warmup=args.warmup,
-                repeats=args.repeats, optimizer_on=args.optimizer_on, ours_step_ms=measured[(workers, mine)].median,
+                repeats=args.repeats, optimizer_on=args.optimizer_on, bulk_bytes=args.bulk_bytes,
+                ours_step_ms=measured[(workers, mine)].median,
                 peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name], curve=mine == PRIORITY,
                 cores_busy=busy[(workers, mine)], peer_cores_busy=busy[(workers, name)],
                 **_link_fields(links.get((workers, mine)), ""), **_link_fields(links.get((workers, name)), "peer_"),
