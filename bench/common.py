@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.launch.master_port import free_port as free_port
+from testbed.netbed import root_congestion_control
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -37,6 +38,15 @@ def add_common_options(parser: argparse.ArgumentParser, quick: str, repeats: int
     parser.add_argument("--json", metavar="PATH",
                         help="also write the results to PATH as a JSON list of records "
                              '{"case", "ours", "peer", "peer_name", "ratio", "unit", ...}')
+
+
+def add_cc_option(parser: argparse.ArgumentParser) -> None:
+    """--cc: the TCP congestion control of a testbed's hosts (Netbed.congestion_control)."""
+    parser.add_argument("--cc", default="", metavar="NAME",
+                        help="TCP congestion control in the testbed's hosts, one the kernel lets a namespace choose "
+                             "(net.ipv4.tcp_allowed_congestion_control); default: the root namespace's, which "
+                             "every namespace starts with (on Linux cubic unless set otherwise; here "
+                             f"{root_congestion_control()})")
 
 
 def progress(message: str) -> None:

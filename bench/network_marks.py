@@ -17,14 +17,14 @@ if __package__ in (None, ""):  # run as `python bench/network_marks.py`: make th
 
 import numpy as np
 
-from bench.common import add_common_options, print_table, progress, record, stats, write_json
+from bench.common import add_cc_option, add_common_options, print_table, progress, record, stats, write_json
 from bench.hol_latency import DONE_KEY, WARMUP_KEY, connected_sender, wait_event, warm_up
 from sluice.transport.base import Handler, Transport, open_transport
 from sluice.transport.config import TransportConfig
 from sluice.transport.wire import Kind, Message
 from testbed.children import Children
 from testbed.forked import Delays, announced, start_in
-from testbed.netbed import Netbed, ready_for
+from testbed.netbed import Netbed, ready_for, root_congestion_control
 
 KIB, MIB = 1 << 10, 1 << 20
 URGENT_CHANNEL, BULK_CHANNEL = 0, 2
@@ -99,10 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--b-chunk-kib", type=int, default=1024, help="B's chunk size (default: %(default)s)")
     parser.add_argument("--b-inflight-mib", type=int, default=16,
                         help="B's in-flight bound per channel, the transport's default (default: %(default)s)")
-    parser.add_argument("--cc", default="", metavar="NAME",
-                        help="TCP congestion control in the testbed's hosts, one the kernel lets a namespace choose "
-                             "(net.ipv4.tcp_allowed_congestion_control; here reno or bbr); default: this "
-                             "machine's, here bbr, which keeps the bottleneck queue short")
+    add_cc_option(parser)
     add_common_options(parser, quick="40 messages of A, 1 repeat (overrides those options)", repeats=3)
     args = parser.parse_args(argv)
     if args.quick:
@@ -287,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not ready_for("network_marks"):
         return 0
-    # namespaces start with the root namespace's congestion control
-    cc = args.cc or Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    cc = args.cc or root_congestion_control()  # what namespaces start with
     setup = Setup(args.rate_mbit, args.a_kib * KIB, args.interval_ms / 1e3, args.count, args.b_chunk_kib * KIB,
                   args.b_inflight_mib * MIB, cc)
     progress(f"network_marks: job A {setup.count} x {setup.a_bytes // KIB} KiB every {args.interval_ms:g} ms, job B "
@@ -301,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         bed.host("b")
         bed.host("r", rate_mbit=setup.rate_mbit, tos_classes=CLASSES)
         try:
-            for host in bed.hosts if args.cc else ():
-                bed.sysctl(host, "net.ipv4.tcp_congestion_control", args.cc)
+            bed.congestion_control(args.cc)
         except ValueError as exc:
             print(f"network_marks: --cc {args.cc}: {exc}", file=sys.stderr)
             return 2

@@ -18,7 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import ROOT, CoreUse, Stats, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import (
+    ROOT,
+    CoreUse,
+    Stats,
+    add_cc_option,
+    add_common_options,
+    print_table,
+    progress,
+    record,
+    stats,
+    write_json,
+)
 from bench.plot import bar_chart, write_svg
 from sluice.transport.config import TransportConfig
 from testbed.job import emit_result, run_gloo_job, run_sluice_job
@@ -103,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--link-profile", action="store_true",
                         help="sample worker 0's switch port every 2 ms and report how busy its link was through the "
                              "timed steps (testbed/link_use.py): whether a step waits on the link or on the cores")
+    add_cc_option(parser)
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -287,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
             bed.host(f"w{i}", args.rate_mbit, tos_bands=True)
         for i in range(args.servers):
             bed.host(f"s{i}", args.server_mbit, tos_bands=args.server_mbit is not None)
+        try:
+            cc = bed.congestion_control(args.cc)
+        except ValueError as exc:
+            print(f"priority_training: --cc {args.cc}: {exc}", file=sys.stderr)
+            return 2
+        progress(f"TCP congestion control in the hosts: {cc}")
         for workers in args.workers:
             for name in args.configs:
                 measured[(workers, name)], busy[(workers, name)], links[(workers, name)] = measure(
@@ -321,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record(
                 case, ours, peer, LABELS[name], "samples/s", workers=workers, servers=args.servers,
                 global_batch=args.global_batch, rate_mbit=args.rate_mbit, steps=args.steps, warmup=args.warmup,
-                repeats=args.repeats, optimizer_on=args.optimizer_on, bulk_bytes=args.bulk_bytes,
+                repeats=args.repeats, optimizer_on=args.optimizer_on, bulk_bytes=args.bulk_bytes, cc=cc,
                 ours_step_ms=measured[(workers, mine)].median,
                 peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name], curve=mine == PRIORITY,
                 cores_busy=busy[(workers, mine)], peer_cores_busy=busy[(workers, name)],

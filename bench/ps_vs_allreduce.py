@@ -17,6 +17,7 @@ if __package__ in (None, ""):  # run as `python bench/ps_vs_allreduce.py`: make 
 from bench.common import (
     CoreUse,
     Stats,
+    add_cc_option,
     add_common_options,
     print_table,
     progress,
@@ -88,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--raw-zmq", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the rounds in raw ZeroMQ, nothing of Sluice, with the same chunks "
                              "(bench/raw_mesh.py): what the network carries in them (default: %(default)s)")
+    add_cc_option(parser)
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -220,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(servers):
             bed.host(f"s{i}", args.rate_mbit)
         bed.host("sched")  # control traffic only: unshaped
+        try:
+            cc = bed.congestion_control(args.cc)
+        except ValueError as exc:
+            print(f"ps_vs_allreduce: --cc {args.cc}: {exc}", file=sys.stderr)
+            return 2
+        progress(f"TCP congestion control in the hosts: {cc}")
         for size in args.sizes:
             (ours, ours_busy), (gloo, gloo_busy), without_curve, raw = measure(bed, args, size, servers)
             plain, plain_busy = without_curve or (None, 0.0)
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 "raw_zmq_fraction_of_bound": raw.median / link, "ratio_to_raw_zmq": ours.median / raw.median}
             records.append(record(
                 case, ours, gloo, GLOO, "MB/s", size_mib=size, workers=w, servers=servers, rate_mbit=args.rate_mbit,
-                rounds=rounds_for(size, args.rounds), repeats=args.repeats, link_bound=link,
+                rounds=rounds_for(size, args.rounds), repeats=args.repeats, link_bound=link, cc=cc,
                 fraction_of_bound=fraction, peer_bound=ring, peer_fraction_of_bound=gloo.median / ring,
                 target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO, curve=True, cipher=args.cipher,
                 cores_busy=ours_busy, peer_cores_busy=gloo_busy, **without, **floor,

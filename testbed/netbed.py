@@ -216,8 +216,17 @@ class Netbed:
             hint = ""
             if name == "net.ipv4.tcp_congestion_control":
                 allowed = _sysctl_value("net.ipv4.tcp_allowed_congestion_control")
-                hint = f" (congestion controls a namespace may choose: {allowed})"
+                hint = (f" (congestion controls a namespace may choose: {allowed}; as root, allow another with "
+                        f"sysctl -w net.ipv4.tcp_allowed_congestion_control='{allowed} {value}')")
             raise ValueError(f"cannot set {name}={value} in host {host!r}: {done.stderr.strip()}{hint}")
+
+    def congestion_control(self, name: str = "") -> str:
+        """Give every host so far TCP congestion control `name` (empty: keep the root namespace's, which each
+        namespace starts with); the one in force. ValueError, saying how to allow it, where a namespace may
+        not choose it."""
+        for host in self.hosts if name else ():
+            self.sysctl(host, "net.ipv4.tcp_congestion_control", name)
+        return name or root_congestion_control()
 
     def link_bytes(self, host: str) -> tuple[int, int]:
         """Bytes `host` has sent and received on its link so far (its eth0's counters)."""
@@ -314,6 +323,11 @@ def _check_link(kind: str, name: str, taken: dict[str, Any], rate_mbit: float | 
 def _check_rate(mbit: float) -> None:
     if not mbit > 0:
         raise ValueError(f"a link's rate must be a positive number of Mbit/s, got {mbit!r}")
+
+
+def root_congestion_control() -> str:
+    """This machine's TCP congestion control, which every new namespace starts with."""
+    return _sysctl_value("net.ipv4.tcp_congestion_control")
 
 
 def _sysctl_value(name: str) -> str:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from testbed.bench_runs import requires_testbed
-from testbed.netbed import PREFIX, Netbed, _namespaces
+from testbed.netbed import PREFIX, Netbed, _namespaces, root_congestion_control
 
 pytestmark = requires_testbed
 
@@ -142,3 +142,19 @@ def test_a_host_in_an_unknown_rack_is_refused_and_the_testbed_removed() -> None:
         bed.host("a", rate_mbit=10, rack="r1")
         bed.host("b", rack="r9")
     assert not [n for n in _namespaces() if n.startswith(f"{tag}-")]
+
+
+@pytest.mark.timeout(30)
+def test_congestion_control_is_set_in_every_host_or_refused_saying_how_to_allow_it() -> None:
+    def in_force(bed: Netbed, host: str) -> str:
+        return bed.run(host, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], stdout=subprocess.PIPE,
+                       text=True).communicate(timeout=10)[0].strip()
+
+    with Netbed() as bed:
+        bed.host("a")
+        bed.host("b")
+        assert bed.congestion_control() == root_congestion_control() == in_force(bed, "a")
+        assert bed.congestion_control("reno") == "reno"  # any namespace may choose reno
+        assert in_force(bed, "a") == in_force(bed, "b") == "reno"
+        with pytest.raises(ValueError, match="tcp_allowed_congestion_control"):
+            bed.congestion_control("no-such-control")
