@@ -25,7 +25,7 @@ from bench.aggregation_setup import (
     job_config,
     predicted_seconds,
 )
-from bench.common import Stats, add_common_options, print_table, progress, stats, write_json
+from bench.common import Stats, add_cc_option, add_common_options, print_table, progress, stats, write_json
 from bench.plot import bar_chart
 from testbed.job import emit_result, run_sluice_job
 from testbed.netbed import Netbed, ready_for
@@ -143,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", metavar="SVG", help="write a bar chart of the round times to SVG")
     parser.add_argument("--verbose", action="store_true", help="echo every process's output")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
+    add_cc_option(parser)
     add_common_options(parser, "2 racks x 2 workers, 2 servers, 40 Mbit/s links, ratio 4:1, 1 MiB, 1 warm-up + 3 "
                        "rounds, flat PS and planned+aux only (unless --cases names others)", repeats=1)
     args = parser.parse_args(argv)
@@ -169,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(args.racks, args.per_rack, args.servers, args.link_mbit, ratio, args.server_mbit)
         with Netbed(queue_ms=QUEUE_MS) as bed:
             build_testbed(bed, layout)
+            try:
+                cc = bed.congestion_control(args.cc)
+            except ValueError as exc:
+                print(f"aggregation: --cc {args.cc}: {exc}", file=sys.stderr)
+                return 2
+            progress(f"TCP congestion control in the hosts: {cc}")
             for case in cases:
                 progress(f"{over} {case}: {len(layout.worker_hosts)} workers, predicted "
                          f"{predicted_seconds(layout, case, args.mib << 20) * 1e3:.0f} ms a round ...")
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     "speedup": speedup, "oversubscription": over, "aux": case == AUX,
                     "predicted": want, "measured_vs_predicted": got.median / want,
                     "peer_predicted": predicted[(over, peer)], "ours_min": got.low, "ours_max": got.high,
-                    "target": target, "met": None if target is None else speedup >= target,
+                    "target": target, "met": None if target is None else speedup >= target, "cc": cc,
                 })
     progress("\nround time in ms, median [min..max] of the rounds; predicted: the model's bound")
     print_table(["over", "case", "measured", "predicted", "measured/predicted"], rows)
