@@ -15,7 +15,7 @@ class TransportConfig:
     channel_levels: tuple[int, ...] = field(default_factory=tuple)
     #: a tensor of more bytes rides the last channel whatever its priority (0: by priority alone), so that one
     #: TCP connection per peer carries the bulk and keeps its rate: a connection that takes over the bulk from
-    #: another starts below the link's rate and needs 100 ms or more to find it again (docs/priority.md)
+    #: another starts below the link's rate (under BBR, 45-78% of it for 50-150 ms; docs/priority.md)
     bulk_bytes: int = 4 << 20
     #: tensors are cut into chunks of at most this many bytes; 0: chosen by a calibration at start
     chunk_bytes: int = 0
