@@ -111,10 +111,11 @@ def run_scheduler(env: NodeEnv, announce: Callable[[str], None]) -> int:
         log.info("waiting for %d servers, %d workers and %d aggregators", env.servers, env.workers, env.aggregators)
 
     def send(outs: list[Out]) -> None:
-        for peer, msg in outs:
-            transport.send(peer, 0, msg)
+        # noted first: a peer may act on the message (end this process, even) before a line after the send is written
         for note in switch_notes(outs) if trees is not None else ():
             log.info("%s", note)
+        for peer, msg in outs:
+            transport.send(peer, 0, msg)
 
     # in a ring (Kubernetes) the pods' lifetimes are the JobSet's, and a lost scheduler's pod may take minutes to
     # come back: a standby waits for as long as it runs
