@@ -27,6 +27,7 @@ from bench.aggregation_setup import (
 )
 from bench.common import Stats, add_cc_option, add_common_options, print_table, progress, stats, write_json
 from bench.plot import bar_chart
+from sluice.scheduler.hierarchy.config import AggregationConfig
 from testbed.job import emit_result, run_sluice_job
 from testbed.netbed import Netbed, ready_for
 
@@ -137,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-kib", type=int, default=16, help="chunk size in KiB; one chunk in flight per "
                         "peer, so the links' FIFO queues stay short and the tree pipelines chunk by chunk "
                         "(default: %(default)s)")
+    parser.add_argument("--fanout-share", type=float, default=AggregationConfig.fanout_share, metavar="F",
+                        help="aggregation.fanout_share of the planned cases: the share of an aggregator's link its "
+                             "fan-out may take in the plan (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per job (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a job may take (default: %(default)s)")
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, records = [], []
     for ratio in (int(r) for r in args.ratios.split(",")):
         over = f"{ratio}:1"
-        layout = Layout(args.racks, args.per_rack, args.servers, args.link_mbit, ratio, args.server_mbit)
+        layout = Layout(args.racks, args.per_rack, args.servers, args.link_mbit, ratio, args.server_mbit,
+                        args.fanout_share)
         with Netbed(queue_ms=QUEUE_MS) as bed:
             build_testbed(bed, layout)
             try:
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                     "predicted": want, "measured_vs_predicted": got.median / want,
                     "peer_predicted": predicted[(over, peer)], "ours_min": got.low, "ours_max": got.high,
                     "target": target, "met": None if target is None else speedup >= target, "cc": cc,
+                    "fanout_share": args.fanout_share,
                 })
     progress("\nround time in ms, median [min..max] of the rounds; predicted: the model's bound")
     print_table(["over", "case", "measured", "predicted", "measured/predicted"], rows)

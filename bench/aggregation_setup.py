@@ -30,6 +30,8 @@ class Layout:
     #: the servers' links: by default as wide as a rack's hosts together (4 x 20), so that flat PS is
     #: paced by the rack uplinks where they are oversubscribed, not by the servers
     server_mbit: float = 0.0
+    #: aggregation.fanout_share the scheduler plans with
+    fanout_share: float = AggregationConfig.fanout_share
 
     @property
     def server_link(self) -> float:
@@ -97,7 +99,7 @@ def job_config(layout: Layout, case: str, chunk_kib: int, bed: Netbed) -> dict[s
         "mode": "plan", "racks": racks, "link_mbit": layout.link_mbit, "uplink_mbit": layout.uplink_mbit,
         "links": [f"{address[h]}: {layout.server_link}" for h in layout.server_hosts],
         "uplinks": [f"srv: {UNSHAPED_MBIT}"], "max_trees": MAX_TREES, "tree_penalty": TREE_PENALTY,
-        "time_limit": TIME_LIMIT}}
+        "time_limit": TIME_LIMIT, "fanout_share": layout.fanout_share}}
 
 
 def topology(layout: Layout, aux: bool, fanout_share: float = 1.0) -> Topology:
@@ -116,7 +118,7 @@ def trees_of(layout: Layout, case: str) -> tuple[Topology, tuple[TreeSpec, ...]]
         return top, flat_plan(top)
     if case == ONE_PER_RACK:
         return top, (TreeSpec(1.0, tuple((f"r{r}", layout.rack_hosts(r)[0]) for r in range(layout.racks))),)
-    planned = topology(layout, case == AUX, AggregationConfig().fanout_share)
+    planned = topology(layout, case == AUX, layout.fanout_share)
     return top, plan_trees(planned, max_trees=MAX_TREES, tree_penalty=TREE_PENALTY, time_limit=TIME_LIMIT).trees
 
 
