@@ -25,7 +25,16 @@ from bench.aggregation_setup import (
     job_config,
     predicted_seconds,
 )
-from bench.common import Stats, add_cc_option, add_common_options, print_table, progress, stats, write_json
+from bench.common import (
+    Stats,
+    add_cc_option,
+    add_common_options,
+    apply_cc_option,
+    print_table,
+    progress,
+    stats,
+    write_json,
+)
 from bench.plot import bar_chart
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from testbed.job import emit_result, run_sluice_job
@@ -175,12 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.fanout_share)
         with Netbed(queue_ms=QUEUE_MS) as bed:
             build_testbed(bed, layout)
-            try:
-                cc = bed.congestion_control(args.cc)
-            except ValueError as exc:
-                print(f"aggregation: --cc {args.cc}: {exc}", file=sys.stderr)
+            cc = apply_cc_option(bed, args.cc, "aggregation")
+            if cc is None:
                 return 2
-            progress(f"TCP congestion control in the hosts: {cc}")
             for case in cases:
                 progress(f"{over} {case}: {len(layout.worker_hosts)} workers, predicted "
                          f"{predicted_seconds(layout, case, args.mib << 20) * 1e3:.0f} ms a round ...")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.launch.master_port import free_port as free_port
-from testbed.netbed import root_congestion_control
+from testbed.netbed import Netbed, root_congestion_control
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -47,6 +47,18 @@ def add_cc_option(parser: argparse.ArgumentParser) -> None:
                              "(net.ipv4.tcp_allowed_congestion_control); default: the root namespace's, which "
                              "every namespace starts with (on Linux cubic unless set otherwise; here "
                              f"{root_congestion_control()})")
+
+
+def apply_cc_option(bed: Netbed, cc: str, program: str) -> str | None:
+    """--cc applied to every host of `bed`: the congestion control in force, announced; None, the reason printed,
+    where the kernel will not let a namespace choose it (the program then exits 2)."""
+    try:
+        in_force = bed.congestion_control(cc)
+    except ValueError as exc:
+        print(f"{program}: --cc {cc}: {exc}", file=sys.stderr)
+        return None
+    progress(f"TCP congestion control in the hosts: {in_force}")
+    return in_force
 
 
 def progress(message: str) -> None:

@@ -17,7 +17,16 @@ if __package__ in (None, ""):  # run as `python bench/network_marks.py`: make th
 
 import numpy as np
 
-from bench.common import add_cc_option, add_common_options, print_table, progress, record, stats, write_json
+from bench.common import (
+    add_cc_option,
+    add_common_options,
+    apply_cc_option,
+    print_table,
+    progress,
+    record,
+    stats,
+    write_json,
+)
 from bench.hol_latency import DONE_KEY, WARMUP_KEY, connected_sender, wait_event, warm_up
 from sluice.transport.base import Handler, Transport, open_transport
 from sluice.transport.config import TransportConfig
@@ -296,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         bed.host("a")
         bed.host("b")
         bed.host("r", rate_mbit=setup.rate_mbit, tos_classes=CLASSES)
-        try:
-            bed.congestion_control(args.cc)
-        except ValueError as exc:
-            print(f"network_marks: --cc {args.cc}: {exc}", file=sys.stderr)
+        if apply_cc_option(bed, args.cc, "network_marks") is None:
             return 2
         for rep in range(args.repeats):
             for case in CASES:

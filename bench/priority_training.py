@@ -24,6 +24,7 @@ from bench.common import (
     Stats,
     add_cc_option,
     add_common_options,
+    apply_cc_option,
     print_table,
     progress,
     record,
@@ -299,12 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             bed.host(f"w{i}", args.rate_mbit, tos_bands=True)
         for i in range(args.servers):
             bed.host(f"s{i}", args.server_mbit, tos_bands=args.server_mbit is not None)
-        try:
-            cc = bed.congestion_control(args.cc)
-        except ValueError as exc:
-            print(f"priority_training: --cc {args.cc}: {exc}", file=sys.stderr)
+        cc = apply_cc_option(bed, args.cc, "priority_training")
+        if cc is None:
             return 2
-        progress(f"TCP congestion control in the hosts: {cc}")
         for workers in args.workers:
             for name in args.configs:
                 measured[(workers, name)], busy[(workers, name)], links[(workers, name)] = measure(

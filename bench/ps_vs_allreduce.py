@@ -19,6 +19,7 @@ from bench.common import (
     Stats,
     add_cc_option,
     add_common_options,
+    apply_cc_option,
     print_table,
     progress,
     record,
@@ -222,12 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(servers):
             bed.host(f"s{i}", args.rate_mbit)
         bed.host("sched")  # control traffic only: unshaped
-        try:
-            cc = bed.congestion_control(args.cc)
-        except ValueError as exc:
-            print(f"ps_vs_allreduce: --cc {args.cc}: {exc}", file=sys.stderr)
+        cc = apply_cc_option(bed, args.cc, "ps_vs_allreduce")
+        if cc is None:
             return 2
-        progress(f"TCP congestion control in the hosts: {cc}")
         for size in args.sizes:
             (ours, ours_busy), (gloo, gloo_busy), without_curve, raw = measure(bed, args, size, servers)
             plain, plain_busy = without_curve or (None, 0.0)
