@@ -49,6 +49,14 @@ def add_cc_option(parser: argparse.ArgumentParser) -> None:
                              f"{root_congestion_control()})")
 
 
+def add_transport_cc_option(parser: argparse.ArgumentParser) -> None:
+    """--transport-cc: Sluice's own TCP congestion control (transport.congestion_control), put in its jobs' config."""
+    parser.add_argument("--transport-cc", default="", metavar="NAME",
+                        help="transport.congestion_control of Sluice's jobs: the TCP congestion control its processes "
+                             "set on each of their connections, while the peer's keep the hosts' (--cc); default: "
+                             "none set, the hosts'")
+
+
 def apply_cc_option(bed: Netbed, cc: str, program: str) -> str | None:
     """--cc applied to every host of `bed`: the congestion control in force, announced; None, the reason printed,
     where the kernel will not let a namespace choose it (the program then exits 2)."""

@@ -24,6 +24,7 @@ from bench.common import (
     Stats,
     add_cc_option,
     add_common_options,
+    add_transport_cc_option,
     apply_cc_option,
     print_table,
     progress,
@@ -116,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sample worker 0's switch port every 2 ms and report how busy its link was through the "
                              "timed steps (testbed/link_use.py): whether a step waits on the link or on the cores")
     add_cc_option(parser)
+    add_transport_cc_option(parser)
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -226,7 +228,8 @@ def worker_main(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- driver
 def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, Any]]:
-    chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes, "cipher": args.cipher}
+    chunked = {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes, "cipher": args.cipher,
+               "congestion_control": args.transport_cc}
     if name in (PRIORITY, UNENCRYPTED):
         off = {"curve": False} if name == UNENCRYPTED else {}  # the default stays unsaid (curve_cost sets it)
         return {"worker": {"optimizer_on": args.optimizer_on, "priority": "forward"},
@@ -237,7 +240,7 @@ def sluice_config(args: argparse.Namespace, name: str) -> dict[str, dict[str, An
     whole = max(largest_tensor_bytes(args.width, args.hidden), 4 * KIB)
     return {"worker": {"optimizer_on": args.optimizer_on, "priority": "none"},
             "transport": {"channels": 1, "chunk_bytes": whole, "inflight_bytes": max(whole, args.inflight_bytes),
-                          "cipher": args.cipher}}
+                          "cipher": args.cipher, "congestion_control": args.transport_cc}}
 
 
 def measure(bed: Netbed, args: argparse.Namespace, name: str,
@@ -338,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 case, ours, peer, LABELS[name], "samples/s", workers=workers, servers=args.servers,
                 global_batch=args.global_batch, rate_mbit=args.rate_mbit, steps=args.steps, warmup=args.warmup,
                 repeats=args.repeats, optimizer_on=args.optimizer_on, bulk_bytes=args.bulk_bytes, cc=cc,
+                transport_cc=args.transport_cc or cc,
                 ours_step_ms=measured[(workers, mine)].median,
                 peer_step_ms=measured[(workers, name)].median, target_ratio=TARGETS[name], curve=mine == PRIORITY,
                 cores_busy=busy[(workers, mine)], peer_cores_busy=busy[(workers, name)],

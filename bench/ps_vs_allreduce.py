@@ -19,6 +19,7 @@ from bench.common import (
     Stats,
     add_cc_option,
     add_common_options,
+    add_transport_cc_option,
     apply_cc_option,
     print_table,
     progress,
@@ -91,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run the rounds in raw ZeroMQ, nothing of Sluice, with the same chunks "
                              "(bench/raw_mesh.py): what the network carries in them (default: %(default)s)")
     add_cc_option(parser)
+    add_transport_cc_option(parser)
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one job after this long (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show every process's output, prefixed")
@@ -179,7 +181,7 @@ def measure(bed: Netbed, args: argparse.Namespace, size: int,
     def sluice(curve: bool) -> Run:
         t0 = time.perf_counter()
         config = {"transport": {"chunk_bytes": args.chunk_bytes, "inflight_bytes": args.inflight_bytes,
-                                "curve": curve, "cipher": args.cipher}}
+                                "curve": curve, "cipher": args.cipher, "congestion_control": args.transport_cc}}
         results = run_sluice_job(bed, "sched", [f"s{i}" for i in range(servers)], workers, config,
                                  worker_argv(args, "sluice", nbytes, rounds), timeout=args.timeout, env=env,
                                  echo=args.verbose)
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record(
                 case, ours, gloo, GLOO, "MB/s", size_mib=size, workers=w, servers=servers, rate_mbit=args.rate_mbit,
                 rounds=rounds_for(size, args.rounds), repeats=args.repeats, link_bound=link, cc=cc,
+                transport_cc=args.transport_cc or cc,
                 fraction_of_bound=fraction, peer_bound=ring, peer_fraction_of_bound=gloo.median / ring,
                 target_fraction=TARGET_FRACTION, target_ratio=TARGET_RATIO, curve=True, cipher=args.cipher,
                 cores_busy=ours_busy, peer_cores_busy=gloo_busy, **without, **floor,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sluice.transport.tcp_tuning import check_congestion_control
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -53,6 +55,10 @@ class TransportConfig:
     #: ZeroMQ I/O threads per process: they move every byte on the sockets, and encrypt and decrypt it with
     #: CURVE (about 1 GB/s each); with 2 or more, channel 0 has one to itself and the others share the rest
     io_threads: int = 1
+    #: the TCP congestion control of this job's connections (e.g. "cubic"), set on each as it opens; empty: the
+    #: host's default (net.ipv4.tcp_congestion_control). Under BBR a parameter server's bursts of rounds keep its
+    #: links at 85% of their rate, under cubic 91-94% (docs/priority.md)
+    congestion_control: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.channels <= 8:
@@ -89,6 +95,8 @@ class TransportConfig:
             raise ValueError(f"transport.tos values must be bytes 0..255, got {self.tos}")
         if self.protocol not in ("tcp", "ipc"):
             raise ValueError(f"transport.protocol must be 'tcp' or 'ipc', got {self.protocol!r}")
+        if self.congestion_control:
+            check_congestion_control(self.congestion_control)
         if self.backend != "zmq":
             raise ValueError(f"transport.backend {self.backend!r} is unknown; the available one is 'zmq'")
 

@@ -9,7 +9,8 @@
   sockets (transport/local_endpoints.py); a ZAP handler on the transport's own I/O thread admits only
   clients whose key (or ticket) belongs to a member, whose name becomes the connection's User-Id;
   connecting CURVE sockets authenticate the server they connect to by its key. A
-  monitor counts handshakes that failed (strangers never get a message through).
+  monitor counts handshakes that failed (strangers never get a message through); the same monitors give
+  each TCP connection the job's congestion control as it opens (transport/tcp_tuning.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from sluice.transport import local_endpoints
 from sluice.transport.auth import ZAP_ENDPOINT, JobKeys
+from sluice.transport.tcp_tuning import refusal_advice, set_congestion_control
 from sluice.transport.zmq_seal import Seals, sealed_domain
 
 log = logging.getLogger("sluice.transport")
@@ -60,31 +62,54 @@ def make_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, max_frame: int, 
     return sock
 
 
+def io_thread_mask(channel: int, io_threads: int) -> int:
+    """The ZeroMQ I/O threads a channel's connections may run on (zmq.AFFINITY): the urgent channel 0 has
+    thread 0 to itself, so that its messages are never encrypted behind bulk; the other channels' connections
+    spread over the rest, each to the least busy (libzmq's choice)."""
+    return 1 if channel == 0 else (1 << io_threads) - 2
+
+
 class Guard:
     """The ZAP handler and handshake monitors of one transport; everything runs on its I/O thread."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], name: str, keys: JobKeys | None,
-                 seals: Seals | None = None) -> None:
+                 seals: Seals | None = None, congestion_control: str = "") -> None:
         self.name, self.keys = name, keys
         #: with sealed data connections (transport/zmq_seal.py): their sessions, sealers and openers
         self.seals = seals
+        self.congestion_control = congestion_control
         self._told: set[bytes] = set()
         self.zap: zmq.Socket[bytes] | None = None
-        self.monitors: list[zmq.Socket[bytes]] = []
+        #: each watched socket's monitor
+        self.monitors: dict[zmq.Socket[bytes], zmq.Socket[bytes]] = {}
         #: handshakes that failed: no job secret, or (refused by ZAP) a key that is no member's
         self.refused_handshakes = 0
+        #: listeners and dialled TCP connections given the congestion control; whether the kernel refused it (said once)
+        self.tuned_connections = 0
+        self._tuning_refused = False
         self._cut_at: dict[str, float] = {}
         if keys is not None:  # bound before any listening socket exists, so no client slips past it
             self.zap = ctx.socket(zmq.REP)
             self.zap.setsockopt(zmq.LINGER, 0)
             self.zap.bind(ZAP_ENDPOINT)
 
-    def watch(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
-        """The handshake monitor (to poll) of a listening socket, when handshakes can fail (job keys)."""
-        if self.keys is None:
+    def watch(self, sock: zmq.Socket[bytes], listening: bool = True) -> zmq.Socket[bytes] | None:
+        """The monitor (to poll) of a socket, before it binds or connects: of a listening one when handshakes can
+        fail (job keys), and of each when its connections take a congestion control."""
+        events = _FAILED_HANDSHAKES if listening and self.keys is not None else 0
+        if self.congestion_control:  # a listener's: the connections it accepts inherit it from the start
+            events |= zmq.EVENT_LISTENING if listening else zmq.EVENT_CONNECTED
+        if not events:
             return None
-        monitor = sock.get_monitor_socket(_FAILED_HANDSHAKES)
-        self.monitors.append(monitor)
+        monitor = self.monitors[sock] = sock.get_monitor_socket(events)
+        return monitor
+
+    def unwatch(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
+        """Stop and close a socket's monitor, before the socket closes; the monitor, to unregister, if it had one."""
+        monitor = self.monitors.pop(sock, None)
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
         return monitor
 
     def secure_listener(self, sock: zmq.Socket[bytes], endpoint: str, channel: int = 0) -> None:
@@ -136,7 +161,8 @@ class Guard:
             self.zap.send_multipart(reply)
 
     def read_monitor(self, monitor: zmq.Socket[bytes]) -> int:
-        """Count failed handshakes reported by one monitor; how many there were."""
+        """Count failed handshakes reported by one monitor, and tune the connections it saw open; how many
+        handshakes failed."""
         failed = 0
         while True:
             try:
@@ -147,8 +173,28 @@ class Guard:
                 continue
             if event["event"] & _FAILED_HANDSHAKES:
                 failed += 1
+            elif event["event"] & (zmq.EVENT_LISTENING | zmq.EVENT_CONNECTED):
+                self._tune(int(event["value"]), bytes(event["endpoint"]).decode("ascii", "replace"),
+                           event["event"] == zmq.EVENT_LISTENING)
         self.refused_handshakes += failed
         return failed
+
+    def tune_listener(self, monitor: zmq.Socket[bytes]) -> None:
+        """Give a listener that just bound the congestion control now, before its address is published: what it
+        accepts later inherits it. libzmq reports the bind as it returns; the wait is a bound, not a pause."""
+        if self.congestion_control and monitor.poll(1000, zmq.POLLIN):
+            self.read_monitor(monitor)
+
+    def _tune(self, fd: int, endpoint: str, listener: bool) -> None:
+        if not self.congestion_control or self._tuning_refused:
+            return
+        try:
+            self.tuned_connections += set_congestion_control(fd, endpoint, listener, self.congestion_control)
+        except OSError as exc:  # the same for every connection of this process: say it once, stop trying
+            self._tuning_refused = True
+            log.warning("transport %s: cannot set TCP congestion control %r on its connections: %s; they keep "
+                        "the host's default", self.name, self.congestion_control,
+                        refusal_advice(self.congestion_control, exc))
 
     def cut(self, peer: str, frame: zmq.Frame, now: float) -> bool:
         """Shut the TCP connection a banned peer's message came on; its DEALER reconnects, and is cut again.
@@ -173,5 +219,5 @@ class Guard:
         return False
 
     def close(self) -> None:
-        for sock in [*self.monitors, *([self.zap] if self.zap is not None else [])]:
+        for sock in [*self.monitors.values(), *([self.zap] if self.zap is not None else [])]:
             sock.close(linger=0)

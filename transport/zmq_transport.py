@@ -8,8 +8,8 @@ messages through a lock-free deque and an eventfd. Every received payload is ack
 its sender (lazily: zmq_receive.py); the sender keeps at most `inflight_bytes` unacknowledged per
 channel, so the backlog stays in our priority heap instead of ZeroMQ's FIFO pipes. ZmqTransport owns
 the sockets, the I/O thread and its loop, and two halves it runs there: a Receiver (zmq_receive.py)
-validates what arrives, a Sender (zmq_send.py) queues and sends; CURVE, ZAP and size caps are zmq_guard.py's,
-sealed connections zmq_seal.py's.
+validates what arrives, a Sender (zmq_send.py) queues and sends; CURVE, ZAP, size caps and socket monitors are
+zmq_guard.py's, sealed connections zmq_seal.py's.
 """
 
 from __future__ import annotations
@@ -38,19 +38,12 @@ from sluice.transport.rejects import Rejections
 from sluice.transport.shm import SharedPayloads
 from sluice.transport.wakeup import Wakeup
 from sluice.transport.wire import CONTROL_HEADER_BYTES, DATA_HEADER_BYTES, Kind, Message, encode
-from sluice.transport.zmq_guard import Guard, make_socket
+from sluice.transport.zmq_guard import Guard, io_thread_mask, make_socket
 from sluice.transport.zmq_receive import Arrived, Receiver, RouterPeers, _keep_large_buffers_mapped
 from sluice.transport.zmq_seal import Seals
 from sluice.transport.zmq_send import Sender
 
 log = logging.getLogger("sluice.transport")
-
-
-def io_thread_mask(channel: int, io_threads: int) -> int:
-    """The ZeroMQ I/O threads a channel's connections may run on (zmq.AFFINITY): the urgent channel 0 has
-    thread 0 to itself, so that its messages are never encrypted behind bulk; the other channels' connections
-    spread over the rest, each to the least busy (libzmq's choice)."""
-    return 1 if channel == 0 else (1 << io_threads) - 2
 
 
 class ZmqTransport:
@@ -73,7 +66,7 @@ class ZmqTransport:
         #: data connections between hosts sealed (transport/zmq_seal.py); the scheduler's keep CURVE
         self._seals = Seals(name, self._keys) if self._keys is not None and config.cipher == "aes-gcm" \
             and not control else None
-        self._guard = Guard(self._ctx, name, self._keys, self._seals)
+        self._guard = Guard(self._ctx, name, self._keys, self._seals, config.congestion_control)
         if self._guard.zap is not None:
             self._poller.register(self._guard.zap, zmq.POLLIN)
         self._monitors: set[zmq.Socket[bytes]] = set()
@@ -153,6 +146,7 @@ class ZmqTransport:
             taken = self.metrics.snapshot()
             taken["rejected"] = self.rejects.total
             taken["refused_connections"] = self._guard.refused_handshakes
+            taken["tuned_connections"] = self._guard.tuned_connections  # given transport.congestion_control
             taken["local_peers"] = sorted(self._local_dials)  # dialled over their Unix sockets
             taken["sealed_connections"] = self._seals.connections() if self._seals is not None else 0
             taken["acks_sent"] = list(self.metrics.acks_sent)
@@ -251,8 +245,8 @@ class ZmqTransport:
             raise error from None
         for channel, (sock, monitor) in enumerate(made):
             if monitor is not None:
-                self._monitors.add(monitor)
-                self._poller.register(monitor, zmq.POLLIN)
+                self._guard.tune_listener(monitor)
+            self._watch(monitor)
             self._routers.append(sock)
             self._socket_channel[sock] = (None, channel)
             self._poller.register(sock, zmq.POLLIN)
@@ -263,13 +257,15 @@ class ZmqTransport:
 
     def _drop(self, made: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]]) -> None:
         """Close listeners of a listen() that failed, so that none holds a port or is half set up."""
-        for sock, monitor in made:
+        for sock, _ in made:
             self._max_header.pop(sock, None)
-            if monitor is not None:
-                sock.disable_monitor()
-                self._guard.monitors.remove(monitor)
-                monitor.close(linger=0)
+            self._guard.unwatch(sock)
             sock.close(linger=0)
+
+    def _watch(self, monitor: zmq.Socket[bytes] | None) -> None:
+        if monitor is not None:
+            self._monitors.add(monitor)
+            self._poller.register(monitor, zmq.POLLIN)
 
     def _connect(self, peer: str, endpoints: list[str], control: bool, tos: int | None = None) -> None:
         if peer in self._dealers:
@@ -286,6 +282,7 @@ class ZmqTransport:
         for channel, endpoint in enumerate(dialled):
             sock = self._socket(zmq.DEALER, channel, control or self._control, tos)
             sock.setsockopt(zmq.IDENTITY, self.name.encode())
+            self._watch(self._guard.watch(sock, listening=False))
             sock.connect(self._guard.secure_dialer(sock, peer, endpoint, channel, control or self._control))
             # the first message on the connection, before anything queued: a restarted process is told apart
             hello = encode(Message(Kind.HELLO, meta={"process": self._process}))
@@ -302,6 +299,9 @@ class ZmqTransport:
             self._max_header.pop(sock, None)
             if self._seals is not None:
                 self._seals.hung_up(sock)
+            if (monitor := self._guard.unwatch(sock)) is not None:
+                self._poller.unregister(monitor)
+                self._monitors.discard(monitor)
             sock.close(linger=0)  # what ZeroMQ still held for the dead process goes with it
         self._local_dials.discard(peer)
         self._forget_peer(peer)

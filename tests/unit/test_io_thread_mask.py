@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.transport.zmq_transport import io_thread_mask
+from sluice.transport.zmq_guard import io_thread_mask
 
 
 @pytest.mark.parametrize(
