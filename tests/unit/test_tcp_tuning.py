@@ -36,6 +36,18 @@ def test_the_named_listener_and_connection_are_set(connection: tuple[socket.sock
     assert algorithm(listener) == algorithm(dialled) == "reno"
 
 
+def test_an_ipv6_listener_and_connection_are_set() -> None:
+    try:
+        listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = listener.getsockname()[1]
+    with listener, socket.create_connection(("::1", port)) as dialled:
+        assert set_congestion_control(listener.fileno(), f"tcp://[::1]:{port}", True, "reno")
+        assert set_congestion_control(dialled.fileno(), f"tcp://[::1]:{port}", False, "reno")
+        assert algorithm(listener) == algorithm(dialled) == "reno"
+
+
 @pytest.mark.parametrize(("endpoint", "listener"), [
     ("tcp://127.0.0.1:{other}", False),  # a descriptor now another connection's
     ("tcp://127.0.0.1:{other}", True),
