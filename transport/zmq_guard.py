@@ -1,4 +1,4 @@
-"""The transport's defences at the socket level: CURVE, tickets and ZAP, size caps, handshake counts, cut-offs.
+"""The transport's sockets: their defences (CURVE, tickets and ZAP, size caps, handshake counts, cut-offs), options.
 
 - Every socket refuses frames over a cap (ZMQ_MAXMSGSIZE): libzmq reads a frame's length before its
   body and drops the connection of a peer that announces more, so an oversized frame is never held.
@@ -11,6 +11,7 @@
   connecting CURVE sockets authenticate the server they connect to by its key. A
   monitor counts handshakes that failed (strangers never get a message through); the same monitors give
   each TCP connection the job's congestion control as it opens (transport/tcp_tuning.py).
+- Each socket's options: its ToS mark and priority, and the ZeroMQ I/O threads its connections may use.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def io_thread_mask(channel: int, io_threads: int) -> int:
 
 
 class Guard:
-    """The ZAP handler and handshake monitors of one transport; everything runs on its I/O thread."""
+    """The ZAP handler and socket monitors of one transport; everything runs on its I/O thread."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], name: str, keys: JobKeys | None,
                  seals: Seals | None = None, congestion_control: str = "") -> None:
