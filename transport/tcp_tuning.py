@@ -38,10 +38,10 @@ def check_congestion_control(name: str) -> None:
                          f"{' '.join(available)}); load it as root (modprobe tcp_{name}) or choose one of those")
 
 
-def _address(endpoint: str) -> tuple[str, int] | None:
-    """Host and port of a tcp:// endpoint; None for any other transport (a Unix socket has no congestion)."""
-    match = re.fullmatch(r"tcp://\[?([^\]]*)\]?:(\d+)", endpoint)
-    return (match.group(1), int(match.group(2))) if match else None
+def _port(endpoint: str) -> int | None:
+    """The port of a tcp:// endpoint; None for any other transport (a Unix socket has no congestion)."""
+    match = re.fullmatch(r"tcp://\[?[^\]]*\]?:(\d+)", endpoint)
+    return int(match.group(1)) if match else None
 
 
 def set_congestion_control(fd: int, endpoint: str, listener: bool, name: str) -> bool:
@@ -50,8 +50,8 @@ def set_congestion_control(fd: int, endpoint: str, listener: bool, name: str) ->
     read after the fact, and a connection that closed meanwhile may have left its number to another descriptor.
 
     OSError when the kernel refuses the algorithm (not allowed to this process, or not loaded)."""
-    address = _address(endpoint)
-    if address is None or fd < 0:
+    port = _port(endpoint)
+    if port is None or fd < 0:
         return False
     try:
         conn = socket.socket(fileno=os.dup(fd))  # a duplicate: libzmq keeps, and closes, its own
@@ -63,7 +63,7 @@ def set_congestion_control(fd: int, endpoint: str, listener: bool, name: str) ->
                 return False
             # the port tells: ours for a listener (a wildcard bind names no host), the peer's for a dialled
             # connection (whose host libzmq may have resolved from a name)
-            if (conn.getsockname() if listener else conn.getpeername())[1] != address[1]:
+            if (conn.getsockname() if listener else conn.getpeername())[1] != port:
                 return False
         except OSError:
             return False  # not connected any more

@@ -187,7 +187,7 @@ class Guard:
             self.read_monitor(monitor)
 
     def _tune(self, fd: int, endpoint: str, listener: bool) -> None:
-        if not self.congestion_control or self._tuning_refused:
+        if self._tuning_refused:  # (its events are asked for only where a congestion control is set)
             return
         try:
             self.tuned_connections += set_congestion_control(fd, endpoint, listener, self.congestion_control)
