@@ -90,10 +90,11 @@ def test_output_cut_by_a_closed_pipe_ends_quietly(words: list[str]) -> None:
 
 
 # a Sluice worker whose process outlives its goodbye: an exit handler registered before sluice.torch's runs
-# after it (atexit runs last-registered first), as a slow interpreter teardown or a late user handler would
+# after it (atexit runs last-registered first), as a slow interpreter teardown or a late user handler would; the
+# 8 s leave the scheduler's own exit (a few seconds on a loaded 2-core machine) and --grace 1 time to pass first
 SLOW_EXIT = """
 import atexit, os, sys, time
-atexit.register(lambda: (time.sleep(3), os._exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)))
+atexit.register(lambda: (time.sleep(8), os._exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)))
 import torch
 import sluice.torch as hvd
 hvd.init()
@@ -113,7 +114,7 @@ def test_workers_that_exit_after_the_job_ended_are_waited_for_and_keep_their_exi
     assert job.finish(45) == 3, job.stderr()  # the failed worker's own code (horovodrun would exit 1, naming it)
     out, err = job.stdout(), job.stderr()
     assert "[worker 0] sum 2.0" in out and "[worker 1] sum 2.0" in out
-    assert re.search(r"^\[launch\] the job ended \(scheduler exited 0\) 1 s ago and "
+    assert re.search(r"^\[launch\] the job ended \(scheduler exited 0\) [12] s ago and "
                      r"(worker \d still runs; waiting for it|worker \d, worker \d still run; waiting for them) to exit",
                      out, re.M), out
     assert re.search(r"worker 1 .*exited with code 3", err), err  # its own code, not a stop by the launcher
