@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed repetition")
     parser.add_argument("--repeats", type=int, default=1, help="timed repetitions (mlp)")
+    parser.add_argument("--inputs-first", choices=["auto", "on", "off"], default="auto",
+                        help="sluice, GPipe and 1F1B: send each backward's inputs' gradient before computing its "
+                             "weights' where that measures faster (auto), always (on) or never (off)")
     parser.add_argument("--profile", metavar="PREFIX", help="cProfile the timed steps into PREFIX.rankN.prof")
     return parser.parse_args(argv)
 
@@ -144,7 +147,8 @@ def setup(args: argparse.Namespace) -> tuple[int, list[nn.Module], Any, Callable
         rank = hvd.rank()
         chunks = stage_chunks(args, rank % args.stages)
         mine = ours.PipelineStage(chunks if args.virtual > 1 else chunks[0], None, args.stages)
-        schedule = ours.get_schedule_class(args.schedule)(mine, args.micro, loss_fn)
+        first = {"auto": None, "on": True, "off": False}[args.inputs_first]
+        schedule = ours.get_schedule_class(args.schedule)(mine, args.micro, loss_fn, inputs_first=first)
         return rank, chunks, schedule, hvd.barrier, hvd.shutdown
     import torch.distributed as dist
     from torch.distributed import pipelining as theirs

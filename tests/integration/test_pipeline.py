@@ -113,6 +113,24 @@ def test_pipeline_matches_one_process(stages: int, replicas: int, micro: int, ki
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_inputs_gradient_first_trains_bit_for_bit_as_whole_backwards_and_is_chosen_by_measuring(kind: str) -> None:
+    """Three stages: every backward split (the inputs' gradient sent before the weights' is computed), or
+    none, gives the same parameters to the last bit; left to measure (the default), each stage with one
+    before it times two backwards whole and two split, then chooses, and the first stage never splits."""
+    args = ["--stages", "3", "--micro", "4", "--schedule", kind, "--steps", "4", "--compress", "off"]
+    split, whole, measured = (forked(3, *args, "--inputs-first", mode) for mode in ("on", "off", "auto"))
+    assert [r["params"] for r in split] == [r["params"] for r in whole]
+    check_matches(measured, 3, reference(4, 16))
+    assert [r["early"] for r in split] == [{}, {"0": [None, 0, 0]}, {"0": [None, 0, 0]}]
+    assert [r["early"] for r in whole] == [{}, {}, {}]
+    assert measured[0]["early"] == {}
+    for r in measured[1:]:
+        chosen, wholes, splits = r["early"]["0"]
+        assert chosen is not None and [wholes, splits] == [2, 2], r["early"]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", [["--no-lean"], ["--offload-zvc"]])
 def test_offload_with_zvc_matches_one_process(options: list[str]) -> None:
     """ZVC on what is offloaded: the ReLUs' outputs themselves (`offload_lean=False`) or, with lean saves,

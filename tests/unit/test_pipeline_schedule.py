@@ -13,6 +13,7 @@ from sluice.worker.pipeline.schedule import (
     clock_table,
     gpipe,
     idle_fraction,
+    inputs_first,
     one_f_one_b,
     peak_activations,
     replay,
@@ -108,6 +109,52 @@ def test_a_backward_twice_as_long_stretches_the_table() -> None:
         B1 .
         B1 .
     """)
+
+
+def test_inputs_first_sends_each_inputs_gradient_before_the_weights_and_saves_a_w_a_hop() -> None:
+    """The backward twice a forward (I = W = 1): the first stage's B stays whole (nothing waits for its
+    inputs' gradient); stage 1 sends each I at once, so stage 0 starts a clock earlier (8 clocks, not 9)."""
+    assert inputs_first(gpipe(2, 2))[1] == [Action("F", 0), Action("F", 1), Action("I", 0), Action("W", 0),
+                                            Action("I", 1), Action("W", 1)]
+    assert inputs_first(gpipe(2, 2))[0] == gpipe(2, 2)[0]
+    assert clock_table(gpipe(2, 2), forward=1, backward=2) == _rows("""
+        F0 .
+        F1 F0
+        .  F1
+        .  B0
+        .  B0
+        B0 B1
+        B0 B1
+        B1 .
+        B1 .
+    """)
+    assert clock_table(inputs_first(gpipe(2, 2)), forward=1, backward=2) == _rows("""
+        F0 .
+        F1 F0
+        .  F1
+        .  I0
+        B0 W0
+        B0 I1
+        B1 W1
+        B1 .
+    """)
+    assert clock_table(inputs_first(one_f_one_b(2, 2)), forward=1, backward=2) == _rows("""
+        F0 .
+        F1 F0
+        .  I0
+        B0 W0
+        B0 F1
+        .  I1
+        B1 W1
+        B1 .
+    """)
+    # the activations held are 1F1B's (a W right after its I frees what the B would have); a virtual stage
+    # 0 (the first worker's first chunk) keeps its B, every other chunk's is split
+    assert [peak_activations(o) for o in inputs_first(one_f_one_b(3, 4))] == [3, 2, 1]
+    split = inputs_first(interleaved_1f1b(2, 4, 2))
+    assert {(str(a)[0], a.kind) for o in split for a in o if a.kind in "BIW"} == {("0", "B"), ("1", "I"), ("1", "W"),
+                                                                                ("2", "I"), ("2", "W"), ("3", "I"),
+                                                                                ("3", "W")}
 
 
 #: stage 0's forward 1 and backward 2, stage 1's 0.5 and 1.5 (the times bench/pipeline.py measures)

@@ -105,3 +105,24 @@ def test_a_weight_used_twice_falls_back_to_a_backward_from_the_outputs() -> None
     _, weights = backward_input([out], [torch.ones_like(out)], [x])
     assert not weights.seeds and weights.roots == [out]
     assert sorted(id(v) for v in weights.leaves) == sorted(id(p) for p in model.parameters())
+
+
+def test_a_split_of_our_own_is_done_whole_where_the_weights_half_would_run_the_input_path_again() -> None:
+    """GPipe's and 1F1B's backwards split to send the inputs' gradient first (whole_if_inexact): a weight used
+    twice makes one whole backward at once, the same gradients as B, nothing left for W."""
+    model = _models()["tied"]
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    want_x = x.clone().requires_grad_()
+    torch.autograd.backward([model(want_x)], [grad])
+    want = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    got_x = x.clone().requires_grad_()
+    (got,), weights = backward_input([model(got_x)], [grad], [got_x], whole_if_inexact=True)
+    assert got is not None and torch.equal(got, want_x.grad)
+    assert not weights.seeds and not weights.roots
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+    mlp = _models()["mlp"]  # exact: split as ever, the weights waiting for W
+    y = torch.randn(4, 16, requires_grad=True)
+    _, split = backward_input([mlp(y)], [torch.ones(4, 8)], [y], whole_if_inexact=True)
+    assert len(split.seeds) == 3 and all(p.grad is None for p in mlp.parameters())

@@ -57,6 +57,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-lean", action="store_true", help="with --offload: ReLUs keep their outputs, as torch's")
     parser.add_argument("--offload-zvc", action="store_true", help="with --offload: ZVC-encode what is offloaded")
     parser.add_argument("--no-direct", action="store_true", help="no direct lanes: through the transport")
+    parser.add_argument("--inputs-first", choices=["auto", "on", "off"], default="auto",
+                        help="GPipe, 1F1B: send the inputs' gradient before computing the weights'")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--grow-at", type=int, default=-1, help="from this step on, batches are twice as large")
     parser.add_argument("--bad-stage", type=int, default=-1, help="this stage expects inputs one wider than it gets")
@@ -78,7 +80,9 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
                           offload=args.offload, offload_min_bytes=0,
                           offload_lean=not args.no_lean, offload_compress=args.offload_zvc or None,
                           direct=not args.no_direct)
-    schedule = get_schedule_class(args.schedule)(stage, args.micro, loss_fn=nn.functional.cross_entropy)
+    inputs_first = {"auto": None, "on": True, "off": False}[args.inputs_first]
+    schedule = get_schedule_class(args.schedule)(stage, args.micro, loss_fn=nn.functional.cross_entropy,
+                                                 inputs_first=inputs_first)
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=args.lr)
     replicas, replica = stage.place.replicas, stage.place.replica
     losses: list[float] = []
@@ -110,7 +114,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         if stage.is_last:
             evaluated.append(out.reshape(-1).tolist())
     result = {"rank": hvd.rank(), "evaluated": evaluated, "stage": stage.stage_index, "replica": replica,
-              "peaks": peaks,
+              "peaks": peaks, "early": {c: [e.chosen, len(e.whole), len(e.split)] for c, e in schedule.early.items()},
               "params": [[p.detach().cpu().reshape(-1).tolist() for p in chunk.parameters()] for chunk in chunks],
               "ratio": stage.compression_ratio(), "losses": losses,
               "offloaded": [s.raw_bytes for s in stage.offload_stats], "lean": [s.lean for s in stage.offload_stats],

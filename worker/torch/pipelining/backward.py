@@ -95,9 +95,12 @@ def _claim(starts: Sequence[Node], owner: int, owners: dict[Node, int]) -> list[
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightGrads]:
+                   inputs: Sequence[torch.Tensor], *,
+                   whole_if_inexact: bool = False) -> tuple[list[torch.Tensor | None], WeightGrads]:
     """The gradients of `inputs` (None where none reaches one) from `roots` and their `grads` (None for a
-    scalar loss), and what computes the other leaves' gradients afterwards. The graph is kept for that."""
+    scalar loss), and what computes the other leaves' gradients afterwards. The graph is kept for that.
+    `whole_if_inexact`: where the weights' half would run the input path again, run one whole backward
+    now instead (the inputs, leaves, take their gradients in `.grad`) and leave nothing for later."""
     wanted = [x for x in inputs if x.requires_grad]
     if not wanted:
         return [None] * len(inputs), WeightGrads(roots=list(roots), grads=list(grads))
@@ -123,6 +126,9 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
                 weights.roots.append(roots[index])
                 weights.grads.append(grads[index])
                 weights.leaves += leaves
+    if not exact and whole_if_inexact and all(x.is_leaf for x in wanted):
+        torch.autograd.backward(list(roots), list(grads))
+        return [x.grad if x.requires_grad else None for x in inputs], WeightGrads()
     if not exact:  # every leaf off the input path (the inputs have their gradients from here)
         leaves = [v for node, on_path in leads.items() if not on_path
                   and isinstance(v := getattr(node, "variable", None), torch.Tensor)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -185,28 +186,36 @@ class PipelineStage:
     def _last(self, chunk: int) -> bool:
         return self.is_last and chunk == self.virtual - 1
 
-    def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
+    def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0,
+                     split: bool = False) -> tuple[float, float]:
         """Run the backward of `micro` through `chunk`: from `loss` on the last (virtual) stage, else from
         the gradients the stage after sent; send the inputs' gradients back (but from the first); drop
-        what was held."""
+        what was held. `split`: the inputs' gradients first, sent before the weights' are computed
+        (whole where that would run the input path twice: backward.backward_input). The seconds from
+        when its gradients were there to the inputs' gradients sent, and to the end."""
         held = self._held.pop((chunk, micro))
-        if loss is not None:
-            loss.backward()  # type: ignore[no-untyped-call]
+        pairs = self._seeds(step, micro, chunk, held, loss)
+        started = time.perf_counter()
+        floats = [x for x in held.inputs if x.is_floating_point()]
+        weights = None
+        if split and pairs:
+            grads, weights = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
+                                            whole_if_inexact=True)
         else:
-            pairs = self._output_grads(step, micro, chunk, held)
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        floats = [x for x in held.inputs if x.is_floating_point()]
-        self._send_back(step, micro, chunk, [x.grad for x in floats], floats)
+            grads = [x.grad for x in floats]
+        self._send_back(step, micro, chunk, grads, floats)
+        sent = time.perf_counter()
+        if weights is not None:
+            weights.run()
+        return sent - started, time.perf_counter() - started
 
     def backward_input(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
         """The first half of a split backward (I): the inputs' gradients of `micro` through `chunk`, sent
         back at once; the weights' gradients wait for `backward_weight`, and so does what was held."""
         held = self._held[(chunk, micro)]
-        if loss is not None:
-            pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(loss, None)]
-        else:
-            pairs = list(self._output_grads(step, micro, chunk, held))
+        pairs = self._seeds(step, micro, chunk, held, loss)
         floats = [x for x in held.inputs if x.is_floating_point()]
         grads, self._weights[(chunk, micro)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats)
         self._send_back(step, micro, chunk, grads, floats)
@@ -216,6 +225,13 @@ class PipelineStage:
         accumulate into the parameters' `.grad`; what the micro-batch held is dropped."""
         self._weights.pop((chunk, micro)).run()
         del self._held[(chunk, micro)]
+
+    def _seeds(self, step: int, micro: int, chunk: int, held: _Held,
+               loss: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Where the backward of `micro` starts: the loss (last stage), else the outputs and their gradients."""
+        if loss is not None:
+            return [(loss, None)]
+        return list(self._output_grads(step, micro, chunk, held))
 
     def _output_grads(self, step: int, micro: int, chunk: int, held: _Held) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients the stage after sent for `micro`'s outputs, with the outputs that take them."""
