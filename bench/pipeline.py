@@ -134,7 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=128, help="samples: samples per step (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10,
                         help="samples: steps per timed repetition (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=16,
+                        help="samples: untimed steps first (Sluice's GPipe and 1F1B stages try their backwards "
+                             "split and whole in the first 15) (default: %(default)s)")
+    parser.add_argument("--idle-warmup", type=int, default=3,
+                        help="idle: untimed steps first (Sluice's stages split their backwards: see --inputs-first) "
+                             "(default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="samples: launches of each side per case, alternating (default: %(default)s)")
     parser.add_argument("--inputs-first", choices=["auto", "on", "off"], default="auto",
@@ -155,9 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.stages, args.micro, args.compute_ms = [2], [2], 10.0
         args.part_schedules = {"idle": [("interleaved1f1b", 2)], "samples": [("interleavedzerobubble", 1)]}
         args.idle_steps, args.steps, args.warmup, args.repeats, args.rounds = 3, 3, 1, 1, 1
+        args.idle_warmup = 1
     if min(args.stages) < 2 or min(args.micro) < 1:
         parser.error("a pipeline needs at least 2 stages and 1 micro-batch")
-    if min(args.idle_steps, args.steps, args.repeats, args.rounds, args.batch, args.warmup + 1) < 1:
+    if min(args.idle_steps, args.steps, args.repeats, args.rounds, args.batch, args.warmup + 1,
+           args.idle_warmup + 1) < 1:
         parser.error("steps, repeats, rounds and batch must be positive, warmup not negative")
     if any(args.layers % (p * v) for p in args.stages for _, v in args.part_schedules["samples"]) or (
             max(args.micro) > args.batch):
@@ -215,8 +222,11 @@ def idle_of(found: list[dict[str, Any]], bound: float, slots: float) -> tuple[St
 
 def idle_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Namespace) -> dict[str, Any]:
     schedule, virtual = spec
-    job = ["--inputs-first", args.inputs_first, "--model", "sleep", "--compute-ms", str(args.compute_ms),
-           "--steps", str(args.idle_steps), "--batch", str(max(16, micro))]
+    # sleeping stages cost no CPU: a split backward ends the inputs' half sooner and nothing later (the
+    # stages' trials choose it), so they split from the first step, without trials
+    first = "on" if args.inputs_first == "auto" else args.inputs_first
+    job = ["--warmup", str(args.idle_warmup), "--inputs-first", first, "--model", "sleep", "--compute-ms",
+           str(args.compute_ms), "--steps", str(args.idle_steps), "--batch", str(max(16, micro))]
     bound, slots = replayed(stages, micro, schedule, virtual, whole=args.inputs_first == "off")
     whole, whole_slots = replayed(stages, micro, schedule, virtual, whole=True)  # torch's way
     found = launch("sluice", stages, micro, schedule, args, *job, virtual=virtual)
@@ -229,9 +239,9 @@ def idle_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.Nam
              f"slot: sluice {excess:.2f} ms, torch {torch_excess:.2f} ms)")
     own = {"virtual": virtual} if virtual > 1 or schedule not in ("gpipe", "1f1b") else {}
     return record(case, ours, Stats(bound, bound, bound), BOUNDS[schedule], "fraction", "lower", stages=stages,
-                  inputs_first=args.inputs_first,
+                  inputs_first=first,
                   micro=micro, schedule=schedule, **own, compute_ms=args.compute_ms, steps=args.idle_steps,
-                  warmup=args.warmup, whole_backward_bound=whole,
+                  warmup=args.idle_warmup, whole_backward_bound=whole,
                   measure="worst stage's median", stage_idle=stage_idle, mean_idle=statistics.mean(stage_idle),
                   points_over_bound=(ours.median - bound) * 100, met=abs(ours.median - bound) <= TARGET_POINTS,
                   overhead_ms_per_slot=excess, torch_idle=theirs.median, torch_stage_idle=torch_stage_idle,
@@ -277,9 +287,9 @@ def samples_case(stages: int, micro: int, spec: tuple[str, int], args: argparse.
     bounds: list[tuple[float, float]] = []  # compute_bound of each round: Sluice's order, torch's
     for round_ in range(args.rounds):
         for side in ("sluice", "torch") if round_ % 2 == 0 else ("torch", "sluice"):  # alternating: drift hits both
-            job = ["--inputs-first", args.inputs_first, "--model", "mlp", "--width", str(args.width), "--layers",
-                   str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps), "--repeats",
-                   str(args.repeats)]
+            job = ["--warmup", str(args.warmup), "--inputs-first", args.inputs_first, "--model", "mlp", "--width",
+                   str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--steps",
+                   str(args.steps), "--repeats", str(args.repeats)]
             if args.profile:
                 job += ["--profile", str(Path(args.profile) / f"{side}-{case}")]
             kind = schedule if side == "sluice" else peer_schedule(stages, micro, schedule)
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     if "idle" in args.parts:
         progress(f"idle fraction, stages of {args.compute_ms:g} ms forward + {args.compute_ms:g} ms backward, "
-                 f"median of {args.idle_steps} steps after {args.warmup}:")
+                 f"median of {args.idle_steps} steps after {args.idle_warmup}:")
         records += [idle_case(p, m, s, args) for p, m, s in cases["idle"]]
     if "samples" in args.parts:
         progress(f"samples/s, MLP {args.layers} x {args.width}, batch {args.batch}, {args.repeats} x {args.steps} "

@@ -60,7 +60,7 @@ def launch(side: str, stages: int, micro: int, schedule: str, args: argparse.Nam
            *job: str, virtual: int = 1) -> list[dict[str, Any]]:
     """One run of the pipeline on `side`: each process's PIPELINE_BENCH record, by stage."""
     argv = [sys.executable, str(JOB), "--side", side, "--stages", str(stages), "--micro", str(micro),
-            "--schedule", schedule, "--virtual", str(virtual), "--warmup", str(args.warmup), *job]
+            "--schedule", schedule, "--virtual", str(virtual), *job]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if side == "sluice":
         commands = [([sys.executable, "-m", "sluice.launch.cli", "launch", "--preload", TORCH_PRELOAD, "-w",

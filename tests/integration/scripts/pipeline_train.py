@@ -114,7 +114,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
         if stage.is_last:
             evaluated.append(out.reshape(-1).tolist())
     result = {"rank": hvd.rank(), "evaluated": evaluated, "stage": stage.stage_index, "replica": replica,
-              "peaks": peaks, "early": {c: [e.chosen, len(e.whole), len(e.split)] for c, e in schedule.early.items()},
+              "peaks": peaks,
+              "early": None if (e := schedule.early) is None else [e.chosen, len(e.whole), len(e.split)],
               "params": [[p.detach().cpu().reshape(-1).tolist() for p in chunk.parameters()] for chunk in chunks],
               "ratio": stage.compression_ratio(), "losses": losses,
               "offloaded": [s.raw_bytes for s in stage.offload_stats], "lean": [s.lean for s in stage.offload_stats],

@@ -1,51 +1,57 @@
-"""Whether a stage's backward sends its inputs' gradient before computing its weights': measured, per chunk."""
+"""Whether a stage's backwards send their inputs' gradient before computing their weights': measured by whole steps."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
-#: backwards timed each way before the choice (the fastest of each counts: the first is often cold)
-SAMPLES = 2
+#: the first training steps, not counted: the job is still warming (allocations, first calls, lanes)
+COLD = 3
+#: the training steps after those that try each way, whole (False) or split (True): in runs, as a step
+#: that changes the way is not timed (it begins where the last of the other way ended, which a split
+#: backward's weights' half moves), in an order that favours neither as a warming job gets faster (ABBA)
+TRIALS = (False,) * 3 + (True,) * 6 + (False,) * 3
 
 
 @dataclass
 class EarlyInputs:
-    """For one chunk of a stage with a stage before it, in GPipe or 1F1B: whether its next backward is
-    split, the inputs' gradient computed and sent first and the weights' after it (the stage before
-    then starts its own backward sooner), or run whole. The first SAMPLES backwards run whole, the next
-    SAMPLES split, each timed from when its gradients were there; then split where that sends the
-    inputs' gradient sooner than a whole backward ends by more than it lengthens the backward (two
-    passes of the engine cost more than one where a chunk's graph is deep and its layers small).
-    `forced`: always split (True) or never (False) instead."""
+    """For the backwards of a stage with a stage before it, in GPipe or 1F1B: whether a step's are
+    split, each inputs' gradient computed and sent first and its weights' after it (the stage before
+    then starts its own backward sooner), or run whole. After its first COLD steps the stage runs
+    TRIALS, timing each step, then keeps the way whose steps took less (the median). Whole steps are what
+    count: a split costs a second pass of autograd's engine and a walk of the graph, which a deep graph
+    of small layers pays more for than it gains, and on more stages than cores the extra CPU time
+    delays the other stages. Every stage tries the same way in the same step, so each times the
+    pipeline as it would run. `forced`: always split (True) or never (False) instead."""
 
     forced: bool | None = None
+    #: seconds of the trial steps, each way
     whole: list[float] = field(default_factory=list)
-    #: split backwards: seconds until the inputs' gradient was sent, and in all
-    to_inputs: list[float] = field(default_factory=list)
     split: list[float] = field(default_factory=list)
-    #: the choice, once made: (split, seconds sooner, seconds longer)
-    chosen: tuple[bool, float, float] | None = None
+    #: the choice, once made
+    chosen: bool | None = None
+    steps: int = 0
 
     def split_next(self) -> bool:
+        """Whether the next training step splits its backwards."""
         if self.forced is not None:
             return self.forced
         if self.chosen is not None:
-            return self.chosen[0]
-        return len(self.whole) >= SAMPLES
+            return self.chosen
+        trial = self.steps - COLD
+        return 0 <= trial < len(TRIALS) and TRIALS[trial]
 
-    def record(self, split: bool, inputs_sent: float, ended: float) -> tuple[bool, float, float] | None:
-        """A backward ran (split or whole): `inputs_sent` and `ended` seconds after its gradients were
-        there. The choice when this one made it, else None."""
+    def record(self, split: bool, seconds: float) -> bool | None:
+        """A training step ran (its backwards split or not) in `seconds`; the choice when this step made
+        it, else None."""
         if self.forced is not None or self.chosen is not None:
             return None
-        if split:
-            self.to_inputs.append(inputs_sent)
-            self.split.append(ended)
-        else:
-            self.whole.append(ended)
-        if len(self.split) < SAMPLES:
+        self.steps += 1
+        if self.steps <= COLD:
             return None
-        whole = min(self.whole)
-        sooner, longer = whole - min(self.to_inputs), min(self.split) - whole
-        self.chosen = (sooner > longer, sooner, longer)
+        if self.steps > COLD + 1 and TRIALS[self.steps - COLD - 2] == split:  # not the first of a run
+            (self.split if split else self.whole).append(seconds)
+        if self.steps < COLD + len(TRIALS):
+            return None
+        self.chosen = statistics.median(self.split) < statistics.median(self.whole)
         return self.chosen

@@ -14,6 +14,8 @@ the stage's gradients are averaged in buckets while its last backward runs (repl
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,9 +66,9 @@ class PipelineSchedule:
         except ValueError as exc:
             raise SluiceError(f"{stage.describe()}: {type(self).__name__}: {exc}") from exc
         stages = stage.num_stages
-        #: per chunk with a stage before it: whether its backwards send the inputs' gradient first
-        self.early = {} if self.name in SPLIT_BACKWARD or stage.offload or inputs_first is False else {
-            chunk: EarlyInputs(inputs_first) for chunk in range(stage.virtual) if chunk or not stage.is_first}
+        #: whether a step's backwards send the inputs' gradient first (None: they never do here)
+        self.early = None if (self.name in SPLIT_BACKWARD or stage.offload or inputs_first is False
+                              or (stage.is_first and stage.virtual == 1)) else EarlyInputs(inputs_first)
         #: this stage's actions in order: (kind, micro-batch, chunk)
         self.order = [(a.kind, a.micro, 0 if a.stage is None else a.stage // stages)
                       for a in orders[stage.stage_index]]
@@ -99,6 +101,9 @@ class PipelineSchedule:
             raise SluiceError(f"{stage.describe()} is the last stage: call step(target=...)")
         inputs = list(zip(*(_chunks(a, micro, "an input") for a in args), strict=True)) if stage.is_first else []
         targets = _chunks(target, micro, "the target") if stage.is_last and target is not None else []
+        early = self.early if train else None
+        split = early is not None and early.split_next()
+        started = time.perf_counter()
         stage.begin(step, micro)
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         micro_losses: dict[int, torch.Tensor] = {}
@@ -125,30 +130,24 @@ class PipelineSchedule:
             if kind == "I":
                 stage.backward_input(step, m, loss, chunk)
             else:
-                self._backward(step, m, loss, chunk)
+                stage.backward_one(step, m, loss, chunk, split and (chunk > 0 or not stage.is_first))
         if not train:
             stage.settle_forward_only(step)
         elif self.replicas is not None:
             self.replicas.finish()
         stage.end()
         self.steps += 1
+        if early is not None and (chosen := early.record(split, time.perf_counter() - started)) is not None:
+            log.info("%s %s: steps of %.2f ms split against %.2f ms whole (medians of %d and %d trial steps)",
+                     stage.describe(), "sends each inputs' gradient before computing the weights'" if chosen else
+                     "runs its backwards whole", statistics.median(early.split) * 1e3,
+                     statistics.median(early.whole) * 1e3, len(early.split), len(early.whole))
         if not stage.is_last:
             return None
         if losses is not None and micro_losses:
             losses.extend(micro_losses[m].detach() for m in range(micro))
         merged = [torch.cat([outputs[m][i].detach() for m in range(micro)]) for i in range(len(outputs[0]))]
         return merged[0] if len(merged) == 1 else tuple(merged)
-
-
-    def _backward(self, step: int, micro: int, loss: torch.Tensor | None, chunk: int) -> None:
-        """A whole backward (B), its inputs' gradient sent first where that is faster (`inputs_first`)."""
-        early = self.early.get(chunk)
-        split = early is not None and early.split_next()
-        sent, ended = self.stage.backward_one(step, micro, loss, chunk, split)
-        if early is not None and (chosen := early.record(split, sent, ended)) is not None:
-            log.info("%s %s: its inputs' gradient %.2f ms sooner, its backward %.2f ms longer",
-                     self.stage.describe(chunk), "sends its inputs' gradient before computing its weights'"
-                     if chosen[0] else "runs its backwards whole", chosen[1] * 1e3, chosen[2] * 1e3)
 
 
 class ScheduleGPipe(PipelineSchedule):

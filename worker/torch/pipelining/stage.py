@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,15 +186,13 @@ class PipelineStage:
         return self.is_last and chunk == self.virtual - 1
 
     def backward_one(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0,
-                     split: bool = False) -> tuple[float, float]:
+                     split: bool = False) -> None:
         """Run the backward of `micro` through `chunk`: from `loss` on the last (virtual) stage, else from
         the gradients the stage after sent; send the inputs' gradients back (but from the first); drop
         what was held. `split`: the inputs' gradients first, sent before the weights' are computed
-        (whole where that would run the input path twice: backward.backward_input). The seconds from
-        when its gradients were there to the inputs' gradients sent, and to the end."""
+        (whole where that would run the input path twice: backward.backward_input)."""
         held = self._held.pop((chunk, micro))
         pairs = self._seeds(step, micro, chunk, held, loss)
-        started = time.perf_counter()
         floats = [x for x in held.inputs if x.is_floating_point()]
         weights = None
         if split and pairs:
@@ -206,10 +203,8 @@ class PipelineStage:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             grads = [x.grad for x in floats]
         self._send_back(step, micro, chunk, grads, floats)
-        sent = time.perf_counter()
         if weights is not None:
             weights.run()
-        return sent - started, time.perf_counter() - started
 
     def backward_input(self, step: int, micro: int, loss: torch.Tensor | None = None, chunk: int = 0) -> None:
         """The first half of a split backward (I): the inputs' gradients of `micro` through `chunk`, sent
