@@ -132,6 +132,21 @@ def test_inputs_gradient_first_trains_bit_for_bit_as_whole_backwards_and_is_chos
 
 
 @pytest.mark.timeout(120)
+def test_a_backward_that_cannot_be_split_runs_whole_and_the_stage_stops_trying() -> None:
+    """Reentrant checkpointing refuses torch.autograd.grad: a stage whose split trial meets it runs that
+    backward whole (the same gradients) and never splits again; the job trains as one process does."""
+    results = forked(3, "--stages", "3", "--micro", "4", "--schedule", "1f1b", "--steps", "16", "--compress", "off",
+                     "--checkpoint")
+    check_matches(results, 3, reference(16, 16))
+    assert [r["unsplittable"] for r in results] == [False, True, True]
+    assert [r["early"] for r in results[1:]] == [[None, 2, 0]] * 2  # two whole trial steps timed, then the refusal
+    output, _ = run(3, "--stages", "3", "--micro", "4", "--schedule", "interleavedzerobubble", "--steps", "2",
+                    "--checkpoint", fails=True)  # zero bubble cannot run whole: it says why, and what to do
+    assert "zero bubble splits each backward in two, which autograd refused here" in output, output[-4000:]
+    assert "use_reentrant=False" in output
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", [["--no-lean"], ["--offload-zvc"]])
 def test_offload_with_zvc_matches_one_process(options: list[str]) -> None:
     """ZVC on what is offloaded: the ReLUs' outputs themselves (`offload_lean=False`) or, with lean saves,

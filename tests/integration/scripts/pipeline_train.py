@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import sluice.torch as hvd
 from sluice.worker.pipeline.schedule import SCHEDULES
@@ -40,6 +41,19 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step`: `size` samples (every replica takes its own contiguous share)."""
     generator = torch.Generator().manual_seed(1000 + step)
     return torch.randn(size, INPUTS, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+class Checkpointed(nn.Module):
+    """A module whose forward is recomputed in its backward, by torch's reentrant checkpoint (which refuses
+    torch.autograd.grad: a split backward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.inner, x, use_reentrant=True)
+        return out
 
 
 def train(argv: list[str] | None = None) -> dict[str, Any]:
@@ -68,6 +82,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=4, help="Linear layers (2: one hidden layer)")
     parser.add_argument("--eval-steps", type=int, default=0, help="forward-only steps after training")
     parser.add_argument("--device", default="cpu", help="where every stage runs (cuda: all on the one GPU)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="every stage but the first recomputes its forward in the backward (reentrant checkpoint)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
@@ -76,6 +92,8 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
     if index == args.bad_stage:
         parts[index] = nn.Sequential(nn.Linear(args.width + 1, args.width), *parts[index])
     chunks = [part.to(args.device) for part in parts[index::args.stages]]
+    if args.checkpoint and index:
+        chunks = [Checkpointed(chunk) for chunk in chunks]
     stage = PipelineStage(chunks[0] if args.virtual == 1 else chunks, None, args.stages, compress=args.compress,
                           offload=args.offload, offload_min_bytes=0,
                           offload_lean=not args.no_lean, offload_compress=args.offload_zvc or None,
@@ -115,6 +133,7 @@ def train(argv: list[str] | None = None) -> dict[str, Any]:
             evaluated.append(out.reshape(-1).tolist())
     result = {"rank": hvd.rank(), "evaluated": evaluated, "stage": stage.stage_index, "replica": replica,
               "peaks": peaks,
+              "unsplittable": stage.unsplittable,
               "early": None if (e := schedule.early) is None else [e.chosen, len(e.whole), len(e.split)],
               "params": [[p.detach().cpu().reshape(-1).tolist() for p in chunk.parameters()] for chunk in chunks],
               "ratio": stage.compression_ratio(), "losses": losses,

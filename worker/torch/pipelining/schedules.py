@@ -137,6 +137,8 @@ class PipelineSchedule:
             self.replicas.finish()
         stage.end()
         self.steps += 1
+        if early is not None and stage.unsplittable:
+            early.forced = False
         if early is not None and (chosen := early.record(split, time.perf_counter() - started)) is not None:
             log.info("%s %s: steps of %.2f ms split against %.2f ms whole (medians of %d and %d trial steps)",
                      stage.describe(), "sends each inputs' gradient before computing the weights'" if chosen else

@@ -117,6 +117,8 @@ class PipelineStage:
         self.peak_held = 0
         #: offloaded bytes (raw and stored) of the last step, with `offload`
         self.offload_stats: list[OffloadStats] = []
+        #: a split backward failed here (autograd refused it: reentrant checkpointing): whole from then on
+        self.unsplittable = False
 
     # ------------------------------------------------------------------ who is where
     @property
@@ -195,10 +197,14 @@ class PipelineStage:
         pairs = self._seeds(step, micro, chunk, held, loss)
         floats = [x for x in held.inputs if x.is_floating_point()]
         weights = None
-        if split and pairs:
-            grads, weights = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
-                                            whole_if_inexact=True)
-        else:
+        if split and pairs and not self.unsplittable:
+            try:
+                grads, weights = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
+                                                whole_if_inexact=True)
+            except RuntimeError as exc:  # reentrant checkpointing refuses .grad(); the graph is left whole
+                self.unsplittable = True
+                log.warning("%s: its backward cannot be split (%s); it runs whole", self.describe(chunk), exc)
+        if weights is None:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             grads = [x.grad for x in floats]
@@ -212,7 +218,13 @@ class PipelineStage:
         held = self._held[(chunk, micro)]
         pairs = self._seeds(step, micro, chunk, held, loss)
         floats = [x for x in held.inputs if x.is_floating_point()]
-        grads, self._weights[(chunk, micro)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats)
+        try:
+            grads, self._weights[(chunk, micro)] = backward_input([o for o, _ in pairs], [g for _, g in pairs],
+                                                                  floats)
+        except RuntimeError as exc:
+            raise SluiceError(f"{self.describe(chunk)}: zero bubble splits each backward in two, which autograd "
+                              f"refused here ({exc}). Checkpoint with use_reentrant=False, or take a schedule "
+                              "whose backwards may run whole (Schedule1F1B, ScheduleInterleaved1F1B)") from exc
         self._send_back(step, micro, chunk, grads, floats)
 
     def backward_weight(self, micro: int, chunk: int = 0) -> None:
