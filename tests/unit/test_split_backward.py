@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.worker.torch.pipelining.backward import backward_input
+from sluice.worker.torch.pipelining.backward import backward_input, splittable
 
 
 class Tied(nn.Module):
@@ -126,3 +126,10 @@ def test_a_split_of_our_own_is_done_whole_where_the_weights_half_would_run_the_i
     y = torch.randn(4, 16, requires_grad=True)
     _, split = backward_input([mlp(y)], [torch.ones(4, 8)], [y], whole_if_inexact=True)
     assert len(split.seeds) == 3 and all(p.grad is None for p in mlp.parameters())
+
+
+def test_this_torch_can_start_a_backward_from_a_graph_edge() -> None:
+    """The probe the schedules ask before splitting (older torch releases refuse a GradientEdge there: the
+    schedules then keep GPipe's and 1F1B's backwards whole and refuse zero bubble with advice)."""
+    splittable.cache_clear()
+    assert splittable() is True

@@ -16,6 +16,7 @@ inputs' half is empty and the weights' half is the whole backward, as torch's st
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,18 @@ class WeightGrads:
         if self.roots:
             torch.autograd.backward(self.roots, self.grads, inputs=self.leaves or None)
         self.seeds, self.roots, self.grads, self.leaves = [], [], [], []
+
+
+@functools.cache
+def splittable() -> bool:
+    """Whether this torch can split a backward: start the engine from a graph edge with a gradient of its
+    own (torch.autograd.backward of a GradientEdge, which older releases refuse). Tried once, on a tiny graph."""
+    leaf = torch.ones(1, requires_grad=True)
+    try:
+        torch.autograd.backward([get_gradient_edge(leaf * 2)], [torch.ones(1)], inputs=[leaf])
+    except (TypeError, RuntimeError):
+        return False
+    return leaf.grad is not None and float(leaf.grad[0]) == 2.0
 
 
 def _children(node: Node) -> list[Node]:

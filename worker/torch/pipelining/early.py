@@ -15,9 +15,9 @@ TRIALS = (False,) * 3 + (True,) * 6 + (False,) * 3
 
 @dataclass
 class EarlyInputs:
-    """For the backwards of a stage with a stage before it, in GPipe or 1F1B: whether a step's are
-    split, each inputs' gradient computed and sent first and its weights' after it (the stage before
-    then starts its own backward sooner), or run whole. After its first COLD steps the stage runs
+    """For the backwards of a stage with a stage before it, in GPipe, 1F1B or interleaved 1F1B: whether
+    a step's are split, each inputs' gradient computed and sent first and its weights' after it (the
+    stage before then starts its own backward sooner), or run whole. After its first COLD steps the stage runs
     TRIALS, timing each step, then keeps the way whose steps took less (the median). Whole steps are what
     count: a split costs a second pass of autograd's engine and a walk of the graph, which a deep graph
     of small layers pays more for than it gains, and on more stages than cores the extra CPU time

@@ -7,7 +7,9 @@ as torch.distributed.pipelining's. Each stage runs its own order of forwards and
 only through the activations and gradients they send each other, so no clock is shared and a slow
 stage delays only those that wait on it. The call mirrors
 torch.distributed.pipelining: `step(x)` on the first stage, `step(target=y, losses=losses)` on the
-last, `step()` in between; then the user's optimizer steps the stage's own parameters. With replicas,
+last, `step()` in between; then the user's optimizer steps the stage's own parameters. GPipe's and
+1F1B's backwards send their inputs' gradient before computing their weights' where the stage's trial
+steps measure that faster (early.py). With replicas,
 the stage's gradients are averaged in buckets while its last backward runs (replicas.py).
 """
 
@@ -23,6 +25,7 @@ import torch
 
 from sluice.errors import SluiceError
 from sluice.worker.pipeline.schedule import SPLIT_BACKWARD, canonical, schedule
+from sluice.worker.torch.pipelining.backward import splittable
 from sluice.worker.torch.pipelining.early import EarlyInputs
 from sluice.worker.torch.pipelining.replicas import ReplicaAverager
 from sluice.worker.torch.pipelining.stage import REPLICA_PRIORITY, PipelineStage
@@ -50,10 +53,10 @@ class PipelineSchedule:
                  inputs_first: bool | None = None) -> None:
         """`loss_fn(output, target)` runs on the last stage for each micro-batch; `scale_grads` divides its
         gradients by the number of micro-batches, so that a mean loss gives the gradients of the whole batch.
-        `inputs_first` (GPipe, 1F1B): each backward with a stage before it computes and sends its inputs'
-        gradient before its weights' (the stage before starts its backward sooner: schedule.inputs_first;
-        the same gradients, bit for bit): None, where that measures faster (early.EarlyInputs); True,
-        always; False, never. Not with offload, which takes a whole backward."""
+        `inputs_first` (GPipe, 1F1B, interleaved 1F1B): each backward with a stage before it computes and
+        sends its inputs' gradient before its weights' (the stage before starts its backward sooner:
+        schedule.inputs_first; the same gradients, bit for bit): None, where that measures faster
+        (early.EarlyInputs); True, always; False, never. Not with offload, which takes a whole backward."""
         if stage.is_last and loss_fn is None:
             raise SluiceError(f"{stage.describe()} is the last stage: give the schedule a loss_fn(output, target)")
         self.stage, self.micro, self.loss_fn, self.scale_grads = stage, n_microbatches, loss_fn, scale_grads
@@ -66,9 +69,15 @@ class PipelineSchedule:
         except ValueError as exc:
             raise SluiceError(f"{stage.describe()}: {type(self).__name__}: {exc}") from exc
         stages = stage.num_stages
+        if (self.name in SPLIT_BACKWARD or inputs_first) and not splittable():
+            raise SluiceError(f"{stage.describe()}: {type(self).__name__}"
+                              f"{'' if self.name in SPLIT_BACKWARD else '(inputs_first=True)'} splits each backward "
+                              f"in two, which torch {torch.__version__} cannot do (a backward from a graph edge): "
+                              "upgrade torch, or take Schedule1F1B")
         #: whether a step's backwards send the inputs' gradient first (None: they never do here)
         self.early = None if (self.name in SPLIT_BACKWARD or stage.offload or inputs_first is False
-                              or (stage.is_first and stage.virtual == 1)) else EarlyInputs(inputs_first)
+                              or (stage.is_first and stage.virtual == 1) or not splittable()) else (
+            EarlyInputs(inputs_first))
         #: this stage's actions in order: (kind, micro-batch, chunk)
         self.order = [(a.kind, a.micro, 0 if a.stage is None else a.stage // stages)
                       for a in orders[stage.stage_index]]
