@@ -139,7 +139,7 @@ class PipelineSchedule:
             if kind == "I":
                 stage.backward_input(step, m, loss, chunk)
             else:
-                stage.backward_one(step, m, loss, chunk, split and (chunk > 0 or not stage.is_first))
+                stage.backward_one(step, m, loss, chunk, split)
         if not train:
             stage.settle_forward_only(step)
         elif self.replicas is not None:

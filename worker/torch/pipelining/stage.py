@@ -192,12 +192,13 @@ class PipelineStage:
         """Run the backward of `micro` through `chunk`: from `loss` on the last (virtual) stage, else from
         the gradients the stage after sent; send the inputs' gradients back (but from the first); drop
         what was held. `split`: the inputs' gradients first, sent before the weights' are computed
-        (whole where that would run the input path twice: backward.backward_input)."""
+        (whole where that would run the input path twice: backward.backward_input; and on the first
+        virtual stage, whose inputs' gradient nobody waits for)."""
         held = self._held.pop((chunk, micro))
         pairs = self._seeds(step, micro, chunk, held, loss)
         floats = [x for x in held.inputs if x.is_floating_point()]
         weights = None
-        if split and pairs and not self.unsplittable:
+        if split and pairs and not self.unsplittable and not (self.is_first and chunk == 0):
             try:
                 grads, weights = backward_input([o for o, _ in pairs], [g for _, g in pairs], floats,
                                                 whole_if_inexact=True)
