@@ -150,9 +150,11 @@ def test_each_channel_lands_in_the_class_of_its_mark(settings: dict[str, Any], c
             for tos in after:
                 counted = after[tos] - before[direction][tos]
                 sent = sum((c + 1) * PER_CHANNEL for c, mark in enumerate(marks) if mark == tos)
-                # headers add about 4% (TCP/IP per 1448-byte segment, ZeroMQ and msgpack per message);
-                # a class with nothing sent sees at most a few small control packets
-                assert sent <= counted <= sent * 1.08 + 32 * 1024, (direction, hex(tos or 0), tos, counted, sent)
+                # headers add about 4% (TCP/IP per 1448-byte segment, ZeroMQ and msgpack per message) and
+                # a loaded machine retransmits a few segments more (CI counted +11% once); a class with nothing
+                # sent sees at most a few small control packets. A wrong mark moves whole MiB between classes
+                # (channel c carries c + 1 MiB), far beyond this slack.
+                assert sent <= counted <= sent * 1.2 + 64 * 1024, (direction, hex(tos or 0), tos, counted, sent)
 
 
 # ---------------------------------------------------------------------------- the benchmarks' quick runs
