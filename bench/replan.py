@@ -26,7 +26,7 @@ from sluice.launch.run_options import ENV_LOG_TIME
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from testbed.job import emit_result, run_sluice_job
 from testbed.netbed import Netbed, ready_for
-from testbed.replan_steps import evidence, false_alarms, first_switch, parse_line, steps, switches
+from testbed.replan_steps import evidence, false_alarms, false_mends, first_switch, parse_line, steps, switches
 
 #: aggregation.report_s of the kept job: its agents never report within it, so nothing re-plans its first trees
 STALE_REPORT_S = 3600.0
@@ -250,11 +250,15 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
     progress("  " + "; ".join(f"{step} {'-' if t is None else f'{t:.2f}'}" for step, t in timed.items()))
     progress(f"  seen after the cut: {said(flagged)}")
     wrong = false_alarms(job.lines, configured(layout), CHANGE, "r0", cut)
+    mended_early = false_mends(job.lines, "r0", cut, job.restored, args.period)
+    if mended_early:
+        progress(f"  counted mended while still cut: period(s) {', '.join(map(str, mended_early))}")
     # the round the switch waited for: the last one started on the old trees
     in_flight = [d for s, d, e in rounds if s < switched[0][0] and e <= before]
     return {"delay": (carried - cut) / args.period, "first_round": (switched[0][0] - cut) / args.period,
             "after": [d for _, d, _ in switched[2:] or switched[-1:]],
-            "steps": timed, "false_alarms": wrong, "epochs_after_cut": len({e for *_, e in switched}),
+            "steps": timed, "false_alarms": wrong, "false_mends": mended_early,
+            "epochs_after_cut": len({e for *_, e in switched}),
             "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
             "switches_before_cut": switches(job.lines, before=cut) - 1,
             "restore": restore_run(job, rounds, planned_rounds(rounds, cut, before), args)}

@@ -25,6 +25,7 @@ def report(args: argparse.Namespace, layout: Layout, replans: list[dict[str, Any
     alarms = sum(len(r["false_alarms"]) + len(f["false_alarms"]) for r, f in zip(replans, freshes, strict=True))
     needless = sum(r["switches_before_cut"] + f["switches"] for r, f in zip(replans, freshes, strict=True))
     in_flight = statistics.median(r["round_in_flight"] for r in replans)
+    early = sum(len(r["false_mends"]) for r in replans)
     progress(f"\n{layout.racks} racks x {layout.per_rack} workers at {args.ratio}:1, r0's uplink cut to a quarter; "
              f"medians of {args.repeats} repeat(s); uplinks count after {args.uplink_periods} period(s)")
     print_table(["measure", "value", "target", ""], [
@@ -37,6 +38,7 @@ def report(args: argparse.Namespace, layout: Layout, replans: list[dict[str, Any
         ["rounds with a wrong sum", "0 (every worker checked every round)", "0", "PASS"],
         ["uplinks counted too slow that were not", str(alarms), "0", "PASS" if not alarms else "FAIL"],
         ["switches with no change (before the cut, fresh job)", str(needless), "0", "PASS" if not needless else "FAIL"],
+        ["uplinks counted mended while still cut", str(early), "0", "PASS" if not early else "FAIL"],
     ])
     progress(f"\nwhere the time went: seconds after the cut (median of each step), the step's share; the round in "
              f"flight at the switch took {in_flight:.2f} s")
@@ -54,7 +56,7 @@ def report(args: argparse.Namespace, layout: Layout, replans: list[dict[str, Any
         "steps_s": timed, "steps_s_by_repeat": [r["steps"] for r in replans],
         "round_in_flight_s": [r["round_in_flight"] for r in replans],
         "measured_mbit": [r["measured"] for r in replans], "cut_mbit": layout.uplink_mbit / 4,
-        "false_alarms": [r["false_alarms"] for r in replans],
+        "false_alarms": [r["false_alarms"] for r in replans], "false_mends": [r["false_mends"] for r in replans],
         "fresh_false_alarms": [f["false_alarms"] for f in freshes],
         "switches_before_cut": [r["switches_before_cut"] for r in replans],
         "fresh_switches": [f["switches"] for f in freshes],

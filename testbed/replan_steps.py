@@ -98,6 +98,21 @@ def false_alarms(lines: Sequence[tuple[float, str]], configured: Mapping[str, fl
     return found
 
 
+def false_mends(lines: Sequence[tuple[float, str]], rack: str, cut: float, restored: float | None,
+                period: float) -> list[int]:
+    """The periods in which the manager counted `rack`'s uplink mended (measured at its rate again, "mended:")
+    while it was still cut: periods ending after `cut` and before `restored` (None: never set back)."""
+    found = []
+    for _, text in lines:
+        measured = _MEASURED.match(text)
+        if measured is None or measured.group(1) != rack or "(mended:" not in text:
+            continue
+        ends = int(measured.group(3)) * period
+        if cut < ends <= (restored if restored is not None else float("inf")):
+            found.append(int(measured.group(3)))
+    return found
+
+
 def first_switch(lines: Sequence[tuple[float, str]], after: float) -> int | None:
     """The routing epoch of the first switch begun after `after` (its ROUTES), or None."""
     return next((int(m.group(1)) for at, text in lines if at >= after and (m := _SWITCH.match(text))

@@ -65,6 +65,9 @@ def test_replan_quick_switches_trees_after_an_uplink_is_cut_and_set_back_with_ev
     rec, kept, mended = check_records(out, 3)
     assert rec["peer_name"] == "fresh plan" and rec["periods_to_new_plan"] > 0, rec
     assert "throttle to the new trees carrying pushes" in result.stdout
+    # mends counted while the uplink was still cut are reported (a period number each), not hidden
+    assert all(isinstance(p, int) for periods in rec["false_mends"] for p in periods), rec
+    assert "uplinks counted mended while still cut" in result.stdout
     # the same cut under the first trees, kept (no re-plan): what the re-plan buys, against the same rounds
     assert kept["peer_name"] == "the first trees kept (no re-plan)" and kept["ours"] == rec["ours"], kept
     assert kept["kept_rounds_s"] and all(d > 0 for d in kept["kept_rounds_s"][0]), kept

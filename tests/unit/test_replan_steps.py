@@ -14,6 +14,7 @@ from testbed.replan_steps import (
     STEPS,
     evidence,
     false_alarms,
+    false_mends,
     first_switch,
     median_steps,
     parse_line,
@@ -93,6 +94,21 @@ def test_false_alarms_are_other_racks_and_the_cut_rack_before_its_cut_at_rates_t
         cut: float | None, extra: list[str], want: list[str]) -> None:
     timed = lines() + [t for text in extra if (t := parse_line(text)) is not None]
     assert false_alarms(timed, CONFIGURED, 0.25, "r0", cut) == want
+
+
+MENDED = "(mended: its traffic crossed 3 periods running without keeping a sender waiting; the plan assumed 2.5)"
+
+
+def test_false_mends_are_the_cut_racks_mends_counted_before_it_was_set_back() -> None:
+    extra = [f"{at(9.1)} INFO m: uplink of rack r0 measured at 10.0 Mbit/s in period {PERIOD0 + 9} {MENDED}",
+             f"{at(9.1)} INFO m: uplink of rack r1 measured at 10.0 Mbit/s in period {PERIOD0 + 9} {MENDED}",
+             f"{at(12.1)} INFO m: uplink of rack r0 measured at 2.4 Mbit/s in period {PERIOD0 + 12} {HELD}",
+             f"{at(31.1)} INFO m: uplink of rack r0 measured at 10.0 Mbit/s in period {PERIOD0 + 31} {MENDED}"]
+    timed = lines() + [t for text in extra if (t := parse_line(text)) is not None]
+    assert false_mends(timed, "r0", T0, T0 + 25.0, 1.0) == [PERIOD0 + 9]
+    assert false_mends(timed, "r0", T0, None, 1.0) == [PERIOD0 + 9, PERIOD0 + 31]
+    assert false_mends(timed, "r0", T0 + 10.0, T0 + 25.0, 1.0) == []
+    assert false_mends(lines(), "r0", T0, T0 + 25.0, 1.0) == []
 
 
 def test_the_median_step_over_repeats_skips_the_ones_not_seen() -> None:
