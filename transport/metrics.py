@@ -63,6 +63,10 @@ class TransportMetrics:
         #: our demand, set the pace then)
         self.peer_sent: dict[str, int] = {}
         self.peer_backlog_s: dict[str, float] = {}
+        #: per peer, never reset: seconds from each message's socket to the acknowledgement that freed its
+        #: credit, summed, and how many were acknowledged (a path's delay: its links' queues and rates)
+        self.peer_ack_s: dict[str, float] = {}
+        self.peer_acks: dict[str, int] = {}
         #: what earlier windows counted (folded in by reset()), and a sequence number that is odd while
         #: a reset runs, so a reader on another thread (totals()) can tell it saw a torn state
         self._before: dict[str, Any] = {"sent_bytes": [0] * channels, "received_bytes": [0] * channels,
@@ -108,6 +112,11 @@ class TransportMetrics:
         backlog = self.peer_backlog_s
         for peer in peers:
             backlog[peer] = backlog.get(peer, 0.0) + seconds
+
+    def acked(self, peer: str, seconds: float) -> None:
+        """A message sent to `peer` was acknowledged `seconds` after it went to its socket."""
+        self.peer_ack_s[peer] = self.peer_ack_s.get(peer, 0.0) + seconds
+        self.peer_acks[peer] = self.peer_acks.get(peer, 0) + 1
 
     def totals(self) -> dict[str, Any]:
         """Counts since the start, resets folded in, safe to call from any thread (written by the I/O

@@ -28,6 +28,9 @@ log = logging.getLogger("sluice.transport")
 #: the links and the cipher bind, no measurable change: docs/priority.md).
 COPY_BYTES = 512 << 10
 
+#: per route, at most this many unacknowledged messages are timed (a peer that never acknowledges costs no more)
+UNACKED_KEPT = 4096
+
 
 class Sender:
     """The sending half of ZmqTransport: callers append to its outbox (any thread); the rest runs on the
@@ -57,6 +60,9 @@ class Sender:
         self._shared = shared
         #: sealed connections (transport/zmq_seal.py), or None
         self._seals = seals
+        #: per route, [sent at, bytes not yet acknowledged] of each message with a payload, oldest first: its
+        #: acknowledgement's delay is the path's (the network agent's measure of a rack uplink)
+        self._unacked: dict[Route, deque[list[float]]] = {}
 
     def idle(self) -> bool:
         """Nothing waits to be sent."""
@@ -71,6 +77,17 @@ class Sender:
     def credit(self, route: Route, nbytes: int) -> None:
         """The peer acknowledged `nbytes` sent on `route`: they no longer count against its bound."""
         queue = self.queues.get(route)
+        unacked, left = self._unacked.get(route), nbytes
+        if unacked:
+            now = time.monotonic()
+            while unacked and left > 0:
+                oldest = unacked[0]
+                if oldest[1] > left:  # acknowledged in part (credit comes back in byte counts)
+                    oldest[1] -= left
+                    break
+                left -= int(oldest[1])
+                unacked.popleft()
+                self._metrics.acked(route[0], now - oldest[0])
         if queue is not None:
             queue.ack(nbytes)
             self._shared.acked(route, nbytes)
@@ -82,6 +99,7 @@ class Sender:
         routes = [r for r in self.queues if r[0] == peer]
         for route in routes:
             del self.queues[route]
+            self._unacked.pop(route, None)
             self.active.discard(route)
         return routes
 
@@ -121,6 +139,11 @@ class Sender:
                         queue.push_front(later_priority, later_bytes, later, later_enqueued)
                     break
                 self._metrics.sent(route[1], priority, nbytes, now - enqueued, route[0])
+                if nbytes:  # only payload bytes take credit, and come back acknowledged
+                    unacked = self._unacked.get(route)
+                    if unacked is None:
+                        unacked = self._unacked[route] = deque(maxlen=UNACKED_KEPT)
+                    unacked.append([now, nbytes])
                 if self.tracer is not None:  # the timeline (worker/trace.py): off unless asked for
                     self.tracer(msg, enqueued, now)
             if not len(queue):

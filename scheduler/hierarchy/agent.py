@@ -66,10 +66,14 @@ class Report:
     #: per peer this node sent to, or had data waiting for: (peer, Mbit/s sent, the fraction of the period
     #: during which data for it waited in our queues); the manager measures rack uplinks from them (uplinks.py)
     peers: tuple[tuple[str, float, float], ...] = ()
+    #: per peer whose messages were acknowledged in the period: the mean ms from a message's socket to the
+    #: acknowledgement that freed its credit (the path's queues and rates; uplinks.py)
+    acks: tuple[tuple[str, float], ...] = ()
 
     def encode(self) -> list[Any]:
         rates = [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3)]
-        return [*rates, self.period, [[p, round(m, 3), round(b, 3)] for p, m, b in self.peers]]
+        return [*rates, self.period, [[p, round(m, 3), round(b, 3)] for p, m, b in self.peers],
+                [[p, round(ms, 2)] for p, ms in self.acks]]
 
 
 #: at most this many peers in one report (a job's nodes; more is refused as malformed)
@@ -84,19 +88,29 @@ def _peer(raw: object) -> tuple[str, float, float] | None:
     return raw[0], float(raw[1]), float(raw[2])
 
 
+def _ack(raw: object) -> tuple[str, float] | None:
+    if (type(raw) is not list or len(raw) != 2 or type(raw[0]) is not str or not 0 < len(raw[0]) <= 64
+            or type(raw[1]) not in (int, float) or not 0 < raw[1] < 1e7):
+        return None
+    return raw[0], float(raw[1])
+
+
 def parse_report(raw: object) -> Report | None:
-    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s, the period's number and the
-    per-peer list; None if malformed."""
-    if (type(raw) is not list or len(raw) != 6
+    """A HEARTBEAT's `net` field: four finite rates >= 0 below 10 Tbit/s, the period's number, the
+    per-peer list and (from agents that time acknowledgements) the per-peer delays; None if malformed."""
+    if (type(raw) is not list or len(raw) not in (6, 7)
             or not all(type(v) in (int, float) and 0 <= v < 1e7 for v in raw[:4])
             or type(raw[4]) is not int or not 0 <= raw[4] < 1 << 53
-            or type(raw[5]) is not list or len(raw[5]) > MAX_PEERS):
+            or type(raw[5]) is not list or len(raw[5]) > MAX_PEERS
+            or (len(raw) == 7 and (type(raw[6]) is not list or len(raw[6]) > MAX_PEERS))):
         return None
     peers = [_peer(p) for p in raw[5]]
-    if any(p is None for p in peers):
+    acks = [_ack(a) for a in raw[6]] if len(raw) == 7 else []
+    if any(p is None for p in peers) or any(a is None for a in acks):
         return None
     link_tx, link_rx, own_tx, own_rx = (float(v) for v in raw[:4])
-    return Report(link_tx, link_rx, own_tx, own_rx, raw[4], tuple(p for p in peers if p is not None))
+    return Report(link_tx, link_rx, own_tx, own_rx, raw[4], tuple(p for p in peers if p is not None),
+                  tuple(a for a in acks if a is not None))
 
 
 class LinkAgent:
@@ -106,14 +120,18 @@ class LinkAgent:
     def __init__(self) -> None:
         self._last: tuple[int, float, int, int, int, int] | None = None
         self._last_peers: Mapping[str, tuple[int, float]] = {}
+        self._last_acks: Mapping[str, tuple[float, int]] = {}
 
     def sample(self, period: int, now: float, link: tuple[int, int], own: tuple[int, int],
-               peers: Mapping[str, tuple[int, float]] | None = None) -> Report | None:
+               peers: Mapping[str, tuple[int, float]] | None = None,
+               acks: Mapping[str, tuple[float, int]] | None = None) -> Report | None:
         """Counters read at the end of `period`: `link` = the interface's (received, transmitted) bytes,
-        `own` = this node's (sent, received), `peers` = per peer (bytes sent, seconds backlogged)."""
+        `own` = this node's (sent, received), `peers` = per peer (bytes sent, seconds backlogged), `acks` =
+        per peer (seconds to acknowledgement summed, messages acknowledged)."""
         (rx, tx), (own_tx, own_rx) = link, own
         last, self._last = self._last, (period, now, tx, rx, own_tx, own_rx)
         last_peers, self._last_peers = self._last_peers, dict(peers or {})
+        last_acks, self._last_acks = self._last_acks, dict(acks or {})
         if (last is None or last[0] != period - 1 or now <= last[1]
                 or min(tx - last[2], rx - last[3], own_tx - last[4], own_rx - last[5]) < 0):
             return None
@@ -127,8 +145,13 @@ class LinkAgent:
             if sent > before[0] or backlog > before[1]:
                 flows.append((peer, max(sent - before[0], 0) * scale,
                               min(max(backlog - before[1], 0.0) / seconds, 1.0)))
+        delays = []
+        for peer, (waited, count) in sorted((acks or {}).items())[:MAX_PEERS]:
+            before_s, before_count = last_acks.get(peer, (0.0, 0))
+            if count > before_count and waited > before_s:
+                delays.append((peer, (waited - before_s) / (count - before_count) * 1e3))
         return Report((tx - last[2]) * scale, (rx - last[3]) * scale, (own_tx - last[4]) * scale,
-                      (own_rx - last[5]) * scale, period, tuple(flows))
+                      (own_rx - last[5]) * scale, period, tuple(flows), tuple(delays))
 
 
 def spare_mbit(capacity: float, reports: list[Report]) -> float | None:
@@ -202,8 +225,11 @@ class NodeAgent:
             own = (sum(metrics.sent_bytes), sum(metrics.received_bytes))
             sent, backlog = dict(metrics.peer_sent), dict(metrics.peer_backlog_s)
             peers = {peer: (nbytes, backlog.get(peer, 0.0)) for peer, nbytes in sent.items()}
+            # the count first: a sum read after it holds at least that many acknowledgements' seconds
+            counts, waited = dict(metrics.peer_acks), dict(metrics.peer_ack_s)
+            acks = {peer: (waited.get(peer, 0.0), count) for peer, count in counts.items()}
         except (OSError, RuntimeError, TimeoutError):
             return None  # a period missed: the one after it has none either, then they resume
         if counters is None:
             return None
-        return self.rates.sample(period, now, counters, own, peers)
+        return self.rates.sample(period, now, counters, own, peers, acks)

@@ -224,10 +224,16 @@ class NetworkManager:
                                       {n: placement.rack[placement.host[n]] for n in known},
                                       {n: rates[placement.host[n]] for n in known}, planned, configured,
                                       self._settled, self._moving or 0)
-        for period, rack, mbit, counted, mended in found:
+        for period, rack, mbit, counted, mended, sooner in found:
             if counted:
-                why = (f"mended: its traffic crossed {self.config.uplink_periods + 1} periods running without keeping "
-                       f"a sender waiting; the plan assumed {planned[rack]:.1f}") if mended else "it held the job back"
+                why = "it held the job back"
+                if mended and sooner is not None:
+                    why = (f"mended: its flows were acknowledged {sooner:.1f} times sooner, against the other racks', "
+                           f"than in its periods before, with no sender waiting long; the plan assumed "
+                           f"{planned[rack]:.1f}")
+                elif mended:
+                    why = (f"mended: its traffic crossed {self.config.uplink_periods + 1} periods running without "
+                           f"keeping a sender waiting; the plan assumed {planned[rack]:.1f}")
                 log.info("uplink of rack %s measured at %.1f Mbit/s in period %d (%s)", rack, mbit, period, why)
                 self.observe({f"uplink:{rack}": mbit})
             elif mended:  # one period at ease can fall between a slow uplink's busy ones: a false alarm would re-plan

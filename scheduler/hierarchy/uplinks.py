@@ -30,7 +30,11 @@ around it leave it lightly loaded, so the rack never stands out again and nothin
 What does tell is how long its senders wait: at the slow rate the plan is made for, the uplink is a
 bottleneck of that plan, and some sender waits most of a period in every round; once mended, none
 waits long for the same bytes (`eased`). A rate per second of backlog does not tell: where several
-senders take turns, it read 5-24 Mbit/s of a cut 2.5 Mbit/s uplink.
+senders take turns, it read 5-24 Mbit/s of a cut 2.5 Mbit/s uplink. Nor do waits alone tell it soon: a
+cut uplink's quiet periods look the same, and its flows' chunks in flight hold the queue in the network
+rather than in the senders' queues. How long the chunks take to be acknowledged does: through a mended
+uplink they cross several times sooner, against the other racks' flows, than in its periods before
+(`crossing_delays`, SOONER), and such a period at ease counts at once.
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ AT_ONCE = 0.5
 #: mended, 0.04-0.27 in every one. With `confirm` periods (2) two cuts of three were taken for mended once, for a
 #: period (the deep-fall rule counted them again in the next): hence one more
 SLOWED, EASY = 0.1, 0.4
+#: a slowed uplink counts mended at once in a period at ease (`eased`) in which its flows' acknowledgements
+#: came back SOONER times sooner, against the other racks' cross-rack flows, than the median of its last
+#: periods under the same plan (at least SOONER_AFTER of them). A mended uplink serializes and drains its queue
+#: four times faster after a cut to a quarter: measured (bench/replan.py, 2026-12-04) 3.5-8 times sooner in the
+#: first whole period after the set-back, while the periods under the plan for the cut varied within 1.2x of
+#: their median (the other racks' flows share the job's own ebb and flow: a round's quiet tail is quiet there too)
+SOONER, SOONER_AFTER = 2.5, 3
 
 
 @dataclass
@@ -180,6 +191,20 @@ def eased(reports: Mapping[str, Report], rack_of: Mapping[str, str], slowed: Col
             for rack, wait in longest.items() if wait < EASY}
 
 
+def crossing_delays(reports: Mapping[str, Report], rack_of: Mapping[str, str], rack: str) -> tuple[float, float] | None:
+    """The median acknowledgement delay, ms, of the flows across `rack`'s uplink (one end in the rack) and of
+    the other cross-rack flows, in the period; None unless both had some."""
+    across: list[float] = []
+    elsewhere: list[float] = []
+    for sender, report in reports.items():
+        home = rack_of.get(sender)
+        for peer, ms in report.acks:
+            away = rack_of.get(peer)
+            if home is not None and away is not None and home != away:
+                (across if rack in (home, away) else elsewhere).append(ms)
+    return (statistics.median(across), statistics.median(elsewhere)) if across and elsewhere else None
+
+
 def _explained_elsewhere(rack: str, way: int, ends: list[dict[str, set[str]]],
                          held_back: Mapping[tuple[str, int], float], peaks: Mapping[tuple[str, int], float]) -> bool:
     """Whether every held pair of this direction is explained as well by the far end's direction the other way,
@@ -202,6 +227,8 @@ class Finding(NamedTuple):
     mbit: float
     counted: bool
     mended: bool = False
+    #: a mend counted at once: how many times sooner its flows were acknowledged than in its periods before
+    sooner: float | None = None
 
 
 class UplinkWatch:
@@ -210,8 +237,9 @@ class UplinkWatch:
     straggler delays a period instead of losing it; an uplink counts once it held the job back `confirm`
     periods running, at the mean of its last SMOOTHING periods' rates, or in its first period when that
     fell below AT_ONCE of the rate planned for it. One the plan assumes slowed counts at its configured rate
-    again once its traffic crossed it `confirm` + 1 periods running without keeping a sender waiting (eased); if
-    it is still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
+    again once its traffic crossed it `confirm` + 1 periods running without keeping a sender waiting (eased), or
+    at once in such a period in which its flows were acknowledged SOONER times sooner than before; if it is
+    still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
 
     def __init__(self, confirm: int = 2) -> None:
         self.confirm = confirm
@@ -220,6 +248,8 @@ class UplinkWatch:
         self._peaks: deque[dict[tuple[str, int], float]] = deque(maxlen=PEAK_PERIODS)
         self._runs: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods of evidence running
         self._eased: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods running of crossing at ease
+        #: rack -> (the rate the plan assumes, its last periods' acknowledgement delays against the other racks')
+        self._delays: dict[str, tuple[float, list[float]]] = {}
 
     def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
                 link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None,
@@ -267,10 +297,32 @@ class UplinkWatch:
             found.append(Finding(period, rack, rate, counted))
         slowed = {rack: rate for rack, rate in planned.items() if rate < (1 - SLOWED) * configured.get(rack, 0.0)}
         quiet = eased(known, rack_of, slowed)
+        sooner = self._sooner(known, rack_of, slowed)
         runs = _running(self._eased, quiet, period, self.confirm + 1)
         for rack, mbit in sorted(quiet.items()):
-            counted = len(runs[rack]) > self.confirm
-            found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True))
+            counted = len(runs[rack]) > self.confirm or rack in sooner
+            found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True,
+                                 sooner=sooner.get(rack)))
+        return found
+
+    def _sooner(self, reports: Mapping[str, Report], rack_of: Mapping[str, str],
+                slowed: Mapping[str, float]) -> dict[str, float]:
+        """The slowed racks whose flows were acknowledged SOONER times sooner (against the other racks') than in
+        their recent periods under the same plan: by rack, how many times; each period's delays kept."""
+        for rack in list(self._delays):
+            if self._delays[rack][0] != slowed.get(rack):  # mended, or planned anew: a new baseline
+                del self._delays[rack]
+        found = {}
+        for rack, rate in slowed.items():
+            delays = crossing_delays(reports, rack_of, rack)
+            if delays is None:
+                continue
+            relative = delays[0] / delays[1]
+            recent = self._delays.setdefault(rack, (rate, []))[1]
+            if len(recent) >= SOONER_AFTER and relative * SOONER <= statistics.median(recent):
+                found[rack] = statistics.median(recent) / relative
+            recent.append(relative)
+            del recent[:-SMOOTHING]
         return found
 
 

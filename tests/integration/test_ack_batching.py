@@ -104,6 +104,30 @@ def test_small_messages_share_acknowledgements(pair: Pair, shm: bool) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_each_acknowledged_message_is_timed_from_its_socket_to_its_credit(pair: Pair) -> None:
+    """The sender counts every payload message its peer acknowledged, and the seconds each took from its
+    socket to the credit it got back (the network agent's measure of the path to that peer)."""
+    _server, client, inbox = pair(TransportConfig(channels=2, shm=False, curve=False))
+    start = len(inbox.snapshot())
+    metrics = client._sender._metrics
+    wait_for_credit(client, SERVER, 5.0)  # the warm-up's messages acknowledged first
+    acks_before = client._call(lambda: metrics.peer_acks.get(SERVER, 0))
+    seconds_before = client._call(lambda: metrics.peer_ack_s.get(SERVER, 0.0))
+    count = 50
+    began = time.monotonic()
+    for key in range(count):
+        client.send(SERVER, CHANNEL, message(key, payload=np.ones(16 << 10, np.uint8)))
+    inbox.wait_for(start + count)
+    wait_for_credit(client, SERVER, 5.0)
+    took = time.monotonic() - began
+    acks = client._call(lambda: metrics.peer_acks.get(SERVER, 0)) - acks_before
+    seconds = client._call(lambda: metrics.peer_ack_s.get(SERVER, 0.0)) - seconds_before
+    assert acks == count
+    assert 0 < seconds / acks <= took
+    assert not any(client._call(lambda: list(client._sender._unacked.get((SERVER, CHANNEL), []))))
+
+
+@pytest.mark.timeout(60)
 def test_closing_receiver_does_not_wait_for_a_peer_that_left_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A receiver holding credit owed to a peer that already closed leaves at once: it sends no last
     acknowledgement, which ZeroMQ would keep for the peer's return, holding the close for the whole linger

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sluice.scheduler.hierarchy.agent import LinkAgent, Report, parse_net_dev, parse_report, spare_mbit
@@ -67,12 +69,17 @@ def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, report
     [1, 2, 3, 4, 0, [["w", 1, 0.5, 9]]], [1, 2, 3, 4, 0, [["", 1, 0.5]]], [1, 2, 3, 4, 0, [["w" * 65, 1, 0.5]]],
     [1, 2, 3, 4, 0, [["w", -1, 0.5]]], [1, 2, 3, 4, 0, [["w", 1, 2.0]]], [1, 2, 3, 4, 0, [[7, 1, 0.5]]],
     [1, 2, 3, 4, 0, [["w", 1, 0.5]] * 1025],
+    [1, 2, 3, 4, 0, [], {}], [1, 2, 3, 4, 0, [], [["w", 0]]], [1, 2, 3, 4, 0, [], [["w", -3.0]]],
+    [1, 2, 3, 4, 0, [], [["w", "5"]]], [1, 2, 3, 4, 0, [], [["w", 5, 1]]], [1, 2, 3, 4, 0, [], [[9, 5.0]]],
+    [1, 2, 3, 4, 0, [], [["w", 1e9]]], [1, 2, 3, 4, 0, [], [["w", 5.0]] * 1025], [1, 2, 3, 4, 0, [], [], []],
 ])
 def test_malformed_reports_are_refused(raw: object) -> None:
     assert parse_report(raw) is None
     assert parse_report([1, 2.5, 0, 0, 9, []]) == Report(1.0, 2.5, 0.0, 0.0, period=9)
-    report = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),))
+    report = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),), (("worker-1", 41.5),))
     assert parse_report(report.encode()) == report
+    # an agent that does not time acknowledgements sends six fields: still a report
+    assert parse_report(report.encode()[:6]) == replace(report, acks=())
 
 
 def test_the_agent_reports_each_peers_rate_and_backlog() -> None:
@@ -114,3 +121,13 @@ def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_mov
         assert not manager._changed()  # within 25%
     finally:
         manager.close()
+
+
+def test_the_agent_reports_each_peers_mean_acknowledgement_delay_in_the_period() -> None:
+    agent = LinkAgent()
+    agent.sample(3, 10.0, (0, 0), (0, 0), {}, {"server-0": (1.0, 10), "server-1": (0.5, 5)})
+    got = agent.sample(4, 11.0, (0, 0), (0, 0), {}, {"server-0": (1.6, 13), "server-1": (0.5, 5),
+                                                     "worker-2": (0.09, 3)})
+    assert got is not None
+    # server-0: 0.6 s over 3 acknowledgements; server-1: none this period (left out); worker-2: new, 3 in 0.09 s
+    assert got.acks == (("server-0", pytest.approx(200.0)), ("worker-2", pytest.approx(30.0)))

@@ -12,7 +12,7 @@ from sluice.scheduler.hierarchy.agent import Report
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from sluice.scheduler.hierarchy.manager import MOVING_PERIODS, SETTLE_PERIODS, NetworkManager
 from sluice.scheduler.hierarchy.placement import NodeAt
-from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, UplinkWatch
+from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, SOONER, UplinkWatch, crossing_delays
 
 RACK = {"w0": "r0", "w1": "r1", "s0": "srv"}
 LINK = dict.fromkeys(RACK, 10.0)
@@ -52,7 +52,7 @@ def feed(watch: UplinkWatch, *periods: dict[str, Report], planned: dict[str, flo
     for reports in periods:
         for name, report in reports.items():
             latest.setdefault(name, []).append(report)
-    return [tuple(found) for found in watch.observe(latest, RACK, LINK, planned, configured)]
+    return [tuple(found)[:5] for found in watch.observe(latest, RACK, LINK, planned, configured)]
 
 
 @pytest.mark.parametrize(
@@ -246,3 +246,70 @@ def test_the_manager_takes_no_uplink_for_slow_in_the_periods_after_its_trees_wen
             assert manager.spare.get("uplink:r0") == (pytest.approx(2.0) if counted else None), period
     finally:
         manager.close()
+
+
+def acked(reports: dict[str, Report], across_ms: float, elsewhere_ms: float | None) -> dict[str, Report]:
+    """The same period with r0's flow to the server acknowledged in `across_ms` and r1's in `elsewhere_ms`
+    (None: r1's acknowledged nothing)."""
+    other = () if elsewhere_ms is None else (("s0", elsewhere_ms),)
+    return {**reports, "w0": replace(reports["w0"], acks=(("s0", across_ms),)),
+            "w1": replace(reports["w1"], acks=other)}
+
+
+def test_crossing_delays_are_the_medians_across_a_racks_uplink_and_across_the_others() -> None:
+    period = acked(mended(5), 200.0, 50.0)
+    period["w1"] = replace(period["w1"], acks=(("s0", 50.0), ("w0", 90.0)))  # w1 -> w0 crosses r0's uplink too
+    assert crossing_delays(period, RACK, "r0") == (145.0, 50.0)
+    assert crossing_delays(period, RACK, "r1") == (70.0, 200.0)
+    assert crossing_delays(acked(mended(5), 200.0, None), RACK, "r0") is None  # nothing elsewhere to compare
+
+
+#: three periods under the plan for the cut: r0's sender waits half of each (not at ease, nor held back), its flow
+#: acknowledged in 200 ms against r1's 50 (four times r1's)
+BEFORE = [acked(mended(p, 0.5), 200.0, 50.0) for p in (5, 6, 7)]
+
+
+@pytest.mark.parametrize(("periods", "sooner"), [
+    # at ease, and acknowledged 5 times sooner against r1's than before: counted at once, at its rate
+    ([*BEFORE, acked(mended(8), 40.0, 50.0)], 5.0),
+    # the job's own lull is no mend: r1's flows sped up alike (same ratio)
+    ([*BEFORE, acked(mended(8), 40.0, 10.0)], None),
+    # sooner, but less than SOONER times
+    ([*BEFORE, acked(mended(8), 200.0 / (SOONER - 0.2), 50.0)], None),
+    # sooner, but a sender still waited EASY of the period: not at ease, nothing found
+    ([*BEFORE, acked(mended(8, EASY), 40.0, 50.0)], "none"),
+    # two periods before it are too few to compare with
+    ([*BEFORE[1:], acked(mended(8), 40.0, 50.0)], None),
+    # nothing to compare with: no other rack's flow was acknowledged
+    ([*BEFORE, acked(mended(8), 40.0, None)], None),
+])
+def test_a_slowed_uplink_acknowledged_much_sooner_than_before_in_a_period_at_ease_counts_mended_at_once(
+        periods: list[dict[str, Report]], sooner: float | str | None) -> None:
+    latest: dict[str, list[Report]] = {}
+    for reports in periods:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    found = UplinkWatch(confirm=2).observe(latest, RACK, LINK, SLOWED_PLAN, CONFIGURED)
+    last = [f for f in found if f.period == 8]
+    if sooner == "none":
+        assert last == []
+    elif sooner is None:  # the first period at ease: counted after three running, as before
+        assert [(f.mbit, f.counted, f.mended, f.sooner) for f in last] == [(2.0, False, True, None)]
+    else:
+        assert [(f.mbit, f.counted, f.mended) for f in last] == [(10.0, True, True)]
+        assert last[0].sooner == pytest.approx(sooner)
+
+
+def test_delays_from_an_earlier_plan_are_no_baseline() -> None:
+    watch = UplinkWatch(confirm=2)
+    latest: dict[str, list[Report]] = {}
+
+    def feed_one(reports: dict[str, Report], planned: dict[str, float]) -> list[Any]:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+        return [f for f in watch.observe(latest, RACK, LINK, planned, CONFIGURED) if f.period == reports["w0"].period]
+
+    for reports in BEFORE:
+        feed_one(reports, SLOWED_PLAN)
+    # planned anew (r0 at 3.0): the three periods before were another plan's; this one starts a new baseline
+    assert [f.counted for f in feed_one(acked(mended(8), 40.0, 50.0), {"r0": 3.0, "r1": 10.0})] == [False]
