@@ -50,7 +50,8 @@ Two jobs run in turn:
   mended    in the re-plan job, --restore-after s after the cut r0's uplink is set back to its rate; the
             trees planned around the cut leave it lightly loaded, so it no longer holds the job back: the
             manager counts it at its configured rate again once its traffic crossed it periods running
-            without keeping a sender waiting (uplinks.py eased), and re-plans; its rounds after, against
+            without keeping a sender waiting (uplinks.py eased), or at once in such a period when its
+            flows were acknowledged much sooner than before (uplinks.py SOONER), and re-plans; its rounds after, against
             the rounds before the cut
 
 Every worker checks every round's sum (integer-valued data: exact), so an update lost or counted twice

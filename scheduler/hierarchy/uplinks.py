@@ -69,8 +69,8 @@ SLOWED, EASY = 0.1, 0.4
 #: a slowed uplink counts mended at once in a period at ease (`eased`) in which its flows' acknowledgements
 #: came back SOONER times sooner, against the other racks' cross-rack flows, than the median of its last
 #: periods under the same plan (at least SOONER_AFTER of them). A mended uplink serializes and drains its queue
-#: four times faster after a cut to a quarter: measured (bench/replan.py, 2026-12-04) 3.5-8 times sooner in the
-#: first whole period after the set-back, while the periods under the plan for the cut varied within 1.2x of
+#: four times faster after a cut to a quarter: measured (bench/replan.py, 2026-12-04) 5-8 times sooner in the
+#: first whole period after the set-back, while the periods under the plan for the cut stayed above 0.8 of
 #: their median (the other racks' flows share the job's own ebb and flow: a round's quiet tail is quiet there too)
 SOONER, SOONER_AFTER = 2.5, 3
 
