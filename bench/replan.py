@@ -51,8 +51,8 @@ Two jobs run in turn:
             trees planned around the cut leave it lightly loaded, so it no longer holds the job back: the
             manager counts it at its configured rate again once its traffic crossed it periods running
             without keeping a sender waiting (uplinks.py eased), or at once in such a period when its
-            flows were acknowledged much sooner than before (uplinks.py SOONER), and re-plans; its rounds after, against
-            the rounds before the cut
+            flows were acknowledged much sooner than before (uplinks.py SOONER), and re-plans; its
+            rounds after, against the rounds before the cut
 
 Every worker checks every round's sum (integer-valued data: exact), so an update lost or counted twice
 across the switch fails the run. Figures: the time from the throttle to the first round under the new
