@@ -113,10 +113,10 @@ class TransportMetrics:
         for peer in peers:
             backlog[peer] = backlog.get(peer, 0.0) + seconds
 
-    def acked(self, peer: str, seconds: float) -> None:
-        """A message sent to `peer` was acknowledged `seconds` after it went to its socket."""
+    def acked(self, peer: str, seconds: float, count: int = 1) -> None:
+        """`count` messages sent to `peer` were acknowledged, `seconds` after they went to their socket in all."""
         self.peer_ack_s[peer] = self.peer_ack_s.get(peer, 0.0) + seconds
-        self.peer_acks[peer] = self.peer_acks.get(peer, 0) + 1
+        self.peer_acks[peer] = self.peer_acks.get(peer, 0) + count
 
     def totals(self) -> dict[str, Any]:
         """Counts since the start, resets folded in, safe to call from any thread (written by the I/O

@@ -79,7 +79,7 @@ class Sender:
         queue = self.queues.get(route)
         unacked, left = self._unacked.get(route), nbytes
         if unacked:
-            now = time.monotonic()
+            now, waited, count = time.monotonic(), 0.0, 0
             while unacked and left > 0:
                 oldest = unacked[0]
                 if oldest[1] > left:  # acknowledged in part (credit comes back in byte counts)
@@ -87,7 +87,9 @@ class Sender:
                     break
                 left -= int(oldest[1])
                 unacked.popleft()
-                self._metrics.acked(route[0], now - oldest[0])
+                waited, count = waited + now - oldest[0], count + 1
+            if count:  # one update for all the messages one acknowledgement covers
+                self._metrics.acked(route[0], waited, count)
         if queue is not None:
             queue.ack(nbytes)
             self._shared.acked(route, nbytes)
