@@ -26,7 +26,7 @@ from sluice.launch.run_options import ENV_LOG_TIME
 from sluice.scheduler.hierarchy.config import AggregationConfig
 from testbed.job import emit_result, run_sluice_job
 from testbed.netbed import Netbed, ready_for
-from testbed.replan_steps import evidence, false_alarms, false_mends, first_switch, parse_line, steps, switches
+from testbed.replan_steps import Finding, evidence, false_alarms, false_mends, first_switch, parse_line, steps, switches
 
 #: aggregation.report_s of the kept job: its agents never report within it, so nothing re-plans its first trees
 STALE_REPORT_S = 3600.0
@@ -260,7 +260,7 @@ def replan_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argpar
             "after": [d for _, d, _ in switched[2:] or switched[-1:]],
             "steps": timed, "false_alarms": wrong, "false_mends": mended_early,
             "epochs_after_cut": len({e for *_, e in switched}),
-            "measured": [m for r, _, m, c in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
+            "measured": [m for r, _, m, c, _ in flagged if r == "r0" and c], "round_in_flight": in_flight[-1],
             "switches_before_cut": switches(job.lines, before=cut) - 1,
             "restore": restore_run(job, rounds, planned_rounds(rounds, cut, before), args)}
 
@@ -284,9 +284,11 @@ def why_no_switch(job: Job, rounds: list[tuple[float, float, int]], cut: float, 
                       "the scheduler after the cut:", *lines[:40]])
 
 
-def said(flagged: list[tuple[str, int, float, bool]]) -> str:
-    """The uplink evidence (testbed/replan_steps.py evidence) as the runs print it."""
-    return ", ".join(f"{r} p{p} {m:g}{' counted' if c else ''}" for r, p, m, c in flagged) or "nothing"
+def said(flagged: list[Finding]) -> str:
+    """The uplink evidence (testbed/replan_steps.py evidence) as the runs print it: the rule that counted, and
+    in brackets what was acknowledged across the uplink."""
+    return ", ".join(f"{r} p{p} {m:g}{'' if t is None else f' [{t:g}]'}{f' counted ({c})' if c else ''}"
+                     for r, p, m, c, t in flagged) or "nothing"
 
 
 def planned_rounds(rounds: list[tuple[float, float, int]], cut: float, epoch: int) -> list[float]:
@@ -318,7 +320,7 @@ def restore_run(job: Job, rounds: list[tuple[float, float, int]], planned: list[
     return {"delay": (carried - restored) / args.period, "first_round": (back[0][0] - restored) / args.period,
             "after": [d for _, d, _ in back[2:] or back[-1:]], "planned": planned,
             "steps": steps(job.lines, restored, args.period, "r0", epoch, committed, back[0][0], moved),
-            "measured": [m for r, _, m, c in flagged if r == "r0" and c]}
+            "measured": [m for r, _, m, c, _ in flagged if r == "r0" and c]}
 
 
 def fresh_run(bed: Netbed, layout: Layout, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -21,7 +21,8 @@ STEPS = {
 }
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) [A-Z]+ [\w.]+: (.*)$")
-_HELD = re.compile(r"^uplink of rack (\S+) held the job back in period (\d+) \(([\d.]+) Mbit/s\)")
+_HELD = re.compile(r"^uplink of rack (\S+) held the job back in period (\d+) \(([\d.]+) Mbit/s[;)]")
+_THROUGH = re.compile(r"; ([\d.]+) Mbit/s acknowledged across it\)$")
 _MEASURED = re.compile(r"^uplink of rack (\S+) measured at ([\d.]+) Mbit/s in period (\d+)")
 _EASED = re.compile(r"^uplink of rack (\S+) got through at ([\d.]+) Mbit/s in period (\d+)")
 _SWITCH = re.compile(r"^routing epoch (\d+): (ROUTES|COMMIT) sent to (.*)$")
@@ -35,20 +36,30 @@ def parse_line(text: str) -> tuple[float, str] | None:
     return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), match.group(2)
 
 
-def _finding(text: str) -> tuple[str, int, float, bool] | None:
-    """A manager's line about an uplink in a period: (rack, period, Mbit/s, counted); None for any other line."""
+#: which of the manager's rules counted an uplink, from the reason its line gives (uplinks.py)
+RULES = (("times later", "later"), ("times sooner", "sooner"), ("(mended:", "eased"), ("held the job back", "held"))
+
+
+Finding = tuple[str, int, float, str, float | None]
+
+
+def _finding(text: str) -> Finding | None:
+    """A manager's line about an uplink in a period: (rack, period, Mbit/s, the rule that counted it: "" for
+    evidence not counted, Mbit/s acknowledged across it or None); None for any other line."""
+    through = float(m.group(1)) if (m := _THROUGH.search(text)) else None
     if held := _HELD.match(text):
-        return held.group(1), int(held.group(2)), float(held.group(3)), False
+        return held.group(1), int(held.group(2)), float(held.group(3)), "", through
     if eased := _EASED.match(text):
-        return eased.group(1), int(eased.group(3)), float(eased.group(2)), False
+        return eased.group(1), int(eased.group(3)), float(eased.group(2)), "", through
     if measured := _MEASURED.match(text):
-        return measured.group(1), int(measured.group(3)), float(measured.group(2)), True
+        rule = next((name for phrase, name in RULES if phrase in text), "counted")
+        return measured.group(1), int(measured.group(3)), float(measured.group(2)), rule, through
     return None
 
 
-def evidence(lines: Sequence[tuple[float, str]], cut: float, period: float) -> list[tuple[str, int, float, bool]]:
+def evidence(lines: Sequence[tuple[float, str]], cut: float, period: float) -> list[Finding]:
     """Every uplink the manager saw holding the job back, or crossed at ease (mended), after the cut (or any
-    change at `cut`), in log order: (rack, period, Mbit/s, counted); a period ends at period x `period` s."""
+    change at `cut`), in log order (`_finding`'s); a period ends at period x `period` s."""
     found = [f for at, text in lines if at >= cut and (f := _finding(text)) is not None]
     return [f for f in found if f[1] * period > cut]
 

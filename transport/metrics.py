@@ -64,9 +64,11 @@ class TransportMetrics:
         self.peer_sent: dict[str, int] = {}
         self.peer_backlog_s: dict[str, float] = {}
         #: per peer, never reset: seconds from each message's socket to the acknowledgement that freed its
-        #: credit, summed, and how many were acknowledged (a path's delay: its links' queues and rates)
+        #: credit, summed, and how many were acknowledged (a path's delay: its links' queues and rates); the
+        #: bytes acknowledged (what got through the path, where peer_sent counts what went into the socket)
         self.peer_ack_s: dict[str, float] = {}
         self.peer_acks: dict[str, int] = {}
+        self.peer_acked_bytes: dict[str, int] = {}
         #: what earlier windows counted (folded in by reset()), and a sequence number that is odd while
         #: a reset runs, so a reader on another thread (totals()) can tell it saw a torn state
         self._before: dict[str, Any] = {"sent_bytes": [0] * channels, "received_bytes": [0] * channels,
@@ -113,10 +115,13 @@ class TransportMetrics:
         for peer in peers:
             backlog[peer] = backlog.get(peer, 0.0) + seconds
 
-    def acked(self, peer: str, seconds: float, count: int = 1) -> None:
-        """`count` messages sent to `peer` were acknowledged, `seconds` after they went to their socket in all."""
-        self.peer_ack_s[peer] = self.peer_ack_s.get(peer, 0.0) + seconds
-        self.peer_acks[peer] = self.peer_acks.get(peer, 0) + count
+    def acked(self, peer: str, seconds: float, count: int, nbytes: int) -> None:
+        """`peer` acknowledged `nbytes`, which completed `count` messages, `seconds` after they went to their
+        socket in all."""
+        self.peer_acked_bytes[peer] = self.peer_acked_bytes.get(peer, 0) + nbytes
+        if count:
+            self.peer_ack_s[peer] = self.peer_ack_s.get(peer, 0.0) + seconds
+            self.peer_acks[peer] = self.peer_acks.get(peer, 0) + count
 
     def totals(self) -> dict[str, Any]:
         """Counts since the start, resets folded in, safe to call from any thread (written by the I/O

@@ -78,8 +78,9 @@ class Sender:
         """The peer acknowledged `nbytes` sent on `route`: they no longer count against its bound."""
         queue = self.queues.get(route)
         unacked, left = self._unacked.get(route), nbytes
+        waited, count = 0.0, 0
         if unacked:
-            now, waited, count = time.monotonic(), 0.0, 0
+            now = time.monotonic()
             while unacked and left > 0:
                 oldest = unacked[0]
                 if oldest[1] > left:  # acknowledged in part (credit comes back in byte counts)
@@ -88,9 +89,9 @@ class Sender:
                 left -= int(oldest[1])
                 unacked.popleft()
                 waited, count = waited + now - oldest[0], count + 1
-            if count:  # one update for all the messages one acknowledgement covers
-                self._metrics.acked(route[0], waited, count)
         if queue is not None:
+            # what got through: no more than was in flight (a peer's acknowledgement is only a number it sent)
+            self._metrics.acked(route[0], waited, count, min(nbytes, queue.inflight))
             queue.ack(nbytes)
             self._shared.acked(route, nbytes)
             self.active.add(route)

@@ -66,14 +66,15 @@ class Report:
     #: per peer this node sent to, or had data waiting for: (peer, Mbit/s sent, the fraction of the period
     #: during which data for it waited in our queues); the manager measures rack uplinks from them (uplinks.py)
     peers: tuple[tuple[str, float, float], ...] = ()
-    #: per peer whose messages were acknowledged in the period: the mean ms from a message's socket to the
-    #: acknowledgement that freed its credit (the path's queues and rates; uplinks.py)
-    acks: tuple[tuple[str, float], ...] = ()
+    #: per peer whose messages were acknowledged in the period: (peer, the mean ms from a message's socket to
+    #: the acknowledgement that freed its credit, Mbit/s acknowledged): the path's queues, and what got through
+    #: it (uplinks.py)
+    acks: tuple[tuple[str, float, float], ...] = ()
 
     def encode(self) -> list[Any]:
         rates = [round(self.link_tx, 3), round(self.link_rx, 3), round(self.own_tx, 3), round(self.own_rx, 3)]
         return [*rates, self.period, [[p, round(m, 3), round(b, 3)] for p, m, b in self.peers],
-                [[p, round(ms, 2)] for p, ms in self.acks]]
+                [[p, round(ms, 2), round(m, 3)] for p, ms, m in self.acks]]
 
 
 #: at most this many peers in one report (a job's nodes; more is refused as malformed)
@@ -88,11 +89,12 @@ def _peer(raw: object) -> tuple[str, float, float] | None:
     return raw[0], float(raw[1]), float(raw[2])
 
 
-def _ack(raw: object) -> tuple[str, float] | None:
-    if (type(raw) is not list or len(raw) != 2 or type(raw[0]) is not str or not 0 < len(raw[0]) <= 64
-            or type(raw[1]) not in (int, float) or not 0 < raw[1] < 1e7):
+def _ack(raw: object) -> tuple[str, float, float] | None:
+    if (type(raw) is not list or len(raw) != 3 or type(raw[0]) is not str or not 0 < len(raw[0]) <= 64
+            or type(raw[1]) not in (int, float) or not 0 < raw[1] < 1e7
+            or type(raw[2]) not in (int, float) or not 0 <= raw[2] < 1e7):
         return None
-    return raw[0], float(raw[1])
+    return raw[0], float(raw[1]), float(raw[2])
 
 
 def parse_report(raw: object) -> Report | None:
@@ -120,14 +122,14 @@ class LinkAgent:
     def __init__(self) -> None:
         self._last: tuple[int, float, int, int, int, int] | None = None
         self._last_peers: Mapping[str, tuple[int, float]] = {}
-        self._last_acks: Mapping[str, tuple[float, int]] = {}
+        self._last_acks: Mapping[str, tuple[float, int, int]] = {}
 
     def sample(self, period: int, now: float, link: tuple[int, int], own: tuple[int, int],
                peers: Mapping[str, tuple[int, float]] | None = None,
-               acks: Mapping[str, tuple[float, int]] | None = None) -> Report | None:
+               acks: Mapping[str, tuple[float, int, int]] | None = None) -> Report | None:
         """Counters read at the end of `period`: `link` = the interface's (received, transmitted) bytes,
         `own` = this node's (sent, received), `peers` = per peer (bytes sent, seconds backlogged), `acks` =
-        per peer (seconds to acknowledgement summed, messages acknowledged)."""
+        per peer (seconds to acknowledgement summed, messages acknowledged, bytes acknowledged)."""
         (rx, tx), (own_tx, own_rx) = link, own
         last, self._last = self._last, (period, now, tx, rx, own_tx, own_rx)
         last_peers, self._last_peers = self._last_peers, dict(peers or {})
@@ -146,10 +148,11 @@ class LinkAgent:
                 flows.append((peer, max(sent - before[0], 0) * scale,
                               min(max(backlog - before[1], 0.0) / seconds, 1.0)))
         delays = []
-        for peer, (waited, count) in sorted((acks or {}).items())[:MAX_PEERS]:
-            before_s, before_count = last_acks.get(peer, (0.0, 0))
+        for peer, (waited, count, nbytes) in sorted((acks or {}).items())[:MAX_PEERS]:
+            before_s, before_count, before_bytes = last_acks.get(peer, (0.0, 0, 0))
             if count > before_count and waited > before_s:
-                delays.append((peer, (waited - before_s) / (count - before_count) * 1e3))
+                delays.append((peer, (waited - before_s) / (count - before_count) * 1e3,
+                               max(nbytes - before_bytes, 0) * scale))
         return Report((tx - last[2]) * scale, (rx - last[3]) * scale, (own_tx - last[4]) * scale,
                       (own_rx - last[5]) * scale, period, tuple(flows), tuple(delays))
 
@@ -226,8 +229,8 @@ class NodeAgent:
             sent, backlog = dict(metrics.peer_sent), dict(metrics.peer_backlog_s)
             peers = {peer: (nbytes, backlog.get(peer, 0.0)) for peer, nbytes in sent.items()}
             # the count first: a sum read after it holds at least that many acknowledgements' seconds
-            counts, waited = dict(metrics.peer_acks), dict(metrics.peer_ack_s)
-            acks = {peer: (waited.get(peer, 0.0), count) for peer, count in counts.items()}
+            counts, waited, acked = dict(metrics.peer_acks), dict(metrics.peer_ack_s), dict(metrics.peer_acked_bytes)
+            acks = {peer: (waited.get(peer, 0.0), count, acked.get(peer, 0)) for peer, count in counts.items()}
         except (OSError, RuntimeError, TimeoutError):
             return None  # a period missed: the one after it has none either, then they resume
         if counters is None:

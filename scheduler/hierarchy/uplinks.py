@@ -34,7 +34,12 @@ senders take turns, it read 5-24 Mbit/s of a cut 2.5 Mbit/s uplink. Nor do waits
 cut uplink's quiet periods look the same, and its flows' chunks in flight hold the queue in the network
 rather than in the senders' queues. How long the chunks take to be acknowledged does: through a mended
 uplink they cross several times sooner, against the other racks' flows, than in its periods before
-(`crossing_delays`, SOONER), and such a period at ease counts at once.
+(delays.py, SOONER), and such a period at ease counts at once.
+
+The same queue in the network hides a cut in its first periods: the round's chunks already sent wait behind
+the uplink, not in our senders' queues, and no sender waits long. Their acknowledgements come back several
+times later than before (delays.LATER) while little gets through: such a period counts the uplink at once, at
+what was acknowledged across it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sluice.scheduler.hierarchy.agent import Report
+from sluice.scheduler.hierarchy.delays import LATER, SOONER, UNCHANGED, DelayBaselines
 
 #: the directions of a rack's uplink: its traffic out (measured at its senders) and in (at senders elsewhere)
 OUT, IN = 0, 1
@@ -66,13 +72,6 @@ AT_ONCE = 0.5
 #: mended, 0.04-0.27 in every one. With `confirm` periods (2) two cuts of three were taken for mended once, for a
 #: period (the deep-fall rule counted them again in the next): hence one more
 SLOWED, EASY = 0.1, 0.4
-#: a slowed uplink counts mended at once in a period at ease (`eased`) in which its flows' acknowledgements
-#: came back SOONER times sooner, against the other racks' cross-rack flows, than the median of its last
-#: periods under the same plan (at least SOONER_AFTER of them). A mended uplink serializes and drains its queue
-#: four times faster after a cut to a quarter: measured (bench/replan.py, 2026-12-04) 5-8 times sooner in the
-#: first whole period after the set-back, while the periods under the plan for the cut stayed above 0.8 of
-#: their median (the other racks' flows share the job's own ebb and flow: a round's quiet tail is quiet there too)
-SOONER, SOONER_AFTER = 2.5, 3
 
 
 @dataclass
@@ -191,20 +190,6 @@ def eased(reports: Mapping[str, Report], rack_of: Mapping[str, str], slowed: Col
             for rack, wait in longest.items() if wait < EASY}
 
 
-def crossing_delays(reports: Mapping[str, Report], rack_of: Mapping[str, str], rack: str) -> tuple[float, float] | None:
-    """The median acknowledgement delay, ms, of the flows across `rack`'s uplink (one end in the rack) and of
-    the other cross-rack flows, in the period; None unless both had some."""
-    across: list[float] = []
-    elsewhere: list[float] = []
-    for sender, report in reports.items():
-        home = rack_of.get(sender)
-        for peer, ms in report.acks:
-            away = rack_of.get(peer)
-            if home is not None and away is not None and home != away:
-                (across if rack in (home, away) else elsewhere).append(ms)
-    return (statistics.median(across), statistics.median(elsewhere)) if across and elsewhere else None
-
-
 def _explained_elsewhere(rack: str, way: int, ends: list[dict[str, set[str]]],
                          held_back: Mapping[tuple[str, int], float], peaks: Mapping[tuple[str, int], float]) -> bool:
     """Whether every held pair of this direction is explained as well by the far end's direction the other way,
@@ -229,6 +214,10 @@ class Finding(NamedTuple):
     mended: bool = False
     #: a mend counted at once: how many times sooner its flows were acknowledged than in its periods before
     sooner: float | None = None
+    #: a slowdown counted at once from the acknowledgements: how many times later than in its periods before
+    later: float | None = None
+    #: what was acknowledged across it in the period, Mbit/s, the busier direction (delays.Crossing), if known
+    through: float | None = None
 
 
 class UplinkWatch:
@@ -248,8 +237,7 @@ class UplinkWatch:
         self._peaks: deque[dict[tuple[str, int], float]] = deque(maxlen=PEAK_PERIODS)
         self._runs: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods of evidence running
         self._eased: dict[str, list[tuple[int, float]]] = {}  # rack -> its periods running of crossing at ease
-        #: rack -> (the rate the plan assumes, its last periods' acknowledgement delays against the other racks')
-        self._delays: dict[str, tuple[float, list[float]]] = {}
+        self._delays = DelayBaselines()
 
     def observe(self, reports: Mapping[str, Sequence[Report]], rack_of: Mapping[str, str],
                 link_mbit: Mapping[str, float], planned: Mapping[str, float] | None = None,
@@ -288,6 +276,7 @@ class UplinkWatch:
             for key, mbit in carried.items():
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
         measured = uplink_rates(known, rack_of, link_mbit, peaks, planned) if held else {}
+        changes = self._delays.changes(known, rack_of, planned)
         found = []
         runs = _running(self._runs, measured, period, max(self.confirm, SMOOTHING))
         for rack, mbit in sorted(measured.items()):
@@ -295,36 +284,24 @@ class UplinkWatch:
             counted = len(run) >= self.confirm or mbit < AT_ONCE * planned.get(rack, 0.0)
             rate = statistics.fmean(m for _, m in run[-SMOOTHING:]) if counted else mbit
             found.append(Finding(period, rack, rate, counted))
+        for rack, (later, crossing) in sorted(changes.items()):
+            # its flows acknowledged LATER times later, against the other racks' and in ms, while what got through
+            # fell below AT_ONCE of its planned rate: a cut, whose queue sits in the network, not in our senders'
+            if (held and rack not in measured and later is not None and later >= LATER
+                    and 0 < crossing.mbit < AT_ONCE * planned[rack]):
+                found.append(Finding(period, rack, crossing.mbit, True, later=later))
         slowed = {rack: rate for rack, rate in planned.items() if rate < (1 - SLOWED) * configured.get(rack, 0.0)}
-        quiet = eased(known, rack_of, slowed)
-        sooner = self._sooner(known, rack_of, slowed)
+        # at ease, unless its flows' acknowledgements say nothing changed (UNCHANGED)
+        quiet = {rack: mbit for rack, mbit in eased(known, rack_of, slowed).items()
+                 if (later := changes.get(rack, (None,))[0]) is None or later * UNCHANGED <= 1}
+        sooner = {rack: 1 / later for rack, (later, _) in changes.items()
+                  if rack in slowed and later is not None and later * SOONER <= 1}
         runs = _running(self._eased, quiet, period, self.confirm + 1)
         for rack, mbit in sorted(quiet.items()):
             counted = len(runs[rack]) > self.confirm or rack in sooner
             found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True,
                                  sooner=sooner.get(rack)))
-        return found
-
-    def _sooner(self, reports: Mapping[str, Report], rack_of: Mapping[str, str],
-                slowed: Mapping[str, float]) -> dict[str, float]:
-        """The slowed racks whose flows were acknowledged SOONER times sooner (against the other racks') than in
-        their recent periods under the same plan: by rack, how many times; each period's delays kept."""
-        for rack in list(self._delays):
-            if self._delays[rack][0] != slowed.get(rack):  # mended, or planned anew: a new baseline
-                del self._delays[rack]
-        found = {}
-        for rack, rate in slowed.items():
-            delays = crossing_delays(reports, rack_of, rack)
-            if delays is None:
-                continue
-            relative = delays[0] / delays[1]
-            recent = self._delays.setdefault(rack, (rate, []))[1]
-            if len(recent) >= SOONER_AFTER and relative * SOONER <= statistics.median(recent):
-                found[rack] = statistics.median(recent) / relative
-            recent.append(relative)
-            del recent[:-SMOOTHING]
-        return found
-
+        return [f._replace(through=changes[f.rack][1].mbit) if f.rack in changes else f for f in found]
 
 def _running(runs: dict[str, list[tuple[int, float]]], evidence: Mapping[str, float], period: int,
              keep: int) -> dict[str, list[tuple[int, float]]]:

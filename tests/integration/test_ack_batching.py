@@ -113,6 +113,7 @@ def test_each_acknowledged_message_is_timed_from_its_socket_to_its_credit(pair: 
     wait_for_credit(client, SERVER, 5.0)  # the warm-up's messages acknowledged first
     acks_before = client._call(lambda: metrics.peer_acks.get(SERVER, 0))
     seconds_before = client._call(lambda: metrics.peer_ack_s.get(SERVER, 0.0))
+    bytes_before = client._call(lambda: metrics.peer_acked_bytes.get(SERVER, 0))
     count = 50
     began = time.monotonic()
     for key in range(count):
@@ -124,6 +125,12 @@ def test_each_acknowledged_message_is_timed_from_its_socket_to_its_credit(pair: 
     seconds = client._call(lambda: metrics.peer_ack_s.get(SERVER, 0.0)) - seconds_before
     assert acks == count
     assert 0 < seconds / acks <= took
+    # every payload byte acknowledged (what got through), the frames' headers not counted
+    acked = client._call(lambda: metrics.peer_acked_bytes.get(SERVER, 0))
+    assert acked - bytes_before == count * (16 << 10)
+    # an acknowledgement of more than was in flight (a peer's number) counts no more than that: here nothing
+    client._call(lambda: client._sender.credit((SERVER, CHANNEL), 1 << 40))
+    assert client._call(lambda: metrics.peer_acked_bytes.get(SERVER, 0)) == acked
     assert not any(client._call(lambda: list(client._sender._unacked.get((SERVER, CHANNEL), []))))
 
 

@@ -69,14 +69,16 @@ def test_spare_bandwidth_is_the_rate_less_others_traffic(capacity: float, report
     [1, 2, 3, 4, 0, [["w", 1, 0.5, 9]]], [1, 2, 3, 4, 0, [["", 1, 0.5]]], [1, 2, 3, 4, 0, [["w" * 65, 1, 0.5]]],
     [1, 2, 3, 4, 0, [["w", -1, 0.5]]], [1, 2, 3, 4, 0, [["w", 1, 2.0]]], [1, 2, 3, 4, 0, [[7, 1, 0.5]]],
     [1, 2, 3, 4, 0, [["w", 1, 0.5]] * 1025],
-    [1, 2, 3, 4, 0, [], {}], [1, 2, 3, 4, 0, [], [["w", 0]]], [1, 2, 3, 4, 0, [], [["w", -3.0]]],
-    [1, 2, 3, 4, 0, [], [["w", "5"]]], [1, 2, 3, 4, 0, [], [["w", 5, 1]]], [1, 2, 3, 4, 0, [], [[9, 5.0]]],
-    [1, 2, 3, 4, 0, [], [["w", 1e9]]], [1, 2, 3, 4, 0, [], [["w", 5.0]] * 1025], [1, 2, 3, 4, 0, [], [], []],
+    [1, 2, 3, 4, 0, [], {}], [1, 2, 3, 4, 0, [], [["w", 0, 1]]], [1, 2, 3, 4, 0, [], [["w", -3.0, 1]]],
+    [1, 2, 3, 4, 0, [], [["w", "5", 1]]], [1, 2, 3, 4, 0, [], [["w", 5]]], [1, 2, 3, 4, 0, [], [["w", 5, 1, 1]]],
+    [1, 2, 3, 4, 0, [], [[9, 5.0, 1]]], [1, 2, 3, 4, 0, [], [["w", 1e9, 1]]], [1, 2, 3, 4, 0, [], [["w", 5, -1]]],
+    [1, 2, 3, 4, 0, [], [["w", 5, 1e9]]], [1, 2, 3, 4, 0, [], [["w", 5, "1"]]],
+    [1, 2, 3, 4, 0, [], [["w", 5.0, 1]] * 1025], [1, 2, 3, 4, 0, [], [], []],
 ])
 def test_malformed_reports_are_refused(raw: object) -> None:
     assert parse_report(raw) is None
     assert parse_report([1, 2.5, 0, 0, 9, []]) == Report(1.0, 2.5, 0.0, 0.0, period=9)
-    report = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),), (("worker-1", 41.5),))
+    report = Report(1.0, 2.5, 0.0, 0.0, 9, (("worker-1", 3.25, 0.5),), (("worker-1", 41.5, 3.0),))
     assert parse_report(report.encode()) == report
     # an agent that does not time acknowledgements sends six fields: still a report
     assert parse_report(report.encode()[:6]) == replace(report, acks=())
@@ -123,11 +125,13 @@ def test_the_manager_gives_each_host_its_spare_bandwidth_and_replans_when_it_mov
         manager.close()
 
 
-def test_the_agent_reports_each_peers_mean_acknowledgement_delay_in_the_period() -> None:
+def test_the_agent_reports_each_peers_mean_acknowledgement_delay_and_what_got_through_in_the_period() -> None:
     agent = LinkAgent()
-    agent.sample(3, 10.0, (0, 0), (0, 0), {}, {"server-0": (1.0, 10), "server-1": (0.5, 5)})
-    got = agent.sample(4, 11.0, (0, 0), (0, 0), {}, {"server-0": (1.6, 13), "server-1": (0.5, 5),
-                                                     "worker-2": (0.09, 3)})
+    agent.sample(3, 10.0, (0, 0), (0, 0), {}, {"server-0": (1.0, 10, 500_000), "server-1": (0.5, 5, 8000)})
+    got = agent.sample(4, 12.0, (0, 0), (0, 0), {}, {"server-0": (1.6, 13, 750_000), "server-1": (0.5, 5, 8000),
+                                                     "worker-2": (0.09, 3, 25_000)})
     assert got is not None
-    # server-0: 0.6 s over 3 acknowledgements; server-1: none this period (left out); worker-2: new, 3 in 0.09 s
-    assert got.acks == (("server-0", pytest.approx(200.0)), ("worker-2", pytest.approx(30.0)))
+    # server-0: 0.6 s over 3 acknowledgements, 250 kB in 2 s; server-1: none this period (left out); worker-2: new,
+    # 3 in 0.09 s, 25 kB
+    assert got.acks == (("server-0", pytest.approx(200.0), pytest.approx(1.0)),
+                        ("worker-2", pytest.approx(30.0), pytest.approx(0.1)))

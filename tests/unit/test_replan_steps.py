@@ -36,7 +36,8 @@ LOG = [
     f"{at(-5.0)} INFO sluice.manager: aggregation plan 1: 5 trees, ...",
     f"{at(-4.9)} INFO sluice.scheduler: routing epoch 1: ROUTES sent to 16 aggregators",
     f"{at(1.1)} INFO sluice.manager: uplink of rack srv held the job back in period {PERIOD0 + 1} (1.5 Mbit/s)",
-    f"{at(2.1)} INFO sluice.manager: uplink of rack r0 held the job back in period {PERIOD0 + 2} (1.2 Mbit/s)",
+    f"{at(2.1)} INFO sluice.manager: uplink of rack r0 held the job back in period {PERIOD0 + 2} (1.2 Mbit/s; 2.5 "
+    "Mbit/s acknowledged across it)",
     f"{at(3.2)} INFO sluice.manager: uplink of rack r0 measured at 1.4 Mbit/s in period {PERIOD0 + 3} {HELD}",
     f"{at(3.2)} INFO sluice.manager: re-planning: the spare bandwidth of uplink:r0 moved from 10.0 to 1.4 Mbit/s",
     f"{at(3.4)} INFO sluice.manager: aggregation plan 2: 1 trees, ...",
@@ -74,8 +75,9 @@ def test_a_switch_never_seen_leaves_its_steps_empty() -> None:
 
 
 def test_evidence_after_the_cut_in_log_order() -> None:
-    assert evidence(lines(), T0, 1.0) == [("srv", PERIOD0 + 1, 1.5, False), ("r0", PERIOD0 + 2, 1.2, False),
-                                          ("r0", PERIOD0 + 3, 1.4, True), ("srv", PERIOD0 + 9, 2.2, True)]
+    assert evidence(lines(), T0, 1.0) == [
+        ("srv", PERIOD0 + 1, 1.5, "", None), ("r0", PERIOD0 + 2, 1.2, "", 2.5), ("r0", PERIOD0 + 3, 1.4, "held", None),
+        ("srv", PERIOD0 + 9, 2.2, "held", None)]
 
 
 CONFIGURED = {"r0": 10.0, "r1": 10.0, "srv": 100_000.0}
@@ -171,7 +173,8 @@ MENDED = [  # r0's uplink set back at T0 + 20 s
 def test_a_mended_uplink_is_timed_from_when_it_was_set_back_and_is_no_false_alarm() -> None:
     timed = [t for text in LOG + MENDED if (t := parse_line(text)) is not None]
     mended = T0 + 20.0
-    assert evidence(timed, mended, 1.0) == [("r0", PERIOD0 + 21, 2.1, False), ("r0", PERIOD0 + 22, 10.0, True)]
+    assert evidence(timed, mended, 1.0) == [("r0", PERIOD0 + 21, 2.1, "", None),
+                                            ("r0", PERIOD0 + 22, 10.0, "eased", None)]
     assert first_switch(timed, mended) == 3
     got = steps(timed, mended, 1.0, "r0", 3, committed=[T0 + 22.8], in_force=T0 + 24.0)
     want = {"evidence": 1.0, "seen": 1.2, "confirmed": 2.2, "planned": 2.3, "routes": 2.3, "routes_workers": 2.5,

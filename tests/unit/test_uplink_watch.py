@@ -10,9 +10,10 @@ import pytest
 
 from sluice.scheduler.hierarchy.agent import Report
 from sluice.scheduler.hierarchy.config import AggregationConfig
+from sluice.scheduler.hierarchy.delays import LATER, SOONER, UNCHANGED, Crossing, crossing_delays
 from sluice.scheduler.hierarchy.manager import MOVING_PERIODS, SETTLE_PERIODS, NetworkManager
 from sluice.scheduler.hierarchy.placement import NodeAt
-from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, SOONER, UplinkWatch, crossing_delays
+from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, UplinkWatch
 
 RACK = {"w0": "r0", "w1": "r1", "s0": "srv"}
 LINK = dict.fromkeys(RACK, 10.0)
@@ -248,19 +249,21 @@ def test_the_manager_takes_no_uplink_for_slow_in_the_periods_after_its_trees_wen
         manager.close()
 
 
-def acked(reports: dict[str, Report], across_ms: float, elsewhere_ms: float | None) -> dict[str, Report]:
-    """The same period with r0's flow to the server acknowledged in `across_ms` and r1's in `elsewhere_ms`
-    (None: r1's acknowledged nothing)."""
-    other = () if elsewhere_ms is None else (("s0", elsewhere_ms),)
-    return {**reports, "w0": replace(reports["w0"], acks=(("s0", across_ms),)),
+def acked(reports: dict[str, Report], across_ms: float, elsewhere_ms: float | None,
+          across_mbit: float = 2.0) -> dict[str, Report]:
+    """The same period with r0's flow to the server acknowledged in `across_ms`, `across_mbit` of it, and r1's in
+    `elsewhere_ms`, 5 Mbit/s (None: r1's acknowledged nothing)."""
+    other = () if elsewhere_ms is None else (("s0", elsewhere_ms, 5.0),)
+    return {**reports, "w0": replace(reports["w0"], acks=(("s0", across_ms, across_mbit),)),
             "w1": replace(reports["w1"], acks=other)}
 
 
 def test_crossing_delays_are_the_medians_across_a_racks_uplink_and_across_the_others() -> None:
     period = acked(mended(5), 200.0, 50.0)
-    period["w1"] = replace(period["w1"], acks=(("s0", 50.0), ("w0", 90.0)))  # w1 -> w0 crosses r0's uplink too
-    assert crossing_delays(period, RACK, "r0") == (145.0, 50.0)
-    assert crossing_delays(period, RACK, "r1") == (70.0, 200.0)
+    # w1 -> w0 crosses r0's uplink too, into r0: what got through is the busier direction's
+    period["w1"] = replace(period["w1"], acks=(("s0", 50.0, 5.0), ("w0", 90.0, 3.0)))
+    assert crossing_delays(period, RACK, "r0") == Crossing(145.0, 50.0, 3.0)
+    assert crossing_delays(period, RACK, "r1") == Crossing(70.0, 200.0, 8.0)
     assert crossing_delays(acked(mended(5), 200.0, None), RACK, "r0") is None  # nothing elsewhere to compare
 
 
@@ -272,8 +275,8 @@ BEFORE = [acked(mended(p, 0.5), 200.0, 50.0) for p in (5, 6, 7)]
 @pytest.mark.parametrize(("periods", "sooner"), [
     # at ease, and acknowledged 5 times sooner against r1's than before: counted at once, at its rate
     ([*BEFORE, acked(mended(8), 40.0, 50.0)], 5.0),
-    # the job's own lull is no mend: r1's flows sped up alike (same ratio)
-    ([*BEFORE, acked(mended(8), 40.0, 10.0)], None),
+    # the job's own lull is no mend: r1's flows sped up alike (same ratio), so not even a period at ease
+    ([*BEFORE, acked(mended(8), 40.0, 10.0)], "none"),
     # sooner, but less than SOONER times
     ([*BEFORE, acked(mended(8), 200.0 / (SOONER - 0.2), 50.0)], None),
     # sooner, but a sender still waited EASY of the period: not at ease, nothing found
@@ -313,3 +316,66 @@ def test_delays_from_an_earlier_plan_are_no_baseline() -> None:
         feed_one(reports, SLOWED_PLAN)
     # planned anew (r0 at 3.0): the three periods before were another plan's; this one starts a new baseline
     assert [f.counted for f in feed_one(acked(mended(8), 40.0, 50.0), {"r0": 3.0, "r1": 10.0})] == [False]
+
+
+#: three periods of the plan for the configured rates: nobody waits long, every flow acknowledged in 100 ms, 8 Mbit/s
+#: across r0's uplink (planned at 10)
+STEADY = [acked(quiet(p), 100.0, 100.0, 8.0) for p in (5, 6, 7)]
+PLANNED = {"r0": 10.0, "r1": 10.0}
+
+
+@pytest.mark.parametrize(("periods", "later"), [
+    # acknowledged 5 times later, against r1's and in ms, while 2 Mbit/s got through: counted at once at 2
+    ([*STEADY, acked(quiet(8), 500.0, 100.0, 2.0)], 5.0),
+    # the other racks' flows went quiet (a round's tail), r0's as before: not later in ms
+    ([*STEADY, acked(quiet(8), 100.0, 20.0, 2.0)], None),
+    # later, but what got through stayed above AT_ONCE of the planned rate: a busy round, not a cut
+    ([*STEADY, acked(quiet(8), 500.0, 100.0, AT_ONCE * 10.0 + 0.5)], None),
+    # later, but less than LATER times
+    ([*STEADY, acked(quiet(8), 100.0 * (LATER - 0.2), 100.0, 2.0)], None),
+    # two periods before it are too few to compare with
+    ([*STEADY[1:], acked(quiet(8), 500.0, 100.0, 2.0)], None),
+])
+def test_an_uplink_acknowledged_much_later_than_before_while_little_got_through_counts_at_once(
+        periods: list[dict[str, Report]], later: float | None) -> None:
+    latest: dict[str, list[Report]] = {}
+    for reports in periods:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    found = [f for f in UplinkWatch(confirm=2).observe(latest, RACK, LINK, PLANNED, CONFIGURED) if f.period == 8]
+    if later is None:
+        assert found == []
+    else:
+        assert [(f.rack, f.mbit, f.counted, f.mended) for f in found] == [("r0", 2.0, True, False)]
+        assert found[0].later == pytest.approx(later)
+
+
+def test_acknowledged_later_counts_neither_while_new_trees_move_the_traffic_nor_twice() -> None:
+    cut = acked(quiet(8), 500.0, 100.0, 2.0)
+    latest: dict[str, list[Report]] = {}
+    for reports in [*STEADY, cut]:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    assert UplinkWatch(confirm=2).observe(latest, RACK, LINK, PLANNED, CONFIGURED, moving=8) == []
+    # held back too (a sender waited all period): one finding, the backlog rule's
+    latest["w0"][-1] = replace(held(8)["w0"], acks=cut["w0"].acks)
+    found = [f for f in UplinkWatch(confirm=2).observe(latest, RACK, LINK, PLANNED, CONFIGURED) if f.period == 8]
+    assert [(f.rack, f.counted, f.later) for f in found] == [("r0", True, None)]
+
+
+def test_periods_at_ease_whose_acknowledgements_did_not_come_sooner_are_no_mend() -> None:
+    # a plan made for 1.5 Mbit/s on an uplink that runs 2.5 leaves it lightly loaded: no sender waits, period
+    # after period, but its flows are acknowledged as before against r1's. Watched from period 8 (the manager's
+    # settled periods build the baseline): never counted mended
+    latest: dict[str, list[Report]] = {}
+
+    def watch(*periods: dict[str, Report]) -> list[tuple[int, bool]]:
+        for reports in periods:
+            for name, report in reports.items():
+                latest.setdefault(name, []).append(report)
+        found = UplinkWatch(confirm=2).observe(latest, RACK, LINK, {"r0": 1.5, "r1": 10.0}, CONFIGURED, settled=8)
+        return [(f.period, f.counted) for f in found]
+
+    assert watch(*(acked(mended(p, 0.2), 200.0, 50.0) for p in range(5, 13))) == []
+    # acknowledged 1/UNCHANGED sooner or better: at ease again (counted after three running, as before)
+    assert watch(acked(mended(13, 0.2), 200.0 / UNCHANGED, 50.0)) == [(13, False)]
