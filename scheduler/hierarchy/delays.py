@@ -71,12 +71,14 @@ def crossing_delays(reports: Mapping[str, Report], rack_of: Mapping[str, str], r
 
 
 class DelayBaselines:
-    """Each planned uplink's last KEPT periods under the rate the plan assumes for it: its flows' delays against
-    the other racks' and in ms; planned anew, it starts over."""
+    """Each planned uplink's last KEPT periods under the plan in force: its flows' delays against the other racks'
+    and in ms. Under new rates, all start over: new trees load every uplink differently (measured: a rack whose
+    own rate stayed read over 2.5 times later once another rack's cut was planned for, bench/replan.py)."""
 
     def __init__(self) -> None:
-        #: rack -> (the rate the plan assumes, its last periods' (delay against the other racks', delay in ms))
-        self._recent: dict[str, tuple[float, list[tuple[float, float]]]] = {}
+        self._planned: dict[str, float] = {}  # the rates the baselines were taken under
+        #: rack -> its last periods' (delay against the other racks', delay in ms)
+        self._recent: dict[str, list[tuple[float, float]]] = {}
 
     def changes(self, reports: Mapping[str, Report], rack_of: Mapping[str, str],
                 planned: Mapping[str, float]) -> dict[str, tuple[float | None, Crossing]]:
@@ -84,16 +86,15 @@ class DelayBaselines:
         its flows were acknowledged than the median of its baseline's periods (below 1: sooner; None before
         SOONER_AFTER of them), against the other racks' flows (and, when later, in ms as well: not the others
         gone quiet), and the Crossing."""
-        for rack in list(self._recent):
-            if self._recent[rack][0] != planned.get(rack):
-                del self._recent[rack]
+        if planned != self._planned:
+            self._planned, self._recent = dict(planned), {}
         changes: dict[str, tuple[float | None, Crossing]] = {}
-        for rack, rate in planned.items():
+        for rack in planned:
             crossing = crossing_delays(reports, rack_of, rack)
             if crossing is None:
                 continue
             relative = crossing.across_ms / crossing.elsewhere_ms
-            recent = self._recent.setdefault(rack, (rate, []))[1]
+            recent = self._recent.setdefault(rack, [])
             later = None
             if len(recent) >= SOONER_AFTER:
                 later = relative / statistics.median(r for r, _ in recent)

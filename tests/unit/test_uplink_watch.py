@@ -379,3 +379,18 @@ def test_periods_at_ease_whose_acknowledgements_did_not_come_sooner_are_no_mend(
     assert watch(*(acked(mended(p, 0.2), 200.0, 50.0) for p in range(5, 13))) == []
     # acknowledged 1/UNCHANGED sooner or better: at ease again (counted after three running, as before)
     assert watch(acked(mended(13, 0.2), 200.0 / UNCHANGED, 50.0)) == [(13, False)]
+
+
+def test_a_plan_for_another_racks_rate_starts_every_baseline_over() -> None:
+    watch = UplinkWatch(confirm=2)
+    latest: dict[str, list[Report]] = {}
+
+    def feed_one(reports: dict[str, Report], planned: dict[str, float]) -> list[Any]:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+        return [f for f in watch.observe(latest, RACK, LINK, planned, CONFIGURED) if f.period == reports["w0"].period]
+
+    for reports in STEADY:
+        feed_one(reports, PLANNED)
+    # r1 planned anew: new trees load r0's uplink too; r0's flows 5 times later are no cut against the old baseline
+    assert [f for f in feed_one(acked(quiet(8), 500.0, 100.0, 2.0), {"r0": 10.0, "r1": 4.0}) if f.rack == "r0"] == []
