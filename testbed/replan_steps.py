@@ -37,7 +37,7 @@ def parse_line(text: str) -> tuple[float, str] | None:
 
 
 #: which of the manager's rules counted an uplink, from the reason its line gives (uplinks.py)
-RULES = (("times later", "later"), ("times sooner", "sooner"), ("(mended:", "eased"), ("held the job back", "held"))
+RULES = (("times sooner", "sooner"), ("(mended:", "eased"), ("held the job back", "held"))
 
 
 Finding = tuple[str, int, float, str, float | None]

@@ -210,10 +210,9 @@ class NetworkManager:
     def _observe_uplinks(self, reports: Mapping[str, Sequence[Report]], placement: Placement) -> None:
         """The uplinks that held the job back, period by period once each period's reports are in, at their
         measured rates (uplinks.py); an uplink counts once it held the job back `uplink_periods` running, or at
-        once below half the rate in the plan, or at once at what got through it when its flows' acknowledgements
-        came back several times later. One planned below its configured rate counts at that rate again once its
-        traffic crossed it `uplink_periods` + 1 periods running without keeping a sender waiting, or at once when
-        they came back several times sooner."""
+        once below half the rate in the plan. One planned below its configured rate counts at that rate again once
+        its traffic crossed it `uplink_periods` + 1 periods running without keeping a sender waiting, or at once
+        when its flows' acknowledgements came back several times sooner."""
         known = [name for name in reports if name in placement.host]
         self._latest_period = max([self._latest_period, *(r[-1].period for r in reports.values() if r)])
         if self._moving is None and self._latest_period:  # the trees went out before the first report
@@ -226,14 +225,11 @@ class NetworkManager:
                                       {n: placement.rack[placement.host[n]] for n in known},
                                       {n: rates[placement.host[n]] for n in known}, planned, configured,
                                       self._settled, self._moving or 0)
-        for period, rack, mbit, counted, mended, sooner, later, through in found:
+        for period, rack, mbit, counted, mended, sooner, through in found:
             acked = "" if through is None else f"; {through:.1f} Mbit/s acknowledged across it"
             if counted:
                 why = "it held the job back"
-                if later is not None:
-                    why = (f"its flows were acknowledged {later:.1f} times later, against the other racks', than in "
-                           f"its periods before, and what got through fell below half the {planned[rack]:.1f} planned")
-                elif mended and sooner is not None:
+                if mended and sooner is not None:
                     why = (f"mended: its flows were acknowledged {sooner:.1f} times sooner, against the other racks', "
                            f"than in its periods before, with no sender waiting long; the plan assumed "
                            f"{planned[rack]:.1f}")

@@ -35,11 +35,8 @@ cut uplink's quiet periods look the same, and its flows' chunks in flight hold t
 rather than in the senders' queues. How long the chunks take to be acknowledged does: through a mended
 uplink they cross several times sooner, against the other racks' flows, than in its periods before
 (delays.py, SOONER), and such a period at ease counts at once.
-
-The same queue in the network hides a cut in its first periods: the round's chunks already sent wait behind
-the uplink, not in our senders' queues, and no sender waits long. Their acknowledgements come back several
-times later than before (delays.LATER) while little gets through: such a period counts the uplink at once, at
-what was acknowledged across it.
+Nor is a period at ease whose acknowledgements came no sooner than before (delays.UNCHANGED) a sign of a mend:
+a plan made for a rate below the uplink's leaves it lightly loaded, and no sender waits.
 """
 
 from __future__ import annotations
@@ -51,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sluice.scheduler.hierarchy.agent import Report
-from sluice.scheduler.hierarchy.delays import LATER, SOONER, UNCHANGED, DelayBaselines
+from sluice.scheduler.hierarchy.delays import SOONER, UNCHANGED, DelayBaselines
 
 #: the directions of a rack's uplink: its traffic out (measured at its senders) and in (at senders elsewhere)
 OUT, IN = 0, 1
@@ -214,8 +211,6 @@ class Finding(NamedTuple):
     mended: bool = False
     #: a mend counted at once: how many times sooner its flows were acknowledged than in its periods before
     sooner: float | None = None
-    #: a slowdown counted at once from the acknowledgements: how many times later than in its periods before
-    later: float | None = None
     #: what was acknowledged across it in the period, Mbit/s, the busier direction (delays.Crossing), if known
     through: float | None = None
 
@@ -276,7 +271,7 @@ class UplinkWatch:
             for key, mbit in carried.items():
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
         measured = uplink_rates(known, rack_of, link_mbit, peaks, planned) if held else {}
-        changes = self._delays.changes(known, rack_of, planned)
+        changes = self._delays.changes(known, rack_of, planned, moving=not held)
         found = []
         runs = _running(self._runs, measured, period, max(self.confirm, SMOOTHING))
         for rack, mbit in sorted(measured.items()):
@@ -284,12 +279,6 @@ class UplinkWatch:
             counted = len(run) >= self.confirm or mbit < AT_ONCE * planned.get(rack, 0.0)
             rate = statistics.fmean(m for _, m in run[-SMOOTHING:]) if counted else mbit
             found.append(Finding(period, rack, rate, counted))
-        for rack, (later, crossing) in sorted(changes.items()):
-            # its flows acknowledged LATER times later, against the other racks' and in ms, while what got through
-            # fell below AT_ONCE of its planned rate: a cut, whose queue sits in the network, not in our senders'
-            if (held and rack not in measured and later is not None and later >= LATER
-                    and 0 < crossing.mbit < AT_ONCE * planned[rack]):
-                found.append(Finding(period, rack, crossing.mbit, True, later=later))
         slowed = {rack: rate for rack, rate in planned.items() if rate < (1 - SLOWED) * configured.get(rack, 0.0)}
         # at ease, unless its flows' acknowledgements say nothing changed (UNCHANGED)
         quiet = {rack: mbit for rack, mbit in eased(known, rack_of, slowed).items()
