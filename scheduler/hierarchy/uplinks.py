@@ -222,8 +222,9 @@ class UplinkWatch:
     periods running, at the mean of its last SMOOTHING periods' rates, or in its first period when that
     fell below AT_ONCE of the rate planned for it. One the plan assumes slowed counts at its configured rate
     again once its traffic crossed it `confirm` + 1 periods running without keeping a sender waiting (eased), or
-    at once in such a period in which its flows were acknowledged SOONER times sooner than before; if it is
-    still slow, the plan for that rate makes it the bottleneck, and the rules above count it again."""
+    at once in such a period in which its flows were acknowledged SOONER times sooner than before (a period
+    whose flows were acknowledged no sooner than before is not at ease: UNCHANGED); if it is still slow, the
+    plan for that rate makes it the bottleneck, and the rules above count it again."""
 
     def __init__(self, confirm: int = 2) -> None:
         self.confirm = confirm
@@ -291,6 +292,7 @@ class UplinkWatch:
             found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True,
                                  sooner=sooner.get(rack)))
         return [f._replace(through=changes[f.rack][1].mbit) if f.rack in changes else f for f in found]
+
 
 def _running(runs: dict[str, list[tuple[int, float]]], evidence: Mapping[str, float], period: int,
              keep: int) -> dict[str, list[tuple[int, float]]]:
