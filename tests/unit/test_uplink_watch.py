@@ -359,3 +359,20 @@ def test_a_plan_for_another_racks_rate_and_the_periods_its_trees_take_over_are_n
     assert [f.counted for f in feed_one(acked(mended(14), 200.0, 50.0), {"r0": 2.4, "r1": 4.0}, moving=11)] == [False]
     feed_one(acked(mended(15, 0.5), 200.0, 50.0), {"r0": 2.4, "r1": 4.0}, moving=11)
     assert [f.counted for f in feed_one(acked(mended(16), 40.0, 50.0), {"r0": 2.4, "r1": 4.0}, moving=11)] == [True]
+
+
+def test_an_uplink_is_never_counted_below_what_was_acknowledged_across_it() -> None:
+    latest: dict[str, list[Report]] = {}
+    # a deep fall: 1.6 Mbit/s per second of backlog, counted at once, but 2.4 acknowledged across the uplink
+    for name, report in acked(held(8, 1.6), 300.0, 100.0, 2.4).items():
+        latest.setdefault(name, []).append(report)
+    found = UplinkWatch(confirm=2).observe(latest, RACK, LINK, PLANNED_AS_CONFIGURED, CONFIGURED)
+    assert [(f.rack, f.counted, f.through) for f in found] == [("r0", True, 2.4)]
+    assert found[0].mbit == pytest.approx(2.4)
+    # less acknowledged than the backlog's rate: the backlog's rate
+    latest = {name: [report] for name, report in acked(held(8, 1.6), 300.0, 100.0, 1.0).items()}
+    assert [f.mbit for f in UplinkWatch(confirm=2).observe(latest, RACK, LINK, PLANNED_AS_CONFIGURED,
+                                                           CONFIGURED)] == [pytest.approx(1.6)]
+
+
+PLANNED_AS_CONFIGURED = {"r0": 10.0, "r1": 10.0}
