@@ -11,7 +11,7 @@ under the same plan (another plan loads it differently). UplinkWatch (uplinks.py
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from sluice.scheduler.hierarchy.agent import Report
@@ -43,19 +43,34 @@ class Crossing(NamedTuple):
     mbit: float
 
 
-def crossing_delays(reports: Mapping[str, Report], rack_of: Mapping[str, str], rack: str) -> Crossing | None:
-    """`rack`'s uplink's Crossing in the period; None unless flows across it and elsewhere were acknowledged."""
-    across: list[float] = []
-    elsewhere: list[float] = []
-    carried = [0.0, 0.0]  # out of the rack, into it
+#: one acknowledged cross-rack flow in a period: (the sender's rack, the peer's rack, mean ms, Mbit/s acknowledged)
+Flow = tuple[str, str, float, float]
+
+
+def cross_flows(reports: Mapping[str, Report], rack_of: Mapping[str, str]) -> list[Flow]:
+    """The period's acknowledged flows between racks, read once for every uplink's Crossing."""
+    flows = []
     for sender, report in reports.items():
         home = rack_of.get(sender)
         for peer, ms, mbit in report.acks:
             away = rack_of.get(peer)
             if home is not None and away is not None and home != away:
-                (across if rack in (home, away) else elsewhere).append(ms)
-                if rack in (home, away):
-                    carried[0 if home == rack else 1] += mbit
+                flows.append((home, away, ms, mbit))
+    return flows
+
+
+def crossing_delays(flows: Sequence[Flow], rack: str) -> Crossing | None:
+    """`rack`'s uplink's Crossing among the period's `flows`; None unless flows across it and elsewhere were
+    acknowledged."""
+    across: list[float] = []
+    elsewhere: list[float] = []
+    carried = [0.0, 0.0]  # out of the rack, into it
+    for home, away, ms, mbit in flows:
+        if rack in (home, away):
+            across.append(ms)
+            carried[0 if home == rack else 1] += mbit
+        else:
+            elsewhere.append(ms)
     if not across or not elsewhere:
         return None
     return Crossing(statistics.median(across), statistics.median(elsewhere), max(carried))
@@ -80,8 +95,9 @@ class DelayBaselines:
         if planned != self._planned:
             self._planned, self._recent = dict(planned), {}
         changes: dict[str, tuple[float | None, Crossing]] = {}
+        flows = cross_flows(reports, rack_of)
         for rack in planned:
-            crossing = crossing_delays(reports, rack_of, rack)
+            crossing = crossing_delays(flows, rack)
             if crossing is None:
                 continue
             relative = crossing.across_ms / crossing.elsewhere_ms

@@ -273,12 +273,13 @@ class UplinkWatch:
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
         measured = uplink_rates(known, rack_of, link_mbit, peaks, planned) if held else {}
         changes = self._delays.changes(known, rack_of, planned, moving=not held)
+        later = {rack: times for rack, (times, _) in changes.items() if times is not None}
+        through = {rack: crossing.mbit for rack, (_, crossing) in changes.items()}
         # never below what was acknowledged across it (the busier direction: it carried at least that). Per second
         # of backlog one period read a cut 2.5 Mbit/s uplink at 1.7-2.0 while 2.1-2.5 were acknowledged across it
         # (bench/replan.py, 2026-12-04); the plan for the lower rate left it lightly loaded, no sender waited, and it
         # was taken for mended while still cut. The count at once is still decided on the backlog's rate
-        floored = {rack: max(mbit, changes[rack][1].mbit) if rack in changes else mbit
-                   for rack, mbit in measured.items()}
+        floored = {rack: max(mbit, through.get(rack, 0.0)) for rack, mbit in measured.items()}
         found = []
         runs = _running(self._runs, floored, period, max(self.confirm, SMOOTHING))
         for rack, mbit in sorted(measured.items()):
@@ -289,15 +290,14 @@ class UplinkWatch:
         slowed = {rack: rate for rack, rate in planned.items() if rate < (1 - SLOWED) * configured.get(rack, 0.0)}
         # at ease, unless its flows' acknowledgements say nothing changed (UNCHANGED)
         quiet = {rack: mbit for rack, mbit in eased(known, rack_of, slowed).items()
-                 if (later := changes.get(rack, (None,))[0]) is None or later * UNCHANGED <= 1}
-        sooner = {rack: 1 / later for rack, (later, _) in changes.items()
-                  if rack in slowed and later is not None and later * SOONER <= 1}
+                 if later.get(rack, 0.0) * UNCHANGED <= 1}
+        sooner = {rack: 1 / times for rack, times in later.items() if rack in slowed and times * SOONER <= 1}
         runs = _running(self._eased, quiet, period, self.confirm + 1)
         for rack, mbit in sorted(quiet.items()):
             counted = len(runs[rack]) > self.confirm or rack in sooner
             found.append(Finding(period, rack, configured[rack] if counted else mbit, counted, mended=True,
                                  sooner=sooner.get(rack)))
-        return [f._replace(through=changes[f.rack][1].mbit) if f.rack in changes else f for f in found]
+        return [f._replace(through=through.get(f.rack)) for f in found]
 
 
 def _running(runs: dict[str, list[tuple[int, float]]], evidence: Mapping[str, float], period: int,

@@ -10,7 +10,7 @@ import pytest
 
 from sluice.scheduler.hierarchy.agent import Report
 from sluice.scheduler.hierarchy.config import AggregationConfig
-from sluice.scheduler.hierarchy.delays import SOONER, UNCHANGED, Crossing, crossing_delays
+from sluice.scheduler.hierarchy.delays import SOONER, UNCHANGED, Crossing, cross_flows, crossing_delays
 from sluice.scheduler.hierarchy.manager import MOVING_PERIODS, SETTLE_PERIODS, NetworkManager
 from sluice.scheduler.hierarchy.placement import NodeAt
 from sluice.scheduler.hierarchy.uplinks import AT_ONCE, EASY, UplinkWatch
@@ -262,9 +262,10 @@ def test_crossing_delays_are_the_medians_across_a_racks_uplink_and_across_the_ot
     period = acked(mended(5), 200.0, 50.0)
     # w1 -> w0 crosses r0's uplink too, into r0: what got through is the busier direction's
     period["w1"] = replace(period["w1"], acks=(("s0", 50.0, 5.0), ("w0", 90.0, 3.0)))
-    assert crossing_delays(period, RACK, "r0") == Crossing(145.0, 50.0, 3.0)
-    assert crossing_delays(period, RACK, "r1") == Crossing(70.0, 200.0, 8.0)
-    assert crossing_delays(acked(mended(5), 200.0, None), RACK, "r0") is None  # nothing elsewhere to compare
+    assert crossing_delays(cross_flows(period, RACK), "r0") == Crossing(145.0, 50.0, 3.0)
+    assert crossing_delays(cross_flows(period, RACK), "r1") == Crossing(70.0, 200.0, 8.0)
+    alone = cross_flows(acked(mended(5), 200.0, None), RACK)
+    assert crossing_delays(alone, "r0") is None  # nothing elsewhere to compare
 
 
 #: three periods under the plan for the cut: r0's sender waits half of each (not at ease, nor held back), its flow
