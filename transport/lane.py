@@ -47,6 +47,9 @@ LARGEST = _LENGTH.size + DATA_HEADER_BYTES + _ALIGN + MAX_PIECE
 #: a payload after a longer header is copied out, so that what a receiver keeps of a datagram is at most its
 #: payload and this (a peer cannot make it hold 64 KiB headers behind one-byte payloads)
 KEPT_HEADER = 1024
+#: the flags of a peek at the next datagram's length, and the one that says it was cut, as plain ints (socket's
+#: are enum flags, whose arithmetic costs more than the read on the per-message path)
+_PEEK_LENGTH, _TRUNCATED = int(socket.MSG_PEEK | socket.MSG_TRUNC), int(socket.MSG_TRUNC)
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 NAME = re.compile(r"sluice-lane-[0-9a-f]{32}")
 SECRET_HEX = 32
@@ -239,7 +242,7 @@ class Lane:
             if self.closed:
                 return
             try:  # the next datagram's length (MSG_TRUNC: its whole length, on Linux since 3.4), then all of it
-                size = self._sock.recv_into(self._peek, 1, socket.MSG_PEEK | socket.MSG_TRUNC)
+                size = self._sock.recv_into(self._peek, 1, _PEEK_LENGTH)
                 datagram = np.empty(size, np.uint8).data if size <= LARGEST else memoryview(self._overflow)
                 size, _, flags, _ = self._sock.recvmsg_into([datagram])
             except (BlockingIOError, InterruptedError):
@@ -254,7 +257,7 @@ class Lane:
             yield self._parse(datagram, size, flags)
 
     def _parse(self, datagram: memoryview, size: int, flags: int) -> Message | WireError:
-        if flags & socket.MSG_TRUNC:
+        if flags & _TRUNCATED:
             return WireError(f"a lane datagram is larger than {LARGEST} bytes")
         if size < _LENGTH.size:
             return WireError(f"a lane datagram of {size} bytes has no header length")

@@ -38,6 +38,14 @@ def wire_dtype(tensor: torch.Tensor) -> str:
     return DTYPES[tensor.dtype]
 
 
+def wire_array(host: torch.Tensor) -> np.ndarray:
+    """The wire storage of `host`, a contiguous CPU tensor, without a copy (bfloat16 and float8 as their bits)."""
+    bits = _BITS.get(host.dtype)
+    if bits is not None:
+        return host.view(bits[0]).numpy().view(bits[1])
+    return host.numpy()
+
+
 class Staging:
     """Host memory that Sluice reads and writes for `tensor`: the tensor itself on the CPU, else pinned."""
 
@@ -51,11 +59,7 @@ class Staging:
             self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
 
     def array(self) -> np.ndarray:
-        host = self.host
-        bits = _BITS.get(host.dtype)
-        if bits is not None:
-            return host.view(bits[0]).numpy().view(bits[1])
-        return host.numpy()
+        return wire_array(self.host)
 
     def load(self, tensor: torch.Tensor) -> np.ndarray:
         if not self.direct:

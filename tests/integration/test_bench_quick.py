@@ -17,7 +17,7 @@ from testbed.bench_runs import check_records, run_quick, run_script
                                     "bench/allreduce.py", "bench/coordinator.py", "bench/fusion.py",
                                     "bench/plan_quality.py", "bench/timeline_cost.py", "bench/zvc.py",
                                     "bench/offload.py", "bench/mirror_cost.py", "bench/local_group.py",
-                                    "bench/chunk_cpu.py"])
+                                    "bench/chunk_cpu.py", "bench/cold_path.py"])
 def test_quick_run_writes_records(script: str, tmp_path: Path) -> None:
     run_quick(script, tmp_path)
 

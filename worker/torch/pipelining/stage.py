@@ -16,7 +16,7 @@ from sluice.worker.pipeline.exchange import Neighbours, StageExchange
 from sluice.worker.pipeline.frames import BACKWARD, FORWARD, Received
 from sluice.worker.pipeline.layout import StagePlace
 from sluice.worker.pipeline.ring import RingExchange, RingPlace
-from sluice.worker.staging import DTYPES, Staging, tensor_of, wire_dtype
+from sluice.worker.staging import DTYPES, tensor_of, wire_array, wire_dtype
 from sluice.worker.torch.offload import OffloadStats, offloaded
 from sluice.worker.torch.pipelining.backward import WeightGrads, backward_input
 from sluice.worker.torch.state import require
@@ -45,10 +45,15 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 
 def _wire(tensor: torch.Tensor) -> tuple[Any, str]:
+    """`tensor`'s wire storage on the host and its dtype's name. As few torch calls as can be: each is the
+    first thing a stage does after a slot's compute, when it costs 20-40 times what it does warm
+    (bench/cold_path.py)."""
     host = tensor.detach()
-    if host.device.type != "cpu":
+    if not host.is_cpu:
         host = host.to("cpu")
-    return Staging(host.contiguous()).array(), wire_dtype(host)
+    if not host.is_contiguous():
+        host = host.contiguous()
+    return wire_array(host), wire_dtype(host)
 
 
 class PipelineStage:
@@ -91,6 +96,7 @@ class PipelineStage:
         self.submod: nn.Module = chunks[0] if ring is None else nn.ModuleList(chunks)
         self.device = torch.device(device) if device is not None else next(
             (p.device for p in self.submod.parameters()), torch.device("cpu"))
+        self._on_host = self.device.type == "cpu"
         self.offload, self.offload_min_bytes, self.offload_lean = offload, offload_min_bytes, offload_lean
         self.offload_compress = offload_compress
         workers = Neighbours(node.names("worker"), node.hosts("worker"))
@@ -325,7 +331,9 @@ class PipelineStage:
 
     def _tensor(self, received: Received, requires_grad: bool = True) -> torch.Tensor:
         dtype = TORCH_DTYPES[received.dtype]
-        tensor = tensor_of(received.array, dtype).to(self.device)
+        tensor = tensor_of(received.array, dtype)
+        if not self._on_host:  # a CPU stage skips the call: see _wire
+            tensor = tensor.to(self.device)
         if requires_grad and tensor.is_floating_point():
             tensor.requires_grad_(True)
         return tensor
