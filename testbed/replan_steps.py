@@ -25,6 +25,7 @@ _HELD = re.compile(r"^uplink of rack (\S+) held the job back in period (\d+) \((
 _THROUGH = re.compile(r"; ([\d.]+) Mbit/s acknowledged across it\)$")
 _MEASURED = re.compile(r"^uplink of rack (\S+) measured at ([\d.]+) Mbit/s in period (\d+)")
 _EASED = re.compile(r"^uplink of rack (\S+) got through at ([\d.]+) Mbit/s in period (\d+)")
+_SOONER = re.compile(r"acknowledged ([\d.]+) times sooner")
 _SWITCH = re.compile(r"^routing epoch (\d+): (ROUTES|COMMIT) sent to (.*)$")
 
 
@@ -45,7 +46,8 @@ Finding = tuple[str, int, float, str, float | None]
 
 def _finding(text: str) -> Finding | None:
     """A manager's line about an uplink in a period: (rack, period, Mbit/s, the rule that counted it: "" for
-    evidence not counted, Mbit/s acknowledged across it or None); None for any other line."""
+    evidence not counted, "sooner" with the times after it, as "sooner 3.1x"; Mbit/s acknowledged across it or
+    None); None for any other line."""
     through = float(m.group(1)) if (m := _THROUGH.search(text)) else None
     if held := _HELD.match(text):
         return held.group(1), int(held.group(2)), float(held.group(3)), "", through
@@ -53,6 +55,8 @@ def _finding(text: str) -> Finding | None:
         return eased.group(1), int(eased.group(3)), float(eased.group(2)), "", through
     if measured := _MEASURED.match(text):
         rule = next((name for phrase, name in RULES if phrase in text), "counted")
+        if times := _SOONER.search(text):  # how many times sooner: what a threshold would be set from
+            rule += f" {times.group(1)}x"
         return measured.group(1), int(measured.group(3)), float(measured.group(2)), rule, through
     return None
 

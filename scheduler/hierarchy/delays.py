@@ -11,7 +11,7 @@ under the same plan (another plan loads it differently). UplinkWatch (uplinks.py
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from sluice.scheduler.hierarchy.agent import Report
@@ -80,15 +80,19 @@ class DelayBaselines:
     """Each planned uplink's last KEPT periods under the plan in force, its flows' delays against the other racks'.
     Under new rates all start over (new trees load every uplink differently), and periods while the new trees take
     over the traffic are left out (the old trees' queues drain then: measured, bench/replan.py, 2026-12-04, a cut
-    uplink read 2.5 times sooner against such periods and was taken for mended)."""
+    uplink read 2.5 times sooner against such periods and was taken for mended), as are an uplink's periods in which
+    it held the job back (its queue full: a plan for a rate above the uplink's makes it the bottleneck in some
+    periods and not in others, and a period at ease read 2.5 times sooner against a baseline of both and was taken
+    for mended while still cut; bench/results/replan_s46_2026-12-04.txt, repeat 2)."""
 
     def __init__(self) -> None:
         self._planned: dict[str, float] = {}  # the rates the baselines were taken under
         self._recent: dict[str, list[float]] = {}  # rack -> its last periods' delays against the other racks'
 
     def changes(self, reports: Mapping[str, Report], rack_of: Mapping[str, str], planned: Mapping[str, float],
-                moving: bool = False) -> dict[str, tuple[float | None, Crossing]]:
-        """Take one period's reports (`moving`: new trees are taking over the traffic, no baseline): for each
+                moving: bool = False, held: Collection[str] = ()) -> dict[str, tuple[float | None, Crossing]]:
+        """Take one period's reports (`moving`: new trees are taking over the traffic, no baseline; `held`: the racks
+        whose uplink held the job back in it, no baseline for them): for each
         planned uplink with a Crossing this period, how many times later its flows were acknowledged, against the
         other racks' flows, than the median of its baseline's periods (below 1: sooner; None before SOONER_AFTER
         of them), and the Crossing."""
@@ -104,7 +108,7 @@ class DelayBaselines:
             recent = self._recent.setdefault(rack, [])
             later = relative / statistics.median(recent) if len(recent) >= SOONER_AFTER else None
             changes[rack] = (later, crossing)
-            if not moving:
+            if not moving and rack not in held:
                 recent.append(relative)
                 del recent[:-KEPT]
         return changes

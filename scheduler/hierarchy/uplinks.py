@@ -272,7 +272,7 @@ class UplinkWatch:
             for key, mbit in carried.items():
                 peaks[key] = max(mbit, peaks.get(key, 0.0))
         measured = uplink_rates(known, rack_of, link_mbit, peaks, planned) if held else {}
-        changes = self._delays.changes(known, rack_of, planned, moving=not held)
+        changes = self._delays.changes(known, rack_of, planned, moving=not held, held=measured)
         later = {rack: times for rack, (times, _) in changes.items() if times is not None}
         through = {rack: crossing.mbit for rack, (_, crossing) in changes.items()}
         # never below what was acknowledged across it (the busier direction: it carried at least that). Per second

@@ -182,3 +182,12 @@ def test_a_mended_uplink_is_timed_from_when_it_was_set_back_and_is_no_false_alar
     assert got.pop("moved") is None  # no push of the round in flight moved
     assert got == {step: pytest.approx(t, abs=1e-3) for step, t in want.items()}
     assert false_alarms(timed, CONFIGURED, 0.25, "r0", T0) == ["srv at 2.2 Mbit/s"]  # as before: r0's rise is none
+
+
+def test_a_mend_counted_from_sooner_acknowledgements_says_how_many_times_sooner() -> None:
+    sooner = ("(mended: its flows were acknowledged 3.1 times sooner, against the other racks', than in its periods "
+              "before, with no sender waiting long; the plan assumed 2.5; 2.4 Mbit/s acknowledged across it)")
+    timed = [t for text in [f"{at(21.2)} INFO sluice.manager: uplink of rack r0 measured at 10.0 Mbit/s in period "
+                            f"{PERIOD0 + 21} {sooner}"] if (t := parse_line(text)) is not None]
+    assert evidence(timed, T0 + 20.0, 1.0) == [("r0", PERIOD0 + 21, 10.0, "sooner 3.1x", 2.4)]
+    assert false_mends(timed, "r0", T0, T0 + 30.0, 1.0) == [PERIOD0 + 21]  # still cut until T0 + 30

@@ -377,3 +377,25 @@ def test_an_uplink_is_never_counted_below_what_was_acknowledged_across_it() -> N
 
 
 PLANNED_AS_CONFIGURED = {"r0": 10.0, "r1": 10.0}
+
+
+def test_periods_in_which_the_uplink_held_the_job_back_are_no_baseline() -> None:
+    # a plan for a rate above the cut uplink's (counted at 3.1 for 2.5) leaves it the bottleneck in some periods
+    # (its flows queue: 500 ms) and not in others (200 ms, a sender waiting half the period). A period at ease
+    # acknowledged in 180 ms is 2.8 times sooner than a baseline of both, and was taken for mended while still cut
+    # (bench/results/replan_s46_2026-12-04.txt); against the periods it did not hold the job back, it is no sooner
+    periods = [acked(held(p), 500.0, 50.0) if p % 2 else acked(mended(p, 0.5), 200.0, 50.0) for p in range(4, 10)]
+    latest: dict[str, list[Report]] = {}
+    for reports in [*periods, acked(mended(10), 180.0, 50.0)]:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    found = UplinkWatch(confirm=2).observe(latest, RACK, LINK, SLOWED_PLAN, CONFIGURED)
+    assert [(f.period, f.counted, f.mended) for f in found] == [(5, False, False), (7, False, False),
+                                                                (9, False, False)]
+    # the same period 2.5 times sooner than the periods at ease: counted at once, as a mend would be
+    latest = {}
+    for reports in [*periods, acked(mended(10), 200.0 / SOONER, 50.0)]:
+        for name, report in reports.items():
+            latest.setdefault(name, []).append(report)
+    found = UplinkWatch(confirm=2).observe(latest, RACK, LINK, SLOWED_PLAN, CONFIGURED)
+    assert [(f.period, f.counted, f.mended) for f in found][-1] == (10, True, True)
