@@ -46,7 +46,7 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 def _wire(tensor: torch.Tensor) -> tuple[Any, str]:
     """`tensor`'s wire storage on the host and its dtype's name. As few torch calls as can be: each is the
-    first thing a stage does after a slot's compute, when it costs 20-40 times what it does warm
+    first thing a stage does after a slot's compute, when it costs 20-28 times what it does warm
     (bench/cold_path.py)."""
     host = tensor.detach()
     if not host.is_cpu:
