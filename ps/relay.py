@@ -10,7 +10,8 @@ alone, so while chunk k's reply is fanned down, chunk k+1 is still being gathere
 pipelined chunk by chunk. Forwarded pushes and replies keep the children's priority and channel.
 With ps.recover a forwarded push is kept until its reply, and sent again (RESEND) to a server that
 replaced a dead one (`server_back`); with ps.replicas the pushes of the last ps.mirror_every
-answered rounds are kept too (`kept`) and replayed first (scheduler/resend.py).
+answered rounds are kept too (`kept`) and replayed first (scheduler/resend.py). A push of the round after one
+forwarded, from a child a switch of trees moved here, waits for that round's reply (ps/relay_held.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from sluice.ps.ranked_sum import RankedSum, SparePool, f32_to_bf16
+from sluice.ps.relay_held import Held
 from sluice.ps.relay_replay import Replays
 from sluice.ps.relay_tables import Tables, TreeView
 from sluice.ps.store import Reply, push_ranks
@@ -96,6 +98,8 @@ class Relay:
         self._alone: dict[tuple[int, int, int], tuple[str, list[_Child]]] = {}
         #: rounds the children replay, summed again
         self.replays = Replays(self.tables, self._spare)
+        #: pushes of the round after one forwarded and not yet answered, from children not in it, until its reply
+        self._held = Held()
 
     # ------------------------------------------------------------------ messages
     def handle(self, peer: str, channel: int, msg: Message, now: float = 0.0) -> list[Reply]:
@@ -103,7 +107,8 @@ class Relay:
         if msg.kind == Kind.PUSH:
             return self._push(peer, channel, msg, now)
         if msg.kind in (Kind.REPLY, Kind.ERROR):
-            return self._reply(peer, msg)
+            out = self._reply(peer, msg)
+            return out + self._release((msg.key, msg.chunk), now) if self._held else out
         raise WireError(f"an aggregator does not take {msg.kind.name} messages")
 
     def _push(self, peer: str, channel: int, msg: Message, now: float) -> list[Reply]:
@@ -148,6 +153,9 @@ class Relay:
             if buffers is not None and msg.round <= buffers.last_round:
                 raise WireError(f"push for round {msg.round} of key {msg.key} chunk {msg.chunk}, which "
                                 f"{self.name} has finished up to round {buffers.last_round}")
+        elif subtree_ok and self._held.admits(at, state.round if state.forwarded else None, state.pushed, msg, ranks):
+            self._held.hold(at, peer, channel, msg, ranks)
+            return passed
         elif state.round != msg.round or state.route != route or state.forwarded:
             raise WireError(f"push for round {msg.round} (tree {route}) of key {msg.key} chunk {msg.chunk} while "
                             f"round {state.round} (tree {state.route}) is in progress")
@@ -176,6 +184,19 @@ class Relay:
         if len(state.pushed) < len(view.ranks):
             return passed
         return [*passed, self._forward(msg, state, buffers)]
+
+    def _release(self, at: tuple[int, int], now: float) -> list[Reply]:
+        """The pushes held at `at` once the round they waited for is over, each taken as it would have been then;
+        one refused now is answered with an ERROR (its sender waits for an answer)."""
+        state = self._rounds.get(at)
+        out: list[Reply] = []
+        for peer, channel, msg, _ranks in self._held.due(at, state.round if state is not None else None):
+            try:
+                out += self._push(peer, channel, msg, now)
+            except WireError as exc:
+                out += self._errors(at, [_Child(peer, channel, msg.round, msg.priority, False)],
+                                    f"{self.name} refused the push: {exc}")
+        return out
 
     def _add(self, state: _Round, buffers: _Buffers, ranks: tuple[int, ...], data: np.ndarray, opt: Any,
              resent: bool) -> None:
