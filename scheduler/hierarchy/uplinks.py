@@ -7,8 +7,7 @@ period during which data for that peer waited in its queues (transport/metrics.p
 uplink the rack's senders keep a backlog for peers outside the rack the whole period, while their
 own links idle, and the other racks' senders do not (they wait for the round, with empty queues).
 So an uplink is measured when its rack stands out: its cross-rack backlog is at least `busy` of the
-period (half that when what crossed it per second of backlog fell below AT_ONCE of its planned rate: a cut
-early in a period shows there) and no sender's link ran above `free` of its rate, and either its backlog is at least
+period and no sender's link ran above `free` of its rate, and either its backlog is at least
 `stands_out` times the median of comparable racks' (not the racks at the other end of its traffic),
 or what crossed it per second of backlog is at most 1/`stands_out` of the median of the comparable
 racks that waited too (at least half of `busy`) and below AT_ONCE of its planned rate: right after a
@@ -152,11 +151,8 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
         for rack, group in direction.items():
             comparable = racks - {rack} - other_ends[rack]
             senders: set[str] = set().union(*(p.senders for p in group))
-            # nothing got through all period (a queue of older data draining): no rate to tell. A deep fall
-            # (below AT_ONCE of the planned rate) needs half of `busy`: a cut in the first half of a period
-            # leaves that much of it waiting, and is counted at the period's end rather than the next one's
-            deep = bool(rates.get(rack)) and rates[rack] < AT_ONCE * (planned or {}).get(rack, 0.0)
-            if (not comparable or held[rack] < (busy / 2 if deep else busy) or not rates.get(rack)
+            # nothing got through all period (a queue of older data draining): no rate to tell
+            if (not comparable or held[rack] < busy or not rates.get(rack)
                     or any(reports[s].link_tx > free * link_mbit.get(s, float("inf")) for s in senders)):
                 continue
             # it stands out by waiting where the others did not, or, where they waited too, by getting through at
@@ -164,7 +160,8 @@ def uplink_rates(reports: Mapping[str, Report], rack_of: Mapping[str, str], link
             # still busy with the round; rates read while queues fill or drain are noisier than waiting alone)
             typical = statistics.median(held.get(r, 0.0) for r in comparable)
             waiting = [rates[r] for r in comparable if held.get(r, 0.0) >= busy / 2 and rates.get(r)]
-            slower = bool(waiting) and rates[rack] * stands_out <= statistics.median(waiting) and deep
+            slower = (bool(waiting) and rates[rack] * stands_out <= statistics.median(waiting)
+                      and rates[rack] < AT_ONCE * (planned or {}).get(rack, 0.0))
             if held[rack] >= stands_out * typical or slower:
                 held_back[(rack, way)] = rates[rack]
     measured: dict[str, float] = {}
