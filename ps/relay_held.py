@@ -18,6 +18,8 @@ HeldPush = tuple[str, int, Message, tuple[int, ...]]
 
 
 class Held:
+    """The pushes held at each chunk, oldest first, each with the peer, channel and ranks it came with."""
+
     def __init__(self) -> None:
         self._pushes: dict[tuple[int, int], list[HeldPush]] = {}
 
